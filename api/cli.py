@@ -1,0 +1,127 @@
+"""The kvproof command line.
+
+    kvproof check [--model NAME|FILE] [--bug NAME ...] [--symmetry] [--trace-out FILE]
+    kvproof check --list-bugs | --list-models
+
+Exit status: 0 when every property holds, 1 when one is violated (the message names it),
+2 for bad input (an unknown model, switch or property, an unreadable .cfg).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from spec.cfgfile import CfgError, load, model_names
+from spec.checker import Checker
+from spec.itf import write_itf
+from spec.model import BUG_SWITCHES, ModelError
+from spec.properties import LIVENESS, REST_INVARIANTS, STATE_INVARIANTS
+from spec.report import format_summary, format_trace
+
+EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
+
+
+def _progress(distinct: int, generated: int, depth: int, seconds: float) -> None:
+    print(f"Progress: {distinct:,} distinct states, {generated:,} generated, depth {depth}, "
+          f"{distinct / max(seconds, 1e-9):,.0f} distinct states/s, {seconds:.0f} s",
+          file=sys.stderr, flush=True)
+
+
+def _properties(cfg, requested: list[str]) -> tuple[tuple[str, ...], bool]:
+    """The invariants to check and whether liveness is checked, from the cfg or the flags."""
+    known = set(STATE_INVARIANTS) | set(REST_INVARIANTS)
+    if requested:
+        unknown = [n for n in requested if n not in known]
+        if unknown:
+            raise CfgError(f"unknown invariant(s) {unknown}; known: {sorted(known)}")
+        return tuple(requested), False
+    names = list(cfg.invariants)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise CfgError(f"{cfg.path}: invariant(s) {unknown} are not known to the Python "
+                       f"checker; known: {sorted(known)}")
+    for prop in cfg.properties:
+        if prop not in LIVENESS:
+            raise CfgError(f"{cfg.path}: property {prop} is not known; known: {sorted(LIVENESS)}")
+        if LIVENESS[prop] not in names:
+            names.append(LIVENESS[prop])
+    return tuple(names), bool(cfg.properties)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    if args.list_bugs:
+        width = max(len(name) for name in BUG_SWITCHES)
+        for name, (guard, what, seen) in BUG_SWITCHES.items():
+            print(f"{name:<{width}}  {what} [guard: {guard}; {seen}]")
+        return EXIT_OK
+    if args.list_models:
+        print("\n".join(model_names()))
+        return EXIT_OK
+    try:
+        cfg, model = load(args.model)
+        if args.bug:
+            unknown = [b for b in args.bug if b not in BUG_SWITCHES]
+            if unknown:
+                raise CfgError(f"unknown bug switch(es) {unknown}; see kvproof check --list-bugs")
+            model = model.with_bugs(model.bugs | set(args.bug))
+        invariants, liveness = _properties(cfg, args.invariant)
+        symmetry = args.symmetry or cfg.symmetry is not None
+    except (CfgError, ModelError) as error:
+        print(f"kvproof check: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    print(model.describe())
+    print(f"Checking {', '.join(invariants)}"
+          + (f"; liveness ({', '.join(LIVENESS)}) by acyclicity + rest invariants"
+             if liveness else "") + (" with symmetry over requests" if symmetry else ""))
+    checker = Checker(model, symmetry=symmetry, invariants=invariants, liveness=liveness,
+                      progress=_progress, max_states=args.max_states)
+    try:
+        result = checker.run()
+    except RuntimeError as error:
+        print(f"kvproof check: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    if result.violation is None:
+        print("Model checking completed. No error has been found.")
+        print(format_summary(result))
+        return EXIT_OK
+    violation = result.violation
+    print(f"Error: {format_trace(model, violation)}")
+    print(format_summary(result))
+    if args.trace_out:
+        write_itf(args.trace_out, model, violation.trace,
+                  f"counterexample to {violation.property} on {model.describe()}")
+        print(f"Trace written to {args.trace_out} (ITF JSON)")
+    print(f"Error: {violation.property} is violated ({violation.kind}); "
+          f"counterexample of {violation.length} steps.")
+    return EXIT_VIOLATION
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvproof", description="Safe KV-cache transfer for "
+                                     "disaggregated LLM serving.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    check = commands.add_parser("check", help="model-check the KV transfer protocol")
+    check.add_argument("--model", default="default",
+                       help="a model name (see --list-models) or a path to a .cfg file")
+    check.add_argument("--bug", action="append", default=[], metavar="NAME",
+                       help="turn on a bug switch (repeatable; see --list-bugs)")
+    check.add_argument("--invariant", action="append", default=[], metavar="NAME",
+                       help="check only these invariants (repeatable; default: the model's)")
+    check.add_argument("--symmetry", action="store_true", help="reduce by symmetry over requests")
+    check.add_argument("--trace-out", metavar="FILE", help="write a counterexample as ITF JSON")
+    check.add_argument("--max-states", type=int, default=None, metavar="N",
+                       help="stop with an error beyond N distinct states")
+    check.add_argument("--list-bugs", action="store_true", help="list the bug switches")
+    check.add_argument("--list-models", action="store_true", help="list the shipped models")
+    check.set_defaults(func=cmd_check)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Reading TLC model files (.cfg), so that a model is written once for both checkers.
+
+The grammar is TLC's: sections introduced by CONSTANT(S), INIT, NEXT, SPECIFICATION,
+INVARIANT(S), PROPERTY/PROPERTIES, SYMMETRY, CONSTRAINT(S), ACTION_CONSTRAINT(S), VIEW,
+CHECK_DEADLOCK, POSTCONDITION, ALIAS; comments are `\\*` to end of line and `(* ... *)`.
+Constant values are integers, strings, TRUE/FALSE, model values (bare identifiers) and
+sets of those. Anything else is reported with its line number, never guessed at.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from spec.model import Model, ModelError
+
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+SECTIONS = {
+    "CONSTANT": "CONSTANTS", "CONSTANTS": "CONSTANTS", "INIT": "INIT", "NEXT": "NEXT",
+    "SPECIFICATION": "SPECIFICATION", "INVARIANT": "INVARIANTS", "INVARIANTS": "INVARIANTS",
+    "PROPERTY": "PROPERTIES", "PROPERTIES": "PROPERTIES", "SYMMETRY": "SYMMETRY",
+    "CONSTRAINT": "CONSTRAINTS", "CONSTRAINTS": "CONSTRAINTS",
+    "ACTION_CONSTRAINT": "ACTION_CONSTRAINTS", "ACTION_CONSTRAINTS": "ACTION_CONSTRAINTS",
+    "VIEW": "VIEW", "CHECK_DEADLOCK": "CHECK_DEADLOCK", "POSTCONDITION": "POSTCONDITION",
+    "ALIAS": "ALIAS",
+}
+TOKEN = re.compile(r'\s*(?:(?P<str>"[^"\n]*")|(?P<num>-?\d+)|(?P<id>[A-Za-z_][A-Za-z0-9_]*)'
+                   r'|(?P<op><-|[={},]))')
+
+
+class CfgError(ValueError):
+    """A .cfg file this tool cannot read, with the file and line."""
+
+
+@dataclass(frozen=True)
+class ModelValueName:
+    name: str
+
+
+@dataclass
+class CfgFile:
+    path: str
+    constants: dict[str, object] = field(default_factory=dict)
+    specification: str | None = None
+    init: str | None = None
+    next: str | None = None
+    invariants: list[str] = field(default_factory=list)
+    properties: list[str] = field(default_factory=list)
+    symmetry: str | None = None
+    check_deadlock: bool = True
+    unsupported: list[str] = field(default_factory=list)
+
+
+def _strip_comments(text: str) -> str:
+    text = re.sub(r"\(\*.*?\*\)", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+    return re.sub(r"\\\*.*", "", text)
+
+
+def _tokens(text: str, path: str):
+    for lineno, line in enumerate(text.splitlines(), 1):
+        pos = 0
+        while pos < len(line):
+            if line[pos:].strip() == "":
+                break
+            m = TOKEN.match(line, pos)
+            if not m:
+                raise CfgError(f"{path}:{lineno}: cannot read {line[pos:].strip()!r}")
+            pos = m.end()
+            kind = m.lastgroup
+            yield lineno, kind, m.group(kind)
+
+
+def _value(tokens: list, i: int, path: str) -> tuple[object, int]:
+    lineno, kind, text = tokens[i]
+    if kind == "num":
+        return int(text), i + 1
+    if kind == "str":
+        return text[1:-1], i + 1
+    if kind == "id":
+        if text in ("TRUE", "FALSE"):
+            return text == "TRUE", i + 1
+        return ModelValueName(text), i + 1
+    if text == "{":
+        items: list[object] = []
+        i += 1
+        while tokens[i][2] != "}":
+            item, i = _value(tokens, i, path)
+            items.append(item)
+            if tokens[i][2] == ",":
+                i += 1
+            elif tokens[i][2] != "}":
+                raise CfgError(f"{path}:{tokens[i][0]}: expected ',' or '}}' in a set")
+        return frozenset(items), i + 1
+    raise CfgError(f"{path}:{lineno}: a constant value cannot start with {text!r}")
+
+
+def parse_cfg(text: str, path: str = "<cfg>") -> CfgFile:
+    cfg = CfgFile(path=path)
+    tokens = list(_tokens(_strip_comments(text), path))
+    tokens.append((0, "end", ""))
+    section = None
+    i = 0
+    while tokens[i][1] != "end":
+        lineno, kind, text_ = tokens[i]
+        if kind == "id" and text_ in SECTIONS:
+            section = SECTIONS[text_]
+            i += 1
+            continue
+        if section is None:
+            raise CfgError(f"{path}:{lineno}: {text_!r} outside any section")
+        if kind != "id":
+            raise CfgError(f"{path}:{lineno}: unexpected {text_!r} in {section}")
+        if section == "CONSTANTS":
+            op = tokens[i + 1]
+            if op[2] == "<-":
+                raise CfgError(f"{path}:{lineno}: substitution '{text_} <- ...' is not "
+                               "supported; assign a value with '='")
+            if op[2] != "=":
+                raise CfgError(f"{path}:{lineno}: expected '=' after constant {text_}")
+            value, i = _value(tokens, i + 2, path)
+            cfg.constants[text_] = value
+            continue
+        if section == "INVARIANTS":
+            cfg.invariants.append(text_)
+        elif section == "PROPERTIES":
+            cfg.properties.append(text_)
+        elif section == "SPECIFICATION":
+            cfg.specification = text_
+        elif section == "INIT":
+            cfg.init = text_
+        elif section == "NEXT":
+            cfg.next = text_
+        elif section == "SYMMETRY":
+            cfg.symmetry = text_
+        elif section == "CHECK_DEADLOCK":
+            if text_ not in ("TRUE", "FALSE"):
+                raise CfgError(f"{path}:{lineno}: CHECK_DEADLOCK takes TRUE or FALSE")
+            cfg.check_deadlock = text_ == "TRUE"
+        else:
+            cfg.unsupported.append(f"{section} {text_}")
+        i += 1
+    return cfg
+
+
+def _int_constant(cfg: CfgFile, name: str) -> int:
+    if name not in cfg.constants:
+        raise CfgError(f"{cfg.path}: constant {name} is not set")
+    value = cfg.constants[name]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise CfgError(f"{cfg.path}: constant {name} must be an integer, got {value!r}")
+    return value
+
+
+def model_from_cfg(cfg: CfgFile, name: str) -> Model:
+    """The Model of a KVTransfer .cfg file."""
+    if cfg.unsupported:
+        raise CfgError(f"{cfg.path}: not supported by the Python checker: {cfg.unsupported}")
+    requests = cfg.constants.get("Requests")
+    if not isinstance(requests, frozenset) or not requests or not all(
+            isinstance(r, ModelValueName) for r in requests):
+        raise CfgError(f"{cfg.path}: Requests must be a non-empty set of model values")
+    if not isinstance(cfg.constants.get("NoReq"), ModelValueName):
+        raise CfgError(f"{cfg.path}: NoReq must be a model value (NoReq = NoReq)")
+    bugs = cfg.constants.get("Bugs", frozenset())
+    if not isinstance(bugs, frozenset) or not all(isinstance(b, str) for b in bugs):
+        raise CfgError(f"{cfg.path}: Bugs must be a set of strings")
+    if cfg.specification not in (None, "Spec", "FairSpec"):
+        raise CfgError(f"{cfg.path}: SPECIFICATION must be Spec or FairSpec")
+    names = tuple(sorted(r.name for r in requests))
+    try:
+        return Model(
+            requests=len(names),
+            max_prompt_pages=_int_constant(cfg, "MaxPromptPages"),
+            context_pages=_int_constant(cfg, "ContextPages"),
+            prefill_pages=_int_constant(cfg, "PrefillPages"),
+            decode_pages=_int_constant(cfg, "DecodePages"),
+            bugs=frozenset(bugs),
+            name=name,
+            request_names=names,
+        )
+    except ModelError as error:
+        raise CfgError(f"{cfg.path}: {error}") from error
+
+
+def model_names() -> list[str]:
+    return sorted(p.stem for p in MODELS_DIR.glob("*.cfg"))
+
+
+def resolve(name_or_path: str) -> Path:
+    """A model name (a .cfg in spec/) or a path to a .cfg file."""
+    candidate = Path(name_or_path)
+    if candidate.suffix == ".cfg" and candidate.exists():
+        return candidate
+    in_spec = MODELS_DIR / f"{name_or_path}.cfg"
+    if in_spec.exists():
+        return in_spec
+    raise CfgError(f"no model {name_or_path!r}: not a .cfg file, and not one of "
+                   f"{', '.join(model_names())}")
+
+
+def load(name_or_path: str) -> tuple[CfgFile, Model]:
+    path = resolve(name_or_path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise CfgError(f"cannot read {path}: {error}") from error
+    cfg = parse_cfg(text, str(path))
+    return cfg, model_from_cfg(cfg, path.stem)

@@ -1,0 +1,267 @@
+"""Explicit-state model checking of the protocol core, breadth first.
+
+Like TLC, the checker keeps a 64-bit fingerprint of every state it has seen (Python's hash of
+the state's tuple of ints: the same in every process and run), a queue of states to expand,
+and for each state the index of its parent and the event that reached it, so that the first
+violation found is reported with a shortest trace from the initial state. With symmetry the
+fingerprint is taken of the canonical representative (spec/symmetry.py).
+
+Checked on every distinct state: the state invariants. Checked on every state where no fair
+action is enabled ("at rest"): the rest invariants; such a state with no event enabled at
+all is reported as a deadlock. Liveness: the checker records the state graph and proves it
+acyclic (and that no action stutters); on an acyclic graph every behaviour under weak
+fairness of the protocol's actions ends at rest, so the rest invariants decide
+EveryRequestEnds and PagesComeBack. A cycle is reported as a lasso trace.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from spec import core
+from spec.core import Event, State
+from spec.model import Model
+from spec.properties import REST_INVARIANTS, STATE_INVARIANTS
+from spec.symmetry import canonical
+
+
+@dataclass
+class Violation:
+    property: str
+    kind: str  # "invariant", "rest", "deadlock", "cycle"
+    trace: list[tuple[Event | None, State]]
+    cycle_start: int = -1  # for a cycle: the index in trace where the loop begins
+
+    @property
+    def length(self) -> int:
+        """Number of steps (events) in the counterexample."""
+        return len(self.trace) - 1
+
+
+@dataclass
+class CheckResult:
+    model: Model
+    symmetry: bool
+    distinct_states: int = 0
+    states_generated: int = 0
+    depth: int = 0
+    seconds: float = 0.0
+    violation: Violation | None = None
+    invariants: tuple[str, ...] = ()
+    liveness_checked: bool = False
+    rest_states: int = 0
+    edges: int = 0
+    action_counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.violation is None
+
+    @property
+    def collision_probability(self) -> float:
+        """TLC's optimistic estimate for 64-bit fingerprints: n * generated / 2^64."""
+        return self.distinct_states * self.states_generated / 2.0**64
+
+
+Progress = Callable[[int, int, int, float], None]  # distinct, generated, depth, seconds
+
+
+class _Graph:
+    """Successor lists in breadth-first order: states are expanded in index order."""
+
+    def __init__(self) -> None:
+        self.offsets = array("q", [0])
+        self.targets = array("q")
+
+    def add(self, successor_indices: list[int]) -> None:
+        self.targets.extend(successor_indices)
+        self.offsets.append(len(self.targets))
+
+    def find_cycle(self, n: int) -> list[int] | None:
+        """A cycle as a list of state indices (first == last), or None. Iterative DFS."""
+        WHITE, GREY, BLACK = 0, 1, 2
+        colour = bytearray(n)
+        offsets, targets = self.offsets, self.targets
+        for root in range(n):
+            if colour[root] != WHITE:
+                continue
+            stack = [(root, offsets[root])]
+            colour[root] = GREY
+            while stack:
+                node, pos = stack[-1]
+                if pos == offsets[node + 1]:
+                    colour[node] = BLACK
+                    stack.pop()
+                    continue
+                stack[-1] = (node, pos + 1)
+                nxt = targets[pos]
+                if colour[nxt] == GREY:
+                    path = [x for x, _ in stack]
+                    return path[path.index(nxt):] + [nxt]
+                if colour[nxt] == WHITE:
+                    colour[nxt] = GREY
+                    stack.append((nxt, offsets[nxt]))
+        return None
+
+
+class Checker:
+    def __init__(self, m: Model, *, symmetry: bool = False,
+                 invariants: tuple[str, ...] | None = None, liveness: bool = True,
+                 progress: Progress | None = None, progress_every_s: float = 2.0,
+                 max_states: int | None = None) -> None:
+        self.m = m
+        self.symmetry = symmetry
+        names = invariants if invariants is not None else (
+            tuple(STATE_INVARIANTS) + tuple(REST_INVARIANTS))
+        unknown = [n for n in names if n not in STATE_INVARIANTS and n not in REST_INVARIANTS]
+        if unknown:
+            raise ValueError(f"unknown propert(y/ies) {unknown}; known: "
+                             f"{list(STATE_INVARIANTS) + list(REST_INVARIANTS)}")
+        self.invariant_names = tuple(names)
+        self.state_checks = [(n, STATE_INVARIANTS[n]) for n in names if n in STATE_INVARIANTS]
+        self.rest_checks = [(n, REST_INVARIANTS[n]) for n in names if n in REST_INVARIANTS]
+        self.liveness = liveness
+        self.progress = progress
+        self.progress_every_s = progress_every_s
+        self.max_states = max_states
+
+    def _key(self, s: State) -> int:
+        return hash(canonical(s)) if self.symmetry else hash(s)
+
+    def _first_failure(self, checks, s: State) -> str | None:
+        m = self.m
+        for name, predicate in checks:
+            if not predicate(m, s):
+                return name
+        return None
+
+    def run(self) -> CheckResult:
+        m = self.m
+        result = CheckResult(m, self.symmetry, invariants=self.invariant_names)
+        started = time.perf_counter()
+        init = core.initial_state(m)
+        if self.symmetry:
+            init = canonical(init)
+        index_of: dict[int, int] = {self._key(init): 0}
+        parents = array("q", [-1])
+        events: list[Event | None] = [None]
+        depths = array("H", [0])
+        graph = _Graph() if self.liveness else None
+        self._index_of, self._events = index_of, events
+        queue: deque[State] = deque([init])
+        failed = self._first_failure(self.state_checks, init)
+        if failed:
+            result.violation = Violation(failed, "invariant", [(None, init)])
+        generated = 1
+        expanded = 0
+        next_report = started + self.progress_every_s
+        successors = core.successors
+        key = self._key
+        action_counts: dict[str, int] = {}
+        while queue and result.violation is None:
+            s = queue.popleft()
+            here = expanded
+            expanded += 1
+            fair_enabled = False
+            any_enabled = False
+            child_indices: list[int] = []
+            for event, nxt in successors(m, s):
+                any_enabled = True
+                generated += 1
+                if not fair_enabled and event.action not in core.UNFAIR_ACTIONS:
+                    fair_enabled = True
+                k = key(nxt)
+                j = index_of.get(k)
+                if j is None:
+                    j = len(parents)
+                    index_of[k] = j
+                    parents.append(here)
+                    events.append(event)
+                    depths.append(depths[here] + 1)
+                    if self.symmetry:
+                        nxt = canonical(nxt)
+                    queue.append(nxt)
+                    name = event.action
+                    action_counts[name] = action_counts.get(name, 0) + 1
+                    failed = self._first_failure(self.state_checks, nxt)
+                    if failed:
+                        result.violation = Violation(failed, "invariant", self._trace(j, parents))
+                        break
+                elif j == here:
+                    raise AssertionError(f"{event.label(m)} leaves the state unchanged")
+                child_indices.append(j)
+            if result.violation is not None:
+                break
+            if graph is not None:
+                graph.add(child_indices)
+            if not fair_enabled:
+                result.rest_states += 1
+                failed = self._first_failure(self.rest_checks, s)
+                if failed:
+                    kind = "rest" if any_enabled else "deadlock"
+                    result.violation = Violation(failed, kind, self._trace(here, parents))
+            if self.progress is not None and time.perf_counter() >= next_report:
+                self.progress(len(parents), generated, depths[here],
+                              time.perf_counter() - started)
+                next_report = time.perf_counter() + self.progress_every_s
+            if self.max_states is not None and len(parents) > self.max_states:
+                raise RuntimeError(f"more than {self.max_states} distinct states; "
+                                   "raise --max-states or check a smaller model")
+        result.distinct_states = len(parents)
+        result.states_generated = generated
+        result.depth = max(depths) if depths else 0
+        result.action_counts = action_counts
+        if result.violation is None and graph is not None:
+            result.edges = len(graph.targets)
+            cycle = graph.find_cycle(len(parents))
+            result.liveness_checked = True
+            if cycle is not None:
+                stem = self._trace(cycle[0], parents)
+                loop = self._replay_path(stem[-1][1], cycle, parents)
+                result.violation = Violation("Acyclicity", "cycle", stem + loop,
+                                             cycle_start=len(stem) - 1)
+        result.seconds = time.perf_counter() - started
+        return result
+
+    # -- counterexamples ----------------------------------------------------------------
+
+    def _trace(self, index: int, parents: array) -> list[tuple[Event | None, State]]:
+        """A concrete trace from the initial state to the state with this index."""
+        path = []
+        while index != -1:
+            path.append(index)
+            index = parents[index]
+        path.reverse()
+        state = core.initial_state(self.m)
+        trace: list[tuple[Event | None, State]] = [(None, state)]
+        for j in path[1:]:
+            event, state = self._step_to(state, j)
+            trace.append((event, state))
+        return trace
+
+    def _step_to(self, state: State, j: int) -> tuple[Event, State]:
+        """The event from `state` that reaches the state with index j (up to symmetry)."""
+        wanted = self._events[j]
+        candidates = [(event, nxt) for event, nxt in core.successors(self.m, state)
+                      if self._index_of.get(self._key(nxt)) == j]
+        if not candidates:
+            raise AssertionError(f"no step reaches state {j}: the checker lost the trace")
+        for event, nxt in candidates:
+            if event.action == wanted.action:
+                return event, nxt
+        return candidates[0]
+
+    def _replay_path(self, state: State, cycle: list[int], parents: array):
+        steps = []
+        for j in cycle[1:]:
+            event, state = self._step_to(state, j)
+            steps.append((event, state))
+        return steps
+
+
+def check(m: Model, **options) -> CheckResult:
+    return Checker(m, **options).run()

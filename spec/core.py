@@ -1,0 +1,690 @@
+"""The KV transfer protocol as one pure state machine: the heart of kvproof.
+
+Theory of operation
+-------------------
+A request goes router -> prefill -> decode. The router checks the prompt against the
+advertised context and hands the request to a prefill worker (its state becomes Queued) and
+sends a *bootstrap* to a decode worker. Decode reserves pages for the whole prompt, stamping
+each page with a fresh generation (its ownership tag), and publishes the page table. The
+prefill allocates source pages, computes the KV, and posts one write per page into decode's
+pages (SendPage); each write lands later (LandWrite), carrying the data of its source page
+*at landing time* and the tag it was addressed with. When every write has landed, the prefill
+sends its final word Done (with the count it sent) and frees its source pages. Decode accepts
+only if the count equals what it reserved and the checksums match; it then decodes, reading
+every page and comparing each page's tag with the generation it reserved (Finish).
+
+Failure is part of the protocol: the prefill rejects a prompt its pool can never hold
+(Reject), fails or is aborted (PrefillFail, PrefillAbort), decode rejects a prompt its pool
+can never hold (DecodeReject), times out (Timeout), notices a client that went away
+(DecodeAbort). Every ending on the decode side goes through Closing, and pages come back only
+at Release, which waits for the prefill's final word (Done, Reject or Abort) and for every
+write into those pages to have landed. Decode asks for that final word with a cancel; an
+ended prefill answers a cancel by repeating its final word (AnswerCancel). Messages overtake
+each other: a final word can reach decode before the bootstrap, so decode keeps a tombstone
+and drops the late bootstrap (DropBootstrap).
+
+Pages keep their last content when freed; nothing is zeroed. A fresh pool's pages carry an
+invalid tag (-1) that no allocation ever issues.
+
+This module is the single place where protocol decisions are made. It has no I/O, no clock,
+no randomness and no torch: shells (checker, simulator, engine, server) hand it events and
+act on its answers. Each action below has the name of a disjunct of Next in KVTransfer.tla,
+and the same guards and effects; `apply` answers an event with the next state or a
+`Refusal` naming the guard that failed.
+
+Representation
+--------------
+States are plain nested tuples of small ints so that they hash, compare and copy fast and
+hash the same in every process. A state is (requests, decode_pool, prefill_pool, writes):
+- requests: one row per request (the fields named by the constants CLIENT..LEAKED below);
+  rows mention pages but never other requests, which makes symmetry reduction cheap.
+- decode_pool: per page (owner, gen, data, tag); data/tag are the page's last content.
+- prefill_pool: per page (owner, data).
+- writes: the in-flight writes, sorted, each (request, source page, decode page, tag).
+Requests and pages are 0-based here; the TLA+ view (spec/tlaview.py) maps them to the spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import combinations
+from typing import Callable, Iterator, NamedTuple, Union
+
+from spec.model import Model
+
+NONE = -1  # no request / no data / invalid tag
+
+# Client states (TLA+ strings in CLIENT_NAMES).
+IDLE, WAITING, OK, GONE, ERR_TOO_LONG, ERR_PREFILL, ERR_TRANSFER, ERR_TAG, ERR_TIMEOUT = range(9)
+CLIENT_NAMES = ("Idle", "Waiting", "Ok", "Gone", "ErrTooLong", "ErrPrefill", "ErrTransfer",
+                "ErrTag", "ErrTimeout")
+# Prefill states.
+P_NONE, QUEUED, RUNNING, P_DONE, REJECTED, ABORTED = range(6)
+PREFILL_NAMES = ("None", "Queued", "Running", "Done", "Rejected", "Aborted")
+# Decode states.
+D_NONE, D_WAITING, DECODING, CLOSING, RELEASED, TOMB = range(6)
+DECODE_NAMES = ("None", "Waiting", "Decoding", "Closing", "Released", "Tomb")
+# The prefill's final word, as a message in flight to decode.
+NO_MSG, MSG_DONE, MSG_REJECT, MSG_ABORT = range(4)
+MESSAGE_NAMES = ("None", "Done", "Reject", "Abort")
+FINAL_WORD = {P_DONE: MSG_DONE, REJECTED: MSG_REJECT, ABORTED: MSG_ABORT}
+
+# Fields of a request row.
+CLIENT, PROMPT, PST, SENT, SRC, DST, TABLE, BOOT, FW, DFW, CANCEL, LEAKED = range(12)
+ROW_FIELDS = ("client", "prompt", "pst", "sent", "src", "dst", "table", "boot", "fwMsg",
+              "dfw", "cancel", "leaked")
+EMPTY_ROW = (IDLE, 0, P_NONE, 0, (), D_NONE, (), 0, NO_MSG, 0, 0, 0)
+
+# Fields of a decode page.
+OWNER, GEN, DATA, TAG = range(4)
+FRESH_DECODE_PAGE = (NONE, 0, NONE, NONE)
+FRESH_PREFILL_PAGE = (NONE, NONE)
+
+
+class State(NamedTuple):
+    requests: tuple
+    decode_pool: tuple
+    prefill_pool: tuple
+    writes: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """The core's answer to an event the protocol does not allow in this state.
+
+    A refusal is a peer's or client's bad input (reported, nothing changes), not a bug in
+    the caller: a shell logs it and carries on.
+    """
+
+    event: "Event"
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.event} refused: {self.reason}"
+
+
+class ProtocolMisuse(ValueError):
+    """Our own misuse of the core (an event naming a request or page that does not exist)."""
+
+
+def initial_state(m: Model) -> State:
+    return State(
+        requests=(EMPTY_ROW,) * m.requests,
+        decode_pool=(FRESH_DECODE_PAGE,) * m.decode_pages,
+        prefill_pool=(FRESH_PREFILL_PAGE,) * m.prefill_pages,
+        writes=(),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Small helpers for building the next state.
+
+def _row(row: tuple, *pairs: int | object) -> tuple:
+    """A copy of `row` with (field, value) pairs replaced."""
+    new = list(row)
+    for k in range(0, len(pairs), 2):
+        new[pairs[k]] = pairs[k + 1]
+    return tuple(new)
+
+
+def _put(rows: tuple, r: int, row: tuple) -> tuple:
+    return rows[:r] + (row,) + rows[r + 1:]
+
+
+def _writes_of(s: State, r: int) -> bool:
+    for w in s.writes:
+        if w[0] == r:
+            return True
+    return False
+
+
+def _free_prefill_of(pool: tuple, r: int, pages: tuple) -> tuple:
+    """Free the pages of `pages` that `r` still owns; their data stays."""
+    new = list(pool)
+    for p in pages:
+        if new[p][0] == r:
+            new[p] = (NONE, new[p][1])
+    return tuple(new)
+
+
+def _client_error(row: tuple, error: int) -> int:
+    """A waiting client gets `error`; a client that already has its answer keeps it."""
+    return error if row[CLIENT] == WAITING else row[CLIENT]
+
+
+# ---------------------------------------------------------------------------------------
+# The actions. Each returns the next State, or a str naming the guard that failed.
+# Environment and faults: Arrive, Abort, PrefillFail. Everything else is the protocol's own
+# (fair) action.
+
+def arrive(m: Model, s: State, r: int, n: int) -> State | str:
+    row = s.requests[r]
+    if row[CLIENT] != IDLE:
+        return "the request has already arrived"
+    if not 1 <= n <= m.max_prompt_pages:
+        return f"a prompt of {n} pages is outside 1..{m.max_prompt_pages}"
+    if n > m.advertised_context_pages:
+        row = _row(row, CLIENT, ERR_TOO_LONG, PROMPT, n)
+    else:
+        row = _row(row, CLIENT, WAITING, PROMPT, n, PST, QUEUED, BOOT, 1)
+    return State(_put(s.requests, r, row), s.decode_pool, s.prefill_pool, s.writes)
+
+
+def _admit_need(m: Model, row: tuple) -> int | str:
+    if row[PST] != QUEUED:
+        return f"the prefill state is {PREFILL_NAMES[row[PST]]}, not Queued"
+    need = row[PROMPT]
+    if need > m.prefill_pages:
+        if "FinishedNotRejected" not in m.bugs:
+            return "the prompt is longer than the prefill pool: it must be rejected"
+        need = 1  # the bug: a one-page placeholder stands in for the rejected prompt
+    return need
+
+
+def _check_pages(pool: tuple, pages: tuple, need: int, which: str) -> str:
+    """Why `pages` is not a valid allocation of `need` free pages, or ""."""
+    if len(pages) != need:
+        return f"{need} {which} pages needed, {len(pages)} given"
+    for k, p in enumerate(pages):
+        if not 0 <= p < len(pool):
+            return f"{which} page {p + 1} does not exist"
+        if k and pages[k - 1] >= p:
+            return f"{which} pages must be distinct and ascending"
+        if pool[p][0] != NONE:
+            return f"{which} page {p + 1} is not free"
+    return ""
+
+
+def admit(m: Model, s: State, r: int, pages: tuple) -> State | str:
+    row = s.requests[r]
+    need = _admit_need(m, row)
+    if type(need) is str:
+        return need
+    pool = s.prefill_pool
+    bad = _check_pages(pool, pages, need, "prefill")
+    if bad:
+        return bad
+    new_pool = list(pool)
+    for p in pages:
+        new_pool[p] = (r, r)  # the prefill computes r's KV into its source pages
+    row = _row(row, PST, RUNNING, SRC, pages)
+    return State(_put(s.requests, r, row), s.decode_pool, tuple(new_pool), s.writes)
+
+
+def reject(m: Model, s: State, r: int) -> State | str:
+    row = s.requests[r]
+    if row[PST] != QUEUED:
+        return f"the prefill state is {PREFILL_NAMES[row[PST]]}, not Queued"
+    if row[PROMPT] <= m.prefill_pages:
+        return "the prompt fits the prefill pool"
+    if "FinishedNotRejected" in m.bugs:
+        return "with FinishedNotRejected the prefill admits a placeholder instead"
+    row = _row(row, PST, REJECTED, FW, MSG_REJECT, CLIENT, _client_error(row, ERR_TOO_LONG))
+    return State(_put(s.requests, r, row), s.decode_pool, s.prefill_pool, s.writes)
+
+
+def send_page(m: Model, s: State, r: int) -> State | str:
+    row = s.requests[r]
+    if row[PST] != RUNNING:
+        return f"the prefill state is {PREFILL_NAMES[row[PST]]}, not Running"
+    table = row[TABLE]
+    if not table:
+        return "decode has not published a page table"
+    i = row[SENT]
+    src = row[SRC]
+    if i >= len(src):
+        return "every source page has been posted"
+    page, tag = table[i]
+    writes = tuple(sorted(s.writes + ((r, src[i], page, tag),)))
+    pool = s.prefill_pool
+    if i + 1 == len(src) and "SourceReuse" in m.bugs:
+        pool = _free_prefill_of(pool, r, src)  # the bug: freed on post, not on completion
+    row = _row(row, SENT, i + 1)
+    return State(_put(s.requests, r, row), s.decode_pool, pool, writes)
+
+
+def land_write(m: Model, s: State, r: int, page: int) -> State | str:
+    for w in s.writes:
+        if w[0] == r and w[2] == page:
+            break
+    else:
+        return f"no write of this request into decode page {page + 1} is in flight"
+    data = s.prefill_pool[w[1]][1]  # the NIC reads the source page now, not at post time
+    pool = list(s.decode_pool)
+    owner, gen, _, _ = pool[page]
+    pool[page] = (owner, gen, data, w[3])
+    writes = tuple(x for x in s.writes if x is not w)
+    return State(s.requests, tuple(pool), s.prefill_pool, writes)
+
+
+def send_done(m: Model, s: State, r: int) -> State | str:
+    row = s.requests[r]
+    if row[PST] != RUNNING:
+        return f"the prefill state is {PREFILL_NAMES[row[PST]]}, not Running"
+    if row[SENT] != len(row[SRC]):
+        return f"{row[SENT]} of {len(row[SRC])} pages posted"
+    if _writes_of(s, r):
+        return "writes of this request are still in flight"
+    pool = _free_prefill_of(s.prefill_pool, r, row[SRC])
+    row = _row(row, PST, P_DONE, FW, MSG_DONE)
+    return State(_put(s.requests, r, row), s.decode_pool, pool, s.writes)
+
+
+def _stop_prefill(m: Model, s: State, r: int, client: int) -> State:
+    row = s.requests[r]
+    # A prefill that stops because of a cancel answers it; the bug drops only the notice a
+    # prefill owes decode when it stops on its own or on a client abort.
+    fw = row[FW] if "NoAbortNotice" in m.bugs and not row[CANCEL] else MSG_ABORT
+    pool = _free_prefill_of(s.prefill_pool, r, row[SRC])
+    row = _row(row, PST, ABORTED, CANCEL, 0, FW, fw, CLIENT, client)
+    return State(_put(s.requests, r, row), s.decode_pool, pool, s.writes)
+
+
+def _prefill_can_stop(s: State, r: int) -> str:
+    row = s.requests[r]
+    if row[PST] != QUEUED and row[PST] != RUNNING:
+        return f"the prefill state is {PREFILL_NAMES[row[PST]]}, not Queued or Running"
+    if _writes_of(s, r):
+        return "writes of this request are in flight; the prefill stops once they land"
+    return ""
+
+
+def prefill_abort(m: Model, s: State, r: int) -> State | str:
+    reason = _prefill_can_stop(s, r)
+    if reason:
+        return reason
+    row = s.requests[r]
+    if not row[CANCEL] and row[CLIENT] != GONE:
+        return "neither a cancel nor a client abort asks the prefill to stop"
+    return _stop_prefill(m, s, r, row[CLIENT])
+
+
+def prefill_fail(m: Model, s: State, r: int) -> State | str:
+    reason = _prefill_can_stop(s, r)
+    if reason:
+        return reason
+    if s.requests[r][CLIENT] != WAITING:
+        return "the client is not waiting"
+    return _stop_prefill(m, s, r, ERR_PREFILL)
+
+
+def answer_cancel(m: Model, s: State, r: int) -> State | str:
+    row = s.requests[r]
+    if not row[CANCEL]:
+        return "no cancel is in flight"
+    word = FINAL_WORD.get(row[PST])
+    if word is None:
+        return f"the prefill state is {PREFILL_NAMES[row[PST]]}: it has no final word yet"
+    row = _row(row, CANCEL, 0, FW, word)
+    return State(_put(s.requests, r, row), s.decode_pool, s.prefill_pool, s.writes)
+
+
+def _reserve_need(m: Model, row: tuple) -> int | str:
+    if not row[BOOT]:
+        return "no bootstrap is in flight"
+    if row[DST] != D_NONE:
+        return f"the decode state is {DECODE_NAMES[row[DST]]}, not None"
+    if row[PROMPT] > m.decode_pages:
+        return "the prompt is longer than the decode pool: it must be rejected"
+    return row[PROMPT]
+
+
+def reserve(m: Model, s: State, r: int, pages: tuple) -> State | str:
+    row = s.requests[r]
+    need = _reserve_need(m, row)
+    if type(need) is str:
+        return need
+    bad = _check_pages(s.decode_pool, pages, need, "decode")
+    if bad:
+        return bad
+    pool = list(s.decode_pool)
+    bump = 0 if "NoGenBump" in m.bugs else 1
+    table = []
+    for p in pages:
+        _, gen, data, tag = pool[p]
+        pool[p] = (r, gen + bump, data, tag)
+        table.append((p, gen + bump))
+    row = _row(row, BOOT, 0, DST, D_WAITING, TABLE, tuple(table))
+    return State(_put(s.requests, r, row), tuple(pool), s.prefill_pool, s.writes)
+
+
+def decode_reject(m: Model, s: State, r: int) -> State | str:
+    row = s.requests[r]
+    if not row[BOOT]:
+        return "no bootstrap is in flight"
+    if row[DST] != D_NONE:
+        return f"the decode state is {DECODE_NAMES[row[DST]]}, not None"
+    if row[PROMPT] <= m.decode_pages:
+        return "the prompt fits the decode pool"
+    cancel = row[CANCEL] if "NoCancel" in m.bugs else 1
+    row = _row(row, BOOT, 0, DST, CLOSING, CANCEL, cancel,
+               CLIENT, _client_error(row, ERR_TOO_LONG))
+    return State(_put(s.requests, r, row), s.decode_pool, s.prefill_pool, s.writes)
+
+
+def drop_bootstrap(m: Model, s: State, r: int) -> State | str:
+    row = s.requests[r]
+    if not row[BOOT]:
+        return "no bootstrap is in flight"
+    if row[DST] != TOMB:
+        return f"the decode state is {DECODE_NAMES[row[DST]]}, not Tomb"
+    return State(_put(s.requests, r, _row(row, BOOT, 0)), s.decode_pool, s.prefill_pool,
+                 s.writes)
+
+
+def _transfer_fault(m: Model, s: State, r: int, row: tuple) -> bool:
+    """Decode's checks on Done: the count, then the checksum of every page sent."""
+    table = row[TABLE]
+    if "NoCountCheck" not in m.bugs and row[SENT] != len(table):
+        return True
+    if "NoChecksum" not in m.bugs:
+        pool = s.decode_pool
+        for k in range(row[SENT]):
+            if pool[table[k][0]][DATA] != r:
+                return True
+    return False
+
+
+def _receive_final_word(m: Model, s: State, r: int, row: tuple) -> tuple:
+    """What decode does with a final word that is not a Done it can accept."""
+    d = row[DST]
+    if d == D_NONE:
+        if "NoTombstone" in m.bugs:
+            return _row(row, FW, NO_MSG)  # the bug: decode forgets it ever heard of r
+        return _row(row, FW, NO_MSG, DST, TOMB, DFW, 1)
+    if d == D_WAITING:
+        return _row(row, FW, NO_MSG, DST, CLOSING, DFW, 1,
+                    CLIENT, _client_error(row, ERR_PREFILL))
+    if d == CLOSING:
+        return _row(row, FW, NO_MSG, DFW, 1)
+    return _row(row, FW, NO_MSG)  # Released, Tomb, Decoding: nothing left to do
+
+
+def accept(m: Model, s: State, r: int) -> State | str:
+    row = s.requests[r]
+    if row[FW] != MSG_DONE:
+        return "no Done is in flight"
+    if row[DST] == D_WAITING:
+        if _transfer_fault(m, s, r, row):
+            row = _row(row, FW, NO_MSG, DST, CLOSING, DFW, 1,
+                       CLIENT, _client_error(row, ERR_TRANSFER))
+        else:
+            row = _row(row, FW, NO_MSG, DST, DECODING, DFW, 1)
+    else:
+        row = _receive_final_word(m, s, r, row)
+    return State(_put(s.requests, r, row), s.decode_pool, s.prefill_pool, s.writes)
+
+
+def notice(m: Model, s: State, r: int) -> State | str:
+    row = s.requests[r]
+    if row[FW] != MSG_REJECT and row[FW] != MSG_ABORT:
+        return "no Reject or Abort is in flight"
+    row = _receive_final_word(m, s, r, row)
+    return State(_put(s.requests, r, row), s.decode_pool, s.prefill_pool, s.writes)
+
+
+def finish(m: Model, s: State, r: int) -> State | str:
+    row = s.requests[r]
+    if row[DST] != DECODING:
+        return f"the decode state is {DECODE_NAMES[row[DST]]}, not Decoding"
+    pool = s.decode_pool
+    table = row[TABLE]
+    for page, gen in table:
+        if pool[page][TAG] != gen:  # the tag check on every read
+            row = _row(row, DST, CLOSING, CLIENT, _client_error(row, ERR_TAG))
+            return State(_put(s.requests, r, row), pool, s.prefill_pool, s.writes)
+    foreign = 0
+    for page, _ in table:
+        if pool[page][DATA] != r or pool[page][TAG] != pool[page][GEN]:
+            foreign = 1
+    row = _row(row, DST, CLOSING, CLIENT, _client_error(row, OK),
+               LEAKED, row[LEAKED] | foreign)
+    return State(_put(s.requests, r, row), pool, s.prefill_pool, s.writes)
+
+
+def abort(m: Model, s: State, r: int) -> State | str:
+    row = s.requests[r]
+    if row[CLIENT] != WAITING:
+        return f"the client is {CLIENT_NAMES[row[CLIENT]]}, not Waiting"
+    return State(_put(s.requests, r, _row(row, CLIENT, GONE)), s.decode_pool, s.prefill_pool,
+                 s.writes)
+
+
+def decode_abort(m: Model, s: State, r: int) -> State | str:
+    row = s.requests[r]
+    if row[CLIENT] != GONE:
+        return "the client has not gone"
+    if row[DST] != D_WAITING and row[DST] != DECODING:
+        return f"the decode state is {DECODE_NAMES[row[DST]]}, not Waiting or Decoding"
+    cancel = row[CANCEL] if row[DFW] or "NoCancel" in m.bugs else 1
+    row = _row(row, DST, CLOSING, CANCEL, cancel)
+    return State(_put(s.requests, r, row), s.decode_pool, s.prefill_pool, s.writes)
+
+
+def timeout(m: Model, s: State, r: int) -> State | str:
+    if "NoTimeout" in m.bugs:
+        return "decode has no transfer timeout (NoTimeout)"
+    row = s.requests[r]
+    if row[DST] != D_WAITING:
+        return f"the decode state is {DECODE_NAMES[row[DST]]}, not Waiting"
+    cancel = row[CANCEL] if "NoCancel" in m.bugs else 1
+    row = _row(row, DST, CLOSING, CANCEL, cancel, CLIENT, _client_error(row, ERR_TIMEOUT))
+    return State(_put(s.requests, r, row), s.decode_pool, s.prefill_pool, s.writes)
+
+
+def release(m: Model, s: State, r: int) -> State | str:
+    row = s.requests[r]
+    if row[DST] != CLOSING:
+        return f"the decode state is {DECODE_NAMES[row[DST]]}, not Closing"
+    pool = s.decode_pool
+    if "EagerRelease" not in m.bugs:
+        if not row[DFW]:
+            return "the prefill's final word has not arrived"
+        for w in s.writes:
+            if pool[w[2]][OWNER] == r:
+                return f"a write into decode page {w[2] + 1} is still in flight"
+    new_pool = list(pool)
+    for page, _ in row[TABLE]:
+        owner, gen, data, tag = new_pool[page]
+        if owner == r:
+            new_pool[page] = (NONE, gen, data, tag)
+    row = _row(row, DST, RELEASED)
+    return State(_put(s.requests, r, row), tuple(new_pool), s.prefill_pool, s.writes)
+
+
+# ---------------------------------------------------------------------------------------
+# Events: one type per TLA+ action, with the same name.
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    request: int
+
+    @property
+    def action(self) -> str:
+        return type(self).__name__
+
+    def label(self, m: Model | None = None) -> str:
+        name = m.request_names[self.request] if m else f"r{self.request + 1}"
+        return f"{self.action}({name})"
+
+
+@dataclass(frozen=True, slots=True)
+class Arrive(Event):
+    prompt_pages: int
+
+    def label(self, m: Model | None = None) -> str:
+        name = m.request_names[self.request] if m else f"r{self.request + 1}"
+        return f"Arrive({name}, {self.prompt_pages})"
+
+
+@dataclass(frozen=True, slots=True)
+class Admit(Event):
+    """Prefill allocates these source pages and computes the prompt's KV into them."""
+
+    pages: tuple  # prefill pages, 0-based, ascending
+
+    def label(self, m: Model | None = None) -> str:
+        return _pages_label(self, m)
+
+
+@dataclass(frozen=True, slots=True)
+class Reserve(Event):
+    """Decode takes the bootstrap and reserves these pages, each with a fresh tag."""
+
+    pages: tuple  # decode pages, 0-based, ascending
+
+    def label(self, m: Model | None = None) -> str:
+        return _pages_label(self, m)
+
+
+def _pages_label(event: Event, m: Model | None) -> str:
+    name = m.request_names[event.request] if m else f"r{event.request + 1}"
+    pages = "{" + ", ".join(str(p + 1) for p in event.pages) + "}"
+    return f"{event.action}({name}, {pages})"
+
+
+@dataclass(frozen=True, slots=True)
+class LandWrite(Event):
+    page: int  # the decode page the write lands in (0-based)
+
+    def label(self, m: Model | None = None) -> str:
+        name = m.request_names[self.request] if m else f"r{self.request + 1}"
+        return f"LandWrite({name}, page {self.page + 1})"
+
+
+def _simple(name: str, doc: str) -> type:
+    cls = dataclass(frozen=True, slots=True)(type(name, (Event,), {"__doc__": doc}))
+    cls.__module__ = __name__
+    return cls
+
+
+Reject = _simple("Reject", "Prefill rejects a prompt its pool can never hold.")
+SendPage = _simple("SendPage", "Prefill posts the write of its next source page.")
+SendDone = _simple("SendDone", "Prefill's writes have all landed: it sends Done and frees sources.")
+PrefillAbort = _simple("PrefillAbort", "Prefill stops on a cancel or a client abort.")
+PrefillFail = _simple("PrefillFail", "Prefill fails on its own (a fault).")
+AnswerCancel = _simple("AnswerCancel", "An ended prefill repeats its final word on a cancel.")
+DecodeReject = _simple("DecodeReject", "Decode rejects a prompt its pool can never hold.")
+DropBootstrap = _simple("DropBootstrap", "Decode drops a bootstrap that arrives after a tombstone.")
+Accept = _simple("Accept", "Decode receives Done and checks count and checksums.")
+Notice = _simple("Notice", "Decode receives a Reject or Abort.")
+Finish = _simple("Finish", "Decode reads every page (tag-checked) and answers the client.")
+Abort = _simple("Abort", "The client disconnects (environment).")
+DecodeAbort = _simple("DecodeAbort", "Decode notices the client has gone.")
+Timeout = _simple("Timeout", "Decode gives up waiting for KV and cancels.")
+Release = _simple("Release", "Decode frees the request's pages.")
+
+ACTIONS: dict[type, Callable] = {
+    Arrive: arrive, Admit: admit, Reject: reject, SendPage: send_page, LandWrite: land_write,
+    SendDone: send_done, PrefillAbort: prefill_abort, PrefillFail: prefill_fail,
+    AnswerCancel: answer_cancel, Reserve: reserve, DecodeReject: decode_reject,
+    DropBootstrap: drop_bootstrap, Accept: accept, Notice: notice, Finish: finish, Abort: abort,
+    DecodeAbort: decode_abort, Timeout: timeout, Release: release,
+}
+ACTION_NAMES = tuple(cls.__name__ for cls in ACTIONS)
+# Environment and fault actions; the rest are the protocol's own and are taken fairly.
+UNFAIR_ACTIONS = frozenset({"Arrive", "Abort", "PrefillFail"})
+# Per-request actions with no argument besides the request, in enumeration order.
+_SIMPLE_ACTIONS = tuple((cls, fn) for cls, fn in ACTIONS.items()
+                        if cls not in (Arrive, LandWrite, Admit, Reserve))
+
+
+# ---------------------------------------------------------------------------------------
+# The public API for shells.
+
+Result = Union[State, Refusal]
+
+
+def apply(m: Model, s: State, event: Event) -> Result:
+    """The state after `event`, or a Refusal naming why the protocol does not allow it."""
+    fn = ACTIONS.get(type(event))
+    if fn is None:
+        raise ProtocolMisuse(f"{event!r} is not a protocol event")
+    if not 0 <= event.request < m.requests:
+        raise ProtocolMisuse(f"request {event.request} does not exist (model has {m.requests})")
+    if isinstance(event, Arrive):
+        out = fn(m, s, event.request, event.prompt_pages)
+    elif isinstance(event, (Admit, Reserve)):
+        if not isinstance(event.pages, tuple):
+            raise ProtocolMisuse(f"{event.action}.pages must be a tuple of page numbers")
+        out = fn(m, s, event.request, event.pages)
+    elif isinstance(event, LandWrite):
+        if not 0 <= event.page < m.decode_pages:
+            raise ProtocolMisuse(f"decode page {event.page} does not exist")
+        out = fn(m, s, event.request, event.page)
+    else:
+        out = fn(m, s, event.request)
+    if type(out) is str:
+        return Refusal(event, out)
+    return out
+
+
+class _EventCache:
+    """Interned event objects, so that enumeration allocates no events."""
+
+    def __init__(self, m: Model) -> None:
+        self.arrive = [[Arrive(r, n) for n in range(m.max_prompt_pages + 1)]
+                       for r in range(m.requests)]
+        self.land = [[LandWrite(r, p) for p in range(m.decode_pages)] for r in range(m.requests)]
+        self.simple = [[(cls(r), fn) for cls, fn in _SIMPLE_ACTIONS] for r in range(m.requests)]
+        self.admit: dict[tuple, Admit] = {}
+        self.reserve: dict[tuple, Reserve] = {}
+
+
+_CACHES: dict[Model, _EventCache] = {}
+
+
+def _cache(m: Model) -> _EventCache:
+    cache = _CACHES.get(m)
+    if cache is None:
+        cache = _CACHES[m] = _EventCache(m)
+    return cache
+
+
+def _allocations(m: Model, s: State, r: int, cache: _EventCache):
+    """Every Admit and Reserve enabled for r: one per choice of free pages."""
+    row = s.requests[r]
+    need = _admit_need(m, row)
+    if type(need) is int:
+        pool = s.prefill_pool
+        free = [p for p in range(len(pool)) if pool[p][0] == NONE]
+        for pages in combinations(free, need):
+            event = cache.admit.get((r, pages)) or cache.admit.setdefault((r, pages),
+                                                                          Admit(r, pages))
+            yield event, admit(m, s, r, pages)
+    need = _reserve_need(m, row)
+    if type(need) is int:
+        pool = s.decode_pool
+        free = [p for p in range(len(pool)) if pool[p][OWNER] == NONE]
+        for pages in combinations(free, need):
+            event = cache.reserve.get((r, pages)) or cache.reserve.setdefault(
+                (r, pages), Reserve(r, pages))
+            yield event, reserve(m, s, r, pages)
+
+
+def successors(m: Model, s: State) -> Iterator[tuple[Event, State]]:
+    """Every enabled event with the state it leads to, in a fixed order."""
+    cache = _cache(m)
+    for r in range(m.requests):
+        if s.requests[r][CLIENT] == IDLE:
+            row_arrive = cache.arrive[r]
+            for n in range(1, m.max_prompt_pages + 1):
+                out = arrive(m, s, r, n)
+                if type(out) is not str:
+                    yield row_arrive[n], out
+            continue
+        yield from _allocations(m, s, r, cache)
+        for event, fn in cache.simple[r]:
+            out = fn(m, s, r)
+            if type(out) is not str:
+                yield event, out
+    for w in s.writes:
+        yield cache.land[w[0]][w[2]], land_write(m, s, w[0], w[2])
+
+
+def enabled_events(m: Model, s: State) -> list[Event]:
+    return [event for event, _ in successors(m, s)]
+
+
+def is_fair(event: Event) -> bool:
+    return event.action not in UNFAIR_ACTIONS

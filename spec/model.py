@@ -1,0 +1,142 @@
+"""The constants of a KVTransfer model and the bug switches.
+
+A model is the set of CONSTANTS of spec/KVTransfer.tla: how many requests, how large each
+pool is, what the router advertises, and which bug switches are on. The same values are
+read from a TLC .cfg file (spec/cfgfile.py), so a model is written once and used by both
+TLC and the Python checker.
+
+Each bug switch turns off one guard of the protocol (or breaks it the way a real system
+did). The switch names are the strings of the TLA+ constant `Bugs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Switch name -> (the guard it removes, one line on what goes wrong, where it was seen).
+BUG_SWITCHES: dict[str, tuple[str, str, str]] = {
+    "FinishedNotRejected": (
+        "reject-before-allocate",
+        "an over-long prompt is swapped for a one-page placeholder and stays alive",
+        "SGLang #30233, PR #34208",
+    ),
+    "NoCountCheck": (
+        "transferred count equals reserved count",
+        "decode accepts 'transfer done' without comparing sent and reserved page counts",
+        "the 2026 incident",
+    ),
+    "EagerRelease": (
+        "deferred release",
+        "decode frees pages on abort/timeout while writes are in flight",
+        "SGLang PR #35049",
+    ),
+    "SourceReuse": (
+        "source pages held until read",
+        "prefill frees its source pages when the last write is posted, not completed",
+        "vLLM #52234",
+    ),
+    "NoAbortNotice": (
+        "abort notice prefill -> decode",
+        "prefill aborts without telling decode; decode waits for its timeout",
+        "SGLang PR #28651",
+    ),
+    "NoTimeout": (
+        "decode timeout with cancel",
+        "decode waits for KV forever; its pages leak",
+        "vLLM #35943",
+    ),
+    "PoolBelowContext": (
+        "startup pool check",
+        "a KV pool smaller than the advertised context goes unnoticed at startup",
+        "the 2026 incident",
+    ),
+    "NoGenBump": (
+        "page generation tags checked on every read",
+        "a page is reused without bumping its ownership tag, so stale data looks current",
+        "the tag guard's own failure mode",
+    ),
+    "NoChecksum": (
+        "transfer checksums",
+        "decode accepts landed pages without verifying them against the sender's checksums",
+        "kvproof guard removal",
+    ),
+    "NoTombstone": (
+        "tombstones",
+        "decode forgets a request whose final word overtook its bootstrap, then reserves for it",
+        "kvproof guard removal",
+    ),
+    "NoCancel": (
+        "cancel notice decode -> prefill",
+        "decode gives up on a request without telling the prefill",
+        "kvproof guard removal",
+    ),
+}
+
+ALL_BUGS = frozenset(BUG_SWITCHES)
+
+
+class ModelError(ValueError):
+    """A model's constants are malformed (a user's input error, reported clearly)."""
+
+
+@dataclass(frozen=True)
+class Model:
+    """The CONSTANTS of KVTransfer.tla. Validated at construction."""
+
+    requests: int = 2
+    max_prompt_pages: int = 3
+    context_pages: int = 3
+    prefill_pages: int = 2
+    decode_pages: int = 3
+    bugs: frozenset[str] = field(default_factory=frozenset)
+    name: str = "custom"
+    request_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = set(self.bugs) - ALL_BUGS
+        if unknown:
+            raise ModelError(f"unknown bug switch(es) {sorted(unknown)}; known: {sorted(ALL_BUGS)}")
+        for label, value, low in (
+            ("requests", self.requests, 1),
+            ("max_prompt_pages", self.max_prompt_pages, 1),
+            ("context_pages", self.context_pages, 1),
+            ("prefill_pages", self.prefill_pages, 1),
+            ("decode_pages", self.decode_pages, 1),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ModelError(f"{label} must be an integer >= {low}, got {value!r}")
+        if self.requests > 6:
+            raise ModelError(f"requests={self.requests}: explicit-state checking beyond 6 is hopeless")
+        if self.request_names and len(self.request_names) != self.requests:
+            raise ModelError("request_names must name every request")
+        object.__setattr__(self, "bugs", frozenset(self.bugs))
+        if not self.request_names:
+            names = tuple(f"r{i + 1}" for i in range(self.requests))
+            object.__setattr__(self, "request_names", names)
+
+    @property
+    def advertised_context_pages(self) -> int:
+        """What the router admits. The startup check clamps it to the smallest pool."""
+        if "PoolBelowContext" in self.bugs:
+            return self.context_pages
+        return min(self.context_pages, self.prefill_pages, self.decode_pages)
+
+    def with_bugs(self, bugs: frozenset[str] | set[str], name: str | None = None) -> "Model":
+        return Model(
+            requests=self.requests,
+            max_prompt_pages=self.max_prompt_pages,
+            context_pages=self.context_pages,
+            prefill_pages=self.prefill_pages,
+            decode_pages=self.decode_pages,
+            bugs=frozenset(bugs),
+            name=name or self.name,
+            request_names=self.request_names,
+        )
+
+    def describe(self) -> str:
+        bugs = ", ".join(sorted(self.bugs)) or "none"
+        return (
+            f"model {self.name}: {self.requests} requests, prompts 1..{self.max_prompt_pages} pages, "
+            f"context {self.context_pages} (advertised {self.advertised_context_pages}), "
+            f"prefill pool {self.prefill_pages}, decode pool {self.decode_pages} pages; bugs: {bugs}"
+        )

@@ -1,0 +1,135 @@
+"""The properties of KVTransfer.tla as Python predicates, with the TLA+ names.
+
+State invariants hold in every reachable state. Rest invariants hold in every state where
+no fair action is enabled ("at rest"): only the environment (a new arrival, a client abort,
+a prefill fault) could move the system on. Because every action makes progress that is never
+undone (requests arrive once; messages and writes are consumed), the state graph has no
+cycles; the checker verifies that, and then the rest invariants give the same verdict as the
+liveness properties EveryRequestEnds and PagesComeBack under weak fairness of the protocol's
+actions, at a fraction of the cost.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from spec.core import (
+    BOOT, CANCEL, CLIENT, CLOSING, DECODING, DST, D_WAITING, FW, GEN, LEAKED, NONE, NO_MSG, OK,
+    OWNER, PROMPT, PST, QUEUED, RUNNING, SENT, SRC, TABLE, WAITING, State,
+)
+from spec.model import Model
+
+Predicate = Callable[[Model, State], bool]
+
+
+def TypeOK(m: Model, s: State) -> bool:
+    """Every variable holds a value of its type (the shape of the tuples is fixed by core)."""
+    n = m.requests
+    for row in s.requests:
+        if not (0 <= row[PROMPT] <= m.max_prompt_pages and 0 <= row[SENT] <= m.max_prompt_pages
+                and len(row[SRC]) <= m.prefill_pages and len(row[TABLE]) <= m.decode_pages):
+            return False
+    for owner, gen, data, tag in s.decode_pool:
+        if not (-1 <= owner < n and gen >= 0 and -1 <= data < n):
+            return False
+    for owner, data in s.prefill_pool:
+        if not (-1 <= owner < n and -1 <= data < n):
+            return False
+    return all(0 <= r < n and 0 <= src < m.prefill_pages and 0 <= dst < m.decode_pages
+               for r, src, dst, _ in s.writes)
+
+
+def Isolation(m: Model, s: State) -> bool:
+    """Whatever a decoding request read was its own data at the page's current generation."""
+    return not any(row[LEAKED] for row in s.requests)
+
+
+def OkIsClean(m: Model, s: State) -> bool:
+    """A client gets success only if everything its request read was its own."""
+    return not any(row[CLIENT] == OK and row[LEAKED] for row in s.requests)
+
+
+def _holds_decode_pages(row: tuple) -> bool:
+    d = row[DST]
+    return d == D_WAITING or d == DECODING or d == CLOSING
+
+
+def ExclusiveOwner(m: Model, s: State) -> bool:
+    """Every owned page is owned by exactly the request whose table holds it at that gen."""
+    pool = s.decode_pool
+    rows = s.requests
+    for p, page in enumerate(pool):
+        r = page[OWNER]
+        if r == NONE:
+            continue
+        row = rows[r]
+        if not _holds_decode_pages(row) or (p, page[GEN]) not in row[TABLE]:
+            return False
+    for r, row in enumerate(rows):
+        if _holds_decode_pages(row):
+            for p, gen in row[TABLE]:
+                if pool[p][OWNER] != r or pool[p][GEN] != gen:
+                    return False
+    for p, (r, _) in enumerate(s.prefill_pool):
+        if r != NONE and (rows[r][PST] != RUNNING or p not in rows[r][SRC]):
+            return False
+    return True
+
+
+def NoWriteIntoForeign(m: Model, s: State) -> bool:
+    """No in-flight write targets a page that changed owner or generation since it was posted."""
+    pool = s.decode_pool
+    for r, _, page, tag in s.writes:
+        if pool[page][OWNER] != r or pool[page][GEN] != tag:
+            return False
+    return True
+
+
+def SourceHeld(m: Model, s: State) -> bool:
+    """A source page that an in-flight write still reads belongs to that write's request."""
+    pool = s.prefill_pool
+    return all(pool[src][0] == r for r, src, _, _ in s.writes)
+
+
+def RejectedIsError(m: Model, s: State) -> bool:
+    """A prompt longer than a pool never decodes and never gets success."""
+    limit = min(m.prefill_pages, m.decode_pages)
+    for row in s.requests:
+        if row[PROMPT] > limit and (row[CLIENT] == OK or row[DST] == DECODING):
+            return False
+    return True
+
+
+def NoLeakAtRest(m: Model, s: State) -> bool:
+    """At rest every page of both pools is free and no write is in flight."""
+    return (not s.writes
+            and all(page[OWNER] == NONE for page in s.decode_pool)
+            and all(page[0] == NONE for page in s.prefill_pool))
+
+
+def NoStuckRequest(m: Model, s: State) -> bool:
+    """At rest every request that arrived has ended on the client, prefill and decode."""
+    for row in s.requests:
+        if row[CLIENT] == WAITING or row[PST] == QUEUED or row[PST] == RUNNING:
+            return False
+        if _holds_decode_pages(row) or row[BOOT] or row[FW] != NO_MSG or row[CANCEL]:
+            return False
+    return True
+
+
+STATE_INVARIANTS: dict[str, Predicate] = {
+    "TypeOK": TypeOK,
+    "Isolation": Isolation,
+    "OkIsClean": OkIsClean,
+    "ExclusiveOwner": ExclusiveOwner,
+    "NoWriteIntoForeign": NoWriteIntoForeign,
+    "SourceHeld": SourceHeld,
+    "RejectedIsError": RejectedIsError,
+}
+REST_INVARIANTS: dict[str, Predicate] = {
+    "NoLeakAtRest": NoLeakAtRest,
+    "NoStuckRequest": NoStuckRequest,
+}
+ALL_INVARIANTS = tuple(STATE_INVARIANTS) + tuple(REST_INVARIANTS)
+# The temporal properties of the spec, and the rest invariants that decide them here.
+LIVENESS = {"EveryRequestEnds": "NoStuckRequest", "PagesComeBack": "NoLeakAtRest"}

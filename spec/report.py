@@ -1,0 +1,48 @@
+"""Readable counterexamples and TLC-like summaries."""
+
+from __future__ import annotations
+
+from spec.checker import CheckResult, Violation
+from spec.model import Model
+from spec.tlaview import changes, format_value, to_tla, VARIABLES
+
+KIND_TEXT = {
+    "invariant": "Invariant {p} is violated.",
+    "rest": "Invariant {p} is violated at rest (no fair action is enabled).",
+    "deadlock": "Deadlock reached: {p} is violated and no action is enabled.",
+    "cycle": "Liveness: the state graph has a cycle, so fairness alone does not end requests.",
+}
+
+
+def format_trace(m: Model, violation: Violation) -> str:
+    lines = [KIND_TEXT[violation.kind].format(p=violation.property),
+             f"The shortest behaviour violating it has {violation.length} steps:"]
+    previous = None
+    for index, (event, state) in enumerate(violation.trace):
+        view = to_tla(m, state)
+        if previous is None:
+            lines.append("State 1: <Initial predicate>")
+            for var in VARIABLES:
+                lines.append(f"  /\\ {var} = {format_value(view[var])}")
+        else:
+            loop = " (the loop starts here)" if index == violation.cycle_start else ""
+            lines.append(f"State {index + 1}: <{event.label(m)}>{loop}")
+            for line in changes(previous, view):
+                lines.append(f"  {line}")
+        previous = view
+    return "\n".join(lines)
+
+
+def format_summary(result: CheckResult) -> str:
+    m = result.model
+    lines = [
+        m.describe(),
+        f"{result.states_generated} states generated, {result.distinct_states} distinct states "
+        f"found, {0 if result.violation else 0} states left on queue.",
+        f"The depth of the complete state graph search is {result.depth}.",
+        f"Checked in {result.seconds:.2f} s ({result.distinct_states / max(result.seconds, 1e-9):,.0f}"
+        f" distinct states/s){' with symmetry over requests' if result.symmetry else ''}.",
+        f"The optimistic probability of a fingerprint collision is "
+        f"{result.collision_probability:.1E}.",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,217 @@
+"""The bug zoo as data: which switches break what, which guards mask which switches.
+
+Guards mask each other, so a bug of the zoo is an *entry*: the smallest set of switches that
+reproduces the real failure, on a model, for the properties that failure violates. For each
+switch alone the table says either which property it breaks, or which guard masks it and the
+entry that shows the switch failing once that guard is gone too. The tests pin every number
+here; `python -m spec.zoo --write` regenerates the .cfg files of spec/ from this table, so
+constants and switch sets are written once (tests check the files match).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from spec.model import BUG_SWITCHES, Model
+from spec.properties import ALL_INVARIANTS
+
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+
+# The constants of the shipped models.
+BASES: dict[str, dict[str, int]] = {
+    # Two requests, an over-long prompt possible (3 pages > a 2-page prefill pool), pool
+    # pressure on both sides: every switch either breaks something here or is masked.
+    "default": dict(requests=2, max_prompt_pages=3, context_pages=3, prefill_pages=2,
+                    decode_pages=3),
+    # One request: no pool pressure, so NoTimeout alone is harmless here, and what a missing
+    # timeout *masks* becomes visible.
+    "solo": dict(requests=1, max_prompt_pages=3, context_pages=3, prefill_pages=2,
+                 decode_pages=3),
+    # Three requests for the benchmark and scheduled runs.
+    "large": dict(requests=3, max_prompt_pages=2, context_pages=2, prefill_pages=1,
+                  decode_pages=2),
+}
+BASE_NOTES = {
+    "default": "The default model: 2 requests, pools of 2 (prefill) and 3 (decode) pages, "
+               "prompts of 1..3 pages.",
+    "solo": "One request: no pool pressure. Used to show what the decode timeout masks.",
+    "large": "Three requests, pools of 1 and 2 pages: the larger model (bench/, scheduled runs).",
+}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A zoo entry: a switch set that exposes a bug, and what it must break."""
+
+    name: str
+    bugs: frozenset[str]
+    property: str          # the property the shortest counterexample violates
+    length: int            # its length in steps
+    base: str = "default"
+    invariants: tuple[str, ...] | None = None  # None: all of them
+    story: str = ""
+
+    def model(self) -> Model:
+        return Model(bugs=self.bugs, name=self.name, **BASES[self.base])
+
+
+ENTRIES: tuple[Entry, ...] = (
+    Entry("incident", frozenset({"PoolBelowContext", "FinishedNotRejected", "NoCountCheck",
+                                 "NoGenBump"}),
+          "OkIsClean", 18, invariants=("OkIsClean", "Isolation"),
+          story="The 2026 incident: a prompt longer than the prefill pool reaches the prefill "
+                "(pool below the advertised context), is swapped for a one-page placeholder, "
+                "decode accepts one page for three reserved and reads another request's stale "
+                "pages; the client gets success. SGLang had no page tags: NoGenBump."),
+    Entry("rejected-decodes", frozenset({"PoolBelowContext", "FinishedNotRejected",
+                                         "NoCountCheck"}),
+          "RejectedIsError", 7,
+          story="SGLang #30233: a rejected over-long prompt still looks alive and decodes."),
+    Entry("eager-release", frozenset({"EagerRelease"}), "NoWriteIntoForeign", 6,
+          story="SGLang PR #35049: decode frees pages on timeout while a write is in flight."),
+    Entry("late-write-looks-current", frozenset({"EagerRelease", "NoGenBump"}),
+          "Isolation", 15, invariants=("Isolation", "OkIsClean"),
+          story="A page reused without a tag bump: the previous owner's late write lands "
+                "after the new owner accepted, and passes the tag check."),
+    Entry("source-reuse", frozenset({"SourceReuse"}), "SourceHeld", 4,
+          story="vLLM #52234: the prefill frees source pages while the NIC still reads them."),
+    Entry("source-reuse-unverified", frozenset({"SourceReuse", "NoChecksum"}),
+          "Isolation", 10, invariants=("Isolation", "OkIsClean"),
+          story="Without checksums the reused source page's new data reaches decode."),
+    Entry("no-timeout", frozenset({"NoTimeout"}), "NoLeakAtRest", 4,
+          story="vLLM #35943: decode waits for KV forever; two requests deadlock on the pools."),
+    Entry("silent-prefill-abort", frozenset({"NoAbortNotice", "NoTimeout"}), "NoLeakAtRest", 3,
+          base="solo",
+          story="SGLang PR #28651: the prefill fails without telling decode, and decode has "
+                "no timeout to fall back on."),
+    Entry("lost-tombstone", frozenset({"NoTombstone", "NoTimeout"}), "NoLeakAtRest", 4,
+          base="solo",
+          story="The final word overtakes the bootstrap; decode forgets it and reserves "
+                "pages nobody will ever transfer into."),
+    Entry("no-cancel", frozenset({"NoCancel"}), "NoLeakAtRest", 5,
+          story="Decode times out without telling the prefill, then waits for a final word "
+                "the queued prefill will never send: the pools deadlock."),
+)
+ENTRY_BY_NAME = {e.name: e for e in ENTRIES}
+
+
+@dataclass(frozen=True)
+class Alone:
+    """What one switch does on its own on the default model."""
+
+    switch: str
+    breaks: str | None = None     # the property it breaks alone
+    length: int = 0               # the counterexample length when it breaks alone
+    masked_by: str = ""           # the guard(s) that mask it
+    exposed_by: str = ""          # the entry that fails once those guards are gone too
+    # For a masked switch: the entry's switch set minus this switch, which must pass (so the
+    # failure needs this switch, not only the other removed guards).
+    needs_switch: bool = True
+
+
+ALONE: tuple[Alone, ...] = (
+    Alone("FinishedNotRejected", masked_by="startup pool check, then count check",
+          exposed_by="rejected-decodes"),
+    Alone("NoCountCheck", masked_by="startup pool check and reject-before-allocate",
+          exposed_by="rejected-decodes"),
+    Alone("PoolBelowContext", masked_by="reject-before-allocate, then count check",
+          exposed_by="rejected-decodes"),
+    Alone("EagerRelease", breaks="NoWriteIntoForeign", length=6),
+    Alone("SourceReuse", breaks="SourceHeld", length=4),
+    Alone("NoAbortNotice", masked_by="decode timeout with cancel",
+          exposed_by="silent-prefill-abort"),
+    Alone("NoTimeout", breaks="NoLeakAtRest", length=4),
+    Alone("NoGenBump", masked_by="deferred release (no late write to mistake for current), "
+                                 "count check (no unwritten page to read)",
+          exposed_by="late-write-looks-current"),
+    Alone("NoChecksum", masked_by="source pages held until read",
+          exposed_by="source-reuse-unverified"),
+    Alone("NoTombstone", masked_by="decode timeout with cancel", exposed_by="lost-tombstone"),
+    Alone("NoCancel", breaks="NoLeakAtRest", length=5),
+)
+assert {a.switch for a in ALONE} == set(BUG_SWITCHES)
+
+
+# ---------------------------------------------------------------------------------------
+# The .cfg files, generated from the table above.
+
+ALL_CFG_INVARIANTS = tuple(ALL_INVARIANTS)
+
+
+def cfg_text(base: str, bugs: frozenset[str], invariants: tuple[str, ...] | None,
+             comment: str, properties: bool = True) -> str:
+    consts = BASES[base]
+    requests = ", ".join(f"r{i + 1}" for i in range(consts["requests"]))
+    bug_set = ", ".join(f'"{b}"' for b in sorted(bugs))
+    lines = [f"\\* {line}" for line in _wrap(comment)]
+    lines += [
+        "\\* Generated by `python -m spec.zoo --write` from spec/zoo.py; edit that, not this.",
+        "CONSTANTS",
+        f"    Requests = {{{requests}}}",
+        "    NoReq = NoReq",
+        f"    MaxPromptPages = {consts['max_prompt_pages']}",
+        f"    ContextPages = {consts['context_pages']}",
+        f"    PrefillPages = {consts['prefill_pages']}",
+        f"    DecodePages = {consts['decode_pages']}",
+        f"    Bugs = {{{bug_set}}}",
+        "SPECIFICATION FairSpec",
+        "INVARIANTS",
+    ]
+    lines += [f"    {name}" for name in (invariants or ALL_CFG_INVARIANTS)]
+    if properties and invariants is None:
+        lines += ["PROPERTIES", "    EveryRequestEnds", "    PagesComeBack"]
+    lines += ["CHECK_DEADLOCK FALSE", ""]
+    return "\n".join(lines)
+
+
+def _wrap(text: str, width: int = 88) -> list[str]:
+    words, lines, line = text.split(), [], ""
+    for word in words:
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}".strip()
+    return lines + ([line] if line else [])
+
+
+def _entry_file(entry: Entry) -> str:
+    return "incident.cfg" if entry.name == "incident" else f"zoo-{entry.name}.cfg"
+
+
+def generated_cfgs() -> dict[str, str]:
+    files = {f"{base}.cfg": cfg_text(base, frozenset(), None, BASE_NOTES[base]) for base in BASES}
+    for switch, (guard, what, seen) in BUG_SWITCHES.items():
+        files[f"bug-{switch}.cfg"] = cfg_text(
+            "default", frozenset({switch}), None,
+            f"Bug switch {switch} alone ({seen}): {what}. Removes the guard: {guard}.")
+    for entry in ENTRIES:
+        files[_entry_file(entry)] = cfg_text(entry.base, entry.bugs, entry.invariants,
+                                                  f"Zoo entry {entry.name}: {entry.story}")
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write or verify spec/*.cfg from spec/zoo.py")
+    parser.add_argument("--write", action="store_true", help="write the .cfg files")
+    args = parser.parse_args(argv)
+    stale = []
+    for name, text in generated_cfgs().items():
+        path = MODELS_DIR / name
+        if args.write:
+            path.write_text(text)
+        elif not path.exists() or path.read_text() != text:
+            stale.append(name)
+    if stale:
+        print(f"out of date: {', '.join(stale)} (run python -m spec.zoo --write)",
+              file=sys.stderr)
+        return 1
+    print("spec/*.cfg " + ("written" if args.write else "up to date"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
