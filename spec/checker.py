@@ -55,6 +55,7 @@ class CheckResult:
     liveness_checked: bool = False
     rest_states: int = 0
     edges: int = 0
+    left_on_queue: int = 0
     action_counts: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -211,6 +212,7 @@ class Checker:
             if self.max_states is not None and len(parents) > self.max_states:
                 raise RuntimeError(f"more than {self.max_states} distinct states; "
                                    "raise --max-states or check a smaller model")
+        result.left_on_queue = len(queue)
         result.distinct_states = len(parents)
         result.states_generated = generated
         result.depth = max(depths) if depths else 0

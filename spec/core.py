@@ -507,6 +507,9 @@ class Event:
         name = m.request_names[self.request] if m else f"r{self.request + 1}"
         return f"{self.action}({name})"
 
+    def __str__(self) -> str:
+        return self.label()
+
 
 @dataclass(frozen=True, slots=True)
 class Arrive(Event):

@@ -38,8 +38,9 @@ def format_summary(result: CheckResult) -> str:
     lines = [
         m.describe(),
         f"{result.states_generated} states generated, {result.distinct_states} distinct states "
-        f"found, {0 if result.violation else 0} states left on queue.",
-        f"The depth of the complete state graph search is {result.depth}.",
+        f"found, {result.left_on_queue} states left on queue.",
+        # TLC counts the initial state in the depth; result.depth counts steps.
+        f"The depth of the complete state graph search is {result.depth + 1}.",
         f"Checked in {result.seconds:.2f} s ({result.distinct_states / max(result.seconds, 1e-9):,.0f}"
         f" distinct states/s){' with symmetry over requests' if result.symmetry else ''}.",
         f"The optimistic probability of a fingerprint collision is "

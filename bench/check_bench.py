@@ -1,0 +1,117 @@
+"""Model-checking throughput: distinct states per second on the larger model.
+
+    python bench/check_bench.py [--model large] [--repeat 3] [--no-symmetry]
+
+Prints, per run and as medians, the distinct states/s of `kvproof check` (every invariant,
+liveness graph, fingerprints), next to a baseline measured in the same run: a bare
+breadth-first enumeration of the same core with a set of full states and nothing checked.
+The ratio is what checking costs over enumeration. When `java` and a tla2tools.jar
+(TLA2TOOLS_JAR) are present, TLC with one worker runs on the same .cfg for the comparison
+the foundation issue asks for; otherwise the reference figure from that issue is printed
+(TLC found 2-3e4 distinct states/s on a prototype of this spec on this 2-core machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from spec import core  # noqa: E402
+from spec.cfgfile import load, resolve  # noqa: E402
+from spec.checker import Checker  # noqa: E402
+from spec.symmetry import canonical  # noqa: E402
+
+TLC_REFERENCE = "2e4-3e4 distinct states/s (TLC, 1 worker, prototype spec, this machine class)"
+
+
+def bare_enumeration(model, symmetry: bool) -> tuple[int, float]:
+    start = time.perf_counter()
+    init = core.initial_state(model)
+    seen = {canonical(init) if symmetry else init}
+    queue = deque(seen)
+    while queue:
+        for _, nxt in core.successors(model, queue.popleft()):
+            key = canonical(nxt) if symmetry else nxt
+            if key not in seen:
+                seen.add(key)
+                queue.append(key)
+    return len(seen), time.perf_counter() - start
+
+
+def kvproof_check(model, symmetry: bool, liveness: bool) -> tuple[int, float]:
+    def progress(distinct: int, generated: int, depth: int, seconds: float) -> None:
+        print(f"  ... {distinct:,} distinct, depth {depth}, {seconds:.0f} s", flush=True)
+
+    result = Checker(model, symmetry=symmetry, liveness=liveness, progress=progress,
+                     progress_every_s=15).run()
+    assert result.ok, f"the {model.name} model must hold: {result.violation.property}"
+    return result.distinct_states, result.seconds
+
+
+def tlc(cfg_path: Path) -> tuple[int, float] | str:
+    jar = os.environ.get("TLA2TOOLS_JAR")
+    if not shutil.which("java"):
+        return "java is not on PATH"
+    if not jar or not Path(jar).exists():
+        return "TLA2TOOLS_JAR is not set to an existing tla2tools.jar"
+    spec = Path(__file__).resolve().parents[1] / "spec" / "KVTransfer.tla"
+    start = time.perf_counter()
+    out = subprocess.run(["java", "-XX:+UseParallelGC", "-cp", jar, "tlc2.TLC", "-workers", "1",
+                          "-config", str(cfg_path), str(spec)],
+                         capture_output=True, text=True, cwd=spec.parent, timeout=3600)
+    seconds = time.perf_counter() - start
+    found = re.search(r"([\d,]+) distinct states found", out.stdout)
+    if not found:
+        return f"TLC gave no state count (exit {out.returncode}): {out.stdout[-500:]}"
+    return int(found.group(1).replace(",", "")), seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="large")
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--no-symmetry", action="store_true")
+    parser.add_argument("--no-liveness", action="store_true")
+    args = parser.parse_args()
+    _, model = load(args.model)
+    symmetry = not args.no_symmetry
+    print(f"{model.describe()}; symmetry {'on' if symmetry else 'off'}; "
+          f"{args.repeat} repeat(s)")
+    rates, base_rates = [], []
+    for run in range(1, args.repeat + 1):
+        distinct, seconds = kvproof_check(model, symmetry, not args.no_liveness)
+        rates.append(distinct / seconds)
+        print(f"run {run}: kvproof check  {distinct:,} distinct states in {seconds:.1f} s = "
+              f"{rates[-1]:,.0f} distinct states/s")
+        base_distinct, base_seconds = bare_enumeration(model, symmetry)
+        assert base_distinct == distinct, "the bare enumeration must find the same states"
+        base_rates.append(base_distinct / base_seconds)
+        print(f"run {run}: bare BFS       {base_distinct:,} distinct states in "
+              f"{base_seconds:.1f} s = {base_rates[-1]:,.0f} distinct states/s")
+    median, base_median = statistics.median(rates), statistics.median(base_rates)
+    print(f"median: kvproof check {median:,.0f} distinct states/s; bare BFS "
+          f"{base_median:,.0f}; checking costs {base_median / median:.2f}x enumeration")
+    tlc_result = tlc(resolve(args.model))
+    if isinstance(tlc_result, str):
+        print(f"TLC: not run ({tlc_result}); reference: {TLC_REFERENCE}")
+    else:
+        tlc_distinct, tlc_seconds = tlc_result
+        tlc_rate = tlc_distinct / tlc_seconds
+        print(f"TLC (1 worker, symmetry as in the .cfg): {tlc_distinct:,} distinct states in "
+              f"{tlc_seconds:.1f} s = {tlc_rate:,.0f} distinct states/s; kvproof/TLC = "
+              f"{median / tlc_rate:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The explicit-state checker: exact counts, symmetry, counterexamples, liveness."""
+
+from __future__ import annotations
+
+import random
+from itertools import permutations
+
+from spec import core
+from spec.checker import Checker, _Graph, check
+from spec.core import Finish, Reserve, apply, initial_state, successors
+from spec.model import Model
+from spec.symmetry import canonical, relabel
+from spec.zoo import BASES, ENTRY_BY_NAME
+from tests.conftest import checked
+
+
+def test_default_model_exact_counts_with_symmetry():
+    result = checked("default", frozenset())
+    assert result.ok
+    assert result.liveness_checked
+    assert (result.distinct_states, result.states_generated, result.depth) == (435319, 1178771, 26)
+
+
+def test_solo_model_exact_counts_without_and_with_symmetry():
+    """One request: symmetry has nothing to merge."""
+    plain = checked("solo", frozenset(), symmetry=False)
+    reduced = checked("solo", frozenset())
+    assert plain.ok and reduced.ok
+    assert (plain.distinct_states, plain.states_generated, plain.depth) == (987, 1617, 13)
+    assert reduced.distinct_states == 987
+
+
+def _random_reachable_states(m: Model, count: int, seed: int):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        s = initial_state(m)
+        for _ in range(rng.randrange(1, 30)):
+            steps = list(successors(m, s))
+            if not steps:
+                break
+            s = rng.choice(steps)[1]
+        out.append(s)
+    return out
+
+
+def test_canonical_form_is_invariant_under_renaming_requests():
+    m = Model(**BASES["large"])
+    for s in _random_reachable_states(m, 300, seed=7):
+        c = canonical(s)
+        for order in permutations(range(m.requests)):
+            assert canonical(relabel(s, order)) == c
+
+
+def test_symmetry_reduction_respects_the_transition_relation():
+    """Successors of a state and of any renaming of it have the same canonical forms."""
+    m = Model(**BASES["large"])
+    for s in _random_reachable_states(m, 100, seed=11):
+        mine = {canonical(n) for _, n in successors(m, s)}
+        for order in permutations(range(m.requests)):
+            theirs = {canonical(n) for _, n in successors(m, relabel(s, order))}
+            assert mine == theirs
+
+
+def test_counterexample_is_a_real_behaviour_of_the_core():
+    entry = ENTRY_BY_NAME["incident"]
+    violation = checked("default", entry.bugs, entry.invariants).violation
+    state = initial_state(entry.model())
+    for event, expected in violation.trace[1:]:
+        state = apply(entry.model(), state, event)
+        assert state == expected
+
+
+def test_incident_trace_reads_another_requests_pages_and_the_client_gets_ok():
+    entry = ENTRY_BY_NAME["incident"]
+    m = entry.model()
+    violation = checked("default", entry.bugs, entry.invariants).violation
+    assert violation.property == "OkIsClean" and violation.length == 18
+    (before_event, before), (last_event, after) = violation.trace[-2], violation.trace[-1]
+    assert isinstance(last_event, Finish)
+    r = last_event.request
+    table = before.requests[r][core.TABLE]
+    owners = {before.decode_pool[page][core.DATA] for page, _ in table}
+    others = owners - {r, core.NONE}
+    assert others, "decode read a page holding another request's data"
+    assert core.CLIENT_NAMES[after.requests[r][core.CLIENT]] == "Ok"
+    # The over-long prompt was larger than the prefill pool and sent one page for three.
+    assert before.requests[r][core.PROMPT] > m.prefill_pages
+    assert (before.requests[r][core.SENT], len(table)) == (1, 3)
+
+
+def test_state_invariant_violation_reports_the_shortest_trace():
+    result = checked("default", frozenset({"SourceReuse"}), symmetry=False)
+    v = result.violation
+    assert (v.property, v.kind, v.length) == ("SourceHeld", "invariant", 4)
+    assert [e.action for e, _ in v.trace[1:]] == ["Arrive", "Admit", "Reserve", "SendPage"]
+
+
+def test_deadlock_is_reported_as_such():
+    entry = ENTRY_BY_NAME["silent-prefill-abort"]
+    v = check(entry.model()).violation
+    assert (v.property, v.kind, v.length) == ("NoLeakAtRest", "deadlock", 3)
+    assert list(successors(entry.model(), v.trace[-1][1])) == []
+
+
+def test_cycle_finder_finds_a_lasso_and_accepts_a_dag():
+    dag = _Graph()
+    for succ in ([1, 2], [2], [3], []):
+        dag.add(succ)
+    assert dag.find_cycle(4) is None
+    loop = _Graph()
+    for succ in ([1], [2], [3], [1]):
+        loop.add(succ)
+    assert loop.find_cycle(4) == [1, 2, 3, 1]
+
+
+def test_invariants_can_be_chosen_and_unknown_ones_are_refused():
+    result = check(Model(bugs={"SourceReuse"}, **BASES["solo"]), invariants=("Isolation",))
+    assert result.ok
+    try:
+        Checker(Model(), invariants=("Nope",))
+    except ValueError as error:
+        assert "Nope" in str(error)
+    else:
+        raise AssertionError("an unknown invariant must be refused")
+
+
+def test_max_states_bounds_a_run():
+    try:
+        check(Model(**BASES["default"]), max_states=1000)
+    except RuntimeError as error:
+        assert "1000" in str(error)
+    else:
+        raise AssertionError("max_states must stop the run")
+
+
+def test_reserve_is_refused_for_a_prompt_longer_than_the_decode_pool():
+    m = Model(bugs={"PoolBelowContext"}, requests=1, max_prompt_pages=3, context_pages=3,
+              prefill_pages=3, decode_pages=2)
+    s = apply(m, initial_state(m), core.Arrive(0, 3))
+    assert "longer than the decode pool" in apply(m, s, Reserve(0, (0, 1))).reason
+    assert not isinstance(apply(m, s, core.DecodeReject(0)), core.Refusal)

@@ -1,0 +1,94 @@
+"""The kvproof command line, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from api.cli import main
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["check", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_default_model_holds_every_property_and_pins_exact_counts(capsys):
+    """The README's main job: `kvproof check` on the default model (no symmetry)."""
+    code, out, err = run_cli(capsys)
+    assert code == 0, out + err
+    assert "No error has been found" in out
+    assert "2357447 states generated, 870620 distinct states found, 0 states left on queue" in out
+    assert "depth of the complete state graph search is 27" in out
+    assert "liveness (EveryRequestEnds, PagesComeBack)" in out
+    assert "Progress:" in err
+
+
+def test_incident_prints_the_leak_trace_and_writes_itf(capsys, tmp_path):
+    trace = tmp_path / "incident.itf.json"
+    code, out, _ = run_cli(capsys, "--model", "incident", "--trace-out", str(trace))
+    assert code == 1
+    assert "Invariant OkIsClean is violated." in out
+    assert "has 18 steps" in out
+    assert 'client[r2]: "Waiting" -> "Ok"' in out or 'client[r1]: "Waiting" -> "Ok"' in out
+    assert re.search(r"leaked: \{\} -> \{r[12]\}", out)
+    assert out.rstrip().endswith("counterexample of 18 steps.")
+    itf = json.loads(trace.read_text())
+    assert len(itf["states"]) == 19
+    assert itf["states"][0]["#meta"]["action"] == "Init"
+    assert itf["states"][-1]["#meta"]["action"] == "Finish"
+    assert itf["vars"][0] == "client" and "writes" in itf["vars"]
+    assert itf["states"][-1]["leaked"]["#set"] in (["r1"], ["r2"])
+
+
+def test_bug_flags_add_switches_to_a_model(capsys):
+    code, out, _ = run_cli(capsys, "--model", "solo", "--bug", "NoAbortNotice",
+                           "--bug", "NoTimeout")
+    assert code == 1
+    assert "Error: NoLeakAtRest is violated (deadlock); counterexample of 3 steps." in out
+
+
+def test_list_bugs_names_every_switch(capsys):
+    code, out, _ = run_cli(capsys, "--list-bugs")
+    assert code == 0
+    assert len(out.strip().splitlines()) == 11
+    assert out.startswith("FinishedNotRejected")
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--model", "nope"), "no model 'nope'"),
+    (("--model", "solo", "--bug", "Bogus"), "unknown bug switch"),
+    (("--model", "solo", "--invariant", "Bogus"), "unknown invariant"),
+])
+def test_bad_input_is_a_clear_error_with_exit_2(capsys, args, message):
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2
+    assert message in err
+
+
+def test_unreadable_cfg_names_the_line(capsys, tmp_path):
+    bad = tmp_path / "bad.cfg"
+    bad.write_text("CONSTANTS\n  Requests = {r1}\n  NoReq = NoReq\n  MaxPromptPages = [1]\n")
+    code, _, err = run_cli(capsys, "--model", str(bad))
+    assert code == 2
+    assert "bad.cfg:4" in err
+
+
+def test_missing_constant_is_a_clear_error(capsys, tmp_path):
+    cfg = tmp_path / "partial.cfg"
+    cfg.write_text("CONSTANTS\n  Requests = {r1}\n  NoReq = NoReq\n  Bugs = {}\n")
+    code, _, err = run_cli(capsys, "--model", str(cfg))
+    assert code == 2
+    assert "MaxPromptPages is not set" in err
+
+
+def test_installed_entry_point_runs():
+    out = subprocess.run([sys.executable, "-m", "api.cli", "check", "--model", "solo"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "987 distinct states found" in out.stdout
