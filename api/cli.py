@@ -17,7 +17,7 @@ from spec.checker import Checker
 from spec.itf import write_itf
 from spec.model import BUG_SWITCHES, ModelError
 from spec.properties import LIVENESS, REST_INVARIANTS, STATE_INVARIANTS
-from spec.report import format_summary, format_trace
+from spec.report import format_coverage, format_summary, format_trace
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
 
@@ -84,6 +84,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     if result.violation is None:
         print("Model checking completed. No error has been found.")
         print(format_summary(result))
+        if args.coverage:
+            print(format_coverage(result))
         return EXIT_OK
     violation = result.violation
     print(f"Error: {format_trace(model, violation)}")
@@ -112,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--trace-out", metavar="FILE", help="write a counterexample as ITF JSON")
     check.add_argument("--max-states", type=int, default=None, metavar="N",
                        help="stop with an error beyond N distinct states")
+    check.add_argument("--coverage", action="store_true",
+                       help="print how often each action fired (flags actions never enabled)")
     check.add_argument("--list-bugs", action="store_true", help="list the bug switches")
     check.add_argument("--list-models", action="store_true", help="list the shipped models")
     check.set_defaults(func=cmd_check)

@@ -56,7 +56,9 @@ class CheckResult:
     rest_states: int = 0
     edges: int = 0
     left_on_queue: int = 0
+    # Per action: distinct states it discovered first, and transitions it generated.
     action_counts: dict[str, int] = field(default_factory=dict)
+    action_transitions: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -163,6 +165,7 @@ class Checker:
         successors = core.successors
         key = self._key
         action_counts: dict[str, int] = {}
+        transitions: dict[str, int] = {}
         while queue and result.violation is None:
             s = queue.popleft()
             here = expanded
@@ -173,7 +176,9 @@ class Checker:
             for event, nxt in successors(m, s):
                 any_enabled = True
                 generated += 1
-                if not fair_enabled and event.action not in core.UNFAIR_ACTIONS:
+                name = event.action
+                transitions[name] = transitions.get(name, 0) + 1
+                if not fair_enabled and name not in core.UNFAIR_ACTIONS:
                     fair_enabled = True
                 k = key(nxt)
                 j = index_of.get(k)
@@ -186,7 +191,6 @@ class Checker:
                     if self.symmetry:
                         nxt = canonical(nxt)
                     queue.append(nxt)
-                    name = event.action
                     action_counts[name] = action_counts.get(name, 0) + 1
                     failed = self._first_failure(self.state_checks, nxt)
                     if failed:
@@ -217,6 +221,7 @@ class Checker:
         result.states_generated = generated
         result.depth = max(depths) if depths else 0
         result.action_counts = action_counts
+        result.action_transitions = transitions
         if result.violation is None and graph is not None:
             result.edges = len(graph.targets)
             cycle = graph.find_cycle(len(parents))

@@ -47,3 +47,17 @@ def format_summary(result: CheckResult) -> str:
         f"{result.collision_probability:.1E}.",
     ]
     return "\n".join(lines)
+
+
+def format_coverage(result: CheckResult) -> str:
+    """TLC-style action coverage; an action that never fires is flagged, since a guard that
+    can never be exercised proves nothing."""
+    from spec.core import ACTION_NAMES
+
+    lines = ["Action coverage (distinct states found first by the action / transitions):"]
+    for name in ACTION_NAMES:
+        found = result.action_counts.get(name, 0)
+        fired = result.action_transitions.get(name, 0)
+        flag = "   <-- never enabled" if fired == 0 else ""
+        lines.append(f"  {name:<14} {found:>10,} / {fired:>10,}{flag}")
+    return "\n".join(lines)

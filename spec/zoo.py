@@ -4,7 +4,7 @@ Guards mask each other, so a bug of the zoo is an *entry*: the smallest set of s
 reproduces the real failure, on a model, for the properties that failure violates. For each
 switch alone the table says either which property it breaks, or which guard masks it and the
 entry that shows the switch failing once that guard is gone too. The tests pin every number
-here; `python -m spec.zoo --write` regenerates the .cfg files of spec/ from this table, so
+here; `python -m spec.zoo --write` regenerates spec/models/*.cfg from this table, so
 constants and switch sets are written once (tests check the files match).
 """
 
@@ -30,6 +30,10 @@ BASES: dict[str, dict[str, int]] = {
     # timeout *masks* becomes visible.
     "solo": dict(requests=1, max_prompt_pages=3, context_pages=3, prefill_pages=2,
                  decode_pages=3),
+    # One request with prompts longer than either pool: with the startup check off
+    # (PoolBelowContext) both reject paths, prefill and decode, carry the load.
+    "wide": dict(requests=1, max_prompt_pages=4, context_pages=4, prefill_pages=2,
+                 decode_pages=3),
     # Three requests for the benchmark and scheduled runs.
     "large": dict(requests=3, max_prompt_pages=2, context_pages=2, prefill_pages=1,
                   decode_pages=2),
@@ -38,6 +42,7 @@ BASE_NOTES = {
     "default": "The default model: 2 requests, pools of 2 (prefill) and 3 (decode) pages, "
                "prompts of 1..3 pages.",
     "solo": "One request: no pool pressure. Used to show what the decode timeout masks.",
+    "wide": "One request, prompts up to 4 pages, pools of 2 (prefill) and 3 (decode) pages.",
     "large": "Three requests, pools of 1 and 2 pages: the larger model (bench/, scheduled runs).",
 }
 
@@ -96,6 +101,14 @@ ENTRIES: tuple[Entry, ...] = (
                 "the queued prefill will never send: the pools deadlock."),
 )
 ENTRY_BY_NAME = {e.name: e for e in ENTRIES}
+
+# Models that must hold although a switch is on: the guards behind it carry the load, and
+# the tests check that the actions of those guards actually fire.
+HOLDS: tuple[tuple[str, str, frozenset[str], tuple[str, ...], str], ...] = (
+    ("reject-paths", "wide", frozenset({"PoolBelowContext"}), ("Reject", "DecodeReject"),
+     "Without the startup check, prompts longer than the prefill pool and longer than the "
+     "decode pool reach the workers; their reject paths end them with a clear error."),
+)
 
 
 @dataclass(frozen=True)
@@ -188,6 +201,8 @@ def generated_cfgs() -> dict[str, str]:
         files[f"bug-{switch}.cfg"] = cfg_text(
             "default", frozenset({switch}), None,
             f"Bug switch {switch} alone ({seen}): {what}. Removes the guard: {guard}.")
+    for name, base, bugs, _, story in HOLDS:
+        files[f"{name}.cfg"] = cfg_text(base, bugs, None, story)
     for entry in ENTRIES:
         files[_entry_file(entry)] = cfg_text(entry.base, entry.bugs, entry.invariants,
                                                   f"Zoo entry {entry.name}: {entry.story}")
@@ -209,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"out of date: {', '.join(stale)} (run python -m spec.zoo --write)",
               file=sys.stderr)
         return 1
-    print("spec/*.cfg " + ("written" if args.write else "up to date"))
+    print("spec/models/*.cfg " + ("written" if args.write else "up to date"))
     return 0
 
 
