@@ -131,6 +131,11 @@ def _put(rows: tuple, r: int, row: tuple) -> tuple:
     return rows[:r] + (row,) + rows[r + 1:]
 
 
+def _with_row(s: State, r: int, row: tuple) -> State:
+    """The state with request r's row replaced and the pools untouched."""
+    return State(_put(s.requests, r, row), s.decode_pool, s.prefill_pool, s.writes)
+
+
 def _writes_of(s: State, r: int) -> bool:
     for w in s.writes:
         if w[0] == r:
@@ -167,7 +172,7 @@ def arrive(m: Model, s: State, r: int, n: int) -> State | str:
         row = _row(row, CLIENT, ERR_TOO_LONG, PROMPT, n)
     else:
         row = _row(row, CLIENT, WAITING, PROMPT, n, PST, QUEUED, BOOT, 1)
-    return State(_put(s.requests, r, row), s.decode_pool, s.prefill_pool, s.writes)
+    return _with_row(s, r, row)
 
 
 def _admit_need(m: Model, row: tuple) -> int | str:
@@ -220,7 +225,7 @@ def reject(m: Model, s: State, r: int) -> State | str:
     if "FinishedNotRejected" in m.bugs:
         return "with FinishedNotRejected the prefill admits a placeholder instead"
     row = _row(row, PST, REJECTED, FW, MSG_REJECT, CLIENT, _client_error(row, ERR_TOO_LONG))
-    return State(_put(s.requests, r, row), s.decode_pool, s.prefill_pool, s.writes)
+    return _with_row(s, r, row)
 
 
 def send_page(m: Model, s: State, r: int) -> State | str:
@@ -316,7 +321,7 @@ def answer_cancel(m: Model, s: State, r: int) -> State | str:
     if word is None:
         return f"the prefill state is {PREFILL_NAMES[row[PST]]}: it has no final word yet"
     row = _row(row, CANCEL, 0, FW, word)
-    return State(_put(s.requests, r, row), s.decode_pool, s.prefill_pool, s.writes)
+    return _with_row(s, r, row)
 
 
 def _reserve_need(m: Model, row: tuple) -> int | str:
@@ -359,7 +364,7 @@ def decode_reject(m: Model, s: State, r: int) -> State | str:
     cancel = row[CANCEL] if "NoCancel" in m.bugs else 1
     row = _row(row, BOOT, 0, DST, CLOSING, CANCEL, cancel,
                CLIENT, _client_error(row, ERR_TOO_LONG))
-    return State(_put(s.requests, r, row), s.decode_pool, s.prefill_pool, s.writes)
+    return _with_row(s, r, row)
 
 
 def drop_bootstrap(m: Model, s: State, r: int) -> State | str:
@@ -368,8 +373,7 @@ def drop_bootstrap(m: Model, s: State, r: int) -> State | str:
         return "no bootstrap is in flight"
     if row[DST] != TOMB:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not Tomb"
-    return State(_put(s.requests, r, _row(row, BOOT, 0)), s.decode_pool, s.prefill_pool,
-                 s.writes)
+    return _with_row(s, r, _row(row, BOOT, 0))
 
 
 def _transfer_fault(m: Model, s: State, r: int, row: tuple) -> bool:
@@ -412,7 +416,7 @@ def accept(m: Model, s: State, r: int) -> State | str:
             row = _row(row, FW, NO_MSG, DST, DECODING, DFW, 1)
     else:
         row = _receive_final_word(m, s, r, row)
-    return State(_put(s.requests, r, row), s.decode_pool, s.prefill_pool, s.writes)
+    return _with_row(s, r, row)
 
 
 def notice(m: Model, s: State, r: int) -> State | str:
@@ -420,7 +424,7 @@ def notice(m: Model, s: State, r: int) -> State | str:
     if row[FW] != MSG_REJECT and row[FW] != MSG_ABORT:
         return "no Reject or Abort is in flight"
     row = _receive_final_word(m, s, r, row)
-    return State(_put(s.requests, r, row), s.decode_pool, s.prefill_pool, s.writes)
+    return _with_row(s, r, row)
 
 
 def finish(m: Model, s: State, r: int) -> State | str:
@@ -446,8 +450,7 @@ def abort(m: Model, s: State, r: int) -> State | str:
     row = s.requests[r]
     if row[CLIENT] != WAITING:
         return f"the client is {CLIENT_NAMES[row[CLIENT]]}, not Waiting"
-    return State(_put(s.requests, r, _row(row, CLIENT, GONE)), s.decode_pool, s.prefill_pool,
-                 s.writes)
+    return _with_row(s, r, _row(row, CLIENT, GONE))
 
 
 def decode_abort(m: Model, s: State, r: int) -> State | str:
@@ -458,7 +461,7 @@ def decode_abort(m: Model, s: State, r: int) -> State | str:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not Waiting or Decoding"
     cancel = row[CANCEL] if row[DFW] or "NoCancel" in m.bugs else 1
     row = _row(row, DST, CLOSING, CANCEL, cancel)
-    return State(_put(s.requests, r, row), s.decode_pool, s.prefill_pool, s.writes)
+    return _with_row(s, r, row)
 
 
 def timeout(m: Model, s: State, r: int) -> State | str:
@@ -469,7 +472,7 @@ def timeout(m: Model, s: State, r: int) -> State | str:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not Waiting"
     cancel = row[CANCEL] if "NoCancel" in m.bugs else 1
     row = _row(row, DST, CLOSING, CANCEL, cancel, CLIENT, _client_error(row, ERR_TIMEOUT))
-    return State(_put(s.requests, r, row), s.decode_pool, s.prefill_pool, s.writes)
+    return _with_row(s, r, row)
 
 
 def release(m: Model, s: State, r: int) -> State | str:
