@@ -43,6 +43,7 @@ CONSTANTS
     ContextPages,    \* context the deployment is configured to advertise, in pages
     PrefillPages,    \* size of the prefill KV pool, in pages
     DecodePages,     \* size of the decode KV pool, in pages
+    Crashes,         \* whether the prefill worker may crash and restart (BOOLEAN)
     Bugs             \* the bug switches that are on (a set of strings)
 
 BugNames == {"FinishedNotRejected", "NoCountCheck", "EagerRelease", "SourceReuse",
@@ -55,6 +56,7 @@ ASSUME /\ NoReq \notin Requests
        /\ ContextPages \in Nat \ {0}
        /\ PrefillPages \in Nat \ {0}
        /\ DecodePages \in Nat \ {0}
+       /\ Crashes \in BOOLEAN
 
 PPages == 1..PrefillPages
 DPages == 1..DecodePages
@@ -248,6 +250,24 @@ PrefillFail(r) ==
     /\ client[r] = "Waiting"
     /\ StopPrefill(r, "ErrPrefill")
 
+(* The prefill dies and restarts empty. Its queued and running requests are lost (their  *)
+(* clients see an error), its pool is free again and the writes it had posted are        *)
+(* flushed with its queue pairs. It sends no notice: decode learns by timing out, and the *)
+(* restarted prefill answers the cancel with Abort. Cancels in flight reach the restarted *)
+(* prefill (decode re-sends outstanding cancels when the prefill reconnects).             *)
+Active(r) == pst[r] \in {"Queued", "Running"}
+
+PrefillCrash ==
+    /\ Crashes
+    /\ \E r \in Requests : Active(r)
+    /\ pst' = [r \in Requests |-> IF Active(r) THEN "Aborted" ELSE pst[r]]
+    /\ client' = [r \in Requests |-> IF Active(r) THEN ClientError(r, "ErrPrefill")
+                                                  ELSE client[r]]
+    /\ powner' = [p \in PPages |-> NoReq]
+    /\ writes' = {}
+    /\ UNCHANGED <<prompt, sent, src, dst, table, boot, fwMsg, dfw, cancel, leaked, owner,
+                   gen, content, pdata>>
+
 FinalWordOf(s) == CASE s = "Done" -> "Done"
                     [] s = "Rejected" -> "Reject"
                     [] s = "Aborted" -> "Abort"
@@ -385,8 +405,8 @@ Release(r) ==
                    gen, content, powner, pdata, writes>>
 
 -----------------------------------------------------------------------------
-(* The protocol's own actions are taken fairly; arrivals, client aborts and prefill    *)
-(* faults are the environment's.                                                       *)
+(* The protocol's own actions are taken fairly; arrivals, client aborts, prefill        *)
+(* failures and crashes are the environment's.                                         *)
 
 FairNext ==
     \E r \in Requests :
@@ -401,6 +421,7 @@ Next ==
     \/ \E w \in writes : LandWrite(w)
     \/ \E r \in Requests : \E n \in 1..MaxPromptPages : Arrive(r, n)
     \/ \E r \in Requests : Abort(r) \/ PrefillFail(r)
+    \/ PrefillCrash
 
 (* A write that is posted eventually lands: LandWrite is fair too. *)
 Progress == FairNext \/ \E w \in writes : LandWrite(w)

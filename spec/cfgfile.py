@@ -167,6 +167,9 @@ def model_from_cfg(cfg: CfgFile, name: str) -> Model:
         raise CfgError(f"{cfg.path}: Bugs must be a set of strings")
     if cfg.specification not in (None, "Spec", "FairSpec"):
         raise CfgError(f"{cfg.path}: SPECIFICATION must be Spec or FairSpec")
+    crashes = cfg.constants.get("Crashes")
+    if not isinstance(crashes, bool):
+        raise CfgError(f"{cfg.path}: Crashes must be TRUE or FALSE")
     names = tuple(sorted(r.name for r in requests))
     try:
         return Model(
@@ -176,6 +179,7 @@ def model_from_cfg(cfg: CfgFile, name: str) -> Model:
             prefill_pages=_int_constant(cfg, "PrefillPages"),
             decode_pages=_int_constant(cfg, "DecodePages"),
             bugs=frozenset(bugs),
+            crashes=crashes,
             name=name,
             request_names=names,
         )

@@ -495,27 +495,60 @@ def release(m: Model, s: State, r: int) -> State | str:
     return State(_put(s.requests, r, row), tuple(new_pool), s.prefill_pool, s.writes)
 
 
+def prefill_crash(m: Model, s: State) -> State | str:
+    """The prefill dies and restarts empty. Its queued and running requests are lost (their
+    clients see an error), its pool is free again, and the writes it had posted are flushed
+    with its queue pairs. It sends no notice: decode learns by timing out, and the restarted
+    prefill answers the cancel with Abort. Cancels in flight reach the restarted prefill
+    (decode re-sends outstanding cancels when the prefill reconnects)."""
+    if not m.crashes:
+        return "this model has no prefill crashes (Crashes = FALSE)"
+    rows = list(s.requests)
+    lost = False
+    for r, row in enumerate(rows):
+        if row[PST] == QUEUED or row[PST] == RUNNING:
+            rows[r] = _row(row, PST, ABORTED, CLIENT, _client_error(row, ERR_PREFILL))
+            lost = True
+    if not lost:
+        return "no request is queued or running at the prefill: a crash loses nothing"
+    pool = tuple((NONE, data) for _, data in s.prefill_pool)
+    return State(tuple(rows), s.decode_pool, pool, ())
+
+
 # ---------------------------------------------------------------------------------------
 # Events: one type per TLA+ action, with the same name.
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    request: int
+    """An event the core is asked to take; its type name is the TLA+ action's name."""
 
     @property
     def action(self) -> str:
         return type(self).__name__
 
     def label(self, m: Model | None = None) -> str:
-        name = m.request_names[self.request] if m else f"r{self.request + 1}"
-        return f"{self.action}({name})"
+        return self.action
 
     def __str__(self) -> str:
         return self.label()
 
 
 @dataclass(frozen=True, slots=True)
-class Arrive(Event):
+class RequestEvent(Event):
+    request: int
+
+    def label(self, m: Model | None = None) -> str:
+        name = m.request_names[self.request] if m else f"r{self.request + 1}"
+        return f"{self.action}({name})"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCrash(Event):
+    """The prefill worker dies and restarts empty (a fault)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Arrive(RequestEvent):
     prompt_pages: int
 
     def label(self, m: Model | None = None) -> str:
@@ -524,7 +557,7 @@ class Arrive(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class Admit(Event):
+class Admit(RequestEvent):
     """Prefill allocates these source pages and computes the prompt's KV into them."""
 
     pages: tuple  # prefill pages, 0-based, ascending
@@ -534,7 +567,7 @@ class Admit(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class Reserve(Event):
+class Reserve(RequestEvent):
     """Decode takes the bootstrap and reserves these pages, each with a fresh tag."""
 
     pages: tuple  # decode pages, 0-based, ascending
@@ -543,14 +576,14 @@ class Reserve(Event):
         return _pages_label(self, m)
 
 
-def _pages_label(event: Event, m: Model | None) -> str:
+def _pages_label(event: RequestEvent, m: Model | None) -> str:
     name = m.request_names[event.request] if m else f"r{event.request + 1}"
     pages = "{" + ", ".join(str(p + 1) for p in event.pages) + "}"
     return f"{event.action}({name}, {pages})"
 
 
 @dataclass(frozen=True, slots=True)
-class LandWrite(Event):
+class LandWrite(RequestEvent):
     page: int  # the decode page the write lands in (0-based)
 
     def label(self, m: Model | None = None) -> str:
@@ -559,7 +592,7 @@ class LandWrite(Event):
 
 
 def _simple(name: str, doc: str) -> type:
-    cls = dataclass(frozen=True, slots=True)(type(name, (Event,), {"__doc__": doc}))
+    cls = dataclass(frozen=True, slots=True)(type(name, (RequestEvent,), {"__doc__": doc}))
     cls.__module__ = __name__
     return cls
 
@@ -585,14 +618,14 @@ ACTIONS: dict[type, Callable] = {
     SendDone: send_done, PrefillAbort: prefill_abort, PrefillFail: prefill_fail,
     AnswerCancel: answer_cancel, Reserve: reserve, DecodeReject: decode_reject,
     DropBootstrap: drop_bootstrap, Accept: accept, Notice: notice, Finish: finish, Abort: abort,
-    DecodeAbort: decode_abort, Timeout: timeout, Release: release,
+    DecodeAbort: decode_abort, Timeout: timeout, Release: release, PrefillCrash: prefill_crash,
 }
 ACTION_NAMES = tuple(cls.__name__ for cls in ACTIONS)
 # Environment and fault actions; the rest are the protocol's own and are taken fairly.
-UNFAIR_ACTIONS = frozenset({"Arrive", "Abort", "PrefillFail"})
+UNFAIR_ACTIONS = frozenset({"Arrive", "Abort", "PrefillFail", "PrefillCrash"})
 # Per-request actions with no argument besides the request, in enumeration order.
 _SIMPLE_ACTIONS = tuple((cls, fn) for cls, fn in ACTIONS.items()
-                        if cls not in (Arrive, LandWrite, Admit, Reserve))
+                        if cls not in (Arrive, LandWrite, Admit, Reserve, PrefillCrash))
 
 
 # ---------------------------------------------------------------------------------------
@@ -606,6 +639,9 @@ def apply(m: Model, s: State, event: Event) -> Result:
     fn = ACTIONS.get(type(event))
     if fn is None:
         raise ProtocolMisuse(f"{event!r} is not a protocol event")
+    if isinstance(event, PrefillCrash):
+        out = fn(m, s)
+        return Refusal(event, out) if type(out) is str else out
     if not 0 <= event.request < m.requests:
         raise ProtocolMisuse(f"request {event.request} does not exist (model has {m.requests})")
     if isinstance(event, Arrive):
@@ -686,6 +722,12 @@ def successors(m: Model, s: State) -> Iterator[tuple[Event, State]]:
                 yield event, out
     for w in s.writes:
         yield cache.land[w[0]][w[2]], land_write(m, s, w[0], w[2])
+    out = prefill_crash(m, s)
+    if type(out) is not str:
+        yield _CRASH, out
+
+
+_CRASH = PrefillCrash()
 
 
 def enabled_events(m: Model, s: State) -> list[Event]:

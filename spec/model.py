@@ -89,6 +89,7 @@ class Model:
     prefill_pages: int = 2
     decode_pages: int = 3
     bugs: frozenset[str] = field(default_factory=frozenset)
+    crashes: bool = False  # whether the prefill worker may crash and restart
     name: str = "custom"
     request_names: tuple[str, ...] = ()
 
@@ -109,6 +110,8 @@ class Model:
             raise ModelError(f"requests={self.requests}: explicit-state checking beyond 6 is hopeless")
         if self.request_names and len(self.request_names) != self.requests:
             raise ModelError("request_names must name every request")
+        if not isinstance(self.crashes, bool):
+            raise ModelError(f"crashes must be TRUE or FALSE, got {self.crashes!r}")
         object.__setattr__(self, "bugs", frozenset(self.bugs))
         if not self.request_names:
             names = tuple(f"r{i + 1}" for i in range(self.requests))
@@ -129,6 +132,7 @@ class Model:
             prefill_pages=self.prefill_pages,
             decode_pages=self.decode_pages,
             bugs=frozenset(bugs),
+            crashes=self.crashes,
             name=name or self.name,
             request_names=self.request_names,
         )
@@ -138,5 +142,6 @@ class Model:
         return (
             f"model {self.name}: {self.requests} requests, prompts 1..{self.max_prompt_pages} pages, "
             f"context {self.context_pages} (advertised {self.advertised_context_pages}), "
-            f"prefill pool {self.prefill_pages}, decode pool {self.decode_pages} pages; bugs: {bugs}"
+            f"prefill pool {self.prefill_pages}, decode pool {self.decode_pages} pages"
+            f"{', prefill crashes' if self.crashes else ''}; bugs: {bugs}"
         )

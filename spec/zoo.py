@@ -34,6 +34,12 @@ BASES: dict[str, dict[str, int]] = {
     # (PoolBelowContext) both reject paths, prefill and decode, carry the load.
     "wide": dict(requests=1, max_prompt_pages=4, context_pages=4, prefill_pages=2,
                  decode_pages=3),
+    # The default model with prefill crashes: the decode timeout and the restarted prefill's
+    # answer to a cancel must bring every page back.
+    "crash": dict(requests=2, max_prompt_pages=3, context_pages=3, prefill_pages=2,
+                  decode_pages=3, crashes=True),
+    "solo-crash": dict(requests=1, max_prompt_pages=3, context_pages=3, prefill_pages=2,
+                       decode_pages=3, crashes=True),
     # Three requests for the benchmark and scheduled runs.
     "large": dict(requests=3, max_prompt_pages=2, context_pages=2, prefill_pages=1,
                   decode_pages=2),
@@ -43,6 +49,8 @@ BASE_NOTES = {
                "prompts of 1..3 pages.",
     "solo": "One request: no pool pressure. Used to show what the decode timeout masks.",
     "wide": "One request, prompts up to 4 pages, pools of 2 (prefill) and 3 (decode) pages.",
+    "crash": "The default model, and the prefill may crash and restart empty at any moment.",
+    "solo-crash": "One request, and the prefill may crash and restart empty at any moment.",
     "large": "Three requests, pools of 1 and 2 pages: the larger model (bench/, scheduled runs).",
 }
 
@@ -96,6 +104,9 @@ ENTRIES: tuple[Entry, ...] = (
           base="solo",
           story="The final word overtakes the bootstrap; decode forgets it and reserves "
                 "pages nobody will ever transfer into."),
+    Entry("dead-prefill", frozenset({"NoTimeout"}), "NoLeakAtRest", 3, base="solo-crash",
+          story="vLLM #35943 as it happens in the field: the prefill dies mid-request, "
+                "nobody tells decode, and without a timeout decode holds its pages forever."),
     Entry("no-cancel", frozenset({"NoCancel"}), "NoLeakAtRest", 5,
           story="Decode times out without telling the prefill, then waits for a final word "
                 "the queued prefill will never send: the pools deadlock."),
@@ -169,6 +180,7 @@ def cfg_text(base: str, bugs: frozenset[str], invariants: tuple[str, ...] | None
         f"    ContextPages = {consts['context_pages']}",
         f"    PrefillPages = {consts['prefill_pages']}",
         f"    DecodePages = {consts['decode_pages']}",
+        f"    Crashes = {'TRUE' if consts.get('crashes') else 'FALSE'}",
         f"    Bugs = {{{bug_set}}}",
         "SPECIFICATION FairSpec",
         "INVARIANTS",

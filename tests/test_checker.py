@@ -162,3 +162,10 @@ def test_reject_paths_model_holds_and_exercises_both_reject_paths():
         assert result.distinct_states == 1102
         for action in actions:
             assert result.action_counts.get(action, 0) > 0, f"{action} never fired in {name}"
+
+
+def test_crash_models_hold_with_exact_counts():
+    assert checked("solo-crash", frozenset(), symmetry=False).distinct_states == 1384
+    result = checked("crash", frozenset())
+    assert result.ok and result.liveness_checked
+    assert result.distinct_states == 796999

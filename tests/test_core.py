@@ -117,6 +117,7 @@ def _brute_force(m: Model, s):
             out += [Reserve(r, pages) for pages in combinations(range(m.decode_pages), k)]
         out += [LandWrite(r, p) for p in range(m.decode_pages)]
         out += [cls(r) for cls, _ in core._SIMPLE_ACTIONS]
+    out.append(core.PrefillCrash())
     enabled = {}
     for event in out:
         nxt = apply(m, s, event)
@@ -125,9 +126,9 @@ def _brute_force(m: Model, s):
     return enabled
 
 
-@pytest.mark.parametrize("base, bugs", [("solo", frozenset()), ("solo", frozenset(
+@pytest.mark.parametrize("base, bugs", [("solo-crash", frozenset()), ("solo", frozenset(
     {"PoolBelowContext", "FinishedNotRejected", "EagerRelease", "NoTombstone"})),
-    ("default", frozenset({"SourceReuse", "NoGenBump"}))])
+    ("crash", frozenset({"SourceReuse", "NoGenBump"}))])
 def test_successors_equal_apply_over_the_whole_alphabet(base, bugs):
     """The fast enumeration misses nothing and invents nothing, on every reachable state
     (up to a bound for the two-request model)."""
@@ -159,3 +160,20 @@ def test_finished_not_rejected_swaps_an_overlong_prompt_for_one_page():
     s = run(m, Arrive(0, 3), Admit(0, (0,)))
     assert s.requests[0][core.SRC] == (0,)
     assert core.CLIENT_NAMES[s.requests[0][core.CLIENT]] == "Waiting"
+
+
+def test_prefill_crash_loses_running_requests_and_flushes_their_writes():
+    m = Model(**BASES["solo-crash"])
+    s = run(m, Arrive(0, 2), Admit(0, (0, 1)), Reserve(0, (0, 1)), SendPage(0))
+    s = apply(m, s, core.PrefillCrash())
+    row = s.requests[0]
+    assert core.PREFILL_NAMES[row[core.PST]] == "Aborted"
+    assert core.CLIENT_NAMES[row[core.CLIENT]] == "ErrPrefill"
+    assert s.writes == () and all(owner == core.NONE for owner, _ in s.prefill_pool)
+    # Nothing left to lose: a second crash is refused, and models without crashes refuse it.
+    assert isinstance(apply(m, s, core.PrefillCrash()), Refusal)
+    assert "Crashes = FALSE" in apply(DEFAULT, initial_state(DEFAULT), core.PrefillCrash()).reason
+    # Decode learns by timing out; the restarted prefill answers the cancel with Abort.
+    s = run(m, Arrive(0, 1), Reserve(0, (0,)), core.PrefillCrash(), Timeout(0), AnswerCancel(0),
+            Notice(0), Release(0))
+    assert all(page[core.OWNER] == core.NONE for page in s.decode_pool)
