@@ -2,6 +2,7 @@
 
     kvproof check [--model NAME|FILE] [--bug NAME ...] [--symmetry] [--trace-out FILE]
     kvproof check --list-bugs | --list-models
+    kvproof validate TRACE [--model NAME|FILE] [--bug NAME ...]
 
 Exit status: 0 when every property holds, 1 when one is violated (the message names it),
 2 for bad input (an unknown model, switch or property, an unreadable .cfg).
@@ -70,6 +71,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     except (CfgError, ModelError) as error:
         print(f"kvproof check: {error}", file=sys.stderr)
         return EXIT_USAGE
+    if args.tlc:
+        return _check_with_tlc(model, invariants, tuple(cfg.properties) if liveness else ())
     print(model.describe())
     print(f"Checking {', '.join(invariants)}"
           + (f"; liveness ({', '.join(LIVENESS)}) by acyclicity + rest invariants"
@@ -99,6 +102,54 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EXIT_VIOLATION
 
 
+def _check_with_tlc(model, invariants: tuple[str, ...], properties: tuple[str, ...]) -> int:
+    from spec.tlc import find_tlc, run_tlc
+
+    found = find_tlc()
+    if isinstance(found, str):
+        print(f"kvproof check --tlc: {found}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"{model.describe()}\nRunning TLC (1 worker) on the same model ...", flush=True)
+    result = run_tlc(model, ("TypeOK",) + tuple(i for i in invariants if i != "TypeOK"),
+                     properties)
+    print(f"TLC: {result.states_generated} states generated, {result.distinct_states} distinct "
+          f"states found, depth {result.depth}, {result.seconds:.1f} s")
+    if result.ok:
+        print("TLC: Model checking completed. No error has been found.")
+        return EXIT_OK
+    print(result.output[-4000:])
+    print(f"Error: TLC reports {result.violation or 'an error'}")
+    return EXIT_VIOLATION
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from spec.itf import model_from_meta
+    from spec.validate import TraceError, load_trace, validate
+
+    try:
+        trace = load_trace(args.trace)
+        meta = trace.get("#meta", {}).get("model")
+        if args.model:
+            _, model = load(args.model)
+        elif meta:
+            model = model_from_meta(meta)
+        else:
+            raise TraceError(f"{args.trace} does not say which model it belongs to; "
+                             "pass --model NAME|FILE")
+        if args.bug:
+            unknown = [b for b in args.bug if b not in BUG_SWITCHES]
+            if unknown:
+                raise CfgError(f"unknown bug switch(es) {unknown}; see kvproof check --list-bugs")
+            model = model.with_bugs(model.bugs | set(args.bug))
+    except (TraceError, CfgError, ModelError, KeyError, TypeError) as error:
+        print(f"kvproof validate: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    verdict = validate(model, trace)
+    print(f"{model.describe()}")
+    print(verdict.message)
+    return EXIT_OK if verdict.ok else EXIT_VIOLATION
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvproof", description="Safe KV-cache transfer for "
                                      "disaggregated LLM serving.")
@@ -114,11 +165,21 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--trace-out", metavar="FILE", help="write a counterexample as ITF JSON")
     check.add_argument("--max-states", type=int, default=None, metavar="N",
                        help="stop with an error beyond N distinct states")
+    check.add_argument("--tlc", action="store_true",
+                       help="run TLC (java + TLA2TOOLS_JAR) on the same model instead")
     check.add_argument("--coverage", action="store_true",
                        help="print how often each action fired (flags actions never enabled)")
     check.add_argument("--list-bugs", action="store_true", help="list the bug switches")
     check.add_argument("--list-models", action="store_true", help="list the shipped models")
     check.set_defaults(func=cmd_check)
+    validate = commands.add_parser("validate", help="check that an ITF trace is a behaviour "
+                                   "of the protocol")
+    validate.add_argument("trace", help="an ITF JSON trace file")
+    validate.add_argument("--model", default=None,
+                          help="the model (default: the one recorded in the trace)")
+    validate.add_argument("--bug", action="append", default=[], metavar="NAME",
+                          help="turn on a bug switch (repeatable)")
+    validate.set_defaults(func=cmd_validate)
     return parser
 
 

@@ -167,17 +167,19 @@ def model_from_cfg(cfg: CfgFile, name: str) -> Model:
         raise CfgError(f"{cfg.path}: Bugs must be a set of strings")
     if cfg.specification not in (None, "Spec", "FairSpec"):
         raise CfgError(f"{cfg.path}: SPECIFICATION must be Spec or FairSpec")
-    crashes = cfg.constants.get("Crashes")
-    if not isinstance(crashes, bool):
-        raise CfgError(f"{cfg.path}: Crashes must be TRUE or FALSE")
     names = tuple(sorted(r.name for r in requests))
+    sizes = {key: _int_constant(cfg, name) for key, name in (
+        ("max_prompt_pages", "MaxPromptPages"), ("context_pages", "ContextPages"),
+        ("prefill_pages", "PrefillPages"), ("decode_pages", "DecodePages"))}
+    if "Crashes" not in cfg.constants:
+        raise CfgError(f"{cfg.path}: constant Crashes is not set")
+    crashes = cfg.constants["Crashes"]
+    if not isinstance(crashes, bool):
+        raise CfgError(f"{cfg.path}: Crashes must be TRUE or FALSE, got {crashes!r}")
     try:
         return Model(
             requests=len(names),
-            max_prompt_pages=_int_constant(cfg, "MaxPromptPages"),
-            context_pages=_int_constant(cfg, "ContextPages"),
-            prefill_pages=_int_constant(cfg, "PrefillPages"),
-            decode_pages=_int_constant(cfg, "DecodePages"),
+            **sizes,
             bugs=frozenset(bugs),
             crashes=crashes,
             name=name,

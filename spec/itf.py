@@ -37,24 +37,47 @@ def content_pair(v: object) -> object:
     return {"#tup": [encode(x) for x in v]}
 
 
+def state_to_itf(m: Model, state: State) -> dict[str, object]:
+    """The ITF values of every variable of the spec in this state."""
+    view = to_tla(m, state)
+    out: dict[str, object] = {}
+    for var in VARIABLES:
+        if var == "content":
+            out[var] = {"#map": [[k, content_pair(x)] for k, x in view[var].items()]}
+        else:
+            out[var] = encode(view[var])
+    return out
+
+
+def model_meta(m: Model) -> dict[str, object]:
+    """The model's constants, so that a trace says which model it is a behaviour of."""
+    return {"Requests": list(m.request_names), "MaxPromptPages": m.max_prompt_pages,
+            "ContextPages": m.context_pages, "PrefillPages": m.prefill_pages,
+            "DecodePages": m.decode_pages, "Crashes": m.crashes, "Bugs": sorted(m.bugs),
+            "name": m.name}
+
+
+def model_from_meta(meta: dict[str, object]) -> Model:
+    return Model(requests=len(meta["Requests"]), max_prompt_pages=meta["MaxPromptPages"],
+                 context_pages=meta["ContextPages"], prefill_pages=meta["PrefillPages"],
+                 decode_pages=meta["DecodePages"], crashes=meta["Crashes"],
+                 bugs=frozenset(meta["Bugs"]), name=str(meta.get("name", "trace")),
+                 request_names=tuple(meta["Requests"]))
+
+
 def trace_to_itf(m: Model, steps: Iterable[tuple[Event | None, State]],
                  description: str = "") -> dict:
     states = []
     for index, (event, state) in enumerate(steps):
-        view = to_tla(m, state)
         item: dict[str, object] = {
             "#meta": {"index": index,
                       "action": event.action if event else "Init",
                       "label": event.label(m) if event else "Init"}}
-        for var in VARIABLES:
-            if var == "content":
-                item[var] = {"#map": [[k, content_pair(x)] for k, x in view[var].items()]}
-            else:
-                item[var] = encode(view[var])
+        item.update(state_to_itf(m, state))
         states.append(item)
     return {
         "#meta": {"format": "ITF", "source": "spec/KVTransfer.tla",
-                  "description": description or m.describe()},
+                  "description": description or m.describe(), "model": model_meta(m)},
         "vars": list(VARIABLES),
         "states": states,
     }

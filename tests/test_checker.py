@@ -145,10 +145,12 @@ def test_reserve_is_refused_for_a_prompt_longer_than_the_decode_pool():
 def test_every_action_fires_in_the_default_model_except_the_reject_paths():
     """Coverage: a guard whose action never fires proves nothing. The default model's
     startup check keeps over-long prompts at the router, so the workers' reject paths are
-    exercised by the reject-paths model instead (next test)."""
+    exercised by the reject-paths model instead (next test); crashes by the crash model."""
     result = checked("default", frozenset())
     never = {a for a in core.ACTION_NAMES if result.action_transitions.get(a, 0) == 0}
-    assert never == {"Reject", "DecodeReject"}
+    assert never == {"Reject", "DecodeReject", "PrefillCrash"}
+    crash = checked("crash", frozenset())
+    assert crash.action_transitions["PrefillCrash"] > 0
 
 
 def test_reject_paths_model_holds_and_exercises_both_reject_paths():

@@ -1,0 +1,136 @@
+"""Trace validation: is a recorded run a behaviour of the protocol?
+
+A trace is ITF JSON (spec/itf.py): a list of states, each with the values of some or all of
+KVTransfer.tla's variables and, in "#meta", the action that produced it. A trace may observe
+only some variables (a simulator or engine sees what it sees); validation then searches for
+a behaviour of the protocol consistent with every observation: it keeps the set of core
+states that match the trace so far and advances it by the steps whose action carries the
+recorded name (and label, when one is recorded) and whose result matches the next recorded
+state. The first step with no such successor is illegal, and the report says what the
+closest candidate differs in.
+
+The steps are taken by the protocol core, which implements KVTransfer.tla action by action;
+the spec ≡ code conformance check (comparing the core's state graph with the one TLC or a
+TLA+ evaluator enumerates from the spec) is what will make "legal for the core" mean
+"legal for KVTransfer.tla" by proof rather than by construction.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from spec import core
+from spec.core import State
+from spec.itf import state_to_itf
+from spec.model import Model
+from spec.tlaview import VARIABLES
+
+FRONTIER_MAX = 200_000  # a bound on the states consistent with a partial observation
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read as an ITF trace of this spec."""
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    steps: int
+    message: str
+    bad_step: int = -1  # index of the first illegal state in the trace
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def normalize(value: object) -> object:
+    """ITF values with sets and maps in a canonical order, so that equal values compare equal."""
+    if isinstance(value, list):
+        return [normalize(v) for v in value]
+    if isinstance(value, dict):
+        if "#set" in value:
+            return {"#set": sorted((normalize(v) for v in value["#set"]), key=json.dumps)}
+        if "#map" in value:
+            pairs = [[normalize(k), normalize(v)] for k, v in value["#map"]]
+            return {"#map": sorted(pairs, key=lambda kv: json.dumps(kv[0]))}
+        if "#bigint" in value:
+            return int(value["#bigint"])
+        return {k: normalize(v) for k, v in sorted(value.items())}
+    return value
+
+
+def load_trace(path: str | Path) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise TraceError(f"cannot read {path}: {error}") from error
+    states = data.get("states") if isinstance(data, dict) else None
+    if not isinstance(states, list) or not states:
+        raise TraceError(f"{path}: not an ITF trace (no 'states' list)")
+    for i, state in enumerate(states):
+        if not isinstance(state, dict):
+            raise TraceError(f"{path}: state {i} is not an object")
+        unknown = set(state) - set(VARIABLES) - {"#meta"}
+        if unknown:
+            raise TraceError(f"{path}: state {i} has variables the spec does not have: "
+                             f"{sorted(unknown)}")
+        if i and not isinstance(state.get("#meta", {}).get("action"), str):
+            raise TraceError(f"{path}: state {i} records no action in #meta")
+    return data
+
+
+def _observed(recorded: dict) -> dict[str, object]:
+    return {k: normalize(v) for k, v in recorded.items() if k != "#meta"}
+
+
+def _differences(m: Model, s: State, observed: dict[str, object]) -> list[str]:
+    actual = state_to_itf(m, s)
+    return [name for name, value in observed.items() if normalize(actual[name]) != value]
+
+
+def _matches(m: Model, s: State, observed: dict[str, object]) -> bool:
+    return not _differences(m, s, observed)
+
+
+def validate(m: Model, trace: dict) -> Verdict:
+    states = trace["states"]
+    first = _observed(states[0])
+    frontier = {core.initial_state(m)}
+    if not _matches(m, core.initial_state(m), first):
+        diff = _differences(m, core.initial_state(m), first)
+        return Verdict(False, 0, f"state 0 is not the initial state: {', '.join(diff)} differ",
+                       bad_step=0)
+    for index in range(1, len(states)):
+        meta = states[index].get("#meta", {})
+        action, label = meta["action"], meta.get("label")
+        observed = _observed(states[index])
+        successors: set[State] = set()
+        closest: tuple[int, str, list[str]] | None = None
+        for s in frontier:
+            for event, nxt in core.successors(m, s):
+                if event.action != action or (label and event.label(m) != label):
+                    continue
+                diff = _differences(m, nxt, observed)
+                if not diff:
+                    successors.add(nxt)
+                elif closest is None or len(diff) < closest[0]:
+                    closest = (len(diff), event.label(m), diff)
+        if not successors:
+            what = label or action
+            if closest is None:
+                why = f"{what} is not enabled in any state consistent with the trace so far"
+            else:
+                why = (f"{closest[1]} is enabled, but its result differs from the recorded "
+                       f"state in {', '.join(closest[2])}")
+            return Verdict(False, index, f"step {index} ({what}) is illegal: {why}",
+                           bad_step=index)
+        if len(successors) > FRONTIER_MAX:
+            return Verdict(False, index, f"step {index}: more than {FRONTIER_MAX} states are "
+                           "consistent with the observations; record more variables",
+                           bad_step=index)
+        frontier = successors
+    return Verdict(True, len(states) - 1,
+                   f"trace OK: {len(states) - 1} steps, each a legal step of the protocol "
+                   f"({len(frontier)} state(s) consistent with the last observation)")
