@@ -1,0 +1,143 @@
+"""Spec ≡ code: the Python core and KVTransfer.tla have the same state graph.
+
+The spec is evaluated from its text (spec/tlaeval.py); the core runs as it always does; the
+mapping between them is spec/tlaview.py. Starting from the initial state, every state the
+core reaches is mapped to the spec's variables, and the spec's Next is evaluated on it. The
+two must agree exactly: the same successor states with the same action labels. By induction
+from equal initial states, the reachable graphs are then equal, state for state and edge for
+edge. On the first disagreement the report gives the shortest path to the state, and what
+each side allows there that the other does not.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from spec import core
+from spec.core import Event, State
+from spec.model import Model
+from spec.tlaeval import Fcn, Spec, action_labels, seq
+from spec.tlaview import VARIABLES, ModelValue, Record, format_value, to_tla
+
+SPEC_PATH = Path(__file__).resolve().parent / "KVTransfer.tla"
+
+
+def from_view(v: object) -> object:
+    """A tlaview value as an evaluator value."""
+    if isinstance(v, dict):
+        return Fcn({from_view(k): from_view(x) for k, x in v.items()})
+    if isinstance(v, Record):
+        return Fcn({k: from_view(x) for k, x in v.fields})
+    if isinstance(v, tuple):
+        return seq([from_view(x) for x in v])
+    if isinstance(v, frozenset):
+        return frozenset(from_view(x) for x in v)
+    return v
+
+
+def spec_for(m: Model, text: str | None = None) -> Spec:
+    constants = {
+        "Requests": frozenset(ModelValue(n) for n in m.request_names),
+        "NoReq": ModelValue("NoReq"), "MaxPromptPages": m.max_prompt_pages,
+        "ContextPages": m.context_pages, "PrefillPages": m.prefill_pages,
+        "DecodePages": m.decode_pages, "Crashes": m.crashes, "Bugs": frozenset(m.bugs),
+    }
+    spec = Spec(text if text is not None else SPEC_PATH.read_text(), constants)
+    spec.labels = action_labels(spec)
+    return spec
+
+
+def _key(spec_state: dict) -> tuple:
+    return tuple(spec_state[v] for v in VARIABLES)
+
+
+@dataclass
+class Disagreement:
+    path: list[tuple[Event | None, State]]
+    only_core: list[tuple[str, tuple]]
+    only_spec: list[tuple[str, tuple]]
+
+    def report(self, m: Model) -> str:
+        lines = [f"spec and core disagree after {len(self.path) - 1} steps:"]
+        for event, _ in self.path[1:]:
+            lines.append(f"  {event.label(m)}")
+        state = to_tla(m, self.path[-1][1])
+        lines.append("in the state")
+        lines += [f"  /\\ {v} = {format_value(state[v])}" for v in VARIABLES]
+        for side, edges in (("the core allows, the spec does not", self.only_core),
+                            ("the spec allows, the core does not", self.only_spec)):
+            if edges:
+                lines.append(f"{side}:")
+                for label, key in edges[:5]:
+                    changed = [f"{v}' = {key[i]!r}" for i, v in enumerate(VARIABLES)
+                               if key[i] != from_view(state[v])]
+                    lines.append(f"  {label}: " + ", ".join(changed))
+        return "\n".join(lines)
+
+
+@dataclass
+class Conformance:
+    model: Model
+    states: int = 0
+    edges: int = 0
+    seconds: float = 0.0
+    disagreement: Disagreement | None = None
+    labels: set[str] = field(default_factory=set)
+
+    @property
+    def ok(self) -> bool:
+        return self.disagreement is None
+
+
+def check_conformance(m: Model, spec: Spec | None = None, max_states: int | None = None,
+                      progress: Callable[[int, float], None] | None = None) -> Conformance:
+    spec = spec or spec_for(m)
+    result = Conformance(m)
+    started = time.perf_counter()
+    init = core.initial_state(m)
+    spec_inits = {_key(s) for s in spec.initial_states()}
+    core_init = _key({v: from_view(x) for v, x in to_tla(m, init).items()})
+    if spec_inits != {core_init}:
+        result.disagreement = Disagreement([(None, init)], [("Init", core_init)],
+                                           [("Init", k) for k in spec_inits - {core_init}])
+        return result
+    parents: dict[State, tuple[State | None, Event | None]] = {init: (None, None)}
+    queue = deque([init])
+    while queue:
+        s = queue.popleft()
+        view = {v: from_view(x) for v, x in to_tla(m, s).items()}
+        spec_edges = {(label, _key(n)) for label, n in spec.successors(view)}
+        core_next = list(core.successors(m, s))
+        core_edges = {(e.action, _key({v: from_view(x) for v, x in to_tla(m, n).items()}))
+                      for e, n in core_next}
+        result.edges += len(core_edges)
+        if spec_edges != core_edges:
+            result.disagreement = Disagreement(_path(parents, s), sorted(core_edges - spec_edges,
+                                               key=repr), sorted(spec_edges - core_edges, key=repr))
+            break
+        for event, n in core_next:
+            result.labels.add(event.action)
+            if n not in parents:
+                parents[n] = (s, event)
+                queue.append(n)
+        if progress and len(parents) % 5000 == 0:
+            progress(len(parents), time.perf_counter() - started)
+        if max_states is not None and len(parents) > max_states:
+            raise RuntimeError(f"more than {max_states} states")
+    result.states = len(parents)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _path(parents, s) -> list[tuple[Event | None, State]]:
+    out = []
+    while s is not None:
+        parent, event = parents[s]
+        out.append((event, s))
+        s = parent
+    out.reverse()
+    return out
