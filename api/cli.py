@@ -3,6 +3,7 @@
     kvproof check [--model NAME|FILE] [--bug NAME ...] [--symmetry] [--trace-out FILE]
     kvproof check --list-bugs | --list-models
     kvproof validate TRACE [--model NAME|FILE] [--bug NAME ...]
+    kvproof conformance [--model NAME|FILE] [--bug NAME ...]
 
 Exit status: 0 when every property holds, 1 when one is violated (the message names it),
 2 for bad input (an unknown model, switch or property, an unreadable .cfg).
@@ -122,6 +123,45 @@ def _check_with_tlc(model, invariants: tuple[str, ...], properties: tuple[str, .
     return EXIT_VIOLATION
 
 
+def cmd_conformance(args: argparse.Namespace) -> int:
+    from spec.conformance import check_conformance
+    from spec.tlaeval import EvalError
+
+    try:
+        _, model = load(args.model)
+        if args.bug:
+            unknown = [b for b in args.bug if b not in BUG_SWITCHES]
+            if unknown:
+                raise CfgError(f"unknown bug switch(es) {unknown}; see kvproof check --list-bugs")
+            model = model.with_bugs(model.bugs | set(args.bug))
+    except (CfgError, ModelError) as error:
+        print(f"kvproof conformance: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    print(model.describe())
+
+    last = [0.0]
+
+    def progress(states: int, seconds: float) -> None:
+        if seconds - last[0] >= 10:
+            last[0] = seconds
+            print(f"Progress: {states:,} states found, {states / seconds:,.0f} states/s, "
+                  f"{seconds:.0f} s", file=sys.stderr, flush=True)
+
+    try:
+        result = check_conformance(model, progress=progress)
+    except EvalError as error:
+        print(f"kvproof conformance: the spec cannot be evaluated: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    if result.ok:
+        print(f"KVTransfer.tla and spec/core.py have the same state graph: {result.states:,} "
+              f"states, {result.edges:,} labelled edges, {len(result.labels)} actions, "
+              f"{result.seconds:.1f} s ({result.states / max(result.seconds, 1e-9):,.0f} "
+              "states/s)")
+        return EXIT_OK
+    print(result.disagreement.report(model))
+    return EXIT_VIOLATION
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     from spec.itf import model_from_meta
     from spec.validate import TraceError, load_trace, validate
@@ -180,6 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--bug", action="append", default=[], metavar="NAME",
                           help="turn on a bug switch (repeatable)")
     validate.set_defaults(func=cmd_validate)
+    conformance = commands.add_parser("conformance", help="show that KVTransfer.tla and the "
+                                      "Python core have the same state graph")
+    conformance.add_argument("--model", default="solo",
+                             help="a model name or .cfg file (default: solo)")
+    conformance.add_argument("--bug", action="append", default=[], metavar="NAME",
+                             help="turn on a bug switch (repeatable)")
+    conformance.set_defaults(func=cmd_conformance)
     return parser
 
 

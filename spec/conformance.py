@@ -20,7 +20,7 @@ from typing import Callable
 from spec import core
 from spec.core import Event, State
 from spec.model import Model
-from spec.tlaeval import Fcn, Spec, action_labels, seq
+from spec.tlaeval import EvalError, Fcn, Spec, action_labels, seq
 from spec.tlaview import VARIABLES, ModelValue, Record, format_value, to_tla
 
 SPEC_PATH = Path(__file__).resolve().parent / "KVTransfer.tla"
@@ -60,9 +60,13 @@ class Disagreement:
     path: list[tuple[Event | None, State]]
     only_core: list[tuple[str, tuple]]
     only_spec: list[tuple[str, tuple]]
+    spec_error: str = ""  # the spec could not be evaluated in the last state
 
     def report(self, m: Model) -> str:
         lines = [f"spec and core disagree after {len(self.path) - 1} steps:"]
+        if self.spec_error:
+            lines[0] = (f"the spec cannot be evaluated after {len(self.path) - 1} steps "
+                        f"({self.spec_error}); the core can:")
         for event, _ in self.path[1:]:
             lines.append(f"  {event.label(m)}")
         state = to_tla(m, self.path[-1][1])
@@ -107,10 +111,15 @@ def check_conformance(m: Model, spec: Spec | None = None, max_states: int | None
         return result
     parents: dict[State, tuple[State | None, Event | None]] = {init: (None, None)}
     queue = deque([init])
+    next_report = 5000
     while queue:
         s = queue.popleft()
         view = {v: from_view(x) for v, x in to_tla(m, s).items()}
-        spec_edges = {(label, _key(n)) for label, n in spec.successors(view)}
+        try:
+            spec_edges = {(label, _key(n)) for label, n in spec.successors(view)}
+        except EvalError as error:
+            result.disagreement = Disagreement(_path(parents, s), [], [], spec_error=str(error))
+            break
         core_next = list(core.successors(m, s))
         core_edges = {(e.action, _key({v: from_view(x) for v, x in to_tla(m, n).items()}))
                       for e, n in core_next}
@@ -124,8 +133,9 @@ def check_conformance(m: Model, spec: Spec | None = None, max_states: int | None
             if n not in parents:
                 parents[n] = (s, event)
                 queue.append(n)
-        if progress and len(parents) % 5000 == 0:
+        if progress and len(parents) >= next_report:
             progress(len(parents), time.perf_counter() - started)
+            next_report += 5000
         if max_states is not None and len(parents) > max_states:
             raise RuntimeError(f"more than {max_states} states")
     result.states = len(parents)

@@ -98,8 +98,8 @@ def _order(x: object):
 
 
 def _line(node) -> str:
-    start = getattr(node, "start", None)
-    return f"line {start.line}" if start is not None else "unknown line"
+    start = getattr(node, "start", None)  # the parser counts lines from 0
+    return f"line {start.line + 1}" if start is not None else "unknown line"
 
 
 def _enumerable(s, node):

@@ -40,6 +40,10 @@ BASES: dict[str, dict[str, int]] = {
                   decode_pages=3, crashes=True),
     "solo-crash": dict(requests=1, max_prompt_pages=3, context_pages=3, prefill_pages=2,
                        decode_pages=3, crashes=True),
+    # Two requests, pools of 1 and 2 pages: small enough for the spec-vs-core conformance
+    # check in CI, with and without every switch.
+    "small": dict(requests=2, max_prompt_pages=2, context_pages=2, prefill_pages=1,
+                  decode_pages=2, crashes=True),
     # Three requests for the benchmark and scheduled runs.
     "large": dict(requests=3, max_prompt_pages=2, context_pages=2, prefill_pages=1,
                   decode_pages=2),
@@ -51,6 +55,7 @@ BASE_NOTES = {
     "wide": "One request, prompts up to 4 pages, pools of 2 (prefill) and 3 (decode) pages.",
     "crash": "The default model, and the prefill may crash and restart empty at any moment.",
     "solo-crash": "One request, and the prefill may crash and restart empty at any moment.",
+    "small": "Two requests, pools of 1 and 2 pages, crashes on: the conformance model for CI.",
     "large": "Three requests, pools of 1 and 2 pages: the larger model (bench/, scheduled runs).",
 }
 

@@ -1,0 +1,94 @@
+"""Spec ≡ code: KVTransfer.tla, evaluated from its text, and the core have the same graph."""
+
+from __future__ import annotations
+
+import pytest
+
+from spec import core
+from spec.cfgfile import load, model_names
+from spec.conformance import SPEC_PATH, check_conformance, spec_for
+from spec.model import ALL_BUGS, Model
+from spec.tlaeval import EvalError, ModelValue, Spec
+from spec.zoo import BASES
+
+ONE_REQUEST = [n for n in model_names() if load(n)[1].requests == 1]
+
+
+@pytest.mark.parametrize("name", ONE_REQUEST)
+def test_every_one_request_model_conforms(name):
+    _, model = load(name)
+    result = check_conformance(model)
+    assert result.ok, result.disagreement.report(model)
+    assert result.states == {"solo": 987, "solo-crash": 1384, "wide": 988,
+                             "reject-paths": 1102}.get(name, result.states)
+
+
+@pytest.mark.parametrize("bugs", [frozenset(), ALL_BUGS], ids=["guards-on", "every-switch"])
+def test_the_two_request_conformance_model_conforms(bugs):
+    """Every switch off, then every switch on: each guard's branch is compared both ways,
+    with two requests contending for pages and prefill crashes on."""
+    model = Model(bugs=bugs, **BASES["small"])
+    result = check_conformance(model)
+    assert result.ok, result.disagreement.report(model)
+    assert result.states == (81312 if not bugs else 25859)
+
+
+def _patched_release(m, s, r):
+    """A mutant: release without waiting for the prefill's final word or in-flight writes."""
+    if s.requests[r][core.DST] != core.CLOSING:
+        return "not closing"
+    return core.release(m.with_bugs(m.bugs | {"EagerRelease"}), s, r)
+
+
+def test_a_mutated_core_is_caught_with_a_readable_diff(monkeypatch):
+    mutated = tuple((cls, _patched_release if fn is core.release else fn)
+                    for cls, fn in core._SIMPLE_ACTIONS)
+    monkeypatch.setattr(core, "_SIMPLE_ACTIONS", mutated)
+    monkeypatch.setattr(core, "_CACHES", {})
+    model = Model(**BASES["solo"])
+    result = check_conformance(model)
+    assert not result.ok
+    report = result.disagreement.report(model)
+    assert "spec and core disagree after 3 steps" in report
+    assert "the core allows, the spec does not:\n  Release:" in report
+    assert "Timeout(r1)" in report
+
+
+def test_a_mutated_spec_is_caught_too():
+    text = SPEC_PATH.read_text()
+    guard = 'Timeout(r) ==\n    /\\ "NoTimeout" \\notin Bugs\n    /\\ dst[r] = "Waiting"\n'
+    assert guard in text
+    weaker = guard.replace('dst[r] = "Waiting"', 'dst[r] \\in {"Waiting", "Decoding"}')
+    model = Model(**BASES["solo"])
+    result = check_conformance(model, spec_for(model, text.replace(guard, weaker, 1)))
+    assert not result.ok
+    report = result.disagreement.report(model)
+    assert "the spec allows, the core does not:\n  Timeout:" in report
+
+
+def test_a_spec_that_cannot_be_evaluated_is_reported_at_its_state():
+    """Dropping SendPage's table guard makes the spec index an empty table, which TLC
+    would report as an error too."""
+    text = SPEC_PATH.read_text().replace("    /\\ table[r] # <<>>\n", "", 1)
+    model = Model(**BASES["solo"])
+    result = check_conformance(model, spec_for(model, text))
+    assert not result.ok
+    assert "is not in the domain" in result.disagreement.report(model)
+
+
+def test_constructs_outside_the_subset_are_named_with_their_line():
+    text = ("---- MODULE M ----\nVARIABLE x\nInit == x = 0\n"
+            "Next == x' = x + 1\nF == ENABLED Next\n====\n")
+    spec = Spec(text, {})
+    with pytest.raises(EvalError, match="line 5.*ENABLED"):
+        spec.value("F")
+    with pytest.raises(EvalError, match="constant N has no value"):
+        Spec("---- MODULE M ----\nCONSTANT N\n====\n", {})
+
+
+def test_the_evaluator_computes_spec_level_definitions():
+    spec = spec_for(Model(bugs={"PoolBelowContext"}, **BASES["default"]))
+    assert spec.value("Advertised") == 3
+    assert spec.value("DPages") == frozenset({1, 2, 3})
+    assert spec.value("BugNames") == ALL_BUGS
+    assert spec.constants["Requests"] == frozenset({ModelValue("r1"), ModelValue("r2")})
