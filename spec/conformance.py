@@ -55,6 +55,11 @@ def _key(spec_state: dict) -> tuple:
     return tuple(spec_state[v] for v in VARIABLES)
 
 
+def _view_key(m: Model, s: State) -> tuple:
+    view = to_tla(m, s)
+    return tuple(from_view(view[v]) for v in VARIABLES)
+
+
 @dataclass
 class Disagreement:
     path: list[tuple[Event | None, State]]
@@ -110,29 +115,28 @@ def check_conformance(m: Model, spec: Spec | None = None, max_states: int | None
                                            [("Init", k) for k in spec_inits - {core_init}])
         return result
     parents: dict[State, tuple[State | None, Event | None]] = {init: (None, None)}
-    queue = deque([init])
+    queue = deque([(init, core_init)])
     next_report = 5000
     while queue:
-        s = queue.popleft()
-        view = {v: from_view(x) for v, x in to_tla(m, s).items()}
+        s, key = queue.popleft()
+        view = dict(zip(VARIABLES, key))
         try:
             spec_edges = {(label, _key(n)) for label, n in spec.successors(view)}
         except EvalError as error:
             result.disagreement = Disagreement(_path(parents, s), [], [], spec_error=str(error))
             break
-        core_next = list(core.successors(m, s))
-        core_edges = {(e.action, _key({v: from_view(x) for v, x in to_tla(m, n).items()}))
-                      for e, n in core_next}
+        core_next = [(e, n, _view_key(m, n)) for e, n in core.successors(m, s)]
+        core_edges = {(e.action, k) for e, _, k in core_next}
         result.edges += len(core_edges)
         if spec_edges != core_edges:
             result.disagreement = Disagreement(_path(parents, s), sorted(core_edges - spec_edges,
                                                key=repr), sorted(spec_edges - core_edges, key=repr))
             break
-        for event, n in core_next:
+        for event, n, k in core_next:
             result.labels.add(event.action)
             if n not in parents:
                 parents[n] = (s, event)
-                queue.append(n)
+                queue.append((n, k))
         if progress and len(parents) >= next_report:
             progress(len(parents), time.perf_counter() - started)
             next_report += 5000
@@ -151,3 +155,36 @@ def _path(parents, s) -> list[tuple[Event | None, State]]:
         s = parent
     out.reverse()
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Conformance on several models: `python -m spec.conformance [--all] [MODEL ...]`.
+
+    For scheduled runs: `--all` compares every .cfg of spec/models (the two-request models
+    take minutes each). Prints one line per model and exits non-zero on any disagreement.
+    """
+    import argparse
+    import sys
+
+    from spec.cfgfile import load, model_names
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=["solo"])
+    parser.add_argument("--all", action="store_true", help="every .cfg in spec/models")
+    args = parser.parse_args(argv)
+    names = model_names() if args.all else args.models
+    failed = 0
+    for name in names:
+        _, model = load(name)
+        result = check_conformance(model)
+        if result.ok:
+            print(f"{name}: conforms, {result.states:,} states, {result.edges:,} edges, "
+                  f"{result.seconds:.1f} s", flush=True)
+        else:
+            failed += 1
+            print(f"{name}: DISAGREES\n{result.disagreement.report(model)}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -530,7 +530,10 @@ class Spec:
 
     @staticmethod
     def _with(st, primed):
-        return {**st, "'": primed}
+        # Expressions evaluate synchronously, so every evaluation point can set the primed
+        # values it sees in the shared state dict instead of copying the dict.
+        st["'"] = primed
+        return st
 
     def _conj_or_disj(self, op, nodes):
         parts = [self.action(n) for n in nodes]
