@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from spec.cfgfile import CfgError, load, model_names
 from spec.checker import Checker
@@ -61,6 +62,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         print("\n".join(model_names()))
         return EXIT_OK
     try:
+        if args.trace_out and not Path(args.trace_out).resolve().parent.is_dir():
+            raise CfgError(f"--trace-out {args.trace_out}: its directory does not exist")
         cfg, model = load(args.model)
         if args.bug:
             unknown = [b for b in args.bug if b not in BUG_SWITCHES]
@@ -85,6 +88,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     except RuntimeError as error:
         print(f"kvproof check: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("kvproof check: interrupted; no verdict", file=sys.stderr)
+        return 130
     if result.violation is None:
         print("Model checking completed. No error has been found.")
         print(format_summary(result))
@@ -95,9 +101,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(f"Error: {format_trace(model, violation)}")
     print(format_summary(result))
     if args.trace_out:
-        write_itf(args.trace_out, model, violation.trace,
-                  f"counterexample to {violation.property} on {model.describe()}")
-        print(f"Trace written to {args.trace_out} (ITF JSON)")
+        try:
+            write_itf(args.trace_out, model, violation.trace,
+                      f"counterexample to {violation.property} on {model.describe()}")
+            print(f"Trace written to {args.trace_out} (ITF JSON)")
+        except OSError as error:
+            print(f"kvproof check: cannot write the trace: {error}", file=sys.stderr)
     print(f"Error: {violation.property} is violated ({violation.kind}); "
           f"counterexample of {violation.length} steps.")
     return EXIT_VIOLATION
