@@ -3,7 +3,7 @@
     kvproof check [--model NAME|FILE] [--bug NAME ...] [--symmetry] [--trace-out FILE]
     kvproof check --list-bugs | --list-models
     kvproof validate TRACE [--model NAME|FILE] [--bug NAME ...]
-    kvproof conformance [--model NAME|FILE] [--bug NAME ...]
+    kvproof conformance [--model NAME|FILE] [--bug NAME ...] [--symmetry]
 
 Exit status: 0 when every property holds, 1 when one is violated (the message names it),
 2 for bad input (an unknown model, switch or property, an unreadable .cfg).
@@ -157,7 +157,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
                   f"{seconds:.0f} s", file=sys.stderr, flush=True)
 
     try:
-        result = check_conformance(model, progress=progress)
+        result = check_conformance(model, progress=progress, symmetry=args.symmetry)
     except EvalError as error:
         print(f"kvproof conformance: the spec cannot be evaluated: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -235,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
                              help="a model name or .cfg file (default: solo)")
     conformance.add_argument("--bug", action="append", default=[], metavar="NAME",
                              help="turn on a bug switch (repeatable)")
+    conformance.add_argument("--symmetry", action="store_true",
+                             help="compare one state per orbit under renaming of requests")
     conformance.set_defaults(func=cmd_conformance)
     return parser
 

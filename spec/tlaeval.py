@@ -93,6 +93,10 @@ class _FunctionSet:
             yield Fcn(dict(zip(keys, values)))
 
 
+_MISSING = object()
+_LITERALS = {"IntegralNumeral", "StringLiteral", "BooleanLiteral", "SetOfBooleans"}
+
+
 def _order(x: object):
     return (type(x).__name__, repr(x))
 
@@ -156,6 +160,7 @@ class Spec:
             else:
                 raise EvalError(f"{_line(unit)}: module unit {kind} is not supported")
         self.globals = dict(self.constants)
+        self._domain_cache: dict[int, list] = {}
 
     @staticmethod
     def _name(node) -> str:
@@ -174,7 +179,70 @@ class Spec:
         method = getattr(self, f"_e_{kind}", None)
         if method is None:
             raise EvalError(f"{_line(node)}: {kind} is not in the supported TLA+ subset")
-        return method(node)
+        compiled = method(node)
+        if kind not in _LITERALS and self._closed(node, frozenset()):
+            return self._once(compiled)
+        return compiled
+
+    def _once(self, compiled: Callable) -> Callable:
+        """A closed constant expression (no variable, no free local) is evaluated once."""
+        cell: list = []
+
+        def constant(st, lc):
+            if not cell:
+                cell.append(compiled(self.globals, {}))
+            return cell[0]
+        constant.is_constant = True
+        return constant
+
+    def _closed(self, node, bound: frozenset[str]) -> bool:
+        """Whether node depends only on constants, constant operators and names it binds."""
+        if isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
+            return all(self._closed(x, bound) for x in node)
+        if not hasattr(node, "_fields"):
+            return True  # a str, a number, None
+        kind = type(node).__name__
+        if kind == "OperatorApplication":
+            name, args = node.operator, node.arguments
+            if name in ("'", "UNCHANGED", "ENABLED") or name in self.variables:
+                return False
+            arg_ok = args is None or all(self._closed(a, bound) for a in args)
+            if args is None:
+                if name in bound or name in self.globals or name in ("Nat", "Int", "BOOLEAN"):
+                    return True
+                return name in self.ops and not self.ops[name].params and self._op_closed(name)
+            if name in self.ops:
+                return arg_ok and self._op_closed(name)
+            return arg_ok
+        names = self._bound_names(node)
+        inner = bound | names
+        return all(self._closed(getattr(node, f), inner) for f in node._fields
+                   if f not in ("symbol", "start", "end"))
+
+    def _bound_names(self, node) -> frozenset[str]:
+        decls = getattr(node, "declarations", None) or getattr(node, "declaration", None)
+        if decls is None:
+            if type(node).__name__ == "Let":
+                return frozenset(d.name for d in node.definitions)
+            return frozenset()
+        if not isinstance(decls, list):
+            decls = [decls]
+        out = set()
+        for decl in decls:
+            if type(decl).__name__ == "OperatorApplication":
+                if decl.arguments is None:
+                    out.add(decl.operator)
+                elif decl.operator == "\\in":
+                    out.add(self._name(decl.arguments[0]))
+        return frozenset(out)
+
+    def _op_closed(self, name: str) -> bool:
+        memo = self.__dict__.setdefault("_op_closed_memo", {})
+        if name not in memo:
+            memo[name] = False  # a recursive reference is not closed
+            op = self.ops[name]
+            memo[name] = self._closed(op.body, frozenset(op.params))
+        return memo[name]
 
     def _e_Parentheses(self, node):
         return self.expr(node.expression)
@@ -256,14 +324,31 @@ class Spec:
 
     def _bindings(self, bounds, st, lc) -> Iterator[dict]:
         """Every assignment of the bound names, in a fixed order."""
+        if len(bounds) == 1 and len(bounds[0][0]) == 1:  # the common case: x \in S
+            name = bounds[0][0][0]
+            for value in self._sorted_domain(bounds[0], st, lc):
+                inner = dict(lc)
+                inner[name] = value
+                yield inner
+            return
         names, domains = [], []
-        for ns, dom, node in bounds:
-            values = sorted(_enumerable(dom(st, lc), node), key=_order)
-            for n in ns:
+        for bound in bounds:
+            values = self._sorted_domain(bound, st, lc)
+            for n in bound[0]:
                 names.append(n)
                 domains.append(values)
         for combo in product(*domains):
             yield {**lc, **dict(zip(names, combo))}
+
+    def _sorted_domain(self, bound, st, lc) -> list:
+        ns, dom, node = bound
+        cached = self._domain_cache.get(id(node))
+        if cached is not None:
+            return cached
+        values = sorted(_enumerable(dom(st, lc), node), key=_order)
+        if getattr(dom, "is_constant", False):
+            self._domain_cache[id(node)] = values
+        return values
 
     def _e_Function(self, node):
         bounds = self._bounds(node.declaration)
@@ -451,10 +536,23 @@ class Spec:
             raise EvalError(f"{_line(node)}: {name} takes {len(op.params)} arguments")
         params = op.params
 
+        if not params and not self._has_primes(op.body):
+            memo_key = ("#memo", name)
+
+            def call_memo(st, lc):
+                """A state-level operator without arguments: once per state."""
+                value = st.get(memo_key, _MISSING)
+                if value is _MISSING:
+                    if op.compiled is None:
+                        op.compiled = self.expr(op.body)
+                    value = st[memo_key] = op.compiled(st, {})
+                return value
+            return call_memo
+
         def call(st, lc):
             if op.compiled is None:
                 op.compiled = self.expr(op.body)
-            return op.compiled(st, dict(zip(params, (a(st, lc) for a in args))))
+            return op.compiled(st, dict(zip(params, [a(st, lc) for a in args])))
         return call
 
     # -- actions --------------------------------------------------------------------------
@@ -526,6 +624,7 @@ class Spec:
         def check(st, lc, primed, label):
             if guard(self._with(st, primed), lc):
                 yield primed, label
+        check.guard_expr = guard
         return check
 
     @staticmethod
@@ -543,12 +642,26 @@ class Spec:
                     yield from part(st, lc, primed, label)
             return disj
 
+        # Conjuncts that are plain guards are evaluated as expressions, without a generator
+        # each: most action calls fail at their first guard, and generators are costly.
+        n = len(parts)
+        exprs = [getattr(part, "guard_expr", None) for part in parts]
+
         def conj(st, lc, primed, label, i=0):
-            if i == len(parts):
+            while i < n and exprs[i] is not None:
+                st["'"] = primed
+                if not exprs[i](st, lc):
+                    return
+                i += 1
+            if i == n:
                 yield primed, label
                 return
             for p, lab in parts[i](st, lc, primed, label):
                 yield from conj(st, lc, p, lab, i + 1)
+        lead = 0
+        while lead < n and exprs[lead] is not None:
+            lead += 1
+        conj.leading_guards = exprs[:lead]
         return conj
 
     _init_mode = False
@@ -632,10 +745,20 @@ class Spec:
         labelled = name in self.labels
 
         def call(st, lc, primed, label):
+            """A plain function returning an iterator: an action whose leading guards fail
+            returns () without creating a generator."""
             if op.action is None:
                 op.action = self.action(op.body)
-            inner = dict(zip(op.params, (a(self._with(st, primed), lc) for a in args)))
-            yield from op.action(st, inner, primed, name if labelled else label)
+            st["'"] = primed
+            inner = dict(zip(op.params, [a(st, lc) for a in args]))
+            lead = getattr(op.action, "leading_guards", ())
+            for guard in lead:
+                st["'"] = primed
+                if not guard(st, inner):
+                    return ()
+            if lead:
+                return op.action(st, inner, primed, name if labelled else label, len(lead))
+            return op.action(st, inner, primed, name if labelled else label)
         return call
 
     labels: frozenset[str] = frozenset()

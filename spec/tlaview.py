@@ -43,40 +43,68 @@ class Record:
         return "[" + ", ".join(f"{k} |-> {v!r}" for k, v in self.fields) + "]"
 
 
+def _per_request(field: int, fn) -> tuple:
+    """A variable [Requests -> X]: reads one field of every row."""
+    def source(s: State) -> tuple:
+        return tuple(row[field] for row in s.requests)
+
+    def convert(m: Model, values: tuple) -> dict:
+        return {ModelValue(name): fn(v) for name, v in zip(m.request_names, values)}
+    return source, convert
+
+
+def _req(m: Model, x: int) -> ModelValue:
+    return ModelValue(m.request_names[x]) if x != NONE else NO_REQ
+
+
+def _decode_pool(s: State) -> tuple:
+    return s.decode_pool
+
+
+def _prefill_pool(s: State) -> tuple:
+    return s.prefill_pool
+
+
+def _writes(s: State) -> tuple:
+    return s.writes
+
+
+# Per variable: (the part of the core state it reads, how that part maps to the variable's
+# value). The part is hashable, so a caller converting many states can cache by it.
+MAPPING = {
+    "client": _per_request(CLIENT, lambda v: CLIENT_NAMES[v]),
+    "prompt": _per_request(PROMPT, lambda v: v),
+    "pst": _per_request(PST, lambda v: PREFILL_NAMES[v]),
+    "sent": _per_request(SENT, lambda v: v),
+    "src": _per_request(SRC, lambda v: tuple(p + 1 for p in v)),
+    "dst": _per_request(DST, lambda v: DECODE_NAMES[v]),
+    "table": _per_request(TABLE, lambda v: tuple(
+        Record((("page", p + 1), ("gen", g))) for p, g in v)),
+    "boot": _per_request(BOOT, bool),
+    "fwMsg": _per_request(FW, lambda v: MESSAGE_NAMES[v]),
+    "dfw": _per_request(DFW, bool),
+    "cancel": _per_request(CANCEL, bool),
+    "leaked": (lambda s: tuple(row[LEAKED] for row in s.requests),
+               lambda m, flags: frozenset(ModelValue(n) for n, f in zip(m.request_names, flags)
+                                          if f)),
+    "owner": (_decode_pool, lambda m, pool: {p + 1: _req(m, page[0])
+                                             for p, page in enumerate(pool)}),
+    "gen": (_decode_pool, lambda m, pool: {p + 1: page[1] for p, page in enumerate(pool)}),
+    "content": (_decode_pool, lambda m, pool: {p + 1: (_req(m, page[2]), page[3])
+                                               for p, page in enumerate(pool)}),
+    "powner": (_prefill_pool, lambda m, pool: {p + 1: _req(m, page[0])
+                                               for p, page in enumerate(pool)}),
+    "pdata": (_prefill_pool, lambda m, pool: {p + 1: _req(m, page[1])
+                                              for p, page in enumerate(pool)}),
+    "writes": (_writes, lambda m, writes: frozenset(
+        Record((("req", _req(m, r)), ("src", src + 1), ("dst", dst + 1), ("gen", g)))
+        for r, src, dst, g in writes)),
+}
+assert tuple(MAPPING) == VARIABLES
+
+
 def to_tla(m: Model, s: State) -> dict[str, object]:
-    names = [ModelValue(n) for n in m.request_names]
-
-    def req(x: int) -> ModelValue:
-        return names[x] if x != NONE else NO_REQ
-
-    rows = s.requests
-
-    def per_request(fn) -> dict:
-        return {names[r]: fn(row) for r, row in enumerate(rows)}
-
-    return {
-        "client": per_request(lambda row: CLIENT_NAMES[row[CLIENT]]),
-        "prompt": per_request(lambda row: row[PROMPT]),
-        "pst": per_request(lambda row: PREFILL_NAMES[row[PST]]),
-        "sent": per_request(lambda row: row[SENT]),
-        "src": per_request(lambda row: tuple(p + 1 for p in row[SRC])),
-        "dst": per_request(lambda row: DECODE_NAMES[row[DST]]),
-        "table": per_request(lambda row: tuple(
-            Record((("page", p + 1), ("gen", g))) for p, g in row[TABLE])),
-        "boot": per_request(lambda row: bool(row[BOOT])),
-        "fwMsg": per_request(lambda row: MESSAGE_NAMES[row[FW]]),
-        "dfw": per_request(lambda row: bool(row[DFW])),
-        "cancel": per_request(lambda row: bool(row[CANCEL])),
-        "leaked": frozenset(names[r] for r, row in enumerate(rows) if row[LEAKED]),
-        "owner": {p + 1: req(page[0]) for p, page in enumerate(s.decode_pool)},
-        "gen": {p + 1: page[1] for p, page in enumerate(s.decode_pool)},
-        "content": {p + 1: (req(page[2]), page[3]) for p, page in enumerate(s.decode_pool)},
-        "powner": {p + 1: req(page[0]) for p, page in enumerate(s.prefill_pool)},
-        "pdata": {p + 1: req(page[1]) for p, page in enumerate(s.prefill_pool)},
-        "writes": frozenset(
-            Record((("req", req(r)), ("src", src + 1), ("dst", dst + 1), ("gen", g)))
-            for r, src, dst, g in s.writes),
-    }
+    return {var: convert(m, source(s)) for var, (source, convert) in MAPPING.items()}
 
 
 def format_value(v: object) -> str:

@@ -33,6 +33,15 @@ def test_the_two_request_conformance_model_conforms(bugs):
     assert result.states == (81312 if not bugs else 25859)
 
 
+def test_symmetric_conformance_visits_one_state_per_orbit():
+    model = Model(bugs=frozenset({"EagerRelease", "NoTimeout"}), **BASES["small"])
+    plain, reduced = check_conformance(model), check_conformance(model, symmetry=True)
+    assert plain.ok and reduced.ok
+    assert reduced.states < plain.states
+    from spec.checker import check
+    assert reduced.states == check(model, symmetry=True, liveness=False).distinct_states
+
+
 def _patched_release(m, s, r):
     """A mutant: release without waiting for the prefill's final word or in-flight writes."""
     if s.requests[r][core.DST] != core.CLOSING:
