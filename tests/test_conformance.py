@@ -33,6 +33,14 @@ def test_the_two_request_conformance_model_conforms(bugs):
     assert result.states == (81312 if not bugs else 25859)
 
 
+def test_the_default_model_conforms_up_to_symmetry():
+    """The README's main model, every orbit of it: about two minutes here."""
+    model = Model(**BASES["default"])
+    result = check_conformance(model, symmetry=True)
+    assert result.ok, result.disagreement.report(model)
+    assert (result.states, result.edges) == (435319, 1178770)
+
+
 def test_symmetric_conformance_visits_one_state_per_orbit():
     model = Model(bugs=frozenset({"EagerRelease", "NoTimeout"}), **BASES["small"])
     plain, reduced = check_conformance(model), check_conformance(model, symmetry=True)
