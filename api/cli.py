@@ -25,6 +25,14 @@ from spec.report import format_coverage, format_summary, format_trace
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
 
 
+def _with_bug_flags(model, bugs: list[str]):
+    """The model with the --bug switches added; an unknown switch is the user's error."""
+    unknown = [b for b in bugs if b not in BUG_SWITCHES]
+    if unknown:
+        raise CfgError(f"unknown bug switch(es) {unknown}; see kvproof check --list-bugs")
+    return model.with_bugs(model.bugs | set(bugs)) if bugs else model
+
+
 def _progress(distinct: int, generated: int, depth: int, seconds: float) -> None:
     print(f"Progress: {distinct:,} distinct states, {generated:,} generated, depth {depth}, "
           f"{distinct / max(seconds, 1e-9):,.0f} distinct states/s, {seconds:.0f} s",
@@ -65,11 +73,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         if args.trace_out and not Path(args.trace_out).resolve().parent.is_dir():
             raise CfgError(f"--trace-out {args.trace_out}: its directory does not exist")
         cfg, model = load(args.model)
-        if args.bug:
-            unknown = [b for b in args.bug if b not in BUG_SWITCHES]
-            if unknown:
-                raise CfgError(f"unknown bug switch(es) {unknown}; see kvproof check --list-bugs")
-            model = model.with_bugs(model.bugs | set(args.bug))
+        model = _with_bug_flags(model, args.bug)
         invariants, liveness = _properties(cfg, args.invariant)
         symmetry = args.symmetry or cfg.symmetry is not None
     except (CfgError, ModelError) as error:
@@ -138,11 +142,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 
     try:
         _, model = load(args.model)
-        if args.bug:
-            unknown = [b for b in args.bug if b not in BUG_SWITCHES]
-            if unknown:
-                raise CfgError(f"unknown bug switch(es) {unknown}; see kvproof check --list-bugs")
-            model = model.with_bugs(model.bugs | set(args.bug))
+        model = _with_bug_flags(model, args.bug)
     except (CfgError, ModelError) as error:
         print(f"kvproof conformance: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -185,11 +185,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         else:
             raise TraceError(f"{args.trace} does not say which model it belongs to; "
                              "pass --model NAME|FILE")
-        if args.bug:
-            unknown = [b for b in args.bug if b not in BUG_SWITCHES]
-            if unknown:
-                raise CfgError(f"unknown bug switch(es) {unknown}; see kvproof check --list-bugs")
-            model = model.with_bugs(model.bugs | set(args.bug))
+        model = _with_bug_flags(model, args.bug)
     except (TraceError, CfgError, ModelError, KeyError, TypeError) as error:
         print(f"kvproof validate: {error}", file=sys.stderr)
         return EXIT_USAGE

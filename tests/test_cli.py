@@ -71,20 +71,17 @@ def test_bad_input_is_a_clear_error_with_exit_2(capsys, args, message):
     assert message in err
 
 
-def test_unreadable_cfg_names_the_line(capsys, tmp_path):
+@pytest.mark.parametrize("text, message", [
+    ("CONSTANTS\n  Requests = {r1}\n  NoReq = NoReq\n  MaxPromptPages = [1]\n", "bad.cfg:4"),
+    ("CONSTANTS\n  Requests = {r1}\n  NoReq = NoReq\n  Bugs = {}\n",
+     "MaxPromptPages is not set"),
+])
+def test_unreadable_or_incomplete_cfg_is_a_clear_error(capsys, tmp_path, text, message):
     bad = tmp_path / "bad.cfg"
-    bad.write_text("CONSTANTS\n  Requests = {r1}\n  NoReq = NoReq\n  MaxPromptPages = [1]\n")
+    bad.write_text(text)
     code, _, err = run_cli(capsys, "--model", str(bad))
     assert code == 2
-    assert "bad.cfg:4" in err
-
-
-def test_missing_constant_is_a_clear_error(capsys, tmp_path):
-    cfg = tmp_path / "partial.cfg"
-    cfg.write_text("CONSTANTS\n  Requests = {r1}\n  NoReq = NoReq\n  Bugs = {}\n")
-    code, _, err = run_cli(capsys, "--model", str(cfg))
-    assert code == 2
-    assert "MaxPromptPages is not set" in err
+    assert message in err
 
 
 def test_installed_entry_point_runs():
