@@ -204,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for name in names:
         _, model = load(name)
-        result = check_conformance(model)
+        result = check_conformance(model, progress=lambda n, s: print(
+            f"  {name}: {n:,} states, {s:.0f} s", file=sys.stderr, flush=True)
+            if n % 100000 == 0 else None)
         if result.ok:
             print(f"{name}: conforms, {result.states:,} states, {result.edges:,} edges, "
                   f"{result.seconds:.1f} s", flush=True)

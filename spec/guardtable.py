@@ -35,12 +35,21 @@ def run_check(base: str, bugs: frozenset[str] | set[str],
     return _run_check(base, frozenset(bugs), invariants, bool(symmetry))
 
 
+_PROGRESS = False  # set by main(): a long regeneration says what it is checking
+
+
 @lru_cache(maxsize=None)
 def _run_check(base: str, bugs: frozenset[str], invariants: tuple[str, ...] | None,
                symmetry: bool) -> CheckResult:
     model = Model(bugs=bugs, name=base, **BASES[base])
-    return check(model, invariants=invariants, symmetry=symmetry,
-                 liveness=invariants is None)
+    result = check(model, invariants=invariants, symmetry=symmetry,
+                   liveness=invariants is None)
+    if _PROGRESS:
+        verdict = result.violation.property if result.violation else "holds"
+        print(f"  checked {base} + {', '.join(sorted(bugs)) or 'no switch'}: {verdict}, "
+              f"{result.distinct_states:,} states, {result.seconds:.1f} s", file=sys.stderr,
+              flush=True)
+    return result
 
 
 def alone_rows(runner: Runner) -> list[str]:
@@ -104,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="write into spec/README.md")
     args = parser.parse_args(argv)
+    global _PROGRESS
+    _PROGRESS = True
     table = render()
     print(table)
     if args.write:
