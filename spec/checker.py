@@ -163,7 +163,7 @@ class Checker:
         expanded = 0
         next_report = started + self.progress_every_s
         successors = core.successors
-        key = self._key
+        symmetry = self.symmetry
         action_counts: dict[str, int] = {}
         transitions: dict[str, int] = {}
         while queue and result.violation is None:
@@ -180,7 +180,9 @@ class Checker:
                 transitions[name] = transitions.get(name, 0) + 1
                 if not fair_enabled and name not in core.UNFAIR_ACTIONS:
                     fair_enabled = True
-                k = key(nxt)
+                if symmetry:
+                    nxt = canonical(nxt)
+                k = hash(nxt)
                 j = index_of.get(k)
                 if j is None:
                     j = len(parents)
@@ -188,8 +190,6 @@ class Checker:
                     parents.append(here)
                     events.append(event)
                     depths.append(depths[here] + 1)
-                    if self.symmetry:
-                        nxt = canonical(nxt)
                     queue.append(nxt)
                     action_counts[name] = action_counts.get(name, 0) + 1
                     failed = self._first_failure(self.state_checks, nxt)
@@ -228,7 +228,7 @@ class Checker:
             result.liveness_checked = True
             if cycle is not None:
                 stem = self._trace(cycle[0], parents)
-                loop = self._replay_path(stem[-1][1], cycle, parents)
+                loop = self._replay_path(stem[-1][1], cycle)
                 result.violation = Violation("Acyclicity", "cycle", stem + loop,
                                              cycle_start=len(stem) - 1)
         result.seconds = time.perf_counter() - started
@@ -262,7 +262,7 @@ class Checker:
                 return event, nxt
         return candidates[0]
 
-    def _replay_path(self, state: State, cycle: list[int], parents: array):
+    def _replay_path(self, state: State, cycle: list[int]):
         steps = []
         for j in cycle[1:]:
             event, state = self._step_to(state, j)

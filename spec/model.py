@@ -11,7 +11,7 @@ did). The switch names are the strings of the TLA+ constant `Bugs`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Switch name -> (the guard it removes, one line on what goes wrong, where it was seen).
 BUG_SWITCHES: dict[str, tuple[str, str, str]] = {
@@ -125,17 +125,7 @@ class Model:
         return min(self.context_pages, self.prefill_pages, self.decode_pages)
 
     def with_bugs(self, bugs: frozenset[str] | set[str], name: str | None = None) -> "Model":
-        return Model(
-            requests=self.requests,
-            max_prompt_pages=self.max_prompt_pages,
-            context_pages=self.context_pages,
-            prefill_pages=self.prefill_pages,
-            decode_pages=self.decode_pages,
-            bugs=frozenset(bugs),
-            crashes=self.crashes,
-            name=name or self.name,
-            request_names=self.request_names,
-        )
+        return replace(self, bugs=frozenset(bugs), name=name or self.name)
 
     def describe(self) -> str:
         bugs = ", ".join(sorted(self.bugs)) or "none"

@@ -24,7 +24,6 @@ from typing import Callable, Iterator
 
 import tla
 
-from spec.tlaview import ModelValue
 
 
 class EvalError(ValueError):
@@ -104,6 +103,14 @@ def _order(x: object):
 def _line(node) -> str:
     start = getattr(node, "start", None)  # the parser counts lines from 0
     return f"line {start.line + 1}" if start is not None else "unknown line"
+
+
+def _lookup(f, key, node):
+    """f[key], and r.key for a record: both are function application in TLA+."""
+    try:
+        return f.d[key]
+    except (AttributeError, KeyError):
+        raise EvalError(f"{_line(node)}: {key!r} is not in the domain of {f!r}") from None
 
 
 def _enumerable(s, node):
@@ -278,13 +285,7 @@ class Spec:
         rec = self.expr(node.expression)
         name = self._name(node.name)
 
-        def field(st, lc):
-            value = rec(st, lc)
-            try:
-                return value.d[name]
-            except (AttributeError, KeyError):
-                raise EvalError(f"{_line(node)}: {value!r} has no field {name}") from None
-        return field
+        return lambda st, lc: _lookup(rec(st, lc), name, node)
 
     def _e_FunctionApplication(self, node):
         fn = self.expr(node.function)
@@ -292,15 +293,7 @@ class Spec:
         if len(args) != 1:
             raise EvalError(f"{_line(node)}: f[a, b] is not supported")
         arg = args[0]
-
-        def apply(st, lc):
-            f = fn(st, lc)
-            x = arg(st, lc)
-            try:
-                return f.d[x]
-            except (AttributeError, KeyError):
-                raise EvalError(f"{_line(node)}: {x!r} is not in the domain of {f!r}") from None
-        return apply
+        return lambda st, lc: _lookup(fn(st, lc), arg(st, lc), node)
 
     def _bounds(self, declarations) -> list[tuple[list[str], Callable, object]]:
         """`x, y \\in S, z \\in T` parses as [x, (y \\in S), (z \\in T)]."""

@@ -76,7 +76,7 @@ def test_incident_trace_reads_another_requests_pages_and_the_client_gets_ok():
     m = entry.model()
     violation = checked("default", entry.bugs, entry.invariants).violation
     assert violation.property == "OkIsClean" and violation.length == 18
-    (before_event, before), (last_event, after) = violation.trace[-2], violation.trace[-1]
+    (_, before), (last_event, after) = violation.trace[-2], violation.trace[-1]
     assert isinstance(last_event, Finish)
     r = last_event.request
     table = before.requests[r][core.TABLE]

@@ -8,7 +8,8 @@ from spec import core
 from spec.cfgfile import load, model_names
 from spec.conformance import SPEC_PATH, check_conformance, spec_for
 from spec.model import ALL_BUGS, Model
-from spec.tlaeval import EvalError, ModelValue, Spec
+from spec.tlaeval import EvalError, Spec
+from spec.tlaview import ModelValue
 from spec.zoo import BASES
 
 ONE_REQUEST = [n for n in model_names() if load(n)[1].requests == 1]
