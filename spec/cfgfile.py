@@ -189,6 +189,21 @@ def model_from_cfg(cfg: CfgFile, name: str) -> Model:
         raise CfgError(f"{cfg.path}: {error}") from error
 
 
+def cfg_for(model: Model, invariants: tuple[str, ...], properties: tuple[str, ...]) -> str:
+    """A TLC .cfg file for this model: the inverse of model_from_cfg."""
+    requests = ", ".join(model.request_names)
+    bugs = ", ".join(f'"{b}"' for b in sorted(model.bugs))
+    lines = ["CONSTANTS", f"    Requests = {{{requests}}}", "    NoReq = NoReq",
+             f"    MaxPromptPages = {model.max_prompt_pages}",
+             f"    ContextPages = {model.context_pages}",
+             f"    PrefillPages = {model.prefill_pages}", f"    DecodePages = {model.decode_pages}",
+             f"    Crashes = {'TRUE' if model.crashes else 'FALSE'}", f"    Bugs = {{{bugs}}}",
+             "SPECIFICATION FairSpec", "INVARIANTS", *[f"    {n}" for n in invariants]]
+    if properties:
+        lines += ["PROPERTIES", *[f"    {p}" for p in properties]]
+    return "\n".join(lines + ["CHECK_DEADLOCK FALSE", ""])
+
+
 def model_names() -> list[str]:
     return sorted(p.stem for p in MODELS_DIR.glob("*.cfg"))
 

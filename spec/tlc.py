@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from spec.cfgfile import cfg_for
 from spec.model import Model
 
 SPEC = Path(__file__).resolve().parent / "KVTransfer.tla"
@@ -69,20 +70,6 @@ def parse_tlc_output(text: str, seconds: float) -> TlcResult:
         violation = re.search(r"^Error:.*$", text, re.M).group(0)
     ok = violation is None and "Model checking completed. No error has been found." in text
     return TlcResult(ok, distinct, generated, depth, seconds, violation, text)
-
-
-def cfg_for(model: Model, invariants: tuple[str, ...], properties: tuple[str, ...]) -> str:
-    requests = ", ".join(model.request_names)
-    bugs = ", ".join(f'"{b}"' for b in sorted(model.bugs))
-    lines = ["CONSTANTS", f"    Requests = {{{requests}}}", "    NoReq = NoReq",
-             f"    MaxPromptPages = {model.max_prompt_pages}",
-             f"    ContextPages = {model.context_pages}",
-             f"    PrefillPages = {model.prefill_pages}", f"    DecodePages = {model.decode_pages}",
-             f"    Crashes = {'TRUE' if model.crashes else 'FALSE'}", f"    Bugs = {{{bugs}}}",
-             "SPECIFICATION FairSpec", "INVARIANTS", *[f"    {n}" for n in invariants]]
-    if properties:
-        lines += ["PROPERTIES", *[f"    {p}" for p in properties]]
-    return "\n".join(lines + ["CHECK_DEADLOCK FALSE", ""])
 
 
 def run_tlc(model: Model, invariants: tuple[str, ...], properties: tuple[str, ...],

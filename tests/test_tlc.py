@@ -7,7 +7,8 @@ import pytest
 from api.cli import main
 from spec.model import Model
 from spec.properties import ALL_INVARIANTS
-from spec.tlc import cfg_for, find_tlc, parse_tlc_output, run_tlc
+from spec.cfgfile import cfg_for
+from spec.tlc import find_tlc, parse_tlc_output, run_tlc
 from spec.zoo import BASES
 
 TLC_SAYS_OK = """TLC2 Version 2.19 of 08 August 2024
