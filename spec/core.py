@@ -46,6 +46,7 @@ Requests and pages are 0-based here; the TLA+ view (spec/tlaview.py) maps them t
 
 from __future__ import annotations
 
+from bisect import insort
 from dataclasses import dataclass
 from itertools import combinations
 from typing import Callable, Iterator, NamedTuple, Union
@@ -127,13 +128,57 @@ def _row(row: tuple, *pairs: int | object) -> tuple:
     return tuple(new)
 
 
-def _put(rows: tuple, r: int, row: tuple) -> tuple:
-    return rows[:r] + (row,) + rows[r + 1:]
+class Change(NamedTuple):
+    """What an action does: the rows, pages and writes it replaces. Actions return a Change
+    rather than a new State so that two representations share them: the checker's immutable
+    tuples (`commit`) and a simulator's mutable, much larger cluster (sim/cluster.py), which
+    hands each action a *view* with the same four attributes as State."""
+
+    rows: tuple = ()        # ((request, new row), ...)
+    decode: tuple = ()      # ((decode page, (owner, gen, data, tag)), ...)
+    prefill: tuple = ()     # ((prefill page, (owner, data)), ...)
+    posted: tuple = ()      # writes posted, each (request, source page, decode page, tag)
+    landed: tuple = ()      # writes that landed (and so left the set in flight)
+    flushed: bool = False   # every write of the view's prefill is dropped (a crash)
 
 
-def _with_row(s: State, r: int, row: tuple) -> State:
-    """The state with request r's row replaced and the pools untouched."""
-    return State(_put(s.requests, r, row), s.decode_pool, s.prefill_pool, s.writes)
+def commit(s: State, c: Change) -> State:
+    """The State after Change `c`."""
+    requests = s.requests
+    if len(c.rows) == 1:
+        r, row = c.rows[0]
+        requests = requests[:r] + (row,) + requests[r + 1:]
+    elif c.rows:
+        new = list(requests)
+        for r, row in c.rows:
+            new[r] = row
+        requests = tuple(new)
+    return State(requests, _replace_pages(s.decode_pool, c.decode),
+                 _replace_pages(s.prefill_pool, c.prefill), _next_writes(s.writes, c))
+
+
+def _replace_pages(pool: tuple, changes: tuple) -> tuple:
+    if not changes:
+        return pool
+    new = list(pool)
+    for p, page in changes:
+        new[p] = page
+    return tuple(new)
+
+
+def _next_writes(writes: tuple, c: Change) -> tuple:
+    if c.flushed:
+        return ()
+    if not (c.posted or c.landed):
+        return writes
+    new = [w for w in writes if w not in c.landed] if c.landed else list(writes)
+    for w in c.posted:
+        insort(new, w)
+    return tuple(new)
+
+
+def _one(r: int, row: tuple) -> Change:
+    return Change(((r, row),))
 
 
 def _writes_of(s: State, r: int) -> bool:
@@ -143,13 +188,9 @@ def _writes_of(s: State, r: int) -> bool:
     return False
 
 
-def _free_prefill_of(pool: tuple, r: int, pages: tuple) -> tuple:
-    """Free the pages of `pages` that `r` still owns; their data stays."""
-    new = list(pool)
-    for p in pages:
-        if new[p][0] == r:
-            new[p] = (NONE, new[p][1])
-    return tuple(new)
+def _free_prefill_of(pool, r: int, pages: tuple) -> tuple:
+    """The page changes that free the pages of `pages` that `r` still owns; data stays."""
+    return tuple((p, (NONE, pool[p][1])) for p in pages if pool[p][0] == r)
 
 
 def _client_error(row: tuple, error: int) -> int:
@@ -158,21 +199,19 @@ def _client_error(row: tuple, error: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------
-# The actions. Each returns the next State, or a str naming the guard that failed.
-# Environment and faults: Arrive, Abort, PrefillFail. Everything else is the protocol's own
-# (fair) action.
+# The actions. Each returns the Change it makes, or a str naming the guard that failed.
+# Environment and faults: Arrive, Abort, PrefillFail, PrefillCrash. Everything else is the
+# protocol's own (fair) action.
 
-def arrive(m: Model, s: State, r: int, n: int) -> State | str:
+def arrive(m: Model, s: State, r: int, n: int) -> Change | str:
     row = s.requests[r]
     if row[CLIENT] != IDLE:
         return "the request has already arrived"
     if not 1 <= n <= m.max_prompt_pages:
         return f"a prompt of {n} pages is outside 1..{m.max_prompt_pages}"
     if n > m.advertised_context_pages:
-        row = _row(row, CLIENT, ERR_TOO_LONG, PROMPT, n)
-    else:
-        row = _row(row, CLIENT, WAITING, PROMPT, n, PST, QUEUED, BOOT, 1)
-    return _with_row(s, r, row)
+        return _one(r, _row(row, CLIENT, ERR_TOO_LONG, PROMPT, n))
+    return _one(r, _row(row, CLIENT, WAITING, PROMPT, n, PST, QUEUED, BOOT, 1))
 
 
 def _admit_need(m: Model, row: tuple) -> int | str:
@@ -200,23 +239,20 @@ def _check_pages(pool: tuple, pages: tuple, need: int, which: str) -> str:
     return ""
 
 
-def admit(m: Model, s: State, r: int, pages: tuple) -> State | str:
+def admit(m: Model, s: State, r: int, pages: tuple) -> Change | str:
     row = s.requests[r]
     need = _admit_need(m, row)
     if type(need) is str:
         return need
-    pool = s.prefill_pool
-    bad = _check_pages(pool, pages, need, "prefill")
+    bad = _check_pages(s.prefill_pool, pages, need, "prefill")
     if bad:
         return bad
-    new_pool = list(pool)
-    for p in pages:
-        new_pool[p] = (r, r)  # the prefill computes r's KV into its source pages
-    row = _row(row, PST, RUNNING, SRC, pages)
-    return State(_put(s.requests, r, row), s.decode_pool, tuple(new_pool), s.writes)
+    # The prefill computes r's KV into its source pages.
+    return Change(((r, _row(row, PST, RUNNING, SRC, pages)),),
+                  prefill=tuple((p, (r, r)) for p in pages))
 
 
-def reject(m: Model, s: State, r: int) -> State | str:
+def reject(m: Model, s: State, r: int) -> Change | str:
     row = s.requests[r]
     if row[PST] != QUEUED:
         return f"the prefill state is {PREFILL_NAMES[row[PST]]}, not Queued"
@@ -224,11 +260,11 @@ def reject(m: Model, s: State, r: int) -> State | str:
         return "the prompt fits the prefill pool"
     if "FinishedNotRejected" in m.bugs:
         return "with FinishedNotRejected the prefill admits a placeholder instead"
-    row = _row(row, PST, REJECTED, FW, MSG_REJECT, CLIENT, _client_error(row, ERR_TOO_LONG))
-    return _with_row(s, r, row)
+    return _one(r, _row(row, PST, REJECTED, FW, MSG_REJECT,
+                        CLIENT, _client_error(row, ERR_TOO_LONG)))
 
 
-def send_page(m: Model, s: State, r: int) -> State | str:
+def send_page(m: Model, s: State, r: int) -> Change | str:
     row = s.requests[r]
     if row[PST] != RUNNING:
         return f"the prefill state is {PREFILL_NAMES[row[PST]]}, not Running"
@@ -240,29 +276,26 @@ def send_page(m: Model, s: State, r: int) -> State | str:
     if i >= len(src):
         return "every source page has been posted"
     page, tag = table[i]
-    writes = tuple(sorted(s.writes + ((r, src[i], page, tag),)))
-    pool = s.prefill_pool
+    freed = ()
     if i + 1 == len(src) and "SourceReuse" in m.bugs:
-        pool = _free_prefill_of(pool, r, src)  # the bug: freed on post, not on completion
-    row = _row(row, SENT, i + 1)
-    return State(_put(s.requests, r, row), s.decode_pool, pool, writes)
+        # The bug: the sources are freed when the last write is posted, not when it lands.
+        freed = _free_prefill_of(s.prefill_pool, r, src)
+    return Change(((r, _row(row, SENT, i + 1)),), prefill=freed,
+                  posted=((r, src[i], page, tag),))
 
 
-def land_write(m: Model, s: State, r: int, page: int) -> State | str:
+def land_write(m: Model, s: State, r: int, page: int) -> Change | str:
     for w in s.writes:
         if w[0] == r and w[2] == page:
             break
     else:
         return f"no write of this request into decode page {page + 1} is in flight"
     data = s.prefill_pool[w[1]][1]  # the NIC reads the source page now, not at post time
-    pool = list(s.decode_pool)
-    owner, gen, _, _ = pool[page]
-    pool[page] = (owner, gen, data, w[3])
-    writes = tuple(x for x in s.writes if x is not w)
-    return State(s.requests, tuple(pool), s.prefill_pool, writes)
+    owner, gen, _, _ = s.decode_pool[page]
+    return Change(decode=((page, (owner, gen, data, w[3])),), landed=(w,))
 
 
-def send_done(m: Model, s: State, r: int) -> State | str:
+def send_done(m: Model, s: State, r: int) -> Change | str:
     row = s.requests[r]
     if row[PST] != RUNNING:
         return f"the prefill state is {PREFILL_NAMES[row[PST]]}, not Running"
@@ -270,19 +303,17 @@ def send_done(m: Model, s: State, r: int) -> State | str:
         return f"{row[SENT]} of {len(row[SRC])} pages posted"
     if _writes_of(s, r):
         return "writes of this request are still in flight"
-    pool = _free_prefill_of(s.prefill_pool, r, row[SRC])
-    row = _row(row, PST, P_DONE, FW, MSG_DONE)
-    return State(_put(s.requests, r, row), s.decode_pool, pool, s.writes)
+    return Change(((r, _row(row, PST, P_DONE, FW, MSG_DONE)),),
+                  prefill=_free_prefill_of(s.prefill_pool, r, row[SRC]))
 
 
-def _stop_prefill(m: Model, s: State, r: int, client: int) -> State:
+def _stop_prefill(m: Model, s: State, r: int, client: int) -> Change:
     row = s.requests[r]
     # A prefill that stops because of a cancel answers it; the bug drops only the notice a
     # prefill owes decode when it stops on its own or on a client abort.
     fw = row[FW] if "NoAbortNotice" in m.bugs and not row[CANCEL] else MSG_ABORT
-    pool = _free_prefill_of(s.prefill_pool, r, row[SRC])
-    row = _row(row, PST, ABORTED, CANCEL, 0, FW, fw, CLIENT, client)
-    return State(_put(s.requests, r, row), s.decode_pool, pool, s.writes)
+    return Change(((r, _row(row, PST, ABORTED, CANCEL, 0, FW, fw, CLIENT, client)),),
+                  prefill=_free_prefill_of(s.prefill_pool, r, row[SRC]))
 
 
 def _prefill_can_stop(s: State, r: int) -> str:
@@ -294,7 +325,7 @@ def _prefill_can_stop(s: State, r: int) -> str:
     return ""
 
 
-def prefill_abort(m: Model, s: State, r: int) -> State | str:
+def prefill_abort(m: Model, s: State, r: int) -> Change | str:
     reason = _prefill_can_stop(s, r)
     if reason:
         return reason
@@ -304,7 +335,7 @@ def prefill_abort(m: Model, s: State, r: int) -> State | str:
     return _stop_prefill(m, s, r, row[CLIENT])
 
 
-def prefill_fail(m: Model, s: State, r: int) -> State | str:
+def prefill_fail(m: Model, s: State, r: int) -> Change | str:
     reason = _prefill_can_stop(s, r)
     if reason:
         return reason
@@ -313,15 +344,14 @@ def prefill_fail(m: Model, s: State, r: int) -> State | str:
     return _stop_prefill(m, s, r, ERR_PREFILL)
 
 
-def answer_cancel(m: Model, s: State, r: int) -> State | str:
+def answer_cancel(m: Model, s: State, r: int) -> Change | str:
     row = s.requests[r]
     if not row[CANCEL]:
         return "no cancel is in flight"
     word = FINAL_WORD.get(row[PST])
     if word is None:
         return f"the prefill state is {PREFILL_NAMES[row[PST]]}: it has no final word yet"
-    row = _row(row, CANCEL, 0, FW, word)
-    return _with_row(s, r, row)
+    return _one(r, _row(row, CANCEL, 0, FW, word))
 
 
 def _reserve_need(m: Model, row: tuple) -> int | str:
@@ -334,26 +364,27 @@ def _reserve_need(m: Model, row: tuple) -> int | str:
     return row[PROMPT]
 
 
-def reserve(m: Model, s: State, r: int, pages: tuple) -> State | str:
+def reserve(m: Model, s: State, r: int, pages: tuple) -> Change | str:
     row = s.requests[r]
     need = _reserve_need(m, row)
     if type(need) is str:
         return need
-    bad = _check_pages(s.decode_pool, pages, need, "decode")
+    pool = s.decode_pool
+    bad = _check_pages(pool, pages, need, "decode")
     if bad:
         return bad
-    pool = list(s.decode_pool)
     bump = 0 if "NoGenBump" in m.bugs else 1
+    changes = []
     table = []
     for p in pages:
         _, gen, data, tag = pool[p]
-        pool[p] = (r, gen + bump, data, tag)
+        changes.append((p, (r, gen + bump, data, tag)))
         table.append((p, gen + bump))
-    row = _row(row, BOOT, 0, DST, D_WAITING, TABLE, tuple(table))
-    return State(_put(s.requests, r, row), tuple(pool), s.prefill_pool, s.writes)
+    return Change(((r, _row(row, BOOT, 0, DST, D_WAITING, TABLE, tuple(table))),),
+                  decode=tuple(changes))
 
 
-def decode_reject(m: Model, s: State, r: int) -> State | str:
+def decode_reject(m: Model, s: State, r: int) -> Change | str:
     row = s.requests[r]
     if not row[BOOT]:
         return "no bootstrap is in flight"
@@ -362,18 +393,17 @@ def decode_reject(m: Model, s: State, r: int) -> State | str:
     if row[PROMPT] <= m.decode_pages:
         return "the prompt fits the decode pool"
     cancel = row[CANCEL] if "NoCancel" in m.bugs else 1
-    row = _row(row, BOOT, 0, DST, CLOSING, CANCEL, cancel,
-               CLIENT, _client_error(row, ERR_TOO_LONG))
-    return _with_row(s, r, row)
+    return _one(r, _row(row, BOOT, 0, DST, CLOSING, CANCEL, cancel,
+                        CLIENT, _client_error(row, ERR_TOO_LONG)))
 
 
-def drop_bootstrap(m: Model, s: State, r: int) -> State | str:
+def drop_bootstrap(m: Model, s: State, r: int) -> Change | str:
     row = s.requests[r]
     if not row[BOOT]:
         return "no bootstrap is in flight"
     if row[DST] != TOMB:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not Tomb"
-    return _with_row(s, r, _row(row, BOOT, 0))
+    return _one(r, _row(row, BOOT, 0))
 
 
 def _transfer_fault(m: Model, s: State, r: int, row: tuple) -> bool:
@@ -404,7 +434,7 @@ def _receive_final_word(m: Model, s: State, r: int, row: tuple) -> tuple:
     return _row(row, FW, NO_MSG)  # Released, Tomb, Decoding: nothing left to do
 
 
-def accept(m: Model, s: State, r: int) -> State | str:
+def accept(m: Model, s: State, r: int) -> Change | str:
     row = s.requests[r]
     if row[FW] != MSG_DONE:
         return "no Done is in flight"
@@ -416,18 +446,17 @@ def accept(m: Model, s: State, r: int) -> State | str:
             row = _row(row, FW, NO_MSG, DST, DECODING, DFW, 1)
     else:
         row = _receive_final_word(m, s, r, row)
-    return _with_row(s, r, row)
+    return _one(r, row)
 
 
-def notice(m: Model, s: State, r: int) -> State | str:
+def notice(m: Model, s: State, r: int) -> Change | str:
     row = s.requests[r]
     if row[FW] != MSG_REJECT and row[FW] != MSG_ABORT:
         return "no Reject or Abort is in flight"
-    row = _receive_final_word(m, s, r, row)
-    return _with_row(s, r, row)
+    return _one(r, _receive_final_word(m, s, r, row))
 
 
-def finish(m: Model, s: State, r: int) -> State | str:
+def finish(m: Model, s: State, r: int) -> Change | str:
     row = s.requests[r]
     if row[DST] != DECODING:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not Decoding"
@@ -435,47 +464,44 @@ def finish(m: Model, s: State, r: int) -> State | str:
     table = row[TABLE]
     for page, gen in table:
         if pool[page][TAG] != gen:  # the tag check on every read
-            row = _row(row, DST, CLOSING, CLIENT, _client_error(row, ERR_TAG))
-            return State(_put(s.requests, r, row), pool, s.prefill_pool, s.writes)
+            return _one(r, _row(row, DST, CLOSING, CLIENT, _client_error(row, ERR_TAG)))
     foreign = 0
     for page, _ in table:
         if pool[page][DATA] != r or pool[page][TAG] != pool[page][GEN]:
             foreign = 1
-    row = _row(row, DST, CLOSING, CLIENT, _client_error(row, OK),
-               LEAKED, row[LEAKED] | foreign)
-    return State(_put(s.requests, r, row), pool, s.prefill_pool, s.writes)
+    return _one(r, _row(row, DST, CLOSING, CLIENT, _client_error(row, OK),
+                        LEAKED, row[LEAKED] | foreign))
 
 
-def abort(m: Model, s: State, r: int) -> State | str:
+def abort(m: Model, s: State, r: int) -> Change | str:
     row = s.requests[r]
     if row[CLIENT] != WAITING:
         return f"the client is {CLIENT_NAMES[row[CLIENT]]}, not Waiting"
-    return _with_row(s, r, _row(row, CLIENT, GONE))
+    return _one(r, _row(row, CLIENT, GONE))
 
 
-def decode_abort(m: Model, s: State, r: int) -> State | str:
+def decode_abort(m: Model, s: State, r: int) -> Change | str:
     row = s.requests[r]
     if row[CLIENT] != GONE:
         return "the client has not gone"
     if row[DST] != D_WAITING and row[DST] != DECODING:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not Waiting or Decoding"
     cancel = row[CANCEL] if row[DFW] or "NoCancel" in m.bugs else 1
-    row = _row(row, DST, CLOSING, CANCEL, cancel)
-    return _with_row(s, r, row)
+    return _one(r, _row(row, DST, CLOSING, CANCEL, cancel))
 
 
-def timeout(m: Model, s: State, r: int) -> State | str:
+def timeout(m: Model, s: State, r: int) -> Change | str:
     if "NoTimeout" in m.bugs:
         return "decode has no transfer timeout (NoTimeout)"
     row = s.requests[r]
     if row[DST] != D_WAITING:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not Waiting"
     cancel = row[CANCEL] if "NoCancel" in m.bugs else 1
-    row = _row(row, DST, CLOSING, CANCEL, cancel, CLIENT, _client_error(row, ERR_TIMEOUT))
-    return _with_row(s, r, row)
+    return _one(r, _row(row, DST, CLOSING, CANCEL, cancel,
+                        CLIENT, _client_error(row, ERR_TIMEOUT)))
 
 
-def release(m: Model, s: State, r: int) -> State | str:
+def release(m: Model, s: State, r: int) -> Change | str:
     row = s.requests[r]
     if row[DST] != CLOSING:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not Closing"
@@ -486,16 +512,21 @@ def release(m: Model, s: State, r: int) -> State | str:
         for w in s.writes:
             if pool[w[2]][OWNER] == r:
                 return f"a write into decode page {w[2] + 1} is still in flight"
-    new_pool = list(pool)
+    freed = []
     for page, _ in row[TABLE]:
-        owner, gen, data, tag = new_pool[page]
+        owner, gen, data, tag = pool[page]
         if owner == r:
-            new_pool[page] = (NONE, gen, data, tag)
-    row = _row(row, DST, RELEASED)
-    return State(_put(s.requests, r, row), tuple(new_pool), s.prefill_pool, s.writes)
+            freed.append((page, (NONE, gen, data, tag)))
+    return Change(((r, _row(row, DST, RELEASED)),), decode=tuple(freed))
 
 
-def prefill_crash(m: Model, s: State) -> State | str:
+def _rows(s: State):
+    """(request, row) pairs: a State's rows are a tuple, a simulator view's a dict."""
+    rows = s.requests
+    return rows.items() if type(rows) is dict else enumerate(rows)
+
+
+def prefill_crash(m: Model, s: State) -> Change | str:
     """The prefill dies and restarts empty. Its queued and running requests are lost (their
     clients see an error), its pool is free again, and the writes it had posted are flushed
     with its queue pairs. It sends no notice: decode learns by timing out, and the restarted
@@ -503,16 +534,13 @@ def prefill_crash(m: Model, s: State) -> State | str:
     (decode re-sends outstanding cancels when the prefill reconnects)."""
     if not m.crashes:
         return "this model has no prefill crashes (Crashes = FALSE)"
-    rows = list(s.requests)
-    lost = False
-    for r, row in enumerate(rows):
-        if row[PST] == QUEUED or row[PST] == RUNNING:
-            rows[r] = _row(row, PST, ABORTED, CLIENT, _client_error(row, ERR_PREFILL))
-            lost = True
+    lost = tuple((r, _row(row, PST, ABORTED, CLIENT, _client_error(row, ERR_PREFILL)))
+                 for r, row in _rows(s) if row[PST] == QUEUED or row[PST] == RUNNING)
     if not lost:
         return "no request is queued or running at the prefill: a crash loses nothing"
-    pool = tuple((NONE, data) for _, data in s.prefill_pool)
-    return State(tuple(rows), s.decode_pool, pool, ())
+    freed = tuple((p, (NONE, data)) for p, (owner, data) in enumerate(s.prefill_pool)
+                  if owner != NONE)
+    return Change(lost, prefill=freed, flushed=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -634,31 +662,40 @@ _SIMPLE_ACTIONS = tuple((cls, fn) for cls, fn in ACTIONS.items()
 Result = Union[State, Refusal]
 
 
-def apply(m: Model, s: State, event: Event) -> Result:
-    """The state after `event`, or a Refusal naming why the protocol does not allow it."""
+def decide(m: Model, s: State, event: Event) -> Change | Refusal:
+    """The Change `event` makes in `s`, or a Refusal naming why the protocol does not allow
+    it. `s` is a State or a simulator's view of one worker pair (same four attributes)."""
     fn = ACTIONS.get(type(event))
     if fn is None:
         raise ProtocolMisuse(f"{event!r} is not a protocol event")
     if isinstance(event, PrefillCrash):
         out = fn(m, s)
         return Refusal(event, out) if type(out) is str else out
-    if not 0 <= event.request < m.requests:
-        raise ProtocolMisuse(f"request {event.request} does not exist (model has {m.requests})")
+    rows = s.requests
+    r = event.request
+    if not (r in rows if type(rows) is dict else 0 <= r < len(rows)):
+        raise ProtocolMisuse(f"request {r} does not exist ({len(rows)} requests)")
     if isinstance(event, Arrive):
-        out = fn(m, s, event.request, event.prompt_pages)
+        out = fn(m, s, r, event.prompt_pages)
     elif isinstance(event, (Admit, Reserve)):
         if not isinstance(event.pages, tuple):
             raise ProtocolMisuse(f"{event.action}.pages must be a tuple of page numbers")
-        out = fn(m, s, event.request, event.pages)
+        out = fn(m, s, r, event.pages)
     elif isinstance(event, LandWrite):
         if not 0 <= event.page < m.decode_pages:
             raise ProtocolMisuse(f"decode page {event.page} does not exist")
-        out = fn(m, s, event.request, event.page)
+        out = fn(m, s, r, event.page)
     else:
-        out = fn(m, s, event.request)
+        out = fn(m, s, r)
     if type(out) is str:
         return Refusal(event, out)
     return out
+
+
+def apply(m: Model, s: State, event: Event) -> Result:
+    """The state after `event`, or a Refusal naming why the protocol does not allow it."""
+    out = decide(m, s, event)
+    return out if type(out) is Refusal else commit(s, out)
 
 
 class _EventCache:
@@ -693,7 +730,7 @@ def _allocations(m: Model, s: State, r: int, cache: _EventCache):
         for pages in combinations(free, need):
             event = cache.admit.get((r, pages)) or cache.admit.setdefault((r, pages),
                                                                           Admit(r, pages))
-            yield event, admit(m, s, r, pages)
+            yield event, commit(s, admit(m, s, r, pages))
     need = _reserve_need(m, row)
     if type(need) is int:
         pool = s.decode_pool
@@ -701,7 +738,7 @@ def _allocations(m: Model, s: State, r: int, cache: _EventCache):
         for pages in combinations(free, need):
             event = cache.reserve.get((r, pages)) or cache.reserve.setdefault(
                 (r, pages), Reserve(r, pages))
-            yield event, reserve(m, s, r, pages)
+            yield event, commit(s, reserve(m, s, r, pages))
 
 
 def successors(m: Model, s: State) -> Iterator[tuple[Event, State]]:
@@ -713,18 +750,18 @@ def successors(m: Model, s: State) -> Iterator[tuple[Event, State]]:
             for n in range(1, m.max_prompt_pages + 1):
                 out = arrive(m, s, r, n)
                 if type(out) is not str:
-                    yield row_arrive[n], out
+                    yield row_arrive[n], commit(s, out)
             continue
         yield from _allocations(m, s, r, cache)
         for event, fn in cache.simple[r]:
             out = fn(m, s, r)
             if type(out) is not str:
-                yield event, out
+                yield event, commit(s, out)
     for w in s.writes:
-        yield cache.land[w[0]][w[2]], land_write(m, s, w[0], w[2])
+        yield cache.land[w[0]][w[2]], commit(s, land_write(m, s, w[0], w[2]))
     out = prefill_crash(m, s)
     if type(out) is not str:
-        yield _CRASH, out
+        yield _CRASH, commit(s, out)
 
 
 _CRASH = PrefillCrash()
