@@ -15,6 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from sim.cli import add_parser as add_sim_parser
 from spec.cfgfile import CfgError, load, model_names
 from spec.checker import Checker
 from spec.itf import write_itf
@@ -233,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     conformance.add_argument("--symmetry", action="store_true",
                              help="compare one state per orbit under renaming of requests")
     conformance.set_defaults(func=cmd_conformance)
+    add_sim_parser(commands)
     return parser
 
 

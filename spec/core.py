@@ -698,6 +698,45 @@ def apply(m: Model, s: State, event: Event) -> Result:
     return out if type(out) is Refusal else commit(s, out)
 
 
+# What a shell needs besides the verdict: how many pages an allocation must bring, which
+# messages an event put in flight, and when nothing more can happen to a request.
+
+def pages_to_admit(m: Model, row: tuple) -> int | str:
+    """How many source pages the prefill must allocate to admit this request, or why not."""
+    return _admit_need(m, row)
+
+
+def pages_to_reserve(m: Model, row: tuple) -> int | str:
+    """How many decode pages decode must reserve for this bootstrap, or why not."""
+    return _reserve_need(m, row)
+
+
+# Messages, by the row field that holds them in flight.
+BOOTSTRAP, FINAL_WORD_MSG, CANCEL_MSG = "bootstrap", "final word", "cancel"
+
+
+def messages_sent(old: tuple, new: tuple) -> tuple[str, ...]:
+    """The messages an event put in flight: the commands a shell carries out."""
+    sent = []
+    if new[BOOT] and not old[BOOT]:
+        sent.append(BOOTSTRAP)
+    if new[FW] != NO_MSG and new[FW] != old[FW]:
+        sent.append(FINAL_WORD_MSG)
+    if new[CANCEL] and not old[CANCEL]:
+        sent.append(CANCEL_MSG)
+    return tuple(sent)
+
+
+def settled(row: tuple) -> bool:
+    """Nothing can happen to this request any more, not even a fault: its client has its
+    answer, prefill and decode are done with it, and no message of it is in flight. (Its
+    writes are in flight only while the prefill runs.)"""
+    return (row[CLIENT] != WAITING and row[CLIENT] != IDLE
+            and row[PST] != QUEUED and row[PST] != RUNNING
+            and row[DST] != D_WAITING and row[DST] != DECODING and row[DST] != CLOSING
+            and not row[BOOT] and row[FW] == NO_MSG and not row[CANCEL])
+
+
 class _EventCache:
     """Interned event objects, so that enumeration allocates no events."""
 

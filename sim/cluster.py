@@ -1,0 +1,337 @@
+"""The cluster's protocol state: the core's State, spread over P prefill and D decode workers.
+
+The core (spec/core.py) decides every transition on a State of one prefill and one decode
+pool. A cluster has many of each and far more requests than the model checker ever sees, so
+copying whole-state tuples per event is out of the question. Instead each event is decided
+on a *view* of the request's worker pair — the global rows, the request's prefill pool, its
+decode pool and the writes into that decode pool — and the Change the core returns is
+committed in place (`Cluster.take`). Nothing here decides anything: an event the core refuses
+changes nothing, and the caller gets the core's Refusal.
+
+After every committed event the oracles check what the event touched (`_check_local`): page
+conservation on both workers (the allocator's free set and the pages' owner fields agree,
+free + owned == total, and decode pages claimed by request rows == decode pages owned), and
+the core's invariants on the request, the pages and the writes the change touched. Every
+`sweep_every_events` events, and at the end, `sweep` flattens the whole cluster into one core
+State and runs the core's own invariant functions on it, which is what shows that the local
+checks miss nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from spec import core
+from spec.core import (CLIENT, CLOSING, DATA, DECODING, DST, D_WAITING, GEN, LEAKED, NONE, OK,
+                       OWNER, PROMPT, PST, RUNNING, SRC, TABLE, TAG, Change, Refusal, State)
+from spec.model import Model
+from spec.properties import REST_INVARIANTS, STATE_INVARIANTS
+
+
+VIOLATIONS_KEPT = 100  # details kept per run; every violation is counted
+
+
+class View:
+    """The core's State attributes for one worker pair; rows are the cluster's dict."""
+
+    __slots__ = ("requests", "decode_pool", "prefill_pool", "writes")
+
+    def __init__(self, requests, decode_pool, prefill_pool, writes) -> None:
+        self.requests = requests
+        self.decode_pool = decode_pool
+        self.prefill_pool = prefill_pool
+        self.writes = writes
+
+
+@dataclass
+class Violation:
+    name: str
+    detail: str
+    request: int = NONE
+
+
+@dataclass
+class Cluster:
+    """Rows, pools and writes of every worker; placement of every live request."""
+
+    model: Model
+    prefill_workers: int
+    decode_workers: int
+    rows: dict = field(default_factory=dict)
+    placement: dict = field(default_factory=dict)   # request -> (prefill worker, decode worker)
+
+    def __post_init__(self) -> None:
+        m = self.model
+        self.prefill_pools = [[core.FRESH_PREFILL_PAGE] * m.prefill_pages
+                              for _ in range(self.prefill_workers)]
+        self.decode_pools = [[core.FRESH_DECODE_PAGE] * m.decode_pages
+                             for _ in range(self.decode_workers)]
+        # Free pages as stacks: the page freed last is reused first, as real allocators do,
+        # which is what puts another request's stale KV under a new owner.
+        self.prefill_free = [list(range(m.prefill_pages - 1, -1, -1))
+                             for _ in range(self.prefill_workers)]
+        self.decode_free = [list(range(m.decode_pages - 1, -1, -1))
+                            for _ in range(self.decode_workers)]
+        self.prefill_free_sets = [set(f) for f in self.prefill_free]
+        self.decode_free_sets = [set(f) for f in self.decode_free]
+        self.decode_pages_total = m.decode_pages * self.decode_workers
+        self.writes_into = [[] for _ in range(self.decode_workers)]   # the core's `writes`
+        # Pages that request rows say they hold, counted from row fields alone: the second,
+        # independent count that conservation compares with the pools' owner fields.
+        self.decode_claimed = [0] * self.decode_workers
+        self.prefill_claimed = [0] * self.prefill_workers
+        self.violations: list[Violation] = []   # the first VIOLATIONS_KEPT, in order
+        self.violation_counts: dict[str, int] = {}
+        self._imbalance: dict[str, int] = {}
+
+    # -- the core's answers ------------------------------------------------------------
+
+    def view(self, r: int) -> View:
+        p, d = self.placement[r]
+        return View(self.rows, self.decode_pools[d], self.prefill_pools[p], self.writes_into[d])
+
+    def take(self, r: int, event: core.Event) -> Change | Refusal:
+        """Hand `event` on request r to the core; commit and check what it allows."""
+        p, d = self.placement[r]
+        out = core.decide(self.model, View(self.rows, self.decode_pools[d],
+                                           self.prefill_pools[p], self.writes_into[d]), event)
+        if type(out) is not Refusal:
+            old = self.rows.get(r)
+            self._commit(p, d, out)
+            self._check_local(p, d, r, old, out)
+        return out
+
+    def crash_prefill(self, p: int) -> Change | Refusal:
+        """PrefillCrash at worker p: the view holds the rows of requests placed there."""
+        rows = {r: self.rows[r] for r, (q, _) in self.placement.items() if q == p}
+        posted = [w for ws in self.writes_into for w in ws if self.placement[w[0]][0] == p]
+        view = View(rows, [], self.prefill_pools[p], posted)
+        out = core.decide(self.model, view, core.PrefillCrash())
+        if type(out) is not Refusal:
+            olds = {r: self.rows[r] for r, _ in out.rows}
+            for d in range(self.decode_workers):
+                self._commit(p, d, out._replace(rows=(), prefill=()), flush_from=p)
+            self._commit(p, 0, out._replace(flushed=False))
+            for r, _ in out.rows:
+                self._check_local(p, self.placement[r][1], r, olds[r], Change())
+        return out
+
+    def arrive(self, r: int, p: int, d: int) -> None:
+        """A new request enters with an empty row, placed by the router."""
+        assert r not in self.rows, f"request {r} arrives twice"
+        self.rows[r] = core.EMPTY_ROW
+        self.placement[r] = (p, d)
+
+    def withdraw(self, r: int) -> None:
+        """Undo `arrive` for a request whose Arrive the core refused."""
+        assert self.rows[r] == core.EMPTY_ROW
+        del self.rows[r]
+        del self.placement[r]
+
+    @property
+    def decode_pages_used(self) -> int:
+        return self.decode_pages_total - sum(len(f) for f in self.decode_free)
+
+    def forget(self, r: int) -> None:
+        """Drop a settled request's row: nothing can happen to it any more."""
+        assert core.settled(self.rows[r]), f"request {r} is not settled"
+        del self.rows[r]
+        del self.placement[r]
+
+    # -- committing a Change in place ---------------------------------------------------
+
+    def _commit(self, p: int, d: int, c: Change, flush_from: int = NONE) -> None:
+        for r, row in c.rows:
+            old = self.rows[r]
+            p_r, d_r = self.placement[r]
+            self.decode_claimed[d_r] += _claim(row) - _claim(old)
+            self.prefill_claimed[p_r] += _source_claim(row) - _source_claim(old)
+            self.rows[r] = row
+        _put_pages(self.prefill_pools[p], self.prefill_free[p], self.prefill_free_sets[p],
+                   c.prefill)
+        _put_pages(self.decode_pools[d], self.decode_free[d], self.decode_free_sets[d],
+                   c.decode)
+        writes = self.writes_into[d]
+        for w in c.landed:
+            writes.remove(w)
+        writes.extend(c.posted)
+        if c.flushed:
+            writes[:] = [w for w in writes if self.placement[w[0]][0] != flush_from]
+
+    def allocate(self, pool: str, worker: int, need: int) -> tuple | None:
+        """`need` free pages of a worker's pool, ascending, or None if it has too few. The
+        pages stay free until the core commits an Admit or Reserve naming them."""
+        stack = self.prefill_free[worker] if pool == "prefill" else self.decode_free[worker]
+        if len(stack) < need:
+            return None
+        return tuple(sorted(stack[-need:])) if need else ()
+
+    def free_pages(self, pool: str, worker: int) -> int:
+        return len(self.prefill_free[worker] if pool == "prefill" else self.decode_free[worker])
+
+    # -- oracles ------------------------------------------------------------------------
+
+    def _violate(self, name: str, detail: str, r: int = NONE) -> None:
+        self.violation_counts[name] = self.violation_counts.get(name, 0) + 1
+        if len(self.violations) < VIOLATIONS_KEPT:
+            self.violations.append(Violation(name, detail, r))
+
+    def _check_local(self, p: int, d: int, r: int, old: tuple | None, c: Change) -> None:
+        self._check_conservation(p, d)
+        row = self.rows[r]
+        if row[LEAKED]:
+            if not old[LEAKED]:
+                self._violate("Isolation", f"request {r} read a page that is not its own", r)
+            if row[CLIENT] == OK and old[CLIENT] != OK:
+                self._violate("OkIsClean", f"request {r} got success on foreign KV", r)
+        limit = min(self.model.prefill_pages, self.model.decode_pages)
+        if row[PROMPT] > limit and (row[CLIENT] == OK or row[DST] == DECODING) and not (
+                old[CLIENT] == OK or old[DST] == DECODING):
+            self._violate("RejectedIsError", f"request {r}: a {row[PROMPT]}-page prompt is "
+                          f"longer than a pool ({limit} pages) but decodes or succeeds", r)
+        self._check_pages(p, d, c)
+        self._check_writes(p, d, r, c)
+
+    def _check_conservation(self, p: int, d: int) -> None:
+        """free + held == total on both workers, where "free" comes from the pages' owner
+        fields (through the allocator's free list) and "held" from the request rows."""
+        m = self.model
+        for label, stack, free, total, held in (
+                (f"prefill {p}", self.prefill_free[p], self.prefill_free_sets[p],
+                 m.prefill_pages, self.prefill_claimed[p]),
+                (f"decode {d}", self.decode_free[d], self.decode_free_sets[d],
+                 m.decode_pages, self.decode_claimed[d])):
+            imbalance = len(free) + held - total
+            if len(stack) != len(free):
+                self._violate("PageConservation", f"{label}: the free list is corrupt")
+            elif imbalance != self._imbalance.get(label, 0):
+                # Reported when it changes, so that one lost page is one violation.
+                self._imbalance[label] = imbalance
+                if imbalance:
+                    self._violate("PageConservation", f"{label}: {len(free)} free + {held} "
+                                  f"held by requests != {total} pages")
+
+    def _check_pages(self, p: int, d: int, c: Change) -> None:
+        """ExclusiveOwner for every page the change touched."""
+        pool = self.decode_pools[d]
+        for page, _ in c.decode:
+            owner, gen = pool[page][OWNER], pool[page][GEN]
+            if owner == NONE:
+                continue
+            row = self.rows.get(owner)
+            if row is None or not _holds(row) or (page, gen) not in row[TABLE]:
+                self._violate("ExclusiveOwner", f"decode {d} page {page} is owned by "
+                              f"request {owner} at gen {gen}, not in its table", owner)
+        for page, (owner, _) in c.prefill:
+            row = self.rows.get(owner) if owner != NONE else None
+            if owner != NONE and (row is None or row[PST] != RUNNING or page not in row[SRC]):
+                self._violate("ExclusiveOwner", f"prefill {p} page {page} is owned by "
+                              f"request {owner}, which does not hold it", owner)
+
+    def _check_writes(self, p: int, d: int, r: int, c: Change) -> None:
+        """NoWriteIntoForeign and SourceHeld for the writes whose pages the change touched.
+        Only a change of page owners or a new write can break either."""
+        if not (c.decode or c.posted or c.prefill):
+            return
+        pool, sources_pool = self.decode_pools[d], self.prefill_pools[p]
+        targets = {page for page, _ in c.decode}
+        targets.update(w[2] for w in c.posted)
+        sources = {page for page, _ in c.prefill}
+        sources.update(w[1] for w in c.posted)
+        for w in self.writes_into[d]:
+            if w[2] in targets and (pool[w[2]][OWNER] != w[0] or pool[w[2]][GEN] != w[3]):
+                self._violate("NoWriteIntoForeign", f"a write of request {w[0]} into decode "
+                              f"{d} page {w[2]} (tag {w[3]}) outlived its page", w[0])
+            if (w[1] in sources and self.placement[w[0]][0] == p
+                    and sources_pool[w[1]][0] != w[0]):
+                self._violate("SourceHeld", f"prefill {p} page {w[1]} was freed or reused "
+                              f"while request {w[0]}'s write still reads it", w[0])
+
+    def leak_check(self, r: int) -> bool:
+        """The leak oracle, independent of the core's flag: did request r's decode read a
+        page whose content is not its own at the page's current generation?"""
+        row = self.rows[r]
+        pool = self.decode_pools[self.placement[r][1]]
+        return any(pool[page][DATA] != r or pool[page][TAG] != gen for page, gen in row[TABLE])
+
+    # -- the whole cluster as one core State -----------------------------------------------
+
+    def flatten(self) -> tuple[Model, State]:
+        """The cluster as one core State: workers' pools side by side, requests renumbered
+        0..n-1, and index n standing for every writer that has already been forgotten."""
+        m = self.model
+        ids = sorted(self.rows)
+        index = {r: k for k, r in enumerate(ids)}
+        gone = len(ids)
+        pp, dp = m.prefill_pages, m.decode_pages
+
+        def who(r: int) -> int:
+            return NONE if r == NONE else index.get(r, gone)
+
+        rows = []
+        for r in ids:
+            p, d = self.placement[r]
+            row = list(self.rows[r])
+            row[SRC] = tuple(x + p * pp for x in row[SRC])
+            row[TABLE] = tuple((x + d * dp, g) for x, g in row[TABLE])
+            rows.append(tuple(row))
+        rows.append(core.EMPTY_ROW)
+        decode = tuple((who(o), g, who(data), t) for pool in self.decode_pools
+                       for o, g, data, t in pool)
+        prefill = tuple((who(o), who(data)) for pool in self.prefill_pools for o, data in pool)
+        writes = tuple(sorted((index[r], s + self.placement[r][0] * pp, t + d * dp, tag)
+                              for d, ws in enumerate(self.writes_into) for r, s, t, tag in ws))
+        flat = replace(m, requests=len(rows), prefill_pages=pp * self.prefill_workers,
+                       decode_pages=dp * self.decode_workers, request_names=())
+        return flat, State(tuple(rows), decode, prefill, writes)
+
+    def sweep(self, at_rest: bool = False) -> list[Violation]:
+        """Every invariant of spec/properties.py on the flattened cluster (and the rest
+        invariants when the run has drained)."""
+        flat, state = self.flatten()
+        found = []
+        for name, check in STATE_INVARIANTS.items():
+            # RejectedIsError compares prompts with one worker's pools, not the sum.
+            if not check(self.model if name == "RejectedIsError" else flat, state):
+                found.append(Violation(name, "the full-cluster sweep finds it violated"))
+        if at_rest:
+            for name, check in REST_INVARIANTS.items():
+                if not check(flat, state):
+                    found.append(Violation(name, "the drained cluster violates it"))
+        return found
+
+
+def _holds(row: tuple) -> bool:
+    d = row[DST]
+    return d == D_WAITING or d == DECODING or d == CLOSING
+
+
+def _claim(row: tuple) -> int:
+    return len(row[TABLE]) if _holds(row) else 0
+
+
+def _source_claim(row: tuple) -> int:
+    return len(row[SRC]) if row[PST] == RUNNING else 0
+
+
+def _unstack(stack: list, page: int) -> None:
+    """Remove a page from the free stack; allocations take the top, so search from there."""
+    for k in range(len(stack) - 1, -1, -1):
+        if stack[k] == page:
+            del stack[k]
+            return
+    raise AssertionError(f"page {page} is not on the free stack")
+
+
+def _put_pages(pool: list, stack: list, free: set, changes: tuple) -> None:
+    """Replace pages in place, keeping the free stack and set in step with owner fields."""
+    for page, value in changes:
+        was_free = pool[page][0] == NONE
+        now_free = value[0] == NONE
+        pool[page] = value
+        if was_free and not now_free:
+            _unstack(stack, page)
+            free.discard(page)
+        elif now_free and not was_free:
+            stack.append(page)
+            free.add(page)

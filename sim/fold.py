@@ -1,0 +1,182 @@
+"""The event log and the fold over it: state and metrics are a function of the log alone.
+
+A log is ndjson: a header line (format, seed, the whole scenario), then one line per event
+the core accepted, in order: {"t": simulated seconds, "a": action, "r": request, ...}. The
+action names are the TLA+ actions' (STYLE 3); the arguments are those of the core's event
+(Arrive also records where the router placed the request and its output length). One shell
+fact is logged besides the core's events: FirstToken, when decode emits a request's first
+token, which the metrics need and the protocol does not see.
+
+`Folder.apply` is the only path by which a record changes anything, in a live run as in a
+replay: the live simulator builds a record, the Folder hands its event to the core, and
+only an accepted event is written to the log. So a replay of a log (`replay`) rebuilds the
+final state and every metric exactly, and a record the core refuses on replay means the log
+is not a run of this protocol.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from spec import core
+from spec.core import Change, Refusal
+from spec.model import Model
+from sim.cluster import Cluster
+from sim.metrics import Metrics
+from sim.scenario import Scenario, ScenarioError, scenario_from_dict
+
+LOG_FORMAT = "kvproof-sim-log/1"
+FIRST_TOKEN = "FirstToken"
+RUN_END = "RunEnd"  # the last line: whether the run drained, or why it stopped
+_EVENTS = {cls.__name__: cls for cls in core.ACTIONS}
+
+
+class LogError(ValueError):
+    """A log file that is not a run of this protocol (user input, reported clearly)."""
+
+
+def model_for(scenario: Scenario) -> Model:
+    """The core's constants for one worker pair of the scenario's cluster."""
+    c = scenario.cluster
+    return Model(requests=1, max_prompt_pages=-(-scenario.workload.prompt.max_tokens
+                                                  // c.page_tokens),
+                 context_pages=c.context_pages, prefill_pages=c.prefill_pages,
+                 decode_pages=c.decode_pages, bugs=frozenset(scenario.bugs),
+                 crashes=scenario.faults.prefill_crash_rate_per_s > 0, name=scenario.name)
+
+
+def event_of(record: dict) -> core.Event:
+    action = record["a"]
+    cls = _EVENTS.get(action)
+    if cls is None:
+        raise LogError(f"unknown action {action!r}")
+    if cls is core.PrefillCrash:
+        return cls()
+    r = record["r"]
+    if cls is core.Arrive:
+        return cls(r, record["n"])
+    if cls is core.Admit or cls is core.Reserve:
+        return cls(r, tuple(record["pages"]))
+    if cls is core.LandWrite:
+        return cls(r, record["page"])
+    return cls(r)
+
+
+@dataclass
+class Folder:
+    """Cluster state and metrics, advanced one log record at a time."""
+
+    scenario: Scenario
+
+    def __post_init__(self) -> None:
+        sc = self.scenario
+        self.model = model_for(sc)
+        self.cluster = Cluster(self.model, sc.cluster.prefill_workers, sc.cluster.decode_workers)
+        page_bytes = sc.cluster.page_tokens * sc.link.kv_bytes_per_token
+        self.metrics = Metrics(page_bytes, self.model.prefill_pages,
+                               self.model.decode_pages * sc.cluster.decode_workers)
+        self.events = 0
+        # The last accepted event's effect, for the live simulator to react to.
+        self.last_row, self.last_change, self.last_placement = None, None, (0, 0)
+
+    def apply(self, record: dict) -> Change | Refusal | None:
+        """Take one record; None for a shell fact, else the core's answer."""
+        t, action = record["t"], record["a"]
+        m = self.metrics
+        m.last_event_s = t
+        if action == FIRST_TOKEN:
+            m.first_token(t, record["r"])
+            return None
+        if action == "PrefillCrash":
+            return self._crash(t, record["p"])
+        r = record["r"]
+        if action == "Arrive":
+            self.cluster.arrive(r, record["p"], record["d"])
+        old = self.last_old = self.cluster.rows[r]
+        self.last_placement = self.cluster.placement[r]
+        out = self.cluster.take(r, event_of(record))
+        if type(out) is Refusal:
+            if action == "Arrive":
+                self.cluster.withdraw(r)
+            return out
+        if action == "Arrive":
+            m.arrive(t, r, record["n"], record["out"])
+        self.events += 1
+        self.last_change = out
+        self._observe(t, r, old, out)
+        return out
+
+    def _observe(self, t: float, r: int, old: tuple, change: Change) -> None:
+        m, cluster = self.metrics, self.cluster
+        new = self.last_row = cluster.rows[r]
+        if new[core.CLIENT] == core.OK and old[core.CLIENT] != core.OK and cluster.leak_check(r):
+            m.leak(r, ok=True)
+        m.answered(t, r, old, new)
+        if change.landed:
+            m.pages_written += len(change.landed)
+        if change.decode:
+            m.decode_pages_changed(t, cluster.decode_pages_used)
+        if core.settled(new):
+            cluster.forget(r)
+            m.forget(r)
+
+    def _crash(self, t: float, p: int) -> Change | Refusal:
+        olds = {r: row for r, row in self.cluster.rows.items()}
+        out = self.cluster.crash_prefill(p)
+        if type(out) is not Refusal:
+            self.events += 1
+            for r, _ in out.rows:
+                self.metrics.answered(t, r, olds[r], self.cluster.rows[r])
+        return out
+
+
+def write_header(out, scenario: Scenario) -> None:
+    header = {"format": LOG_FORMAT, "seed": scenario.seed,
+              "scenario": scenario.model_dump(mode="json")}
+    out.write(json.dumps(header, sort_keys=True, separators=(",", ":")) + "\n")
+
+
+def encode(record: dict) -> str:
+    return json.dumps(record, separators=(",", ":"))
+
+
+def read_log(path: str | Path):
+    """The scenario and the records of a log file."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise LogError(f"cannot read {path}: {error}") from None
+    if not lines:
+        raise LogError(f"{path} is empty")
+    try:
+        header = json.loads(lines[0])
+        if header.get("format") != LOG_FORMAT:
+            raise LogError(f"{path}: not a kvproof simulator log (format {header.get('format')!r})")
+        scenario = scenario_from_dict(header["scenario"], where=f"{path} header")
+        records = [json.loads(line) for line in lines[1:]]
+    except (json.JSONDecodeError, KeyError, AttributeError) as error:
+        raise LogError(f"{path}: malformed log: {error}") from None
+    except ScenarioError as error:
+        raise LogError(str(error)) from None
+    return scenario, records
+
+
+def replay(path: str | Path) -> tuple[Folder, dict]:
+    """Rebuild the final state and the metrics of a run from its log alone; also the run's
+    end record (empty if the run did not finish writing its log)."""
+    scenario, records = read_log(path)
+    folder = Folder(scenario)
+    end = {}
+    if records and records[-1].get("a") == RUN_END:
+        end = records.pop()
+    for k, record in enumerate(records, start=2):
+        try:
+            out = folder.apply(record)
+        except (KeyError, TypeError, ValueError, core.ProtocolMisuse) as error:
+            raise LogError(f"{path} line {k}: malformed record {record}: {error}") from None
+        if type(out) is Refusal:
+            raise LogError(f"{path} line {k}: the core refuses {out}: this log is not a run "
+                           f"of the protocol")
+    return folder, end

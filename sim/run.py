@@ -1,0 +1,565 @@
+"""The simulated cluster: clients, a router, P prefill and D decode workers, links, faults.
+
+Theory of operation
+-------------------
+Time, load and failure live here; protocol decisions do not. Every component acts by
+*offering* an event to the protocol core (through `Folder.apply`, which is also the replay
+path): the core accepts it (the change is committed, logged and checked by the oracles) or
+refuses it with a reason (nothing changes; the refusal is counted). Components then react
+only to what the core changed in the request's row:
+
+- a message the core put in flight (core.messages_sent: bootstrap, final word, cancel) is
+  delivered after the link's latency, with loss (retransmitted) and extra delay as faults;
+  on delivery the receiving worker offers the events that handle it (decode: DropBootstrap,
+  DecodeReject, Reserve; Accept, Notice; prefill: PrefillAbort, AnswerCancel);
+- a request the core queued at a prefill waits in that worker's FIFO; at its head the worker
+  offers Reject, then Admit with pages from its allocator (core.pages_to_admit says how many),
+  computes for prompt/throughput seconds, then posts one write per page through its NIC
+  (bounded in-flight writes, bandwidth-serialised) and each write lands later (LandWrite);
+- decode reserves pages on a bootstrap (waiting FIFO for free pages under pool pressure),
+  arms its transfer timeout, and runs continuous batching: one step per batch, its time a
+  function of batch size and context; the last token offers Finish;
+- "intents" are events a component keeps offering after every change of the request until
+  the core accepts them (Release while Closing, SendDone after the last page, a PrefillAbort
+  that waits for in-flight writes, a DropBootstrap).
+
+Faults (each switchable and rate-controlled by the scenario): client aborts at any moment,
+lost messages (retransmitted after retransmit_after_s), delayed messages, slow page writes,
+transfer timeouts, prefill failures, prefill worker crashes with restart. Pool pressure comes
+from the workload against the pools. Decode worker crashes are not simulated: the spec does not
+model them yet (a restarted decode must not reissue page generations).
+
+Determinism: one random stream per purpose, seeded from the scenario's seed; SimPy breaks
+time ties by scheduling order; so a seed gives a byte-identical log.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from collections import deque
+
+import simpy
+
+from spec import core
+from spec.core import (CLIENT, CLOSING, DECODING, DST, D_WAITING, GONE, IDLE, PROMPT, PST,
+                       QUEUED, RELEASED, WAITING, Refusal)
+from sim.fold import FIRST_TOKEN, RUN_END, Folder, encode, replay, write_header
+from sim.scenario import Lengths, Scenario
+
+
+class StopSimulation(Exception):
+    """An oracle found a violation and the scenario asks to stop."""
+
+
+def sample_tokens(rng: random.Random, lengths: Lengths) -> int:
+    kind = lengths.distribution
+    if kind == "fixed":
+        value = lengths.median_tokens
+    elif kind == "uniform":
+        value = rng.uniform(lengths.min_tokens, lengths.max_tokens)
+    elif kind == "lognormal":
+        value = lengths.median_tokens * math.exp(lengths.sigma * rng.gauss(0.0, 1.0))
+    else:  # pareto with the given median
+        value = lengths.median_tokens / 2 ** (1 / lengths.alpha) * rng.paretovariate(lengths.alpha)
+    return min(lengths.max_tokens, max(lengths.min_tokens, int(round(value))))
+
+
+class Simulation:
+    def __init__(self, scenario: Scenario, *, log=None, progress: bool = False) -> None:
+        self.sc = scenario
+        self.env = simpy.Environment()
+        self.folder = Folder(scenario)
+        self.cluster = self.folder.cluster
+        self.model = self.folder.model
+        self.log = log
+        if log is not None:
+            write_header(log, scenario)
+        self.progress = progress
+        seed = scenario.seed
+        self.rng = {k: random.Random(f"{seed}:{k}") for k in
+                    ("arrivals", "lengths", "faults", "links", "crashes")}
+        c = scenario.cluster
+        self.page_tokens = c.page_tokens
+        self.page_transfer_s = (c.page_tokens * scenario.link.kv_bytes_per_token
+                                / scenario.link.bandwidth_bytes_per_s)
+        self.next_request = 0
+        self.refusals: dict[str, int] = {}
+        self.violations_seen = 0
+        # Prefill workers.
+        self.prefill_queue = [deque() for _ in range(c.prefill_workers)]
+        self.prefill_busy = [False] * c.prefill_workers
+        self.prefill_epoch = [0] * c.prefill_workers
+        self.prefill_down_until = [0.0] * c.prefill_workers
+        self.nic_in_flight = [0] * c.prefill_workers
+        self.nic_free_at = [0.0] * c.prefill_workers
+        self.nic_waiting = [deque() for _ in range(c.prefill_workers)]
+        # Decode workers.
+        self.decode_waiting = [deque() for _ in range(c.decode_workers)]
+        self.batch = [[] for _ in range(c.decode_workers)]
+        self.ready = [deque() for _ in range(c.decode_workers)]
+        self.stepping = [False] * c.decode_workers
+        # Per live request (dropped when it settles).
+        self.output = {}
+        self.generated = {}
+        self.computed = set()
+        self.intents: dict[int, list[str]] = {}
+        self.dirty: list[int] = []
+        self.depth = 0
+        self.session_waiters = {}
+        self.round_robin = [0, 0]
+        self.finished = self.env.event()  # every request has settled
+        self.wall_start = time.perf_counter()
+        self.next_progress = self.wall_start + 2.0
+
+    # -- offering events to the core ------------------------------------------------------
+
+    def offer(self, action: str, r: int, **args) -> bool:
+        if r not in self.cluster.rows and action != "Arrive":
+            return False  # settled and forgotten: a late timer or message
+        record = {"t": self.env.now, "a": action, "r": r, **args}
+        self.depth += 1
+        out = self.folder.apply(record)
+        if type(out) is Refusal:
+            self.refusals[action] = self.refusals.get(action, 0) + 1
+            self.depth -= 1
+            return False
+        self._logged(record)
+        self.react(r, self.folder.last_old, self.folder.last_row, out)
+        self.depth -= 1
+        if self.depth == 0:
+            self._run_intents()
+        return True
+
+    def _logged(self, record: dict) -> None:
+        if self.log is not None:
+            self.log.write(encode(record) + "\n")
+        counts = self.cluster.violation_counts
+        total = sum(counts.values()) if counts else 0
+        if total != self.violations_seen:
+            self.violations_seen = total
+            if self.sc.oracles.on_violation == "stop":
+                raise StopSimulation(str(self.cluster.violations[-1].__dict__))
+        sweep = self.sc.oracles.sweep_every_events
+        if sweep and self.folder.events % sweep == 0:
+            for violation in self.cluster.sweep():
+                self.cluster._violate(violation.name, violation.detail)
+        if self.progress and self.folder.events % 2048 == 0:
+            self._show_progress()
+
+    def _run_intents(self) -> None:
+        while self.dirty:
+            r = self.dirty.pop()
+            for action in tuple(self.intents.get(r, ())):
+                if r in self.cluster.rows and self.offer(action, r):
+                    wanted = self.intents.get(r)
+                    if wanted and action in wanted:
+                        wanted.remove(action)
+
+    def want(self, r: int, action: str) -> None:
+        """Keep offering `action` for r after each change of r until the core accepts it."""
+        wanted = self.intents.setdefault(r, [])
+        if action not in wanted:
+            wanted.append(action)
+        self.dirty.append(r)
+
+    def later(self, delay_s: float, fn, *args) -> None:
+        event = self.env.timeout(delay_s)
+        event.callbacks.append(lambda _: fn(*args))
+
+    # -- reacting to what the core changed --------------------------------------------------
+
+    def react(self, r: int, old: tuple, new: tuple, change) -> None:
+        p, d = self.folder.last_placement
+        for message in core.messages_sent(old, new):
+            if message == core.BOOTSTRAP:
+                self.send(self.on_bootstrap, r, d)
+            elif message == core.FINAL_WORD_MSG:
+                self.send(self.on_final_word, r, d)
+            else:
+                self.send(self.on_cancel, r, p, to_prefill=p)
+        if new[PST] == QUEUED and old[PST] != QUEUED:
+            self.prefill_queue[p].append(r)
+            self.kick_prefill(p)
+        if new[CLIENT] == GONE and old[CLIENT] != GONE:
+            self.later(self.sc.timeouts.notice_delay_s, self.want, r, "PrefillAbort")
+            self.later(self.sc.timeouts.notice_delay_s, self.offer_decode_abort, r)
+        if new[DST] == D_WAITING and old[DST] != D_WAITING:
+            self.later(self.sc.timeouts.transfer_timeout_s, self.offer, "Timeout", r)
+            self.send(self.on_table, r, p, to_prefill=p)
+        if new[DST] == DECODING and old[DST] != DECODING:
+            self.ready[d].append(r)
+            self.kick_decode(d)
+        if new[DST] == CLOSING and old[DST] != CLOSING:
+            self.want(r, "Release")
+        if new[DST] == RELEASED and old[DST] != RELEASED:
+            self.kick_decode_waiting(d)
+        if change.prefill:
+            self.kick_prefill(p)
+        if old[CLIENT] in (IDLE, WAITING) and new[CLIENT] not in (IDLE, WAITING, GONE):
+            self._answered(r)
+        if r in self.intents:
+            self.dirty.append(r)
+        if r not in self.cluster.rows:
+            self._drop(r)
+            if self.folder.metrics.settled == self.sc.requests:
+                self.finished.succeed()
+
+    def _drop(self, r: int) -> None:
+        for table in (self.output, self.generated, self.intents):
+            table.pop(r, None)
+        self.computed.discard(r)
+
+    def _answered(self, r: int) -> None:
+        waiter = self.session_waiters.pop(r, None)
+        if waiter is not None:
+            waiter.succeed()
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def send(self, handler, r: int, worker: int, to_prefill: int = -1) -> None:
+        """Deliver a message after latency, loss (retransmitted) and delay faults."""
+        f, rng = self.sc.faults, self.rng["links"]
+        delay = self.sc.link.message_latency_s
+        while f.message_loss_probability and rng.random() < f.message_loss_probability:
+            delay += f.retransmit_after_s
+        if f.message_delay_probability and rng.random() < f.message_delay_probability:
+            delay += rng.expovariate(1.0 / f.message_delay_mean_s) if f.message_delay_mean_s else 0
+        self.later(delay, self._deliver, handler, r, worker, to_prefill)
+
+    def _deliver(self, handler, r: int, worker: int, to_prefill: int) -> None:
+        if to_prefill >= 0 and self.prefill_down_until[to_prefill] > self.env.now:
+            # A restarting prefill gets its messages once it is back (decode re-sends).
+            self.later(self.prefill_down_until[to_prefill] - self.env.now, self._deliver,
+                       handler, r, worker, to_prefill)
+            return
+        if r in self.cluster.rows:
+            handler(r, worker)
+
+    # -- prefill workers -----------------------------------------------------------------
+
+    def kick_prefill(self, p: int) -> None:
+        if self.prefill_busy[p] or self.prefill_down_until[p] > self.env.now:
+            return
+        queue = self.prefill_queue[p]
+        while queue:
+            r = queue[0]
+            row = self.cluster.rows.get(r)
+            if row is None or row[PST] != QUEUED:
+                queue.popleft()
+                continue
+            if self.offer("Reject", r):
+                queue.popleft()
+                continue
+            need = core.pages_to_admit(self.model, row)
+            if type(need) is str:
+                queue.popleft()
+                continue
+            pages = self.cluster.allocate("prefill", p, need)
+            if pages is None:
+                return  # pool pressure: wait until pages come back
+            queue.popleft()
+            if self.offer("Admit", r, pages=list(pages)):
+                self._compute(p, r, need)
+                return
+
+    def _compute(self, p: int, r: int, pages: int) -> None:
+        self.prefill_busy[p] = True
+        compute_s = pages * self.page_tokens / self.sc.compute.prefill_tokens_per_s
+        f = self.sc.faults
+        if f.prefill_fail_probability and self.rng["faults"].random() < f.prefill_fail_probability:
+            self.later(self.rng["faults"].uniform(0, compute_s), self.offer, "PrefillFail", r)
+        self.later(compute_s, self._computed, p, r, self.prefill_epoch[p])
+
+    def _computed(self, p: int, r: int, epoch: int) -> None:
+        if epoch != self.prefill_epoch[p]:
+            return  # the worker crashed meanwhile
+        self.prefill_busy[p] = False
+        if r in self.cluster.rows:
+            self.computed.add(r)
+            self.nic_waiting[p].append(r)
+            self.kick_nic(p)
+        self.kick_prefill(p)
+
+    def on_table(self, r: int, p: int) -> None:
+        if r in self.computed and r not in self.nic_waiting[p]:
+            self.nic_waiting[p].append(r)
+        self.kick_nic(p)
+
+    def kick_nic(self, p: int) -> None:
+        """Post writes while the NIC has room, requests in FIFO order."""
+        waiting = self.nic_waiting[p]
+        limit = self.sc.link.writes_in_flight_max
+        while waiting and self.nic_in_flight[p] < limit:
+            r = waiting[0]
+            if r not in self.cluster.rows or not self._post(p, r):
+                waiting.popleft()
+                if r in self.cluster.rows and self.cluster.rows[r][PST] == core.RUNNING:
+                    self.want(r, "SendDone")
+
+    def _post(self, p: int, r: int) -> bool:
+        if not self.offer("SendPage", r):
+            return False
+        w = self.folder.last_change.posted[0]
+        transfer_s = self.page_transfer_s
+        f = self.sc.faults
+        if f.slow_link_probability and self.rng["links"].random() < f.slow_link_probability:
+            transfer_s *= f.slow_link_factor
+        start = max(self.env.now, self.nic_free_at[p])
+        self.nic_free_at[p] = start + transfer_s
+        self.nic_in_flight[p] += 1
+        landing = start + transfer_s + self.sc.link.write_latency_s - self.env.now
+        self.later(landing, self._land, p, r, w[2], self.prefill_epoch[p])
+        return True
+
+    def _land(self, p: int, r: int, page: int, epoch: int) -> None:
+        if epoch != self.prefill_epoch[p]:
+            return  # flushed with the crashed worker's queue pairs
+        self.nic_in_flight[p] -= 1
+        self.offer("LandWrite", r, page=page)
+        self.kick_nic(p)
+
+    def on_cancel(self, r: int, p: int) -> None:
+        if not self.offer("PrefillAbort", r) and not self.offer("AnswerCancel", r):
+            self.want(r, "PrefillAbort")  # in-flight writes first; or nothing to do
+
+    def crash_loop(self, p: int):
+        f, rng = self.sc.faults, self.rng["crashes"]
+        while self.folder.metrics.settled < self.sc.requests:
+            yield self.env.timeout(rng.expovariate(f.prefill_crash_rate_per_s))
+            if self.folder.metrics.settled >= self.sc.requests:
+                return
+            self.crash(p)
+
+    def crash(self, p: int) -> None:
+        record = {"t": self.env.now, "a": "PrefillCrash", "p": p}
+        olds = dict(self.cluster.rows)
+        self.depth += 1
+        out = self.folder.apply(record)
+        if type(out) is Refusal:
+            self.refusals["PrefillCrash"] = self.refusals.get("PrefillCrash", 0) + 1
+        else:
+            self._logged(record)
+            self.prefill_epoch[p] += 1
+            self.prefill_busy[p] = False
+            self.nic_in_flight[p] = 0
+            self.nic_waiting[p].clear()
+            self.prefill_down_until[p] = self.env.now + self.sc.faults.prefill_restart_s
+            self.later(self.sc.faults.prefill_restart_s, self.kick_prefill, p)
+            for r, row in out.rows:
+                self.folder.last_placement = (p, self.cluster.placement[r][1])
+                self.react(r, olds[r], row, core.Change())
+        self.depth -= 1
+        self._run_intents()
+
+    # -- decode workers ---------------------------------------------------------------------
+
+    def on_bootstrap(self, r: int, d: int) -> None:
+        if self.offer("DropBootstrap", r) or self.offer("DecodeReject", r):
+            return
+        waiting = self.decode_waiting[d]
+        waiting.append(r)
+        if len(waiting) == 1:
+            self.kick_decode_waiting(d)
+
+    def kick_decode_waiting(self, d: int) -> None:
+        """Reserve for waiting bootstraps in FIFO order while pages are free."""
+        waiting = self.decode_waiting[d]
+        while waiting:
+            r = waiting[0]
+            row = self.cluster.rows.get(r)
+            need = core.pages_to_reserve(self.model, row) if row else "settled"
+            if type(need) is str:
+                waiting.popleft()
+                if row is not None:
+                    self.offer("DropBootstrap", r) or self.offer("DecodeReject", r)
+                continue
+            pages = self.cluster.allocate("decode", d, need)
+            if pages is None:
+                return
+            waiting.popleft()
+            self.offer("Reserve", r, pages=list(pages))
+
+    def on_final_word(self, r: int, d: int) -> None:
+        self.offer("Accept", r) or self.offer("Notice", r)
+
+    def offer_decode_abort(self, r: int) -> None:
+        if r in self.cluster.rows:
+            self.offer("DecodeAbort", r)
+
+    def kick_decode(self, d: int) -> None:
+        if self.stepping[d]:
+            return
+        batch, ready = self.batch[d], self.ready[d]
+        while ready and len(batch) < self.sc.cluster.decode_batch_max:
+            batch.append(ready.popleft())
+        if not batch:
+            return
+        c = self.sc.compute
+        rows, out, gen = self.cluster.rows, self.output, self.generated
+        context = 0
+        for r in batch:
+            context += rows[r][PROMPT] * self.page_tokens + gen.get(r, 0)
+        step_s = (c.decode_step_base_s + c.decode_step_per_request_s * len(batch)
+                  + c.decode_step_per_context_token_s * context)
+        self.stepping[d] = True
+        self.later(step_s, self._stepped, d)
+
+    def _stepped(self, d: int) -> None:
+        self.stepping[d] = False
+        rows, out, gen = self.cluster.rows, self.output, self.generated
+        keep = []
+        for r in self.batch[d]:
+            row = rows.get(r)
+            if row is None or row[DST] != DECODING:
+                continue  # aborted meanwhile
+            done = gen.get(r, 0) + 1
+            gen[r] = done
+            if done == 1:
+                self._fact(FIRST_TOKEN, r)
+            if done >= out[r]:
+                self.offer("Finish", r)
+            else:
+                keep.append(r)
+        self.batch[d] = keep
+        self.kick_decode(d)
+
+    def _fact(self, action: str, r: int) -> None:
+        record = {"t": self.env.now, "a": action, "r": r}
+        self.folder.apply(record)
+        if self.log is not None:
+            self.log.write(encode(record) + "\n")
+
+    # -- clients and the router -----------------------------------------------------------
+
+    def place(self) -> tuple[int, int]:
+        c = self.sc.cluster
+        if c.router == "round-robin":
+            p, d = self.round_robin
+            self.round_robin = [(p + 1) % c.prefill_workers, (d + 1) % c.decode_workers]
+            return p, d
+        now = self.env.now
+        p = min(range(c.prefill_workers), key=lambda k: (
+            self.prefill_down_until[k] > now, len(self.prefill_queue[k]) + self.prefill_busy[k]))
+        d = max(range(c.decode_workers), key=lambda k: (
+            self.cluster.free_pages("decode", k) - len(self.decode_waiting[k]), -k))
+        return p, d
+
+    def new_request(self) -> simpy.Event | None:
+        if self.next_request >= self.sc.requests:
+            return None
+        r = self.next_request
+        self.next_request += 1
+        lengths = self.rng["lengths"]
+        prompt = sample_tokens(lengths, self.sc.workload.prompt)
+        output = sample_tokens(lengths, self.sc.workload.output)
+        p, d = self.place()
+        self.output[r] = output
+        answered = self.env.event()
+        self.session_waiters[r] = answered
+        pages = -(-prompt // self.page_tokens)
+        self.folder.last_placement = (p, d)
+        if not self.offer("Arrive", r, n=pages, p=p, d=d, out=output):
+            raise AssertionError(f"the core refused the arrival of request {r}")
+        f = self.sc.faults
+        if f.client_abort_probability and self.rng["faults"].random() < f.client_abort_probability:
+            self.later(self.rng["faults"].uniform(0, f.client_abort_within_s), self._abort, r)
+        return answered
+
+    def _abort(self, r: int) -> None:
+        if r in self.cluster.rows:
+            self.offer("Abort", r)
+
+    def open_loop(self):
+        w, rng = self.sc.workload, self.rng["arrivals"]
+        burst = w.burst_size if w.arrival == "bursty" else 1
+        while self.next_request < self.sc.requests:
+            yield self.env.timeout(rng.expovariate(w.rate_per_s / burst))
+            for _ in range(burst):
+                self.new_request()
+
+    def session(self):
+        w, rng = self.sc.workload, self.rng["arrivals"]
+        while True:
+            answered = self.new_request()
+            if answered is None:
+                return
+            yield answered
+            if w.think_time_s:
+                yield self.env.timeout(rng.expovariate(1.0 / w.think_time_s))
+
+    # -- running ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        if self.sc.workload.arrival == "closed":
+            for _ in range(min(self.sc.workload.sessions, self.sc.requests)):
+                self.env.process(self.session())
+        else:
+            self.env.process(self.open_loop())
+        if self.sc.faults.prefill_crash_rate_per_s:
+            for p in range(self.sc.cluster.prefill_workers):
+                self.env.process(self.crash_loop(p))
+        horizon = self.env.timeout(self.sc.horizon_s)
+        self.env.run(until=self.env.any_of([self.finished, horizon]))
+        if self.progress:
+            self._show_progress(final=True)
+
+    def _show_progress(self, final: bool = False) -> None:
+        now = time.perf_counter()
+        if not final and now < self.next_progress:
+            return
+        self.next_progress = now + 2.0
+        m = self.folder.metrics
+        rate = self.folder.events / max(now - self.wall_start, 1e-9)
+        print(f"  sim: {m.settled:,}/{self.sc.requests:,} requests done, "
+              f"{self.env.now:,.1f} s simulated, {self.folder.events:,} events "
+              f"({rate:,.0f}/s)", file=sys.stderr, flush=True)
+
+
+def result_of(sc: Scenario, folder: Folder, refusals: dict, stopped: str | None,
+              drained: bool) -> dict:
+    """Everything a run reports, as JSON-able values; the same for a run and its replay
+    (except refused offers, which the log does not record)."""
+    cluster = folder.cluster
+    for violation in cluster.sweep(at_rest=drained and stopped is None):
+        cluster._violate(violation.name, violation.detail)
+    return {
+        "scenario": sc.name, "seed": sc.seed, "bugs": sorted(sc.bugs),
+        "requests": sc.requests, "events": folder.events,
+        "summary": folder.metrics.summary(),
+        "violations": dict(sorted(cluster.violation_counts.items())),
+        "first_violations": [v.__dict__ for v in cluster.violations[:10]],
+        "refusals": dict(sorted(refusals.items())),
+        "stopped": stopped, "drained": drained,
+        "unsettled_requests": len(cluster.rows),
+    }
+
+
+def simulate(sc: Scenario, *, log_path: str | None = None,
+             progress: bool = False) -> tuple[dict, Simulation]:
+    """Run a scenario to the end (or the first violation, if it asks to stop)."""
+    log = open(log_path, "w") if log_path else None
+    try:
+        sim = Simulation(sc, log=log, progress=progress)
+        stopped = None
+        try:
+            sim.run()
+        except StopSimulation as stop:
+            stopped = str(stop)
+        drained = sim.finished.triggered or sim.env.peek() == float("inf")
+        if log:
+            log.write(encode({"t": sim.env.now, "a": RUN_END, "drained": drained,
+                              "stopped": stopped}) + "\n")
+        return result_of(sc, sim.folder, sim.refusals, stopped, drained), sim
+    finally:
+        if log:
+            log.close()
+
+
+def replay_result(path: str) -> tuple[dict, Folder]:
+    """The result of the run that wrote log `path`, rebuilt from the log alone."""
+    folder, end = replay(path)
+    return result_of(folder.scenario, folder, {}, end.get("stopped"),
+                     end.get("drained", False)), folder

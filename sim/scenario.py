@@ -1,0 +1,190 @@
+"""Scenarios: what cluster, what load, what faults — one TOML file each, validated here.
+
+pydantic sits at this edge only (STYLE 6): a scenario file is user input, so every field is
+typed, bounded and named with its unit, unknown keys are errors, and a bad file is reported
+with the field's path. Inside the simulator the validated Scenario is frozen.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from spec.model import ALL_BUGS
+
+SCENARIO_DIR = Path(__file__).parent / "scenarios"
+
+
+class ScenarioError(ValueError):
+    """A scenario file or option that cannot be used (the user's input, reported clearly)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Lengths(_Strict):
+    """A token-length distribution, clipped to [min_tokens, max_tokens]."""
+
+    distribution: Literal["fixed", "uniform", "lognormal", "pareto"] = "lognormal"
+    median_tokens: float = Field(1024, gt=0)
+    sigma: float = Field(1.0, ge=0, le=5)        # lognormal spread
+    alpha: float = Field(1.5, gt=0.1, le=10)     # pareto tail index (heavier when smaller)
+    min_tokens: int = Field(1, ge=1)
+    max_tokens: int = Field(131072, ge=1, le=1 << 24)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "Lengths":
+        if self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must not exceed max_tokens")
+        return self
+
+
+class Cluster(_Strict):
+    prefill_workers: int = Field(2, ge=1, le=1024)
+    decode_workers: int = Field(2, ge=1, le=1024)
+    page_tokens: int = Field(256, ge=1, le=1 << 20)
+    prefill_pool_tokens: int = Field(262144, ge=1)
+    decode_pool_tokens: int = Field(524288, ge=1)
+    context_tokens: int = Field(131072, ge=1)    # what the router advertises
+    router: Literal["round-robin", "least-loaded"] = "round-robin"
+    decode_batch_max: int = Field(64, ge=1, le=4096)
+
+    @property
+    def prefill_pages(self) -> int:
+        return self.prefill_pool_tokens // self.page_tokens
+
+    @property
+    def decode_pages(self) -> int:
+        return self.decode_pool_tokens // self.page_tokens
+
+    @property
+    def context_pages(self) -> int:
+        return math.ceil(self.context_tokens / self.page_tokens)
+
+    @model_validator(mode="after")
+    def _pools_hold_a_page(self) -> "Cluster":
+        if self.prefill_pages < 1 or self.decode_pages < 1:
+            raise ValueError("each KV pool must hold at least one page (pool_tokens >= page_tokens)")
+        if self.prefill_pages > 1 << 20 or self.decode_pages > 1 << 20:
+            raise ValueError("more than 2^20 pages per pool: use larger pages")
+        return self
+
+
+class Workload(_Strict):
+    arrival: Literal["poisson", "bursty", "closed"] = "poisson"
+    rate_per_s: float = Field(10.0, gt=0, le=1e6)     # poisson and bursty: mean arrival rate
+    burst_size: int = Field(8, ge=1, le=10000)        # bursty: requests per burst
+    sessions: int = Field(8, ge=1, le=100000)         # closed loop: concurrent sessions
+    think_time_s: float = Field(0.5, ge=0, le=3600)   # closed loop: pause between requests
+    prompt: Lengths = Lengths()
+    output: Lengths = Lengths(median_tokens=128, sigma=0.8, max_tokens=8192)
+
+
+class Compute(_Strict):
+    prefill_tokens_per_s: float = Field(20000.0, gt=0)
+    decode_step_base_s: float = Field(0.010, ge=0)
+    decode_step_per_request_s: float = Field(0.0002, ge=0)
+    decode_step_per_context_token_s: float = Field(1e-8, ge=0)
+
+
+class Link(_Strict):
+    message_latency_s: float = Field(0.0005, ge=0)
+    write_latency_s: float = Field(0.00002, ge=0)
+    bandwidth_bytes_per_s: float = Field(25e9, gt=0)
+    kv_bytes_per_token: int = Field(40960, ge=1)
+    writes_in_flight_max: int = Field(8, ge=1, le=4096)  # per prefill NIC
+
+
+class Timeouts(_Strict):
+    transfer_timeout_s: float = Field(5.0, gt=0)
+    notice_delay_s: float = Field(0.002, ge=0)  # how soon a worker notices a client is gone
+
+
+class Faults(_Strict):
+    """Every fault class, each off at 0 and rate-controlled."""
+
+    client_abort_probability: float = Field(0.0, ge=0, le=1)   # per request
+    client_abort_within_s: float = Field(2.0, gt=0)            # uniform after arrival
+    message_loss_probability: float = Field(0.0, ge=0, lt=1)   # per delivery attempt
+    retransmit_after_s: float = Field(0.2, gt=0)
+    message_delay_probability: float = Field(0.0, ge=0, le=1)
+    message_delay_mean_s: float = Field(0.05, ge=0)            # exponential extra delay
+    slow_link_probability: float = Field(0.0, ge=0, le=1)      # per page write
+    slow_link_factor: float = Field(20.0, ge=1, le=1e6)
+    prefill_fail_probability: float = Field(0.0, ge=0, le=1)   # per admitted request
+    prefill_crash_rate_per_s: float = Field(0.0, ge=0)         # per prefill worker
+    prefill_restart_s: float = Field(0.5, ge=0)
+
+
+class Oracles(_Strict):
+    on_violation: Literal["stop", "count"] = "stop"
+    sweep_every_events: int = Field(0, ge=0)   # full-cluster invariant sweep; 0: only at the end
+
+
+class Scenario(_Strict):
+    name: str = "custom"
+    description: str = ""
+    seed: int = Field(1, ge=0, lt=1 << 63)
+    requests: int = Field(1000, ge=1, le=10_000_000)
+    horizon_s: float = Field(86400.0, gt=0)     # simulated-time bound on a run
+    bugs: tuple[str, ...] = ()
+    cluster: Cluster = Cluster()
+    workload: Workload = Workload()
+    compute: Compute = Compute()
+    link: Link = Link()
+    timeouts: Timeouts = Timeouts()
+    faults: Faults = Faults()
+    oracles: Oracles = Oracles()
+
+    @model_validator(mode="after")
+    def _known_bugs(self) -> "Scenario":
+        unknown = sorted(set(self.bugs) - ALL_BUGS)
+        if unknown:
+            raise ValueError(f"unknown bug switch(es) {unknown}; known: {sorted(ALL_BUGS)}")
+        return self
+
+    def with_options(self, **changes) -> "Scenario":
+        """A copy with top-level fields replaced, validated again."""
+        try:
+            return Scenario.model_validate({**self.model_dump(), **changes})
+        except ValidationError as error:
+            raise ScenarioError(_explain(error)) from None
+
+
+def scenario_names() -> list[str]:
+    return sorted(p.stem for p in SCENARIO_DIR.glob("*.toml"))
+
+
+def load_scenario(name_or_path: str) -> Scenario:
+    """A shipped scenario by name, or a TOML file by path."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = SCENARIO_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        raise ScenarioError(f"no scenario {name_or_path!r}: not a file, and not one of "
+                            f"{', '.join(scenario_names())}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ScenarioError(f"{path}: not valid TOML: {error}") from None
+    return scenario_from_dict(data, where=str(path))
+
+
+def scenario_from_dict(data: dict, where: str = "scenario") -> Scenario:
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as error:
+        raise ScenarioError(f"{where}: {_explain(error)}") from None
+
+
+def _explain(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        field = ".".join(str(x) for x in item["loc"]) or "(top level)"
+        parts.append(f"{field}: {item['msg']}")
+    return "; ".join(parts)
