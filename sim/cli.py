@@ -28,6 +28,8 @@ def add_parser(commands) -> None:
     sim.add_argument("--log", metavar="FILE", help="write the event log (ndjson) to FILE")
     sim.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
     sim.add_argument("--plot", metavar="DIR", help="write PNG plots to DIR")
+    sim.add_argument("--itf", metavar="FILE", help="also write the run as an ITF trace of the "
+                     "spec, for `kvproof validate` (one prefill and one decode worker only)")
     sim.add_argument("--replay", metavar="LOG", help="rebuild a run's state and metrics from "
                      "its log alone")
     sim.add_argument("--list", action="store_true", help="list the shipped scenarios")
@@ -71,8 +73,12 @@ def cmd_sim(args: argparse.Namespace) -> int:
             sc = _scenario(args)
             print(f"kvproof sim: scenario {sc.name}, seed {sc.seed}, {sc.requests:,} requests, "
                   f"bugs: {', '.join(sc.bugs) or 'none'}", flush=True)
+            if args.itf and not args.log:
+                raise ScenarioError("--itf converts the run's log: give --log FILE too")
             result, sim = simulate(sc, log_path=args.log, progress=not args.quiet)
             metrics = sim.folder.metrics
+            if args.itf:
+                _write_itf(args.log, args.itf)
     except (ScenarioError, LogError) as error:
         print(f"kvproof sim: {error}", file=sys.stderr)
         return 2
@@ -86,6 +92,16 @@ def cmd_sim(args: argparse.Namespace) -> int:
         for path in write_plots(args.plot, metrics, result["scenario"]):
             print(f"wrote {path}")
     return _verdict(args, result)
+
+
+def _write_itf(log: str, path: str) -> None:
+    import json
+
+    from sim.trace import log_to_itf
+    _, itf = log_to_itf(log)
+    with open(path, "w") as f:
+        json.dump(itf, f, indent=1)
+    print(f"wrote {path} ({len(itf['states']) - 1} steps): check it with kvproof validate {path}")
 
 
 def _verdict(args: argparse.Namespace, result: dict) -> int:

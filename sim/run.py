@@ -111,6 +111,7 @@ class Simulation:
         self.session_waiters = {}
         self.round_robin = [0, 0]
         self.finished = self.env.event()  # every request has settled
+        self.pending = 0
         self.wall_start = time.perf_counter()
         self.next_progress = self.wall_start + 2.0
 
@@ -152,22 +153,36 @@ class Simulation:
     def _run_intents(self) -> None:
         while self.dirty:
             r = self.dirty.pop()
-            for action in tuple(self.intents.get(r, ())):
-                if r in self.cluster.rows and self.offer(action, r):
-                    wanted = self.intents.get(r)
-                    if wanted and action in wanted:
-                        wanted.remove(action)
+            for choices in tuple(self.intents.get(r, ())):
+                for action in choices:
+                    if r in self.cluster.rows and self.offer(action, r):
+                        wanted = self.intents.get(r)
+                        if wanted and choices in wanted:
+                            wanted.remove(choices)
+                        break
 
-    def want(self, r: int, action: str) -> None:
-        """Keep offering `action` for r after each change of r until the core accepts it."""
+    def want(self, r: int, *choices: str) -> None:
+        """Keep offering one of `choices` for r after each change of r until the core
+        accepts one of them."""
         wanted = self.intents.setdefault(r, [])
-        if action not in wanted:
-            wanted.append(action)
+        if choices not in wanted:
+            wanted.append(choices)
         self.dirty.append(r)
 
     def later(self, delay_s: float, fn, *args) -> None:
+        """Call fn(*args) after delay_s. These are the protocol's own timers and deliveries:
+        when none is pending and every request has arrived, the cluster is at rest."""
+        self.pending += 1
         event = self.env.timeout(delay_s)
-        event.callbacks.append(lambda _: fn(*args))
+        event.callbacks.append(lambda _: self._fire(fn, args))
+
+    def _fire(self, fn, args) -> None:
+        self.pending -= 1
+        fn(*args)
+
+    @property
+    def at_rest(self) -> bool:
+        return self.pending == 0 and self.next_request >= self.sc.requests
 
     # -- reacting to what the core changed --------------------------------------------------
 
@@ -198,8 +213,8 @@ class Simulation:
             self.kick_decode_waiting(d)
         if change.prefill:
             self.kick_prefill(p)
-        if old[CLIENT] in (IDLE, WAITING) and new[CLIENT] not in (IDLE, WAITING, GONE):
-            self._answered(r)
+        if old[CLIENT] in (IDLE, WAITING) and new[CLIENT] not in (IDLE, WAITING):
+            self._answered(r)  # or gone: a closed-loop session moves on either way
         if r in self.intents:
             self.dirty.append(r)
         if r not in self.cluster.rows:
@@ -323,14 +338,15 @@ class Simulation:
 
     def on_cancel(self, r: int, p: int) -> None:
         if not self.offer("PrefillAbort", r) and not self.offer("AnswerCancel", r):
-            self.want(r, "PrefillAbort")  # in-flight writes first; or nothing to do
+            # Writes in flight: the prefill stops, or finishes and answers, once they land.
+            self.want(r, "PrefillAbort", "AnswerCancel")
 
     def crash_loop(self, p: int):
         f, rng = self.sc.faults, self.rng["crashes"]
-        while self.folder.metrics.settled < self.sc.requests:
+        while not (self.finished.triggered or self.at_rest):
             yield self.env.timeout(rng.expovariate(f.prefill_crash_rate_per_s))
-            if self.folder.metrics.settled >= self.sc.requests:
-                return
+            if self.finished.triggered or self.at_rest:
+                return  # crashes alone must not keep a run that has come to rest going
             self.crash(p)
 
     def crash(self, p: int) -> None:
@@ -401,7 +417,9 @@ class Simulation:
         rows, out, gen = self.cluster.rows, self.output, self.generated
         context = 0
         for r in batch:
-            context += rows[r][PROMPT] * self.page_tokens + gen.get(r, 0)
+            row = rows.get(r)
+            if row is not None:
+                context += row[PROMPT] * self.page_tokens + gen.get(r, 0)
         step_s = (c.decode_step_base_s + c.decode_step_per_request_s * len(batch)
                   + c.decode_step_per_context_token_s * context)
         self.stepping[d] = True
@@ -548,7 +566,7 @@ def simulate(sc: Scenario, *, log_path: str | None = None,
             sim.run()
         except StopSimulation as stop:
             stopped = str(stop)
-        drained = sim.finished.triggered or sim.env.peek() == float("inf")
+        drained = sim.finished.triggered or sim.at_rest
         if log:
             log.write(encode({"t": sim.env.now, "a": RUN_END, "drained": drained,
                               "stopped": stopped}) + "\n")

@@ -1,0 +1,44 @@
+"""A simulator log as an ITF trace of KVTransfer.tla, for `kvproof validate`.
+
+The spec has one prefill and one decode worker, so a cluster of exactly that shape maps onto
+it with nothing renamed: request k of the run is the spec's k-th request, pages keep their
+numbers. Each logged core event becomes one step (shell facts such as FirstToken are not
+protocol steps and are skipped). The states are rebuilt by the core from the events alone,
+and `kvproof validate` then checks every step, label and state against the spec.
+"""
+
+from __future__ import annotations
+
+from spec import core
+from spec.core import Refusal
+from spec.itf import trace_to_itf
+from spec.model import Model
+from sim.fold import FIRST_TOKEN, LogError, event_of, model_for, read_log
+
+
+def log_to_itf(path: str) -> tuple[Model, dict]:
+    scenario, records = read_log(path)
+    c = scenario.cluster
+    if c.prefill_workers != 1 or c.decode_workers != 1:
+        raise LogError(f"{path}: only a run with one prefill and one decode worker maps onto the "
+                       f"spec's state (this one has {c.prefill_workers} and {c.decode_workers})")
+    m = Model(**{**_constants(model_for(scenario)), "requests": scenario.requests})
+    state = core.initial_state(m)
+    steps: list[tuple[core.Event | None, core.State]] = [(None, state)]
+    for k, record in enumerate(records, start=2):
+        if record["a"] in (FIRST_TOKEN, "RunEnd"):
+            continue
+        event = event_of(record)
+        out = core.apply(m, state, event)
+        if type(out) is Refusal:
+            raise LogError(f"{path} line {k}: the core refuses {out}")
+        state = out
+        steps.append((event, state))
+    return m, trace_to_itf(m, steps, description=f"simulator run of {scenario.name}, "
+                                                  f"seed {scenario.seed}")
+
+
+def _constants(m: Model) -> dict:
+    return {"max_prompt_pages": m.max_prompt_pages, "context_pages": m.context_pages,
+            "prefill_pages": m.prefill_pages, "decode_pages": m.decode_pages,
+            "bugs": m.bugs, "crashes": m.crashes, "name": m.name}
