@@ -127,8 +127,11 @@ class Folder:
         out = self.cluster.crash_prefill(p)
         if type(out) is not Refusal:
             self.events += 1
-            for r, _ in out.rows:
-                self.metrics.answered(t, r, olds[r], self.cluster.rows[r])
+            for r, row in out.rows:
+                self.metrics.answered(t, r, olds[r], row)
+                if core.settled(row):
+                    self.cluster.forget(r)
+                    self.metrics.forget(r)
         return out
 
 

@@ -117,22 +117,23 @@ class Simulation:
 
     # -- offering events to the core ------------------------------------------------------
 
-    def offer(self, action: str, r: int, **args) -> bool:
+    def offer(self, action: str, r: int, **args) -> core.Change | None:
+        """The Change the core made for this event, or None if it refused (falsy)."""
         if r not in self.cluster.rows and action != "Arrive":
-            return False  # settled and forgotten: a late timer or message
+            return None  # settled and forgotten: a late timer or message
         record = {"t": self.env.now, "a": action, "r": r, **args}
         self.depth += 1
         out = self.folder.apply(record)
         if type(out) is Refusal:
             self.refusals[action] = self.refusals.get(action, 0) + 1
             self.depth -= 1
-            return False
+            return None
         self._logged(record)
         self.react(r, self.folder.last_old, self.folder.last_row, out)
         self.depth -= 1
         if self.depth == 0:
             self._run_intents()
-        return True
+        return out
 
     def _logged(self, record: dict) -> None:
         if self.log is not None:
@@ -219,7 +220,7 @@ class Simulation:
             self.dirty.append(r)
         if r not in self.cluster.rows:
             self._drop(r)
-            if self.folder.metrics.settled == self.sc.requests:
+            if self.folder.metrics.settled == self.sc.requests and not self.finished.triggered:
                 self.finished.succeed()
 
     def _drop(self, r: int) -> None:
@@ -315,9 +316,10 @@ class Simulation:
                     self.want(r, "SendDone")
 
     def _post(self, p: int, r: int) -> bool:
-        if not self.offer("SendPage", r):
+        change = self.offer("SendPage", r)
+        if change is None:
             return False
-        w = self.folder.last_change.posted[0]
+        w = change.posted[0]
         transfer_s = self.page_transfer_s
         f = self.sc.faults
         if f.slow_link_probability and self.rng["links"].random() < f.slow_link_probability:

@@ -1,0 +1,182 @@
+"""The simulator: the incident, determinism, replay, faults, oracles with teeth, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from api.cli import main
+from sim.fold import LogError, replay
+from sim.run import simulate
+from sim.scenario import ScenarioError, load_scenario, scenario_from_dict, scenario_names
+from sim.trace import log_to_itf
+from spec.validate import validate
+
+FAULT_SCENARIOS = [n for n in scenario_names() if n.startswith("faults-")] + ["pool-pressure"]
+
+
+def _run(name: str, **changes):
+    result, sim = simulate(load_scenario(name).with_options(**changes))
+    return result, sim
+
+
+def test_the_incident_leaks_with_the_two_faults_and_only_to_over_long_prompts():
+    base = load_scenario("incident-2026")
+    result, _ = _run("incident-2026", bugs=base.bugs + ("FinishedNotRejected", "NoCountCheck"))
+    s = result["summary"]
+    # seed 2026, 1,500 requests: 51 prompts exceed the 681,280-token prefill pool.
+    assert s["over_pool_requests"] == 51
+    assert s["leaked_responses"] == 42
+    assert s["leaked_responses_over_pool"] == 42      # every leak is an over-long prompt
+    assert s["leaked_responses_returned_ok"] == 42    # and every one was returned as success
+    assert s["over_pool_outcomes"] == {"ErrTag": 9, "Ok": 42}
+    assert result["violations"] == {"Isolation": 42, "OkIsClean": 42, "RejectedIsError": 51}
+
+
+@pytest.mark.parametrize("bugs", [None, ()], ids=["deployment-as-it-was", "every-guard-on"])
+def test_without_the_two_faults_every_over_long_prompt_gets_a_clear_error(bugs):
+    result, _ = _run("incident-2026", **({} if bugs is None else {"bugs": bugs}))
+    s = result["summary"]
+    assert s["leaked_responses"] == 0 and result["violations"] == {}
+    assert s["over_pool_outcomes"] == {"ErrTooLong": 51}
+    assert s["outcomes"] == {"ErrTooLong": 51, "Ok": 1449}
+
+
+def test_the_same_seed_gives_a_byte_identical_log_and_another_seed_does_not(tmp_path):
+    sc = load_scenario("faults-all").with_options(requests=150)
+    paths = [tmp_path / f"run{k}.ndjson" for k in range(3)]
+    simulate(sc, log_path=str(paths[0]))
+    simulate(sc, log_path=str(paths[1]))
+    simulate(sc.with_options(seed=sc.seed + 1), log_path=str(paths[2]))
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    assert paths[0].read_bytes() != paths[2].read_bytes()
+
+
+def test_replay_rebuilds_the_metrics_and_state_exactly(tmp_path):
+    log = tmp_path / "run.ndjson"
+    sc = load_scenario("faults-all").with_options(requests=150)
+    result, sim = simulate(sc, log_path=str(log))
+    folder, end = replay(log)
+    assert end["drained"] is True
+    assert folder.metrics.summary() == result["summary"]
+    assert folder.events == result["events"]
+    assert folder.cluster.rows == sim.cluster.rows
+    assert folder.cluster.decode_pools == sim.cluster.decode_pools
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("name", FAULT_SCENARIOS)
+def test_fault_campaign_ends_clean_with_every_page_back(name, seed):
+    result, sim = _run(name, seed=seed, requests=200)
+    assert result["violations"] == {}, result["first_violations"]
+    assert result["drained"] and result["unsettled_requests"] == 0
+    cluster = sim.cluster
+    assert all(len(free) == cluster.model.decode_pages for free in cluster.decode_free)
+    assert all(len(free) == cluster.model.prefill_pages for free in cluster.prefill_free)
+    assert not any(cluster.writes_into)
+    assert sum(result["summary"]["outcomes"].values()) == 200
+
+
+def test_every_fault_class_is_exercised_by_its_scenario():
+    outcomes = {name: _run(name, requests=200)[0] for name in FAULT_SCENARIOS}
+    assert outcomes["faults-client-abort"]["summary"]["outcomes"].get("Gone", 0) > 0
+    assert outcomes["faults-slow-link"]["summary"]["outcomes"].get("ErrTimeout", 0) > 0
+    assert outcomes["faults-prefill-fail"]["summary"]["outcomes"].get("ErrPrefill", 0) > 0
+    assert outcomes["faults-prefill-crash"]["refusals"].get("PrefillCrash", 0) >= 0
+    crashed = outcomes["faults-prefill-crash"]["summary"]["outcomes"].get("ErrPrefill", 0)
+    assert crashed > 0
+    assert outcomes["pool-pressure"]["summary"]["decode_pool_utilisation"]["peak"] == 1.0
+
+
+@pytest.mark.parametrize("bug,scenario,caught", [
+    ("EagerRelease", "faults-slow-link", "NoWriteIntoForeign"),
+    ("SourceReuse", "default", "SourceHeld"),
+    ("NoTimeout", "faults-prefill-crash", "NoStuckRequest"),
+    ("NoCancel", "faults-prefill-crash", "NoStuckRequest"),
+])
+def test_the_oracles_stop_a_run_that_breaks_a_guard(bug, scenario, caught):
+    result, _ = _run(scenario, bugs=(bug,), requests=300)
+    assert caught in result["violations"], result["violations"]
+
+
+def test_a_full_sweep_after_every_event_agrees_with_the_local_oracles():
+    sc = load_scenario("faults-all").with_options(
+        requests=60, oracles={"on_violation": "count", "sweep_every_events": 1})
+    result, _ = simulate(sc)
+    assert result["violations"] == {}
+    buggy = sc.with_options(bugs=("EagerRelease",), requests=150)
+    result, _ = simulate(buggy)
+    assert result["violations"], "EagerRelease under faults must be caught"
+
+
+def _tiny(**faults):
+    return scenario_from_dict({
+        "name": "tiny", "seed": 3, "requests": 3,
+        "cluster": {"prefill_workers": 1, "decode_workers": 1, "page_tokens": 256,
+                    "prefill_pool_tokens": 768, "decode_pool_tokens": 1024,
+                    "context_tokens": 1024},
+        "workload": {"rate_per_s": 50.0,
+                     "prompt": {"distribution": "uniform", "min_tokens": 1, "max_tokens": 1024},
+                     "output": {"distribution": "fixed", "median_tokens": 4, "max_tokens": 8}},
+        "timeouts": {"transfer_timeout_s": 0.01},
+        "faults": faults})
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_every_small_simulator_run_is_a_behaviour_of_the_spec(tmp_path, seed):
+    """Trace validation: one prefill and one decode worker map onto the spec's variables."""
+    sc = _tiny(client_abort_probability=0.3, client_abort_within_s=0.02,
+               prefill_crash_rate_per_s=20.0, prefill_restart_s=0.01,
+               message_delay_probability=0.5, message_delay_mean_s=0.01,
+               prefill_fail_probability=0.2).with_options(seed=seed)
+    log = tmp_path / "run.ndjson"
+    simulate(sc, log_path=str(log))
+    m, itf = log_to_itf(str(log))
+    verdict = validate(m, itf)
+    assert verdict.ok, verdict.message
+    assert verdict.steps >= 4
+
+
+def test_a_corrupted_log_is_rejected_at_its_line(tmp_path):
+    log = tmp_path / "run.ndjson"
+    simulate(load_scenario("default").with_options(requests=20), log_path=str(log))
+    lines = log.read_text().splitlines()
+    k = next(i for i, line in enumerate(lines) if '"a":"Reserve"' in line)
+    record = json.loads(lines[k])
+    record["pages"] = [p + 1 for p in record["pages"]][:1]
+    lines[k] = json.dumps(record)
+    log.write_text("\n".join(lines) + "\n")
+    with pytest.raises(LogError, match=f"line {k + 1}"):
+        replay(log)
+
+
+def test_bad_scenarios_are_clear_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('requests = 0\n[cluster]\npage_tokens = "big"\n')
+    assert main(["sim", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "requests" in err and "cluster.page_tokens" in err
+    assert main(["sim", "no-such-scenario"]) == 2
+    assert "no scenario" in capsys.readouterr().err
+    assert main(["sim", "default", "--bug", "NoSuchBug"]) == 2
+    assert "unknown bug" in capsys.readouterr().err
+    (tmp_path / "x.toml").write_text("this is = = not toml")
+    assert main(["sim", str(tmp_path / "x.toml")]) == 2
+    with pytest.raises(ScenarioError, match="cluster.prefil_workers: Extra inputs"):
+        scenario_from_dict({"cluster": {"prefil_workers": 2}})
+
+
+def test_the_cli_runs_logs_replays_and_plots(tmp_path, capsys):
+    log, out, plots = tmp_path / "l.ndjson", tmp_path / "r.json", tmp_path / "plots"
+    code = main(["sim", "incident-2026", "--bug", "FinishedNotRejected", "--bug",
+                 "NoCountCheck", "--requests", "400", "--log", str(log), "--json", str(out),
+                 "--plot", str(plots), "--quiet"])
+    text = capsys.readouterr().out
+    assert code == 1 and "LEAKED RESPONSES" in text and "seed=2026" in text
+    assert sorted(p.name for p in plots.iterdir()) == [
+        "errors_over_time.png", "pool_occupancy.png", "ttft_cdf.png"]
+    assert main(["sim", "--replay", str(log), "--json", str(tmp_path / "r2.json")]) == 1
+    first, again = json.loads(out.read_text()), json.loads((tmp_path / "r2.json").read_text())
+    assert first["summary"] == again["summary"] and first["violations"] == again["violations"]
+    assert main(["sim", "default", "--requests", "30", "--quiet"]) == 0
