@@ -72,9 +72,12 @@ class Cluster:
                              for _ in range(self.prefill_workers)]
         self.decode_free = [list(range(m.decode_pages - 1, -1, -1))
                             for _ in range(self.decode_workers)]
-        self.prefill_free_sets = [set(f) for f in self.prefill_free]
-        self.decode_free_sets = [set(f) for f in self.decode_free]
+        self.pool_pages_min = min(m.prefill_pages, m.decode_pages)
         self.decode_pages_total = m.decode_pages * self.decode_workers
+        self.decode_pages_used = 0
+        # Pages whose owner or generation the last commit changed: what the oracles check.
+        self.moved_prefill: list[int] = []
+        self.moved_decode: list[int] = []
         self.writes_into = [[] for _ in range(self.decode_workers)]   # the core's `writes`
         # Pages that request rows say they hold, counted from row fields alone: the second,
         # independent count that conservation compares with the pools' owner fields.
@@ -82,6 +85,7 @@ class Cluster:
         self.prefill_claimed = [0] * self.prefill_workers
         self.violations: list[Violation] = []   # the first VIOLATIONS_KEPT, in order
         self.violation_counts: dict[str, int] = {}
+        self.violation_total = 0
         self._imbalance: dict[str, int] = {}
 
     # -- the core's answers ------------------------------------------------------------
@@ -90,15 +94,23 @@ class Cluster:
         p, d = self.placement[r]
         return View(self.rows, self.decode_pools[d], self.prefill_pools[p], self.writes_into[d])
 
-    def take(self, r: int, event: core.Event) -> Change | Refusal:
-        """Hand `event` on request r to the core; commit and check what it allows."""
+    def decide(self, r: int, event: core.Event) -> Change | Refusal:
+        """The core's answer to `event` on request r; nothing changes yet."""
         p, d = self.placement[r]
-        out = core.decide(self.model, View(self.rows, self.decode_pools[d],
-                                           self.prefill_pools[p], self.writes_into[d]), event)
+        return core.decide(self.model, View(self.rows, self.decode_pools[d],
+                                            self.prefill_pools[p], self.writes_into[d]), event)
+
+    def commit(self, r: int, change: Change) -> None:
+        """Carry out a change the core decided for request r, then run the oracles."""
+        p, d = self.placement[r]
+        old = self.rows[r]
+        self._commit(p, d, change)
+        self._check_local(p, d, r, old, change)
+
+    def take(self, r: int, event: core.Event) -> Change | Refusal:
+        out = self.decide(r, event)
         if type(out) is not Refusal:
-            old = self.rows.get(r)
-            self._commit(p, d, out)
-            self._check_local(p, d, r, old, out)
+            self.commit(r, out)
         return out
 
     def crash_prefill(self, p: int) -> Change | Refusal:
@@ -128,9 +140,6 @@ class Cluster:
         del self.rows[r]
         del self.placement[r]
 
-    @property
-    def decode_pages_used(self) -> int:
-        return self.decode_pages_total - sum(len(f) for f in self.decode_free)
 
     def forget(self, r: int) -> None:
         """Drop a settled request's row: nothing can happen to it any more."""
@@ -147,10 +156,13 @@ class Cluster:
             self.decode_claimed[d_r] += _claim(row) - _claim(old)
             self.prefill_claimed[p_r] += _source_claim(row) - _source_claim(old)
             self.rows[r] = row
-        _put_pages(self.prefill_pools[p], self.prefill_free[p], self.prefill_free_sets[p],
-                   c.prefill)
-        _put_pages(self.decode_pools[d], self.decode_free[d], self.decode_free_sets[d],
-                   c.decode)
+        self.moved_prefill.clear()
+        self.moved_decode.clear()
+        if c.prefill:
+            _put_pages(self.prefill_pools[p], self.prefill_free[p], c.prefill, self.moved_prefill)
+        if c.decode:
+            self.decode_pages_used -= _put_pages(self.decode_pools[d], self.decode_free[d],
+                                                 c.decode, self.moved_decode)
         writes = self.writes_into[d]
         for w in c.landed:
             writes.remove(w)
@@ -173,79 +185,86 @@ class Cluster:
 
     def _violate(self, name: str, detail: str, r: int = NONE) -> None:
         self.violation_counts[name] = self.violation_counts.get(name, 0) + 1
+        self.violation_total += 1
         if len(self.violations) < VIOLATIONS_KEPT:
             self.violations.append(Violation(name, detail, r))
 
-    def _check_local(self, p: int, d: int, r: int, old: tuple | None, c: Change) -> None:
+    def _check_local(self, p: int, d: int, r: int, old: tuple, c: Change) -> None:
         self._check_conservation(p, d)
         row = self.rows[r]
-        if row[LEAKED]:
-            if not old[LEAKED]:
-                self._violate("Isolation", f"request {r} read a page that is not its own", r)
-            if row[CLIENT] == OK and old[CLIENT] != OK:
-                self._violate("OkIsClean", f"request {r} got success on foreign KV", r)
-        limit = min(self.model.prefill_pages, self.model.decode_pages)
-        if row[PROMPT] > limit and (row[CLIENT] == OK or row[DST] == DECODING) and not (
-                old[CLIENT] == OK or old[DST] == DECODING):
+        if row[LEAKED] and not old[LEAKED]:
+            self._violate("Isolation", f"request {r} read a page that is not its own", r)
+        if row[LEAKED] and row[CLIENT] == OK and old[CLIENT] != OK:
+            self._violate("OkIsClean", f"request {r} got success on foreign KV", r)
+        if row[PROMPT] > self.pool_pages_min and (row[CLIENT] == OK or row[DST] == DECODING) \
+                and not (old[CLIENT] == OK or old[DST] == DECODING):
             self._violate("RejectedIsError", f"request {r}: a {row[PROMPT]}-page prompt is "
-                          f"longer than a pool ({limit} pages) but decodes or succeeds", r)
-        self._check_pages(p, d, c)
-        self._check_writes(p, d, r, c)
+                          f"longer than a pool ({self.pool_pages_min} pages) but decodes or "
+                          f"succeeds", r)
+        if self.moved_decode or self.moved_prefill:
+            self._check_pages(p, d)
+            self._check_writes(p, d)
+        for w in c.posted:
+            self._check_write(p, d, w)
 
     def _check_conservation(self, p: int, d: int) -> None:
         """free + held == total on both workers, where "free" comes from the pages' owner
-        fields (through the allocator's free list) and "held" from the request rows."""
-        m = self.model
-        for label, stack, free, total, held in (
-                (f"prefill {p}", self.prefill_free[p], self.prefill_free_sets[p],
-                 m.prefill_pages, self.prefill_claimed[p]),
-                (f"decode {d}", self.decode_free[d], self.decode_free_sets[d],
-                 m.decode_pages, self.decode_claimed[d])):
-            imbalance = len(free) + held - total
-            if len(stack) != len(free):
-                self._violate("PageConservation", f"{label}: the free list is corrupt")
-            elif imbalance != self._imbalance.get(label, 0):
-                # Reported when it changes, so that one lost page is one violation.
-                self._imbalance[label] = imbalance
-                if imbalance:
-                    self._violate("PageConservation", f"{label}: {len(free)} free + {held} "
-                                  f"held by requests != {total} pages")
+        fields (through the allocator's free stack) and "held" from the request rows.
+        An imbalance is reported when it changes, so that one lost page is one violation."""
+        imbalance = len(self.prefill_free[p]) + self.prefill_claimed[p] - self.model.prefill_pages
+        if imbalance != self._imbalance.get(("prefill", p), 0):
+            self._imbalanced("prefill", p, imbalance)
+        imbalance = len(self.decode_free[d]) + self.decode_claimed[d] - self.model.decode_pages
+        if imbalance != self._imbalance.get(("decode", d), 0):
+            self._imbalanced("decode", d, imbalance)
 
-    def _check_pages(self, p: int, d: int, c: Change) -> None:
-        """ExclusiveOwner for every page the change touched."""
+    def _imbalanced(self, pool: str, worker: int, imbalance: int) -> None:
+        self._imbalance[(pool, worker)] = imbalance
+        if imbalance:
+            self._violate("PageConservation", f"{pool} {worker}: free pages + pages held by "
+                          f"requests is {imbalance:+d} off the pool's size")
+
+    def _check_pages(self, p: int, d: int) -> None:
+        """ExclusiveOwner for every page whose owner or generation the change moved."""
         pool = self.decode_pools[d]
-        for page, _ in c.decode:
+        tables: dict[int, set] = {}
+        for page in self.moved_decode:
             owner, gen = pool[page][OWNER], pool[page][GEN]
             if owner == NONE:
                 continue
-            row = self.rows.get(owner)
-            if row is None or not _holds(row) or (page, gen) not in row[TABLE]:
+            table = tables.get(owner)
+            if table is None:
+                row = self.rows.get(owner)
+                table = tables[owner] = set(row[TABLE]) if row and _holds(row) else set()
+            if (page, gen) not in table:
                 self._violate("ExclusiveOwner", f"decode {d} page {page} is owned by "
                               f"request {owner} at gen {gen}, not in its table", owner)
-        for page, (owner, _) in c.prefill:
-            row = self.rows.get(owner) if owner != NONE else None
-            if owner != NONE and (row is None or row[PST] != RUNNING or page not in row[SRC]):
+        for page in self.moved_prefill:
+            owner = self.prefill_pools[p][page][0]
+            if owner == NONE:
+                continue
+            row = self.rows.get(owner)
+            if row is None or row[PST] != RUNNING or page not in row[SRC]:
                 self._violate("ExclusiveOwner", f"prefill {p} page {page} is owned by "
                               f"request {owner}, which does not hold it", owner)
 
-    def _check_writes(self, p: int, d: int, r: int, c: Change) -> None:
-        """NoWriteIntoForeign and SourceHeld for the writes whose pages the change touched.
-        Only a change of page owners or a new write can break either."""
-        if not (c.decode or c.posted or c.prefill):
-            return
-        pool, sources_pool = self.decode_pools[d], self.prefill_pools[p]
-        targets = {page for page, _ in c.decode}
-        targets.update(w[2] for w in c.posted)
-        sources = {page for page, _ in c.prefill}
-        sources.update(w[1] for w in c.posted)
+    def _check_writes(self, p: int, d: int) -> None:
+        """NoWriteIntoForeign and SourceHeld for the writes in flight whose pages the change
+        moved: only a change of a page's owner or generation can break either."""
+        targets, sources = set(self.moved_decode), set(self.moved_prefill)
         for w in self.writes_into[d]:
-            if w[2] in targets and (pool[w[2]][OWNER] != w[0] or pool[w[2]][GEN] != w[3]):
-                self._violate("NoWriteIntoForeign", f"a write of request {w[0]} into decode "
-                              f"{d} page {w[2]} (tag {w[3]}) outlived its page", w[0])
-            if (w[1] in sources and self.placement[w[0]][0] == p
-                    and sources_pool[w[1]][0] != w[0]):
-                self._violate("SourceHeld", f"prefill {p} page {w[1]} was freed or reused "
-                              f"while request {w[0]}'s write still reads it", w[0])
+            if w[2] in targets or w[1] in sources:
+                self._check_write(p, d, w)
+
+    def _check_write(self, p: int, d: int, w: tuple) -> None:
+        r, source, page, tag = w
+        target = self.decode_pools[d][page]
+        if target[OWNER] != r or target[GEN] != tag:
+            self._violate("NoWriteIntoForeign", f"a write of request {r} into decode {d} page "
+                          f"{page} (tag {tag}) outlived its page", r)
+        if self.placement[r][0] == p and self.prefill_pools[p][source][0] != r:
+            self._violate("SourceHeld", f"prefill {p} page {source} was freed or reused while "
+                          f"request {r}'s write still reads it", r)
 
     def leak_check(self, r: int) -> bool:
         """The leak oracle, independent of the core's flag: did request r's decode read a
@@ -323,15 +342,20 @@ def _unstack(stack: list, page: int) -> None:
     raise AssertionError(f"page {page} is not on the free stack")
 
 
-def _put_pages(pool: list, stack: list, free: set, changes: tuple) -> None:
-    """Replace pages in place, keeping the free stack and set in step with owner fields."""
+def _put_pages(pool: list, stack: list, changes: tuple, moved: list) -> int:
+    """Replace pages in place, keeping the free stack in step with the owner fields; append
+    to `moved` the pages whose owner or generation changed; return pages freed minus taken."""
+    freed = 0
     for page, value in changes:
-        was_free = pool[page][0] == NONE
-        now_free = value[0] == NONE
+        before = pool[page]
         pool[page] = value
-        if was_free and not now_free:
+        if before[0] == value[0] and before[1] == value[1]:
+            continue  # data landed: no owner or generation changed
+        moved.append(page)
+        if before[0] == NONE:
             _unstack(stack, page)
-            free.discard(page)
-        elif now_free and not was_free:
+            freed -= 1
+        elif value[0] == NONE:
             stack.append(page)
-            free.add(page)
+            freed += 1
+    return freed

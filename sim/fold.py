@@ -48,19 +48,22 @@ def model_for(scenario: Scenario) -> Model:
 
 
 def event_of(record: dict) -> core.Event:
-    action = record["a"]
+    return make_event(record["a"], record.get("r"), record)
+
+
+def make_event(action: str, r: int, args: dict) -> core.Event:
+    """The core event a log record (or a live offer's arguments) stands for."""
     cls = _EVENTS.get(action)
     if cls is None:
         raise LogError(f"unknown action {action!r}")
     if cls is core.PrefillCrash:
         return cls()
-    r = record["r"]
     if cls is core.Arrive:
-        return cls(r, record["n"])
+        return cls(r, args["n"])
     if cls is core.Admit or cls is core.Reserve:
-        return cls(r, tuple(record["pages"]))
+        return cls(r, tuple(args["pages"]))
     if cls is core.LandWrite:
-        return cls(r, record["page"])
+        return cls(r, args["page"])
     return cls(r)
 
 
@@ -81,8 +84,9 @@ class Folder:
         # The last accepted event's effect, for the live simulator to react to.
         self.last_row, self.last_change, self.last_placement = None, None, (0, 0)
 
-    def apply(self, record: dict) -> Change | Refusal | None:
-        """Take one record; None for a shell fact, else the core's answer."""
+    def apply(self, record: dict, decided: Change | None = None) -> Change | Refusal | None:
+        """Take one record; None for a shell fact, else the core's answer. A live run that
+        has already had the core decide the record's event passes the Change."""
         t, action = record["t"], record["a"]
         m = self.metrics
         m.last_event_s = t
@@ -96,7 +100,11 @@ class Folder:
             self.cluster.arrive(r, record["p"], record["d"])
         old = self.last_old = self.cluster.rows[r]
         self.last_placement = self.cluster.placement[r]
-        out = self.cluster.take(r, event_of(record))
+        if decided is None:
+            out = self.cluster.take(r, event_of(record))
+        else:
+            out = decided
+            self.cluster.commit(r, decided)
         if type(out) is Refusal:
             if action == "Arrive":
                 self.cluster.withdraw(r)

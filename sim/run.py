@@ -46,7 +46,7 @@ import simpy
 from spec import core
 from spec.core import (CLIENT, CLOSING, DECODING, DST, D_WAITING, GONE, IDLE, PROMPT, PST,
                        QUEUED, RELEASED, WAITING, Refusal)
-from sim.fold import FIRST_TOKEN, RUN_END, Folder, encode, replay, write_header
+from sim.fold import FIRST_TOKEN, RUN_END, Folder, encode, make_event, replay, write_header
 from sim.scenario import Lengths, Scenario
 
 
@@ -103,7 +103,8 @@ class Simulation:
         self.stepping = [False] * c.decode_workers
         # Per live request (dropped when it settles).
         self.output = {}
-        self.generated = {}
+        self.decoding = {}  # request -> its sequence in a decode batch
+        self.context_tokens = [0] * c.decode_workers
         self.computed = set()
         self.intents: dict[int, list[str]] = {}
         self.dirty: list[int] = []
@@ -119,11 +120,18 @@ class Simulation:
 
     def offer(self, action: str, r: int, **args) -> core.Change | None:
         """The Change the core made for this event, or None if it refused (falsy)."""
-        if r not in self.cluster.rows and action != "Arrive":
-            return None  # settled and forgotten: a late timer or message
+        decided = None
+        if action != "Arrive":
+            if r not in self.cluster.rows:
+                return None  # settled and forgotten: a late timer or message
+            # The core decides first, so that a refusal costs no record and no fold.
+            decided = self.cluster.decide(r, make_event(action, r, args))
+            if type(decided) is Refusal:
+                self.refusals[action] = self.refusals.get(action, 0) + 1
+                return None
         record = {"t": self.env.now, "a": action, "r": r, **args}
         self.depth += 1
-        out = self.folder.apply(record)
+        out = self.folder.apply(record, decided)
         if type(out) is Refusal:
             self.refusals[action] = self.refusals.get(action, 0) + 1
             self.depth -= 1
@@ -138,8 +146,7 @@ class Simulation:
     def _logged(self, record: dict) -> None:
         if self.log is not None:
             self.log.write(encode(record) + "\n")
-        counts = self.cluster.violation_counts
-        total = sum(counts.values()) if counts else 0
+        total = self.cluster.violation_total
         if total != self.violations_seen:
             self.violations_seen = total
             if self.sc.oracles.on_violation == "stop":
@@ -206,8 +213,13 @@ class Simulation:
             self.later(self.sc.timeouts.transfer_timeout_s, self.offer, "Timeout", r)
             self.send(self.on_table, r, p, to_prefill=p)
         if new[DST] == DECODING and old[DST] != DECODING:
-            self.ready[d].append(r)
+            entry = self.decoding[r] = [r, 0, self.output[r], new[PROMPT] * self.page_tokens]
+            self.ready[d].append(entry)
             self.kick_decode(d)
+        elif old[DST] == DECODING and new[DST] != DECODING:
+            entry = self.decoding.pop(r, None)
+            if entry is not None:
+                entry[0] = -1
         if new[DST] == CLOSING and old[DST] != CLOSING:
             self.want(r, "Release")
         if new[DST] == RELEASED and old[DST] != RELEASED:
@@ -224,7 +236,7 @@ class Simulation:
                 self.finished.succeed()
 
     def _drop(self, r: int) -> None:
-        for table in (self.output, self.generated, self.intents):
+        for table in (self.output, self.decoding, self.intents):
             table.pop(r, None)
         self.computed.discard(r)
 
@@ -408,42 +420,44 @@ class Simulation:
             self.offer("DecodeAbort", r)
 
     def kick_decode(self, d: int) -> None:
+        """Start the next continuous-batching step of decode worker d, if it is idle.
+        A sequence in the batch is [request, tokens generated, tokens wanted, context]."""
         if self.stepping[d]:
             return
         batch, ready = self.batch[d], self.ready[d]
         while ready and len(batch) < self.sc.cluster.decode_batch_max:
-            batch.append(ready.popleft())
+            entry = ready.popleft()
+            if entry[0] >= 0:
+                batch.append(entry)
+                self.context_tokens[d] += entry[3]
         if not batch:
             return
         c = self.sc.compute
-        rows, out, gen = self.cluster.rows, self.output, self.generated
-        context = 0
-        for r in batch:
-            row = rows.get(r)
-            if row is not None:
-                context += row[PROMPT] * self.page_tokens + gen.get(r, 0)
         step_s = (c.decode_step_base_s + c.decode_step_per_request_s * len(batch)
-                  + c.decode_step_per_context_token_s * context)
+                  + c.decode_step_per_context_token_s * self.context_tokens[d])
         self.stepping[d] = True
         self.later(step_s, self._stepped, d)
 
     def _stepped(self, d: int) -> None:
         self.stepping[d] = False
-        rows, out, gen = self.cluster.rows, self.output, self.generated
         keep = []
-        for r in self.batch[d]:
-            row = rows.get(r)
-            if row is None or row[DST] != DECODING:
-                continue  # aborted meanwhile
-            done = gen.get(r, 0) + 1
-            gen[r] = done
-            if done == 1:
+        context = 0
+        for entry in self.batch[d]:
+            r = entry[0]
+            if r < 0:
+                continue  # decode closed it meanwhile (the client went away)
+            entry[1] += 1
+            entry[3] += 1
+            if entry[1] == 1:
                 self._fact(FIRST_TOKEN, r)
-            if done >= out[r]:
+            if entry[1] >= entry[2]:
+                self.decoding.pop(r, None)
                 self.offer("Finish", r)
             else:
-                keep.append(r)
+                keep.append(entry)
+                context += entry[3]
         self.batch[d] = keep
+        self.context_tokens[d] = context
         self.kick_decode(d)
 
     def _fact(self, action: str, r: int) -> None:

@@ -665,31 +665,37 @@ Result = Union[State, Refusal]
 def decide(m: Model, s: State, event: Event) -> Change | Refusal:
     """The Change `event` makes in `s`, or a Refusal naming why the protocol does not allow
     it. `s` is a State or a simulator's view of one worker pair (same four attributes)."""
-    fn = ACTIONS.get(type(event))
+    kind = type(event)
+    fn = ACTIONS.get(kind)
     if fn is None:
         raise ProtocolMisuse(f"{event!r} is not a protocol event")
-    if isinstance(event, PrefillCrash):
+    if kind is PrefillCrash:
         out = fn(m, s)
         return Refusal(event, out) if type(out) is str else out
     rows = s.requests
     r = event.request
     if not (r in rows if type(rows) is dict else 0 <= r < len(rows)):
         raise ProtocolMisuse(f"request {r} does not exist ({len(rows)} requests)")
-    if isinstance(event, Arrive):
-        out = fn(m, s, r, event.prompt_pages)
-    elif isinstance(event, (Admit, Reserve)):
-        if not isinstance(event.pages, tuple):
-            raise ProtocolMisuse(f"{event.action}.pages must be a tuple of page numbers")
-        out = fn(m, s, r, event.pages)
-    elif isinstance(event, LandWrite):
+    argument = _ARGUMENT.get(kind)
+    if argument is None:
+        out = fn(m, s, r)
+    elif kind is LandWrite:
         if not 0 <= event.page < m.decode_pages:
             raise ProtocolMisuse(f"decode page {event.page} does not exist")
         out = fn(m, s, r, event.page)
+    elif kind is Arrive:
+        out = fn(m, s, r, event.prompt_pages)
     else:
-        out = fn(m, s, r)
+        if not isinstance(event.pages, tuple):
+            raise ProtocolMisuse(f"{event.action}.pages must be a tuple of page numbers")
+        out = fn(m, s, r, event.pages)
     if type(out) is str:
         return Refusal(event, out)
     return out
+
+
+# Events that carry an argument besides the request.
+_ARGUMENT = {Arrive: "prompt_pages", Admit: "pages", Reserve: "pages", LandWrite: "page"}
 
 
 def apply(m: Model, s: State, event: Event) -> Result:
