@@ -110,26 +110,10 @@ def test_a_full_sweep_after_every_event_agrees_with_the_local_oracles():
     assert result["violations"], "EagerRelease under faults must be caught"
 
 
-def _tiny(**faults):
-    return scenario_from_dict({
-        "name": "tiny", "seed": 3, "requests": 3,
-        "cluster": {"prefill_workers": 1, "decode_workers": 1, "page_tokens": 256,
-                    "prefill_pool_tokens": 768, "decode_pool_tokens": 1024,
-                    "context_tokens": 1024},
-        "workload": {"rate_per_s": 50.0,
-                     "prompt": {"distribution": "uniform", "min_tokens": 1, "max_tokens": 1024},
-                     "output": {"distribution": "fixed", "median_tokens": 4, "max_tokens": 8}},
-        "timeouts": {"transfer_timeout_s": 0.01},
-        "faults": faults})
-
-
 @pytest.mark.parametrize("seed", range(12))
 def test_every_small_simulator_run_is_a_behaviour_of_the_spec(tmp_path, seed):
     """Trace validation: one prefill and one decode worker map onto the spec's variables."""
-    sc = _tiny(client_abort_probability=0.3, client_abort_within_s=0.02,
-               prefill_crash_rate_per_s=20.0, prefill_restart_s=0.01,
-               message_delay_probability=0.5, message_delay_mean_s=0.01,
-               prefill_fail_probability=0.2).with_options(seed=seed)
+    sc = load_scenario("one-pair").with_options(seed=seed)
     log = tmp_path / "run.ndjson"
     simulate(sc, log_path=str(log))
     m, itf = log_to_itf(str(log))
@@ -180,3 +164,7 @@ def test_the_cli_runs_logs_replays_and_plots(tmp_path, capsys):
     first, again = json.loads(out.read_text()), json.loads((tmp_path / "r2.json").read_text())
     assert first["summary"] == again["summary"] and first["violations"] == again["violations"]
     assert main(["sim", "default", "--requests", "30", "--quiet"]) == 0
+    itf = tmp_path / "t.itf.json"
+    assert main(["sim", "one-pair", "--log", str(log), "--itf", str(itf), "--quiet"]) == 0
+    assert main(["validate", str(itf)]) == 0
+    assert "trace OK" in capsys.readouterr().out
