@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -51,6 +54,17 @@ def test_the_same_seed_gives_a_byte_identical_log_and_another_seed_does_not(tmp_
     simulate(sc.with_options(seed=sc.seed + 1), log_path=str(paths[2]))
     assert paths[0].read_bytes() == paths[1].read_bytes()
     assert paths[0].read_bytes() != paths[2].read_bytes()
+
+
+def test_logs_do_not_depend_on_the_process_hash_seed(tmp_path):
+    logs = []
+    for hash_seed in ("1", "2"):
+        log = tmp_path / f"h{hash_seed}.ndjson"
+        subprocess.run([sys.executable, "-m", "api.cli", "sim", "faults-all", "--requests", "80",
+                        "--quiet", "--log", str(log)], check=True, capture_output=True,
+                       env={**os.environ, "PYTHONHASHSEED": hash_seed})
+        logs.append(log.read_bytes())
+    assert logs[0] == logs[1]
 
 
 def test_replay_rebuilds_the_metrics_and_state_exactly(tmp_path):
