@@ -119,13 +119,16 @@ class Folder:
     def _observe(self, t: float, r: int, old: tuple, change: Change) -> None:
         m, cluster = self.metrics, self.cluster
         new = self.last_row = cluster.rows[r]
-        if new[core.CLIENT] == core.OK and old[core.CLIENT] != core.OK and cluster.leak_check(r):
-            m.leak(r, ok=True)
-        m.answered(t, r, old, new)
         if change.landed:
             m.pages_written += len(change.landed)
         if change.decode:
             m.decode_pages_changed(t, cluster.decode_pages_used)
+        if new is old:
+            return  # a landing write changes no row
+        if new[core.CLIENT] != old[core.CLIENT]:
+            if new[core.CLIENT] == core.OK and cluster.leak_check(r):
+                m.leak(r, ok=True)
+            m.answered(t, r, old, new)
         if core.settled(new):
             cluster.forget(r)
             m.forget(r)

@@ -196,6 +196,18 @@ class Simulation:
 
     def react(self, r: int, old: tuple, new: tuple, change) -> None:
         p, d = self.folder.last_placement
+        if new is not old:  # a landing write changes no row
+            self._react_to_row(r, p, d, old, new)
+        if change.prefill:
+            self.kick_prefill(p)
+        if r in self.intents:
+            self.dirty.append(r)
+        if r not in self.cluster.rows:
+            self._drop(r)
+            if self.folder.metrics.settled == self.sc.requests and not self.finished.triggered:
+                self.finished.succeed()
+
+    def _react_to_row(self, r: int, p: int, d: int, old: tuple, new: tuple) -> None:
         for message in core.messages_sent(old, new):
             if message == core.BOOTSTRAP:
                 self.send(self.on_bootstrap, r, d)
@@ -206,34 +218,32 @@ class Simulation:
         if new[PST] == QUEUED and old[PST] != QUEUED:
             self.prefill_queue[p].append(r)
             self.kick_prefill(p)
-        if new[CLIENT] == GONE and old[CLIENT] != GONE:
-            self.later(self.sc.timeouts.notice_delay_s, self.want, r, "PrefillAbort")
-            self.later(self.sc.timeouts.notice_delay_s, self.offer_decode_abort, r)
-        if new[DST] == D_WAITING and old[DST] != D_WAITING:
+        if new[CLIENT] != old[CLIENT]:
+            if new[CLIENT] == GONE:
+                self.later(self.sc.timeouts.notice_delay_s, self.want, r, "PrefillAbort")
+                self.later(self.sc.timeouts.notice_delay_s, self.offer_decode_abort, r)
+            if old[CLIENT] in (IDLE, WAITING) and new[CLIENT] not in (IDLE, WAITING):
+                self._answered(r)  # or gone: a closed-loop session moves on either way
+        if new[DST] != old[DST]:
+            self._react_to_decode(r, p, d, old, new)
+
+    def _react_to_decode(self, r: int, p: int, d: int, old: tuple, new: tuple) -> None:
+        state = new[DST]
+        if state == D_WAITING:
             self.later(self.sc.timeouts.transfer_timeout_s, self.offer, "Timeout", r)
             self.send(self.on_table, r, p, to_prefill=p)
-        if new[DST] == DECODING and old[DST] != DECODING:
+        elif state == DECODING:
             entry = self.decoding[r] = [r, 0, self.output[r], new[PROMPT] * self.page_tokens]
             self.ready[d].append(entry)
             self.kick_decode(d)
-        elif old[DST] == DECODING and new[DST] != DECODING:
+        if old[DST] == DECODING:
             entry = self.decoding.pop(r, None)
             if entry is not None:
                 entry[0] = -1
-        if new[DST] == CLOSING and old[DST] != CLOSING:
+        if state == CLOSING:
             self.want(r, "Release")
-        if new[DST] == RELEASED and old[DST] != RELEASED:
+        elif state == RELEASED:
             self.kick_decode_waiting(d)
-        if change.prefill:
-            self.kick_prefill(p)
-        if old[CLIENT] in (IDLE, WAITING) and new[CLIENT] not in (IDLE, WAITING):
-            self._answered(r)  # or gone: a closed-loop session moves on either way
-        if r in self.intents:
-            self.dirty.append(r)
-        if r not in self.cluster.rows:
-            self._drop(r)
-            if self.folder.metrics.settled == self.sc.requests and not self.finished.triggered:
-                self.finished.succeed()
 
     def _drop(self, r: int) -> None:
         for table in (self.output, self.decoding, self.intents):
