@@ -128,6 +128,20 @@ class Cluster:
                 self._check_local(p, self.placement[r][1], r, olds[r], Change())
         return out
 
+    def crash_decode(self, d: int) -> Change | Refusal:
+        """DecodeCrash at worker d: the view holds the rows of requests placed there and
+        the writes in flight into its pool."""
+        rows = {r: self.rows[r] for r, (_, e) in self.placement.items() if e == d}
+        view = View(rows, self.decode_pools[d], [], self.writes_into[d])
+        out = core.decide(self.model, view, core.DecodeCrash())
+        if type(out) is not Refusal:
+            olds = {r: self.rows[r] for r, _ in out.rows}
+            self._commit(0, d, out._replace(flushed=False))
+            self.writes_into[d].clear()
+            for r, _ in out.rows:
+                self._check_local(self.placement[r][0], d, r, olds[r], Change())
+        return out
+
     def arrive(self, r: int, p: int, d: int) -> None:
         """A new request enters with an empty row, placed by the router."""
         assert r not in self.rows, f"request {r} arrives twice"

@@ -44,7 +44,8 @@ def model_for(scenario: Scenario) -> Model:
                                                   // c.page_tokens),
                  context_pages=c.context_pages, prefill_pages=c.prefill_pages,
                  decode_pages=c.decode_pages, bugs=frozenset(scenario.bugs),
-                 crashes=scenario.faults.prefill_crash_rate_per_s > 0, name=scenario.name)
+                 crashes=scenario.faults.prefill_crash_rate_per_s > 0,
+                 decode_crashes=scenario.faults.decode_crash_rate_per_s > 0, name=scenario.name)
 
 
 def event_of(record: dict) -> core.Event:
@@ -56,7 +57,7 @@ def make_event(action: str, r: int, args: dict) -> core.Event:
     cls = _EVENTS.get(action)
     if cls is None:
         raise LogError(f"unknown action {action!r}")
-    if cls is core.PrefillCrash:
+    if cls is core.PrefillCrash or cls is core.DecodeCrash:
         return cls()
     if cls is core.Arrive:
         return cls(r, args["n"])
@@ -94,7 +95,9 @@ class Folder:
             m.first_token(t, record["r"])
             return None
         if action == "PrefillCrash":
-            return self._crash(t, record["p"])
+            return self._crash(t, self.cluster.crash_prefill, record["p"])
+        if action == "DecodeCrash":
+            return self._crash(t, self.cluster.crash_decode, record["d"])
         r = record["r"]
         if action == "Arrive":
             self.cluster.arrive(r, record["p"], record["d"])
@@ -133,11 +136,14 @@ class Folder:
             cluster.forget(r)
             m.forget(r)
 
-    def _crash(self, t: float, p: int) -> Change | Refusal:
+    def _crash(self, t: float, crash, worker: int) -> Change | Refusal:
         olds = {r: row for r, row in self.cluster.rows.items()}
-        out = self.cluster.crash_prefill(p)
+        out = crash(worker)
         if type(out) is not Refusal:
             self.events += 1
+            self.last_change = out
+            if out.decode:
+                self.metrics.decode_pages_changed(t, self.cluster.decode_pages_used)
             for r, row in out.rows:
                 self.metrics.answered(t, r, olds[r], row)
                 if core.settled(row):

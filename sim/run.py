@@ -25,9 +25,8 @@ only to what the core changed in the request's row:
 
 Faults (each switchable and rate-controlled by the scenario): client aborts at any moment,
 lost messages (retransmitted after retransmit_after_s), delayed messages, slow page writes,
-transfer timeouts, prefill failures, prefill worker crashes with restart. Pool pressure comes
-from the workload against the pools. Decode worker crashes are not simulated: the spec does not
-model them yet (a restarted decode must not reissue page generations).
+transfer timeouts, prefill failures, prefill and decode worker crashes with restart (each a
+core event: PrefillCrash, DecodeCrash). Pool pressure comes from the workload against the pools.
 
 Determinism: one random stream per purpose, seeded from the scenario's seed; SimPy breaks
 time ties by scheduling order; so a seed gives a byte-identical log.
@@ -98,6 +97,7 @@ class Simulation:
         self.nic_waiting = [deque() for _ in range(c.prefill_workers)]
         # Decode workers.
         self.decode_waiting = [deque() for _ in range(c.decode_workers)]
+        self.decode_down_until = [0.0] * c.decode_workers
         self.batch = [[] for _ in range(c.decode_workers)]
         self.ready = [deque() for _ in range(c.decode_workers)]
         self.stepping = [False] * c.decode_workers
@@ -268,10 +268,11 @@ class Simulation:
         self.later(delay, self._deliver, handler, r, worker, to_prefill)
 
     def _deliver(self, handler, r: int, worker: int, to_prefill: int) -> None:
-        if to_prefill >= 0 and self.prefill_down_until[to_prefill] > self.env.now:
-            # A restarting prefill gets its messages once it is back (decode re-sends).
-            self.later(self.prefill_down_until[to_prefill] - self.env.now, self._deliver,
-                       handler, r, worker, to_prefill)
+        back = (self.prefill_down_until[to_prefill] if to_prefill >= 0
+                else self.decode_down_until[worker])
+        if back > self.env.now:
+            # A restarting worker gets its messages once it is back (the sender re-sends).
+            self.later(back - self.env.now, self._deliver, handler, r, worker, to_prefill)
             return
         if r in self.cluster.rows:
             handler(r, worker)
@@ -365,34 +366,50 @@ class Simulation:
             # Writes in flight: the prefill stops, or finishes and answers, once they land.
             self.want(r, "PrefillAbort", "AnswerCancel")
 
-    def crash_loop(self, p: int):
-        f, rng = self.sc.faults, self.rng["crashes"]
+    def crash_loop(self, kind: str, worker: int, rate_per_s: float):
+        rng = self.rng["crashes"]
         while not (self.finished.triggered or self.at_rest):
-            yield self.env.timeout(rng.expovariate(f.prefill_crash_rate_per_s))
+            yield self.env.timeout(rng.expovariate(rate_per_s))
             if self.finished.triggered or self.at_rest:
                 return  # crashes alone must not keep a run that has come to rest going
-            self.crash(p)
+            self.crash(kind, worker)
 
-    def crash(self, p: int) -> None:
-        record = {"t": self.env.now, "a": "PrefillCrash", "p": p}
+    def crash(self, kind: str, worker: int) -> None:
+        """A worker dies and restarts: PrefillCrash or DecodeCrash, if the core says the
+        crash loses anything (a worker with nothing to lose just restarts)."""
+        action, key = ("PrefillCrash", "p") if kind == "prefill" else ("DecodeCrash", "d")
+        record = {"t": self.env.now, "a": action, key: worker}
         olds = dict(self.cluster.rows)
+        placements = dict(self.cluster.placement)
         self.depth += 1
         out = self.folder.apply(record)
         if type(out) is Refusal:
-            self.refusals["PrefillCrash"] = self.refusals.get("PrefillCrash", 0) + 1
+            self.refusals[action] = self.refusals.get(action, 0) + 1
         else:
             self._logged(record)
-            self.prefill_epoch[p] += 1
-            self.prefill_busy[p] = False
-            self.nic_in_flight[p] = 0
-            self.nic_waiting[p].clear()
-            self.prefill_down_until[p] = self.env.now + self.sc.faults.prefill_restart_s
-            self.later(self.sc.faults.prefill_restart_s, self.kick_prefill, p)
+            if kind == "prefill":
+                self._restart_prefill(worker)
+            else:
+                self._restart_decode(worker)
             for r, row in out.rows:
-                self.folder.last_placement = (p, self.cluster.placement[r][1])
+                self.folder.last_placement = placements[r]
                 self.react(r, olds[r], row, core.Change())
         self.depth -= 1
         self._run_intents()
+
+    def _restart_prefill(self, p: int) -> None:
+        self.prefill_epoch[p] += 1
+        self.prefill_busy[p] = False
+        self.nic_in_flight[p] = 0
+        self.nic_waiting[p].clear()
+        self.prefill_down_until[p] = self.env.now + self.sc.faults.prefill_restart_s
+        self.later(self.sc.faults.prefill_restart_s, self.kick_prefill, p)
+
+    def _restart_decode(self, d: int) -> None:
+        """The restarted decode's queues are empty; messages reach it once it is back."""
+        self.decode_down_until[d] = self.env.now + self.sc.faults.decode_restart_s
+        self.decode_waiting[d].clear()
+        self.later(self.sc.faults.decode_restart_s, self.kick_decode_waiting, d)
 
     # -- decode workers ---------------------------------------------------------------------
 
@@ -542,9 +559,13 @@ class Simulation:
                 self.env.process(self.session())
         else:
             self.env.process(self.open_loop())
-        if self.sc.faults.prefill_crash_rate_per_s:
-            for p in range(self.sc.cluster.prefill_workers):
-                self.env.process(self.crash_loop(p))
+        f, c = self.sc.faults, self.sc.cluster
+        if f.prefill_crash_rate_per_s:
+            for p in range(c.prefill_workers):
+                self.env.process(self.crash_loop("prefill", p, f.prefill_crash_rate_per_s))
+        if f.decode_crash_rate_per_s:
+            for d in range(c.decode_workers):
+                self.env.process(self.crash_loop("decode", d, f.decode_crash_rate_per_s))
         horizon = self.env.timeout(self.sc.horizon_s)
         self.env.run(until=self.env.any_of([self.finished, horizon]))
         if self.progress:

@@ -119,6 +119,8 @@ class Faults(_Strict):
     prefill_fail_probability: float = Field(0.0, ge=0, le=1)   # per admitted request
     prefill_crash_rate_per_s: float = Field(0.0, ge=0)         # per prefill worker
     prefill_restart_s: float = Field(0.5, ge=0)
+    decode_crash_rate_per_s: float = Field(0.0, ge=0)          # per decode worker
+    decode_restart_s: float = Field(0.5, ge=0)
 
 
 class Oracles(_Strict):

@@ -44,6 +44,7 @@ CONSTANTS
     PrefillPages,    \* size of the prefill KV pool, in pages
     DecodePages,     \* size of the decode KV pool, in pages
     Crashes,         \* whether the prefill worker may crash and restart (BOOLEAN)
+    DecodeCrashes,   \* whether the decode worker may crash and restart (BOOLEAN)
     Bugs             \* the bug switches that are on (a set of strings)
 
 BugNames == {"FinishedNotRejected", "NoCountCheck", "EagerRelease", "SourceReuse",
@@ -57,6 +58,7 @@ ASSUME /\ NoReq \notin Requests
        /\ PrefillPages \in Nat \ {0}
        /\ DecodePages \in Nat \ {0}
        /\ Crashes \in BOOLEAN
+       /\ DecodeCrashes \in BOOLEAN
 
 PPages == 1..PrefillPages
 DPages == 1..DecodePages
@@ -68,7 +70,7 @@ Advertised == IF "PoolBelowContext" \in Bugs
                 ELSE Min(ContextPages, Min(PrefillPages, DecodePages))
 
 ClientStates == {"Idle", "Waiting", "Ok", "Gone", "ErrTooLong", "ErrPrefill",
-                 "ErrTransfer", "ErrTag", "ErrTimeout"}
+                 "ErrTransfer", "ErrTag", "ErrTimeout", "ErrDecode"}
 PrefillStates == {"None", "Queued", "Running", "Done", "Rejected", "Aborted"}
 DecodeStates == {"None", "Waiting", "Decoding", "Closing", "Released", "Tomb"}
 Messages == {"None", "Done", "Reject", "Abort"}
@@ -268,6 +270,28 @@ PrefillCrash ==
     /\ UNCHANGED <<prompt, sent, src, dst, table, boot, fwMsg, dfw, cancel, leaked, owner,
                    gen, content, pdata>>
 
+(* The decode dies and restarts empty, in a new epoch. Every request it knew of, or had a  *)
+(* bootstrap for in flight, is lost: its client sees an error and decode keeps it as a    *)
+(* tombstone (the restarted decode drops every message of the old epoch, so a late        *)
+(* bootstrap never reserves again). Its pool is free again, but generations survive the   *)
+(* restart, so no stale tag can look current. Writes in flight into the old memory        *)
+(* registration fail and are flushed; the prefill learns from the broken connection       *)
+(* (modelled as a cancel) and stops or repeats its final word, which decode ignores.      *)
+DecodeKnows(r) == boot[r] \/ HoldsPages(r)
+
+DecodeCrash ==
+    /\ DecodeCrashes
+    /\ \E r \in Requests : DecodeKnows(r)
+    /\ dst' = [r \in Requests |-> IF DecodeKnows(r) THEN "Tomb" ELSE dst[r]]
+    /\ boot' = [r \in Requests |-> IF DecodeKnows(r) THEN FALSE ELSE boot[r]]
+    /\ table' = [r \in Requests |-> IF DecodeKnows(r) THEN <<>> ELSE table[r]]
+    /\ cancel' = [r \in Requests |-> IF DecodeKnows(r) /\ Active(r) THEN TRUE ELSE cancel[r]]
+    /\ client' = [r \in Requests |-> IF DecodeKnows(r) THEN ClientError(r, "ErrDecode")
+                                                      ELSE client[r]]
+    /\ owner' = [p \in DPages |-> NoReq]
+    /\ writes' = {}
+    /\ UNCHANGED <<prompt, pst, sent, src, fwMsg, dfw, leaked, gen, content, powner, pdata>>
+
 FinalWordOf(s) == CASE s = "Done" -> "Done"
                     [] s = "Rejected" -> "Reject"
                     [] s = "Aborted" -> "Abort"
@@ -422,6 +446,7 @@ Next ==
     \/ \E r \in Requests : \E n \in 1..MaxPromptPages : Arrive(r, n)
     \/ \E r \in Requests : Abort(r) \/ PrefillFail(r)
     \/ PrefillCrash
+    \/ DecodeCrash
 
 (* A write that is posted eventually lands: LandWrite is fair too. *)
 Progress == FairNext \/ \E w \in writes : LandWrite(w)

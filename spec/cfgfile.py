@@ -171,17 +171,19 @@ def model_from_cfg(cfg: CfgFile, name: str) -> Model:
     sizes = {key: _int_constant(cfg, name) for key, name in (
         ("max_prompt_pages", "MaxPromptPages"), ("context_pages", "ContextPages"),
         ("prefill_pages", "PrefillPages"), ("decode_pages", "DecodePages"))}
-    if "Crashes" not in cfg.constants:
-        raise CfgError(f"{cfg.path}: constant Crashes is not set")
-    crashes = cfg.constants["Crashes"]
-    if not isinstance(crashes, bool):
-        raise CfgError(f"{cfg.path}: Crashes must be TRUE or FALSE, got {crashes!r}")
+    flags = {}
+    for key, constant in (("crashes", "Crashes"), ("decode_crashes", "DecodeCrashes")):
+        if constant not in cfg.constants:
+            raise CfgError(f"{cfg.path}: constant {constant} is not set")
+        flags[key] = cfg.constants[constant]
+        if not isinstance(flags[key], bool):
+            raise CfgError(f"{cfg.path}: {constant} must be TRUE or FALSE, got {flags[key]!r}")
     try:
         return Model(
             requests=len(names),
             **sizes,
             bugs=frozenset(bugs),
-            crashes=crashes,
+            **flags,
             name=name,
             request_names=names,
         )
@@ -197,7 +199,9 @@ def cfg_for(model: Model, invariants: tuple[str, ...], properties: tuple[str, ..
              f"    MaxPromptPages = {model.max_prompt_pages}",
              f"    ContextPages = {model.context_pages}",
              f"    PrefillPages = {model.prefill_pages}", f"    DecodePages = {model.decode_pages}",
-             f"    Crashes = {'TRUE' if model.crashes else 'FALSE'}", f"    Bugs = {{{bugs}}}",
+             f"    Crashes = {'TRUE' if model.crashes else 'FALSE'}",
+             f"    DecodeCrashes = {'TRUE' if model.decode_crashes else 'FALSE'}",
+             f"    Bugs = {{{bugs}}}",
              "SPECIFICATION FairSpec", "INVARIANTS", *[f"    {n}" for n in invariants]]
     if properties:
         lines += ["PROPERTIES", *[f"    {p}" for p in properties]]

@@ -45,7 +45,8 @@ def spec_for(m: Model, text: str | None = None) -> Spec:
         "Requests": frozenset(ModelValue(n) for n in m.request_names),
         "NoReq": ModelValue("NoReq"), "MaxPromptPages": m.max_prompt_pages,
         "ContextPages": m.context_pages, "PrefillPages": m.prefill_pages,
-        "DecodePages": m.decode_pages, "Crashes": m.crashes, "Bugs": frozenset(m.bugs),
+        "DecodePages": m.decode_pages, "Crashes": m.crashes,
+        "DecodeCrashes": m.decode_crashes, "Bugs": frozenset(m.bugs),
     }
     spec = Spec(text if text is not None else SPEC_PATH.read_text(), constants)
     spec.labels = action_labels(spec)

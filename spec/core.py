@@ -56,9 +56,10 @@ from spec.model import Model
 NONE = -1  # no request / no data / invalid tag
 
 # Client states (TLA+ strings in CLIENT_NAMES).
-IDLE, WAITING, OK, GONE, ERR_TOO_LONG, ERR_PREFILL, ERR_TRANSFER, ERR_TAG, ERR_TIMEOUT = range(9)
+(IDLE, WAITING, OK, GONE, ERR_TOO_LONG, ERR_PREFILL, ERR_TRANSFER, ERR_TAG, ERR_TIMEOUT,
+ ERR_DECODE) = range(10)
 CLIENT_NAMES = ("Idle", "Waiting", "Ok", "Gone", "ErrTooLong", "ErrPrefill", "ErrTransfer",
-                "ErrTag", "ErrTimeout")
+                "ErrTag", "ErrTimeout", "ErrDecode")
 # Prefill states.
 P_NONE, QUEUED, RUNNING, P_DONE, REJECTED, ABORTED = range(6)
 PREFILL_NAMES = ("None", "Queued", "Running", "Done", "Rejected", "Aborted")
@@ -139,7 +140,8 @@ class Change(NamedTuple):
     prefill: tuple = ()     # ((prefill page, (owner, data)), ...)
     posted: tuple = ()      # writes posted, each (request, source page, decode page, tag)
     landed: tuple = ()      # writes that landed (and so left the set in flight)
-    flushed: bool = False   # every write of the view's prefill is dropped (a crash)
+    flushed: bool = False   # every write in the view is dropped (a crash: the view holds
+                            # the crashed worker's writes)
 
 
 def commit(s: State, c: Change) -> State:
@@ -543,6 +545,32 @@ def prefill_crash(m: Model, s: State) -> Change | str:
     return Change(lost, prefill=freed, flushed=True)
 
 
+def decode_crash(m: Model, s: State) -> Change | str:
+    """The decode dies and restarts empty, in a new epoch. Every request it knew of, or had
+    a bootstrap for in flight, is lost: its client sees an error and decode keeps it as a
+    tombstone (the restarted decode drops every message of the old epoch, so a late
+    bootstrap can never reserve again). Its pool is free again, but page generations
+    survive the restart (they are issued from a counter that outlives the process), so no
+    stale tag can look current. Writes in flight into the old memory registration fail and
+    are flushed; the prefill learns from the broken connection (modelled as a cancel) and
+    stops or repeats its final word, which the restarted decode ignores."""
+    if not m.decode_crashes:
+        return "this model has no decode crashes (DecodeCrashes = FALSE)"
+    lost = []
+    for r, row in _rows(s):
+        d = row[DST]
+        if row[BOOT] or d == D_WAITING or d == DECODING or d == CLOSING:
+            active = row[PST] == QUEUED or row[PST] == RUNNING
+            lost.append((r, _row(row, DST, TOMB, BOOT, 0, TABLE, (),
+                                 CANCEL, 1 if active else row[CANCEL],
+                                 CLIENT, _client_error(row, ERR_DECODE))))
+    if not lost:
+        return "decode knows of no request: a crash loses nothing"
+    freed = tuple((p, (NONE, gen, data, tag)) for p, (owner, gen, data, tag)
+                  in enumerate(s.decode_pool) if owner != NONE)
+    return Change(tuple(lost), decode=freed, flushed=True)
+
+
 # ---------------------------------------------------------------------------------------
 # Events: one type per TLA+ action, with the same name.
 
@@ -573,6 +601,11 @@ class RequestEvent(Event):
 @dataclass(frozen=True, slots=True)
 class PrefillCrash(Event):
     """The prefill worker dies and restarts empty (a fault)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCrash(Event):
+    """The decode worker dies and restarts empty in a new epoch (a fault)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -647,13 +680,15 @@ ACTIONS: dict[type, Callable] = {
     AnswerCancel: answer_cancel, Reserve: reserve, DecodeReject: decode_reject,
     DropBootstrap: drop_bootstrap, Accept: accept, Notice: notice, Finish: finish, Abort: abort,
     DecodeAbort: decode_abort, Timeout: timeout, Release: release, PrefillCrash: prefill_crash,
+    DecodeCrash: decode_crash,
 }
 ACTION_NAMES = tuple(cls.__name__ for cls in ACTIONS)
 # Environment and fault actions; the rest are the protocol's own and are taken fairly.
-UNFAIR_ACTIONS = frozenset({"Arrive", "Abort", "PrefillFail", "PrefillCrash"})
+UNFAIR_ACTIONS = frozenset({"Arrive", "Abort", "PrefillFail", "PrefillCrash", "DecodeCrash"})
+_WORKER_ACTIONS = (PrefillCrash, DecodeCrash)  # no request argument
 # Per-request actions with no argument besides the request, in enumeration order.
 _SIMPLE_ACTIONS = tuple((cls, fn) for cls, fn in ACTIONS.items()
-                        if cls not in (Arrive, LandWrite, Admit, Reserve, PrefillCrash))
+                        if cls not in (Arrive, LandWrite, Admit, Reserve, *_WORKER_ACTIONS))
 
 
 # ---------------------------------------------------------------------------------------
@@ -669,7 +704,7 @@ def decide(m: Model, s: State, event: Event) -> Change | Refusal:
     fn = ACTIONS.get(kind)
     if fn is None:
         raise ProtocolMisuse(f"{event!r} is not a protocol event")
-    if kind is PrefillCrash:
+    if kind is PrefillCrash or kind is DecodeCrash:
         out = fn(m, s)
         return Refusal(event, out) if type(out) is str else out
     rows = s.requests
@@ -807,9 +842,13 @@ def successors(m: Model, s: State) -> Iterator[tuple[Event, State]]:
     out = prefill_crash(m, s)
     if type(out) is not str:
         yield _CRASH, commit(s, out)
+    out = decode_crash(m, s)
+    if type(out) is not str:
+        yield _DECODE_CRASH, commit(s, out)
 
 
 _CRASH = PrefillCrash()
+_DECODE_CRASH = DecodeCrash()
 
 
 def enabled_events(m: Model, s: State) -> list[Event]:

@@ -90,6 +90,7 @@ class Model:
     decode_pages: int = 3
     bugs: frozenset[str] = field(default_factory=frozenset)
     crashes: bool = False  # whether the prefill worker may crash and restart
+    decode_crashes: bool = False  # whether the decode worker may crash and restart
     name: str = "custom"
     request_names: tuple[str, ...] = ()
 
@@ -108,8 +109,9 @@ class Model:
                 raise ModelError(f"{label} must be an integer >= {low}, got {value!r}")
         if self.request_names and len(self.request_names) != self.requests:
             raise ModelError("request_names must name every request")
-        if not isinstance(self.crashes, bool):
-            raise ModelError(f"crashes must be TRUE or FALSE, got {self.crashes!r}")
+        for label, value in (("crashes", self.crashes), ("decode_crashes", self.decode_crashes)):
+            if not isinstance(value, bool):
+                raise ModelError(f"{label} must be TRUE or FALSE, got {value!r}")
         object.__setattr__(self, "bugs", frozenset(self.bugs))
         if not self.request_names:
             names = tuple(f"r{i + 1}" for i in range(self.requests))
@@ -131,5 +133,6 @@ class Model:
             f"model {self.name}: {self.requests} requests, prompts 1..{self.max_prompt_pages} pages, "
             f"context {self.context_pages} (advertised {self.advertised_context_pages}), "
             f"prefill pool {self.prefill_pages}, decode pool {self.decode_pages} pages"
-            f"{', prefill crashes' if self.crashes else ''}; bugs: {bugs}"
+            f"{', prefill crashes' if self.crashes else ''}"
+            f"{', decode crashes' if self.decode_crashes else ''}; bugs: {bugs}"
         )

@@ -45,6 +45,12 @@ BASES: dict[str, dict[str, int]] = {
     # check in CI, with and without every switch.
     "small": dict(requests=2, max_prompt_pages=2, context_pages=2, prefill_pages=1,
                   decode_pages=2, crashes=True),
+    # Decode crashes: the restarted decode's epoch, tombstones and the prefill's cancel must
+    # end every request and bring every page back; generations must never repeat.
+    "solo-decode-crash": dict(requests=1, max_prompt_pages=3, context_pages=3,
+                              prefill_pages=2, decode_pages=3, decode_crashes=True),
+    "decode-crash": dict(requests=2, max_prompt_pages=2, context_pages=2, prefill_pages=1,
+                         decode_pages=2, crashes=True, decode_crashes=True),
     # Three requests for the benchmark and scheduled runs.
     "large": dict(requests=3, max_prompt_pages=2, context_pages=2, prefill_pages=1,
                   decode_pages=2),
@@ -57,6 +63,9 @@ BASE_NOTES = {
     "crash": "The default model, and the prefill may crash and restart empty at any moment.",
     "solo-crash": "One request, and the prefill may crash and restart empty at any moment.",
     "small": "Two requests, pools of 1 and 2 pages, crashes on: the conformance model for CI.",
+    "solo-decode-crash": "One request, and the decode may crash and restart empty at any "
+                         "moment.",
+    "decode-crash": "Two requests, pools of 1 and 2 pages, both workers may crash and restart.",
     "large": "Three requests, pools of 1 and 2 pages: the larger model (bench/, scheduled runs).",
 }
 

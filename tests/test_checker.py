@@ -145,10 +145,10 @@ def test_reserve_is_refused_for_a_prompt_longer_than_the_decode_pool():
 def test_every_action_fires_in_the_default_model_except_the_reject_paths():
     """Coverage: a guard whose action never fires proves nothing. The default model's
     startup check keeps over-long prompts at the router, so the workers' reject paths are
-    exercised by the reject-paths model instead (next test); crashes by the crash model."""
+    exercised by the reject-paths model instead (next test); crashes by the crash models."""
     result = checked("default", frozenset())
     never = {a for a in core.ACTION_NAMES if result.action_transitions.get(a, 0) == 0}
-    assert never == {"Reject", "DecodeReject", "PrefillCrash"}
+    assert never == {"Reject", "DecodeReject", "PrefillCrash", "DecodeCrash"}
     crash = checked("crash", frozenset())
     assert crash.action_transitions["PrefillCrash"] > 0
 
@@ -171,3 +171,12 @@ def test_crash_models_hold_with_exact_counts():
     result = checked("crash", frozenset())
     assert result.ok and result.liveness_checked
     assert result.distinct_states == 796999
+
+
+def test_decode_crash_models_hold_with_exact_counts():
+    solo = checked("solo-decode-crash", frozenset(), symmetry=False)
+    assert solo.ok and solo.distinct_states == 2143
+    both = checked("decode-crash", frozenset(), symmetry=False)
+    assert both.ok and both.liveness_checked and both.distinct_states == 344176
+    assert both.action_transitions["DecodeCrash"] > 0
+    assert both.action_transitions["PrefillCrash"] > 0

@@ -177,3 +177,23 @@ def test_prefill_crash_loses_running_requests_and_flushes_their_writes():
     s = run(m, Arrive(0, 1), Reserve(0, (0,)), core.PrefillCrash(), Timeout(0), AnswerCancel(0),
             Notice(0), Release(0))
     assert all(page[core.OWNER] == core.NONE for page in s.decode_pool)
+
+
+def test_decode_crash_tombstones_what_decode_knew_and_frees_its_pool_keeping_generations():
+    m = Model(**BASES["solo-decode-crash"])
+    s = run(m, Arrive(0, 2), Admit(0, (0, 1)), Reserve(0, (0, 1)), SendPage(0))
+    gens = [page[core.GEN] for page in s.decode_pool]
+    s = apply(m, s, core.DecodeCrash())
+    row = s.requests[0]
+    assert core.DECODE_NAMES[row[core.DST]] == "Tomb" and row[core.TABLE] == ()
+    assert core.CLIENT_NAMES[row[core.CLIENT]] == "ErrDecode"
+    assert row[core.CANCEL] == 1 and row[core.BOOT] == 0      # the prefill learns; no re-reserve
+    assert s.writes == () and all(page[core.OWNER] == core.NONE for page in s.decode_pool)
+    assert [page[core.GEN] for page in s.decode_pool] == gens  # generations survive
+    assert isinstance(apply(m, s, SendPage(0)), Refusal)      # no table to write into
+    for event in (PrefillAbort(0), Notice(0)):  # decode ignores the old epoch's final word
+        s = apply(m, s, event)
+        assert not isinstance(s, Refusal), s
+    assert core.settled(s.requests[0])
+    assert "DecodeCrashes = FALSE" in apply(DEFAULT, initial_state(DEFAULT),
+                                            core.DecodeCrash()).reason
