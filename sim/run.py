@@ -20,8 +20,9 @@ only to what the core changed in the request's row:
   arms its transfer timeout, and runs continuous batching: one step per batch, its time a
   function of batch size and context; the last token offers Finish;
 - "intents" are events a component keeps offering after every change of the request until
-  the core accepts them (Release while Closing, SendDone after the last page, a PrefillAbort
-  that waits for in-flight writes, a DropBootstrap).
+  the core accepts them (Release while Closing, a PrefillAbort or AnswerCancel that waits
+  for in-flight writes); the prefill offers SendDone when its NIC reports the request's
+  last write complete.
 
 Faults (each switchable and rate-controlled by the scenario): client aborts at any moment,
 lost messages (retransmitted after retransmit_after_s), delayed messages, slow page writes,
@@ -95,6 +96,8 @@ class Simulation:
         self.nic_in_flight = [0] * c.prefill_workers
         self.nic_free_at = [0.0] * c.prefill_workers
         self.nic_waiting = [deque() for _ in range(c.prefill_workers)]
+        self.nic_pending: dict[int, int] = {}   # request -> its writes still in flight
+        self.all_posted: set[int] = set()       # requests whose every page is posted
         # Decode workers.
         self.decode_waiting = [deque() for _ in range(c.decode_workers)]
         self.decode_down_until = [0.0] * c.decode_workers
@@ -181,11 +184,12 @@ class Simulation:
         """Call fn(*args) after delay_s. These are the protocol's own timers and deliveries:
         when none is pending and every request has arrived, the cluster is at rest."""
         self.pending += 1
-        event = self.env.timeout(delay_s)
-        event.callbacks.append(lambda _: self._fire(fn, args))
+        event = self.env.timeout(delay_s, (fn, args))
+        event.callbacks.append(self._fire)
 
-    def _fire(self, fn, args) -> None:
+    def _fire(self, event) -> None:
         self.pending -= 1
+        fn, args = event.value
         fn(*args)
 
     @property
@@ -246,8 +250,9 @@ class Simulation:
             self.kick_decode_waiting(d)
 
     def _drop(self, r: int) -> None:
-        for table in (self.output, self.decoding, self.intents):
+        for table in (self.output, self.decoding, self.intents, self.nic_pending):
             table.pop(r, None)
+        self.all_posted.discard(r)
         self.computed.discard(r)
 
     def _answered(self, r: int) -> None:
@@ -289,12 +294,10 @@ class Simulation:
             if row is None or row[PST] != QUEUED:
                 queue.popleft()
                 continue
-            if self.offer("Reject", r):
-                queue.popleft()
-                continue
             need = core.pages_to_admit(self.model, row)
             if type(need) is str:
-                queue.popleft()
+                queue.popleft()  # it cannot be admitted: the core may want it rejected
+                self.offer("Reject", r)
                 continue
             pages = self.cluster.allocate("prefill", p, need)
             if pages is None:
@@ -335,8 +338,14 @@ class Simulation:
             r = waiting[0]
             if r not in self.cluster.rows or not self._post(p, r):
                 waiting.popleft()
-                if r in self.cluster.rows and self.cluster.rows[r][PST] == core.RUNNING:
-                    self.want(r, "SendDone")
+                self.all_posted.add(r)
+                self._done_if_landed(r)
+
+    def _done_if_landed(self, r: int) -> None:
+        """The prefill sends its final word once its NIC reports every write of r done."""
+        if r in self.all_posted and not self.nic_pending.get(r):
+            self.all_posted.discard(r)
+            self.offer("SendDone", r)
 
     def _post(self, p: int, r: int) -> bool:
         change = self.offer("SendPage", r)
@@ -350,6 +359,7 @@ class Simulation:
         start = max(self.env.now, self.nic_free_at[p])
         self.nic_free_at[p] = start + transfer_s
         self.nic_in_flight[p] += 1
+        self.nic_pending[r] = self.nic_pending.get(r, 0) + 1
         landing = start + transfer_s + self.sc.link.write_latency_s - self.env.now
         self.later(landing, self._land, p, r, w[2], self.prefill_epoch[p])
         return True
@@ -358,7 +368,11 @@ class Simulation:
         if epoch != self.prefill_epoch[p]:
             return  # flushed with the crashed worker's queue pairs
         self.nic_in_flight[p] -= 1
+        left = self.nic_pending.pop(r) - 1
+        if left:
+            self.nic_pending[r] = left
         self.offer("LandWrite", r, page=page)
+        self._done_if_landed(r)
         self.kick_nic(p)
 
     def on_cancel(self, r: int, p: int) -> None:
@@ -414,7 +428,9 @@ class Simulation:
     # -- decode workers ---------------------------------------------------------------------
 
     def on_bootstrap(self, r: int, d: int) -> None:
-        if self.offer("DropBootstrap", r) or self.offer("DecodeReject", r):
+        if type(core.pages_to_reserve(self.model, self.cluster.rows[r])) is str:
+            # Nothing to reserve: the core may want the bootstrap dropped or rejected.
+            self.offer("DropBootstrap", r) or self.offer("DecodeReject", r)
             return
         waiting = self.decode_waiting[d]
         waiting.append(r)
