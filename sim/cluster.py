@@ -86,7 +86,8 @@ class Cluster:
         self.violations: list[Violation] = []   # the first VIOLATIONS_KEPT, in order
         self.violation_counts: dict[str, int] = {}
         self.violation_total = 0
-        self._imbalance: dict[str, int] = {}
+        self._imbalance = {"prefill": [0] * self.prefill_workers,
+                           "decode": [0] * self.decode_workers}
 
     # -- the core's answers ------------------------------------------------------------
 
@@ -226,14 +227,14 @@ class Cluster:
         fields (through the allocator's free stack) and "held" from the request rows.
         An imbalance is reported when it changes, so that one lost page is one violation."""
         imbalance = len(self.prefill_free[p]) + self.prefill_claimed[p] - self.model.prefill_pages
-        if imbalance != self._imbalance.get(("prefill", p), 0):
+        if imbalance != self._imbalance["prefill"][p]:
             self._imbalanced("prefill", p, imbalance)
         imbalance = len(self.decode_free[d]) + self.decode_claimed[d] - self.model.decode_pages
-        if imbalance != self._imbalance.get(("decode", d), 0):
+        if imbalance != self._imbalance["decode"][d]:
             self._imbalanced("decode", d, imbalance)
 
     def _imbalanced(self, pool: str, worker: int, imbalance: int) -> None:
-        self._imbalance[(pool, worker)] = imbalance
+        self._imbalance[pool][worker] = imbalance
         if imbalance:
             self._violate("PageConservation", f"{pool} {worker}: free pages + pages held by "
                           f"requests is {imbalance:+d} off the pool's size")

@@ -85,9 +85,8 @@ class Folder:
         # The last accepted event's effect, for the live simulator to react to.
         self.last_row, self.last_change, self.last_placement = None, None, (0, 0)
 
-    def apply(self, record: dict, decided: Change | None = None) -> Change | Refusal | None:
-        """Take one record; None for a shell fact, else the core's answer. A live run that
-        has already had the core decide the record's event passes the Change."""
+    def apply(self, record: dict) -> Change | Refusal | None:
+        """Take one record; None for a shell fact, else the core's answer."""
         t, action = record["t"], record["a"]
         m = self.metrics
         m.last_event_s = t
@@ -101,23 +100,27 @@ class Folder:
         r = record["r"]
         if action == "Arrive":
             self.cluster.arrive(r, record["p"], record["d"])
-        old = self.last_old = self.cluster.rows[r]
-        self.last_placement = self.cluster.placement[r]
-        if decided is None:
-            out = self.cluster.take(r, event_of(record))
-        else:
-            out = decided
-            self.cluster.commit(r, decided)
+        out = self.cluster.decide(r, event_of(record))
         if type(out) is Refusal:
             if action == "Arrive":
                 self.cluster.withdraw(r)
             return out
         if action == "Arrive":
             m.arrive(t, r, record["n"], record["out"])
-        self.events += 1
-        self.last_change = out
-        self._observe(t, r, old, out)
+        self.accept(t, r, out)
         return out
+
+    def accept(self, t: float, r: int, change: Change) -> None:
+        """Commit a change the core decided for request r, and fold it into the metrics:
+        the one path by which a live run and a replay change anything."""
+        cluster = self.cluster
+        old = self.last_old = cluster.rows[r]
+        self.last_placement = cluster.placement[r]
+        cluster.commit(r, change)
+        self.metrics.last_event_s = t
+        self.events += 1
+        self.last_change = change
+        self._observe(t, r, old, change)
 
     def _observe(self, t: float, r: int, old: tuple, change: Change) -> None:
         m, cluster = self.metrics, self.cluster

@@ -123,32 +123,45 @@ class Simulation:
 
     def offer(self, action: str, r: int, **args) -> core.Change | None:
         """The Change the core made for this event, or None if it refused (falsy)."""
-        decided = None
-        if action != "Arrive":
-            if r not in self.cluster.rows:
-                return None  # settled and forgotten: a late timer or message
-            # The core decides first, so that a refusal costs no record and no fold.
-            decided = self.cluster.decide(r, make_event(action, r, args))
-            if type(decided) is Refusal:
-                self.refusals[action] = self.refusals.get(action, 0) + 1
-                return None
-        record = {"t": self.env.now, "a": action, "r": r, **args}
-        self.depth += 1
-        out = self.folder.apply(record, decided)
+        if action == "Arrive":
+            return self._arrive(r, args)
+        if r not in self.cluster.rows:
+            return None  # settled and forgotten: a late timer or message
+        # The core decides first, so that a refusal costs no record and no fold.
+        out = self.cluster.decide(r, make_event(action, r, args))
         if type(out) is Refusal:
             self.refusals[action] = self.refusals.get(action, 0) + 1
+            return None
+        self.depth += 1
+        now = self.env.now
+        self.folder.accept(now, r, out)
+        if self.log is not None:
+            self.log.write(encode({"t": now, "a": action, "r": r, **args}) + "\n")
+        self._after(r, out)
+        return out
+
+    def _arrive(self, r: int, args: dict) -> core.Change | None:
+        record = {"t": self.env.now, "a": "Arrive", "r": r, **args}
+        self.depth += 1
+        out = self.folder.apply(record)
+        if type(out) is Refusal:
+            self.refusals["Arrive"] = self.refusals.get("Arrive", 0) + 1
             self.depth -= 1
             return None
-        self._logged(record)
+        if self.log is not None:
+            self.log.write(encode(record) + "\n")
+        self._after(r, out)
+        return out
+
+    def _after(self, r: int, out: core.Change) -> None:
+        """Oracle verdicts, then the components' reactions to what the core changed."""
+        self._checked()
         self.react(r, self.folder.last_old, self.folder.last_row, out)
         self.depth -= 1
         if self.depth == 0:
             self._run_intents()
-        return out
 
-    def _logged(self, record: dict) -> None:
-        if self.log is not None:
-            self.log.write(encode(record) + "\n")
+    def _checked(self) -> None:
         total = self.cluster.violation_total
         if total != self.violations_seen:
             self.violations_seen = total
@@ -400,7 +413,9 @@ class Simulation:
         if type(out) is Refusal:
             self.refusals[action] = self.refusals.get(action, 0) + 1
         else:
-            self._logged(record)
+            if self.log is not None:
+                self.log.write(encode(record) + "\n")
+            self._checked()
             if kind == "prefill":
                 self._restart_prefill(worker)
             else:
