@@ -608,10 +608,13 @@ class Simulation:
             return
         self.next_progress = now + 2.0
         m = self.folder.metrics
-        rate = self.folder.events / max(now - self.wall_start, 1e-9)
-        print(f"  sim: {m.settled:,}/{self.sc.requests:,} requests done, "
-              f"{self.env.now:,.1f} s simulated, {self.folder.events:,} events "
-              f"({rate:,.0f}/s)", file=sys.stderr, flush=True)
+        elapsed = max(now - self.wall_start, 1e-9)
+        done = m.settled / self.sc.requests
+        bar = "#" * int(done * 30)
+        eta = f", ~{elapsed * (1 - done) / done:,.0f} s left" if 0 < done < 1 else ""
+        print(f"  sim [{bar:<30}] {done:6.1%}  {m.settled:,}/{self.sc.requests:,} requests, "
+              f"{self.env.now:,.1f} s simulated, {self.folder.events / elapsed:,.0f} "
+              f"events/s{eta}", file=sys.stderr, flush=True)
 
 
 def result_of(sc: Scenario, folder: Folder, refusals: dict, stopped: str | None,
