@@ -32,7 +32,7 @@ def from_view(v: object) -> object:
     if isinstance(v, dict):
         return Fcn({from_view(k): from_view(x) for k, x in v.items()})
     if isinstance(v, Record):
-        return Fcn({k: from_view(x) for k, x in v.fields})
+        return Fcn((k, from_view(x)) for k, x in v.fields)
     if isinstance(v, tuple):
         return seq([from_view(x) for x in v])
     if isinstance(v, frozenset):
@@ -58,20 +58,35 @@ def _key(spec_state: dict) -> tuple:
 
 class _Keys:
     """Spec values of core states, cached per part of the state each variable reads: states
-    share most of their parts, so almost every conversion is a dictionary hit."""
+    share most of their parts, so almost every conversion is a dictionary hit, and equal
+    values are one object (compared by identity, hashed once). The spec's first variables
+    are the fields of a request row, in order: each reads one column of the rows."""
 
     def __init__(self, m: Model) -> None:
         self.m = m
-        self.parts = [(source, convert, {}) for source, convert in MAPPING.values()]
+        assert VARIABLES[:len(core.ROW_FIELDS)] == core.ROW_FIELDS
+        self.columns = [(MAPPING[v][1], {}) for v in core.ROW_FIELDS]
+        groups: dict[Callable, list[Callable]] = {}
+        for var in VARIABLES[len(core.ROW_FIELDS):]:
+            source, convert = MAPPING[var]
+            assert not groups or source in groups and list(groups)[-1] is source or \
+                source not in groups, "variables reading one part must be adjacent"
+            groups.setdefault(source, []).append(convert)
+        self.parts = [(source, converts, {}) for source, converts in groups.items()]
 
     def __call__(self, s: State) -> tuple:
-        out = []
-        for source, convert, cache in self.parts:
-            part = source(s)
-            value = cache.get(part, _MISSING)
-            if value is _MISSING:
-                value = cache[part] = from_view(convert(self.m, part))
+        m, out = self.m, []
+        for column, (convert, cache) in zip(zip(*s.requests), self.columns):
+            value = cache.get(column)
+            if value is None:
+                value = cache[column] = from_view(convert(m, column))
             out.append(value)
+        for source, converts, cache in self.parts:
+            part = source(s)
+            values = cache.get(part)
+            if values is None:
+                values = cache[part] = tuple(from_view(c(m, part)) for c in converts)
+            out += values
         return tuple(out)
 
 
@@ -138,14 +153,16 @@ def check_conformance(m: Model, spec: Spec | None = None, max_states: int | None
         result.disagreement = Disagreement([(None, init)], [("Init", core_init)],
                                            [("Init", k) for k in spec_inits - {core_init}])
         return result
+    if tuple(spec.variables) != VARIABLES:
+        raise EvalError(f"the spec's variables {spec.variables} are not tlaview's {VARIABLES}")
+    spec_next = spec.next_function()
     parents: dict[State, tuple[State | None, Event | None]] = {init: (None, None)}
     queue = deque([(init, core_init)])
     next_report = 5000
     while queue:
         s, key = queue.popleft()
-        view = dict(zip(VARIABLES, key))
         try:
-            spec_edges = {(label, _key(n)) for label, n in spec.successors(view)}
+            spec_edges = set(spec_next(key))
         except EvalError as error:
             result.disagreement = Disagreement(_path(parents, s), [], [], spec_error=str(error))
             break
