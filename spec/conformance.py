@@ -57,10 +57,12 @@ def _key(spec_state: dict) -> tuple:
 
 
 class _Keys:
-    """Spec values of core states, cached per part of the state each variable reads: states
-    share most of their parts, so almost every conversion is a dictionary hit, and equal
-    values are one object (compared by identity, hashed once). The spec's first variables
-    are the fields of a request row, in order: each reads one column of the rows."""
+    """Spec values of core states, cached per part of the state (the request rows, the
+    decode pool, the prefill pool, the writes): states share most of their parts, so almost
+    every conversion is a dictionary hit, and equal values are one object (compared by
+    identity). The spec's first variables are the fields of a request row, in order; each is
+    converted, and cached, per column of the rows. The other variables are grouped by the
+    part of the state they read, in the order of the State's fields (checked here)."""
 
     def __init__(self, m: Model) -> None:
         self.m = m
@@ -69,28 +71,51 @@ class _Keys:
         groups: dict[Callable, list[Callable]] = {}
         for var in VARIABLES[len(core.ROW_FIELDS):]:
             source, convert = MAPPING[var]
-            assert not groups or source in groups and list(groups)[-1] is source or \
-                source not in groups, "variables reading one part must be adjacent"
+            assert source not in groups or list(groups)[-1] is source, \
+                "variables that read one part of the state must be adjacent"
             groups.setdefault(source, []).append(convert)
-        self.parts = [(source, converts, {}) for source, converts in groups.items()]
+        probe = core.initial_state(m)
+        assert [source(probe) for source in groups] == list(probe[1:]), \
+            "the grouped variables must read the State's parts in order"
+        self.parts = [(self._rows, {})] + [(self._pool(c), {}) for c in groups.values()]
 
     def __call__(self, s: State) -> tuple:
-        m, out = self.m, []
-        for column, (convert, cache) in zip(zip(*s.requests), self.columns):
-            value = cache.get(column)
-            if value is None:
-                value = cache[column] = from_view(convert(m, column))
-            out.append(value)
-        for source, converts, cache in self.parts:
-            part = source(s)
+        out: tuple = ()
+        for part, (convert, cache) in zip(s, self.parts):
             values = cache.get(part)
             if values is None:
-                values = cache[part] = tuple(from_view(c(m, part)) for c in converts)
+                values = cache[part] = convert(part)
             out += values
+        return out
+
+    def _rows(self, rows: tuple) -> tuple:
+        out = []
+        for column, (convert, cache) in zip(zip(*rows), self.columns):
+            value = cache.get(column)
+            if value is None:
+                value = cache[column] = from_view(convert(self.m, column))
+            out.append(value)
         return tuple(out)
 
+    def _pool(self, converts: list[Callable]) -> Callable[[tuple], tuple]:
+        return lambda part: tuple(from_view(c(self.m, part)) for c in converts)
 
-_MISSING = object()
+
+def _same_edges(spec_edges: list, core_edges: list) -> bool:
+    """Set equality of a state's two short successor lists, by == and without hashing: a
+    successor's hash would call into Python for each of its 18 values, while == is C-level
+    and mostly an identity test (unchanged values are the same objects on both sides)."""
+    for edge in spec_edges:
+        if edge not in core_edges:
+            return False
+    for edge in core_edges:
+        if edge not in spec_edges:
+            return False
+    return True
+
+
+def _distinct(edges: list) -> int:
+    return sum(1 for i, edge in enumerate(edges) if edge not in edges[:i])
 
 
 @dataclass
@@ -161,24 +186,29 @@ def check_conformance(m: Model, spec: Spec | None = None, max_states: int | None
     next_report = 5000
     while queue:
         s, key = queue.popleft()
+        if key is None:
+            key = view_key(s)
         try:
-            spec_edges = set(spec_next(key))
+            spec_edges = spec_next(key)
         except EvalError as error:
             result.disagreement = Disagreement(_path(parents, s), [], [], spec_error=str(error))
             break
         core_next = [(e, n, view_key(n)) for e, n in core.successors(m, s)]
-        core_edges = {(e.action, k) for e, _, k in core_next}
-        result.edges += len(core_edges)
-        if spec_edges != core_edges:
-            result.disagreement = Disagreement(_path(parents, s), sorted(core_edges - spec_edges,
-                                               key=repr), sorted(spec_edges - core_edges, key=repr))
+        core_edges = [(e.action, k) for e, _, k in core_next]
+        if not _same_edges(spec_edges, core_edges):
+            result.disagreement = Disagreement(
+                _path(parents, s), sorted({e for e in core_edges if e not in spec_edges}, key=repr),
+                sorted({e for e in spec_edges if e not in core_edges}, key=repr))
             break
+        result.edges += _distinct(core_edges)
         for event, n, k in core_next:
             result.labels.add(event.action)
+            if n in parents:
+                continue
             if symmetry:
                 c = canonical(n)
                 if c is not n:
-                    n, k = c, view_key(c)
+                    n, k = c, None  # its key is computed if it is new, when it is visited
             if n not in parents:
                 parents[n] = (s, event)
                 queue.append((n, k))

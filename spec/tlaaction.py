@@ -224,6 +224,9 @@ class ActionRules:
                         f"{value.wrapped()}", primed[var].free | value.free)
             return self.guard([(self.fold(test), line)], lambda: k(primed, label))
         if op == "=":
+            py = self._except_in_place(var, rhs, item.scope, primed, line)
+            if py is not None:
+                return k({**primed, var: local(py)}, label)
             value = self.expr(rhs, item.scope, primed)
             if not value.atomic:
                 py = self.fresh("p", var)
@@ -235,6 +238,31 @@ class ActionRules:
         opened = self.em.open(f"for {py} in {domain.text}:", line)
         k({**primed, var: local(py)}, label)
         self.em.close(opened)
+
+    def _except_in_place(self, var: str, rhs, scope: Scope, primed: dict, line: int):
+        """`x' = [f EXCEPT ![k] = e]`, the commonest assignment, as statements: copy f, set
+        k (a new key would grow the copy: k outside DOMAIN f, an error). Saves a call per
+        assignment; returns the name assigned, or None when the form does not apply."""
+        while type(rhs).__name__ == "Parentheses":
+            rhs = rhs.expression
+        if type(rhs).__name__ != "Except" or len(rhs.changes) != 1:
+            return None
+        (change,) = rhs.changes
+        if len(change.item) != 1 or not isinstance(change.item[0], list) \
+                or len(change.item[0]) != 1:
+            return None
+        f = self.expr(rhs.function, scope, primed)
+        at = self.fresh("l", "at")
+        key = self.expr(change.item[0][0], scope, primed)
+        value = self.expr(change.expression, scope.bind({"@": local(at)}), primed)
+        if not f.atomic or at in value.free:
+            return None
+        py = self.fresh("p", var)
+        self.em.emit(f"{py} = Fcn({f.text}) if type({f.text}) is Fcn else except_outside("
+                     f"{f.text}, {key.text})", line)
+        self.em.emit(f"{py}[{key.text}] = {value.text}")
+        self.em.emit(f"if len({py}) != len({f.text}): except_outside({f.text}, {key.text})")
+        return py
 
     def unchanged(self, item: Item, primed: dict, label, k: Continuation) -> None:
         if item.scope.init:

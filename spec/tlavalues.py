@@ -149,7 +149,7 @@ def apply_error(f: object, key: object) -> EvalError:
 def except_(f, key, value):
     """[f EXCEPT ![key] = value]."""
     if type(f) is not Fcn or not dict.__contains__(f, key):
-        raise EvalError(f"EXCEPT: {key!r} is not in the domain of {f!r}")
+        except_outside(f, key)
     g = Fcn(f)
     g[key] = value
     return g
@@ -158,10 +158,18 @@ def except_(f, key, value):
 def except_at(f, key, update: Callable):
     """[f EXCEPT ![key] = e] where e mentions @ (the old f[key])."""
     if type(f) is not Fcn or not dict.__contains__(f, key):
-        raise EvalError(f"EXCEPT: {key!r} is not in the domain of {f!r}")
+        except_outside(f, key)
     g = Fcn(f)
     g[key] = update(f[key])
     return g
+
+
+def except_outside(f, key):
+    """EXCEPT on something that is not a function, or at a key outside its domain: TLA+
+    would leave f unchanged, TLC and this evaluator report it."""
+    if type(f) is not Fcn:
+        raise EvalError(f"EXCEPT on {f!r}, which is not a function")
+    raise EvalError(f"EXCEPT: {key!r} is not in the domain of {f!r}")
 
 
 def domain(f) -> frozenset:
@@ -214,6 +222,7 @@ RUNTIME = {
     "Fcn": Fcn, "EvalError": EvalError, "NAT": NAT, "INT": INT, "BOOLEAN": BOOLEAN,
     "SeqSet": SeqSet, "FunctionSet": FunctionSet, "enumerable": enumerable,
     "sorted_values": sorted_values, "except_": except_, "except_at": except_at,
+    "except_outside": except_outside,
     "domain": domain, "length": length, "cardinality": cardinality, "interval": interval,
     "subsets": subsets, "NOTHING": _NOTHING, "chosen": chosen,
     "no_case_applies": no_case_applies, "unassigned": unassigned,
