@@ -51,7 +51,9 @@ TRUE holds, {1} - {2} is a set): the evaluator assumes a spec TLC accepts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable
 
 import tla
@@ -131,6 +133,40 @@ class Spec:
     def value(self, name: str, state: dict | None = None):
         """The value of a constant-level or state-level operator without arguments."""
         return self.compiler().value(name, state)
+
+
+@dataclass
+class Exploration:
+    states: int = 0
+    edges: int = 0  # distinct labelled edges (label, from, to)
+    labels: set[str] = field(default_factory=set)
+    seconds: float = 0.0
+
+
+def explore(spec: Spec, max_states: int | None = None,
+            progress: Callable[[int, float], None] | None = None) -> Exploration:
+    """The spec's reachable graph, breadth first, from its text alone (no core involved):
+    the distinct states TLC would count, and the labelled edges between them."""
+    started = time.perf_counter()
+    step = spec.next_function()
+    inits = [tuple(s[v] for v in spec.variables) for s in spec.initial_states()]
+    seen, queue, result = set(inits), deque(inits), Exploration()
+    next_report = 5000
+    while queue:
+        edges = set(step(queue.popleft()))
+        result.edges += len(edges)
+        for label, successor in edges:
+            result.labels.add(label)
+            if successor not in seen:
+                seen.add(successor)
+                queue.append(successor)
+        if progress and len(seen) >= next_report:
+            progress(len(seen), time.perf_counter() - started)
+            next_report += 5000
+        if max_states is not None and len(seen) > max_states:
+            raise RuntimeError(f"more than {max_states} states")
+    result.states, result.seconds = len(seen), time.perf_counter() - started
+    return result
 
 
 def action_labels(spec: Spec, next_: str = "Next") -> frozenset[str]:
