@@ -181,51 +181,64 @@ def check_conformance(m: Model, spec: Spec | None = None, max_states: int | None
     if tuple(spec.variables) != VARIABLES:
         raise EvalError(f"the spec's variables {spec.variables} are not tlaview's {VARIABLES}")
     spec_next = spec.next_function()
-    parents: dict[State, tuple[State | None, Event | None]] = {init: (None, None)}
-    queue = deque([(init, core_init)])
+    # Every state visited or queued -> [parent, event, its spec key once computed]: the key
+    # of a state seen before is reused when the state comes up again as a successor.
+    seen: dict[State, list] = {init: [None, None, core_init]}
+    queue = deque([init])
     next_report = 5000
     while queue:
-        s, key = queue.popleft()
-        if key is None:
-            key = view_key(s)
+        s = queue.popleft()
+        entry = seen[s]
+        if entry[2] is None:
+            entry[2] = view_key(s)
         try:
-            spec_edges = spec_next(key)
+            spec_edges = spec_next(entry[2])
         except EvalError as error:
-            result.disagreement = Disagreement(_path(parents, s), [], [], spec_error=str(error))
+            result.disagreement = Disagreement(_path(seen, s), [], [], spec_error=str(error))
             break
-        core_next = [(e, n, view_key(n)) for e, n in core.successors(m, s)]
-        core_edges = [(e.action, k) for e, _, k in core_next]
+        core_next = _core_successors(m, s, seen, view_key)
+        core_edges = [(e.action, k) for e, _, k, _ in core_next]
         if not _same_edges(spec_edges, core_edges):
             result.disagreement = Disagreement(
-                _path(parents, s), sorted({e for e in core_edges if e not in spec_edges}, key=repr),
+                _path(seen, s), sorted({e for e in core_edges if e not in spec_edges}, key=repr),
                 sorted({e for e in spec_edges if e not in core_edges}, key=repr))
             break
         result.edges += _distinct(core_edges)
-        for event, n, k in core_next:
+        for event, n, k, known in core_next:
             result.labels.add(event.action)
-            if n in parents:
+            if known is not None:
                 continue
             if symmetry:
                 c = canonical(n)
                 if c is not n:
                     n, k = c, None  # its key is computed if it is new, when it is visited
-            if n not in parents:
-                parents[n] = (s, event)
-                queue.append((n, k))
-        if progress and len(parents) >= next_report:
-            progress(len(parents), time.perf_counter() - started)
+            if n not in seen:
+                seen[n] = [s, event, k]
+                queue.append(n)
+        if progress and len(seen) >= next_report:
+            progress(len(seen), time.perf_counter() - started)
             next_report += 5000
-        if max_states is not None and len(parents) > max_states:
+        if max_states is not None and len(seen) > max_states:
             raise RuntimeError(f"more than {max_states} states")
-    result.states = len(parents)
+    result.states = len(seen)
     result.seconds = time.perf_counter() - started
     return result
 
 
-def _path(parents, s) -> list[tuple[Event | None, State]]:
+def _core_successors(m: Model, s: State, seen: dict, view_key: _Keys) -> list[tuple]:
+    """(event, successor, its spec key, its entry in seen or None) for each core successor."""
+    out = []
+    for event, n in core.successors(m, s):
+        known = seen.get(n)
+        key = known[2] if known is not None and known[2] is not None else view_key(n)
+        out.append((event, n, key, known))
+    return out
+
+
+def _path(seen, s) -> list[tuple[Event | None, State]]:
     out = []
     while s is not None:
-        parent, event = parents[s]
+        parent, event, _ = seen[s]
         out.append((event, s))
         s = parent
     out.reverse()

@@ -83,7 +83,15 @@ class Compiler(ExpressionRules, ActionRules):
             if not (a.free or b.free):
                 return self.constant(tuple(range(self.value_of(a), self.value_of(b) + 1)))
             return Code(f"range({a.wrapped()}, {b.wrapped()} + 1)", a.free | b.free)
+        if type(node).__name__ == "OperatorApplication" and node.operator == "DOMAIN" \
+                and node.arguments and len(node.arguments) == 1:
+            f = self.expr(node.arguments[0], scope, primed)
+            if f.free:  # iterating a function iterates its domain; nothing is built
+                return Code(f"domain_keys({f.text})", f.free)
         dom = self.expr(node, scope, primed)
+        if dom.free and dom.atomic:  # the test inline: a call costs more than the loop
+            return Code(f"({dom.text} if type({dom.text}) is frozenset else "
+                        f"enumerable({dom.text}))", dom.free)
         if dom.free:
             return Code(f"enumerable({dom.text})", dom.free)
         try:

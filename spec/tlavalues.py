@@ -178,6 +178,13 @@ def domain(f) -> frozenset:
     return frozenset(f.keys())
 
 
+def domain_keys(f) -> Fcn:
+    """What a loop over DOMAIN f iterates: f itself (a dict iterates its keys)."""
+    if type(f) is not Fcn:
+        raise EvalError(f"DOMAIN of {f!r}, which is not a function")
+    return f
+
+
 def length(s) -> int:
     if type(s) is not Fcn:
         raise EvalError(f"Len of {s!r}, which is not a sequence")
@@ -222,8 +229,8 @@ RUNTIME = {
     "Fcn": Fcn, "EvalError": EvalError, "NAT": NAT, "INT": INT, "BOOLEAN": BOOLEAN,
     "SeqSet": SeqSet, "FunctionSet": FunctionSet, "enumerable": enumerable,
     "sorted_values": sorted_values, "except_": except_, "except_at": except_at,
-    "except_outside": except_outside,
-    "domain": domain, "length": length, "cardinality": cardinality, "interval": interval,
-    "subsets": subsets, "NOTHING": _NOTHING, "chosen": chosen,
-    "no_case_applies": no_case_applies, "unassigned": unassigned,
+    "except_outside": except_outside, "domain": domain, "domain_keys": domain_keys,
+    "length": length, "cardinality": cardinality, "interval": interval, "subsets": subsets,
+    "NOTHING": _NOTHING, "chosen": chosen, "no_case_applies": no_case_applies,
+    "unassigned": unassigned,
 }
