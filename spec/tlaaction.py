@@ -243,8 +243,14 @@ class ActionRules:
         """`x' = [f EXCEPT ![k] = e]`, the commonest assignment, as statements: copy f, set
         k (a new key would grow the copy: k outside DOMAIN f, an error). Saves a call per
         assignment; returns the name assigned, or None when the form does not apply."""
-        while type(rhs).__name__ == "Parentheses":
-            rhs = rhs.expression
+        while type(rhs).__name__ in ("Parentheses", "If"):
+            if type(rhs).__name__ == "Parentheses":
+                rhs = rhs.expression
+                continue
+            decided = self.truth(self.expr(rhs.predicate, scope, primed))
+            if decided is None:
+                return None
+            rhs = rhs.then if decided else rhs.else_  # a constant IF: a bug switch
         if type(rhs).__name__ != "Except" or len(rhs.changes) != 1:
             return None
         (change,) = rhs.changes
