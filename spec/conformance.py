@@ -11,7 +11,6 @@ each side allows there that the other does not.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from spec import core
 from spec.core import Event, State
 from spec.model import Model
 from spec.symmetry import canonical
-from spec.tlaeval import EvalError, Fcn, Spec, action_labels, seq
+from spec.tlaeval import EvalError, Fcn, Spec, WalkMeter, action_labels, seq
 from spec.tlaview import MAPPING, VARIABLES, ModelValue, Record, format_value, to_tla
 
 SPEC_PATH = Path(__file__).resolve().parent / "KVTransfer.tla"
@@ -169,7 +168,7 @@ def check_conformance(m: Model, spec: Spec | None = None, max_states: int | None
     it only compares for equality: TLC's condition for SYMMETRY)."""
     spec = spec or spec_for(m)
     result = Conformance(m)
-    started = time.perf_counter()
+    meter = WalkMeter(progress, max_states)
     init = core.initial_state(m)
     view_key = _Keys(m)
     spec_inits = {_key(s) for s in spec.initial_states()}
@@ -185,7 +184,6 @@ def check_conformance(m: Model, spec: Spec | None = None, max_states: int | None
     # of a state seen before is reused when the state comes up again as a successor.
     seen: dict[State, list] = {init: [None, None, core_init]}
     queue = deque([init])
-    next_report = 5000
     while queue:
         s = queue.popleft()
         entry = seen[s]
@@ -215,13 +213,8 @@ def check_conformance(m: Model, spec: Spec | None = None, max_states: int | None
             if n not in seen:
                 seen[n] = [s, event, k]
                 queue.append(n)
-        if progress and len(seen) >= next_report:
-            progress(len(seen), time.perf_counter() - started)
-            next_report += 5000
-        if max_states is not None and len(seen) > max_states:
-            raise RuntimeError(f"more than {max_states} states")
-    result.states = len(seen)
-    result.seconds = time.perf_counter() - started
+        meter.count(len(seen))
+    result.states, result.seconds = len(seen), meter.seconds()
     return result
 
 

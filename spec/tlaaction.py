@@ -360,33 +360,31 @@ class ActionRules:
         self.em.close(opened)
 
     def case(self, item: Item, primed: dict, label, k: Continuation) -> None:
-        """The first arm whose condition holds; none and no OTHER is an error, as in TLC."""
+        """The first arm whose condition holds; none and no OTHER is an error, as in TLC.
+        An arm whose condition is constant TRUE ends the chain (it is the OTHER)."""
         node, scope, em = item.node, item.scope, self.em
 
         def branch(body) -> None:
+            if body is None:
+                return em.emit("no_case_applies()", lineno(node))
             self.items(self.flatten(body, scope, item.label, primed), primed, label, k)
-
-        def otherwise() -> None:
-            if node.other is not None:
-                return branch(node.other)
-            em.emit("no_case_applies()", lineno(node))
-        first = True
+        default, first = node.other, True
         for arm in node.cases:
             cond = self.expr(arm.predicate, scope, primed)
             decided = self.truth(cond)
             if decided is False:
                 continue
             if decided is True:
-                otherwise = (lambda body: lambda: branch(body))(arm.expression)
+                default = arm.expression
                 break
             opened = em.open(f"{'if' if first else 'elif'} {cond.text}:", lineno(arm))
             branch(arm.expression)
             em.close(opened)
             first = False
         if first:
-            return otherwise()
+            return branch(default)
         opened = em.open("else:")
-        otherwise()
+        branch(default)
         em.close(opened)
 
     def let(self, item: Item, primed: dict, label, k: Continuation) -> None:

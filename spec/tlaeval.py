@@ -144,15 +144,33 @@ class Exploration:
     seconds: float = 0.0
 
 
+class WalkMeter:
+    """For a breadth-first walk: a progress report every 5,000 states, the bound on states."""
+
+    def __init__(self, progress: Callable[[int, float], None] | None,
+                 max_states: int | None) -> None:
+        self.progress, self.max_states = progress, max_states
+        self.started, self.next_report = time.perf_counter(), 5000
+
+    def count(self, states: int) -> None:
+        if self.progress and states >= self.next_report:
+            self.progress(states, self.seconds())
+            self.next_report += 5000
+        if self.max_states is not None and states > self.max_states:
+            raise RuntimeError(f"more than {self.max_states} states")
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+
 def explore(spec: Spec, max_states: int | None = None,
             progress: Callable[[int, float], None] | None = None) -> Exploration:
     """The spec's reachable graph, breadth first, from its text alone (no core involved):
     the distinct states TLC would count, and the labelled edges between them."""
-    started = time.perf_counter()
+    meter = WalkMeter(progress, max_states)
     step = spec.next_function()
     inits = [tuple(s[v] for v in spec.variables) for s in spec.initial_states()]
     seen, queue, result = set(inits), deque(inits), Exploration()
-    next_report = 5000
     while queue:
         edges = set(step(queue.popleft()))
         result.edges += len(edges)
@@ -161,12 +179,8 @@ def explore(spec: Spec, max_states: int | None = None,
             if successor not in seen:
                 seen.add(successor)
                 queue.append(successor)
-        if progress and len(seen) >= next_report:
-            progress(len(seen), time.perf_counter() - started)
-            next_report += 5000
-        if max_states is not None and len(seen) > max_states:
-            raise RuntimeError(f"more than {max_states} states")
-    result.states, result.seconds = len(seen), time.perf_counter() - started
+        meter.count(len(seen))
+    result.states, result.seconds = len(seen), meter.seconds()
     return result
 
 

@@ -307,23 +307,26 @@ class ExpressionRules:
         item = self.expr(node.item, inner, primed)
         return Code(f"frozenset([{item.text} {clauses}])", frozenset((free | item.free) - names))
 
-    def _e_SetSlice(self, node, scope, primed) -> Code:
-        clauses, inner, names, free = self.comprehension(node.declaration, scope, primed)
+    def _one_name(self, node, declaration, scope, primed, form: str):
+        """The comprehension of `{x \\in S : P}` or `[x \\in S |-> e]`: they bind one name."""
+        clauses, inner, names, free = self.comprehension(declaration, scope, primed)
         if len(names) != 1:
-            raise EvalError(f"{line_of(node)}: {{x \\in S : P}} binds one name")
+            raise EvalError(f"{line_of(node)}: only {form} with one bound name is supported")
+        return clauses, inner, next(iter(names)), free
+
+    def _e_SetSlice(self, node, scope, primed) -> Code:
+        clauses, inner, py, free = self._one_name(node, node.declaration, scope, primed,
+                                                  "{x \\in S : P}")
         pred = self.expr(node.predicate, inner, primed)
-        (py,) = names
         return Code(f"frozenset([{py} {clauses} if {pred.wrapped()}])",
-                    frozenset((free | pred.free) - names))
+                    frozenset((free | pred.free) - {py}))
 
     def _e_Function(self, node, scope, primed) -> Code:
-        clauses, inner, names, free = self.comprehension(node.declaration, scope, primed)
-        if len(names) != 1:
-            raise EvalError(f"{line_of(node)}: only [x \\in S |-> e] functions are supported")
+        clauses, inner, py, free = self._one_name(node, node.declaration, scope, primed,
+                                                  "[x \\in S |-> e]")
         value = self.expr(node.value, inner, primed)
-        (py,) = names
         return Code(f"Fcn({{{py}: {value.text} {clauses}}})",
-                    frozenset((free | value.free) - names))
+                    frozenset((free | value.free) - {py}))
 
     def _e_SetOfFunctions(self, node, scope, primed) -> Code:
         d, c = self.expr(node.domain, scope, primed), self.expr(node.codomain, scope, primed)

@@ -115,7 +115,8 @@ def test_a_spec_that_cannot_be_evaluated_is_reported_at_its_state():
     model = Model(**BASES["solo"])
     result = check_conformance(model, spec_for(model, text))
     assert not result.ok
-    line = text.splitlines().index("       IN /\\ writes' = writes \\cup {[req |-> r, src |-> src[r][i],") + 1
+    lines = text.splitlines()
+    line = next(i for i, x in enumerate(lines, 1) if x.strip().startswith("IN /\\ writes' ="))
     assert f"(line {line}: 1 is not in the domain" in result.disagreement.report(model)
 
 
