@@ -15,19 +15,10 @@ from spec.core import (
     NONE, PREFILL_NAMES, PROMPT, PST, SENT, SRC, TABLE, State,
 )
 from spec.model import Model
+from spec.tlavalues import ModelValue
 
 VARIABLES = ("client", "prompt", "pst", "sent", "src", "dst", "table", "boot", "fwMsg", "dfw",
              "cancel", "leaked", "owner", "gen", "content", "powner", "pdata", "writes")
-
-
-@dataclass(frozen=True, order=True)
-class ModelValue:
-    """A TLC model value (an element of Requests, or NoReq)."""
-
-    name: str
-
-    def __repr__(self) -> str:
-        return self.name
 
 
 NO_REQ = ModelValue("NoReq")

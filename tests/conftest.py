@@ -1,5 +1,22 @@
-"""Shared helpers for the tests."""
+"""Shared helpers for the tests, and how pytest-xdist shares them out."""
 
 from __future__ import annotations
 
+import pytest
+
 from spec.guardtable import run_check as checked  # noqa: F401  (cached model checks)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "alone: a unit of work of its own for pytest-xdist")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests run in parallel (`--dist loadgroup`) grouped by file, so that a file's cached
+    model checks are shared by its tests; a test marked `alone` is a group of its own. The
+    per-model conformance checks are: minutes each, together they would keep one worker
+    busy long after the other has finished."""
+    for item in items:
+        alone = item.get_closest_marker("alone") is not None
+        item.add_marker(pytest.mark.xdist_group(item.nodeid if alone else item.location[0]))
