@@ -28,6 +28,7 @@ STATES = {
     "bug-NoCancel": 107407, "bug-NoChecksum": 435319, "bug-NoCountCheck": 435319,
     "bug-NoGenBump": 422635, "bug-NoTimeout": 171412, "bug-NoTombstone": 467157,
     "bug-PoolBelowContext": 479834, "bug-SourceReuse": 606124, "crash": 796999,
+    "decode-crash": 172147, "solo-decode-crash": 2143,
     "default": 435319, "incident": 564665, "large": 1596660, "reject-paths": 1102,
     "small": 40662, "solo": 987, "solo-crash": 1384, "wide": 988, "zoo-dead-prefill": 826,
     "zoo-late-write-looks-current": 1100551, "zoo-lost-tombstone": 662,
