@@ -106,8 +106,6 @@ class Model:
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ModelError(f"{label} must be an integer >= {low}, got {value!r}")
-        if self.requests > 6:
-            raise ModelError(f"requests={self.requests}: explicit-state checking beyond 6 is hopeless")
         if self.request_names and len(self.request_names) != self.requests:
             raise ModelError("request_names must name every request")
         if not isinstance(self.crashes, bool):

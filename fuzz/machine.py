@@ -1,0 +1,280 @@
+"""The rule-based state machine: one rule per protocol action, over any target.
+
+Theory of operation
+-------------------
+Each example draws a *setup* first: a model at sizes the model checker cannot reach (the
+ranges are a `Profile`), a swarm (a random subset of the vocabulary switched off for the
+whole example, so that examples differ in kind and not only in order: with client aborts
+off, say, long transfers finish and pages get reused), and an allocation policy for the
+pages of Admit and Reserve (lowest free page first, least recently freed first, most
+recently freed first, or random: real allocators do each, and which pages come back when
+decides what stale content a reader can meet).
+
+Then Hypothesis picks rules. There is one rule per action of spec/core.py, generated from
+the core's action table; a rule's precondition is that the action is on in this example's
+swarm and that the target lists an enabled move for it, so the fuzzer can only ever take
+events the protocol allows. The rule picks one of the enabled moves (which request, which
+write) and, for an open move, its argument (the prompt length, the pages).
+
+At the end of each example the drain lets the protocol's own (fair) actions run, with no more
+arrivals, aborts or faults, until nothing fair is enabled: the fuzzer's liveness check. A
+timer fires in the drain only when nothing else can move, because timeouts stand for the
+passage of time. The drain then checks the rest invariants like every other step does.
+
+Every step is followed by the checks of fuzz/oracles.py. A violation raises `FuzzFailure`
+carrying the setup and every event taken; Hypothesis shrinks the example to a minimal one
+and re-raises the failure of that minimal example.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
+
+from spec import core
+from spec.model import Model
+
+from fuzz import oracles
+from fuzz.oracles import Checks
+from fuzz.profiles import Profile
+from fuzz.target import Open, Target, Violation
+
+VOCABULARY = core.ACTION_NAMES
+SWARMED = VOCABULARY
+TIMERS = frozenset({"Timeout"})
+POLICIES = ("lowest", "fifo", "lifo", "random")
+# Which of an action's enabled moves (oldest first) a rule takes: any of them, the oldest (in
+# order delivery) or the newest (everything in flight overtakes what came before: late writes,
+# late final words).
+ORDERS = ("any", "oldest", "newest")
+# How the drain schedules: by the swarm's weights, or "in order": always the first enabled
+# action of the core's action table, oldest move first (prefill work before decode work,
+# a run-to-completion scheduler).
+DRAINS = ("random", "in order")
+
+
+# Swarm weights: how often an enabled action is picked, drawn per example. Fault classes and
+# timers (client aborts, prefill failures and crashes, timeouts) are "off" for the whole
+# example, "normal" (rare, as faults are in a real system: at the protocol's own rate they
+# would end nearly every request before it completes) or a "storm". The protocol's own
+# actions are never off (one missing step of the pipeline would stall every request behind
+# it) but may be "rare": that is how delayed and reordered delivery arise (a write that
+# lands rarely lands late). Each table lists its shrink target first: toward the ordinary.
+PROTOCOL_LEVELS = {"normal": 8, "rare": 1}
+FAULT_LEVELS = {"normal": 1, "storm": 8, "off": 0}
+# Arrivals are never off (an example without them tests nothing); rare arrivals mean a
+# light load, where requests run to completion one after another and pages get reused.
+ARRIVAL_LEVELS = {"normal": 8, "rare": 1}
+FAULTS = (core.UNFAIR_ACTIONS - {"Arrive"}) | TIMERS
+
+
+def levels(action: str) -> dict[str, int]:
+    if action == "Arrive":
+        return ARRIVAL_LEVELS
+    return FAULT_LEVELS if action in FAULTS else PROTOCOL_LEVELS
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What one example drew before its first rule: model, swarm and allocation policy."""
+
+    model: Model
+    weights: tuple[tuple[str, str], ...]  # (action, level) for every swarmed action
+    policy: str
+    prompt_pages_max: int  # this example's longest prompt: short chats, or long documents too
+    order: str = "any"
+    drain: str = "random"
+    drain_seed: int = 0
+
+    def weight_table(self) -> dict[str, int]:
+        return {a: levels(a)[level] for a, level in self.weights}
+
+    def describe(self) -> str:
+        unusual = ", ".join(f"{a} {level}" for a, level in self.weights if level != "normal")
+        return (f"{self.model.describe()}; prompts up to {self.prompt_pages_max} pages; "
+                f"allocation {self.policy}; delivery {self.order}; drain {self.drain}; "
+                f"swarm: {unusual or 'all normal'}")
+
+
+def draw_setup(data, profile: Profile, bugs: frozenset[str]) -> Setup:
+    requests = data.draw(st.integers(*profile.requests), label="requests")
+    prefill = data.draw(st.integers(*profile.prefill_pages), label="prefill pages")
+    decode = data.draw(st.integers(*profile.decode_pages), label="decode pages")
+    # A context above the smaller pool lets over-long prompts reach the workers when the
+    # startup check is off; prompts above the context exercise the router's reject.
+    context = data.draw(st.integers(min(prefill, decode), max(prefill, decode) + 4),
+                        label="context pages")
+    model = Model(requests=requests, max_prompt_pages=context + 2, context_pages=context,
+                  prefill_pages=prefill, decode_pages=decode, bugs=bugs, crashes=True,
+                  name="fuzz")
+    weights = tuple((a, data.draw(st.sampled_from(tuple(levels(a))), label=a)) for a in SWARMED)
+    policy = data.draw(st.sampled_from(POLICIES), label="allocation")
+    prompt_pages_max = data.draw(st.integers(1, model.max_prompt_pages), label="prompt cap")
+    order = data.draw(st.sampled_from(ORDERS), label="delivery")
+    drain = data.draw(st.sampled_from(DRAINS), label="drain")
+    drain_seed = data.draw(st.integers(0, 2**32 - 1), label="drain seed")
+    return Setup(model, weights, policy, prompt_pages_max, order, drain, drain_seed)
+
+
+def allocate(move: Open, policy: str, rng: random.Random | None) -> tuple[int, ...]:
+    """The pages an allocator with `policy` takes for `move` (options: free-list order)."""
+    need, free = move.need, move.options
+    if policy == "lowest":
+        return tuple(sorted(free)[:need])
+    if policy == "fifo":
+        return free[:need]
+    if policy == "lifo":
+        return free[len(free) - need:]
+    assert policy == "random" and rng is not None
+    return tuple(rng.sample(free, need))
+
+
+@dataclass
+class Recorder:
+    """Counts shared by every example of a campaign (shrinking runs included)."""
+
+    examples: int = 0
+    steps: int = 0         # events the rules chose
+    drain_steps: int = 0   # events the drain took
+    first_failure_example: int = 0     # 0: none yet
+    first_failure_clock: float = 0.0
+    clock: Callable[[], float] = field(default=lambda: 0.0)
+
+    def failed(self) -> None:
+        if not self.first_failure_example:
+            self.first_failure_example = self.examples
+            self.first_failure_clock = self.clock()
+
+
+class FuzzFailure(AssertionError):
+    """A check failed: the setup, every event taken, and which of them the drain took."""
+
+    def __init__(self, setup: Setup, trace: list[core.Event], drained: frozenset[int],
+                 violations: list[Violation]) -> None:
+        self.setup = setup
+        self.trace = trace
+        self.drained = drained
+        self.violations = violations
+        super().__init__("; ".join(str(v) for v in violations))
+
+
+class FuzzMachine(RuleBasedStateMachine):
+    """Base of the generated machines; `make_machine` fills in the class attributes."""
+
+    target_factory: Callable[[], Target]
+    profile: Profile
+    bugs: frozenset[str]
+    checks: Checks
+    recorder: Recorder
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.target = self.target_factory()
+        self.setup: Setup | None = None
+        self.failed = False
+        self.drained: set[int] = set()  # indices in the trace of the events the drain took
+        self.recorder.examples += 1
+
+    @initialize(data=st.data())
+    def configure(self, data) -> None:
+        self.setup = draw_setup(data, self.profile, self.bugs)
+        self.weight = self.setup.weight_table()
+        self.target.reset(self.setup.model, seed=0)
+        self._check()
+
+    @rule(data=st.data())
+    def step(self, data) -> None:
+        """Take one enabled event, the action picked by this example's swarm weights."""
+        enabled = self.target.enabled()
+        weight = self.weight
+        offered = [(a, weight[a]) for a in enabled if weight[a]]
+        if not offered:
+            self._drain()  # only switched-off actions (or nothing) could move the system on
+            return
+        action = offered[0][0] if len(offered) == 1 else _weighted(data, offered)
+        moves = enabled[action]
+        move = self._pick(moves, lambda: data.draw(st.integers(0, len(moves) - 1)))
+        if isinstance(move, Open):
+            move = self._close(move, data)
+        self.target.step(move)
+        self.recorder.steps += 1
+        self._check()
+
+    def _pick(self, moves: list, index: Callable[[], int]):
+        """One move of an action, by this example's delivery order (moves: oldest first)."""
+        if len(moves) == 1 or self.setup.order == "oldest":
+            return moves[0]
+        if self.setup.order == "newest":
+            return moves[-1]
+        return moves[index()]
+
+    def _close(self, move: Open, data) -> core.Event:
+        if move.action == "Arrive":
+            allowed = [n for n in move.options if n <= self.setup.prompt_pages_max]
+            return move.close(data.draw(st.sampled_from(allowed or move.options[:1])))
+        rng = None
+        if self.setup.policy == "random":
+            rng = random.Random(data.draw(st.integers(0, 2**32 - 1)))
+        return move.close(allocate(move, self.setup.policy, rng))
+
+    def teardown(self) -> None:
+        if self.setup is not None and not self.failed:
+            self._drain()
+
+    def _drain(self) -> None:
+        """Run the protocol's fair actions to rest, faults off; timers only when stuck."""
+        target, weight = self.target, self.weight
+        # Seeded from the setup and the position, so that Hypothesis's replays agree.
+        rng = random.Random(self.setup.drain_seed * 1_000_003 + len(target.trace()))
+        for _ in range(self.profile.drain_steps_max):
+            # A fair action is owed by the protocol: "off" keeps a timer out of the rules,
+            # not out of the drain.
+            fair = [(a, weight[a] or 1) for a in target.enabled()
+                    if a not in oracles.FAIR_EXEMPT]
+            if not fair:
+                return
+            preferred = [(a, w) for a, w in fair if a not in TIMERS] or fair
+            if self.setup.drain == "in order":
+                move = target.enabled()[preferred[0][0]][0]
+            else:
+                action = rng.choices([a for a, _ in preferred], [w for _, w in preferred])[0]
+                moves = target.enabled()[action]
+                move = self._pick(moves, lambda: rng.randrange(len(moves)))
+            if isinstance(move, Open):
+                move = move.close(allocate(move, self.setup.policy, rng))
+            target.step(move)
+            self.drained.add(len(target.trace()) - 1)
+            self.recorder.drain_steps += 1
+            self._check()
+        raise AssertionError(f"the drain did not reach rest in {self.profile.drain_steps_max} "
+                             "steps: the protocol has a cycle")
+
+    def _check(self) -> None:
+        violations = oracles.check(self.checks, self.setup.model, self.target)
+        if violations:
+            self.failed = True
+            self.recorder.failed()
+            raise FuzzFailure(self.setup, self.target.trace(), frozenset(self.drained),
+                              violations)
+
+
+def _weighted(data, offered: list[tuple[str, int]]) -> str:
+    """One of the offered actions, each as likely as its weight (shrinks to the first)."""
+    ticket = data.draw(st.integers(0, sum(w for _, w in offered) - 1))
+    for action, w in offered:
+        if ticket < w:
+            return action
+        ticket -= w
+    raise AssertionError("unreachable: the ticket is below the total weight")
+
+
+def make_machine(target_factory: Callable[[], Target], profile: Profile,
+                 bugs: frozenset[str], checks: Checks, recorder: Recorder) -> type:
+    """A machine class for one campaign: the vocabulary's rules over one target."""
+    namespace = dict(target_factory=staticmethod(target_factory), profile=profile,
+                     bugs=frozenset(bugs), checks=checks, recorder=recorder)
+    return type(f"Fuzz_{getattr(target_factory, 'name', 'target')}", (FuzzMachine,), namespace)
