@@ -1,34 +1,39 @@
-"""The rule-based state machine: one rule per protocol action, over any target.
+"""The rule-based state machine: the core's actions as one vocabulary, over any target.
 
 Theory of operation
 -------------------
-Each example draws a *setup* first: a model at sizes the model checker cannot reach (the
-ranges are a `Profile`), a swarm (a random subset of the vocabulary switched off for the
-whole example, so that examples differ in kind and not only in order: with client aborts
-off, say, long transfers finish and pages get reused), and an allocation policy for the
-pages of Admit and Reserve (lowest free page first, least recently freed first, most
-recently freed first, or random: real allocators do each, and which pages come back when
-decides what stale content a reader can meet).
+Each example first draws a *setup*: a model at sizes the model checker cannot reach (the
+ranges are a `Profile`), and a swarm. Swarm testing makes examples differ in kind, not only
+in order: per example, every action of the vocabulary gets a weight (faults and timers off,
+normal or in a storm; the protocol's own actions normal or rare; arrivals normal or rare),
+and the example draws an allocator for the pages of Admit and Reserve (lowest free page,
+least or most recently freed, random: real allocators do each, and which pages come back
+when decides what stale content a reader meets), a delivery order (any in-flight move,
+the oldest, or the newest first), delivery delays and a drain policy.
 
-Then Hypothesis picks rules. There is one rule per action of spec/core.py, generated from
-the core's action table; a rule's precondition is that the action is on in this example's
-swarm and that the target lists an enabled move for it, so the fuzzer can only ever take
-events the protocol allows. The rule picks one of the enabled moves (which request, which
-write) and, for an open move, its argument (the prompt length, the pages).
+Then Hypothesis runs the one rule, `step`: it draws an action among those with an enabled
+move, as likely as its weight, then one of that action's moves (by the delivery order) and,
+for an open move, its argument (the prompt length; the pages, from the allocator). The
+precondition of every action is the target's list of enabled moves, so the fuzzer only
+ever takes events the protocol allows. One Hypothesis rule per action would read better,
+but Hypothesis's own rule-level swarm then marks about a third of the examples invalid
+(with state-dependent preconditions the only valid rules are often switched off), so the
+vocabulary is a table here and the swarm is explicit, printed with every failure.
 
-At the end of each example the drain lets the protocol's own (fair) actions run, with no more
-arrivals, aborts or faults, until nothing fair is enabled: the fuzzer's liveness check. A
-timer fires in the drain only when nothing else can move, because timeouts stand for the
-passage of time. The drain then checks the rest invariants like every other step does.
+At the end of each example the drain runs the protocol's own (fair) actions with no more
+arrivals, aborts or faults until nothing fair is enabled: the fuzzer's liveness check. A
+timer fires in the drain only when nothing else can move, since timeouts stand for the
+passage of time. The rest invariants are then checked like after every other step.
 
 Every step is followed by the checks of fuzz/oracles.py. A violation raises `FuzzFailure`
-carrying the setup and every event taken; Hypothesis shrinks the example to a minimal one
-and re-raises the failure of that minimal example.
+carrying the setup and every event taken; Hypothesis shrinks the example and re-raises the
+failure of the smallest one it found.
 """
 
 from __future__ import annotations
 
 import random
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -44,13 +49,15 @@ from fuzz.profiles import Profile
 from fuzz.target import Open, Target, Violation
 
 VOCABULARY = core.ACTION_NAMES
-SWARMED = VOCABULARY
 TIMERS = frozenset({"Timeout"})
 POLICIES = ("lowest", "fifo", "lifo", "random")
 # Which of an action's enabled moves (oldest first) a rule takes: any of them, the oldest (in
 # order delivery) or the newest (everything in flight overtakes what came before: late writes,
 # late final words).
 ORDERS = ("any", "oldest", "newest")
+# Delivery delays: none, or one move in four held back for up to this many steps after it
+# becomes enabled (a slow link, a stalled worker: one message late, not all of them).
+LATENCIES = (0, 30)
 # How the drain schedules: by the swarm's weights, or "in order": always the first enabled
 # action of the core's action table, oldest move first (prefill work before decode work,
 # a run-to-completion scheduler).
@@ -80,15 +87,17 @@ def levels(action: str) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class Setup:
-    """What one example drew before its first rule: model, swarm and allocation policy."""
+    """What one example drew before its first step: the model and the swarm."""
 
     model: Model
     weights: tuple[tuple[str, str], ...]  # (action, level) for every swarmed action
     policy: str
     prompt_pages_max: int  # this example's longest prompt: short chats, or long documents too
     order: str = "any"
+    latency_steps_max: int = 0  # 0: every enabled move can be taken at once
     drain: str = "random"
-    drain_seed: int = 0
+    # Seeds what the fuzzer decides without Hypothesis: the drain's choices, the delays.
+    seed: int = 0
 
     def weight_table(self) -> dict[str, int]:
         return {a: levels(a)[level] for a, level in self.weights}
@@ -96,7 +105,8 @@ class Setup:
     def describe(self) -> str:
         unusual = ", ".join(f"{a} {level}" for a, level in self.weights if level != "normal")
         return (f"{self.model.describe()}; prompts up to {self.prompt_pages_max} pages; "
-                f"allocation {self.policy}; delivery {self.order}; drain {self.drain}; "
+                f"allocation {self.policy}; delivery {self.order}; latency up to "
+                f"{self.latency_steps_max} steps; drain {self.drain}; "
                 f"swarm: {unusual or 'all normal'}")
 
 
@@ -111,13 +121,14 @@ def draw_setup(data, profile: Profile, bugs: frozenset[str]) -> Setup:
     model = Model(requests=requests, max_prompt_pages=context + 2, context_pages=context,
                   prefill_pages=prefill, decode_pages=decode, bugs=bugs, crashes=True,
                   name="fuzz")
-    weights = tuple((a, data.draw(st.sampled_from(tuple(levels(a))), label=a)) for a in SWARMED)
+    weights = tuple((a, data.draw(st.sampled_from(tuple(levels(a))), label=a)) for a in VOCABULARY)
     policy = data.draw(st.sampled_from(POLICIES), label="allocation")
     prompt_pages_max = data.draw(st.integers(1, model.max_prompt_pages), label="prompt cap")
     order = data.draw(st.sampled_from(ORDERS), label="delivery")
+    latency = data.draw(st.sampled_from(LATENCIES), label="latency")
     drain = data.draw(st.sampled_from(DRAINS), label="drain")
-    drain_seed = data.draw(st.integers(0, 2**32 - 1), label="drain seed")
-    return Setup(model, weights, policy, prompt_pages_max, order, drain, drain_seed)
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    return Setup(model, weights, policy, prompt_pages_max, order, latency, drain, seed)
 
 
 def allocate(move: Open, policy: str, rng: random.Random | None) -> tuple[int, ...]:
@@ -177,6 +188,7 @@ class FuzzMachine(RuleBasedStateMachine):
         self.setup: Setup | None = None
         self.failed = False
         self.drained: set[int] = set()  # indices in the trace of the events the drain took
+        self.ready_at: dict[object, int] = {}  # move -> the step its delivery delay ends
         self.recorder.examples += 1
 
     @initialize(data=st.data())
@@ -189,9 +201,12 @@ class FuzzMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def step(self, data) -> None:
         """Take one enabled event, the action picked by this example's swarm weights."""
-        enabled = self.target.enabled()
         weight = self.weight
+        enabled = self._ready_moves()
         offered = [(a, weight[a]) for a in enabled if weight[a]]
+        if not offered:  # only delayed moves are left: time jumps to them
+            enabled = self.target.enabled()
+            offered = [(a, weight[a]) for a in enabled if weight[a]]
         if not offered:
             self._drain()  # only switched-off actions (or nothing) could move the system on
             return
@@ -203,6 +218,32 @@ class FuzzMachine(RuleBasedStateMachine):
         self.target.step(move)
         self.recorder.steps += 1
         self._check()
+
+    def _ready_moves(self) -> dict[str, list]:
+        """The enabled moves whose delivery delay has passed (every one, without latency)."""
+        enabled = self.target.enabled()
+        if not self.setup.latency_steps_max:
+            return enabled
+        now, ready_at, ready = len(self.target.trace()), self.ready_at, {}
+        for action, moves in enabled.items():
+            kept = []
+            for move in moves:
+                key = (move.action, move.request) if type(move) is Open else move
+                when = ready_at.get(key)
+                if when is None:
+                    when = ready_at[key] = now + self._delay(key, now)
+                if when <= now:
+                    kept.append(move)
+            if kept:
+                ready[action] = kept
+        return ready
+
+    def _delay(self, key: object, now: int) -> int:
+        """A move's delay in steps, drawn once when it becomes enabled: one move in four is
+        held back. A hash rather than a Hypothesis draw, so that moves which are never
+        taken cost no choices; the same in every process, so that seeds replay."""
+        h = zlib.crc32(f"{self.setup.seed}:{key!r}:{now}".encode())
+        return 0 if h % 4 else 1 + (h >> 8) % self.setup.latency_steps_max
 
     def _pick(self, moves: list, index: Callable[[], int]):
         """One move of an action, by this example's delivery order (moves: oldest first)."""
@@ -229,20 +270,23 @@ class FuzzMachine(RuleBasedStateMachine):
         """Run the protocol's fair actions to rest, faults off; timers only when stuck."""
         target, weight = self.target, self.weight
         # Seeded from the setup and the position, so that Hypothesis's replays agree.
-        rng = random.Random(self.setup.drain_seed * 1_000_003 + len(target.trace()))
+        rng = random.Random(self.setup.seed * 1_000_003 + len(target.trace()))
         for _ in range(self.profile.drain_steps_max):
+            if oracles.at_rest(target):
+                return
+            # What is delayed waits, unless only delayed moves are left: then time jumps.
+            enabled = self._ready_moves()
+            if oracles.at_rest_in(enabled):
+                enabled = target.enabled()
             # A fair action is owed by the protocol: "off" keeps a timer out of the rules,
             # not out of the drain.
-            fair = [(a, weight[a] or 1) for a in target.enabled()
-                    if a not in oracles.FAIR_EXEMPT]
-            if not fair:
-                return
+            fair = [(a, weight[a] or 1) for a in enabled if a not in oracles.FAIR_EXEMPT]
             preferred = [(a, w) for a, w in fair if a not in TIMERS] or fair
             if self.setup.drain == "in order":
-                move = target.enabled()[preferred[0][0]][0]
+                move = enabled[preferred[0][0]][0]
             else:
                 action = rng.choices([a for a, _ in preferred], [w for _, w in preferred])[0]
-                moves = target.enabled()[action]
+                moves = enabled[action]
                 move = self._pick(moves, lambda: rng.randrange(len(moves)))
             if isinstance(move, Open):
                 move = move.close(allocate(move, self.setup.policy, rng))

@@ -17,7 +17,7 @@ class Profile:
 
     name: str = "default"
     requests: tuple[int, int] = (6, 12)
-    prefill_pages: tuple[int, int] = (16, 48)
+    prefill_pages: tuple[int, int] = (16, 32)
     decode_pages: tuple[int, int] = (16, 64)
     steps_max: int = 60          # rule steps per example, before the drain
     drain_steps_max: int = 5000  # a drain longer than this means a cycle: a bug
