@@ -20,10 +20,12 @@ but Hypothesis's own rule-level swarm then marks about a third of the examples i
 (with state-dependent preconditions the only valid rules are often switched off), so the
 vocabulary is a table here and the swarm is explicit, printed with every failure.
 
-At the end of each example the drain runs the protocol's own (fair) actions with no more
-arrivals, aborts or faults until nothing fair is enabled: the fuzzer's liveness check. A
-timer fires in the drain only when nothing else can move, since timeouts stand for the
-passage of time. The rest invariants are then checked like after every other step.
+At the end of each example the drain lets the requests that have not arrived yet arrive and
+runs the protocol's own (fair) actions, with no more aborts or faults, until no request can
+move: the fuzzer's liveness check, and a run of every request through the protocol under
+the example's scheduling. A timer fires in the drain only when nothing else can move, since
+timeouts stand for the passage of time. The rest invariants are checked at rest, as after
+every other step.
 
 Every step is followed by the checks of fuzz/oracles.py. A violation raises `FuzzFailure`
 carrying the setup and every event taken; Hypothesis shrinks the example and re-raises the
@@ -57,32 +59,42 @@ POLICIES = ("lowest", "fifo", "lifo", "random")
 ORDERS = ("any", "oldest", "newest")
 # Delivery delays: none, or one move in four held back for up to this many steps after it
 # becomes enabled (a slow link, a stalled worker: one message late, not all of them).
-LATENCIES = (0, 30)
+LATENCIES = (0, 30, 150)
 # How the drain schedules: by the swarm's weights, or "in order": always the first enabled
 # action of the core's action table, oldest move first (prefill work before decode work,
 # a run-to-completion scheduler).
 DRAINS = ("random", "in order")
 
 
-# Swarm weights: how often an enabled action is picked, drawn per example. Fault classes and
-# timers (client aborts, prefill failures and crashes, timeouts) are "off" for the whole
-# example, "normal" (rare, as faults are in a real system: at the protocol's own rate they
-# would end nearly every request before it completes) or a "storm". The protocol's own
-# actions are never off (one missing step of the pipeline would stall every request behind
-# it) but may be "rare": that is how delayed and reordered delivery arise (a write that
-# lands rarely lands late). Each table lists its shrink target first: toward the ordinary.
-PROTOCOL_LEVELS = {"normal": 8, "rare": 1}
-FAULT_LEVELS = {"normal": 1, "storm": 8, "off": 0}
-# Arrivals are never off (an example without them tests nothing); rare arrivals mean a
-# light load, where requests run to completion one after another and pages get reused.
-ARRIVAL_LEVELS = {"normal": 8, "rare": 1}
+# Swarm weights: how often an enabled action is picked, drawn per example. Each kind of
+# action has levels (name -> weight) and a draw: the names a uniform draw picks from, so a
+# name listed twice is twice as likely; the first is where shrinking goes, the ordinary.
+# - Faults and timers (client aborts, prefill failures and crashes, timeouts): "normal" is
+#   rare, as faults are in a real system (at the protocol's rate they would end nearly every
+#   request before it completes), or "off" for the whole example, or a "storm".
+# - The protocol's own actions: never off (one missing step of the pipeline would stall every
+#   request behind it) but sometimes "rare": that is how delayed and reordered delivery arise.
+# - Finish stands for a whole decode, token after token, the longest step of a request, with
+#   writes, messages and faults going on around it: its "normal" is slow.
+# - Arrivals: never off (an example without them tests nothing); "rare" is a light load.
+LEVELS = {
+    "fault": ({"normal": 1, "off": 0, "storm": 8}, ("normal", "off", "normal", "off", "storm")),
+    "protocol": ({"normal": 8, "rare": 1}, ("normal", "normal", "rare")),
+    "decode": ({"normal": 1, "quick": 8}, ("normal", "quick")),
+    "arrival": ({"normal": 8, "rare": 1}, ("normal", "rare")),
+}
 FAULTS = (core.UNFAIR_ACTIONS - {"Arrive"}) | TIMERS
+# The drain's actions: the protocol's own, and the arrivals still to come (so that every
+# example runs all its requests through the protocol; each arrives once, so it ends).
+DRAINED = frozenset(VOCABULARY) - (core.UNFAIR_ACTIONS - {"Arrive"})
 
 
-def levels(action: str) -> dict[str, int]:
+def kind(action: str) -> str:
     if action == "Arrive":
-        return ARRIVAL_LEVELS
-    return FAULT_LEVELS if action in FAULTS else PROTOCOL_LEVELS
+        return "arrival"
+    if action == "Finish":
+        return "decode"
+    return "fault" if action in FAULTS else "protocol"
 
 
 @dataclass(frozen=True)
@@ -100,7 +112,7 @@ class Setup:
     seed: int = 0
 
     def weight_table(self) -> dict[str, int]:
-        return {a: levels(a)[level] for a, level in self.weights}
+        return {a: LEVELS[kind(a)][0][level] for a, level in self.weights}
 
     def describe(self) -> str:
         unusual = ", ".join(f"{a} {level}" for a, level in self.weights if level != "normal")
@@ -121,7 +133,8 @@ def draw_setup(data, profile: Profile, bugs: frozenset[str]) -> Setup:
     model = Model(requests=requests, max_prompt_pages=context + 2, context_pages=context,
                   prefill_pages=prefill, decode_pages=decode, bugs=bugs, crashes=True,
                   name="fuzz")
-    weights = tuple((a, data.draw(st.sampled_from(tuple(levels(a))), label=a)) for a in VOCABULARY)
+    weights = tuple((a, data.draw(st.sampled_from(LEVELS[kind(a)][1]), label=a))
+                    for a in VOCABULARY)
     policy = data.draw(st.sampled_from(POLICIES), label="allocation")
     prompt_pages_max = data.draw(st.integers(1, model.max_prompt_pages), label="prompt cap")
     order = data.draw(st.sampled_from(ORDERS), label="delivery")
@@ -267,20 +280,21 @@ class FuzzMachine(RuleBasedStateMachine):
             self._drain()
 
     def _drain(self) -> None:
-        """Run the protocol's fair actions to rest, faults off; timers only when stuck."""
+        """Run every request to its end, faults off: arrivals still due and the protocol's
+        fair actions, timers only when nothing else can move, until rest."""
         target, weight = self.target, self.weight
         # Seeded from the setup and the position, so that Hypothesis's replays agree.
         rng = random.Random(self.setup.seed * 1_000_003 + len(target.trace()))
         for _ in range(self.profile.drain_steps_max):
-            if oracles.at_rest(target):
+            if oracles.at_rest(target) and "Arrive" not in target.enabled():
                 return
             # What is delayed waits, unless only delayed moves are left: then time jumps.
             enabled = self._ready_moves()
-            if oracles.at_rest_in(enabled):
+            if not any(a in DRAINED for a in enabled):
                 enabled = target.enabled()
             # A fair action is owed by the protocol: "off" keeps a timer out of the rules,
             # not out of the drain.
-            fair = [(a, weight[a] or 1) for a in enabled if a not in oracles.FAIR_EXEMPT]
+            fair = [(a, weight[a] or 1) for a in enabled if a in DRAINED]
             preferred = [(a, w) for a, w in fair if a not in TIMERS] or fair
             if self.setup.drain == "in order":
                 move = enabled[preferred[0][0]][0]
@@ -289,7 +303,9 @@ class FuzzMachine(RuleBasedStateMachine):
                 moves = enabled[action]
                 move = self._pick(moves, lambda: rng.randrange(len(moves)))
             if isinstance(move, Open):
-                move = move.close(allocate(move, self.setup.policy, rng))
+                move = move.close(rng.randint(1, self.setup.prompt_pages_max)
+                                  if move.action == "Arrive" else
+                                  allocate(move, self.setup.policy, rng))
             target.step(move)
             self.drained.add(len(target.trace()) - 1)
             self.recorder.drain_steps += 1
