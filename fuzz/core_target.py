@@ -21,6 +21,7 @@ from spec.core import (
     TABLE,
 )
 from spec.model import Model
+from spec.properties import request_ended
 
 from fuzz.target import Move, Observation, Open, PoolView, Target, TargetRefused, register
 
@@ -75,6 +76,8 @@ class CoreTarget(Target):
             if type(arrive(m, s, r, 1)) is not str:
                 moves["Arrive"].append(Open("Arrive", r, 0, self._prompts))
                 continue  # an idle request has nothing else enabled (as in core.successors)
+            if request_ended(s.requests[r]):
+                continue  # nor has one that ended (its writes in flight are listed below)
             for which, cls in enumerate(_ALLOCATIONS):
                 need = core.allocation_need(m, s, cls, r)
                 if type(need) is int:

@@ -211,8 +211,8 @@ class FuzzMachine(RuleBasedStateMachine):
         self.target.reset(self.setup.model, seed=0)
         self._check()
 
-    @rule(data=st.data())
-    def step(self, data) -> None:
+    @rule(choice=st.integers(0, 2**64 - 1))
+    def step(self, choice: int) -> None:
         """Take one enabled event, the action picked by this example's swarm weights."""
         weight = self.weight
         enabled = self._ready_moves()
@@ -223,11 +223,12 @@ class FuzzMachine(RuleBasedStateMachine):
         if not offered:
             self._drain()  # only switched-off actions (or nothing) could move the system on
             return
-        action = offered[0][0] if len(offered) == 1 else _weighted(data, offered)
+        digits = Digits(choice)
+        action = _weighted(digits, offered)
         moves = enabled[action]
-        move = self._pick(moves, lambda: data.draw(st.integers(0, len(moves) - 1)))
+        move = self._pick(moves, lambda: digits.below(len(moves)))
         if isinstance(move, Open):
-            move = self._close(move, data)
+            move = self._close(move, digits)
         self.target.step(move)
         self.recorder.steps += 1
         self._check()
@@ -266,13 +267,11 @@ class FuzzMachine(RuleBasedStateMachine):
             return moves[-1]
         return moves[index()]
 
-    def _close(self, move: Open, data) -> core.Event:
+    def _close(self, move: Open, digits: "Digits") -> core.Event:
         if move.action == "Arrive":
             allowed = [n for n in move.options if n <= self.setup.prompt_pages_max]
-            return move.close(data.draw(st.sampled_from(allowed or move.options[:1])))
-        rng = None
-        if self.setup.policy == "random":
-            rng = random.Random(data.draw(st.integers(0, 2**32 - 1)))
+            return move.close((allowed or move.options)[digits.below(len(allowed) or 1)])
+        rng = random.Random(digits.value) if self.setup.policy == "random" else None
         return move.close(allocate(move, self.setup.policy, rng))
 
     def teardown(self) -> None:
@@ -322,9 +321,24 @@ class FuzzMachine(RuleBasedStateMachine):
                               violations)
 
 
-def _weighted(data, offered: list[tuple[str, int]]) -> str:
-    """One of the offered actions, each as likely as its weight (shrinks to the first)."""
-    ticket = data.draw(st.integers(0, sum(w for _, w in offered) - 1))
+class Digits:
+    """Successive choices read off one drawn integer, by division. One Hypothesis draw per
+    step instead of three or four: each draw costs more than a step of the core. Shrinking
+    the integer toward 0 shrinks every choice toward the first option."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def below(self, n: int) -> int:
+        self.value, digit = divmod(self.value, n)
+        return digit
+
+
+def _weighted(digits: Digits, offered: list[tuple[str, int]]) -> str:
+    """One of the offered actions, each as likely as its weight."""
+    if len(offered) == 1:
+        return offered[0][0]
+    ticket = digits.below(sum(w for _, w in offered))
     for action, w in offered:
         if ticket < w:
             return action
