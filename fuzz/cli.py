@@ -26,6 +26,8 @@ from fuzz.target import TARGETS
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
 EXAMPLES_DEFAULT = 200
 ZOO_EXAMPLES_DEFAULT = 1000
+# A time budget runs batches this big, seeds seed, seed+1, ...; it is checked between them.
+SECONDS_BATCH_EXAMPLES = 50
 
 
 class UsageError(ValueError):
@@ -43,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"examples to run (default {EXAMPLES_DEFAULT}; "
                              f"{ZOO_EXAMPLES_DEFAULT} per cell with --zoo)")
     budget.add_argument("--seconds", type=float, default=None, metavar="S",
-                        help="run for S seconds instead (batches of 100 examples)")
+                        help="run for S seconds instead (seeded batches of "
+                             f"{SECONDS_BATCH_EXAMPLES} examples)")
     parser.add_argument("--bug", action="append", default=[], metavar="NAME",
                         help="turn on a bug switch (repeatable; see kvproof check --list-bugs)")
     parser.add_argument("--property", action="append", default=[], metavar="NAME",
@@ -105,7 +108,7 @@ def _campaign(args: argparse.Namespace):
     if profile not in PROFILES:
         raise UsageError(f"unknown profile {profile!r} (from KVPROOF_FUZZ_PROFILE); "
                          f"known: {sorted(PROFILES)}")
-    examples = args.examples or (100 if args.seconds else
+    examples = args.examples or (SECONDS_BATCH_EXAMPLES if args.seconds else
                                  ZOO_EXAMPLES_DEFAULT if args.zoo else EXAMPLES_DEFAULT)
     return Campaign(bugs=frozenset(args.bug), properties=tuple(args.property) or None,
                     profile=PROFILES[profile],

@@ -55,6 +55,8 @@ class CoreTarget(Target):
         self._freed_at = ([0] * model.prefill_pages, [0] * model.decode_pages)
         self._prompts = tuple(range(1, model.max_prompt_pages + 1))
         self._since: dict[object, int] = {}  # move -> step at which it became enabled
+        self._memo: list = [None] * model.requests  # per request: its last listing
+        self._arrive = core.ACTIONS[core.Arrive]
         # The action functions are looked up at reset, not at import, so that a test can
         # swap one of core.ACTIONS for a broken copy and see whether the fuzzer notices.
         self._simple = tuple((cls.__name__, core.ACTIONS[cls]) for cls in _SIMPLE_CLASSES)
@@ -67,30 +69,13 @@ class CoreTarget(Target):
         return self._moves
 
     def _list_moves(self) -> dict[str, list[Move]]:
-        m, s, nxt, events = self.model, self.state, self._next, self._events
-        arrive = core.ACTIONS[core.Arrive]
+        m, s = self.model, self.state
         moves: dict[str, list[Move]] = {name: [] for name in _NAMES}
-        nxt.clear()
+        self._next.clear()
         free: list = [None, None]  # per pool, computed when an allocation first needs it
         for r in range(m.requests):
-            if type(arrive(m, s, r, 1)) is not str:
-                moves["Arrive"].append(Open("Arrive", r, 0, self._prompts))
-                continue  # an idle request has nothing else enabled (as in core.successors)
-            if request_ended(s.requests[r]):
-                continue  # nor has one that ended (its writes in flight are listed below)
-            for which, cls in enumerate(_ALLOCATIONS):
-                need = core.allocation_need(m, s, cls, r)
-                if type(need) is int:
-                    if free[which] is None:
-                        free[which] = self._free_pages(which)
-                    if len(free[which]) >= need:
-                        moves[cls.__name__].append(Open(cls.__name__, r, need, free[which]))
-            for k, (name, fn) in enumerate(self._simple):
-                out = fn(m, s, r)
-                if type(out) is not str:
-                    event = events[r][k]
-                    nxt[event] = out
-                    moves[name].append(event)
+            for name, move in self._request_moves(r, free):
+                moves[name].append(move)
         # A write can land exactly when it is in flight (core.land_write's only guard); its
         # next state is computed when it is taken, since most listed writes are not.
         land = moves["LandWrite"]
@@ -99,9 +84,41 @@ class CoreTarget(Target):
         for name, fn, event in self._global:
             out = fn(m, s)
             if type(out) is not str:
-                nxt[event] = out
+                self._next[event] = out
                 moves[name].append(event)
         return self._oldest_first({name: listed for name, listed in moves.items() if listed})
+
+    def _request_moves(self, r: int, free: list) -> list[tuple[str, Move]]:
+        """Request r's enabled moves. An action of r reads r's row, the pools and the writes,
+        never another request's row (core.py's representation), so when none of those has
+        changed since the last listing, neither has the answer: most events change one row
+        and leave the pools alone, and this skips asking the core again for the others."""
+        m, s = self.model, self.state
+        row = s.requests[r]
+        if type(self._arrive(m, s, r, 1)) is not str:
+            return [("Arrive", Open("Arrive", r, 0, self._prompts))]
+        if request_ended(row):
+            return []  # nothing of an ended request is enabled (its writes are listed apart)
+        memo = self._memo[r]
+        if (memo is not None and memo[0] is row and memo[1] is s.prefill_pool
+                and memo[2] is s.decode_pool and memo[3] is s.writes):
+            return memo[4]
+        listed: list[tuple[str, Move]] = []
+        for which, cls in enumerate(_ALLOCATIONS):
+            need = core.allocation_need(m, s, cls, r)
+            if type(need) is int:
+                if free[which] is None:
+                    free[which] = self._free_pages(which)
+                if len(free[which]) >= need:
+                    listed.append((cls.__name__, Open(cls.__name__, r, need, free[which])))
+        for k, (name, fn) in enumerate(self._simple):
+            out = fn(m, s, r)
+            if type(out) is not str:
+                event = self._events[r][k]
+                self._next[event] = out
+                listed.append((name, event))
+        self._memo[r] = (row, s.prefill_pool, s.decode_pool, s.writes, listed)
+        return listed
 
     def _oldest_first(self, moves: dict[str, list[Move]]) -> dict[str, list[Move]]:
         """Each action's moves in the order they became enabled (the Target contract), so

@@ -173,13 +173,17 @@ def test_minimize_keeps_only_what_the_violation_needs():
 # ---------------------------------------------------------------------------------------
 # The core target lists exactly what the core allows.
 
-def test_core_target_lists_exactly_the_core_enabled_events():
-    """On the default model, along a walk, expanding the target's open moves gives exactly
-    core.successors' events (the checker's enumeration), in every state visited."""
+@pytest.mark.parametrize("bugs", [frozenset()] + [e.bugs for e in ENTRIES],
+                         ids=["none"] + [e.name for e in ENTRIES])
+def test_core_target_lists_exactly_the_core_enabled_events(bugs):
+    """On the default model with crashes, along random walks, expanding the target's open
+    moves gives exactly core.successors' events (the checker's enumeration) in every state
+    visited: with and without the zoo's switches, so that the target's shortcuts (idle and
+    ended requests have nothing enabled) hold for the broken protocols too."""
     import random
 
     m = Model(requests=2, max_prompt_pages=3, context_pages=3, prefill_pages=2,
-              decode_pages=3, crashes=True)
+              decode_pages=3, crashes=True, bugs=bugs)
     rng = random.Random(7)
     for _ in range(30):
         target = CoreTarget()
@@ -256,6 +260,24 @@ def test_a_failure_is_saved_as_itf_and_replays_to_the_same_violation(capsys, tmp
     out = capsys.readouterr().out
     assert code in (0, 2)  # clean, or an event the guarded protocol refuses
     assert "Reproduced" not in out
+
+
+def test_zoo_command_prints_the_matrix_and_fails_on_a_miss(capsys):
+    """Three examples per cell are too few for the deep entries: the command says which it
+    missed and exits 1 (the CI test above runs the real budget)."""
+    assert main(["fuzz", "--zoo", "--examples", "3", "--seed", "1",
+                 "--shrink-seconds", "0.2"]) == 1
+    out = capsys.readouterr().out
+    assert "kvproof fuzz --zoo: targets core; seed 1; per cell 3 examples" in out
+    assert "none                      clean: 0 violations in 3 examples" in out
+    assert "FAILED: incident on core: MISSED" in out
+
+
+def test_a_time_budget_runs_seeded_batches(capsys):
+    assert main(["fuzz", "--seconds", "0.5", "--seed", "11"]) == 0
+    out = capsys.readouterr().out
+    assert "seed 11, 0.5 s in batches of 50 examples" in out
+    assert "No violation (seed 11)." in out
 
 
 def test_a_run_without_a_seed_prints_the_one_it_drew(capsys):
