@@ -30,7 +30,7 @@ from hypothesis.stateful import (  # noqa: E402
 
 from fuzz.profiles import PROFILES  # noqa: E402
 from fuzz.runner import Campaign, run_campaign  # noqa: E402
-from fuzz.target import TARGETS  # noqa: E402
+from fuzz.target import load_targets  # noqa: E402
 
 
 class Counter(RuleBasedStateMachine):
@@ -80,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", type=int, default=100, help="examples per round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--target", action="append", default=[], choices=sorted(TARGETS))
+    parser.add_argument("--target", action="append", default=[], choices=sorted(load_targets()))
     args = parser.parse_args(argv)
-    targets = args.target or sorted(TARGETS)
+    targets = args.target or sorted(load_targets())
     steps_max = PROFILES["default"].steps_max
     trivial = [0, 0.0, 0.0]
     totals = {t: [0, 0, 0.0, 0.0] for t in targets}

@@ -30,7 +30,7 @@ from spec.model import Model, ModelError
 
 from fuzz import oracles
 from fuzz.oracles import Checks
-from fuzz.target import TARGETS, TargetRefused, Violation
+from fuzz.target import TargetRefused, Violation, load_targets
 
 FORMAT = "kvproof-fuzz/1"
 _EVENT_TYPES = {cls.__name__: cls for cls in core.ACTIONS}
@@ -57,7 +57,7 @@ def replay(target_name: str, m: Model, events: list[core.Event], checks: Checks,
     """Take `events` on a fresh target; the first violation, or None if every check holds.
     Raises TargetRefused when the target refuses an event. With `states`, appends the
     protocol state after reset and after every event."""
-    target = TARGETS[target_name]()
+    target = load_targets()[target_name]()
     target.reset(m, seed=0)
     if states is not None:
         states.append((None, target.protocol_state()))
@@ -174,9 +174,9 @@ def load(path: str | Path) -> SavedFailure:
         raise ReplayError(f"{path} is not a kvproof fuzz failure ({error!r})") from None
     if not isinstance(fuzz, dict) or fuzz.get("format") != FORMAT:
         raise ReplayError(f"{path}: unknown format {fuzz.get('format')!r}; expected {FORMAT}")
-    if fuzz.get("target") not in TARGETS:
+    if fuzz.get("target") not in load_targets():
         raise ReplayError(f"{path}: unknown target {fuzz.get('target')!r}; "
-                          f"known: {sorted(TARGETS)}")
+                          f"known: {sorted(load_targets())}")
     props = fuzz.get("properties")
     events = [decode_event(e) for e in fuzz.get("events", [])]
     return SavedFailure(fuzz["target"], model, tuple(props) if props is not None else None,

@@ -24,12 +24,13 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from spec import core
 
-from fuzz import core_target  # noqa: F401  (registers the core target)
 from fuzz.machine import FuzzFailure, Recorder, make_machine
 from fuzz.oracles import Checks
 from fuzz.profiles import PROFILES, Profile
 from fuzz.replay import Replayed, minimize
-from fuzz.target import TARGETS
+from fuzz.target import TARGETS, load_targets
+
+load_targets()
 
 
 @dataclass(frozen=True)

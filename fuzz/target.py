@@ -15,6 +15,7 @@ Admit or Reserve. A target lists those as `Open` moves.
 from __future__ import annotations
 
 import abc
+import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence, Union
 
@@ -115,8 +116,16 @@ class Target(abc.ABC):
         return []
 
 
-# Target name -> a factory. The simulator and the engine add themselves here.
+# Target name -> a factory. A target module registers itself with @register on import;
+# load_targets imports the modules listed here (the simulator and the engine join the list).
 TARGETS: dict[str, Callable[[], Target]] = {}
+TARGET_MODULES = ("fuzz.core_target",)
+
+
+def load_targets() -> dict[str, Callable[[], Target]]:
+    for module in TARGET_MODULES:
+        importlib.import_module(module)
+    return TARGETS
 
 
 def register(name: str) -> Callable[[type[Target]], type[Target]]:
