@@ -4,6 +4,8 @@
     kvproof check --list-bugs | --list-models
     kvproof validate TRACE [--model NAME|FILE] [--bug NAME ...]
     kvproof conformance [--model NAME|FILE] [--bug NAME ...] [--symmetry]
+    kvproof fuzz [--target NAME] [--seed N] [--examples N | --seconds S] [--bug NAME ...]
+    kvproof fuzz --zoo | --replay FILE
 
 Exit status: 0 when every property holds, 1 when one is violated (the message names it),
 2 for bad input (an unknown model, switch or property, an unreadable .cfg).
@@ -77,6 +79,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         model = _with_bug_flags(model, args.bug)
         invariants, liveness = _properties(cfg, args.invariant)
         symmetry = args.symmetry or cfg.symmetry is not None
+        if not args.tlc:
+            checker = Checker(model, symmetry=symmetry, invariants=invariants,
+                              liveness=liveness, progress=_progress, max_states=args.max_states)
     except (CfgError, ModelError) as error:
         print(f"kvproof check: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -86,8 +91,6 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(f"Checking {', '.join(invariants)}"
           + (f"; liveness ({', '.join(LIVENESS)}) by acyclicity + rest invariants"
              if liveness else "") + (" with symmetry over requests" if symmetry else ""))
-    checker = Checker(model, symmetry=symmetry, invariants=invariants, liveness=liveness,
-                      progress=_progress, max_states=args.max_states)
     try:
         result = checker.run()
     except RuntimeError as error:
@@ -195,6 +198,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return EXIT_OK if verdict.ok else EXIT_VIOLATION
 
 
+def cmd_fuzz(args: argparse.Namespace) -> int:
+    from fuzz.cli import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvproof", description="Safe KV-cache transfer for "
                                      "disaggregated LLM serving.")
@@ -235,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
                              help="compare one state per orbit under renaming of requests")
     conformance.set_defaults(func=cmd_conformance)
     add_sim_parser(commands)
+    from fuzz.cli import add_arguments as add_fuzz_arguments
+
+    fuzz = commands.add_parser("fuzz", help="fuzz the protocol with Hypothesis (rule-based "
+                               "state machines over the core, later the simulator)")
+    add_fuzz_arguments(fuzz)
+    fuzz.set_defaults(func=cmd_fuzz)
     return parser
 
 

@@ -778,6 +778,19 @@ def settled(row: tuple) -> bool:
             and not row[BOOT] and row[FW] == NO_MSG and not row[CANCEL])
 
 
+def allocation_need(m: Model, s: State, action: type, r: int) -> int | str:
+    """How many free pages an Admit or Reserve of request r must name, or why none is
+    enabled. `successors` enumerates every choice of pages, which only small pools afford;
+    a shell with large pools asks this and lets its allocator (or a fuzzer) pick the pages."""
+    if not 0 <= r < m.requests:
+        raise ProtocolMisuse(f"request {r} does not exist (model has {m.requests})")
+    if action is Admit:
+        return pages_to_admit(m, s.requests[r])
+    if action is Reserve:
+        return pages_to_reserve(m, s.requests[r])
+    raise ProtocolMisuse(f"{action!r} is not an allocation (Admit or Reserve)")
+
+
 class _EventCache:
     """Interned event objects, so that enumeration allocates no events."""
 

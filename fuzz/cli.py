@@ -1,0 +1,214 @@
+"""`kvproof fuzz`: the command line of the fuzzer (api/cli.py hands the subcommand here).
+
+    kvproof fuzz [--target NAME ...] [--seed N] [--examples N | --seconds S] [--bug NAME ...]
+                 [--property NAME ...] [--profile NAME] [--out FILE]
+    kvproof fuzz --zoo [--target NAME ...] [--seed N] [--examples N | --seconds S]
+    kvproof fuzz --replay FILE
+
+Exit status: 0 when nothing is violated (for --zoo: every entry caught and no false alarm),
+1 when something is (for --replay: the saved violation reproduces), 2 for bad input.
+Every run prints its seed; a run given no seed draws one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from spec.model import BUG_SWITCHES
+from spec.properties import REST_INVARIANTS, STATE_INVARIANTS
+
+from fuzz.profiles import PROFILES, default_profile_name
+from fuzz.target import TARGET_MODULES, load_targets
+
+EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
+EXAMPLES_DEFAULT = 200
+ZOO_EXAMPLES_DEFAULT = 1000
+# A time budget runs batches this big, seeds seed, seed+1, ...; it is checked between them.
+SECONDS_BATCH_EXAMPLES = 50
+
+
+class UsageError(ValueError):
+    """The user's input is wrong: reported on stderr with exit status 2."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", action="append", default=[], metavar="NAME",
+                        help="the system to fuzz (repeatable; default: core, or every "
+                             f"target of {', '.join(TARGET_MODULES)} with --zoo)")
+    parser.add_argument("--seed", type=int, default=None, metavar="N",
+                        help="the seed (default: a fresh one, printed)")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--examples", type=int, default=None, metavar="N",
+                        help=f"examples to run (default {EXAMPLES_DEFAULT}; "
+                             f"{ZOO_EXAMPLES_DEFAULT} per cell with --zoo)")
+    budget.add_argument("--seconds", type=float, default=None, metavar="S",
+                        help="run for S seconds instead (seeded batches of "
+                             f"{SECONDS_BATCH_EXAMPLES} examples)")
+    parser.add_argument("--bug", action="append", default=[], metavar="NAME",
+                        help="turn on a bug switch (repeatable; see kvproof check --list-bugs)")
+    parser.add_argument("--property", action="append", default=[], metavar="NAME",
+                        help="check only these properties (repeatable; default: all, "
+                             "with the page-conservation and leak oracles)")
+    parser.add_argument("--profile", default=None, choices=sorted(PROFILES),
+                        help="model sizes and steps per example (default: "
+                             "$KVPROOF_FUZZ_PROFILE or 'default')")
+    parser.add_argument("--shrink-seconds", type=float, default=20.0, metavar="S",
+                        help="time Hypothesis may spend shrinking a failure (0: none)")
+    parser.add_argument("--out", default=None, metavar="FILE",
+                        help="where to save a failure (default: "
+                             "kvproof-fuzz-<target>-seed<N>.itf.json)")
+    parser.add_argument("--zoo", action="store_true",
+                        help="run every bug-zoo entry on every target and print the matrix")
+    parser.add_argument("--replay", metavar="FILE", default=None,
+                        help="re-run a saved failure and report whether it reproduces")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.replay:
+            return _replay(args)
+        base = _campaign(args)
+        targets = _targets(args)
+    except UsageError as error:
+        print(f"kvproof fuzz: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.zoo:
+        return _zoo(targets, base)
+    worst = EXIT_OK
+    for target in targets:
+        worst = max(worst, _fuzz(args, base, target))
+    return worst
+
+
+def _campaign(args: argparse.Namespace):
+    from fuzz.runner import Campaign, random_seed
+
+    unknown = [b for b in args.bug if b not in BUG_SWITCHES]
+    if unknown:
+        raise UsageError(f"unknown bug switch(es) {unknown}; see kvproof check --list-bugs")
+    known = set(STATE_INVARIANTS) | set(REST_INVARIANTS)
+    bad = [p for p in args.property if p not in known]
+    if bad:
+        raise UsageError(f"unknown propert(y/ies) {bad}; known: {sorted(known)}")
+    if args.zoo and (args.bug or args.property):
+        raise UsageError("--zoo sets the switches and properties of each entry itself; "
+                         "drop --bug and --property")
+    if args.examples is not None and args.examples < 1:
+        raise UsageError(f"--examples must be at least 1, got {args.examples}")
+    if args.seconds is not None and not args.seconds > 0:
+        raise UsageError(f"--seconds must be positive, got {args.seconds}")
+    if args.seed is not None and args.seed < 0:
+        raise UsageError(f"--seed must be a non-negative integer, got {args.seed}")
+    if not args.shrink_seconds >= 0:
+        raise UsageError(f"--shrink-seconds must be >= 0, got {args.shrink_seconds}")
+    profile = args.profile or default_profile_name()
+    if profile not in PROFILES:
+        raise UsageError(f"unknown profile {profile!r} (from KVPROOF_FUZZ_PROFILE); "
+                         f"known: {sorted(PROFILES)}")
+    examples = args.examples or (SECONDS_BATCH_EXAMPLES if args.seconds else
+                                 ZOO_EXAMPLES_DEFAULT if args.zoo else EXAMPLES_DEFAULT)
+    return Campaign(bugs=frozenset(args.bug), properties=tuple(args.property) or None,
+                    profile=PROFILES[profile],
+                    seed=args.seed if args.seed is not None else random_seed(),
+                    examples=examples, seconds=args.seconds,
+                    shrink_seconds=args.shrink_seconds)
+
+
+def _targets(args: argparse.Namespace) -> list[str]:
+    known = load_targets()
+    unknown = [t for t in args.target if t not in known]
+    if unknown:
+        raise UsageError(f"unknown target(s) {unknown}; known: {sorted(known)}")
+    if args.target:
+        return list(dict.fromkeys(args.target))
+    return sorted(known) if args.zoo else ["core"]
+
+
+def _fuzz(args: argparse.Namespace, base, target: str) -> int:
+    from dataclasses import replace
+
+    from fuzz.runner import format_failure, run_campaign
+
+    campaign = replace(base, target=target)
+    print(f"kvproof fuzz: {campaign.describe()}", flush=True)
+    outcome = run_campaign(campaign)
+    print(f"{outcome.examples} examples, {outcome.steps + outcome.drain_steps} steps "
+          f"({outcome.steps} by the rules, {outcome.drain_steps} by the drain) in "
+          f"{outcome.seconds:.1f} s: {outcome.examples_per_second:.1f} examples/s, "
+          f"{outcome.steps_per_second:,.0f} steps/s")
+    if not outcome.caught:
+        print(f"No violation (seed {campaign.seed}).")
+        return EXIT_OK
+    print(format_failure(campaign, outcome))
+    path = args.out or f"kvproof-fuzz-{target}-seed{outcome.batch_seed}.itf.json"
+    try:
+        _save(path, campaign, outcome)
+    except OSError as error:
+        print(f"kvproof fuzz: cannot save the failure to {path}: {error}", file=sys.stderr)
+        return EXIT_VIOLATION
+    print(f"Minimal failing sequence written to {path}; replay: kvproof fuzz --replay {path}")
+    return EXIT_VIOLATION
+
+
+def _save(path: str, campaign, outcome) -> None:
+    from fuzz import replay
+
+    failure = outcome.failure
+    saved = replay.SavedFailure(
+        campaign.target, failure.setup.model, campaign.properties, outcome.minimal,
+        str(outcome.replayed.violations[0]), outcome.replayed.steps, outcome.batch_seed)
+    replay.write(path, saved, {"examples": outcome.batch_examples,
+                               "profile": campaign.profile.name,
+                               "setup": failure.setup.describe()})
+
+
+def _zoo(targets: list[str], base) -> int:
+    from fuzz.zoo import format_cell, format_matrix, run_zoo
+
+    budget = f"{base.seconds:g} s" if base.seconds else f"{base.examples} examples"
+    print(f"kvproof fuzz --zoo: targets {', '.join(targets)}; seed {base.seed}; per cell "
+          f"{budget}; profile {base.profile.name}", flush=True)
+    cells = run_zoo(targets, base, progress=lambda cell: print(
+        f"  {cell.row.name} on {cell.target}: {format_cell(cell)}", flush=True))
+    print(format_matrix(cells))
+    bad = [c for c in cells if not c.ok]
+    if bad:
+        print("FAILED: " + "; ".join(f"{c.row.name} on {c.target}: {format_cell(c)}"
+                                     for c in bad))
+        return EXIT_VIOLATION
+    print("Every zoo entry caught on every target; no false alarm.")
+    return EXIT_OK
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from fuzz import replay
+    from fuzz.oracles import Checks
+    from fuzz.target import TargetRefused
+
+    if args.zoo or args.bug or args.property or args.seed is not None:
+        raise UsageError("--replay takes the model, switches and properties from the file; "
+                         "it combines with no other option")
+    if not Path(args.replay).is_file():
+        raise UsageError(f"--replay {args.replay}: no such file")
+    try:
+        saved = replay.load(args.replay)
+    except replay.ReplayError as error:
+        raise UsageError(str(error)) from None
+    print(f"Replaying {len(saved.events)} events on the {saved.target} target: "
+          f"{saved.model.describe()}")
+    print(f"recorded: {saved.violation} after event {saved.steps}")
+    try:
+        found = replay.replay(saved.target, saved.model, saved.events,
+                              Checks.for_properties(saved.properties))
+    except TargetRefused as error:
+        raise UsageError(f"the {saved.target} target refuses the recorded sequence: {error} "
+                         "(the protocol changed since the file was written?)") from None
+    if found is None:
+        print(f"No violation: every check holds after all {len(saved.events)} events.")
+        return EXIT_OK
+    same = str(found.violations[0]) == saved.violation and found.steps == saved.steps
+    print(f"{'Reproduced' if same else 'A different violation'}: {found.violations[0]} "
+          f"after event {found.steps}")
+    return EXIT_VIOLATION

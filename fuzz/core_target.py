@@ -1,0 +1,199 @@
+"""The protocol core as a fuzz target: spec/core.py alone, at any size.
+
+`core.successors` enumerates every choice of free pages for an allocation, which is what
+makes the model checker exhaustive and what limits it to a few pages. Here the core is asked
+how many pages an allocation needs (`core.allocation_need`) and the fuzzer picks which, so a
+step costs the same at 64 pages as at 3. Every other event is enabled exactly when the core's
+action function accepts it; the next state computed while listing moves is kept, so taking
+a listed event costs a dictionary lookup.
+
+This module is an adapter: it knows how the core lays out its state (which rows hold pages,
+where writes are) so as to report observations, but it decides nothing about the protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from spec import core
+from spec.core import (
+    CLIENT, CLIENT_NAMES, CLOSING, DATA, DECODING, DST, D_WAITING, NONE, OWNER, PST, RUNNING, SRC,
+    TABLE,
+)
+from spec.model import Model
+from spec.properties import request_ended
+
+from fuzz.target import Move, Observation, Open, PoolView, Target, TargetRefused, register
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+# The per-request events with no argument besides the request, and the events with no
+# argument at all, read off the core's action table so that a new action joins the
+# vocabulary without an edit here.
+_SIMPLE_CLASSES = tuple(cls for cls in core.ACTIONS if _field_names(cls) == ("request",))
+_GLOBAL_CLASSES = tuple(cls for cls in core.ACTIONS if _field_names(cls) == ())
+_NAMES = core.ACTION_NAMES  # moves are listed in the core's action order
+_ALLOCATIONS = (core.Admit, core.Reserve)
+_HOLDS_DECODE_PAGES = (D_WAITING, DECODING, CLOSING)
+
+
+@register("core")
+class CoreTarget(Target):
+    def reset(self, model: Model, seed: int) -> None:
+        # The core has no randomness of its own: the seed is unused.
+        self.model = model
+        self.state = core.initial_state(model)
+        self._trace: list[core.Event] = []
+        self._moves: dict[str, list[Move]] | None = None
+        self._next: dict[core.Event, core.State] = {}
+        self._observation: Observation | None = None
+        self._reads: dict[int, tuple[int, ...]] = {}
+        # Step at which each page was last freed (0: never used), for the free-list order.
+        self._freed_at = ([0] * model.prefill_pages, [0] * model.decode_pages)
+        self._prompts = tuple(range(1, model.max_prompt_pages + 1))
+        self._since: dict[object, int] = {}  # move -> step at which it became enabled
+        self._memo: list = [None] * model.requests  # per request: its last listing
+        self._arrive = core.ACTIONS[core.Arrive]
+        # The action functions are looked up at reset, not at import, so that a test can
+        # swap one of core.ACTIONS for a broken copy and see whether the fuzzer notices.
+        self._simple = tuple((cls.__name__, core.ACTIONS[cls]) for cls in _SIMPLE_CLASSES)
+        self._global = tuple((cls.__name__, core.ACTIONS[cls], cls()) for cls in _GLOBAL_CLASSES)
+        self._events = [tuple(cls(r) for cls in _SIMPLE_CLASSES) for r in range(model.requests)]
+
+    def enabled(self) -> dict[str, list[Move]]:
+        if self._moves is None:
+            self._moves = self._list_moves()
+        return self._moves
+
+    def _list_moves(self) -> dict[str, list[Move]]:
+        m, s = self.model, self.state
+        moves: dict[str, list[Move]] = {name: [] for name in _NAMES}
+        self._next.clear()
+        free: list = [None, None]  # per pool, computed when an allocation first needs it
+        for r in range(m.requests):
+            for name, move in self._request_moves(r, free):
+                moves[name].append(move)
+        # A write can land exactly when it is in flight (core.land_write's only guard); its
+        # next state is computed when it is taken, since most listed writes are not.
+        land = moves["LandWrite"]
+        for w in s.writes:
+            land.append(core.LandWrite(w[0], w[2]))
+        for name, fn, event in self._global:
+            out = fn(m, s)
+            if type(out) is not str:
+                self._next[event] = out
+                moves[name].append(event)
+        return self._oldest_first({name: listed for name, listed in moves.items() if listed})
+
+    def _request_moves(self, r: int, free: list) -> list[tuple[str, Move]]:
+        """Request r's enabled moves. An action of r reads r's row, the pools and the writes,
+        never another request's row (core.py's representation), so when none of those has
+        changed since the last listing, neither has the answer: most events change one row
+        and leave the pools alone, and this skips asking the core again for the others."""
+        m, s = self.model, self.state
+        row = s.requests[r]
+        if type(self._arrive(m, s, r, 1)) is not str:
+            return [("Arrive", Open("Arrive", r, 0, self._prompts))]
+        if request_ended(row):
+            return []  # nothing of an ended request is enabled (its writes are listed apart)
+        memo = self._memo[r]
+        if (memo is not None and memo[0] is row and memo[1] is s.prefill_pool
+                and memo[2] is s.decode_pool and memo[3] is s.writes):
+            return memo[4]
+        listed: list[tuple[str, Move]] = []
+        for which, cls in enumerate(_ALLOCATIONS):
+            need = core.allocation_need(m, s, cls, r)
+            if type(need) is int:
+                if free[which] is None:
+                    free[which] = self._free_pages(which)
+                if len(free[which]) >= need:
+                    listed.append((cls.__name__, Open(cls.__name__, r, need, free[which])))
+        for k, (name, fn) in enumerate(self._simple):
+            out = fn(m, s, r)
+            if type(out) is not str:
+                event = self._events[r][k]
+                self._next[event] = out
+                listed.append((name, event))
+        self._memo[r] = (row, s.prefill_pool, s.decode_pool, s.writes, listed)
+        return listed
+
+    def _oldest_first(self, moves: dict[str, list[Move]]) -> dict[str, list[Move]]:
+        """Each action's moves in the order they became enabled (the Target contract), so
+        that a fuzzer can deliver in order, newest first, or in any order."""
+        now, since, still = len(self._trace), self._since, {}
+        for listed in moves.values():
+            for move in listed:
+                key = (move.action, move.request) if type(move) is Open else move
+                still[key] = since.get(key, now)
+            if len(listed) > 1:
+                listed.sort(key=lambda move: still[(move.action, move.request)
+                                                  if type(move) is Open else move])
+        self._since = still
+        return moves
+
+    def _free_pages(self, which: int) -> tuple[int, ...]:
+        """Free pages of the prefill (0) or decode (1) pool, least recently freed first
+        (the order of _ALLOCATIONS)."""
+        pool = self.state.prefill_pool if which == 0 else self.state.decode_pool
+        freed_at = self._freed_at[which]
+        free = [p for p, page in enumerate(pool) if page[0] == NONE]
+        free.sort(key=freed_at.__getitem__)  # stable: ascending among equals
+        return tuple(free)
+
+    def step(self, event: core.Event) -> None:
+        out = self._next.get(event) if self._moves is not None else None
+        if out is None:
+            out = core.apply(self.model, self.state, event)
+            if isinstance(out, core.Refusal):
+                raise TargetRefused(str(out))
+        before = self.state
+        self.state = out
+        self._trace.append(event)
+        self._moves = None
+        self._observation = None
+        self._note_frees(before, out)
+        if isinstance(event, core.Finish) and before.requests[event.request][DST] == DECODING:
+            pool = before.decode_pool
+            self._reads[event.request] = tuple(
+                pool[p][DATA] for p, _ in before.requests[event.request][TABLE])
+
+    def _note_frees(self, before: core.State, after: core.State) -> None:
+        step = len(self._trace)
+        pairs = ((before.prefill_pool, after.prefill_pool, self._freed_at[0]),
+                 (before.decode_pool, after.decode_pool, self._freed_at[1]))
+        for old, new, freed_at in pairs:
+            if old is new:
+                continue
+            for p, page in enumerate(new):
+                if page[0] == NONE and old[p][0] != NONE:
+                    freed_at[p] = step
+
+    def protocol_state(self) -> core.State:
+        return self.state
+
+    def observe(self) -> Observation:
+        if self._observation is None:
+            self._observation = self._build_observation()
+        return self._observation
+
+    def _build_observation(self) -> Observation:
+        s = self.state
+        rows = s.requests
+        decode = PoolView(
+            "decode", tuple(page[OWNER] for page in s.decode_pool),
+            tuple(tuple(p for p, _ in row[TABLE]) if row[DST] in _HOLDS_DECODE_PAGES else ()
+                  for row in rows))
+        prefill = PoolView(
+            "prefill", tuple(page[0] for page in s.prefill_pool),
+            tuple(row[SRC] if row[PST] == RUNNING else () for row in rows))
+        return Observation(
+            pools=(prefill, decode),
+            writes=tuple((w[0], w[2]) for w in s.writes),
+            outcomes=tuple(CLIENT_NAMES[row[CLIENT]] for row in rows),
+            reads=dict(self._reads))
+
+    def trace(self) -> list[core.Event]:
+        return list(self._trace)

@@ -1,0 +1,139 @@
+"""What is checked after every fuzz step, on every target.
+
+Three layers, each blind to the others' mistakes:
+
+- spec/properties.py, on the target's protocol state: the state invariants after every step,
+  the rest invariants whenever no fair action is enabled (the same rule as the checker);
+- page conservation, on the target's own bookkeeping: every page of every pool is either
+  free or held by exactly one request whose own page list names it, so free + held ==
+  total; and every write in flight goes into a page its request owns;
+- the leak oracle, on canaries: a writer leaves its identity in every page it writes (the
+  core's page `data` is the writer's request id), so whatever decode read can be traced to
+  who wrote it. A request whose client got Ok must have read only its own pages. This does
+  not look at the core's LEAKED flag or at tags: if the core's own accounting of a leak were
+  wrong, this would still see the leak.
+
+A zoo entry may restrict the properties it is about (the incident is about OkIsClean and
+Isolation, not about the liveness damage its switches also do); an oracle is checked when a
+property of its family is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from spec import core
+from spec.model import Model
+from spec.properties import REST_INVARIANTS, STATE_INVARIANTS
+
+from fuzz.target import Observation, Target, Violation
+
+LEAK_ORACLE = "LeakOracle"
+PAGE_CONSERVATION = "PageConservation"
+# The spec properties whose concern each oracle shares.
+ORACLE_FAMILY = {
+    PAGE_CONSERVATION: ("ExclusiveOwner", "NoWriteIntoForeign", "SourceHeld"),
+    LEAK_ORACLE: ("Isolation", "OkIsClean"),
+}
+FAIR_EXEMPT = core.UNFAIR_ACTIONS  # the environment's actions: not owed by the protocol
+
+
+def _name(m: Model, r: int) -> str:
+    return m.request_names[r] if r >= 0 else "nobody"
+
+
+def page_conservation(m: Model, obs: Observation) -> list[str]:
+    problems = []
+    for pool in obs.pools:
+        holder: dict[int, int] = {}
+        for r, pages in enumerate(pool.held):
+            for p in pages:
+                if p in holder:
+                    problems.append(f"{pool.name} page {p + 1} is held by both "
+                                    f"{_name(m, holder[p])} and {_name(m, r)}")
+                holder[p] = r
+                if pool.owners[p] != r:
+                    problems.append(f"{_name(m, r)} holds {pool.name} page {p + 1}, which the "
+                                    f"pool gives to {_name(m, pool.owners[p])}")
+        free = sum(1 for owner in pool.owners if owner == core.NONE)
+        if free + len(holder) != len(pool.owners):
+            problems.append(f"{pool.name} pool: {free} free + {len(holder)} held != "
+                            f"{len(pool.owners)} pages")
+    decode = next(pool for pool in obs.pools if pool.name == "decode")
+    for r, p in obs.writes:
+        if decode.owners[p] != r:
+            problems.append(f"a write of {_name(m, r)} is in flight into decode page {p + 1}, "
+                            f"owned by {_name(m, decode.owners[p])}")
+    return problems
+
+
+def leak_oracle(m: Model, obs: Observation) -> list[str]:
+    problems = []
+    for r, outcome in enumerate(obs.outcomes):
+        if outcome != "Ok":
+            continue
+        reads = obs.reads.get(r)
+        if reads is None:
+            problems.append(f"{_name(m, r)} got Ok, but decode never read its pages")
+            continue
+        foreign = sorted({w for w in reads if w != r})
+        if foreign:
+            writers = ", ".join(_name(m, w) for w in foreign)
+            problems.append(f"{_name(m, r)} got Ok, but decode read {len(reads)} pages of which "
+                            f"{sum(1 for w in reads if w != r)} were written by {writers}")
+    return problems
+
+
+ORACLES: dict[str, Callable[[Model, Observation], list[str]]] = {
+    PAGE_CONSERVATION: page_conservation,
+    LEAK_ORACLE: leak_oracle,
+}
+
+
+@dataclass(frozen=True)
+class Checks:
+    """The properties and oracles one campaign checks."""
+
+    state: tuple[tuple[str, Callable], ...]
+    rest: tuple[tuple[str, Callable], ...]
+    oracles: tuple[tuple[str, Callable], ...]
+
+    @classmethod
+    def for_properties(cls, names: Iterable[str] | None = None) -> "Checks":
+        """All checks, or those of the named spec properties and their oracles."""
+        chosen = set(names) if names is not None else set(STATE_INVARIANTS) | set(REST_INVARIANTS)
+        unknown = chosen - set(STATE_INVARIANTS) - set(REST_INVARIANTS)
+        if unknown:
+            raise ValueError(f"unknown propert(y/ies) {sorted(unknown)}")
+        return cls(
+            state=tuple((n, p) for n, p in STATE_INVARIANTS.items() if n in chosen),
+            rest=tuple((n, p) for n, p in REST_INVARIANTS.items() if n in chosen),
+            oracles=tuple((n, fn) for n, fn in ORACLES.items()
+                          if chosen.intersection(ORACLE_FAMILY[n])))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.state + self.rest + self.oracles)
+
+
+def at_rest(target: Target) -> bool:
+    """No fair action is enabled: only the environment could move the system on."""
+    return at_rest_in(target.enabled())
+
+
+def at_rest_in(moves_by_action) -> bool:
+    return not any(action not in FAIR_EXEMPT for action in moves_by_action)
+
+
+def check(checks: Checks, m: Model, target: Target) -> list[Violation]:
+    """Every violated check in the target's current state (empty when all hold)."""
+    s = target.protocol_state()
+    found = [Violation(n, "violated") for n, p in checks.state if not p(m, s)]
+    if checks.rest and at_rest(target):
+        found += [Violation(n, "violated at rest") for n, p in checks.rest if not p(m, s)]
+    if checks.oracles:
+        obs = target.observe()
+        for name, oracle in checks.oracles:
+            found += [Violation(name, problem) for problem in oracle(m, obs)]
+    return found + target.check()

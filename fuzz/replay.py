@@ -1,0 +1,184 @@
+"""Failing sequences: replay them, cut them down, and keep them in a file.
+
+A failure is a model plus a list of concrete core events. Replaying it resets a target on the
+model, takes the events one by one and runs the same checks after each; it reports the first
+violation. Replay does not involve Hypothesis, so a saved failure replays on any machine and
+any Hypothesis version, and stays a regression test after the bug is fixed.
+
+`minimize` cuts a failing sequence down after Hypothesis has shrunk the example that produced
+it. Hypothesis shrinks the choices it made; the drain's events and events of bystander
+requests are not choices, and usually most of a trace. Deleting every event of one request,
+then chunks of events (largest first, as in delta debugging), while the replay still
+violates the same property gives the minimal interleaving that is printed and saved. It is
+minimal in that no single event or listed chunk can go, not the shortest possible.
+
+The file is an ITF trace (spec/itf.py): the protocol state after every event, and under
+"#meta" the model and, in "fuzz", the target, seed, swarm setup, the events as data and the
+violation. `--replay` reads the events, not the states.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from spec import core
+from spec.itf import model_from_meta, trace_to_itf
+from spec.model import Model, ModelError
+
+from fuzz import oracles
+from fuzz.oracles import Checks
+from fuzz.target import TargetRefused, Violation, load_targets
+
+FORMAT = "kvproof-fuzz/1"
+_EVENT_TYPES = {cls.__name__: cls for cls in core.ACTIONS}
+
+
+class ReplayError(ValueError):
+    """A replay file that cannot be read, or whose events the target refuses."""
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """The first violation of a replay: after how many events, and which checks failed."""
+
+    steps: int
+    violations: list[Violation]
+
+    @property
+    def property(self) -> str:
+        return self.violations[0].property
+
+
+def replay(target_name: str, m: Model, events: list[core.Event], checks: Checks,
+           states: list | None = None) -> Replayed | None:
+    """Take `events` on a fresh target; the first violation, or None if every check holds.
+    Raises TargetRefused when the target refuses an event. With `states`, appends the
+    protocol state after reset and after every event."""
+    target = load_targets()[target_name]()
+    target.reset(m, seed=0)
+    if states is not None:
+        states.append((None, target.protocol_state()))
+    found = oracles.check(checks, m, target)
+    if found:
+        return Replayed(0, found)
+    for k, event in enumerate(events):
+        target.step(event)
+        if states is not None:
+            states.append((event, target.protocol_state()))
+        found = oracles.check(checks, m, target)
+        if found:
+            return Replayed(k + 1, found)
+    return None
+
+
+def minimize(target_name: str, m: Model, events: list[core.Event], checks: Checks,
+             prop: str, seconds_max: float) -> tuple[list[core.Event], Replayed]:
+    """A shorter sequence that still violates `prop`, from deleting chunks of events."""
+    result = _fails(target_name, m, events, checks, prop)
+    assert result is not None, f"the sequence to minimize does not violate {prop}"
+    current = events[:result.steps]
+    deadline = time.perf_counter() + seconds_max
+    # Bystander requests first: deleting one event of a request usually makes its later
+    # events illegal, deleting all of them at once does not.
+    for r in sorted({e.request for e in current if hasattr(e, "request")}, reverse=True):
+        if time.perf_counter() >= deadline:
+            break
+        candidate = [e for e in current if getattr(e, "request", None) != r]
+        found = _fails(target_name, m, candidate, checks, prop)
+        if found is not None:
+            current = candidate[:found.steps]
+    chunk = max(1, len(current) // 2)
+    while chunk >= 1 and time.perf_counter() < deadline:
+        start = 0
+        while start < len(current) and time.perf_counter() < deadline:
+            candidate = current[:start] + current[start + chunk:]
+            found = _fails(target_name, m, candidate, checks, prop)
+            if found is not None:
+                current = candidate[:found.steps]
+            else:
+                start += chunk
+        chunk //= 2
+    final = _fails(target_name, m, current, checks, prop)
+    assert final is not None, "minimizing lost the violation"
+    return current, final
+
+
+def _fails(target_name: str, m: Model, events: list[core.Event], checks: Checks,
+           prop: str) -> Replayed | None:
+    try:
+        found = replay(target_name, m, events, checks)
+    except TargetRefused:
+        return None  # the deletion made a later event illegal
+    if found is None or prop not in {v.property for v in found.violations}:
+        return None
+    return found
+
+
+def encode_event(event: core.Event) -> dict:
+    out: dict = {"action": event.action}
+    for f in fields(event):
+        value = getattr(event, f.name)
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def decode_event(data: dict) -> core.Event:
+    if not isinstance(data, dict) or data.get("action") not in _EVENT_TYPES:
+        raise ReplayError(f"not an event of spec/core.py: {data!r}")
+    cls = _EVENT_TYPES[data["action"]]
+    try:
+        args = {f.name: data[f.name] for f in fields(cls)}
+    except KeyError as error:
+        raise ReplayError(f"event {data!r} lacks the field {error}") from None
+    args = {k: tuple(v) if isinstance(v, list) else v for k, v in args.items()}
+    return cls(**args)
+
+
+@dataclass(frozen=True)
+class SavedFailure:
+    target: str
+    model: Model
+    properties: tuple[str, ...] | None
+    events: list[core.Event]
+    violation: str
+    steps: int
+    seed: int | None
+
+
+def write(path: str | Path, failure: SavedFailure, extra: dict) -> None:
+    """The failure as an ITF trace with the fuzz data under #meta.fuzz."""
+    states: list = []
+    checks = Checks.for_properties(failure.properties)
+    replay(failure.target, failure.model, failure.events, checks, states)
+    itf = trace_to_itf(failure.model, states, f"kvproof fuzz: {failure.violation} after "
+                       f"{failure.steps} events on the {failure.target} target")
+    itf["#meta"]["fuzz"] = {
+        "format": FORMAT, "target": failure.target, "seed": failure.seed,
+        "properties": list(failure.properties) if failure.properties is not None else None,
+        "events": [encode_event(e) for e in failure.events],
+        "violation": failure.violation, "steps": failure.steps, **extra}
+    Path(path).write_text(json.dumps(itf, indent=1) + "\n")
+
+
+def load(path: str | Path) -> SavedFailure:
+    try:
+        data = json.loads(Path(path).read_text())
+        meta = data["#meta"]
+        fuzz, model = meta["fuzz"], model_from_meta(meta["model"])
+    except (OSError, json.JSONDecodeError) as error:
+        raise ReplayError(f"cannot read {path}: {error}") from None
+    except (KeyError, TypeError, ModelError) as error:
+        raise ReplayError(f"{path} is not a kvproof fuzz failure ({error!r})") from None
+    if not isinstance(fuzz, dict) or fuzz.get("format") != FORMAT:
+        raise ReplayError(f"{path}: unknown format {fuzz.get('format')!r}; expected {FORMAT}")
+    if fuzz.get("target") not in load_targets():
+        raise ReplayError(f"{path}: unknown target {fuzz.get('target')!r}; "
+                          f"known: {sorted(load_targets())}")
+    props = fuzz.get("properties")
+    events = [decode_event(e) for e in fuzz.get("events", [])]
+    return SavedFailure(fuzz["target"], model, tuple(props) if props is not None else None,
+                        events, str(fuzz.get("violation")), int(fuzz.get("steps", -1)),
+                        fuzz.get("seed"))

@@ -1,0 +1,182 @@
+"""Fuzz campaigns: run the machine under a budget, with a seed, and report what it found.
+
+A campaign is one target, one set of bug switches, the properties to check, a profile and a
+budget (a number of examples, or seconds). Budgets in seconds run in batches of examples,
+batch k with seed `seed + k`, so that every failure names the one batch that reproduces it
+(`--seed S --examples N`); a budget in examples is one batch. The Hypothesis example
+database is off: a campaign never depends on an earlier run.
+
+When an example fails, Hypothesis shrinks it (for at most `shrink_seconds`: Hypothesis has no
+setting for that, see `_shrink_seconds_max`) and raises the failure of the smallest example;
+the runner then cuts the event sequence down with fuzz/replay.py's `minimize` and replays
+the result once more, so that what is printed and saved is known to fail.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, Phase, Verbosity, seed as hypothesis_seed, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from spec import core
+
+from fuzz.machine import FuzzFailure, Recorder, make_machine
+from fuzz.oracles import Checks
+from fuzz.profiles import PROFILES, Profile
+from fuzz.replay import Replayed, minimize
+from fuzz.target import TARGETS, load_targets
+
+load_targets()
+
+
+@dataclass(frozen=True)
+class Campaign:
+    target: str = "core"
+    bugs: frozenset[str] = frozenset()
+    properties: tuple[str, ...] | None = None  # None: every property and oracle
+    profile: Profile = PROFILES["default"]
+    seed: int = 0
+    examples: int | None = 200        # the budget in examples, or per batch with `seconds`
+    seconds: float | None = None      # the budget in seconds (batches of `examples`)
+    shrink_seconds: float = 20.0      # Hypothesis shrinking; 0: no shrinking
+    minimize_seconds: float = 10.0    # cutting the shrunk sequence down
+
+    def __post_init__(self) -> None:
+        assert self.target in TARGETS, f"unknown target {self.target}"
+        assert self.examples is None or self.examples >= 1
+        assert self.seconds is None or self.seconds > 0
+        assert self.examples is not None or self.seconds is not None
+
+    def describe(self) -> str:
+        budget = (f"{self.seconds:g} s in batches of {self.examples} examples" if self.seconds
+                  else f"{self.examples} examples")
+        bugs = ", ".join(sorted(self.bugs)) or "none"
+        props = ", ".join(self.properties) if self.properties else "all"
+        return (f"target {self.target}, seed {self.seed}, {budget}, profile "
+                f"{self.profile.name}; bugs: {bugs}; properties: {props}")
+
+
+@dataclass
+class Outcome:
+    campaign: Campaign
+    examples: int = 0               # examples run, shrinking included
+    steps: int = 0                  # events chosen by the rules
+    drain_steps: int = 0            # events taken by the drain
+    seconds: float = 0.0
+    examples_to_catch: int = 0      # 0: nothing caught
+    seconds_to_catch: float = 0.0
+    batch_seed: int | None = None   # the seed of the batch that failed
+    batch_examples: int = 0
+    failure: FuzzFailure | None = None           # as Hypothesis shrank it
+    minimal: list[core.Event] = field(default_factory=list)
+    replayed: Replayed | None = None             # the minimal sequence's violation
+
+    @property
+    def caught(self) -> bool:
+        return self.failure is not None
+
+    @property
+    def examples_per_second(self) -> float:
+        return self.examples / max(self.seconds, 1e-9)
+
+    @property
+    def steps_per_second(self) -> float:
+        return (self.steps + self.drain_steps) / max(self.seconds, 1e-9)
+
+
+def random_seed() -> int:
+    """A fresh seed for a run that was given none (it is printed, so the run replays)."""
+    return random.SystemRandom().randrange(2**31)
+
+
+def run_campaign(c: Campaign) -> Outcome:
+    recorder = Recorder(clock=time.perf_counter)
+    outcome = Outcome(c)
+    start = time.perf_counter()
+    batch = 0
+    while True:
+        batch_seed = c.seed + batch
+        failure = _run_batch(c, batch_seed, recorder)
+        if failure is not None:
+            outcome.failure, outcome.batch_seed = failure, batch_seed
+            outcome.batch_examples = c.examples
+            break
+        batch += 1
+        if c.seconds is None or time.perf_counter() - start >= c.seconds:
+            break
+    outcome.seconds = time.perf_counter() - start
+    outcome.examples, outcome.steps = recorder.examples, recorder.steps
+    outcome.drain_steps = recorder.drain_steps
+    if outcome.failure is not None:
+        outcome.examples_to_catch = recorder.first_failure_example
+        outcome.seconds_to_catch = recorder.first_failure_clock - start
+        _minimize(c, outcome)
+    return outcome
+
+
+def _run_batch(c: Campaign, batch_seed: int, recorder: Recorder) -> FuzzFailure | None:
+    checks = Checks.for_properties(c.properties)
+    machine = make_machine(TARGETS[c.target], c.profile, c.bugs, checks, recorder)
+    phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if c.shrink_seconds else [])
+    options = settings(max_examples=c.examples, database=None, deadline=None,
+                       stateful_step_count=c.profile.steps_max, phases=phases,
+                       suppress_health_check=list(HealthCheck), report_multiple_bugs=False,
+                       verbosity=Verbosity.quiet, print_blob=False)
+    try:
+        with _shrink_seconds_max(c.shrink_seconds):
+            run_state_machine_as_test(hypothesis_seed(batch_seed)(machine), settings=options)
+    except FuzzFailure as failure:
+        return failure
+    return None
+
+
+@contextmanager
+def _shrink_seconds_max(seconds: float):
+    """Bound Hypothesis's shrinking in time. Hypothesis has no setting for this; its engine
+    reads the module constant MAX_SHRINKING_SECONDS (300 s) when shrinking starts. Should a
+    release rename it, shrinking just keeps Hypothesis's own limit."""
+    from hypothesis.internal.conjecture import engine
+
+    before = getattr(engine, "MAX_SHRINKING_SECONDS", None)
+    if before is None or not seconds:
+        yield
+        return
+    engine.MAX_SHRINKING_SECONDS = seconds
+    try:
+        yield
+    finally:
+        engine.MAX_SHRINKING_SECONDS = before
+
+
+def _minimize(c: Campaign, outcome: Outcome) -> None:
+    failure = outcome.failure
+    checks = Checks.for_properties(c.properties)
+    outcome.minimal, outcome.replayed = minimize(
+        c.target, failure.setup.model, failure.trace, checks,
+        failure.violations[0].property, c.minimize_seconds)
+
+
+def reproduce_command(c: Campaign, outcome: Outcome) -> str:
+    bugs = "".join(f" --bug {b}" for b in sorted(c.bugs))
+    return (f"kvproof fuzz --target {c.target} --seed {outcome.batch_seed} --examples "
+            f"{outcome.batch_examples} --profile {c.profile.name}{bugs}")
+
+
+def format_failure(c: Campaign, outcome: Outcome) -> str:
+    """The failure as a person reads it: seed, setup, the minimal sequence, the violation."""
+    failure, m = outcome.failure, outcome.failure.setup.model
+    lines = [f"FAILED after {outcome.examples_to_catch} examples "
+             f"({outcome.seconds_to_catch:.1f} s): {failure.violations[0]}",
+             f"  seed {outcome.batch_seed}; reproduce: {reproduce_command(c, outcome)}",
+             f"  example: {failure.setup.describe()}",
+             f"  Hypothesis shrank it to {len(failure.trace)} events "
+             f"({len(failure.drained)} by the drain); minimal interleaving, "
+             f"{len(outcome.minimal)} events:"]
+    lines += [f"    {k + 1:3}. {event.label(m)}" for k, event in enumerate(outcome.minimal)]
+    lines += [f"  violated after event {outcome.replayed.steps}: {v}"
+              for v in outcome.replayed.violations]
+    return "\n".join(lines)

@@ -1,0 +1,136 @@
+"""What the fuzzer drives: a target, behind one small interface.
+
+A target is anything that runs the KV transfer protocol and can be told which protocol event
+to take next: the pure core (fuzz/core_target.py), the simulator, later the engine. The
+fuzzer never decides protocol questions itself. It asks the target which events are enabled,
+picks one, and hands it back; after every step it checks the target's protocol state
+against spec/properties.py and the target's *own* observations (page owners, what decode
+read) against oracles that do not trust the core's bookkeeping (fuzz/oracles.py).
+
+The vocabulary is spec/core.py's events. Three kinds of event need an argument the protocol
+leaves open, and the fuzzer chooses it: the prompt length of an Arrive and the pages of an
+Admit or Reserve. A target lists those as `Open` moves.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence, Union
+
+from spec import core
+from spec.model import Model
+
+
+@dataclass(frozen=True, slots=True)
+class Open:
+    """An enabled action whose argument the fuzzer picks.
+
+    Arrive: `options` are the prompt lengths allowed; `need` is 0.
+    Admit / Reserve: `options` are the free pages in the order the pool freed them (least
+    recently freed first, never-used pages first of all, ascending); pick `need` of them.
+    """
+
+    action: str
+    request: int
+    need: int
+    options: tuple[int, ...]
+
+    def close(self, choice: int | tuple[int, ...]) -> core.Event:
+        if self.action == "Arrive":
+            return core.Arrive(self.request, choice)
+        cls = core.Admit if self.action == "Admit" else core.Reserve
+        return cls(self.request, tuple(sorted(choice)))
+
+
+Move = Union[core.Event, Open]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    """One KV pool as the target's own bookkeeping sees it."""
+
+    name: str
+    owners: tuple[int, ...]            # per page: the owning request, -1 when free
+    held: tuple[tuple[int, ...], ...]  # per request: the pages it believes it holds
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What a target can say about itself without the core's verdicts (no LEAKED flag)."""
+
+    pools: tuple[PoolView, ...]
+    writes: tuple[tuple[int, int], ...]   # in flight: (request, decode page)
+    outcomes: tuple[str, ...]             # per request: the client's state (core.CLIENT_NAMES)
+    # Per request that finished decoding: the writer of each page decode read, recovered
+    # from the canary the writer left in the page.
+    reads: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    property: str   # a spec/properties.py name or an oracle's name
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.property}: {self.detail}"
+
+
+class TargetRefused(AssertionError):
+    """The target refused an event it had listed as enabled: a bug in the target or fuzzer."""
+
+
+class Target(abc.ABC):
+    """One system under test. Subclasses register themselves in TARGETS."""
+
+    name = "abstract"
+
+    @abc.abstractmethod
+    def reset(self, model: Model, seed: int) -> None:
+        """Start over on `model`; `seed` drives any randomness of the target's own."""
+
+    @abc.abstractmethod
+    def enabled(self) -> Mapping[str, Sequence[Move]]:
+        """Every enabled move, by action name; actions with no enabled move are absent.
+        Each action's moves are listed oldest first: in the order they became enabled."""
+
+    @abc.abstractmethod
+    def step(self, event: core.Event) -> None:
+        """Take one enabled event; raise TargetRefused if the target does not allow it."""
+
+    @abc.abstractmethod
+    def protocol_state(self) -> core.State:
+        """The protocol core's state (a shell's core state, for sim and engine)."""
+
+    @abc.abstractmethod
+    def observe(self) -> Observation:
+        """The target's own view of pools, writes, outcomes and reads."""
+
+    @abc.abstractmethod
+    def trace(self) -> list[core.Event]:
+        """Every event taken since reset, in order."""
+
+    def check(self) -> list[Violation]:
+        """Checks of the target's own beyond the shared oracles (runtime guards, say)."""
+        return []
+
+
+# Target name -> a factory. A target module registers itself with @register on import;
+# load_targets imports the modules listed here (the simulator and the engine join the list).
+TARGETS: dict[str, Callable[[], Target]] = {}
+TARGET_MODULES = ("fuzz.core_target",)
+
+
+def load_targets() -> dict[str, Callable[[], Target]]:
+    for module in TARGET_MODULES:
+        importlib.import_module(module)
+    return TARGETS
+
+
+def register(name: str) -> Callable[[type[Target]], type[Target]]:
+    def add(cls: type[Target]) -> type[Target]:
+        cls.name = name
+        TARGETS[name] = cls
+        return cls
+    return add
