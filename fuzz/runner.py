@@ -4,10 +4,12 @@ A campaign is one target, one set of bug switches, the properties to check, a pr
 budget (a number of examples, or seconds). Budgets in seconds run in batches of examples,
 batch k with seed `seed + k`, so that every failure names the one batch that reproduces it
 (`--seed S --examples N`); a budget in examples is one batch. The Hypothesis example
-database is off: a campaign never depends on an earlier run.
+database is off, so a campaign never depends on an earlier run, and Hypothesis's mining of
+constants from imported modules is off, so a seed generates the same examples in any
+process (fuzz/shims.py).
 
 When an example fails, Hypothesis shrinks it (for at most `shrink_seconds`: Hypothesis has no
-setting for that, see `_shrink_seconds_max`) and raises the failure of the smallest example;
+setting for that, see fuzz/shims.py) and raises the failure of the smallest example;
 the runner then cuts the event sequence down with fuzz/replay.py's `minimize` and replays
 the result once more, so that what is printed and saved is known to fail.
 """
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import random
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, Phase, Verbosity, seed as hypothesis_seed, settings
@@ -28,6 +29,7 @@ from fuzz.machine import FuzzFailure, Recorder, make_machine
 from fuzz.oracles import Checks
 from fuzz.profiles import PROFILES, Profile
 from fuzz.replay import Replayed, minimize
+from fuzz.shims import same_draws_in_every_process, shrink_seconds_max
 from fuzz.target import TARGETS, load_targets
 
 load_targets()
@@ -127,29 +129,11 @@ def _run_batch(c: Campaign, batch_seed: int, recorder: Recorder) -> FuzzFailure 
                        suppress_health_check=list(HealthCheck), report_multiple_bugs=False,
                        verbosity=Verbosity.quiet, print_blob=False)
     try:
-        with _shrink_seconds_max(c.shrink_seconds):
+        with shrink_seconds_max(c.shrink_seconds), same_draws_in_every_process():
             run_state_machine_as_test(hypothesis_seed(batch_seed)(machine), settings=options)
     except FuzzFailure as failure:
         return failure
     return None
-
-
-@contextmanager
-def _shrink_seconds_max(seconds: float):
-    """Bound Hypothesis's shrinking in time. Hypothesis has no setting for this; its engine
-    reads the module constant MAX_SHRINKING_SECONDS (300 s) when shrinking starts. Should a
-    release rename it, shrinking just keeps Hypothesis's own limit."""
-    from hypothesis.internal.conjecture import engine
-
-    before = getattr(engine, "MAX_SHRINKING_SECONDS", None)
-    if before is None or not seconds:
-        yield
-        return
-    engine.MAX_SHRINKING_SECONDS = seconds
-    try:
-        yield
-    finally:
-        engine.MAX_SHRINKING_SECONDS = before
 
 
 def _minimize(c: Campaign, outcome: Outcome) -> None:
