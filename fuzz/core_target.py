@@ -84,7 +84,7 @@ class CoreTarget(Target):
         for name, fn, event in self._global:
             out = fn(m, s)
             if type(out) is not str:
-                self._next[event] = out
+                self._next[event] = core.commit(s, out)
                 moves[name].append(event)
         return self._oldest_first({name: listed for name, listed in moves.items() if listed})
 
@@ -115,7 +115,7 @@ class CoreTarget(Target):
             out = fn(m, s, r)
             if type(out) is not str:
                 event = self._events[r][k]
-                self._next[event] = out
+                self._next[event] = core.commit(s, out)
                 listed.append((name, event))
         self._memo[r] = (row, s.prefill_pool, s.decode_pool, s.writes, listed)
         return listed

@@ -52,14 +52,18 @@ def test_zoo_on_the_core_target_catches_every_entry_and_raises_no_false_alarm(ca
             assert cell.outcome.replayed.steps == len(cell.outcome.minimal)
 
 
-@pytest.mark.skipif(not LONG, reason="the long profile runs with KVPROOF_FUZZ_PROFILE=long")
-@pytest.mark.parametrize("seed", range(3))
-def test_long_profile_zoo(seed, capsys):
+def _long_profile_zoo(seed, capsys):
     base = Campaign(seed=seed, examples=3000, profile=PROFILES["long"], shrink_seconds=10)
     cells = run_zoo(["core"], base)
     with capsys.disabled():
         print("\n" + format_matrix(cells))
     assert all(c.ok for c in cells), [c.row.name for c in cells if not c.ok]
+
+
+# The long profile is collected only when asked for (scheduled runs), so that the suite's
+# one skip stays the real-TLC test (issue 3).
+if LONG:
+    test_long_profile_zoo = pytest.mark.parametrize("seed", range(3))(_long_profile_zoo)
 
 
 # ---------------------------------------------------------------------------------------
@@ -70,8 +74,8 @@ def _send_done_before_writes_land(original):
     DESIGN.md); it frees the source pages the NIC is still reading. No switch removes this
     guard: every switch set keeps SendDone behind its writes."""
     def send_done(m, s, r):
-        out = original(m, s._replace(writes=tuple(w for w in s.writes if w[0] != r)), r)
-        return out if type(out) is str else out._replace(writes=s.writes)
+        # The Change leaves the writes in flight alone: they keep reading freed sources.
+        return original(m, s._replace(writes=tuple(w for w in s.writes if w[0] != r)), r)
     return send_done
 
 
@@ -83,9 +87,8 @@ def _notice_forgets_the_final_word(original):
         out = original(m, s, r)
         if type(out) is str or s.requests[r][DST] != D_WAITING:
             return out
-        rows = list(out.requests)
-        rows[r] = rows[r][:DFW] + (0,) + rows[r][DFW + 1:]
-        return out._replace(requests=tuple(rows))
+        (_, row), = out.rows
+        return out._replace(rows=((r, row[:DFW] + (0,) + row[DFW + 1:]),))
     return notice
 
 
@@ -136,9 +139,8 @@ def test_the_leak_oracle_catches_a_leak_the_core_does_not_flag(monkeypatch):
         out = original(m, s, r)
         if type(out) is str:
             return out
-        rows = list(out.requests)
-        rows[r] = rows[r][:core.LEAKED] + (0,)
-        return out._replace(requests=tuple(rows))
+        (_, row), = out.rows
+        return out._replace(rows=((r, row[:core.LEAKED] + (0,)),))
 
     monkeypatch.setitem(core.ACTIONS, core.Finish, finish_without_accounting)
     found = replay("core", m, _late_write_sequence(), checks)
