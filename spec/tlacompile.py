@@ -101,56 +101,39 @@ class Compiler(ExpressionRules, ActionRules):
 
     # -- the operators' properties, through the operators they call ---------------------------
 
-    def _scan(self, node, visit: Callable, memo: dict, combine=any):
-        """Fold visit(OperatorApplication) over a tree, entering operator bodies once."""
+    def _scan(self, node, visit: Callable, memo: dict) -> bool:
+        """Whether visit(n) holds for a node n of the tree, entering the bodies of the
+        operators it calls (each once: memo holds their answers)."""
         if isinstance(node, tuple) and hasattr(node, "_fields"):
-            if type(node).__name__ == "OperatorApplication":
-                hit = visit(node)
-                if hit:
-                    return hit
-                name = node.operator
-                if name in self.ops and name not in memo:
+            if visit(node):
+                return True
+            name = getattr(node, "operator", None)
+            if type(node).__name__ == "OperatorApplication" and name in self.ops:
+                if name not in memo:
                     memo[name] = False  # while scanning: a recursive use adds nothing
-                    memo[name] = self._scan(self.ops[name].body, visit, memo, combine)
-                if name in self.ops and memo[name]:
-                    return memo[name]
-            return combine(self._scan(getattr(node, f), visit, memo, combine)
-                           for f in node._fields if f not in ("symbol", "start", "end"))
+                    memo[name] = self._scan(self.ops[name].body, visit, memo)
+                if memo[name]:
+                    return True
+            return any(self._scan(getattr(node, f), visit, memo) for f in node._fields
+                       if f not in ("symbol", "start", "end"))
         if isinstance(node, list):
-            return combine(self._scan(x, visit, memo, combine) for x in node)
+            return any(self._scan(x, visit, memo) for x in node)
         return False
 
     def has_primes(self, node) -> bool:
-        return bool(self._scan(node, lambda n: n.operator in ("'", "UNCHANGED"), self._primes))
+        return self._scan(node, lambda n: type(n).__name__ == "OperatorApplication"
+                          and n.operator in ("'", "UNCHANGED"), self._primes)
 
     def loops(self, node) -> bool:
-        def visit(n):
-            return n.operator == "SUBSET"
-        found = self._scan(node, visit, {})
-        return bool(found) or self._has_kind(node, LOOPING)
-
-    def _has_kind(self, node, kinds, seen=None) -> bool:
-        seen = set() if seen is None else seen
-        if isinstance(node, tuple) and hasattr(node, "_fields"):
-            kind = type(node).__name__
-            if kind in kinds:
-                return True
-            if kind == "OperatorApplication" and node.operator in self.ops \
-                    and node.operator not in seen:
-                seen.add(node.operator)
-                if self._has_kind(self.ops[node.operator].body, kinds, seen):
-                    return True
-            return any(self._has_kind(getattr(node, f), kinds, seen) for f in node._fields
-                       if f not in ("symbol", "start", "end"))
-        if isinstance(node, list):
-            return any(self._has_kind(x, kinds, seen) for x in node)
-        return False
+        """Whether evaluating node enumerates a set (then memoizing it pays)."""
+        return self._scan(node, lambda n: type(n).__name__ in LOOPING or (
+            type(n).__name__ == "OperatorApplication" and n.operator == "SUBSET"), {})
 
     def reads_unassigned(self, node, primed: dict) -> bool:
         """In Init: whether node mentions a variable that is not assigned yet."""
         unassigned = set(self.variables) - set(primed)
-        return bool(self._scan(node, lambda n: n.arguments is None and n.operator in unassigned,
-                               {}))
+        return self._scan(node, lambda n: type(n).__name__ == "OperatorApplication"
+                          and n.arguments is None and n.operator in unassigned, {})
 
     # -- generated functions ------------------------------------------------------------
 

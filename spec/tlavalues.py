@@ -14,6 +14,7 @@ adds the TLA+ line (spec/tlaeval.py maps the generated code's line back to the s
 
 from __future__ import annotations
 
+from functools import total_ordering
 from itertools import product
 from typing import Callable, Iterable
 
@@ -22,8 +23,10 @@ class EvalError(ValueError):
     """A construct the evaluator does not support, or an evaluation error, with its line."""
 
 
+@total_ordering
 class ModelValue:
-    """A TLC model value (an element of Requests, or NoReq). One object per name."""
+    """A TLC model value (an element of Requests, or NoReq). One object per name, so that
+    equality and hashing are object identity; ordered by name."""
 
     __slots__ = ("name",)
     _interned: dict[str, "ModelValue"] = {}
