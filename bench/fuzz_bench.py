@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             for i, value in enumerate(target_round(t, args.examples, k)):
                 totals[t][i] += value
     trivial_rate = trivial[0] / trivial[1]
-    print(f"{args.rounds} rounds of {args.examples} examples, {steps_max} rule steps at most "
-          "per example; rates per CPU second of this process")
+    print(f"{args.rounds} rounds of {args.examples} examples (seeds 0..{args.rounds - 1}), "
+          f"{steps_max} rule steps at most per example; rates per CPU second of this process")
     print(f"trivial counter machine: {trivial[0]} steps, {trivial_rate:,.0f} steps/s "
           f"(wall {trivial[0] / trivial[2]:,.0f}/s)")
     for t, (rules, drain, cpu, wall) in totals.items():

@@ -9,9 +9,11 @@ Three layers, each blind to the others' mistakes:
   total; and every write in flight goes into a page its request owns;
 - the leak oracle, on canaries: a writer leaves its identity in every page it writes (the
   core's page `data` is the writer's request id), so whatever decode read can be traced to
-  who wrote it. A request whose client got Ok must have read only its own pages. This does
-  not look at the core's LEAKED flag or at tags: if the core's own accounting of a leak were
-  wrong, this would still see the leak.
+  who wrote it. A request whose client got Ok must have read only its own pages, and so must
+  a request that is decoding for a waiting client, at every moment its reads would pass the
+  tag check (a real decode reads at every token; a read the tag check refuses ends the
+  request with a clear error instead). This does not look at the core's LEAKED flag: if
+  the core's own accounting of a leak were wrong, this would still see the leak.
 
 A zoo entry may restrict the properties it is about (the incident is about OkIsClean and
 Isolation, not about the liveness damage its switches also do); an oracle is checked when a
@@ -71,18 +73,27 @@ def page_conservation(m: Model, obs: Observation) -> list[str]:
 def leak_oracle(m: Model, obs: Observation) -> list[str]:
     problems = []
     for r, outcome in enumerate(obs.outcomes):
-        if outcome != "Ok":
-            continue
-        reads = obs.reads.get(r)
-        if reads is None:
-            problems.append(f"{_name(m, r)} got Ok, but decode never read its pages")
-            continue
-        foreign = sorted({w for w in reads if w != r})
-        if foreign:
-            writers = ", ".join(_name(m, w) for w in foreign)
-            problems.append(f"{_name(m, r)} got Ok, but decode read {len(reads)} pages of which "
-                            f"{sum(1 for w in reads if w != r)} were written by {writers}")
+        if outcome == "Ok":
+            reads = obs.reads.get(r)
+            if reads is None:
+                problems.append(f"{_name(m, r)} got Ok, but decode never read its pages")
+            elif _foreign(r, reads):
+                problems.append(f"{_name(m, r)} got Ok, but decode read {len(reads)} pages of "
+                                f"which {_foreign(r, reads, m)}")
+        elif outcome == "Waiting" and _foreign(r, obs.decoding.get(r, ())):
+            reads = obs.decoding[r]
+            problems.append(f"{_name(m, r)} is decoding, and its next read passes the tag "
+                            f"check on {len(reads)} pages of which {_foreign(r, reads, m)}")
     return problems
+
+
+def _foreign(r: int, writers: tuple[int, ...], m: Model | None = None):
+    """How many of `writers` are not r and who they are (with m, as words; else a count)."""
+    count = sum(1 for w in writers if w != r)
+    if m is None:
+        return count
+    names = ", ".join(_name(m, w) for w in sorted({w for w in writers if w != r}))
+    return f"{count} were written by {names}"
 
 
 ORACLES: dict[str, Callable[[Model, Observation], list[str]]] = {

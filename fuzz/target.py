@@ -66,6 +66,10 @@ class Observation:
     # Per request that finished decoding: the writer of each page decode read, recovered
     # from the canary the writer left in the page.
     reads: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    # Per request decoding now whose reads pass the tag check: the writer of each page, that
+    # is what its next read returns. A real decode reads at every token between taking the
+    # KV and answering, so any of those moments is a read.
+    decoding: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
