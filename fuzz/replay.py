@@ -33,7 +33,7 @@ from fuzz.oracles import Checks
 from fuzz.target import TargetRefused, Violation, load_targets
 
 FORMAT = "kvproof-fuzz/1"
-_EVENT_TYPES = {cls.__name__: cls for cls in core.ACTIONS}
+_EVENT_TYPES = core.EVENT_TYPES
 
 
 class ReplayError(ValueError):

@@ -22,10 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from spec import core
-from spec.core import (CLIENT, CLOSING, DATA, DECODING, DST, D_WAITING, GEN, LEAKED, NONE, OK,
+from spec.core import (CLIENT, DATA, DECODING, DST, GEN, LEAKED, NONE, OK,
                        OWNER, PROMPT, PST, RUNNING, SRC, TABLE, TAG, Change, Refusal, State)
 from spec.model import Model
-from spec.properties import REST_INVARIANTS, STATE_INVARIANTS
+from spec.properties import REST_INVARIANTS, STATE_INVARIANTS, holds_decode_pages
 
 
 VIOLATIONS_KEPT = 100  # details kept per run; every violation is counted
@@ -97,9 +97,7 @@ class Cluster:
 
     def decide(self, r: int, event: core.Event) -> Change | Refusal:
         """The core's answer to `event` on request r; nothing changes yet."""
-        p, d = self.placement[r]
-        return core.decide(self.model, View(self.rows, self.decode_pools[d],
-                                            self.prefill_pools[p], self.writes_into[d]), event)
+        return core.decide(self.model, self.view(r), event)
 
     def commit(self, r: int, change: Change) -> None:
         """Carry out a change the core decided for request r, then run the oracles."""
@@ -250,7 +248,7 @@ class Cluster:
             table = tables.get(owner)
             if table is None:
                 row = self.rows.get(owner)
-                table = tables[owner] = set(row[TABLE]) if row and _holds(row) else set()
+                table = tables[owner] = set(row[TABLE]) if row and holds_decode_pages(row) else set()
             if (page, gen) not in table:
                 self._violate("ExclusiveOwner", f"decode {d} page {page} is owned by "
                               f"request {owner} at gen {gen}, not in its table", owner)
@@ -335,13 +333,8 @@ class Cluster:
         return found
 
 
-def _holds(row: tuple) -> bool:
-    d = row[DST]
-    return d == D_WAITING or d == DECODING or d == CLOSING
-
-
 def _claim(row: tuple) -> int:
-    return len(row[TABLE]) if _holds(row) else 0
+    return len(row[TABLE]) if holds_decode_pages(row) else 0
 
 
 def _source_claim(row: tuple) -> int:

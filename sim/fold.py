@@ -30,7 +30,6 @@ from sim.scenario import Scenario, ScenarioError, scenario_from_dict
 LOG_FORMAT = "kvproof-sim-log/1"
 FIRST_TOKEN = "FirstToken"
 RUN_END = "RunEnd"  # the last line: whether the run drained, or why it stopped
-_EVENTS = {cls.__name__: cls for cls in core.ACTIONS}
 
 
 class LogError(ValueError):
@@ -54,7 +53,7 @@ def event_of(record: dict) -> core.Event:
 
 def make_event(action: str, r: int, args: dict) -> core.Event:
     """The core event a log record (or a live offer's arguments) stands for."""
-    cls = _EVENTS.get(action)
+    cls = core.EVENT_TYPES.get(action)
     if cls is None:
         raise LogError(f"unknown action {action!r}")
     if cls is core.PrefillCrash or cls is core.DecodeCrash:
@@ -83,7 +82,7 @@ class Folder:
                                self.model.decode_pages * sc.cluster.decode_workers)
         self.events = 0
         # The last accepted event's effect, for the live simulator to react to.
-        self.last_row, self.last_change, self.last_placement = None, None, (0, 0)
+        self.last_row, self.last_placement = None, (0, 0)
 
     def apply(self, record: dict) -> Change | Refusal | None:
         """Take one record; None for a shell fact, else the core's answer."""
@@ -119,7 +118,6 @@ class Folder:
         cluster.commit(r, change)
         self.metrics.last_event_s = t
         self.events += 1
-        self.last_change = change
         self._observe(t, r, old, change)
 
     def _observe(self, t: float, r: int, old: tuple, change: Change) -> None:
@@ -144,7 +142,6 @@ class Folder:
         out = crash(worker)
         if type(out) is not Refusal:
             self.events += 1
-            self.last_change = out
             if out.decode:
                 self.metrics.decode_pages_changed(t, self.cluster.decode_pages_used)
             for r, row in out.rows:

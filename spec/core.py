@@ -683,6 +683,7 @@ ACTIONS: dict[type, Callable] = {
     DecodeCrash: decode_crash,
 }
 ACTION_NAMES = tuple(cls.__name__ for cls in ACTIONS)
+EVENT_TYPES = {cls.__name__: cls for cls in ACTIONS}  # action name -> its event type
 # Environment and fault actions; the rest are the protocol's own and are taken fairly.
 UNFAIR_ACTIONS = frozenset({"Arrive", "Abort", "PrefillFail", "PrefillCrash", "DecodeCrash"})
 _WORKER_ACTIONS = (PrefillCrash, DecodeCrash)  # no request argument

@@ -49,7 +49,7 @@ def OkIsClean(m: Model, s: State) -> bool:
     return not any(row[CLIENT] == OK and row[LEAKED] for row in s.requests)
 
 
-def _holds_decode_pages(row: tuple) -> bool:
+def holds_decode_pages(row: tuple) -> bool:
     d = row[DST]
     return d == D_WAITING or d == DECODING or d == CLOSING
 
@@ -63,10 +63,10 @@ def ExclusiveOwner(m: Model, s: State) -> bool:
         if r == NONE:
             continue
         row = rows[r]
-        if not _holds_decode_pages(row) or (p, page[GEN]) not in row[TABLE]:
+        if not holds_decode_pages(row) or (p, page[GEN]) not in row[TABLE]:
             return False
     for r, row in enumerate(rows):
-        if _holds_decode_pages(row):
+        if holds_decode_pages(row):
             for p, gen in row[TABLE]:
                 if pool[p][OWNER] != r or pool[p][GEN] != gen:
                     return False
@@ -113,7 +113,7 @@ def request_ended(row: tuple) -> bool:
     the fuzzer relies on to skip it (tests/test_fuzz.py checks that against the core)."""
     if row[CLIENT] == WAITING or row[PST] == QUEUED or row[PST] == RUNNING:
         return False
-    return not (_holds_decode_pages(row) or row[BOOT] or row[FW] != NO_MSG or row[CANCEL])
+    return not (holds_decode_pages(row) or row[BOOT] or row[FW] != NO_MSG or row[CANCEL])
 
 
 def NoStuckRequest(m: Model, s: State) -> bool:
