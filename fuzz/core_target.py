@@ -4,11 +4,15 @@
 makes the model checker exhaustive and what limits it to a few pages. Here the core is asked
 how many pages an allocation needs (`core.allocation_need`) and the fuzzer picks which, so a
 step costs the same at 64 pages as at 3. Every other event is enabled exactly when the core's
-action function accepts it; the next state computed while listing moves is kept, so taking
-a listed event costs a dictionary lookup.
+action function accepts it; a next state computed while listing moves is kept, so taking
+that event costs a dictionary lookup.
 
 This module is an adapter: it knows how the core lays out its state (which rows hold pages,
 where writes are) so as to report observations, but it decides nothing about the protocol.
+Its shortcuts rest on facts of the core, and tests/test_fuzz.py checks the listing against
+core.successors under every zoo switch set: an idle request can only arrive, an ended one
+(spec.properties.request_ended) has nothing enabled, and an action of a request reads only
+that request's row, the pools and the writes.
 """
 
 from __future__ import annotations

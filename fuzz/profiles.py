@@ -31,8 +31,9 @@ class Profile:
 
 PROFILES = {
     "default": Profile(),
-    "long": Profile("long", requests=(6, 12), prefill_pages=(16, 64), decode_pages=(16, 64),
-                    steps_max=150),
+    # Bigger prefill pools and longer examples: slower per example, for scheduled runs.
+    "long": Profile("long", requests=(6, 12), prefill_pages=(16, 48), decode_pages=(16, 64),
+                    steps_max=120),
 }
 
 
