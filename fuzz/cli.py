@@ -158,7 +158,8 @@ def _save(path: str, campaign, outcome) -> None:
     failure = outcome.failure
     saved = replay.SavedFailure(
         campaign.target, failure.setup.model, campaign.properties, outcome.minimal,
-        str(outcome.replayed.violations[0]), outcome.replayed.steps, outcome.batch_seed)
+        str(outcome.replayed.violations[0]), outcome.replayed.steps, outcome.batch_seed,
+        failure.setup.seed)
     replay.write(path, saved, {"examples": outcome.batch_examples,
                                "profile": campaign.profile.name,
                                "setup": failure.setup.describe()})
@@ -201,7 +202,7 @@ def _replay(args: argparse.Namespace) -> int:
     print(f"recorded: {saved.violation} after event {saved.steps}")
     try:
         found = replay.replay(saved.target, saved.model, saved.events,
-                              Checks.for_properties(saved.properties))
+                              Checks.for_properties(saved.properties), seed=saved.target_seed)
     except TargetRefused as error:
         raise UsageError(f"the {saved.target} target refuses the recorded sequence: {error} "
                          "(the protocol changed since the file was written?)") from None

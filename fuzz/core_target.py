@@ -22,12 +22,13 @@ from dataclasses import fields
 from spec import core
 from spec.core import (
     CLIENT, CLIENT_NAMES, CLOSING, DATA, DECODING, DST, D_WAITING, NONE, OWNER, PST, RUNNING, SRC,
-    TABLE, TAG,
+    TABLE,
 )
 from spec.model import Model
 from spec.properties import request_ended
 
-from fuzz.target import Move, Observation, Open, PoolView, Target, TargetRefused, register
+from fuzz.target import (Move, Observation, Open, PoolView, Target, TargetRefused, decoding_reads,
+                         register)
 
 
 def _field_names(cls: type) -> tuple[str, ...]:
@@ -46,6 +47,8 @@ _HOLDS_DECODE_PAGES = (D_WAITING, DECODING, CLOSING)
 
 @register("core")
 class CoreTarget(Target):
+    vocabulary = frozenset(core.ACTION_NAMES)
+
     def reset(self, model: Model, seed: int) -> None:
         # The core has no randomness of its own: the seed is unused.
         self.model = model
@@ -197,18 +200,7 @@ class CoreTarget(Target):
             pools=(prefill, decode),
             writes=tuple((w[0], w[2]) for w in s.writes),
             outcomes=tuple(CLIENT_NAMES[row[CLIENT]] for row in rows),
-            reads=dict(self._reads), decoding=self._decoding_reads())
-
-    def _decoding_reads(self) -> dict[int, tuple[int, ...]]:
-        """The core reads a decoding request's pages once, at Finish; a real decode reads
-        them at every token. So for each request decoding now: what a read would return, if
-        every page's tag matches the generation decode reserved it at (else the read fails
-        the request, as core.finish does)."""
-        pool, found = self.state.decode_pool, {}
-        for r, row in enumerate(self.state.requests):
-            if row[DST] == DECODING and all(pool[p][TAG] == gen for p, gen in row[TABLE]):
-                found[r] = tuple(pool[p][DATA] for p, _ in row[TABLE])
-        return found
+            reads=dict(self._reads), decoding=decoding_reads(rows, s.decode_pool))
 
     def trace(self) -> list[core.Event]:
         return list(self._trace)

@@ -50,7 +50,8 @@ from fuzz.oracles import Checks
 from fuzz.profiles import Profile
 from fuzz.target import Open, Target, Violation
 
-VOCABULARY = core.ACTION_NAMES
+# The core's actions, and Wait: time passing on a target whose components act on their own.
+VOCABULARY = core.ACTION_NAMES + ("Wait",)
 TIMERS = frozenset({"Timeout"})
 POLICIES = ("lowest", "fifo", "lifo", "random")
 # Which of an action's enabled moves (oldest first) a rule takes: any of them, the oldest (in
@@ -122,7 +123,8 @@ class Setup:
                 f"swarm: {unusual or 'all normal'}")
 
 
-def draw_setup(data, profile: Profile, bugs: frozenset[str]) -> Setup:
+def draw_setup(data, profile: Profile, bugs: frozenset[str],
+               vocabulary: frozenset[str] = frozenset(VOCABULARY)) -> Setup:
     requests = data.draw(st.integers(*profile.requests), label="requests")
     prefill = data.draw(st.integers(*profile.prefill_pages), label="prefill pages")
     decode = data.draw(st.integers(*profile.decode_pages), label="decode pages")
@@ -132,11 +134,10 @@ def draw_setup(data, profile: Profile, bugs: frozenset[str]) -> Setup:
                         label="context pages")
     model = Model(requests=requests, max_prompt_pages=context + 2, context_pages=context,
                   prefill_pages=prefill, decode_pages=decode, bugs=bugs, crashes=True,
-                  name="fuzz")
-    # Actions the model can never enable get no weight (and no draw): decode crashes are
-    # not in the fuzz model yet (see fuzz/README.md).
+                  decode_crashes=True, name="fuzz")
+    # Actions the target can never list get no weight (and no draw).
     weights = tuple((a, data.draw(st.sampled_from(LEVELS[kind(a)][1]), label=a))
-                    for a in VOCABULARY if a != "DecodeCrash" or model.decode_crashes)
+                    for a in VOCABULARY if a in vocabulary)
     policy = data.draw(st.sampled_from(POLICIES), label="allocation")
     prompt_pages_max = data.draw(st.integers(1, model.max_prompt_pages), label="prompt cap")
     order = data.draw(st.sampled_from(ORDERS), label="delivery")
@@ -180,8 +181,9 @@ class FuzzFailure(AssertionError):
     """A check failed: the setup, every event taken, and which of them the drain took."""
 
     def __init__(self, setup: Setup, trace: list[core.Event], drained: frozenset[int],
-                 violations: list[Violation]) -> None:
+                 violations: list[Violation], target_description: str = "") -> None:
         self.setup = setup
+        self.target_description = target_description
         self.trace = trace
         self.drained = drained
         self.violations = violations
@@ -208,9 +210,9 @@ class FuzzMachine(RuleBasedStateMachine):
 
     @initialize(data=st.data())
     def configure(self, data) -> None:
-        self.setup = draw_setup(data, self.profile, self.bugs)
+        self.setup = draw_setup(data, self.profile, self.bugs, self.target.vocabulary)
         self.weight = self.setup.weight_table()
-        self.target.reset(self.setup.model, seed=0)
+        self.target.reset(self.setup.model, seed=self.setup.seed)
         self._check()
 
     @rule(choice=st.integers(0, 2**64 - 1))
@@ -242,6 +244,9 @@ class FuzzMachine(RuleBasedStateMachine):
             return enabled
         now, ready_at, ready = len(self.target.trace()), self.ready_at, {}
         for action, moves in enabled.items():
+            if action == "Wait":  # time itself is never held back
+                ready[action] = moves
+                continue
             kept = []
             for move in moves:
                 key = (move.action, move.request) if type(move) is Open else move
@@ -320,7 +325,7 @@ class FuzzMachine(RuleBasedStateMachine):
             self.failed = True
             self.recorder.failed()
             raise FuzzFailure(self.setup, self.target.trace(), frozenset(self.drained),
-                              violations)
+                              violations, self.target.describe())
 
 
 class Digits:

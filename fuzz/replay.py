@@ -30,10 +30,9 @@ from spec.model import Model, ModelError
 
 from fuzz import oracles
 from fuzz.oracles import Checks
-from fuzz.target import TargetRefused, Violation, load_targets
+from fuzz.target import MOVE_TYPES, AtWorker, TargetRefused, Violation, load_targets
 
 FORMAT = "kvproof-fuzz/1"
-_EVENT_TYPES = core.EVENT_TYPES
 
 
 class ReplayError(ValueError):
@@ -46,6 +45,7 @@ class Replayed:
 
     steps: int
     violations: list[Violation]
+    story: tuple[str, ...] = ()  # what the target did on its own (target.story())
 
     @property
     def property(self) -> str:
@@ -53,12 +53,13 @@ class Replayed:
 
 
 def replay(target_name: str, m: Model, events: list[core.Event], checks: Checks,
-           states: list | None = None) -> Replayed | None:
-    """Take `events` on a fresh target; the first violation, or None if every check holds.
+           states: list | None = None, seed: int = 0) -> Replayed | None:
+    """Take `events` on a fresh target reset with `seed` (the example's: it drives the
+    simulator's timing); the first violation, or None if every check holds.
     Raises TargetRefused when the target refuses an event. With `states`, appends the
     protocol state after reset and after every event."""
     target = load_targets()[target_name]()
-    target.reset(m, seed=0)
+    target.reset(m, seed=seed)
     if states is not None:
         states.append((None, target.protocol_state()))
     found = oracles.check(checks, m, target)
@@ -70,14 +71,14 @@ def replay(target_name: str, m: Model, events: list[core.Event], checks: Checks,
             states.append((event, target.protocol_state()))
         found = oracles.check(checks, m, target)
         if found:
-            return Replayed(k + 1, found)
+            return Replayed(k + 1, found, tuple(target.story()))
     return None
 
 
 def minimize(target_name: str, m: Model, events: list[core.Event], checks: Checks,
-             prop: str, seconds_max: float) -> tuple[list[core.Event], Replayed]:
+             prop: str, seconds_max: float, seed: int = 0) -> tuple[list[core.Event], Replayed]:
     """A shorter sequence that still violates `prop`, from deleting chunks of events."""
-    result = _fails(target_name, m, events, checks, prop)
+    result = _fails(target_name, m, events, checks, prop, seed)
     assert result is not None, f"the sequence to minimize does not violate {prop}"
     current = events[:result.steps]
     deadline = time.perf_counter() + seconds_max
@@ -87,7 +88,7 @@ def minimize(target_name: str, m: Model, events: list[core.Event], checks: Check
         if time.perf_counter() >= deadline:
             break
         candidate = [e for e in current if getattr(e, "request", None) != r]
-        found = _fails(target_name, m, candidate, checks, prop)
+        found = _fails(target_name, m, candidate, checks, prop, seed)
         if found is not None:
             current = candidate[:found.steps]
     chunk = max(1, len(current) // 2)
@@ -95,21 +96,21 @@ def minimize(target_name: str, m: Model, events: list[core.Event], checks: Check
         start = 0
         while start < len(current) and time.perf_counter() < deadline:
             candidate = current[:start] + current[start + chunk:]
-            found = _fails(target_name, m, candidate, checks, prop)
+            found = _fails(target_name, m, candidate, checks, prop, seed)
             if found is not None:
                 current = candidate[:found.steps]
             else:
                 start += chunk
         chunk //= 2
-    final = _fails(target_name, m, current, checks, prop)
+    final = _fails(target_name, m, current, checks, prop, seed)
     assert final is not None, "minimizing lost the violation"
     return current, final
 
 
 def _fails(target_name: str, m: Model, events: list[core.Event], checks: Checks,
-           prop: str) -> Replayed | None:
+           prop: str, seed: int) -> Replayed | None:
     try:
-        found = replay(target_name, m, events, checks)
+        found = replay(target_name, m, events, checks, seed=seed)
     except TargetRefused:
         return None  # the deletion made a later event illegal
     if found is None or prop not in {v.property for v in found.violations}:
@@ -118,6 +119,8 @@ def _fails(target_name: str, m: Model, events: list[core.Event], checks: Checks,
 
 
 def encode_event(event: core.Event) -> dict:
+    if type(event) is AtWorker:
+        return {"action": event.action, "worker": event.worker}
     out: dict = {"action": event.action}
     for f in fields(event):
         value = getattr(event, f.name)
@@ -126,9 +129,13 @@ def encode_event(event: core.Event) -> dict:
 
 
 def decode_event(data: dict) -> core.Event:
-    if not isinstance(data, dict) or data.get("action") not in _EVENT_TYPES:
-        raise ReplayError(f"not an event of spec/core.py: {data!r}")
-    cls = _EVENT_TYPES[data["action"]]
+    if not isinstance(data, dict) or data.get("action") not in MOVE_TYPES:
+        raise ReplayError(f"not an event of spec/core.py (nor Wait): {data!r}")
+    cls = MOVE_TYPES[data["action"]]
+    if cls in (core.PrefillCrash, core.DecodeCrash) and "worker" in data:
+        if type(data["worker"]) is not int or data["worker"] < 0:
+            raise ReplayError(f"event {data!r}: worker must be a non-negative integer")
+        return AtWorker(cls(), data["worker"])
     try:
         args = {f.name: data[f.name] for f in fields(cls)}
     except KeyError as error:
@@ -146,18 +153,20 @@ class SavedFailure:
     violation: str
     steps: int
     seed: int | None
+    target_seed: int = 0  # the example's seed, which the target was reset with
 
 
 def write(path: str | Path, failure: SavedFailure, extra: dict) -> None:
     """The failure as an ITF trace with the fuzz data under #meta.fuzz."""
     states: list = []
     checks = Checks.for_properties(failure.properties)
-    replay(failure.target, failure.model, failure.events, checks, states)
+    replay(failure.target, failure.model, failure.events, checks, states, failure.target_seed)
     itf = trace_to_itf(failure.model, states, f"kvproof fuzz: {failure.violation} after "
                        f"{failure.steps} events on the {failure.target} target")
     itf["#meta"]["fuzz"] = {
         "format": FORMAT, "target": failure.target, "seed": failure.seed,
         "properties": list(failure.properties) if failure.properties is not None else None,
+        "target_seed": failure.target_seed,
         "events": [encode_event(e) for e in failure.events],
         "violation": failure.violation, "steps": failure.steps, **extra}
     Path(path).write_text(json.dumps(itf, indent=1) + "\n")
@@ -181,4 +190,4 @@ def load(path: str | Path) -> SavedFailure:
     events = [decode_event(e) for e in fuzz.get("events", [])]
     return SavedFailure(fuzz["target"], model, tuple(props) if props is not None else None,
                         events, str(fuzz.get("violation")), int(fuzz.get("steps", -1)),
-                        fuzz.get("seed"))
+                        fuzz.get("seed"), int(fuzz.get("target_seed", 0)))

@@ -141,7 +141,7 @@ def _minimize(c: Campaign, outcome: Outcome) -> None:
     checks = Checks.for_properties(c.properties)
     outcome.minimal, outcome.replayed = minimize(
         c.target, failure.setup.model, failure.trace, checks,
-        failure.violations[0].property, c.minimize_seconds)
+        failure.violations[0].property, c.minimize_seconds, failure.setup.seed)
 
 
 def reproduce_command(c: Campaign, outcome: Outcome) -> str:
@@ -156,11 +156,17 @@ def format_failure(c: Campaign, outcome: Outcome) -> str:
     lines = [f"FAILED after {outcome.examples_to_catch} examples "
              f"({outcome.seconds_to_catch:.1f} s): {failure.violations[0]}",
              f"  seed {outcome.batch_seed}; reproduce: {reproduce_command(c, outcome)}",
-             f"  example: {failure.setup.describe()}",
+             f"  example: {failure.setup.describe()}"]
+    if failure.target_description:
+        lines.append(f"  {failure.target_description}")
+    lines += [
              f"  Hypothesis shrank it to {len(failure.trace)} events "
              f"({len(failure.drained)} by the drain); minimal interleaving, "
              f"{len(outcome.minimal)} events:"]
     lines += [f"    {k + 1:3}. {event.label(m)}" for k, event in enumerate(outcome.minimal)]
+    if outcome.replayed.story:
+        lines.append(f"  what the {c.target} did meanwhile (simulated time, protocol events):")
+        lines += [f"    {line}" for line in outcome.replayed.story]
     lines += [f"  violated after event {outcome.replayed.steps}: {v}"
               for v in outcome.replayed.violations]
     return "\n".join(lines)

@@ -44,7 +44,32 @@ class Open:
         return cls(self.request, tuple(sorted(choice)))
 
 
+@dataclass(frozen=True, slots=True)
+class Wait(core.Event):
+    """Time passes until the target takes its next protocol event on its own (an environment
+    move, not a core action: the simulator's components act in simulated time)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AtWorker(core.Event):
+    """A worker fault on a target with several workers of a kind: the core's event (which
+    names no worker, the spec having one of each) and the worker it hits."""
+
+    event: core.Event  # core.PrefillCrash() or core.DecodeCrash()
+    worker: int
+
+    @property
+    def action(self) -> str:
+        return self.event.action
+
+    def label(self, m=None) -> str:
+        kind = "prefill" if type(self.event) is core.PrefillCrash else "decode"
+        return f"{self.event.action}({kind} {self.worker + 1})"
+
+
 Move = Union[core.Event, Open]
+# Every move's type by name: the core's events and the environment's Wait.
+MOVE_TYPES = {**core.EVENT_TYPES, "Wait": Wait}
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +106,18 @@ class Violation:
         return f"{self.property}: {self.detail}"
 
 
+def decoding_reads(rows, decode_pool) -> dict[int, tuple[int, ...]]:
+    """Per request decoding now, the writer of each page its next read returns, when every
+    page's tag matches the generation decode reserved it at (else the read fails the
+    request, as core.finish does, and returns nothing)."""
+    found = {}
+    for r, row in enumerate(rows):
+        if row[core.DST] == core.DECODING and all(
+                decode_pool[p][core.TAG] == gen for p, gen in row[core.TABLE]):
+            found[r] = tuple(decode_pool[p][core.DATA] for p, _ in row[core.TABLE])
+    return found
+
+
 class TargetRefused(AssertionError):
     """The target refused an event it had listed as enabled: a bug in the target or fuzzer."""
 
@@ -89,6 +126,8 @@ class Target(abc.ABC):
     """One system under test. Subclasses register themselves in TARGETS."""
 
     name = "abstract"
+    # The actions (move names) the target can ever list: the swarm weighs only these.
+    vocabulary: frozenset[str] = frozenset()
 
     @abc.abstractmethod
     def reset(self, model: Model, seed: int) -> None:
@@ -116,14 +155,24 @@ class Target(abc.ABC):
         """Every event taken since reset, in order."""
 
     def check(self) -> list[Violation]:
-        """Checks of the target's own beyond the shared oracles (runtime guards, say)."""
+        """Checks of the target's own beyond the shared oracles (runtime guards, say), named
+        after the spec property or oracle they check."""
+        return []
+
+    def describe(self) -> str:
+        """What the target drew from its seed, for failure reports ('' when nothing)."""
+        return ""
+
+    def story(self) -> list[str]:
+        """What the target did on its own since reset, a line per event ([] when it only
+        takes the fuzzer's events)."""
         return []
 
 
 # Target name -> a factory. A target module registers itself with @register on import;
 # load_targets imports the modules listed here (the simulator and the engine join the list).
 TARGETS: dict[str, Callable[[], Target]] = {}
-TARGET_MODULES = ("fuzz.core_target",)
+TARGET_MODULES = ("fuzz.core_target", "fuzz.sim_target")
 
 
 def load_targets() -> dict[str, Callable[[], Target]]:

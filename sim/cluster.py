@@ -88,6 +88,9 @@ class Cluster:
         self.violation_total = 0
         self._imbalance = {"prefill": [0] * self.prefill_workers,
                            "decode": [0] * self.decode_workers}
+        # Settled rows, when a caller wants them kept (the fuzzer's sim target reads every
+        # request's end); None: forgotten rows are gone, as a long run needs.
+        self.settled_rows: dict | None = None
 
     # -- the core's answers ------------------------------------------------------------
 
@@ -157,6 +160,8 @@ class Cluster:
     def forget(self, r: int) -> None:
         """Drop a settled request's row: nothing can happen to it any more."""
         assert core.settled(self.rows[r]), f"request {r} is not settled"
+        if self.settled_rows is not None:
+            self.settled_rows[r] = self.rows[r]
         del self.rows[r]
         del self.placement[r]
 

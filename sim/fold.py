@@ -72,10 +72,11 @@ class Folder:
     """Cluster state and metrics, advanced one log record at a time."""
 
     scenario: Scenario
+    model: Model | None = None  # None: the scenario's own (model_for); the fuzzer sets its own
 
     def __post_init__(self) -> None:
         sc = self.scenario
-        self.model = model_for(sc)
+        self.model = self.model or model_for(sc)
         self.cluster = Cluster(self.model, sc.cluster.prefill_workers, sc.cluster.decode_workers)
         page_bytes = sc.cluster.page_tokens * sc.link.kv_bytes_per_token
         self.metrics = Metrics(page_bytes, self.model.prefill_pages,

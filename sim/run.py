@@ -68,10 +68,14 @@ def sample_tokens(rng: random.Random, lengths: Lengths) -> int:
 
 
 class Simulation:
-    def __init__(self, scenario: Scenario, *, log=None, progress: bool = False) -> None:
+    def __init__(self, scenario: Scenario, *, log=None, progress: bool = False,
+                 model=None, on_commit=None) -> None:
         self.sc = scenario
         self.env = simpy.Environment()
-        self.folder = Folder(scenario)
+        self.folder = Folder(scenario, model)
+        # Called as on_commit(action, r, change) after the core accepts a request's event
+        # and the change is committed, before anyone reacts (the fuzzer watches reads here).
+        self.on_commit = on_commit
         self.cluster = self.folder.cluster
         self.model = self.folder.model
         self.log = log
@@ -137,6 +141,8 @@ class Simulation:
         self.folder.accept(now, r, out)
         if self.log is not None:
             self.log.write(encode({"t": now, "a": action, "r": r, **args}) + "\n")
+        if self.on_commit is not None:
+            self.on_commit(action, r, out)
         self._after(r, out)
         return out
 
@@ -381,8 +387,11 @@ class Simulation:
         if epoch != self.prefill_epoch[p]:
             return  # flushed with the crashed worker's queue pairs
         self.nic_in_flight[p] -= 1
-        left = self.nic_pending.pop(r) - 1
-        if left:
+        # A request can settle with writes still on the wire: a decode crash flushes them
+        # (the target's queue pairs are gone) and tombstones the request. The NIC slot is
+        # busy until the write completes all the same; the core refuses its landing.
+        left = self.nic_pending.pop(r, 0) - 1
+        if left > 0:
             self.nic_pending[r] = left
         self.offer("LandWrite", r, page=page)
         self._done_if_landed(r)
@@ -539,13 +548,17 @@ class Simulation:
             self.cluster.free_pages("decode", k) - len(self.decode_waiting[k]), -k))
         return p, d
 
-    def new_request(self) -> simpy.Event | None:
+    def new_request(self, prompt_pages: int | None = None) -> simpy.Event | None:
+        """The next client request, now; its prompt drawn from the workload, or
+        `prompt_pages` long (the fuzzer's choice)."""
         if self.next_request >= self.sc.requests:
             return None
         r = self.next_request
         self.next_request += 1
         lengths = self.rng["lengths"]
         prompt = sample_tokens(lengths, self.sc.workload.prompt)
+        if prompt_pages is not None:
+            prompt = prompt_pages * self.page_tokens
         output = sample_tokens(lengths, self.sc.workload.output)
         p, d = self.place()
         self.output[r] = output

@@ -1,0 +1,255 @@
+"""The simulator as a fuzz target: real simulated timing, with faults at chosen moments.
+
+On the core target the fuzzer picks every protocol event. Here it does not: the simulator's
+components take the protocol's own actions, as they would in a deployment, with their
+queues, allocator, NIC (bounded writes in flight, serialised bandwidth), message latency,
+loss and retransmission, restart delays, continuous batching and transfer timers. What the
+rules drive is the environment:
+
+- `Arrive`: a client sends a request now, with the prompt length the fuzzer picks;
+- `Abort`, `PrefillFail`: a client disconnects, a prefill fails on a request, now;
+- `PrefillCrash`, `DecodeCrash`: a worker dies now and restarts after its restart delay;
+- `Timeout`: a request's transfer timer fires now, early (as if the timeout were this
+  short); the simulator's own timer still fires at its time and the core refuses it then;
+- `Wait`: simulated time passes until the simulator has committed at least one protocol
+  event. Faults and arrivals land between any two protocol events, so the fuzzer chooses
+  the moment of each one, which is what a fault-rate knob of a scenario cannot do.
+
+Each of these is enabled exactly when the core accepts it in the current state (Wait: when
+the simulator has anything scheduled). Delayed and reordered delivery come from the
+simulator's own link faults, whose rates this target draws per example from its seed
+(printed with every failure, as `describe()`), and from rules that hold Wait back.
+
+The cluster is one prefill and one decode worker with the example's pools, so the protocol
+state is exactly the core's State for the example's model and every property of
+spec/properties.py reads it unchanged. Settled rows are kept (the cluster forgets them in
+long runs). Observations are the simulator's own bookkeeping: a page is free when the
+allocator's free stack has it, a request holds what its row names, and a request's reads
+are taken from the pages' canaries when the simulator commits its Finish.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from spec import core
+from spec.core import CLIENT_NAMES, DATA, OWNER, PST, RUNNING, SRC, TABLE
+from spec.model import Model
+from spec.properties import holds_decode_pages
+from sim.cluster import View
+from sim.run import Simulation
+from sim.scenario import Scenario
+
+from fuzz.target import (AtWorker, Observation, Open, PoolView, Target, TargetRefused,
+                         Violation, Wait, decoding_reads, register)
+
+PAGE_TOKENS = 16
+# SimPy steps one Wait may take before it must have committed a protocol event: the
+# simulator only schedules work that ends in one (a decode step, a delivery, a landing).
+SIM_STEPS_PER_WAIT_MAX = 100_000
+_REQUEST_FAULTS = (core.Abort, core.PrefillFail, core.Timeout)
+
+# The simulator's timing and link faults, drawn per example from the target's seed: each
+# a list of choices, the first the plain one. Transfers take about a millisecond a page, so
+# timeouts and delays are of the same order as a transfer.
+TIMING = {
+    # Two prefill workers send over two NICs, whose writes into one decode pool land in
+    # any order; one NIC completes its writes in the order it posted them.
+    "prefill_workers": (2, 1),
+    "router": ("round-robin", "least-loaded"),
+    "message_delay_probability": (0.0, 0.3, 0.8),
+    "message_delay_mean_s": (0.001, 0.02),
+    "message_loss_probability": (0.0, 0.2),
+    "slow_link_probability": (0.0, 0.2),
+    "writes_in_flight_max": (4, 1, 16),
+    "transfer_timeout_s": (1.0, 0.02, 0.005),
+    "decode_batch_max": (8, 1),
+    "output_tokens_max": (4, 32),
+    "restart_s": (0.01, 0.0, 0.1),
+}
+
+
+def scenario_for(model: Model, seed: int) -> tuple[Scenario, Model, dict]:
+    """The simulator's scenario for one example, and the core's model for one worker pair:
+    the model's prefill pool split between the prefill workers, its decode pool on one
+    decode worker; no random faults of the simulator's own (the rules inject them);
+    timing drawn from seed."""
+    rng = random.Random(f"kvproof-fuzz-sim:{seed}")
+    t = {name: rng.choice(choices) for name, choices in TIMING.items()}
+    workers = min(t["prefill_workers"], model.prefill_pages)
+    t["prefill_workers"] = workers
+    pair = replace(model, prefill_pages=model.prefill_pages // workers)
+    tokens = PAGE_TOKENS
+    scenario = Scenario(
+        name="fuzz", seed=seed, requests=model.requests, bugs=tuple(sorted(model.bugs)),
+        cluster=dict(prefill_workers=workers, decode_workers=1, page_tokens=tokens,
+                     prefill_pool_tokens=pair.prefill_pages * tokens, router=t["router"],
+                     decode_pool_tokens=model.decode_pages * tokens,
+                     context_tokens=model.context_pages * tokens,
+                     decode_batch_max=t["decode_batch_max"]),
+        workload=dict(prompt=dict(distribution="uniform", min_tokens=1,
+                                  max_tokens=model.max_prompt_pages * tokens),
+                      output=dict(distribution="uniform", min_tokens=1,
+                                  max_tokens=t["output_tokens_max"])),
+        compute=dict(prefill_tokens_per_s=tokens * 2000.0, decode_step_base_s=0.001),
+        # 655 KB a page at 1 GB/s: about 0.66 ms a page.
+        link=dict(message_latency_s=0.0005, bandwidth_bytes_per_s=1e9,
+                  writes_in_flight_max=t["writes_in_flight_max"]),
+        timeouts=dict(transfer_timeout_s=t["transfer_timeout_s"], notice_delay_s=0.001),
+        faults=dict(message_delay_probability=t["message_delay_probability"],
+                    message_delay_mean_s=t["message_delay_mean_s"],
+                    message_loss_probability=t["message_loss_probability"],
+                    retransmit_after_s=0.005,
+                    slow_link_probability=t["slow_link_probability"], slow_link_factor=50.0,
+                    prefill_restart_s=t["restart_s"], decode_restart_s=t["restart_s"]),
+        oracles=dict(on_violation="count"))
+    return scenario, pair, t
+
+
+@register("sim")
+class SimTarget(Target):
+    vocabulary = frozenset({"Arrive", "Abort", "PrefillFail", "Timeout", "PrefillCrash",
+                            "DecodeCrash", "Wait"})
+
+    def reset(self, model: Model, seed: int) -> None:
+        self.model = model
+        self.scenario, pair, self.timing = scenario_for(model, seed)
+        self.sim = Simulation(self.scenario, model=pair, on_commit=self._committed)
+        self.cluster = self.sim.cluster
+        self.workers = self.timing["prefill_workers"]
+        self.prefill_pages = pair.prefill_pages  # per worker
+        self.cluster.settled_rows = {}
+        self._trace: list[core.Event] = []
+        self._story: list[str] = []    # what the simulator did, with simulated times
+        self._reads: dict[int, tuple[int, ...]] = {}
+        self._prompts = tuple(range(1, model.max_prompt_pages + 1))
+        self._moves: dict | None = None
+
+    def describe(self) -> str:
+        return "simulator: " + ", ".join(f"{k} {v}" for k, v in self.timing.items())
+
+    # -- moves ----------------------------------------------------------------------------
+
+    def enabled(self) -> dict[str, list]:
+        if self._moves is None:
+            self._moves = self._list_moves()
+        return self._moves
+
+    def _list_moves(self) -> dict[str, list]:
+        sim, m = self.sim, self.model
+        moves: dict[str, list] = {}
+        if sim.next_request < m.requests:
+            moves["Arrive"] = [Open("Arrive", sim.next_request, 0, self._prompts)]
+        for r in sorted(self.cluster.rows):
+            for cls in _REQUEST_FAULTS:
+                event = cls(r)
+                if type(self.cluster.decide(r, event)) is not core.Refusal:
+                    moves.setdefault(cls.__name__, []).append(event)
+        c = self.cluster
+        for p in range(self.workers):
+            rows = {r: c.rows[r] for r, (q, _) in c.placement.items() if q == p}
+            view = View(rows, [], c.prefill_pools[p], c.writes_into[0])
+            if type(core.decide(c.model, view, core.PrefillCrash())) is not core.Refusal:
+                moves.setdefault("PrefillCrash", []).append(AtWorker(core.PrefillCrash(), p))
+        view = View(c.rows, c.decode_pools[0], [], c.writes_into[0])
+        if type(core.decide(c.model, view, core.DecodeCrash())) is not core.Refusal:
+            moves["DecodeCrash"] = [AtWorker(core.DecodeCrash(), 0)]
+        if sim.env.peek() != float("inf"):
+            moves["Wait"] = [Wait()]
+        return moves
+
+    def step(self, event: core.Event) -> None:
+        moves = self.enabled().get(event.action, ())
+        listed = any(event == move or (type(move) is Open and event.request == move.request)
+                     for move in moves)
+        if not listed:
+            raise TargetRefused(f"{event} is not enabled in the simulator now")
+        self._trace.append(event)
+        self._moves = None
+        sim, cls = self.sim, type(event)
+        if cls is Wait:
+            self._wait()
+        elif cls is core.Arrive:
+            sim.new_request(prompt_pages=event.prompt_pages)
+        elif cls is AtWorker:
+            self._note(event.label())
+            kind = "prefill" if type(event.event) is core.PrefillCrash else "decode"
+            sim.crash(kind, event.worker)
+        else:
+            sim.offer(event.action, event.request)
+
+    def _wait(self) -> None:
+        sim, events = self.sim, self.sim.folder.events
+        for _ in range(SIM_STEPS_PER_WAIT_MAX):
+            if sim.folder.events != events or sim.env.peek() == float("inf"):
+                return
+            sim.env.step()
+        raise AssertionError(f"the simulator ran {SIM_STEPS_PER_WAIT_MAX} steps without a "
+                             "protocol event: a component is spinning")
+
+    def _committed(self, action: str, r: int, change: core.Change) -> None:
+        self._note(f"{action}({self.model.request_names[r]})")
+        if action == "Finish":
+            row, pool = self.cluster.rows[r], self.cluster.decode_pools[0]
+            self._reads[r] = tuple(pool[page][DATA] for page, _ in row[TABLE])
+
+    def _note(self, what: str) -> None:
+        self._story.append(f"{self.sim.env.now * 1000:9.3f} ms  {what}")
+
+    # -- what the fuzzer checks -------------------------------------------------------------
+
+    def _rows(self) -> tuple:
+        rows, settled = self.cluster.rows, self.cluster.settled_rows
+        return tuple(rows.get(r) or settled.get(r) or core.EMPTY_ROW
+                     for r in range(self.model.requests))
+
+    def _placed(self, r: int) -> int:
+        """The prefill worker of request r (settled rows keep no placement: they hold no
+        prefill pages either)."""
+        placed = self.cluster.placement.get(r)
+        return placed[0] if placed else 0
+
+    def _flat_rows(self) -> tuple:
+        """Rows with source pages numbered across the prefill workers' pools, side by side."""
+        pp, rows = self.prefill_pages, self._rows()
+        return tuple(row if not row[SRC] else
+                     row[:SRC] + (tuple(x + self._placed(r) * pp for x in row[SRC]),)
+                     + row[SRC + 1:]
+                     for r, row in enumerate(rows))
+
+    def protocol_state(self) -> core.State:
+        c, pp = self.cluster, self.prefill_pages
+        prefill = tuple(page for pool in c.prefill_pools for page in pool)
+        writes = tuple(sorted((r, s + self._placed(r) * pp, t, tag)
+                              for r, s, t, tag in c.writes_into[0]))
+        return core.State(self._flat_rows(), tuple(c.decode_pools[0]), prefill, writes)
+
+    def observe(self) -> Observation:
+        c, rows, pp = self.cluster, self._flat_rows(), self.prefill_pages
+        decode_free = set(c.decode_free[0])
+        prefill_free = {x + p * pp for p, free in enumerate(c.prefill_free) for x in free}
+        decode = PoolView(
+            "decode", tuple(core.NONE if p in decode_free else page[OWNER]
+                            for p, page in enumerate(c.decode_pools[0])),
+            tuple(tuple(p for p, _ in row[TABLE]) if holds_decode_pages(row) else ()
+                  for row in rows))
+        prefill = PoolView(
+            "prefill", tuple(core.NONE if p in prefill_free else page[0] for p, page in
+                             enumerate(page for pool in c.prefill_pools for page in pool)),
+            tuple(row[SRC] if row[PST] == RUNNING else () for row in rows))
+        return Observation(
+            pools=(prefill, decode), writes=tuple((w[0], w[2]) for w in c.writes_into[0]),
+            outcomes=tuple(CLIENT_NAMES[row[core.CLIENT]] for row in rows),
+            reads=dict(self._reads), decoding=decoding_reads(rows, c.decode_pools[0]))
+
+    def check(self) -> list[Violation]:
+        """The simulator's own runtime oracles (sim/cluster.py), which watch every commit."""
+        return [Violation(v.name, f"simulator oracle: {v.detail}") for v in self.cluster.violations]
+
+    def trace(self) -> list[core.Event]:
+        return list(self._trace)
+
+    def story(self) -> list[str]:
+        return list(self._story)
+
