@@ -111,7 +111,7 @@ def scenario_for(model: Model, seed: int) -> tuple[Scenario, Model, dict]:
 class SimTarget(Target):
     vocabulary = frozenset({"Arrive", "Abort", "PrefillFail", "Timeout", "PrefillCrash",
                             "DecodeCrash", "Wait"})
-
+    events_committed = 0  # over every instance: what bench/fuzz_bench.py reports
     def reset(self, model: Model, seed: int) -> None:
         self.model = model
         self.scenario, pair, self.timing = scenario_for(model, seed)
@@ -122,6 +122,7 @@ class SimTarget(Target):
         self.cluster.settled_rows = {}
         self._trace: list[core.Event] = []
         self._story: list[str] = []    # what the simulator did, with simulated times
+        self._committed_events: list[core.Event] = []  # every event the core accepted
         self._reads: dict[int, tuple[int, ...]] = {}
         self._prompts = tuple(range(1, model.max_prompt_pages + 1))
         self._moves: dict | None = None
@@ -168,13 +169,15 @@ class SimTarget(Target):
         self._trace.append(event)
         self._moves = None
         sim, cls = self.sim, type(event)
+        self._story.append(f"{'':12}fuzzer: {event.label(self.model)}")
         if cls is Wait:
             self._wait()
         elif cls is core.Arrive:
             sim.new_request(prompt_pages=event.prompt_pages)
         elif cls is AtWorker:
-            self._note(event.label())
             kind = "prefill" if type(event.event) is core.PrefillCrash else "decode"
+            self._committed_events.append(event.event)  # listed: the core accepts it
+            self._note(event.label(self.model))
             sim.crash(kind, event.worker)
         else:
             sim.offer(event.action, event.request)
@@ -188,9 +191,12 @@ class SimTarget(Target):
         raise AssertionError(f"the simulator ran {SIM_STEPS_PER_WAIT_MAX} steps without a "
                              "protocol event: a component is spinning")
 
-    def _committed(self, action: str, r: int, change: core.Change) -> None:
-        self._note(f"{action}({self.model.request_names[r]})")
-        if action == "Finish":
+    def _committed(self, event: core.Event, change: core.Change) -> None:
+        SimTarget.events_committed += 1
+        self._committed_events.append(event)
+        self._note(event.label(self.model))
+        if type(event) is core.Finish:
+            r = event.request
             row, pool = self.cluster.rows[r], self.cluster.decode_pools[0]
             self._reads[r] = tuple(pool[page][DATA] for page, _ in row[TABLE])
 
@@ -252,4 +258,9 @@ class SimTarget(Target):
 
     def story(self) -> list[str]:
         return list(self._story)
+
+    def committed(self) -> list[core.Event]:
+        """Every protocol event the core accepted since reset, in order (crashes as the
+        core's worker-less events): with one prefill worker, a run of the core."""
+        return list(self._committed_events)
 

@@ -73,8 +73,8 @@ class Simulation:
         self.sc = scenario
         self.env = simpy.Environment()
         self.folder = Folder(scenario, model)
-        # Called as on_commit(action, r, change) after the core accepts a request's event
-        # and the change is committed, before anyone reacts (the fuzzer watches reads here).
+        # Called as on_commit(event, change) after the core accepts a request's event and
+        # the change is committed, before anyone reacts (the fuzzer watches reads here).
         self.on_commit = on_commit
         self.cluster = self.folder.cluster
         self.model = self.folder.model
@@ -132,7 +132,8 @@ class Simulation:
         if r not in self.cluster.rows:
             return None  # settled and forgotten: a late timer or message
         # The core decides first, so that a refusal costs no record and no fold.
-        out = self.cluster.decide(r, make_event(action, r, args))
+        event = make_event(action, r, args)
+        out = self.cluster.decide(r, event)
         if type(out) is Refusal:
             self.refusals[action] = self.refusals.get(action, 0) + 1
             return None
@@ -142,7 +143,7 @@ class Simulation:
         if self.log is not None:
             self.log.write(encode({"t": now, "a": action, "r": r, **args}) + "\n")
         if self.on_commit is not None:
-            self.on_commit(action, r, out)
+            self.on_commit(event, out)
         self._after(r, out)
         return out
 
@@ -156,6 +157,8 @@ class Simulation:
             return None
         if self.log is not None:
             self.log.write(encode(record) + "\n")
+        if self.on_commit is not None:
+            self.on_commit(make_event("Arrive", r, args), out)
         self._after(r, out)
         return out
 
