@@ -48,10 +48,11 @@ from spec.model import Model
 from fuzz import oracles
 from fuzz.oracles import Checks
 from fuzz.profiles import Profile
-from fuzz.target import Open, Target, Violation
+from fuzz.target import ENVIRONMENT_FAULTS, Open, Target, Violation
 
-# The core's actions, and Wait: time passing on a target whose components act on their own.
-VOCABULARY = core.ACTION_NAMES + ("Wait",)
+# The core's actions, and the environment's own moves: Wait (time passing on a target whose
+# components act on their own) and Delay (a request's traffic held back on the wire).
+VOCABULARY = core.ACTION_NAMES + ("Wait", "Delay")
 TIMERS = frozenset({"Timeout"})
 POLICIES = ("lowest", "fifo", "lifo", "random")
 # Which of an action's enabled moves (oldest first) a rule takes: any of them, the oldest (in
@@ -84,10 +85,10 @@ LEVELS = {
     "decode": ({"normal": 1, "quick": 8}, ("normal", "quick")),
     "arrival": ({"normal": 8, "rare": 1}, ("normal", "rare")),
 }
-FAULTS = (core.UNFAIR_ACTIONS - {"Arrive"}) | TIMERS
+FAULTS = (core.UNFAIR_ACTIONS - {"Arrive"}) | TIMERS | ENVIRONMENT_FAULTS
 # The drain's actions: the protocol's own, and the arrivals still to come (so that every
 # example runs all its requests through the protocol; each arrives once, so it ends).
-DRAINED = frozenset(VOCABULARY) - (core.UNFAIR_ACTIONS - {"Arrive"})
+DRAINED = frozenset(VOCABULARY) - (core.UNFAIR_ACTIONS - {"Arrive"}) - ENVIRONMENT_FAULTS
 
 
 def kind(action: str) -> str:
@@ -275,6 +276,8 @@ class FuzzMachine(RuleBasedStateMachine):
         return moves[index()]
 
     def _close(self, move: Open, digits: "Digits") -> core.Event:
+        if move.action == "Delay":
+            return move.close(move.options[digits.below(len(move.options))])
         if move.action == "Arrive":
             allowed = [n for n in move.options if n <= self.setup.prompt_pages_max]
             return move.close((allowed or move.options)[digits.below(len(allowed) or 1)])

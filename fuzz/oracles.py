@@ -29,7 +29,7 @@ from spec import core
 from spec.model import Model
 from spec.properties import REST_INVARIANTS, STATE_INVARIANTS
 
-from fuzz.target import Observation, Target, Violation
+from fuzz.target import ENVIRONMENT_FAULTS, Observation, Target, Violation
 
 LEAK_ORACLE = "LeakOracle"
 PAGE_CONSERVATION = "PageConservation"
@@ -38,7 +38,8 @@ ORACLE_FAMILY = {
     PAGE_CONSERVATION: ("ExclusiveOwner", "NoWriteIntoForeign", "SourceHeld"),
     LEAK_ORACLE: ("Isolation", "OkIsClean"),
 }
-FAIR_EXEMPT = core.UNFAIR_ACTIONS  # the environment's actions: not owed by the protocol
+# The environment's actions: not owed by the protocol.
+FAIR_EXEMPT = core.UNFAIR_ACTIONS | ENVIRONMENT_FAULTS
 
 
 def _name(m: Model, r: int) -> str:

@@ -11,14 +11,16 @@ rules drive is the environment:
 - `PrefillCrash`, `DecodeCrash`: a worker dies now and restarts after its restart delay;
 - `Timeout`: a request's transfer timer fires now, early (as if the timeout were this
   short); the simulator's own timer still fires at its time and the core refuses it then;
+- `Delay`: everything of a request on the wire (writes, messages) is held back for a stall
+  the fuzzer picks: delayed and reordered delivery, at a chosen moment, by a chosen amount;
 - `Wait`: simulated time passes until the simulator has committed at least one protocol
   event. Faults and arrivals land between any two protocol events, so the fuzzer chooses
   the moment of each one, which is what a fault-rate knob of a scenario cannot do.
 
-Each of these is enabled exactly when the core accepts it in the current state (Wait: when
-the simulator has anything scheduled). Delayed and reordered delivery come from the
-simulator's own link faults, whose rates this target draws per example from its seed
-(printed with every failure, as `describe()`), and from rules that hold Wait back.
+Each fault is enabled exactly when the core accepts it in the current state (Wait: when the
+simulator has anything scheduled; Delay: when the request has something on the wire).
+Delivery is also delayed and reordered by the simulator's own link faults, whose rates this
+target draws per example from its seed (printed with every failure, as `describe()`).
 
 The cluster is one prefill and one decode worker with the example's pools, so the protocol
 state is exactly the core's State for the example's model and every property of
@@ -34,14 +36,14 @@ import random
 from dataclasses import replace
 
 from spec import core
-from spec.core import CLIENT_NAMES, DATA, OWNER, PST, RUNNING, SRC, TABLE
+from spec.core import BOOT, CANCEL, CLIENT_NAMES, DATA, FW, NO_MSG, OWNER, PST, RUNNING, SRC, TABLE
 from spec.model import Model
 from spec.properties import holds_decode_pages
 from sim.cluster import View
 from sim.run import Simulation
 from sim.scenario import Scenario
 
-from fuzz.target import (AtWorker, Observation, Open, PoolView, Target, TargetRefused,
+from fuzz.target import (AtWorker, Delay, Observation, Open, PoolView, Target, TargetRefused,
                          Violation, Wait, decoding_reads, register)
 
 PAGE_TOKENS = 16
@@ -49,6 +51,9 @@ PAGE_TOKENS = 16
 # simulator only schedules work that ends in one (a decode step, a delivery, a landing).
 SIM_STEPS_PER_WAIT_MAX = 100_000
 _REQUEST_FAULTS = (core.Abort, core.PrefillFail, core.Timeout)
+# The stalls a Delay may choose, in milliseconds: from a fraction of one page's transfer to
+# longer than most decodes (a late write must land while the page's next owner decodes).
+STALLS_MS = (1, 2, 5, 10, 20, 50, 200)
 
 # The simulator's timing and link faults, drawn per example from the target's seed: each
 # a list of choices, the first the plain one. Transfers take about a millisecond a page, so
@@ -110,7 +115,7 @@ def scenario_for(model: Model, seed: int) -> tuple[Scenario, Model, dict]:
 @register("sim")
 class SimTarget(Target):
     vocabulary = frozenset({"Arrive", "Abort", "PrefillFail", "Timeout", "PrefillCrash",
-                            "DecodeCrash", "Wait"})
+                            "DecodeCrash", "Wait", "Delay"})
     events_committed = 0  # over every instance: what bench/fuzz_bench.py reports
     def reset(self, model: Model, seed: int) -> None:
         self.model = model
@@ -142,11 +147,16 @@ class SimTarget(Target):
         moves: dict[str, list] = {}
         if sim.next_request < m.requests:
             moves["Arrive"] = [Open("Arrive", sim.next_request, 0, self._prompts)]
+        on_wire = {w[0] for w in self.cluster.writes_into[0]}
         for r in sorted(self.cluster.rows):
             for cls in _REQUEST_FAULTS:
                 event = cls(r)
                 if type(self.cluster.decide(r, event)) is not core.Refusal:
                     moves.setdefault(cls.__name__, []).append(event)
+            row = self.cluster.rows[r]
+            if (r in on_wire or row[BOOT] or row[FW] != NO_MSG or row[CANCEL]) \
+                    and sim.held_until.get(r, 0.0) <= sim.env.now:
+                moves.setdefault("Delay", []).append(Open("Delay", r, 0, STALLS_MS))
         c = self.cluster
         for p in range(self.workers):
             rows = {r: c.rows[r] for r, (q, _) in c.placement.items() if q == p}
@@ -162,7 +172,8 @@ class SimTarget(Target):
 
     def step(self, event: core.Event) -> None:
         moves = self.enabled().get(event.action, ())
-        listed = any(event == move or (type(move) is Open and event.request == move.request)
+        listed = any(event == move or (type(move) is Open and event.request == move.request
+                                       and _argument(event) in move.options)
                      for move in moves)
         if not listed:
             raise TargetRefused(f"{event} is not enabled in the simulator now")
@@ -174,6 +185,8 @@ class SimTarget(Target):
             self._wait()
         elif cls is core.Arrive:
             sim.new_request(prompt_pages=event.prompt_pages)
+        elif cls is Delay:
+            sim.hold(event.request, event.stall_ms / 1000)
         elif cls is AtWorker:
             kind = "prefill" if type(event.event) is core.PrefillCrash else "decode"
             self._committed_events.append(event.event)  # listed: the core accepts it
@@ -264,3 +277,7 @@ class SimTarget(Target):
         core's worker-less events): with one prefill worker, a run of the core."""
         return list(self._committed_events)
 
+
+def _argument(event: core.Event) -> int:
+    """The argument the fuzzer chose for an open move (Arrive, Delay)."""
+    return event.prompt_pages if type(event) is core.Arrive else event.stall_ms

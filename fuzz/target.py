@@ -30,6 +30,7 @@ class Open:
     Arrive: `options` are the prompt lengths allowed; `need` is 0.
     Admit / Reserve: `options` are the free pages in the order the pool freed them (least
     recently freed first, never-used pages first of all, ascending); pick `need` of them.
+    Delay: `options` are the stalls allowed, in milliseconds; `need` is 0.
     """
 
     action: str
@@ -40,6 +41,8 @@ class Open:
     def close(self, choice: int | tuple[int, ...]) -> core.Event:
         if self.action == "Arrive":
             return core.Arrive(self.request, choice)
+        if self.action == "Delay":
+            return Delay(self.request, choice)
         cls = core.Admit if self.action == "Admit" else core.Reserve
         return cls(self.request, tuple(sorted(choice)))
 
@@ -48,6 +51,18 @@ class Open:
 class Wait(core.Event):
     """Time passes until the target takes its next protocol event on its own (an environment
     move, not a core action: the simulator's components act in simulated time)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delay(core.RequestEvent):
+    """Everything of the request on the wire now (writes, messages) is held back for
+    `stall_ms`: a stalled queue pair, a congested path (a fault; not a core action)."""
+
+    stall_ms: int
+
+    def label(self, m=None) -> str:
+        name = m.request_names[self.request] if m else f"r{self.request + 1}"
+        return f"Delay({name}, {self.stall_ms} ms)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +83,10 @@ class AtWorker(core.Event):
 
 
 Move = Union[core.Event, Open]
-# Every move's type by name: the core's events and the environment's Wait.
-MOVE_TYPES = {**core.EVENT_TYPES, "Wait": Wait}
+# Every move's type by name: the core's events and the environment's own moves.
+MOVE_TYPES = {**core.EVENT_TYPES, "Wait": Wait, "Delay": Delay}
+# The environment's moves that are faults: never owed, never taken by the drain.
+ENVIRONMENT_FAULTS = frozenset({"Delay"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,6 +117,8 @@ class Simulation:
         self.dirty: list[int] = []
         self.depth = 0
         self.session_waiters = {}
+        # request -> simulated time before which nothing of it arrives (hold())
+        self.held_until: dict[int, float] = {}
         self.round_robin = [0, 0]
         self.finished = self.env.event()  # every request has settled
         self.pending = 0
@@ -272,7 +274,8 @@ class Simulation:
             self.kick_decode_waiting(d)
 
     def _drop(self, r: int) -> None:
-        for table in (self.output, self.decoding, self.intents, self.nic_pending):
+        for table in (self.output, self.decoding, self.intents, self.nic_pending,
+                      self.held_until):
             table.pop(r, None)
         self.all_posted.discard(r)
         self.computed.discard(r)
@@ -294,7 +297,22 @@ class Simulation:
             delay += rng.expovariate(1.0 / f.message_delay_mean_s) if f.message_delay_mean_s else 0
         self.later(delay, self._deliver, handler, r, worker, to_prefill)
 
+    def hold(self, r: int, seconds: float) -> None:
+        """Delay everything of request r on the wire (writes, messages) until `seconds` from
+        now: a stalled queue pair or a congested path, chosen by the fuzzer."""
+        self.held_until[r] = self.env.now + seconds
+
+    def _held(self, r: int, fn, *args) -> bool:
+        """Re-schedule fn(*args) if r is held; True if it was."""
+        until = self.held_until.get(r, 0.0)
+        if until <= self.env.now:
+            return False
+        self.later(until - self.env.now, fn, *args)
+        return True
+
     def _deliver(self, handler, r: int, worker: int, to_prefill: int) -> None:
+        if self._held(r, self._deliver, handler, r, worker, to_prefill):
+            return
         back = (self.prefill_down_until[to_prefill] if to_prefill >= 0
                 else self.decode_down_until[worker])
         if back > self.env.now:
@@ -389,6 +407,8 @@ class Simulation:
     def _land(self, p: int, r: int, page: int, epoch: int) -> None:
         if epoch != self.prefill_epoch[p]:
             return  # flushed with the crashed worker's queue pairs
+        if self._held(r, self._land, p, r, page, epoch):
+            return  # a held write keeps its NIC slot
         self.nic_in_flight[p] -= 1
         # A request can settle with writes still on the wire: a decode crash flushes them
         # (the target's queue pairs are gone) and tombstones the request. The NIC slot is

@@ -61,18 +61,20 @@ LONG_EXAMPLES = 3000
 def _long_profile_zoo_over_several_seeds(capsys):
     """Bigger prefill pools (up to 48 pages) make the incident rare: an over-long prompt must
     exceed the pool, and all but one of its pages must hold stale content. So the scheduled
-    profile asks each entry to be caught on at least one seed, and no false alarm on any
-    (seeds 0-2 at 3,000 examples: the incident on seed 0 only, everything else on all)."""
+    profile asks each entry to be caught on at least one seed on each target, and no false
+    alarm on any (core, seeds 0-2 at 3,000 examples: the incident on seed 0 only, everything
+    else on all)."""
     base = Campaign(examples=LONG_EXAMPLES, profile=PROFILES["long"], shrink_seconds=10)
+    targets = ["core", "sim"]
     cells = []
     for seed in LONG_SEEDS:
-        cells += run_zoo(["core"], replace(base, seed=seed))
+        cells += run_zoo(targets, replace(base, seed=seed))
         with capsys.disabled():
-            print(f"\nseed {seed}:\n" + format_matrix(cells[-len(zoo_rows()):]))
-    false_alarms = [(c.row.name, c.outcome.batch_seed) for c in cells
+            print(f"\nseed {seed}:\n" + format_matrix(cells[-len(zoo_rows()) * len(targets):]))
+    false_alarms = [(c.row.name, c.target, c.outcome.batch_seed) for c in cells
                     if not c.row.must_fail and c.outcome.caught]
-    never = [r.name for r in zoo_rows()
-             if r.must_fail and not any(c.outcome.caught for c in cells if c.row == r)]
+    never = [(r.name, t) for r in zoo_rows() for t in targets if r.must_fail and not any(
+        c.outcome.caught for c in cells if c.row == r and c.target == t)]
     assert not false_alarms and not never, (false_alarms, never)
 
 
@@ -297,9 +299,10 @@ def test_zoo_command_prints_the_matrix_and_fails_on_a_miss(capsys):
     assert main(["fuzz", "--zoo", "--examples", "3", "--seed", "1",
                  "--shrink-seconds", "0.2"]) == 1
     out = capsys.readouterr().out
-    assert "kvproof fuzz --zoo: targets core; seed 1; per cell 3 examples" in out
+    assert "kvproof fuzz --zoo: targets core, sim; seed 1; per cell 3 examples" in out
     assert "none                      clean: 0 violations in 3 examples" in out
     assert "FAILED: incident on core: MISSED" in out
+    assert "incident on sim: MISSED" in out
 
 
 def test_a_time_budget_runs_seeded_batches(capsys):
