@@ -343,9 +343,13 @@ class Simulation:
             if pages is None:
                 return  # pool pressure: wait until pages come back
             queue.popleft()
+            # Busy before the offer: the Admit's own reaction kicks this worker again
+            # (its pool changed), and must not admit the next request alongside.
+            self.prefill_busy[p] = True
             if self.offer("Admit", r, pages=list(pages)):
                 self._compute(p, r, need)
                 return
+            self.prefill_busy[p] = False
 
     def _compute(self, p: int, r: int, pages: int) -> None:
         self.prefill_busy[p] = True
