@@ -11,6 +11,11 @@ least or most recently freed, random: real allocators do each, and which pages c
 when decides what stale content a reader meets), a delivery order (any in-flight move,
 the oldest, or the newest first), delivery delays and a drain policy.
 
+The vocabulary is the core's actions plus two moves of the environment's own: Wait (time
+passes on a target whose components take the protocol's actions themselves, the simulator)
+and Delay (a request's traffic held back on the wire). A target names the part of the
+vocabulary it can ever list, and only that part is weighed.
+
 Then Hypothesis runs the one rule, `step`: it draws an action among those with an enabled
 move, as likely as its weight, then one of that action's moves (by the delivery order) and,
 for an open move, its argument (the prompt length; the pages, from the allocator). The
