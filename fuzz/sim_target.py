@@ -117,6 +117,7 @@ class SimTarget(Target):
     vocabulary = frozenset({"Arrive", "Abort", "PrefillFail", "Timeout", "PrefillCrash",
                             "DecodeCrash", "Wait", "Delay"})
     events_committed = 0  # over every instance: what bench/fuzz_bench.py reports
+
     def reset(self, model: Model, seed: int) -> None:
         self.model = model
         self.scenario, pair, self.timing = scenario_for(model, seed)
@@ -138,6 +139,8 @@ class SimTarget(Target):
     # -- moves ----------------------------------------------------------------------------
 
     def enabled(self) -> dict[str, list]:
+        """The environment's moves. An action's moves are listed by request, that is in
+        arrival order, which is the order most of them became enabled in."""
         if self._moves is None:
             self._moves = self._list_moves()
         return self._moves
@@ -160,7 +163,8 @@ class SimTarget(Target):
         c = self.cluster
         for p in range(self.workers):
             rows = {r: c.rows[r] for r, (q, _) in c.placement.items() if q == p}
-            view = View(rows, [], c.prefill_pools[p], c.writes_into[0])
+            posted = [w for w in c.writes_into[0] if w[0] in rows]
+            view = View(rows, [], c.prefill_pools[p], posted)
             if type(core.decide(c.model, view, core.PrefillCrash())) is not core.Refusal:
                 moves.setdefault("PrefillCrash", []).append(AtWorker(core.PrefillCrash(), p))
         view = View(c.rows, c.decode_pools[0], [], c.writes_into[0])
