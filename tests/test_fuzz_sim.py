@@ -1,21 +1,16 @@
-"""The simulator as a fuzz target (fuzz/sim_target.py): the zoo, broken guards, replays,
-and that what the target reports is a run of the core.
-
-The zoo test is the sim half of issue 5's CI profile: every entry must be caught on the sim
-target within the budget below, and no switch at all must end the same budget clean.
-"""
+"""The simulator as a fuzz target (fuzz/sim_target.py): what the target reports is a run of
+the core, its faults, replays and determinism. The zoo and the broken guards run on both
+targets in tests/test_fuzz.py."""
 
 from __future__ import annotations
 
 import json
 import random
-from types import SimpleNamespace
 
 import pytest
 
 from api.cli import main
 from spec import core
-from spec.core import CLOSING, DFW, DST, D_WAITING
 from spec.model import Model
 
 from fuzz.oracles import Checks, check
@@ -23,83 +18,7 @@ from fuzz.replay import load, replay
 from fuzz.runner import Campaign, run_campaign
 from fuzz.sim_target import SimTarget, scenario_for
 from fuzz.target import AtWorker, Open, Wait
-from fuzz.zoo import format_matrix, run_zoo, zoo_rows
 
-ZOO_SEED = 7
-ZOO_EXAMPLES = 1500      # per cell; the none row runs all of them
-ZOO_SHRINK_SECONDS = 1.0
-ZOO_MINIMIZE_SECONDS = 2.0
-
-
-def test_zoo_on_the_sim_target_catches_every_entry_and_raises_no_false_alarm(capsys):
-    base = Campaign(seed=ZOO_SEED, examples=ZOO_EXAMPLES, shrink_seconds=ZOO_SHRINK_SECONDS,
-                    minimize_seconds=ZOO_MINIMIZE_SECONDS)
-    cells = run_zoo(["sim"], base)
-    with capsys.disabled():
-        print("\n" + format_matrix(cells))
-    missed = [c.row.name for c in cells if c.row.must_fail and not c.outcome.caught]
-    false_alarms = [c.outcome.replayed for c in cells if not c.row.must_fail and c.outcome.caught]
-    assert not missed, f"missed within {ZOO_EXAMPLES} examples: {missed}"
-    assert not false_alarms, f"false alarm with no switch on: {false_alarms}"
-    assert len(cells) == len(zoo_rows())
-    for cell in cells:
-        if cell.outcome.caught:  # what is reported was replayed on the simulator
-            assert cell.outcome.replayed.steps == len(cell.outcome.minimal)
-            assert cell.outcome.replayed.story  # and says what the simulator did
-
-
-# ---------------------------------------------------------------------------------------
-# Guards that are not switches, broken by a monkeypatch of the core the simulator runs.
-
-def _release_before_the_final_word(original):
-    """Decode frees a closing request's pages without waiting for the prefill's final word
-    (the first lesson of DESIGN.md), but still waits for writes already in flight. No
-    switch does just this: EagerRelease drops both conditions."""
-    def release(m, s, r):
-        row = s.requests[r]
-        if row[DST] != CLOSING or row[DFW]:
-            return original(m, s, r)
-        heard = row[:DFW] + (1,) + row[DFW + 1:]
-        view = SimpleNamespace(requests={r: heard}, decode_pool=s.decode_pool,
-                               prefill_pool=s.prefill_pool, writes=s.writes)
-        out = original(m, view, r)
-        if type(out) is str:
-            return out
-        (_, new), = out.rows
-        return out._replace(rows=((r, new[:DFW] + (0,) + new[DFW + 1:]),))
-    return release
-
-
-def _notice_forgets_the_final_word(original):
-    """Decode takes a Reject or Abort while waiting for KV but forgets it heard the final
-    word, so Release waits for it forever (nothing recovers: the timer has been spent)."""
-    def notice(m, s, r):
-        out = original(m, s, r)
-        if type(out) is str or s.requests[r][DST] != D_WAITING:
-            return out
-        (_, row), = out.rows
-        return out._replace(rows=((r, row[:DFW] + (0,) + row[DFW + 1:]),))
-    return notice
-
-
-@pytest.mark.parametrize("target", ["sim", "core"])
-@pytest.mark.parametrize("action, patch, expected", [
-    (core.Release, _release_before_the_final_word, {"NoWriteIntoForeign", "PageConservation"}),
-    (core.Notice, _notice_forgets_the_final_word, {"NoLeakAtRest"}),
-], ids=["release-before-final-word", "notice-forgets-final-word"])
-def test_a_broken_guard_that_is_no_switch_is_caught(monkeypatch, target, action, patch,
-                                                     expected):
-    monkeypatch.setitem(core.ACTIONS, action, patch(core.ACTIONS[action]))
-    outcome = run_campaign(Campaign(target=target, seed=1, examples=300, shrink_seconds=1,
-                                    minimize_seconds=2))
-    assert outcome.caught, f"the fuzzer missed a guard that is not a switch on {target}"
-    assert expected & {v.property for v in outcome.replayed.violations}
-    print(f"{target}: caught after {outcome.examples_to_catch} examples: "
-          f"{outcome.replayed.violations[0]} in {len(outcome.minimal)} events")
-
-
-# ---------------------------------------------------------------------------------------
-# The target itself.
 
 def _model(*bugs: str, requests: int = 6) -> Model:
     return Model(requests=requests, max_prompt_pages=14, context_pages=12, prefill_pages=12,
