@@ -11,8 +11,9 @@ import pytest
 
 from api.cli import main
 from sim.fold import LogError, replay
-from sim.run import simulate
-from sim.scenario import ScenarioError, load_scenario, scenario_from_dict, scenario_names
+from sim.run import Simulation, simulate
+from sim.scenario import (Scenario, ScenarioError, load_scenario, scenario_from_dict,
+                          scenario_names)
 from sim.trace import log_to_itf
 from spec.validate import validate
 
@@ -182,3 +183,22 @@ def test_the_cli_runs_logs_replays_and_plots(tmp_path, capsys):
     assert main(["sim", "one-pair", "--log", str(log), "--itf", str(itf), "--quiet"]) == 0
     assert main(["validate", str(itf)]) == 0
     assert "trace OK" in capsys.readouterr().out
+
+
+def test_a_prefill_worker_computes_one_request_at_a_time():
+    """Three prompts queued at once on one prefill worker are admitted one after another,
+    each when the previous one's compute ends (an Admit's own reaction once admitted the
+    whole queue at the same instant)."""
+    sc = Scenario(name="serial", requests=3,
+                  cluster=dict(prefill_workers=1, decode_workers=1, page_tokens=16,
+                               prefill_pool_tokens=16 * 16, decode_pool_tokens=16 * 16,
+                               context_tokens=16 * 16),
+                  compute=dict(prefill_tokens_per_s=16 * 1000.0))
+    admitted = []
+    sim = Simulation(sc, on_commit=lambda event, change: admitted.append(sim.env.now)
+                     if event.action == "Admit" else None)
+    for _ in range(3):
+        sim.new_request(prompt_pages=2)
+    sim.env.run()
+    assert admitted == pytest.approx([0.0, 0.002, 0.004])  # 2 pages at 1 ms a page each
+    assert sim.folder.metrics.summary()["outcomes"] == {"Ok": 3}
