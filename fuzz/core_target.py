@@ -21,14 +21,14 @@ from dataclasses import fields
 
 from spec import core
 from spec.core import (
-    CLIENT, CLIENT_NAMES, CLOSING, DATA, DECODING, DST, D_WAITING, NONE, OWNER, PST, RUNNING, SRC,
-    TABLE,
+    BOOT, CANCEL, CLIENT, CLIENT_NAMES, CLOSING, DATA, DECODING, DST, D_WAITING, FW, NONE, NO_MSG,
+    OWNER, PST, RUNNING, SRC, TABLE,
 )
 from spec.model import Model
 from spec.properties import request_ended
 
-from fuzz.target import (Move, Observation, Open, PoolView, Target, TargetRefused, decoding_reads,
-                         register)
+from fuzz.target import (Delay, Move, Observation, Open, PoolView, Target, TargetRefused,
+                         decoding_reads, register)
 
 
 def _field_names(cls: type) -> tuple[str, ...]:
@@ -43,11 +43,17 @@ _GLOBAL_CLASSES = tuple(cls for cls in core.ACTIONS if _field_names(cls) == ())
 _NAMES = core.ACTION_NAMES  # moves are listed in the core's action order
 _ALLOCATIONS = (core.Admit, core.Reserve)
 _HOLDS_DECODE_PAGES = (D_WAITING, DECODING, CLOSING)
+# The actions that take something of a request off the wire: a write (LandWrite), the
+# bootstrap, the final word, a cancel or an abort notice. A Delay holds them back.
+_DELIVERIES = frozenset({"LandWrite", "Reserve", "DropBootstrap", "DecodeReject", "Accept",
+                         "Notice", "PrefillAbort", "AnswerCancel"})
+# The stalls a Delay may choose, in steps of this target (an event each).
+STALLS_STEPS = (2, 5, 10, 20, 50)
 
 
 @register("core")
 class CoreTarget(Target):
-    vocabulary = frozenset(core.ACTION_NAMES)
+    vocabulary = frozenset(core.ACTION_NAMES) | {"Delay"}
 
     def reset(self, model: Model, seed: int) -> None:
         # The core has no randomness of its own: the seed is unused.
@@ -69,6 +75,7 @@ class CoreTarget(Target):
         self._simple = tuple((cls.__name__, core.ACTIONS[cls]) for cls in _SIMPLE_CLASSES)
         self._global = tuple((cls.__name__, core.ACTIONS[cls], cls()) for cls in _GLOBAL_CLASSES)
         self._events = [tuple(cls(r) for cls in _SIMPLE_CLASSES) for r in range(model.requests)]
+        self._held: dict[int, int] = {}  # request -> the step its Delay ends at
 
     def enabled(self) -> dict[str, list[Move]]:
         if self._moves is None:
@@ -93,7 +100,28 @@ class CoreTarget(Target):
             if type(out) is not str:
                 self._next[event] = core.commit(s, out)
                 moves[name].append(event)
+        self._hold(moves)
         return self._oldest_first({name: listed for name, listed in moves.items() if listed})
+
+    def _hold(self, moves: dict[str, list[Move]]) -> None:
+        """Take the deliveries of held requests off the list, and list a Delay for every
+        request with something on the wire that is not held. When only held deliveries could
+        move the protocol on, nothing is held: time jumps to the end of the stalls."""
+        now, s = len(self._trace), self.state
+        held = {r for r, until in self._held.items() if until > now}
+        if held:
+            kept = {name: [mv for mv in listed if mv.request not in held]
+                    if name in _DELIVERIES else listed for name, listed in moves.items()}
+            if any(listed for name, listed in kept.items()
+                   if name not in core.UNFAIR_ACTIONS):
+                moves.update(kept)
+            else:
+                self._held.clear()
+                held = set()
+        on_wire = {w[0] for w in s.writes}
+        moves["Delay"] = [Open("Delay", r, 0, STALLS_STEPS) for r, row in enumerate(s.requests)
+                          if r not in held and (r in on_wire or row[BOOT] or row[CANCEL]
+                                                or row[FW] != NO_MSG)]
 
     def _request_moves(self, r: int, free: list) -> list[tuple[str, Move]]:
         """Request r's enabled moves. An action of r reads r's row, the pools and the writes,
@@ -151,6 +179,11 @@ class CoreTarget(Target):
         return tuple(free)
 
     def step(self, event: core.Event) -> None:
+        if type(event) is Delay:  # the fuzzer's scheduling: no protocol state changes
+            self._held[event.request] = len(self._trace) + 1 + event.stall
+            self._trace.append(event)
+            self._moves = None
+            return
         out = self._next.get(event) if self._moves is not None else None
         if out is None:
             out = core.apply(self.model, self.state, event)

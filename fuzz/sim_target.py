@@ -190,7 +190,7 @@ class SimTarget(Target):
         elif cls is core.Arrive:
             sim.new_request(prompt_pages=event.prompt_pages)
         elif cls is Delay:
-            sim.hold(event.request, event.stall_ms / 1000)
+            sim.hold(event.request, event.stall / 1000)
         elif cls is AtWorker:
             kind = "prefill" if type(event.event) is core.PrefillCrash else "decode"
             self._committed_events.append(event.event)  # listed: the core accepts it
@@ -284,4 +284,4 @@ class SimTarget(Target):
 
 def _argument(event: core.Event) -> int:
     """The argument the fuzzer chose for an open move (Arrive, Delay)."""
-    return event.prompt_pages if type(event) is core.Arrive else event.stall_ms
+    return event.prompt_pages if type(event) is core.Arrive else event.stall

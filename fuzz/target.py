@@ -30,7 +30,7 @@ class Open:
     Arrive: `options` are the prompt lengths allowed; `need` is 0.
     Admit / Reserve: `options` are the free pages in the order the pool freed them (least
     recently freed first, never-used pages first of all, ascending); pick `need` of them.
-    Delay: `options` are the stalls allowed, in milliseconds; `need` is 0.
+    Delay: `options` are the stalls allowed, in the target's time; `need` is 0.
     """
 
     action: str
@@ -55,14 +55,15 @@ class Wait(core.Event):
 
 @dataclass(frozen=True, slots=True)
 class Delay(core.RequestEvent):
-    """Everything of the request on the wire now (writes, messages) is held back for
-    `stall_ms`: a stalled queue pair, a congested path (a fault; not a core action)."""
+    """Everything of the request on the wire now (writes, messages) is held back for `stall`:
+    a stalled queue pair, a congested path (a fault; not a core action). The stall is in the
+    target's own time: milliseconds on the simulator, steps (events) on the core."""
 
-    stall_ms: int
+    stall: int
 
     def label(self, m=None) -> str:
         name = m.request_names[self.request] if m else f"r{self.request + 1}"
-        return f"Delay({name}, {self.stall_ms} ms)"
+        return f"Delay({name}, {self.stall})"
 
 
 @dataclass(frozen=True, slots=True)
