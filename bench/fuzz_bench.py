@@ -11,9 +11,10 @@ least 25% of the trivial machine's rate.
 
 "Steps" on a target are the moves taken: the ones the rules chose and the ones the
 end-of-example drain took (those skip Hypothesis's per-step cost, so the rules-only rate is
-printed as well). On the core a move is one protocol event. On the simulator most moves are
-Wait, which runs the simulator until it commits at least one protocol event; the protocol
-events it committed per second are printed too.
+printed as well). On the core a move is one protocol event, or a Delay (the fuzzer's
+scheduling). On the simulator most moves are Wait, which runs the simulator until it commits
+at least one protocol event. The protocol events each target committed per second are
+printed too.
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ from hypothesis.stateful import (  # noqa: E402
 
 from fuzz.profiles import PROFILES  # noqa: E402
 from fuzz.runner import Campaign, run_campaign  # noqa: E402
-from fuzz.sim_target import SimTarget  # noqa: E402
-from fuzz.target import load_targets  # noqa: E402
+from fuzz.target import TARGETS, load_targets  # noqa: E402
 
 
 class Counter(RuleBasedStateMachine):
@@ -74,12 +74,13 @@ def target_round(target: str, examples: int,
     """Rule steps, drain steps, CPU seconds, wall seconds and protocol events on `target`,
     no bug on."""
     campaign = Campaign(target=target, seed=round_seed, examples=examples, shrink_seconds=0)
-    committed = SimTarget.events_committed  # the simulator's count; 0 on the core
+    counted = TARGETS[target]
+    committed = counted.events_committed
     cpu, wall = time.process_time(), time.perf_counter()
     outcome = run_campaign(campaign)
     assert not outcome.caught, f"a false alarm on {target} with no bug on: seed {round_seed}"
     return (outcome.steps, outcome.drain_steps, time.process_time() - cpu,
-            time.perf_counter() - wall, SimTarget.events_committed - committed)
+            time.perf_counter() - wall, counted.events_committed - committed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
           f"(wall {trivial[0] / trivial[2]:,.0f}/s)")
     for t, (rules, drain, cpu, wall, events) in totals.items():
         rate = (rules + drain) / cpu
-        events = events or rules + drain  # the core: a move is an event
         print(f"{t}: {rules + drain} steps ({rules} by the rules, {drain} by the drain), "
               f"{rate:,.0f} steps/s (wall {(rules + drain) / wall:,.0f}/s), "
               f"{rules / cpu:,.0f} rule steps/s; {events / cpu:,.0f} protocol events/s")

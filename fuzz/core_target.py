@@ -192,6 +192,7 @@ class CoreTarget(Target):
         before = self.state
         self.state = out
         self._trace.append(event)
+        CoreTarget.events_committed += 1
         self._moves = None
         self._observation = None
         self._note_frees(before, out)

@@ -116,7 +116,6 @@ def scenario_for(model: Model, seed: int) -> tuple[Scenario, Model, dict]:
 class SimTarget(Target):
     vocabulary = frozenset({"Arrive", "Abort", "PrefillFail", "Timeout", "PrefillCrash",
                             "DecodeCrash", "Wait", "Delay"})
-    events_committed = 0  # over every instance: what bench/fuzz_bench.py reports
 
     def reset(self, model: Model, seed: int) -> None:
         self.model = model
@@ -194,6 +193,7 @@ class SimTarget(Target):
         elif cls is AtWorker:
             kind = "prefill" if type(event.event) is core.PrefillCrash else "decode"
             self._committed_events.append(event.event)  # listed: the core accepts it
+            SimTarget.events_committed += 1
             self._note(event.label(self.model))
             sim.crash(kind, event.worker)
         else:

@@ -146,6 +146,8 @@ class Target(abc.ABC):
     name = "abstract"
     # The actions (move names) the target can ever list: the swarm weighs only these.
     vocabulary: frozenset[str] = frozenset()
+    # Protocol events the core accepted, over every instance of the class (benchmarks).
+    events_committed = 0
 
     @abc.abstractmethod
     def reset(self, model: Model, seed: int) -> None:
