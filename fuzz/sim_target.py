@@ -12,7 +12,8 @@ rules drive is the environment:
 - `Timeout`: a request's transfer timer fires now, early (as if the timeout were this
   short); the simulator's own timer still fires at its time and the core refuses it then;
 - `Delay`: everything of a request on the wire (writes, messages) is held back for a stall
-  the fuzzer picks: delayed and reordered delivery, at a chosen moment, by a chosen amount;
+  the fuzzer picks, in milliseconds: delayed and reordered delivery, at a chosen moment, by
+  a chosen amount;
 - `Wait`: simulated time passes until the simulator has committed at least one protocol
   event. Faults and arrivals land between any two protocol events, so the fuzzer chooses
   the moment of each one, which is what a fault-rate knob of a scenario cannot do.
@@ -22,10 +23,12 @@ simulator has anything scheduled; Delay: when the request has something on the w
 Delivery is also delayed and reordered by the simulator's own link faults, whose rates this
 target draws per example from its seed (printed with every failure, as `describe()`).
 
-The cluster is one prefill and one decode worker with the example's pools, so the protocol
-state is exactly the core's State for the example's model and every property of
-spec/properties.py reads it unchanged. Settled rows are kept (the cluster forgets them in
-long runs). Observations are the simulator's own bookkeeping: a page is free when the
+The cluster is one or two prefill workers (the example's prefill pool split between them,
+each with its own NIC) and one decode worker with the example's decode pool. The protocol
+state is the core's State for the example's model, the prefill pools side by side, so every
+property of spec/properties.py reads it unchanged; the simulator's own oracles, which know
+each worker's pool, report through `check`. Settled rows are kept (the cluster forgets them
+in long runs). Observations are the simulator's own bookkeeping: a page is free when the
 allocator's free stack has it, a request holds what its row names, and a request's reads
 are taken from the pages' canaries when the simulator commits its Finish.
 """
