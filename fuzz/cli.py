@@ -34,9 +34,10 @@ class UsageError(ValueError):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    names = ", ".join(m.rsplit(".", 1)[-1].removesuffix("_target") for m in TARGET_MODULES)
     parser.add_argument("--target", action="append", default=[], metavar="NAME",
-                        help="the system to fuzz (repeatable; default: core, or every "
-                             f"target of {', '.join(TARGET_MODULES)} with --zoo)")
+                        help=f"the system to fuzz: {names} (repeatable; default: core, or "
+                             "every target with --zoo)")
     parser.add_argument("--seed", type=int, default=None, metavar="N",
                         help="the seed (default: a fresh one, printed)")
     budget = parser.add_mutually_exclusive_group()
