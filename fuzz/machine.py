@@ -119,7 +119,10 @@ class Setup:
     seed: int = 0
 
     def weight_table(self) -> dict[str, int]:
-        return {a: LEVELS[kind(a)][0][level] for a, level in self.weights}
+        """Every action's weight; 0 for those the target did not declare (never drawn)."""
+        table = dict.fromkeys(VOCABULARY, 0)
+        table.update((a, LEVELS[kind(a)][0][level]) for a, level in self.weights)
+        return table
 
     def describe(self) -> str:
         unusual = ", ".join(f"{a} {level}" for a, level in self.weights if level != "normal")
