@@ -76,9 +76,13 @@ DRAINS = ("random", "in order")
 # Swarm weights: how often an enabled action is picked, drawn per example. Each kind of
 # action has levels (name -> weight) and a draw: the names a uniform draw picks from, so a
 # name listed twice is twice as likely; the first is where shrinking goes, the ordinary.
-# - Faults and timers (client aborts, prefill failures and crashes, timeouts): "normal" is
+# - Faults and timers (client aborts, prefill failures, timeouts, held traffic): "normal" is
 #   rare, as faults are in a real system (at the protocol's rate they would end nearly every
 #   request before it completes), or "off" for the whole example, or a "storm".
+# - Worker crashes: the same levels, but off in most examples. A crash is enabled whenever
+#   the worker holds any request, so even at "normal" it happens in most long examples,
+#   and it ends every request the worker holds: the multi-fault interleavings (a late write
+#   after a reuse, the incident) need examples where no worker dies.
 # - The protocol's own actions: never off (one missing step of the pipeline would stall every
 #   request behind it) but sometimes "rare": that is how delayed and reordered delivery arise.
 # - Finish stands for a whole decode, token after token, the longest step of a request, with
@@ -86,11 +90,13 @@ DRAINS = ("random", "in order")
 # - Arrivals: never off (an example without them tests nothing); "rare" is a light load.
 LEVELS = {
     "fault": ({"normal": 1, "off": 0, "storm": 8}, ("normal", "off", "normal", "off", "storm")),
+    "crash": ({"normal": 1, "off": 0, "storm": 8}, ("off", "normal", "off", "off", "storm")),
     "protocol": ({"normal": 8, "rare": 1}, ("normal", "normal", "rare")),
     "decode": ({"normal": 1, "quick": 8}, ("normal", "quick")),
     "arrival": ({"normal": 8, "rare": 1}, ("normal", "rare")),
 }
 FAULTS = (core.UNFAIR_ACTIONS - {"Arrive"}) | TIMERS | ENVIRONMENT_FAULTS
+WORKER_CRASHES = frozenset({"PrefillCrash", "DecodeCrash"})
 # The drain's actions: the protocol's own, and the arrivals still to come (so that every
 # example runs all its requests through the protocol; each arrives once, so it ends).
 DRAINED = frozenset(VOCABULARY) - (core.UNFAIR_ACTIONS - {"Arrive"}) - ENVIRONMENT_FAULTS
@@ -101,6 +107,8 @@ def kind(action: str) -> str:
         return "arrival"
     if action == "Finish":
         return "decode"
+    if action in WORKER_CRASHES:
+        return "crash"
     return "fault" if action in FAULTS else "protocol"
 
 
