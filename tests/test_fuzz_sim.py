@@ -127,16 +127,19 @@ def test_a_sim_failure_is_saved_and_replays_from_its_file(tmp_path, capsys):
     meta = json.loads(path.read_text())["#meta"]["fuzz"]
     assert meta["target_seed"] == saved.target_seed
     assert main(["fuzz", "--replay", str(path)]) == 1
-    assert "Reproduced: NoWriteIntoForeign" in capsys.readouterr().out
+    assert f"Reproduced: {saved.violation} after event {saved.steps}" in capsys.readouterr().out
     found = replay("sim", saved.model, saved.events, Checks.for_properties(),
                    seed=saved.target_seed)
     assert found.steps == saved.steps
 
 
-def test_the_same_seed_gives_the_same_campaign():
+def test_the_same_seed_finds_the_same_failure():
+    """Generation is seeded; shrinking and minimizing are bounded in wall time, so under
+    load they may stop at different points: compare the failure before them."""
     runs = [run_campaign(Campaign(target="sim", bugs=frozenset({"SourceReuse"}), seed=4,
-                                  examples=50, shrink_seconds=1, minimize_seconds=1))
+                                  examples=50, shrink_seconds=0, minimize_seconds=1))
             for _ in range(2)]
     assert runs[0].caught and runs[1].caught
+    assert runs[0].examples_to_catch == runs[1].examples_to_catch
     assert runs[0].failure.trace == runs[1].failure.trace
-    assert runs[0].minimal == runs[1].minimal
+    assert all(o.replayed.property == "SourceHeld" for o in runs)
