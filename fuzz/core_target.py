@@ -21,8 +21,8 @@ from dataclasses import fields
 
 from spec import core
 from spec.core import (
-    BOOT, CANCEL, CLIENT, CLIENT_NAMES, CLOSING, DATA, DECODING, DST, D_WAITING, FW, NONE, NO_MSG,
-    OWNER, PST, RUNNING, SRC, TABLE,
+    CLIENT, CLIENT_NAMES, CLOSING, DATA, DECODING, DST, D_WAITING, NONE, OWNER, PST, RUNNING, SRC,
+    TABLE,
 )
 from spec.model import Model
 from spec.properties import request_ended
@@ -120,8 +120,7 @@ class CoreTarget(Target):
                 held = set()
         on_wire = {w[0] for w in s.writes}
         moves["Delay"] = [Open("Delay", r, 0, STALLS_STEPS) for r, row in enumerate(s.requests)
-                          if r not in held and (r in on_wire or row[BOOT] or row[CANCEL]
-                                                or row[FW] != NO_MSG)]
+                          if r not in held and (r in on_wire or core.message_in_flight(row))]
 
     def _request_moves(self, r: int, free: list) -> list[tuple[str, Move]]:
         """Request r's enabled moves. An action of r reads r's row, the pools and the writes,

@@ -39,10 +39,9 @@ import random
 from dataclasses import replace
 
 from spec import core
-from spec.core import BOOT, CANCEL, CLIENT_NAMES, DATA, FW, NO_MSG, OWNER, PST, RUNNING, SRC, TABLE
+from spec.core import CLIENT_NAMES, DATA, OWNER, PST, RUNNING, SRC, TABLE
 from spec.model import Model
 from spec.properties import holds_decode_pages
-from sim.cluster import View
 from sim.run import Simulation
 from sim.scenario import Scenario
 
@@ -134,6 +133,7 @@ class SimTarget(Target):
         self._reads: dict[int, tuple[int, ...]] = {}
         self._prompts = tuple(range(1, model.max_prompt_pages + 1))
         self._moves: dict | None = None
+        self._state: core.State | None = None
 
     def describe(self) -> str:
         return "simulator: " + ", ".join(f"{k} {v}" for k, v in self.timing.items())
@@ -159,18 +159,13 @@ class SimTarget(Target):
                 if type(self.cluster.decide(r, event)) is not core.Refusal:
                     moves.setdefault(cls.__name__, []).append(event)
             row = self.cluster.rows[r]
-            if (r in on_wire or row[BOOT] or row[FW] != NO_MSG or row[CANCEL]) \
+            if (r in on_wire or core.message_in_flight(row)) \
                     and sim.held_until.get(r, 0.0) <= sim.env.now:
                 moves.setdefault("Delay", []).append(Open("Delay", r, 0, STALLS_MS))
-        c = self.cluster
         for p in range(self.workers):
-            rows = {r: c.rows[r] for r, (q, _) in c.placement.items() if q == p}
-            posted = [w for w in c.writes_into[0] if w[0] in rows]
-            view = View(rows, [], c.prefill_pools[p], posted)
-            if type(core.decide(c.model, view, core.PrefillCrash())) is not core.Refusal:
+            if type(self.cluster.decide_crash("prefill", p)) is not core.Refusal:
                 moves.setdefault("PrefillCrash", []).append(AtWorker(core.PrefillCrash(), p))
-        view = View(c.rows, c.decode_pools[0], [], c.writes_into[0])
-        if type(core.decide(c.model, view, core.DecodeCrash())) is not core.Refusal:
+        if type(self.cluster.decide_crash("decode", 0)) is not core.Refusal:
             moves["DecodeCrash"] = [AtWorker(core.DecodeCrash(), 0)]
         if sim.env.peek() != float("inf"):
             moves["Wait"] = [Wait()]
@@ -184,7 +179,7 @@ class SimTarget(Target):
         if not listed:
             raise TargetRefused(f"{event} is not enabled in the simulator now")
         self._trace.append(event)
-        self._moves = None
+        self._moves = self._state = None
         sim, cls = self.sim, type(event)
         self._story.append(f"{'':12}fuzzer: {event.label(self.model)}")
         if cls is Wait:
@@ -245,14 +240,18 @@ class SimTarget(Target):
                      for r, row in enumerate(rows))
 
     def protocol_state(self) -> core.State:
-        c, pp = self.cluster, self.prefill_pages
-        prefill = tuple(page for pool in c.prefill_pools for page in pool)
-        writes = tuple(sorted((r, s + self._placed(r) * pp, t, tag)
-                              for r, s, t, tag in c.writes_into[0]))
-        return core.State(self._flat_rows(), tuple(c.decode_pools[0]), prefill, writes)
+        """Built once per step: the checks read it, and observe() its rows."""
+        if self._state is None:
+            c, pp = self.cluster, self.prefill_pages
+            prefill = tuple(page for pool in c.prefill_pools for page in pool)
+            writes = tuple(sorted((r, s + self._placed(r) * pp, t, tag)
+                                  for r, s, t, tag in c.writes_into[0]))
+            self._state = core.State(self._flat_rows(), tuple(c.decode_pools[0]), prefill,
+                                     writes)
+        return self._state
 
     def observe(self) -> Observation:
-        c, rows, pp = self.cluster, self._flat_rows(), self.prefill_pages
+        c, rows, pp = self.cluster, self.protocol_state().requests, self.prefill_pages
         decode_free = set(c.decode_free[0])
         prefill_free = {x + p * pp for p, free in enumerate(c.prefill_free) for x in free}
         decode = PoolView(

@@ -115,12 +115,23 @@ class Cluster:
             self.commit(r, out)
         return out
 
+    def decide_crash(self, kind: str, worker: int) -> Change | Refusal:
+        """The core's answer to a crash of prefill or decode `worker`; nothing changes yet.
+        A prefill's view holds the rows of requests placed there and the writes it posted;
+        a decode's, the rows of requests placed there and the writes into its pool."""
+        if kind == "prefill":
+            rows = {r: self.rows[r] for r, (q, _) in self.placement.items() if q == worker}
+            posted = [w for ws in self.writes_into for w in ws
+                      if self.placement[w[0]][0] == worker]
+            view = View(rows, [], self.prefill_pools[worker], posted)
+            return core.decide(self.model, view, core.PrefillCrash())
+        rows = {r: self.rows[r] for r, (_, e) in self.placement.items() if e == worker}
+        view = View(rows, self.decode_pools[worker], [], self.writes_into[worker])
+        return core.decide(self.model, view, core.DecodeCrash())
+
     def crash_prefill(self, p: int) -> Change | Refusal:
-        """PrefillCrash at worker p: the view holds the rows of requests placed there."""
-        rows = {r: self.rows[r] for r, (q, _) in self.placement.items() if q == p}
-        posted = [w for ws in self.writes_into for w in ws if self.placement[w[0]][0] == p]
-        view = View(rows, [], self.prefill_pools[p], posted)
-        out = core.decide(self.model, view, core.PrefillCrash())
+        """PrefillCrash at worker p, if the core says the crash loses anything."""
+        out = self.decide_crash("prefill", p)
         if type(out) is not Refusal:
             olds = {r: self.rows[r] for r, _ in out.rows}
             for d in range(self.decode_workers):
@@ -131,11 +142,8 @@ class Cluster:
         return out
 
     def crash_decode(self, d: int) -> Change | Refusal:
-        """DecodeCrash at worker d: the view holds the rows of requests placed there and
-        the writes in flight into its pool."""
-        rows = {r: self.rows[r] for r, (_, e) in self.placement.items() if e == d}
-        view = View(rows, self.decode_pools[d], [], self.writes_into[d])
-        out = core.decide(self.model, view, core.DecodeCrash())
+        """DecodeCrash at worker d, if the core says the crash loses anything."""
+        out = self.decide_crash("decode", d)
         if type(out) is not Refusal:
             olds = {r: self.rows[r] for r, _ in out.rows}
             self._commit(0, d, out._replace(flushed=False))

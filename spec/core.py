@@ -769,6 +769,11 @@ def messages_sent(old: tuple, new: tuple) -> tuple[str, ...]:
     return tuple(sent)
 
 
+def message_in_flight(row: tuple) -> bool:
+    """A message of this request is on its way: its bootstrap, a final word or a cancel."""
+    return bool(row[BOOT] or row[FW] != NO_MSG or row[CANCEL])
+
+
 def settled(row: tuple) -> bool:
     """Nothing can happen to this request any more, not even a fault: its client has its
     answer, prefill and decode are done with it, and no message of it is in flight. (Its
@@ -776,7 +781,7 @@ def settled(row: tuple) -> bool:
     return (row[CLIENT] != WAITING and row[CLIENT] != IDLE
             and row[PST] != QUEUED and row[PST] != RUNNING
             and row[DST] != D_WAITING and row[DST] != DECODING and row[DST] != CLOSING
-            and not row[BOOT] and row[FW] == NO_MSG and not row[CANCEL])
+            and not message_in_flight(row))
 
 
 def allocation_need(m: Model, s: State, action: type, r: int) -> int | str:

@@ -94,10 +94,10 @@ if LONG:
 # ---------------------------------------------------------------------------------------
 # Guards that are not switches: the fuzzer must not be tuned to the known ones.
 
-def _with_writes(s, writes):
-    """A copy of a State, or of a simulator's view, with other writes in flight."""
-    return SimpleNamespace(requests=s.requests, decode_pool=s.decode_pool,
-                           prefill_pool=s.prefill_pool, writes=writes)
+def _view(s, **changes):
+    """A copy of a State, or of a simulator's view, with some attributes replaced."""
+    return SimpleNamespace(**{**dict(requests=s.requests, decode_pool=s.decode_pool,
+                                     prefill_pool=s.prefill_pool, writes=s.writes), **changes})
 
 
 def _send_done_before_writes_land(original):
@@ -106,7 +106,7 @@ def _send_done_before_writes_land(original):
     guard: every switch set keeps SendDone behind its writes."""
     def send_done(m, s, r):
         # The Change leaves the writes in flight alone: they keep reading freed sources.
-        return original(m, _with_writes(s, tuple(w for w in s.writes if w[0] != r)), r)
+        return original(m, _view(s, writes=tuple(w for w in s.writes if w[0] != r)), r)
     return send_done
 
 
@@ -118,10 +118,7 @@ def _release_before_the_final_word(original):
         row = s.requests[r]
         if row[DST] != CLOSING or row[DFW]:
             return original(m, s, r)
-        heard = row[:DFW] + (1,) + row[DFW + 1:]
-        view = SimpleNamespace(requests={r: heard}, decode_pool=s.decode_pool,
-                               prefill_pool=s.prefill_pool, writes=s.writes)
-        out = original(m, view, r)
+        out = original(m, _view(s, requests={r: row[:DFW] + (1,) + row[DFW + 1:]}), r)
         if type(out) is str:
             return out
         (_, new), = out.rows
