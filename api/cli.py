@@ -18,12 +18,12 @@ import sys
 from pathlib import Path
 
 from sim.cli import add_parser as add_sim_parser
-from spec.cfgfile import CfgError, load, model_names
-from spec.checker import Checker
-from spec.itf import write_itf
+from spec.check.cfgfile import CfgError, load, model_names
+from spec.check.checker import Checker
+from spec.tlaplus.itf import write_itf
 from spec.model import BUG_SWITCHES, ModelError
 from spec.properties import LIVENESS, REST_INVARIANTS, STATE_INVARIANTS
-from spec.report import format_coverage, format_summary, format_trace
+from spec.check.report import format_coverage, format_summary, format_trace
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
 
@@ -121,7 +121,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _check_with_tlc(model, invariants: tuple[str, ...], properties: tuple[str, ...]) -> int:
-    from spec.tlc import find_tlc, run_tlc
+    from spec.tlaplus.tlc import find_tlc, run_tlc
 
     found = find_tlc()
     if isinstance(found, str):
@@ -140,8 +140,8 @@ def _check_with_tlc(model, invariants: tuple[str, ...], properties: tuple[str, .
 
 
 def cmd_conformance(args: argparse.Namespace) -> int:
-    from spec.conformance import check_conformance
-    from spec.tlaeval import EvalError
+    from spec.tlaplus.conformance import check_conformance
+    from spec.tlaplus.tlaeval import EvalError
 
     try:
         _, model = load(args.model)
@@ -175,8 +175,8 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from spec.itf import model_from_meta
-    from spec.validate import TraceError, load_trace, validate
+    from spec.tlaplus.itf import model_from_meta
+    from spec.tlaplus.validate import TraceError, load_trace, validate
 
     try:
         trace = load_trace(args.trace)

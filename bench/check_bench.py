@@ -23,11 +23,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spec import core  # noqa: E402
-from spec.cfgfile import load  # noqa: E402
-from spec.checker import Checker  # noqa: E402
+from spec.check.cfgfile import load  # noqa: E402
+from spec.check.checker import Checker  # noqa: E402
 from spec.properties import ALL_INVARIANTS  # noqa: E402
-from spec.symmetry import canonical  # noqa: E402
-from spec.tlc import find_tlc, run_tlc  # noqa: E402
+from spec.check.symmetry import canonical  # noqa: E402
+from spec.tlaplus.tlc import find_tlc, run_tlc  # noqa: E402
 
 TLC_REFERENCE = "2e4-3e4 distinct states/s (TLC, 1 worker, prototype spec, this machine class)"
 

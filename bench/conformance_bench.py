@@ -5,10 +5,10 @@
 Three figures per run, on the same model in the same process (the machine is shared, so
 compare the ratios of one run, not figures across runs):
 - the spec alone: KVTransfer.tla's reachable graph enumerated from its text by the
-  evaluator (spec/tlaeval.py `explore`), what TLC would do;
-- spec ≡ code: the conformance check (spec/conformance.py), which evaluates the spec's Next
+  evaluator (spec/tlaplus/tlaeval.py `explore`), what TLC would do;
+- spec ≡ code: the conformance check (spec/tlaplus/conformance.py), which evaluates the spec's Next
   on every state the core reaches and compares it with the core's successors;
-- the core checker (spec/checker.py) with its invariants: the baseline.
+- the core checker (spec/check/checker.py) with its invariants: the baseline.
 The issue's target: the evaluator through the default model (870,620 states) in under 60 s.
 """
 
@@ -21,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spec.cfgfile import load  # noqa: E402
-from spec.checker import check  # noqa: E402
-from spec.conformance import check_conformance, spec_for  # noqa: E402
-from spec.tlaeval import explore  # noqa: E402
+from spec.check.cfgfile import load  # noqa: E402
+from spec.check.checker import check  # noqa: E402
+from spec.tlaplus.conformance import check_conformance, spec_for  # noqa: E402
+from spec.tlaplus.tlaeval import explore  # noqa: E402
 
 
 def _progress(what: str):

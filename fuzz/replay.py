@@ -12,7 +12,7 @@ then chunks of events (largest first, as in delta debugging), while the replay s
 violates the same property gives the minimal interleaving that is printed and saved. It is
 minimal in that no single event or listed chunk can go, not the shortest possible.
 
-The file is an ITF trace (spec/itf.py): the protocol state after every event, and under
+The file is an ITF trace (spec/tlaplus/itf.py): the protocol state after every event, and under
 "#meta" the model and, in "fuzz", the target, seed, swarm setup, the events as data and the
 violation. `--replay` reads the events, not the states.
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from spec import core
-from spec.itf import model_from_meta, trace_to_itf
+from spec.tlaplus.itf import model_from_meta, trace_to_itf
 from spec.model import Model, ModelError
 
 from fuzz import oracles

@@ -1,6 +1,6 @@
 """The bug zoo against the fuzzer: which target catches which entry, and how fast.
 
-Rows are spec/zoo.py's entries (the smallest switch sets that expose each bug, with the
+Rows are spec/check/zoo.py's entries (the smallest switch sets that expose each bug, with the
 properties the entry is about), then every switch that breaks a property alone and is not
 already an entry, then "none": no switch at all, which must end its budget with zero
 violations (a false alarm there is a fuzzer or oracle bug, or a protocol bug). Columns are
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from spec.zoo import ALONE, ENTRIES
+from spec.check.zoo import ALONE, ENTRIES
 
 from fuzz.runner import Campaign, Outcome, run_campaign
 

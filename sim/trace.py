@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from spec import core
 from spec.core import Refusal
-from spec.itf import trace_to_itf
+from spec.tlaplus.itf import trace_to_itf
 from spec.model import Model
 from sim.fold import FIRST_TOKEN, LogError, event_of, model_for, read_log
 

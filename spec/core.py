@@ -41,7 +41,7 @@ hash the same in every process. A state is (requests, decode_pool, prefill_pool,
 - decode_pool: per page (owner, gen, data, tag); data/tag are the page's last content.
 - prefill_pool: per page (owner, data).
 - writes: the in-flight writes, sorted, each (request, source page, decode page, tag).
-Requests and pages are 0-based here; the TLA+ view (spec/tlaview.py) maps them to the spec.
+Requests and pages are 0-based here; the TLA+ view (spec/tlaplus/tlaview.py) maps them to the spec.
 """
 
 from __future__ import annotations

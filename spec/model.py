@@ -2,7 +2,7 @@
 
 A model is the set of CONSTANTS of spec/KVTransfer.tla: how many requests, how large each
 pool is, what the router advertises, and which bug switches are on. The same values are
-read from a TLC .cfg file (spec/cfgfile.py), so a model is written once and used by both
+read from a TLC .cfg file (spec/check/cfgfile.py), so a model is written once and used by both
 TLC and the Python checker.
 
 Each bug switch turns off one guard of the protocol (or breaks it the way a real system

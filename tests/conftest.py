@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spec.guardtable import run_check as checked  # noqa: F401  (cached model checks)
+from spec.check.guardtable import run_check as checked  # noqa: F401  (cached model checks)
 
 
 def pytest_configure(config: pytest.Config) -> None:

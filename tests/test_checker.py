@@ -6,11 +6,11 @@ import random
 from itertools import permutations
 
 from spec import core
-from spec.checker import Checker, _Graph, check
+from spec.check.checker import Checker, _Graph, check
 from spec.core import Finish, Reserve, apply, initial_state, successors
 from spec.model import Model
-from spec.symmetry import canonical, relabel
-from spec.zoo import BASES, ENTRY_BY_NAME
+from spec.check.symmetry import canonical, relabel
+from spec.check.zoo import BASES, ENTRY_BY_NAME
 from tests.conftest import checked
 
 
@@ -154,8 +154,8 @@ def test_every_action_fires_in_the_default_model_except_the_reject_paths():
 
 
 def test_reject_paths_model_holds_and_exercises_both_reject_paths():
-    from spec.cfgfile import load
-    from spec.zoo import HOLDS
+    from spec.check.cfgfile import load
+    from spec.check.zoo import HOLDS
 
     for name, _, _, actions, _ in HOLDS:
         _, model = load(name)

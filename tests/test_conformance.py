@@ -7,12 +7,12 @@ from dataclasses import replace
 import pytest
 
 from spec import core
-from spec.cfgfile import load, model_names
-from spec.conformance import SPEC_PATH, check_conformance, spec_for
+from spec.check.cfgfile import load, model_names
+from spec.tlaplus.conformance import SPEC_PATH, check_conformance, spec_for
 from spec.model import ALL_BUGS, Model
-from spec.tlaeval import EvalError, Spec, explore
-from spec.tlaview import ModelValue
-from spec.zoo import BASES
+from spec.tlaplus.tlaeval import EvalError, Spec, explore
+from spec.tlaplus.tlaview import ModelValue
+from spec.check.zoo import BASES
 
 # Every .cfg of spec/models, grouped by the transition system it defines: cfgs with the same
 # constants (a bug-X cfg and a zoo entry with the one switch X) are one model, checked once;
@@ -72,7 +72,7 @@ def test_symmetric_conformance_visits_one_state_per_orbit():
     plain, reduced = check_conformance(model), check_conformance(model, symmetry=True)
     assert plain.ok and reduced.ok
     assert reduced.states < plain.states
-    from spec.checker import check
+    from spec.check.checker import check
     explored = check(model, symmetry=True, liveness=False, invariants=())
     assert reduced.states == explored.distinct_states
 

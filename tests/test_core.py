@@ -14,7 +14,7 @@ from spec.core import (
     Release, Reserve, SendDone, SendPage, Timeout, apply, initial_state, successors,
 )
 from spec.model import Model, ModelError
-from spec.zoo import BASES
+from spec.check.zoo import BASES
 
 DEFAULT = Model(**BASES["default"])
 

@@ -23,7 +23,7 @@ from spec import core
 from spec.core import CLOSING, DFW, DST, D_WAITING
 from spec.model import Model
 from spec.properties import Isolation, OkIsClean
-from spec.zoo import ENTRIES
+from spec.check.zoo import ENTRIES
 
 from fuzz.core_target import CoreTarget
 from fuzz.oracles import Checks, leak_oracle, page_conservation

@@ -15,7 +15,7 @@ from sim.run import Simulation, simulate
 from sim.scenario import (Scenario, ScenarioError, load_scenario, scenario_from_dict,
                           scenario_names)
 from sim.trace import log_to_itf
-from spec.validate import validate
+from spec.tlaplus.validate import validate
 
 FAULT_SCENARIOS = [n for n in scenario_names() if n.startswith("faults-")] + ["pool-pressure"]
 

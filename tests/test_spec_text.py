@@ -2,7 +2,7 @@
 
 Spec and code are checked to be the same machine state by state elsewhere (the conformance
 check); here the cheap structural facts: the spec parses, names match, every action says
-what happens to every variable, and the .cfg files are the ones spec/zoo.py generates.
+what happens to every variable, and the .cfg files are the ones spec/check/zoo.py generates.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import tla
 
-from spec.cfgfile import load, model_names, parse_cfg
+from spec.check.cfgfile import load, model_names, parse_cfg
 from spec.core import ACTION_NAMES, UNFAIR_ACTIONS
 from spec.model import BUG_SWITCHES
 from spec.properties import ALL_INVARIANTS, LIVENESS
-from spec.tlaview import VARIABLES
-from spec.zoo import MODELS_DIR, generated_cfgs
+from spec.tlaplus.tlaview import VARIABLES
+from spec.check.zoo import MODELS_DIR, generated_cfgs
 
 SPEC = (Path(__file__).resolve().parents[1] / "spec" / "KVTransfer.tla").read_text()
 

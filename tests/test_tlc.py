@@ -7,9 +7,9 @@ import pytest
 from api.cli import main
 from spec.model import Model
 from spec.properties import ALL_INVARIANTS
-from spec.cfgfile import cfg_for
-from spec.tlc import find_tlc, parse_tlc_output, run_tlc
-from spec.zoo import BASES
+from spec.check.cfgfile import cfg_for
+from spec.tlaplus.tlc import find_tlc, parse_tlc_output, run_tlc
+from spec.check.zoo import BASES
 
 TLC_SAYS_OK = """TLC2 Version 2.19 of 08 August 2024
 Computing initial states...

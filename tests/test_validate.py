@@ -14,10 +14,10 @@ from spec.core import (
     Accept, Admit, Arrive, Finish, LandWrite, Release, Reserve, SendDone, SendPage,
     apply, initial_state, successors,
 )
-from spec.itf import trace_to_itf
+from spec.tlaplus.itf import trace_to_itf
 from spec.model import Model
-from spec.validate import TraceError, load_trace, validate
-from spec.zoo import BASES, ENTRIES
+from spec.tlaplus.validate import TraceError, load_trace, validate
+from spec.check.zoo import BASES, ENTRIES
 from tests.conftest import checked
 
 DEFAULT = Model(name="default", **BASES["default"])

@@ -1,10 +1,10 @@
-"""The bug zoo and the guard table: every number of spec/zoo.py, pinned."""
+"""The bug zoo and the guard table: every number of spec/check/zoo.py, pinned."""
 
 from __future__ import annotations
 
 import pytest
 
-from spec.zoo import ALONE, ENTRIES, ENTRY_BY_NAME
+from spec.check.zoo import ALONE, ENTRIES, ENTRY_BY_NAME
 from tests.conftest import checked
 
 
@@ -48,5 +48,5 @@ def test_guard_removals_are_each_shown_to_matter():
 
 
 def test_guard_table_in_the_readme_is_what_the_checker_finds():
-    from spec.guardtable import readme_section, render
-    assert readme_section() == render(checked), "run python -m spec.guardtable --write"
+    from spec.check.guardtable import readme_section, render
+    assert readme_section() == render(checked), "run python -m spec.check.guardtable --write"

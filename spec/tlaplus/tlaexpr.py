@@ -1,4 +1,4 @@
-"""Translation of TLA+ expressions to Python expressions (part of spec/tlacompile.py).
+"""Translation of TLA+ expressions to Python expressions (part of spec/tlaplus/tlacompile.py).
 
 Each rule returns a `Code`: the Python text and the runtime names it mentions (variables,
 bound names, parameters). `expr` folds every Code that mentions none: the constants of the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from spec.tlavalues import EvalError
+from spec.tlaplus.tlavalues import EvalError
 
 # Python templates of the standard operators, each operand in parentheses where needed.
 BINARY = {

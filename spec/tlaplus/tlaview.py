@@ -15,7 +15,7 @@ from spec.core import (
     NONE, PREFILL_NAMES, PROMPT, PST, SENT, SRC, TABLE, State,
 )
 from spec.model import Model
-from spec.tlavalues import ModelValue
+from spec.tlaplus.tlavalues import ModelValue
 
 VARIABLES = ("client", "prompt", "pst", "sent", "src", "dst", "table", "boot", "fwMsg", "dfw",
              "cancel", "leaked", "owner", "gen", "content", "powner", "pdata", "writes")

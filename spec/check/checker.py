@@ -4,7 +4,7 @@ Like TLC, the checker keeps a 64-bit fingerprint of every state it has seen (Pyt
 the state's tuple of ints: the same in every process and run), a queue of states to expand,
 and for each state the index of its parent and the event that reached it, so that the first
 violation found is reported with a shortest trace from the initial state. With symmetry the
-fingerprint is taken of the canonical representative (spec/symmetry.py).
+fingerprint is taken of the canonical representative (spec/check/symmetry.py).
 
 Checked on every distinct state: the state invariants. Checked on every state where no fair
 action is enabled ("at rest"): the rest invariants; such a state with no event enabled at
@@ -26,7 +26,7 @@ from spec import core
 from spec.core import Event, State
 from spec.model import Model, ModelError
 from spec.properties import REST_INVARIANTS, STATE_INVARIANTS
-from spec.symmetry import canonical
+from spec.check.symmetry import canonical
 
 
 @dataclass

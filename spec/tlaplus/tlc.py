@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from spec.cfgfile import cfg_for
+from spec.check.cfgfile import cfg_for
 from spec.model import Model
 
-SPEC = Path(__file__).resolve().parent / "KVTransfer.tla"
+SPEC = Path(__file__).resolve().parent.parent / "KVTransfer.tla"
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Iterable
 
 from spec.core import Event, State
 from spec.model import Model
-from spec.tlaview import VARIABLES, ModelValue, Record, to_tla
+from spec.tlaplus.tlaview import VARIABLES, ModelValue, Record, to_tla
 
 
 def encode(v: object) -> object:

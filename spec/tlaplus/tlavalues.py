@@ -1,4 +1,4 @@
-"""TLA+ values in Python, and the small runtime the compiled spec calls (spec/tlaeval.py).
+"""TLA+ values in Python, and the small runtime the compiled spec calls (spec/tlaplus/tlaeval.py).
 
 Integers, strings and booleans are Python's own; a set is a frozenset; a model value is an
 interned ModelValue, so that equality and hashing are identity (C speed, no Python call);
@@ -9,7 +9,7 @@ its hash. Infinite and lazily enumerated sets (Nat, Int, Seq(S), [S -> T]) are o
 support `in`.
 
 Every helper raises EvalError for a value outside the subset; the compiled code's caller
-adds the TLA+ line (spec/tlaeval.py maps the generated code's line back to the spec's).
+adds the TLA+ line (spec/tlaplus/tlaeval.py maps the generated code's line back to the spec's).
 """
 
 from __future__ import annotations

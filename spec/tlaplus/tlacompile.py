@@ -1,4 +1,4 @@
-"""TLA+ parse tree -> Python source: the translation behind spec/tlaeval.py.
+"""TLA+ parse tree -> Python source: the translation behind spec/tlaplus/tlaeval.py.
 
 Expressions become Python expressions (`Code`: the text and the runtime names it mentions,
 so that a subexpression mentioning none is folded to a constant on the spot). Actions
@@ -20,9 +20,9 @@ import itertools
 import linecache
 from typing import Callable
 
-from spec.tlaaction import ActionRules, Emitter
-from spec.tlaexpr import LOOPING, RUNTIME_ERRORS, Code, ExpressionRules, Scope, line_of
-from spec.tlavalues import RUNTIME, EvalError, sorted_values
+from spec.tlaplus.tlaaction import ActionRules, Emitter
+from spec.tlaplus.tlaexpr import LOOPING, RUNTIME_ERRORS, Code, ExpressionRules, Scope, line_of
+from spec.tlaplus.tlavalues import RUNTIME, EvalError, sorted_values
 
 
 class Compiler(ExpressionRules, ActionRules):

@@ -1,6 +1,6 @@
 """Trace validation: is a recorded run a behaviour of the protocol?
 
-A trace is ITF JSON (spec/itf.py): a list of states, each with the values of some or all of
+A trace is ITF JSON (spec/tlaplus/itf.py): a list of states, each with the values of some or all of
 KVTransfer.tla's variables and, in "#meta", the action that produced it. A trace may observe
 only some variables (a simulator or engine sees what it sees); validation then searches for
 a behaviour of the protocol consistent with every observation: it keeps the set of core
@@ -9,7 +9,7 @@ recorded name (and label, when one is recorded) and whose result matches the nex
 state. The first step with no such successor is illegal, and the report says what the
 closest candidate differs in.
 
-The steps are taken by the protocol core; the conformance check (spec/conformance.py) shows
+The steps are taken by the protocol core; the conformance check (spec/tlaplus/conformance.py) shows
 on the shipped models that the core's steps are exactly KVTransfer.tla's, which is what
 makes "legal for the core" mean "legal for the spec".
 """
@@ -22,9 +22,9 @@ from pathlib import Path
 
 from spec import core
 from spec.core import State
-from spec.itf import state_to_itf
+from spec.tlaplus.itf import state_to_itf
 from spec.model import Model
-from spec.tlaview import VARIABLES
+from spec.tlaplus.tlaview import VARIABLES
 
 FRONTIER_MAX = 200_000  # a bound on the states consistent with a partial observation
 

@@ -1,7 +1,7 @@
 """Spec ≡ code: the Python core and KVTransfer.tla have the same state graph.
 
-The spec is evaluated from its text (spec/tlaeval.py); the core runs as it always does; the
-mapping between them is spec/tlaview.py. Starting from the initial state, every state the
+The spec is evaluated from its text (spec/tlaplus/tlaeval.py); the core runs as it always does; the
+mapping between them is spec/tlaplus/tlaview.py. Starting from the initial state, every state the
 core reaches is mapped to the spec's variables, and the spec's Next is evaluated on it. The
 two must agree exactly: the same successor states with the same action labels. By induction
 from equal initial states, the reachable graphs are then equal, state for state and edge for
@@ -19,11 +19,11 @@ from typing import Callable
 from spec import core
 from spec.core import Event, State
 from spec.model import Model
-from spec.symmetry import canonical
-from spec.tlaeval import EvalError, Fcn, Spec, WalkMeter, action_labels, seq
-from spec.tlaview import MAPPING, VARIABLES, ModelValue, Record, format_value, to_tla
+from spec.check.symmetry import canonical
+from spec.tlaplus.tlaeval import EvalError, Fcn, Spec, WalkMeter, action_labels, seq
+from spec.tlaplus.tlaview import MAPPING, VARIABLES, ModelValue, Record, format_value, to_tla
 
-SPEC_PATH = Path(__file__).resolve().parent / "KVTransfer.tla"
+SPEC_PATH = Path(__file__).resolve().parent.parent / "KVTransfer.tla"
 
 
 def from_view(v: object) -> object:
@@ -240,7 +240,7 @@ def _path(seen, s) -> list[tuple[Event | None, State]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Conformance on several models: `python -m spec.conformance [--all] [MODEL ...]`.
+    """Conformance on several models: `python -m spec.tlaplus.conformance [--all] [MODEL ...]`.
 
     `--all` compares every .cfg of spec/models, as CI does: up to symmetry where a model has
     more than one request (`--no-symmetry` walks the full graphs; the two-request models take
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    from spec.cfgfile import load, model_names
+    from spec.check.cfgfile import load, model_names
 
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=["solo"])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from spec.model import Model, ModelError
 
-MODELS_DIR = Path(__file__).resolve().parent / "models"
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 SECTIONS = {
     "CONSTANT": "CONSTANTS", "CONSTANTS": "CONSTANTS", "INIT": "INIT", "NEXT": "NEXT",
     "SPECIFICATION": "SPECIFICATION", "INVARIANT": "INVARIANTS", "INVARIANTS": "INVARIANTS",

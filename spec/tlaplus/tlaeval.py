@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 The spec is parsed with the `tla` package; nothing is written by hand per action. Init, Next
 and any operator asked for are translated from the parse tree into Python source, which is
-compiled with `compile()` and run (spec/tlacompile.py does the translation, spec/tlavalues.py
+compiled with `compile()` and run (spec/tlaplus/tlacompile.py does the translation, spec/tlaplus/tlavalues.py
 holds the values and the few helpers the generated code calls). A state is a tuple of the
 variables' values in declaration order; the generated `Next` takes one and returns the list
 of its successors, each labelled with the disjunct of Next (the action) that produced it.
@@ -59,9 +59,9 @@ from typing import Callable
 
 import tla
 
-from spec.tlacompile import Compiler
-from spec.tlaexpr import line_of, name_of
-from spec.tlavalues import (  # noqa: F401  (re-exported: the values of evaluated specs)
+from spec.tlaplus.tlacompile import Compiler
+from spec.tlaplus.tlaexpr import line_of, name_of
+from spec.tlaplus.tlavalues import (  # noqa: F401  (re-exported: the values of evaluated specs)
     EvalError, Fcn, ModelValue, seq,
 )
 

@@ -1,4 +1,4 @@
-"""Translation of TLA+ actions to Python statements (part of spec/tlacompile.py).
+"""Translation of TLA+ actions to Python statements (part of spec/tlaplus/tlacompile.py).
 
 An action is flattened into its conjuncts (through parentheses, nested conjunctions and the
 action operators it calls, which are inlined) and generated left to right in continuation-
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from spec.tlaexpr import Code, Scope, line_of, local, name_of
-from spec.tlavalues import EvalError
+from spec.tlaplus.tlaexpr import Code, Scope, line_of, local, name_of
+from spec.tlaplus.tlavalues import EvalError
 
 
 @dataclass(frozen=True)

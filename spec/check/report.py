@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from spec.checker import CheckResult, Violation
+from spec.check.checker import CheckResult, Violation
 from spec.model import Model
-from spec.tlaview import changes, format_value, to_tla, VARIABLES
+from spec.tlaplus.tlaview import changes, format_value, to_tla, VARIABLES
 
 KIND_TEXT = {
     "invariant": "Invariant {p} is violated.",
