@@ -35,18 +35,16 @@ def _field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
 
 
-# The per-request events with no argument besides the request, and the events with no
-# argument at all, read off the core's action table so that a new action joins the
-# vocabulary without an edit here.
-_SIMPLE_CLASSES = tuple(cls for cls in core.ACTIONS if _field_names(cls) == ("request",))
+# The per-request events the core enumerates without a choice of argument (an observed
+# verdict comes from the oracle), and the events with no argument at all, read off the
+# core's action table so that a new action joins the vocabulary without an edit here.
+_SIMPLE_CLASSES = tuple(cls for cls, _ in core._SIMPLE_ACTIONS)
 _GLOBAL_CLASSES = tuple(cls for cls in core.ACTIONS if _field_names(cls) == ())
 _NAMES = core.ACTION_NAMES  # moves are listed in the core's action order
 _ALLOCATIONS = (core.Admit, core.Reserve)
 _HOLDS_DECODE_PAGES = (D_WAITING, DECODING, CLOSING)
-# The actions that take something of a request off the wire: a write (LandWrite), the
-# bootstrap, the final word, a cancel or an abort notice. A Delay holds them back.
-_DELIVERIES = frozenset({"LandWrite", "Reserve", "DropBootstrap", "DecodeReject", "Accept",
-                         "Notice", "PrefillAbort", "AnswerCancel"})
+# The actions that take something of a request off the wire: a Delay holds them back.
+_DELIVERIES = core.DELIVERY_ACTIONS
 # The stalls a Delay may choose, in steps of this target (an event each).
 STALLS_STEPS = (2, 5, 10, 20, 50)
 
@@ -72,9 +70,11 @@ class CoreTarget(Target):
         self._arrive = core.ACTIONS[core.Arrive]
         # The action functions are looked up at reset, not at import, so that a test can
         # swap one of core.ACTIONS for a broken copy and see whether the fuzzer notices.
-        self._simple = tuple((cls.__name__, core.ACTIONS[cls]) for cls in _SIMPLE_CLASSES)
+        self._simple = tuple((cls.__name__, core.ACTIONS[cls], core.INFO[cls].observed)
+                             for cls in _SIMPLE_CLASSES)
         self._global = tuple((cls.__name__, core.ACTIONS[cls], cls()) for cls in _GLOBAL_CLASSES)
-        self._events = [tuple(cls(r) for cls in _SIMPLE_CLASSES) for r in range(model.requests)]
+        self._events = [tuple(core.interned_events(cls, r) for cls in _SIMPLE_CLASSES)
+                        for r in range(model.requests)]
         self._held: dict[int, int] = {}  # request -> the step its Delay ends at
 
     def enabled(self) -> dict[str, list[Move]]:
@@ -145,10 +145,9 @@ class CoreTarget(Target):
                     free[which] = self._free_pages(which)
                 if len(free[which]) >= need:
                     listed.append((cls.__name__, Open(cls.__name__, r, need, free[which])))
-        for k, (name, fn) in enumerate(self._simple):
-            out = fn(m, s, r)
+        for k, (name, fn, observed) in enumerate(self._simple):
+            event, out = core.step_with_oracle(m, s, r, fn, observed, self._events[r][k])
             if type(out) is not str:
-                event = self._events[r][k]
                 self._next[event] = core.commit(s, out)
                 listed.append((name, event))
         self._memo[r] = (row, s.prefill_pool, s.decode_pool, s.writes, listed)

@@ -58,7 +58,7 @@ from fuzz.target import ENVIRONMENT_FAULTS, Open, Target, Violation
 # The core's actions, and the environment's own moves: Wait (time passing on a target whose
 # components act on their own) and Delay (a request's traffic held back on the wire).
 VOCABULARY = core.ACTION_NAMES + ("Wait", "Delay")
-TIMERS = frozenset({"Timeout"})
+TIMERS = core.TIMER_ACTIONS
 POLICIES = ("lowest", "fifo", "lifo", "random")
 # Which of an action's enabled moves (oldest first) a rule takes: any of them, the oldest (in
 # order delivery) or the newest (everything in flight overtakes what came before: late writes,
@@ -95,11 +95,11 @@ LEVELS = {
     "decode": ({"normal": 1, "quick": 8}, ("normal", "quick")),
     "arrival": ({"normal": 8, "rare": 1}, ("normal", "rare")),
 }
-FAULTS = (core.UNFAIR_ACTIONS - {"Arrive"}) | TIMERS | ENVIRONMENT_FAULTS
-WORKER_CRASHES = frozenset({"PrefillCrash", "DecodeCrash"})
+FAULTS = core.FAULT_ACTIONS | TIMERS | ENVIRONMENT_FAULTS
+WORKER_CRASHES = frozenset(cls.__name__ for cls in core._WORKER_ACTIONS)
 # The drain's actions: the protocol's own, and the arrivals still to come (so that every
 # example runs all its requests through the protocol; each arrives once, so it ends).
-DRAINED = frozenset(VOCABULARY) - (core.UNFAIR_ACTIONS - {"Arrive"}) - ENVIRONMENT_FAULTS
+DRAINED = frozenset(VOCABULARY) - core.FAULT_ACTIONS - ENVIRONMENT_FAULTS
 
 
 def kind(action: str) -> str:

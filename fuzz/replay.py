@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from spec import core
+from spec import codec, core
 from spec.tlaplus.itf import model_from_meta, trace_to_itf
 from spec.model import Model, ModelError
 
@@ -32,7 +32,7 @@ from fuzz import oracles
 from fuzz.oracles import Checks
 from fuzz.target import MOVE_TYPES, AtWorker, TargetRefused, Violation, load_targets
 
-FORMAT = "kvproof-fuzz/1"
+FORMAT = "kvproof-fuzz/2"  # /2: events in spec/codec.py's records
 
 
 class ReplayError(ValueError):
@@ -119,28 +119,37 @@ def _fails(target_name: str, m: Model, events: list[core.Event], checks: Checks,
 
 
 def encode_event(event: core.Event) -> dict:
+    """A move as a record: a protocol event in spec/codec.py's form; the fuzzer's own moves
+    (Wait, Delay, a crash at a chosen worker) in the same form with their fields."""
     if type(event) is AtWorker:
-        return {"action": event.action, "worker": event.worker}
-    out: dict = {"action": event.action}
+        return {codec.ACTION_KEY: event.action, "worker": event.worker}
+    if event.action in core.EVENT_TYPES:
+        return codec.encode(event)
+    out: dict = {codec.ACTION_KEY: event.action}
     for f in fields(event):
-        value = getattr(event, f.name)
-        out[f.name] = list(value) if isinstance(value, tuple) else value
+        out[f.name] = getattr(event, f.name)
     return out
 
 
 def decode_event(data: dict) -> core.Event:
-    if not isinstance(data, dict) or data.get("action") not in MOVE_TYPES:
-        raise ReplayError(f"not an event of spec/core.py (nor Wait): {data!r}")
-    cls = MOVE_TYPES[data["action"]]
+    if not isinstance(data, dict) or data.get(codec.ACTION_KEY) not in MOVE_TYPES:
+        raise ReplayError(f"not an event of spec/core.py (nor Wait or Delay): {data!r}")
+    cls = MOVE_TYPES[data[codec.ACTION_KEY]]
     if cls in (core.PrefillCrash, core.DecodeCrash) and "worker" in data:
         if type(data["worker"]) is not int or data["worker"] < 0:
             raise ReplayError(f"event {data!r}: worker must be a non-negative integer")
         return AtWorker(cls(), data["worker"])
+    if data[codec.ACTION_KEY] in core.EVENT_TYPES:
+        try:
+            return codec.decode(data)
+        except codec.CodecError as error:
+            raise ReplayError(str(error)) from None
     try:
         args = {f.name: data[f.name] for f in fields(cls)}
     except KeyError as error:
         raise ReplayError(f"event {data!r} lacks the field {error}") from None
-    args = {k: tuple(v) if isinstance(v, list) else v for k, v in args.items()}
+    if not all(type(v) is int for v in args.values()):
+        raise ReplayError(f"event {data!r}: fields must be integers")
     return cls(**args)
 
 

@@ -269,7 +269,7 @@ class SimTarget(Target):
             reads=dict(self._reads), decoding=decoding_reads(rows, c.decode_pools[0]))
 
     def check(self) -> list[Violation]:
-        """The simulator's own runtime oracles (sim/cluster.py), which watch every commit."""
+        """The simulator's own runtime oracles (spec/store.py), which watch every commit."""
         return [Violation(v.name, f"simulator oracle: {v.detail}") for v in self.cluster.violations]
 
     def trace(self) -> list[core.Event]:

@@ -1,7 +1,7 @@
 """The event log and the fold over it: state and metrics are a function of the log alone.
 
 A log is ndjson: a header line (format, seed, the whole scenario), then one line per event
-the core accepted, in order: {"t": simulated seconds, "a": action, "r": request, ...}. The
+the core accepted, in order: {"t": simulated seconds, "a": action, "request": r, ...} (spec/codec.py). The
 action names are the TLA+ actions' (STYLE 3); the arguments are those of the core's event
 (Arrive also records where the router placed the request and its output length). One shell
 fact is logged besides the core's events: FirstToken, when decode emits a request's first
@@ -20,14 +20,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from spec import core
+from spec import codec, core
 from spec.core import Change, Refusal
 from spec.model import Model
-from sim.cluster import Cluster
+from spec.store import Store
 from sim.metrics import Metrics
 from sim.scenario import Scenario, ScenarioError, scenario_from_dict
 
-LOG_FORMAT = "kvproof-sim-log/1"
+LOG_FORMAT = "kvproof-sim-log/2"  # /2: events in spec/codec.py's records
 FIRST_TOKEN = "FirstToken"
 RUN_END = "RunEnd"  # the last line: whether the run drained, or why it stopped
 
@@ -48,23 +48,11 @@ def model_for(scenario: Scenario) -> Model:
 
 
 def event_of(record: dict) -> core.Event:
-    return make_event(record["a"], record.get("r"), record)
-
-
-def make_event(action: str, r: int, args: dict) -> core.Event:
-    """The core event a log record (or a live offer's arguments) stands for."""
-    cls = core.EVENT_TYPES.get(action)
-    if cls is None:
-        raise LogError(f"unknown action {action!r}")
-    if cls is core.PrefillCrash or cls is core.DecodeCrash:
-        return cls()
-    if cls is core.Arrive:
-        return cls(r, args["n"])
-    if cls is core.Admit or cls is core.Reserve:
-        return cls(r, tuple(args["pages"]))
-    if cls is core.LandWrite:
-        return cls(r, args["page"])
-    return cls(r)
+    """The core event a log record stands for (spec/codec.py, the one event codec)."""
+    try:
+        return codec.decode(record)
+    except codec.CodecError as error:
+        raise LogError(str(error)) from None
 
 
 @dataclass
@@ -77,7 +65,7 @@ class Folder:
     def __post_init__(self) -> None:
         sc = self.scenario
         self.model = self.model or model_for(sc)
-        self.cluster = Cluster(self.model, sc.cluster.prefill_workers, sc.cluster.decode_workers)
+        self.cluster = Store(self.model, sc.cluster.prefill_workers, sc.cluster.decode_workers)
         page_bytes = sc.cluster.page_tokens * sc.link.kv_bytes_per_token
         self.metrics = Metrics(page_bytes, self.model.prefill_pages,
                                self.model.decode_pages * sc.cluster.decode_workers)
@@ -91,29 +79,31 @@ class Folder:
         m = self.metrics
         m.last_event_s = t
         if action == FIRST_TOKEN:
-            m.first_token(t, record["r"])
+            m.first_token(t, record["request"])
             return None
         if action == "PrefillCrash":
             return self._crash(t, self.cluster.crash_prefill, record["p"])
         if action == "DecodeCrash":
             return self._crash(t, self.cluster.crash_decode, record["d"])
-        r = record["r"]
+        event = event_of(record)
+        r = event.request
         if action == "Arrive":
             self.cluster.arrive(r, record["p"], record["d"])
-        out = self.cluster.decide(r, event_of(record))
+        out = self.cluster.decide(r, event)
         if type(out) is Refusal:
             if action == "Arrive":
                 self.cluster.withdraw(r)
             return out
         if action == "Arrive":
-            m.arrive(t, r, record["n"], record["out"])
-        self.accept(t, r, out)
+            m.arrive(t, r, event.prompt_pages, record["out"])
+        self.accept(t, r, out, event)
         return out
 
-    def accept(self, t: float, r: int, change: Change) -> None:
+    def accept(self, t: float, r: int, change: Change, event: core.Event) -> None:
         """Commit a change the core decided for request r, and fold it into the metrics:
         the one path by which a live run and a replay change anything."""
         cluster = self.cluster
+        cluster.check_observation(r, event)
         old = self.last_old = cluster.rows[r]
         self.last_placement = cluster.placement[r]
         cluster.commit(r, change)

@@ -46,7 +46,8 @@ import simpy
 from spec import core
 from spec.core import (CLIENT, CLOSING, DECODING, DST, D_WAITING, GONE, IDLE, PROMPT, PST,
                        QUEUED, RELEASED, WAITING, Refusal)
-from sim.fold import FIRST_TOKEN, RUN_END, Folder, encode, make_event, replay, write_header
+from spec import codec
+from sim.fold import FIRST_TOKEN, RUN_END, Folder, encode, replay, write_header
 from sim.scenario import Lengths, Scenario
 
 
@@ -128,39 +129,79 @@ class Simulation:
     # -- offering events to the core ------------------------------------------------------
 
     def offer(self, action: str, r: int, **args) -> core.Change | None:
-        """The Change the core made for this event, or None if it refused (falsy)."""
+        """The Change the core made for this event, or None if it refused (falsy). `args`
+        are the event's fields (by their names in spec/core.py) and, for Arrive, the
+        shell's facts the log keeps beside it (placement p, d and output length out)."""
         if action == "Arrive":
             return self._arrive(r, args)
         if r not in self.cluster.rows:
             return None  # settled and forgotten: a late timer or message
+        event = self._event(action, r, args)
         # The core decides first, so that a refusal costs no record and no fold.
-        event = make_event(action, r, args)
         out = self.cluster.decide(r, event)
         if type(out) is Refusal:
-            self.refusals[action] = self.refusals.get(action, 0) + 1
+            self._refused(out)
             return None
         self.depth += 1
         now = self.env.now
-        self.folder.accept(now, r, out)
+        self.folder.accept(now, r, out, event)
         if self.log is not None:
-            self.log.write(encode({"t": now, "a": action, "r": r, **args}) + "\n")
+            self.log.write(encode({"t": now, **codec.encode(event)}) + "\n")
         if self.on_commit is not None:
             self.on_commit(event, out)
         self._after(r, out)
         return out
 
+    def _event(self, action: str, r: int, args: dict) -> core.Event:
+        """The core event of an offer. The simulator's data path is the abstract page
+        contents, so an observed verdict is the one they imply (core's oracle)."""
+        cls = core.EVENT_TYPES[action]
+        info = core.INFO[cls]
+        if info.observed is not None:
+            args = {info.argument: info.observed(self.cluster.view(r), r)}
+        return cls(r, **args)
+
+    def offer_if_enabled(self, action: str, r: int) -> core.Change | None:
+        """Offer an action a timer or a fault scheduled earlier, if the core still enables
+        it: a transfer timer of a request that has moved on is a cancelled timer, a fault
+        aimed at a request that has moved on does not happen. Neither is a refusal."""
+        if r not in self.cluster.rows:
+            return None
+        if core.EVENT_TYPES[action] not in core.enabled_for(self.model, self.cluster.view(r), r):
+            return None
+        return self.offer(action, r)
+
+    def _refused(self, refusal: Refusal) -> None:
+        """Count a refusal by its reason: each is a race the summary explains."""
+        key = f"{refusal.event.action}: {refusal.reason}"
+        self.refusals[key] = self.refusals.get(key, 0) + 1
+
+    def deliver(self, message: str, r: int, worker: str | None = None) -> bool:
+        """A message of r arrived at its worker: take the action the core says consumes it
+        (core.consumer); False if nothing can take it now."""
+        if r not in self.cluster.rows:
+            return False
+        cls = core.consumer(self.model, self.cluster.view(r), r, message, worker)
+        if cls is None:
+            return False
+        if cls is core.Reserve:
+            return self._reserve_or_wait(r)
+        return bool(self.offer(cls.__name__, r))
+
     def _arrive(self, r: int, args: dict) -> core.Change | None:
-        record = {"t": self.env.now, "a": "Arrive", "r": r, **args}
+        event = core.Arrive(r, args["prompt_pages"])
+        record = {"t": self.env.now, **codec.encode(event),
+                  **{k: args[k] for k in ("p", "d", "out")}}
         self.depth += 1
         out = self.folder.apply(record)
         if type(out) is Refusal:
-            self.refusals["Arrive"] = self.refusals.get("Arrive", 0) + 1
+            self._refused(out)
             self.depth -= 1
             return None
         if self.log is not None:
             self.log.write(encode(record) + "\n")
         if self.on_commit is not None:
-            self.on_commit(make_event("Arrive", r, args), out)
+            self.on_commit(event, out)
         self._after(r, out)
         return out
 
@@ -188,20 +229,30 @@ class Simulation:
     def _run_intents(self) -> None:
         while self.dirty:
             r = self.dirty.pop()
-            for choices in tuple(self.intents.get(r, ())):
-                for action in choices:
-                    if r in self.cluster.rows and self.offer(action, r):
-                        wanted = self.intents.get(r)
-                        if wanted and choices in wanted:
-                            wanted.remove(choices)
-                        break
+            for wanted in tuple(self.intents.get(r, ())):
+                if r not in self.cluster.rows:
+                    break
+                cls = self._ready(r, wanted)
+                if cls is not None and self.offer(cls.__name__, r):
+                    still = self.intents.get(r)
+                    if still and wanted in still:
+                        still.remove(wanted)
 
-    def want(self, r: int, *choices: str) -> None:
-        """Keep offering one of `choices` for r after each change of r until the core
-        accepts one of them."""
+    def _ready(self, r: int, wanted: tuple[str, str]) -> type | None:
+        """The action that carries out an intent now, if the core has one enabled."""
+        worker, what = wanted
+        view = self.cluster.view(r)
+        if what in core.CONSUMERS:
+            return core.consumer(self.model, view, r, what, worker)
+        cls = core.EVENT_TYPES[what]
+        return cls if cls in core.enabled_for(self.model, view, r) else None
+
+    def want(self, r: int, worker: str, what: str) -> None:
+        """Carry out `what` for r (a message its worker has received, or an action of that
+        worker) as soon as the core enables it: after each change of r, it is asked again."""
         wanted = self.intents.setdefault(r, [])
-        if choices not in wanted:
-            wanted.append(choices)
+        if (worker, what) not in wanted:
+            wanted.append((worker, what))
         self.dirty.append(r)
 
     def later(self, delay_s: float, fn, *args) -> None:
@@ -248,7 +299,7 @@ class Simulation:
             self.kick_prefill(p)
         if new[CLIENT] != old[CLIENT]:
             if new[CLIENT] == GONE:
-                self.later(self.sc.timeouts.notice_delay_s, self.want, r, "PrefillAbort")
+                self.later(self.sc.timeouts.notice_delay_s, self.want, r, "prefill", core.CLIENT_GONE)
                 self.later(self.sc.timeouts.notice_delay_s, self.offer_decode_abort, r)
             if old[CLIENT] in (IDLE, WAITING) and new[CLIENT] not in (IDLE, WAITING):
                 self._answered(r)  # or gone: a closed-loop session moves on either way
@@ -258,7 +309,7 @@ class Simulation:
     def _react_to_decode(self, r: int, p: int, d: int, old: tuple, new: tuple) -> None:
         state = new[DST]
         if state == D_WAITING:
-            self.later(self.sc.timeouts.transfer_timeout_s, self.offer, "Timeout", r)
+            self.later(self.sc.timeouts.transfer_timeout_s, self.offer_if_enabled, "Timeout", r)
             self.send(self.on_table, r, p, to_prefill=p)
         elif state == DECODING:
             entry = self.decoding[r] = [r, 0, self.output[r], new[PROMPT] * self.page_tokens]
@@ -269,7 +320,7 @@ class Simulation:
             if entry is not None:
                 entry[0] = -1
         if state == CLOSING:
-            self.want(r, "Release")
+            self.want(r, "decode", "Release")
         elif state == RELEASED:
             self.kick_decode_waiting(d)
 
@@ -346,7 +397,7 @@ class Simulation:
             # Busy before the offer: the Admit's own reaction kicks this worker again
             # (its pool changed), and must not admit the next request alongside.
             self.prefill_busy[p] = True
-            if self.offer("Admit", r, pages=list(pages)):
+            if self.offer("Admit", r, pages=pages):
                 self._compute(p, r, need)
                 return
             self.prefill_busy[p] = False
@@ -356,7 +407,8 @@ class Simulation:
         compute_s = pages * self.page_tokens / self.sc.compute.prefill_tokens_per_s
         f = self.sc.faults
         if f.prefill_fail_probability and self.rng["faults"].random() < f.prefill_fail_probability:
-            self.later(self.rng["faults"].uniform(0, compute_s), self.offer, "PrefillFail", r)
+            self.later(self.rng["faults"].uniform(0, compute_s), self.offer_if_enabled,
+                       "PrefillFail", r)
         self.later(compute_s, self._computed, p, r, self.prefill_epoch[p])
 
     def _computed(self, p: int, r: int, epoch: int) -> None:
@@ -389,10 +441,10 @@ class Simulation:
         """The prefill sends its final word once its NIC reports every write of r done."""
         if r in self.all_posted and not self.nic_pending.get(r):
             self.all_posted.discard(r)
-            self.offer("SendDone", r)
+            self.offer_if_enabled("SendDone", r)
 
     def _post(self, p: int, r: int) -> bool:
-        change = self.offer("SendPage", r)
+        change = self.offer_if_enabled("SendPage", r)
         if change is None:
             return False
         w = change.posted[0]
@@ -425,9 +477,9 @@ class Simulation:
         self.kick_nic(p)
 
     def on_cancel(self, r: int, p: int) -> None:
-        if not self.offer("PrefillAbort", r) and not self.offer("AnswerCancel", r):
+        if not self.deliver(core.CANCEL_MSG, r, "prefill"):
             # Writes in flight: the prefill stops, or finishes and answers, once they land.
-            self.want(r, "PrefillAbort", "AnswerCancel")
+            self.want(r, "prefill", core.CANCEL_MSG)
 
     def crash_loop(self, kind: str, worker: int, rate_per_s: float):
         rng = self.rng["crashes"]
@@ -479,14 +531,17 @@ class Simulation:
     # -- decode workers ---------------------------------------------------------------------
 
     def on_bootstrap(self, r: int, d: int) -> None:
-        if type(core.pages_to_reserve(self.model, self.cluster.rows[r])) is str:
-            # Nothing to reserve: the core may want the bootstrap dropped or rejected.
-            self.offer("DropBootstrap", r) or self.offer("DecodeReject", r)
-            return
+        self.deliver(core.BOOTSTRAP, r)
+
+    def _reserve_or_wait(self, r: int) -> bool:
+        """A bootstrap the core wants reserved joins its decode worker's FIFO of
+        reservations, which are taken while pages are free."""
+        d = self.cluster.placement[r][1]
         waiting = self.decode_waiting[d]
         waiting.append(r)
         if len(waiting) == 1:
             self.kick_decode_waiting(d)
+        return True
 
     def kick_decode_waiting(self, d: int) -> None:
         """Reserve for waiting bootstraps in FIFO order while pages are free."""
@@ -496,21 +551,24 @@ class Simulation:
             row = self.cluster.rows.get(r)
             need = core.pages_to_reserve(self.model, row) if row else "settled"
             if type(need) is str:
-                waiting.popleft()
+                waiting.popleft()  # a decode crash tombstoned it while it waited
                 if row is not None:
-                    self.offer("DropBootstrap", r) or self.offer("DecodeReject", r)
+                    self.deliver(core.BOOTSTRAP, r)
                 continue
             pages = self.cluster.allocate("decode", d, need)
             if pages is None:
                 return
             waiting.popleft()
-            self.offer("Reserve", r, pages=list(pages))
+            self.offer("Reserve", r, pages=pages)
 
     def on_final_word(self, r: int, d: int) -> None:
-        self.offer("Accept", r) or self.offer("Notice", r)
+        self.deliver(core.FINAL_WORD_MSG, r)
 
     def offer_decode_abort(self, r: int) -> None:
-        if r in self.cluster.rows:
+        """The client-gone notice reaches decode: DecodeAbort if decode still holds r."""
+        row = self.cluster.rows.get(r)
+        if row is not None and core.DecodeAbort in core.enabled_for(
+                self.model, self.cluster.view(r), r):
             self.offer("DecodeAbort", r)
 
     def kick_decode(self, d: int) -> None:
@@ -555,7 +613,7 @@ class Simulation:
         self.kick_decode(d)
 
     def _fact(self, action: str, r: int) -> None:
-        record = {"t": self.env.now, "a": action, "r": r}
+        record = {"t": self.env.now, "a": action, "request": r}
         self.folder.apply(record)
         if self.log is not None:
             self.log.write(encode(record) + "\n")
@@ -593,7 +651,7 @@ class Simulation:
         self.session_waiters[r] = answered
         pages = -(-prompt // self.page_tokens)
         self.folder.last_placement = (p, d)
-        if not self.offer("Arrive", r, n=pages, p=p, d=d, out=output):
+        if not self.offer("Arrive", r, prompt_pages=pages, p=p, d=d, out=output):
             raise AssertionError(f"the core refused the arrival of request {r}")
         f = self.sc.faults
         if f.client_abort_probability and self.rng["faults"].random() < f.client_abort_probability:
@@ -602,7 +660,7 @@ class Simulation:
 
     def _abort(self, r: int) -> None:
         if r in self.cluster.rows:
-            self.offer("Abort", r)
+            self.offer_if_enabled("Abort", r)
 
     def open_loop(self):
         w, rng = self.sc.workload, self.rng["arrivals"]

@@ -361,16 +361,27 @@ ReceiveFinalWord(r) ==
               /\ UNCHANGED <<dst, client>>
          [] OTHER -> UNCHANGED <<dst, dfw, client>>
 
-TransferFault(r) ==
-    \/ "NoCountCheck" \notin Bugs /\ sent[r] # Len(table[r])
-    \/ "NoChecksum" \notin Bugs /\ \E i \in 1..sent[r] : content[table[r][i].page][1] # r
+(* Observed verdicts. Whether the checksums of the landed pages match, and whether every   *)
+(* page's tag is the one decode reserved, is known only to the data path: a real engine     *)
+(* computes a digest and compares tags in its attention kernel. So Accept and Finish take   *)
+(* the data path's observation as an argument and decide on it alone. In this spec the      *)
+(* data path is modelled by the abstract page contents: Next passes the observation those    *)
+(* contents imply (ChecksumsMatch, TagsMatch), which is also the oracle a shell's reported   *)
+(* observation is compared with (spec/core.py observation_conflict).                        *)
+ChecksumsMatch(r) == \A i \in 1..sent[r] : content[table[r][i].page][1] = r
 
-Accept(r) ==
+TagsMatch(r) == \A i \in DOMAIN table[r] : content[table[r][i].page][2] = table[r][i].gen
+
+TransferFault(r, checksumsOk) ==
+    \/ "NoCountCheck" \notin Bugs /\ sent[r] # Len(table[r])
+    \/ "NoChecksum" \notin Bugs /\ ~checksumsOk
+
+Accept(r, checksumsOk) ==
     /\ fwMsg[r] = "Done"
     /\ IF dst[r] = "Waiting"
          THEN /\ fwMsg' = [fwMsg EXCEPT ![r] = "None"]
               /\ dfw' = [dfw EXCEPT ![r] = TRUE]
-              /\ IF TransferFault(r)
+              /\ IF TransferFault(r, checksumsOk)
                    THEN /\ dst' = [dst EXCEPT ![r] = "Closing"]
                         /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTransfer")]
                    ELSE /\ dst' = [dst EXCEPT ![r] = "Decoding"]
@@ -385,15 +396,15 @@ Notice(r) ==
     /\ UNCHANGED <<prompt, pst, sent, src, table, boot, cancel, leaked, owner, gen, content,
                    powner, pdata, writes>>
 
-TagMismatch(r) == \E i \in DOMAIN table[r] : content[table[r][i].page][2] # table[r][i].gen
 Foreign(r) == \E i \in DOMAIN table[r] :
                   content[table[r][i].page] # <<r, gen[table[r][i].page]>>
 
-(* The last decode step: read every page, checking its tag, and answer the client. *)
-Finish(r) ==
+(* The last decode step: read every page, checking its tag, and answer the client. The    *)
+(* tag check is the data path's observation tagsOk; leaked is history, for the properties.  *)
+Finish(r, tagsOk) ==
     /\ dst[r] = "Decoding"
     /\ dst' = [dst EXCEPT ![r] = "Closing"]
-    /\ IF TagMismatch(r)
+    /\ IF ~tagsOk
          THEN /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTag")]
               /\ UNCHANGED leaked
          ELSE /\ client' = [client EXCEPT ![r] = ClientError(r, "Ok")]
@@ -437,7 +448,8 @@ FairNext ==
         \/ \E S \in SUBSET PPages : Admit(r, S)
         \/ Reject(r) \/ SendPage(r) \/ SendDone(r) \/ PrefillAbort(r) \/ AnswerCancel(r)
         \/ \E S \in SUBSET DPages : Reserve(r, S)
-        \/ DecodeReject(r) \/ DropBootstrap(r) \/ Accept(r) \/ Notice(r) \/ Finish(r)
+        \/ DecodeReject(r) \/ DropBootstrap(r) \/ Accept(r, ChecksumsMatch(r)) \/ Notice(r)
+        \/ Finish(r, TagsMatch(r))
         \/ DecodeAbort(r) \/ Timeout(r) \/ Release(r)
 
 Next ==

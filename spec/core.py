@@ -49,7 +49,7 @@ from __future__ import annotations
 from bisect import insort
 from dataclasses import dataclass
 from itertools import combinations
-from typing import Callable, Iterator, NamedTuple, Union
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Protocol, Sequence, Union
 
 from spec.model import Model
 
@@ -83,11 +83,33 @@ FRESH_DECODE_PAGE = (NONE, 0, NONE, NONE)
 FRESH_PREFILL_PAGE = (NONE, NONE)
 
 
+class View(Protocol):
+    """What an action reads: the request rows, one prefill and one decode pool, and the
+    writes in flight into that decode pool. The checker's State is one; a shell's store
+    (spec/store.py) hands out views of one worker pair of a whole cluster, whose rows are a
+    dict of the live requests rather than a tuple of every request."""
+
+    requests: Any
+    decode_pool: Sequence[tuple]
+    prefill_pool: Sequence[tuple]
+    writes: Sequence[tuple]
+
+    def has_request(self, r: int) -> bool: ...
+
+    def request_items(self) -> Iterable[tuple[int, tuple]]: ...
+
+
 class State(NamedTuple):
     requests: tuple
     decode_pool: tuple
     prefill_pool: tuple
     writes: tuple
+
+    def has_request(self, r: int) -> bool:
+        return 0 <= r < len(self.requests)
+
+    def request_items(self) -> Iterable[tuple[int, tuple]]:
+        return enumerate(self.requests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +154,7 @@ def _row(row: tuple, *pairs: int | object) -> tuple:
 class Change(NamedTuple):
     """What an action does: the rows, pages and writes it replaces. Actions return a Change
     rather than a new State so that two representations share them: the checker's immutable
-    tuples (`commit`) and a simulator's mutable, much larger cluster (sim/cluster.py), which
+    tuples (`commit`) and a simulator's mutable, much larger cluster (spec/store.py), which
     hands each action a *view* with the same four attributes as State."""
 
     rows: tuple = ()        # ((request, new row), ...)
@@ -408,17 +430,33 @@ def drop_bootstrap(m: Model, s: State, r: int) -> Change | str:
     return _one(r, _row(row, BOOT, 0))
 
 
-def _transfer_fault(m: Model, s: State, r: int, row: tuple) -> bool:
-    """Decode's checks on Done: the count, then the checksum of every page sent."""
+def checksums_match(s: State, r: int) -> bool:
+    """The data path's checksum verdict as the abstract page contents imply it (the spec's
+    ChecksumsMatch): every page sent holds r's data. The oracle for an observed verdict."""
+    row = s.requests[r]
+    pool = s.decode_pool
     table = row[TABLE]
-    if "NoCountCheck" not in m.bugs and row[SENT] != len(table):
+    for k in range(row[SENT]):
+        if pool[table[k][0]][DATA] != r:
+            return False
+    return True
+
+
+def tags_match(s: State, r: int) -> bool:
+    """The tag check's verdict as the page contents imply it (the spec's TagsMatch): every
+    page holds content written with the generation decode reserved it at."""
+    pool = s.decode_pool
+    for page, gen in s.requests[r][TABLE]:
+        if pool[page][TAG] != gen:
+            return False
+    return True
+
+
+def _transfer_fault(m: Model, row: tuple, checksums_ok: bool) -> bool:
+    """Decode's checks on Done: the count, then the checksums the data path verified."""
+    if "NoCountCheck" not in m.bugs and row[SENT] != len(row[TABLE]):
         return True
-    if "NoChecksum" not in m.bugs:
-        pool = s.decode_pool
-        for k in range(row[SENT]):
-            if pool[table[k][0]][DATA] != r:
-                return True
-    return False
+    return "NoChecksum" not in m.bugs and not checksums_ok
 
 
 def _receive_final_word(m: Model, s: State, r: int, row: tuple) -> tuple:
@@ -436,12 +474,12 @@ def _receive_final_word(m: Model, s: State, r: int, row: tuple) -> tuple:
     return _row(row, FW, NO_MSG)  # Released, Tomb, Decoding: nothing left to do
 
 
-def accept(m: Model, s: State, r: int) -> Change | str:
+def accept(m: Model, s: State, r: int, checksums_ok: bool) -> Change | str:
     row = s.requests[r]
     if row[FW] != MSG_DONE:
         return "no Done is in flight"
     if row[DST] == D_WAITING:
-        if _transfer_fault(m, s, r, row):
+        if _transfer_fault(m, row, checksums_ok):
             row = _row(row, FW, NO_MSG, DST, CLOSING, DFW, 1,
                        CLIENT, _client_error(row, ERR_TRANSFER))
         else:
@@ -458,17 +496,15 @@ def notice(m: Model, s: State, r: int) -> Change | str:
     return _one(r, _receive_final_word(m, s, r, row))
 
 
-def finish(m: Model, s: State, r: int) -> Change | str:
+def finish(m: Model, s: State, r: int, tags_ok: bool) -> Change | str:
     row = s.requests[r]
     if row[DST] != DECODING:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not Decoding"
+    if not tags_ok:  # the data path's tag check, on every read
+        return _one(r, _row(row, DST, CLOSING, CLIENT, _client_error(row, ERR_TAG)))
     pool = s.decode_pool
-    table = row[TABLE]
-    for page, gen in table:
-        if pool[page][TAG] != gen:  # the tag check on every read
-            return _one(r, _row(row, DST, CLOSING, CLIENT, _client_error(row, ERR_TAG)))
-    foreign = 0
-    for page, _ in table:
+    foreign = 0  # history for the properties: what the client really got
+    for page, _ in row[TABLE]:
         if pool[page][DATA] != r or pool[page][TAG] != pool[page][GEN]:
             foreign = 1
     return _one(r, _row(row, DST, CLOSING, CLIENT, _client_error(row, OK),
@@ -522,10 +558,6 @@ def release(m: Model, s: State, r: int) -> Change | str:
     return Change(((r, _row(row, DST, RELEASED)),), decode=tuple(freed))
 
 
-def _rows(s: State):
-    """(request, row) pairs: a State's rows are a tuple, a simulator view's a dict."""
-    rows = s.requests
-    return rows.items() if type(rows) is dict else enumerate(rows)
 
 
 def prefill_crash(m: Model, s: State) -> Change | str:
@@ -537,7 +569,7 @@ def prefill_crash(m: Model, s: State) -> Change | str:
     if not m.crashes:
         return "this model has no prefill crashes (Crashes = FALSE)"
     lost = tuple((r, _row(row, PST, ABORTED, CLIENT, _client_error(row, ERR_PREFILL)))
-                 for r, row in _rows(s) if row[PST] == QUEUED or row[PST] == RUNNING)
+                 for r, row in s.request_items() if row[PST] == QUEUED or row[PST] == RUNNING)
     if not lost:
         return "no request is queued or running at the prefill: a crash loses nothing"
     freed = tuple((p, (NONE, data)) for p, (owner, data) in enumerate(s.prefill_pool)
@@ -557,7 +589,7 @@ def decode_crash(m: Model, s: State) -> Change | str:
     if not m.decode_crashes:
         return "this model has no decode crashes (DecodeCrashes = FALSE)"
     lost = []
-    for r, row in _rows(s):
+    for r, row in s.request_items():
         d = row[DST]
         if row[BOOT] or d == D_WAITING or d == DECODING or d == CLOSING:
             active = row[PST] == QUEUED or row[PST] == RUNNING
@@ -652,6 +684,29 @@ class LandWrite(RequestEvent):
         return f"LandWrite({name}, page {self.page + 1})"
 
 
+@dataclass(frozen=True, slots=True)
+class Accept(RequestEvent):
+    """Decode receives Done and checks the count and the checksums the data path verified."""
+
+    checksums_ok: bool  # observed: every landed page's digest matched the sender's
+
+    def label(self, m: Model | None = None) -> str:
+        name = m.request_names[self.request] if m else f"r{self.request + 1}"
+        return f"Accept({name}, checksums {'ok' if self.checksums_ok else 'bad'})"
+
+
+@dataclass(frozen=True, slots=True)
+class Finish(RequestEvent):
+    """Decode's last step: it read every page, the data path checked every tag, and decode
+    answers the client."""
+
+    tags_ok: bool  # observed: every page read carried the tag decode reserved it with
+
+    def label(self, m: Model | None = None) -> str:
+        name = m.request_names[self.request] if m else f"r{self.request + 1}"
+        return f"Finish({name}, tags {'ok' if self.tags_ok else 'bad'})"
+
+
 def _simple(name: str, doc: str) -> type:
     cls = dataclass(frozen=True, slots=True)(type(name, (RequestEvent,), {"__doc__": doc}))
     cls.__module__ = __name__
@@ -666,14 +721,70 @@ PrefillFail = _simple("PrefillFail", "Prefill fails on its own (a fault).")
 AnswerCancel = _simple("AnswerCancel", "An ended prefill repeats its final word on a cancel.")
 DecodeReject = _simple("DecodeReject", "Decode rejects a prompt its pool can never hold.")
 DropBootstrap = _simple("DropBootstrap", "Decode drops a bootstrap that arrives after a tombstone.")
-Accept = _simple("Accept", "Decode receives Done and checks count and checksums.")
 Notice = _simple("Notice", "Decode receives a Reject or Abort.")
-Finish = _simple("Finish", "Decode reads every page (tag-checked) and answers the client.")
 Abort = _simple("Abort", "The client disconnects (environment).")
 DecodeAbort = _simple("DecodeAbort", "Decode notices the client has gone.")
 Timeout = _simple("Timeout", "Decode gives up waiting for KV and cancels.")
 Release = _simple("Release", "Decode frees the request's pages.")
 
+# ---------------------------------------------------------------------------------------
+# The action table: one row per TLA+ action, in the order the checker enumerates them.
+# Every list of actions anywhere in kvproof (fair or not, faults, timers, what consumes a
+# message, which worker takes it) is derived from this table.
+
+# Messages and writes on the wire, by what consumes them. The page table decode publishes
+# is shared knowledge in the spec (SendPage waits until it exists), not a message.
+BOOTSTRAP, FINAL_WORD_MSG, CANCEL_MSG, WRITE, CLIENT_GONE = (
+    "bootstrap", "final word", "cancel", "write", "client gone")
+
+
+@dataclass(frozen=True)
+class ActionInfo:
+    """Everything about an action except its guard and effect (which are its function)."""
+
+    event: type
+    worker: str         # who takes it: client, router, prefill, decode, network
+    kind: str           # protocol (weakly fair in FairSpec), arrival, fault or timer
+    consumes: tuple = ()        # the messages it takes off the wire, in dispatch order
+    argument: str = ""          # the event's field besides the request, if any
+    observed: Callable | None = None  # the oracle for the verdict the data path reports
+
+    @property
+    def fair(self) -> bool:
+        return self.kind in ("protocol", "timer")
+
+
+# The data path's verdicts as the page contents imply them, by their names in the spec
+# (where Next passes them to Accept and Finish).
+OBSERVATION_ORACLES = {"ChecksumsMatch": checksums_match, "TagsMatch": tags_match}
+
+ACTION_TABLE: tuple[ActionInfo, ...] = (
+    ActionInfo(Arrive, "router", "arrival", argument="prompt_pages"),
+    ActionInfo(Admit, "prefill", "protocol", argument="pages"),
+    ActionInfo(Reject, "prefill", "protocol"),
+    ActionInfo(SendPage, "prefill", "protocol"),
+    ActionInfo(LandWrite, "network", "protocol", (WRITE,), argument="page"),
+    ActionInfo(SendDone, "prefill", "protocol"),
+    ActionInfo(PrefillAbort, "prefill", "protocol", (CANCEL_MSG, CLIENT_GONE)),
+    ActionInfo(PrefillFail, "prefill", "fault"),
+    ActionInfo(AnswerCancel, "prefill", "protocol", (CANCEL_MSG,)),
+    ActionInfo(Reserve, "decode", "protocol", (BOOTSTRAP,), argument="pages"),
+    ActionInfo(DecodeReject, "decode", "protocol", (BOOTSTRAP,)),
+    ActionInfo(DropBootstrap, "decode", "protocol", (BOOTSTRAP,)),
+    ActionInfo(Accept, "decode", "protocol", (FINAL_WORD_MSG,), argument="checksums_ok",
+               observed=checksums_match),
+    ActionInfo(Notice, "decode", "protocol", (FINAL_WORD_MSG,)),
+    ActionInfo(Finish, "decode", "protocol", argument="tags_ok", observed=tags_match),
+    ActionInfo(Abort, "client", "fault"),
+    ActionInfo(DecodeAbort, "decode", "protocol", (CLIENT_GONE,)),
+    ActionInfo(Timeout, "decode", "timer"),
+    ActionInfo(Release, "decode", "protocol"),
+    ActionInfo(PrefillCrash, "prefill", "fault"),
+    ActionInfo(DecodeCrash, "decode", "fault"),
+)
+
+# Action type -> its function. A dict rather than a table column so that a test can swap
+# one action for a broken copy (monkeypatch.setitem) and see who notices.
 ACTIONS: dict[type, Callable] = {
     Arrive: arrive, Admit: admit, Reject: reject, SendPage: send_page, LandWrite: land_write,
     SendDone: send_done, PrefillAbort: prefill_abort, PrefillFail: prefill_fail,
@@ -682,14 +793,28 @@ ACTIONS: dict[type, Callable] = {
     DecodeAbort: decode_abort, Timeout: timeout, Release: release, PrefillCrash: prefill_crash,
     DecodeCrash: decode_crash,
 }
-ACTION_NAMES = tuple(cls.__name__ for cls in ACTIONS)
-EVENT_TYPES = {cls.__name__: cls for cls in ACTIONS}  # action name -> its event type
+assert tuple(ACTIONS) == tuple(info.event for info in ACTION_TABLE)
+INFO = {info.event: info for info in ACTION_TABLE}
+ACTION_NAMES = tuple(info.event.__name__ for info in ACTION_TABLE)
+EVENT_TYPES = {info.event.__name__: info.event for info in ACTION_TABLE}
 # Environment and fault actions; the rest are the protocol's own and are taken fairly.
-UNFAIR_ACTIONS = frozenset({"Arrive", "Abort", "PrefillFail", "PrefillCrash", "DecodeCrash"})
+UNFAIR_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE if not info.fair)
+FAULT_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE if info.kind == "fault")
+TIMER_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE if info.kind == "timer")
+# The actions that take something of a request off the wire between the workers (the
+# client-gone notice comes from the serving edge, not over that wire).
+WIRE = (BOOTSTRAP, FINAL_WORD_MSG, CANCEL_MSG, WRITE)
+DELIVERY_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE
+                             if set(info.consumes) & set(WIRE))
+# Message -> the actions that consume it, in the order `consumer` tries them.
+CONSUMERS = {message: tuple(info.event for info in ACTION_TABLE if message in info.consumes)
+             for message in (BOOTSTRAP, FINAL_WORD_MSG, CANCEL_MSG, WRITE, CLIENT_GONE)}
 _WORKER_ACTIONS = (PrefillCrash, DecodeCrash)  # no request argument
-# Per-request actions with no argument besides the request, in enumeration order.
-_SIMPLE_ACTIONS = tuple((cls, fn) for cls, fn in ACTIONS.items()
-                        if cls not in (Arrive, LandWrite, Admit, Reserve, *_WORKER_ACTIONS))
+# Per-request actions other than Arrive, the allocations and LandWrite (which are enumerated
+# over their arguments), in table order; an observed action is enumerated with the verdict
+# its oracle gives.
+_SIMPLE_ACTIONS = tuple((info.event, ACTIONS[info.event]) for info in ACTION_TABLE
+                        if info.event not in (Arrive, LandWrite, Admit, Reserve, *_WORKER_ACTIONS))
 
 
 # ---------------------------------------------------------------------------------------
@@ -708,13 +833,16 @@ def decide(m: Model, s: State, event: Event) -> Change | Refusal:
     if kind is PrefillCrash or kind is DecodeCrash:
         out = fn(m, s)
         return Refusal(event, out) if type(out) is str else out
-    rows = s.requests
     r = event.request
-    if not (r in rows if type(rows) is dict else 0 <= r < len(rows)):
-        raise ProtocolMisuse(f"request {r} does not exist ({len(rows)} requests)")
-    argument = _ARGUMENT.get(kind)
-    if argument is None:
+    if not s.has_request(r):
+        raise ProtocolMisuse(f"request {r} does not exist ({len(s.requests)} requests)")
+    argument = INFO[kind].argument
+    if not argument:
         out = fn(m, s, r)
+    elif kind is Accept:
+        out = fn(m, s, r, bool(event.checksums_ok))
+    elif kind is Finish:
+        out = fn(m, s, r, bool(event.tags_ok))
     elif kind is LandWrite:
         if not 0 <= event.page < m.decode_pages:
             raise ProtocolMisuse(f"decode page {event.page} does not exist")
@@ -728,10 +856,6 @@ def decide(m: Model, s: State, event: Event) -> Change | Refusal:
     if type(out) is str:
         return Refusal(event, out)
     return out
-
-
-# Events that carry an argument besides the request.
-_ARGUMENT = {Arrive: "prompt_pages", Admit: "pages", Reserve: "pages", LandWrite: "page"}
 
 
 def apply(m: Model, s: State, event: Event) -> Result:
@@ -751,10 +875,6 @@ def pages_to_admit(m: Model, row: tuple) -> int | str:
 def pages_to_reserve(m: Model, row: tuple) -> int | str:
     """How many decode pages decode must reserve for this bootstrap, or why not."""
     return _reserve_need(m, row)
-
-
-# Messages, by the row field that holds them in flight.
-BOOTSTRAP, FINAL_WORD_MSG, CANCEL_MSG = "bootstrap", "final word", "cancel"
 
 
 def messages_sent(old: tuple, new: tuple) -> tuple[str, ...]:
@@ -784,17 +904,95 @@ def settled(row: tuple) -> bool:
             and not message_in_flight(row))
 
 
+def enabled_for(m: Model, s: State, r: int) -> tuple[type, ...]:
+    """The per-request actions whose guards hold for r now, in table order. An allocation
+    counts as enabled when the protocol allows it, whether or not enough pages are free
+    (the shell's allocator decides when); an observed action whatever the verdict (its
+    guard never reads it); LandWrite when one of r's writes is in flight."""
+    if not s.has_request(r):
+        raise ProtocolMisuse(f"request {r} does not exist")
+    enabled = []
+    row = s.requests[r]
+    for info in ACTION_TABLE:
+        cls = info.event
+        if cls in _WORKER_ACTIONS:
+            continue
+        if cls is Admit or cls is Reserve:
+            ok = type(allocation_need(m, s, cls, r)) is int
+        elif cls is LandWrite:
+            ok = any(w[0] == r for w in s.writes)
+        elif cls is Arrive:
+            ok = row[CLIENT] == IDLE
+        elif info.observed is not None:
+            ok = type(ACTIONS[cls](m, s, r, True)) is not str
+        else:
+            ok = type(ACTIONS[cls](m, s, r)) is not str
+        if ok:
+            enabled.append(cls)
+    return tuple(enabled)
+
+
+def consumer(m: Model, s: State, r: int, message: str, worker: str | None = None) -> type | None:
+    """The action that takes `message` of request r off the wire now: the one dispatch from
+    an arriving message to its action (a bootstrap: Reserve, DecodeReject or DropBootstrap;
+    a final word: Accept or Notice; a cancel: PrefillAbort or AnswerCancel; a client-gone
+    notice: PrefillAbort or DecodeAbort, whichever worker it reached). None: nothing can
+    take it yet (a cancel while the prefill's writes are in flight waits for them to land)
+    or any more (the notice reached a worker that is done with r)."""
+    enabled = enabled_for(m, s, r)
+    for cls in CONSUMERS[message]:
+        if cls in enabled and (worker is None or INFO[cls].worker == worker):
+            return cls
+    return None
+
+
 def allocation_need(m: Model, s: State, action: type, r: int) -> int | str:
     """How many free pages an Admit or Reserve of request r must name, or why none is
     enabled. `successors` enumerates every choice of pages, which only small pools afford;
     a shell with large pools asks this and lets its allocator (or a fuzzer) pick the pages."""
-    if not 0 <= r < m.requests:
-        raise ProtocolMisuse(f"request {r} does not exist (model has {m.requests})")
+    if not s.has_request(r):
+        raise ProtocolMisuse(f"request {r} does not exist")
     if action is Admit:
         return pages_to_admit(m, s.requests[r])
     if action is Reserve:
         return pages_to_reserve(m, s.requests[r])
     raise ProtocolMisuse(f"{action!r} is not an allocation (Admit or Reserve)")
+
+
+def interned_events(cls: type, r: int):
+    """The event of a per-request action for r, or for an observed action the pair of its
+    events (verdict False, verdict True)."""
+    if INFO[cls].observed is None:
+        return cls(r)
+    return cls(r, False), cls(r, True)
+
+
+def step_with_oracle(m: Model, s: State, r: int, fn: Callable, observed, events):
+    """(event, Change or refusal reason) of one per-request action when the data path is the
+    abstract page contents: an observed action gets the verdict its oracle gives, which is
+    computed only when the action is enabled (its guard never reads the verdict)."""
+    if observed is None:
+        return events, fn(m, s, r)
+    out = fn(m, s, r, True)
+    if type(out) is str or observed(s, r):
+        return events[1], out
+    return events[0], fn(m, s, r, False)
+
+
+def observation_conflict(s: State, event: Event) -> str:
+    """Why an observation a shell reported contradicts the abstract page contents, or "".
+    Shells whose data path is real (the engine) report what they measured; the contents are
+    the oracle, and a contradiction is flagged: a "clean" over foreign data is a data-path
+    guard that failed, a "bad" over clean data is corruption the model did not predict."""
+    info = INFO.get(type(event))
+    if info is None or info.observed is None:
+        return ""
+    reported = getattr(event, info.argument)
+    expected = info.observed(s, event.request)
+    if bool(reported) == expected:
+        return ""
+    return (f"{event.label()} reports {info.argument}={bool(reported)}, but the page contents "
+            f"say {expected}")
 
 
 class _EventCache:
@@ -804,7 +1002,8 @@ class _EventCache:
         self.arrive = [[Arrive(r, n) for n in range(m.max_prompt_pages + 1)]
                        for r in range(m.requests)]
         self.land = [[LandWrite(r, p) for p in range(m.decode_pages)] for r in range(m.requests)]
-        self.simple = [[(cls(r), fn) for cls, fn in _SIMPLE_ACTIONS] for r in range(m.requests)]
+        self.simple = [[(interned_events(cls, r), fn, INFO[cls].observed)
+                        for cls, fn in _SIMPLE_ACTIONS] for r in range(m.requests)]
         self.admit: dict[tuple, Admit] = {}
         self.reserve: dict[tuple, Reserve] = {}
 
@@ -852,8 +1051,8 @@ def successors(m: Model, s: State) -> Iterator[tuple[Event, State]]:
                     yield row_arrive[n], commit(s, out)
             continue
         yield from _allocations(m, s, r, cache)
-        for event, fn in cache.simple[r]:
-            out = fn(m, s, r)
+        for events, fn, observed in cache.simple[r]:
+            event, out = step_with_oracle(m, s, r, fn, observed, events)
             if type(out) is not str:
                 yield event, commit(s, out)
     for w in s.writes:

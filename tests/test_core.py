@@ -28,7 +28,7 @@ def run(m: Model, *events):
 
 
 HAPPY = (Arrive(0, 2), Reserve(0, (0, 1)), Admit(0, (0, 1)), SendPage(0), SendPage(0),
-         LandWrite(0, 0), LandWrite(0, 1), SendDone(0), Accept(0), Finish(0), Release(0))
+         LandWrite(0, 0), LandWrite(0, 1), SendDone(0), Accept(0, True), Finish(0, True), Release(0))
 
 
 def test_happy_path_ends_clean_with_every_page_back():
@@ -48,7 +48,7 @@ def test_happy_path_ends_clean_with_every_page_back():
 CORRUPTED = [
     # (events before, the corrupted event, words the reason must contain)
     ((), LandWrite(0, 0), "no write"),
-    ((Arrive(0, 1),), Accept(0), "no Done"),
+    ((Arrive(0, 1),), Accept(0, True), "no Done"),
     ((Arrive(0, 1),), Release(0), "not Closing"),
     ((Arrive(0, 1),), SendPage(0), "not Running"),
     ((Arrive(0, 1), Admit(0, (0,))), SendPage(0), "page table"),
@@ -69,7 +69,7 @@ CORRUPTED = [
     ((Arrive(0, 1),), DropBootstrap(0), "not Tomb"),
     ((Arrive(0, 1),), DecodeReject(0), "fits the decode pool"),
     ((Arrive(0, 1),), Notice(0), "no Reject or Abort"),
-    ((Arrive(0, 1),), Finish(0), "not Decoding"),
+    ((Arrive(0, 1),), Finish(0, True), "not Decoding"),
     ((), Abort(0), "not Waiting"),
 ]
 
@@ -116,10 +116,14 @@ def _brute_force(m: Model, s):
             out += [Admit(r, pages) for pages in combinations(range(m.prefill_pages), k)]
             out += [Reserve(r, pages) for pages in combinations(range(m.decode_pages), k)]
         out += [LandWrite(r, p) for p in range(m.decode_pages)]
-        out += [cls(r) for cls, _ in core._SIMPLE_ACTIONS]
+        for cls, _ in core._SIMPLE_ACTIONS:
+            events = core.interned_events(cls, r)
+            out += events if isinstance(events, tuple) else [events]
     out.append(core.PrefillCrash())
     enabled = {}
     for event in out:
+        if core.observation_conflict(s, event):
+            continue  # the enumeration reports what the page contents imply, nothing else
         nxt = apply(m, s, event)
         if not isinstance(nxt, Refusal):
             enabled[event] = nxt

@@ -176,7 +176,7 @@ def _late_write_sequence():
     return [core.Arrive(0, 1), core.Admit(0, (0,)), core.Reserve(0, (5,)), core.SendPage(0),
             core.Timeout(0), core.Release(0), core.Arrive(1, 1), core.Admit(1, (1,)),
             core.Reserve(1, (5,)), core.SendPage(1), core.LandWrite(1, 5), core.SendDone(1),
-            core.Accept(1), core.LandWrite(0, 5), core.Finish(1)]
+            core.Accept(1, True), core.LandWrite(0, 5), core.Finish(1, True)]
 
 
 def _fuzz_model(*bugs: str) -> Model:
@@ -200,8 +200,8 @@ def test_the_leak_oracle_does_not_trust_the_core_leak_accounting(monkeypatch):
     oracle, which reads the canaries decode read, still sees r2's leak."""
     original = core.ACTIONS[core.Finish]
 
-    def finish_without_accounting(m, s, r):
-        out = original(m, s, r)
+    def finish_without_accounting(m, s, r, tags_ok):
+        out = original(m, s, r, tags_ok)
         if type(out) is str:
             return out
         (_, row), = out.rows
@@ -301,8 +301,8 @@ def test_a_delay_holds_a_request_s_deliveries_until_its_stall_ends_or_nothing_el
     target.step(core.SendPage(1))
     target.step(core.LandWrite(1, 1))
     target.step(core.SendDone(1))
-    target.step(core.Accept(1))
-    target.step(core.Finish(1))
+    target.step(core.Accept(1, True))
+    target.step(core.Finish(1, True))
     target.step(core.Release(1))
     # r1's transfer timer races its held write.
     assert "LandWrite" not in target.enabled() and "Timeout" in target.enabled()

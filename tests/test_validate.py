@@ -38,7 +38,7 @@ def run_trace(m: Model, *events) -> dict:
 
 TWO_REQUESTS = (Arrive(0, 1), Reserve(0, (1,)), Admit(0, (0,)), Arrive(1, 1),
                 Reserve(1, (2,)), Admit(1, (1,)), SendPage(0), SendPage(1), LandWrite(0, 1),
-                LandWrite(1, 2), SendDone(0), Accept(0), Finish(0), Release(0))
+                LandWrite(1, 2), SendDone(0), Accept(0, True), Finish(0, True), Release(0))
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])

@@ -1,20 +1,25 @@
-"""The cluster's protocol state: the core's State, spread over P prefill and D decode workers.
+"""The shared store: the core's State spread over P prefill and D decode workers.
 
-The core (spec/core.py) decides every transition on a State of one prefill and one decode
-pool. A cluster has many of each and far more requests than the model checker ever sees, so
-copying whole-state tuples per event is out of the question. Instead each event is decided
-on a *view* of the request's worker pair — the global rows, the request's prefill pool, its
-decode pool and the writes into that decode pool — and the Change the core returns is
-committed in place (`Cluster.take`). Nothing here decides anything: an event the core refuses
-changes nothing, and the caller gets the core's Refusal.
+The core (spec/core.py) decides every transition on a view of one prefill and one decode
+pool. A real deployment has many of each and far more requests than the model checker ever
+sees, so copying whole-state tuples per event is out of the question. Instead each event is
+decided on a *view* of the request's worker pair — the live request rows, the request's
+prefill pool, its decode pool and the writes into that decode pool — and the Change the
+core returns is committed in place (`Store.take`). Nothing here decides anything: an event
+the core refuses changes nothing, and the caller gets the core's Refusal. Every shell (the
+simulator, the fuzzer's simulator target, the engine, the server) keeps its protocol state
+here, so all of them fold the same events the same way.
 
 After every committed event the oracles check what the event touched (`_check_local`): page
 conservation on both workers (the allocator's free set and the pages' owner fields agree,
-free + owned == total, and decode pages claimed by request rows == decode pages owned), and
-the core's invariants on the request, the pages and the writes the change touched. Every
-`sweep_every_events` events, and at the end, `sweep` flattens the whole cluster into one core
+free + owned == total, and decode pages claimed by request rows == decode pages owned), the
+core's invariants on the request, the pages and the writes the change touched, and that an
+observed verdict the shell reported agrees with the abstract page contents. Every
+`sweep_every_events` events, and at the end, `sweep` flattens the whole store into one core
 State and runs the core's own invariant functions on it, which is what shows that the local
 checks miss nothing.
+
+Like the core, this module is pure: no I/O, no clock, no randomness.
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ from spec.properties import REST_INVARIANTS, STATE_INVARIANTS, holds_decode_page
 
 
 VIOLATIONS_KEPT = 100  # details kept per run; every violation is counted
+# The oracle that compares a shell's observed verdicts with the abstract page contents.
+TRUTHFUL_OBSERVATION = "TruthfulObservation"
 
 
 class View:
-    """The core's State attributes for one worker pair; rows are the cluster's dict."""
+    """A core.View of one worker pair: the store's live rows (a dict), its pools, its writes."""
 
     __slots__ = ("requests", "decode_pool", "prefill_pool", "writes")
 
@@ -41,6 +48,12 @@ class View:
         self.decode_pool = decode_pool
         self.prefill_pool = prefill_pool
         self.writes = writes
+
+    def has_request(self, r: int) -> bool:
+        return r in self.requests
+
+    def request_items(self):
+        return self.requests.items()
 
 
 @dataclass
@@ -51,7 +64,7 @@ class Violation:
 
 
 @dataclass
-class Cluster:
+class Store:
     """Rows, pools and writes of every worker; placement of every live request."""
 
     model: Model
@@ -112,8 +125,16 @@ class Cluster:
     def take(self, r: int, event: core.Event) -> Change | Refusal:
         out = self.decide(r, event)
         if type(out) is not Refusal:
+            self.check_observation(r, event)
             self.commit(r, out)
         return out
+
+    def check_observation(self, r: int, event: core.Event) -> None:
+        """An observed verdict the shell reported (a checksum, a tag check) against what the
+        abstract page contents imply: before the commit, on the pages the data path read."""
+        conflict = core.observation_conflict(self.view(r), event)
+        if conflict:
+            self._violate(TRUTHFUL_OBSERVATION, conflict, r)
 
     def decide_crash(self, kind: str, worker: int) -> Change | Refusal:
         """The core's answer to a crash of prefill or decode `worker`; nothing changes yet.
