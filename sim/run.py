@@ -499,7 +499,7 @@ class Simulation:
         self.depth += 1
         out = self.folder.apply(record)
         if type(out) is Refusal:
-            self.refusals[action] = self.refusals.get(action, 0) + 1
+            pass  # the worker held nothing: it restarts empty and the protocol sees nothing
         else:
             if self.log is not None:
                 self.log.write(encode(record) + "\n")

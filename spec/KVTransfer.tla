@@ -368,7 +368,7 @@ ReceiveFinalWord(r) ==
 (* data path is modelled by the abstract page contents: Next passes the observation those    *)
 (* contents imply (ChecksumsMatch, TagsMatch), which is also the oracle a shell's reported   *)
 (* observation is compared with (spec/core.py observation_conflict).                        *)
-ChecksumsMatch(r) == \A i \in 1..sent[r] : content[table[r][i].page][1] = r
+ChecksumsMatch(r) == \A i \in 1..Min(sent[r], Len(table[r])) : content[table[r][i].page][1] = r
 
 TagsMatch(r) == \A i \in DOMAIN table[r] : content[table[r][i].page][2] = table[r][i].gen
 

@@ -74,6 +74,13 @@ BUG_SWITCHES: dict[str, tuple[str, str, str]] = {
 
 ALL_BUGS = frozenset(BUG_SWITCHES)
 
+# Model field -> the CONSTANT of KVTransfer.tla that holds it: the one map that every reader
+# and writer of constants uses (the .cfg files, ITF trace metadata, the spec evaluator).
+# Requests (the model values) and Bugs (a set of strings) are the two others.
+TLA_CONSTANTS = {"max_prompt_pages": "MaxPromptPages", "context_pages": "ContextPages",
+                 "prefill_pages": "PrefillPages", "decode_pages": "DecodePages",
+                 "crashes": "Crashes", "decode_crashes": "DecodeCrashes"}
+
 
 class ModelError(ValueError):
     """A model's constants are malformed (a user's input error, reported clearly)."""
@@ -123,6 +130,29 @@ class Model:
         if "PoolBelowContext" in self.bugs:
             return self.context_pages
         return min(self.context_pages, self.prefill_pages, self.decode_pages)
+
+    def tla_constants(self) -> dict[str, object]:
+        """The model as the spec's CONSTANTS (request names for Requests, sorted Bugs)."""
+        out: dict[str, object] = {"Requests": list(self.request_names)}
+        out.update({constant: getattr(self, field) for field, constant in TLA_CONSTANTS.items()})
+        out["Bugs"] = sorted(self.bugs)
+        return out
+
+    @classmethod
+    def from_tla_constants(cls, constants: dict, name: str = "custom") -> "Model":
+        """The inverse of tla_constants; a missing constant is a ModelError naming it.
+        DecodeCrashes may be absent (files written before decode crashes existed)."""
+        try:
+            names = tuple(str(n) for n in constants["Requests"])
+            fields = {field: constants[constant] for field, constant in TLA_CONSTANTS.items()
+                      if constant != "DecodeCrashes"}
+            bugs = frozenset(constants["Bugs"])
+        except KeyError as error:
+            raise ModelError(f"constant {error.args[0]} is missing") from None
+        except TypeError as error:
+            raise ModelError(f"malformed constants: {error}") from None
+        return cls(requests=len(names), request_names=names, bugs=bugs, name=name,
+                   decode_crashes=constants.get("DecodeCrashes", False), **fields)
 
     def with_bugs(self, bugs: frozenset[str] | set[str], name: str | None = None) -> "Model":
         return replace(self, bugs=frozenset(bugs), name=name or self.name)

@@ -9,6 +9,8 @@ from spec.check.guardtable import run_check as checked  # noqa: F401  (cached mo
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "alone: a unit of work of its own for pytest-xdist")
+    config.addinivalue_line("markers", "slow: more than ~5 s here; the fast tier "
+                            "(python -m pytest -q -m 'not slow') leaves it out, CI runs it")
 
 
 @pytest.hookimpl(tryfirst=True)

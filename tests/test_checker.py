@@ -14,6 +14,7 @@ from spec.check.zoo import BASES, ENTRY_BY_NAME
 from tests.conftest import checked
 
 
+@pytest.mark.slow
 def test_default_model_exact_counts_with_symmetry():
     result = checked("default", frozenset())
     assert result.ok
@@ -62,6 +63,7 @@ def test_symmetry_reduction_respects_the_transition_relation():
             assert mine == theirs
 
 
+@pytest.mark.slow
 def test_counterexample_is_a_real_behaviour_of_the_core():
     entry = ENTRY_BY_NAME["incident"]
     violation = checked("default", entry.bugs, entry.invariants).violation
@@ -142,6 +144,7 @@ def test_reserve_is_refused_for_a_prompt_longer_than_the_decode_pool():
     assert not isinstance(apply(m, s, core.DecodeReject(0)), core.Refusal)
 
 
+@pytest.mark.slow
 def test_every_action_fires_in_the_default_model_except_the_reject_paths():
     """Coverage: a guard whose action never fires proves nothing. The default model's
     startup check keeps over-long prompts at the router, so the workers' reject paths are
@@ -173,6 +176,7 @@ def test_crash_models_hold_with_exact_counts():
     assert result.distinct_states == 796999
 
 
+@pytest.mark.slow
 def test_decode_crash_models_hold_with_exact_counts():
     solo = checked("solo-decode-crash", frozenset(), symmetry=False)
     assert solo.ok and solo.distinct_states == 2143

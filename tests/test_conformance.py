@@ -44,6 +44,7 @@ def _cost(model: Model) -> int:
 @pytest.mark.alone  # each model is a unit of work of its own for pytest-xdist (conftest.py)
 @pytest.mark.parametrize("model", sorted(MODELS, key=_cost, reverse=True),
                          ids=lambda model: "=".join(MODELS[model]))
+@pytest.mark.slow
 def test_every_model_conforms(model):
     """The largest first, so that the parallel run ends on the small ones. About 20 s of
     one core per 435k orbits here (22k orbits/s; the three-request `large` 14k/s, 2 min);
@@ -57,6 +58,7 @@ def test_every_model_conforms(model):
         assert result.edges == 1178770
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bugs", [frozenset(), ALL_BUGS], ids=["guards-on", "every-switch"])
 def test_the_two_request_conformance_model_conforms(bugs):
     """Every switch off, then every switch on: each guard's branch is compared both ways,
@@ -67,6 +69,7 @@ def test_the_two_request_conformance_model_conforms(bugs):
     assert result.states == (81312 if not bugs else 25859)
 
 
+@pytest.mark.slow
 def test_symmetric_conformance_visits_one_state_per_orbit():
     model = Model(bugs=frozenset({"EagerRelease", "NoTimeout"}), **BASES["small"])
     plain, reduced = check_conformance(model), check_conformance(model, symmetry=True)
@@ -155,6 +158,7 @@ def test_constructs_outside_the_subset_are_named_with_their_line():
         Spec("---- MODULE M ----\nCONSTANT N\n====\n", {})
 
 
+@pytest.mark.slow
 def test_the_spec_alone_has_the_cores_graph():
     """explore() enumerates KVTransfer.tla's reachable graph from its text alone, as TLC
     would: the same states and labelled edges as the core's (conformance counts)."""

@@ -41,6 +41,7 @@ ZOO_SHRINK_SECONDS = 1.0
 ZOO_MINIMIZE_SECONDS = 2.0
 
 
+@pytest.mark.slow
 @pytest.mark.alone
 @pytest.mark.parametrize("target", sorted(ZOO_SEEDS))
 def test_zoo_catches_every_entry_and_raises_no_false_alarm(target, capsys):
@@ -351,7 +352,7 @@ def test_a_failure_is_saved_as_itf_and_replays_to_the_same_violation(capsys, tmp
     fuzz = saved["#meta"]["fuzz"]
     assert fuzz["target"] == "core" and fuzz["seed"] == 5
     assert len(saved["states"]) == len(fuzz["events"]) + 1 == fuzz["steps"] + 1
-    assert saved["states"][-1]["#meta"]["action"] == fuzz["events"][-1]["action"]
+    assert saved["states"][-1]["#meta"]["action"] == fuzz["events"][-1]["a"]
     assert main(["fuzz", "--replay", str(path)]) == 1
     out = capsys.readouterr().out
     assert f"Reproduced: {fuzz['violation']} after event {fuzz['steps']}" in out

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here model-checks the default model
+
 from spec.check.zoo import ALONE, ENTRIES, ENTRY_BY_NAME
 from tests.conftest import checked
 

@@ -40,13 +40,9 @@ def from_view(v: object) -> object:
 
 
 def spec_for(m: Model, text: str | None = None) -> Spec:
-    constants = {
-        "Requests": frozenset(ModelValue(n) for n in m.request_names),
-        "NoReq": ModelValue("NoReq"), "MaxPromptPages": m.max_prompt_pages,
-        "ContextPages": m.context_pages, "PrefillPages": m.prefill_pages,
-        "DecodePages": m.decode_pages, "Crashes": m.crashes,
-        "DecodeCrashes": m.decode_crashes, "Bugs": frozenset(m.bugs),
-    }
+    constants = {**m.tla_constants(), "NoReq": ModelValue("NoReq"),
+                 "Requests": frozenset(ModelValue(n) for n in m.request_names),
+                 "Bugs": frozenset(m.bugs)}
     spec = Spec(text if text is not None else SPEC_PATH.read_text(), constants)
     spec.labels = action_labels(spec)
     return spec

@@ -51,20 +51,11 @@ def state_to_itf(m: Model, state: State) -> dict[str, object]:
 
 def model_meta(m: Model) -> dict[str, object]:
     """The model's constants, so that a trace says which model it is a behaviour of."""
-    return {"Requests": list(m.request_names), "MaxPromptPages": m.max_prompt_pages,
-            "ContextPages": m.context_pages, "PrefillPages": m.prefill_pages,
-            "DecodePages": m.decode_pages, "Crashes": m.crashes,
-            "DecodeCrashes": m.decode_crashes, "Bugs": sorted(m.bugs),
-            "name": m.name}
+    return {**m.tla_constants(), "name": m.name}
 
 
 def model_from_meta(meta: dict[str, object]) -> Model:
-    return Model(requests=len(meta["Requests"]), max_prompt_pages=meta["MaxPromptPages"],
-                 context_pages=meta["ContextPages"], prefill_pages=meta["PrefillPages"],
-                 decode_pages=meta["DecodePages"], crashes=meta["Crashes"],
-                 decode_crashes=meta.get("DecodeCrashes", False),
-                 bugs=frozenset(meta["Bugs"]), name=str(meta.get("name", "trace")),
-                 request_names=tuple(meta["Requests"]))
+    return Model.from_tla_constants(meta, name=str(meta.get("name", "trace")))
 
 
 def trace_to_itf(m: Model, steps: Iterable[tuple[Event | None, State]],
