@@ -18,6 +18,7 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.slow
 def test_default_model_holds_every_property_and_pins_exact_counts(capsys):
     """The README's main job: `kvproof check` on the default model (no symmetry)."""
     code, out, err = run_cli(capsys)
@@ -29,6 +30,7 @@ def test_default_model_holds_every_property_and_pins_exact_counts(capsys):
     assert "Progress:" in err
 
 
+@pytest.mark.slow
 def test_incident_prints_the_leak_trace_and_writes_itf(capsys, tmp_path):
     trace = tmp_path / "incident.itf.json"
     code, out, _ = run_cli(capsys, "--model", "incident", "--trace-out", str(trace))

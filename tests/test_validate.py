@@ -41,6 +41,7 @@ TWO_REQUESTS = (Arrive(0, 1), Reserve(0, (1,)), Admit(0, (0,)), Arrive(1, 1),
                 LandWrite(1, 2), SendDone(0), Accept(0, True), Finish(0, True), Release(0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])
 def test_every_counterexample_the_checker_prints_is_a_legal_trace(entry):
     violation = checked(entry.base, entry.bugs, entry.invariants, symmetry=False).violation
