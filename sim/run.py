@@ -167,7 +167,7 @@ class Simulation:
         aimed at a request that has moved on does not happen. Neither is a refusal."""
         if r not in self.cluster.rows:
             return None
-        if core.EVENT_TYPES[action] not in core.enabled_for(self.model, self.cluster.view(r), r):
+        if not core.is_enabled(self.model, self.cluster.view(r), r, core.EVENT_TYPES[action]):
             return None
         return self.offer(action, r)
 
@@ -245,7 +245,7 @@ class Simulation:
         if what in core.CONSUMERS:
             return core.consumer(self.model, view, r, what, worker)
         cls = core.EVENT_TYPES[what]
-        return cls if cls in core.enabled_for(self.model, view, r) else None
+        return cls if core.is_enabled(self.model, view, r, cls) else None
 
     def want(self, r: int, worker: str, what: str) -> None:
         """Carry out `what` for r (a message its worker has received, or an action of that
@@ -567,8 +567,8 @@ class Simulation:
     def offer_decode_abort(self, r: int) -> None:
         """The client-gone notice reaches decode: DecodeAbort if decode still holds r."""
         row = self.cluster.rows.get(r)
-        if row is not None and core.DecodeAbort in core.enabled_for(
-                self.model, self.cluster.view(r), r):
+        if row is not None and core.is_enabled(self.model, self.cluster.view(r), r,
+                                               core.DecodeAbort):
             self.offer("DecodeAbort", r)
 
     def kick_decode(self, d: int) -> None:

@@ -911,25 +911,21 @@ def enabled_for(m: Model, s: State, r: int) -> tuple[type, ...]:
     guard never reads it); LandWrite when one of r's writes is in flight."""
     if not s.has_request(r):
         raise ProtocolMisuse(f"request {r} does not exist")
-    enabled = []
-    row = s.requests[r]
-    for info in ACTION_TABLE:
-        cls = info.event
-        if cls in _WORKER_ACTIONS:
-            continue
-        if cls is Admit or cls is Reserve:
-            ok = type(allocation_need(m, s, cls, r)) is int
-        elif cls is LandWrite:
-            ok = any(w[0] == r for w in s.writes)
-        elif cls is Arrive:
-            ok = row[CLIENT] == IDLE
-        elif info.observed is not None:
-            ok = type(ACTIONS[cls](m, s, r, True)) is not str
-        else:
-            ok = type(ACTIONS[cls](m, s, r)) is not str
-        if ok:
-            enabled.append(cls)
-    return tuple(enabled)
+    return tuple(info.event for info in ACTION_TABLE
+                 if info.event not in _WORKER_ACTIONS and is_enabled(m, s, r, info.event))
+
+
+def is_enabled(m: Model, s: State, r: int, cls: type) -> bool:
+    """Whether action `cls` of request r is enabled now, in the sense of enabled_for."""
+    if cls is Admit or cls is Reserve:
+        return type(allocation_need(m, s, cls, r)) is int
+    if cls is LandWrite:
+        return any(w[0] == r for w in s.writes)
+    if cls is Arrive:
+        return s.requests[r][CLIENT] == IDLE
+    if INFO[cls].observed is not None:
+        return type(ACTIONS[cls](m, s, r, True)) is not str
+    return type(ACTIONS[cls](m, s, r)) is not str
 
 
 def consumer(m: Model, s: State, r: int, message: str, worker: str | None = None) -> type | None:
@@ -939,9 +935,8 @@ def consumer(m: Model, s: State, r: int, message: str, worker: str | None = None
     notice: PrefillAbort or DecodeAbort, whichever worker it reached). None: nothing can
     take it yet (a cancel while the prefill's writes are in flight waits for them to land)
     or any more (the notice reached a worker that is done with r)."""
-    enabled = enabled_for(m, s, r)
     for cls in CONSUMERS[message]:
-        if cls in enabled and (worker is None or INFO[cls].worker == worker):
+        if (worker is None or INFO[cls].worker == worker) and is_enabled(m, s, r, cls):
             return cls
     return None
 
