@@ -5,11 +5,14 @@ GROUP query heads that share its kv head as one [BLOCK_G, dim] tile, so every K/
 read serves all of them (GQA), and walks its share of the sequence's pages, PAGES_PER_ITER
 pages (BLOCK_N tokens) per iteration:
   1. page ids for the iteration's tokens from the block table (one cache line per page);
-  2. with CHECK_TAGS, each page's tag and the tag the block table expects; a page that
-     differs (or an id outside the pool) is recorded as a mismatch and its tokens are
-     masked out of the K/V loads, so foreign bytes are never even read;
-  3. K tile [BLOCK_N, dim] -> scores = q . K^T (tl.dot, fp32 accumulate), masked past the
-     context length (the partial last page) and on bad pages;
+  2. K tile [BLOCK_N, dim] -> scores = q . K^T (tl.dot, fp32 accumulate), masked past the
+     context length (the partial last page) and on ids outside the pool (never loaded);
+  3. with CHECK_TAGS, each page's tag and the tag the block table expects; a page that
+     differs (or an id outside the pool) is recorded as a mismatch and its tokens' scores
+     are masked to -inf. The K/V loads do not wait for this compare (it would put a
+     dependent memory round trip in the loop); a sequence with a mismatch has its output
+     replaced by zeros at the end (tl.where, so even a NaN from foreign bytes cannot
+     leak), and each program serves one sequence, so no other sequence sees the bytes;
   4. online softmax in fp32, base 2 (scale * log2(e) folded into the scores): running max
      m, running sum l, accumulator acc rescaled by 2^(m_old - m_new);
   5. V tile [BLOCK_N, dim]; acc += p . V.
@@ -133,16 +136,18 @@ def _decode_kernel(q_ptr, kv_ptr, block_table_ptr, context_lens_ptr, expected_pt
         slot, page, id_ok, token = _token_pages(table_row, first_slot, slot_end, num_pages,
                                                 PAGE_TOKENS, BLOCK_N)
         token_ok = id_ok & (slot * PAGE_TOKENS + token < context)
+        # K/V addresses depend on the block table only, never on the tag compare, so the
+        # check adds no memory round trip to the loop's critical path.
+        k = _load_tile(head_base, page, token, token_ok, stride_page, stride_token, HEAD_DIM)
+        v = _load_tile(head_base + stride_kv, page, token, token_ok, stride_page, stride_token,
+                       HEAD_DIM)
         if CHECK_TAGS:
             in_range = slot < slot_end
             tag = tl.load(tags_ptr + page, mask=id_ok, other=-1)
             expected = tl.load(expected_row + slot, mask=in_range, other=-1)
             bad = in_range & ((~id_ok) | (tag != expected))
             mismatch = tl.maximum(mismatch, bad.to(tl.int32))
-            token_ok = token_ok & (~bad)
-        k = _load_tile(head_base, page, token, token_ok, stride_page, stride_token, HEAD_DIM)
-        v = _load_tile(head_base + stride_kv, page, token, token_ok, stride_page, stride_token,
-                       HEAD_DIM)
+            token_ok = token_ok & (~bad)  # a foreign token gets weight 0
         m_i, l_i, acc = _online_softmax_step(q, k, v, token_ok, m_i, l_i, acc, scale_log2,
                                              DOT_PRECISION)
     saw_mismatch = tl.max(mismatch, axis=0) > 0

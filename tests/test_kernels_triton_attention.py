@@ -109,3 +109,20 @@ def test_prefill_matches_reference(triton_attention, dtype, start_pos, new_token
     expected = attention.paged_prefill_attention(q, case.kv, case.layer, row, start_pos,
                                                   case.scale)
     _assert_close(out, expected, dtype)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the NaN
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_foreign_page_full_of_nan_and_inf_cannot_leak(triton_attention, num_splits):
+    """The K/V loads do not wait for the tag compare, so a foreign page's bytes reach the
+    registers; a NaN or inf there must still leave the output of a mismatched sequence
+    all zeros and every other sequence untouched."""
+    case = make_decode_case([12, 12], q_heads=2, kv_heads=1, page_tokens=4)
+    before, _ = triton_attention.paged_decode_attention(*case.args(), num_splits=num_splits)
+    page = make_foreign(case, sequence=1, slot=1)
+    case.kv[page, :, 0, :, 0] = float("inf")
+    case.kv[page, :, 1, :, 1] = float("nan")
+    out, tag_ok = triton_attention.paged_decode_attention(*case.args(), num_splits=num_splits)
+    assert tag_ok.tolist() == [True, False]
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out[0], before[0])
