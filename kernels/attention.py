@@ -1,0 +1,140 @@
+"""Paged attention, torch reference: decode (one query token per sequence, tag-checked)
+and prefill (many query tokens of one sequence, causal).
+
+Theory of operation. The pool is page-major, kv[page, layer, K|V, kv_head, token, dim]
+(kernels/README.md). A sequence's context is the concatenation of the pages its block-table
+row names, the last one possibly partial. The reference gathers those pages into one
+contiguous [kv_heads, tokens, dim] K and V per sequence, masks tokens past the context
+length, and runs softmax attention in fp32, the plain way. It is the definition the Triton
+kernels (attention_triton.py) are tested against, and the path the engine takes on the CPU.
+
+The tag check: a page slot i of sequence b is *read* when it holds context (i * page_tokens
+< context_lens[b]). Every read page's tag must equal expected_tags[b, i]; a sequence with
+any mismatch gets tag_ok False and an all-zero output, so nothing derived from a foreign
+page leaves the kernel. A page id outside the pool (-1 included) in a read slot is never
+dereferenced: its tokens are left out, and with the check on it is reported as a mismatch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_NEG_INF = float("-inf")
+
+
+def paged_decode_attention(q, kv, layer, block_table, context_lens, expected_tags, tags,
+                           scale, *, check_tags=True, num_splits=None):
+    """See notes/kernel_contract.md; num_splits changes nothing here (it only schedules
+    the Triton kernel) but is validated the same way."""
+    check_decode_args(q, kv, layer, block_table, context_lens, expected_tags, tags, num_splits)
+    page_tokens = kv.shape[4]
+    slot_read = page_slots_read(context_lens, page_tokens, block_table.shape[1])
+    page_ids, id_valid = clamp_page_ids(block_table, kv.shape[0])
+    tag_ok = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
+    if check_tags:
+        tag_matches = id_valid & (tags[page_ids] == expected_tags)
+        tag_ok = ~(slot_read & ~tag_matches).any(dim=1)
+    keys, values = gather_pages(kv, layer, page_ids)  # [batch, kv_heads, tokens, dim]
+    token_valid = _token_mask(context_lens, id_valid, page_tokens)  # [batch, tokens]
+    out = _attend(q.float()[:, :, None, :], keys, values, token_valid[:, None, :], scale)
+    out = out[:, :, 0, :]
+    if check_tags:
+        out = out * tag_ok[:, None, None]
+    return out.to(q.dtype), tag_ok
+
+
+def paged_prefill_attention(q, kv, layer, block_table_row, start_pos, scale):
+    """Causal attention of q [new_tokens, q_heads, dim] at positions start_pos.. over the
+    sequence's pages, which already hold the prefix and the new tokens."""
+    new_tokens, num_q_heads, head_dim = q.shape
+    page_tokens = kv.shape[4]
+    context_tokens = start_pos + new_tokens
+    pages_read = -(-context_tokens // page_tokens)
+    assert block_table_row.dim() == 1 and pages_read <= block_table_row.shape[0]
+    assert num_q_heads % kv.shape[3] == 0 and head_dim == kv.shape[5]
+    page_ids = block_table_row[:pages_read].long()
+    assert bool(((page_ids >= 0) & (page_ids < kv.shape[0])).all()), "page id outside the pool"
+    keys, values = gather_pages(kv, layer, page_ids[None])
+    keys, values = keys[0, :, :context_tokens], values[0, :, :context_tokens]
+    query_pos = start_pos + torch.arange(new_tokens, device=q.device)
+    key_pos = torch.arange(context_tokens, device=q.device)
+    causal = key_pos[None, :] <= query_pos[:, None]  # [new_tokens, context_tokens]
+    queries = q.float().permute(1, 0, 2)[None]  # [1, q_heads, new_tokens, dim]
+    out = _attend(queries, keys[None], values[None], causal[None], scale)
+    return out[0].permute(1, 0, 2).to(q.dtype)
+
+
+def write_kv(kv, layer, slots, k, v):
+    """kv[slot's page, layer, K|V, :, slot's offset, :] = k, v for every slot (one
+    index_put_, on any device: a decode step writes one token per sequence, far too little
+    for a kernel of its own to matter)."""
+    page_tokens = kv.shape[4]
+    assert slots.dim() == 1 and k.shape == v.shape and k.shape[0] == slots.shape[0]
+    assert k.shape[1:] == (kv.shape[3], kv.shape[5]), "k, v must be [tokens, kv_heads, dim]"
+    by_token = kv[:, layer].permute(0, 3, 1, 2, 4)  # view [pages, token, K|V, kv_heads, dim]
+    slots = slots.long()
+    by_token[slots // page_tokens, slots % page_tokens] = torch.stack((k, v), dim=1).to(kv.dtype)
+
+
+def check_decode_args(q, kv, layer, block_table, context_lens, expected_tags, tags, num_splits):
+    """The contract's shapes and dtypes, asserted on both paths (cheap: no device sync)."""
+    batch, num_q_heads, head_dim = q.shape
+    num_pages, num_layers, two, num_kv_heads, _, kv_head_dim = kv.shape
+    assert two == 2 and head_dim == kv_head_dim and 0 <= layer < num_layers
+    assert num_q_heads % num_kv_heads == 0, "GQA needs q heads to be a multiple of kv heads"
+    assert block_table.dtype == torch.int32 and block_table.shape[0] == batch
+    assert context_lens.dtype == torch.int32 and context_lens.shape == (batch,)
+    assert expected_tags.dtype == torch.int64 and expected_tags.shape == block_table.shape
+    assert tags.dtype == torch.int64 and tags.shape == (num_pages,)
+    assert num_splits is None or num_splits >= 1
+
+
+def page_slots_read(context_lens, page_tokens, max_pages):
+    """bool [batch, max_pages]: slot i holds context, so decode reads (and checks) it."""
+    slot = torch.arange(max_pages, device=context_lens.device)
+    return slot[None, :] * page_tokens < context_lens[:, None]
+
+
+def clamp_page_ids(block_table, num_pages):
+    """(ids safe to index with, whether each id names a page of the pool)."""
+    valid = (block_table >= 0) & (block_table < num_pages)
+    return torch.where(valid, block_table, 0).long(), valid
+
+
+def gather_pages(kv, layer, page_ids):
+    """K and V of the pages page_ids [batch, pages] as [batch, kv_heads, pages*page_tokens,
+    dim] in fp32, pages in block-table order."""
+    batch, pages = page_ids.shape
+    _, _, _, num_kv_heads, page_tokens, head_dim = kv.shape
+    tiles = kv[page_ids, layer].float()  # [batch, pages, K|V, kv_heads, page_tokens, dim]
+    tiles = tiles.permute(2, 0, 3, 1, 4, 5).reshape(2, batch, num_kv_heads, -1, head_dim)
+    return tiles[0], tiles[1]
+
+
+def _token_mask(context_lens, id_valid, page_tokens):
+    """bool [batch, tokens]: inside the context and on a page that exists."""
+    tokens = id_valid.shape[1] * page_tokens
+    position = torch.arange(tokens, device=context_lens.device)
+    on_valid_page = id_valid.repeat_interleave(page_tokens, dim=1)
+    return (position[None, :] < context_lens[:, None]) & on_valid_page
+
+
+def _attend(queries, keys, values, token_valid, scale):
+    """Softmax attention in fp32 with GQA. queries [b, q_heads, m, d]; keys, values
+    [b, kv_heads, n, d]; token_valid broadcastable to [b, m, n]. A row with no valid
+    token gets zeros (not NaN)."""
+    batch, num_q_heads, rows, head_dim = queries.shape
+    num_kv_heads = keys.shape[1]
+    group = num_q_heads // num_kv_heads
+    grouped = queries.reshape(batch, num_kv_heads, group * rows, head_dim)
+    scores = torch.einsum("bhmd,bhnd->bhmn", grouped, keys) * scale
+    scores = scores.reshape(batch, num_kv_heads, group, rows, -1)
+    scores = scores.masked_fill(~token_valid[:, None, None], _NEG_INF)
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)
+    total = weights.sum(dim=-1, keepdim=True)
+    weights = weights / total.clamp_min(torch.finfo(torch.float32).tiny)
+    weights = weights.reshape(batch, num_kv_heads, group * rows, -1)
+    out = torch.einsum("bhmn,bhnd->bhmd", weights, values)
+    return out.reshape(batch, num_q_heads, rows, head_dim)
