@@ -71,7 +71,7 @@ class Folder:
                                self.model.decode_pages * sc.cluster.decode_workers)
         self.events = 0
         # The last accepted event's effect, for the live simulator to react to.
-        self.last_row, self.last_placement = None, (0, 0)
+        self.last_placement = (0, 0)
 
     def apply(self, record: dict) -> Change | Refusal | None:
         """Take one record; None for a shell fact, else the core's answer."""
@@ -104,7 +104,7 @@ class Folder:
         the one path by which a live run and a replay change anything."""
         cluster = self.cluster
         cluster.check_observation(r, event)
-        old = self.last_old = cluster.rows[r]
+        old = cluster.rows[r]
         self.last_placement = cluster.placement[r]
         cluster.commit(r, change)
         self.metrics.last_event_s = t
@@ -113,7 +113,7 @@ class Folder:
 
     def _observe(self, t: float, r: int, old: tuple, change: Change) -> None:
         m, cluster = self.metrics, self.cluster
-        new = self.last_row = cluster.rows[r]
+        new = cluster.rows[r]
         if change.landed:
             m.pages_written += len(change.landed)
         if change.decode:

@@ -3,26 +3,28 @@
 Theory of operation
 -------------------
 Time, load and failure live here; protocol decisions do not. Every component acts by
-*offering* an event to the protocol core (through `Folder.apply`, which is also the replay
-path): the core accepts it (the change is committed, logged and checked by the oracles) or
-refuses it with a reason (nothing changes; the refusal is counted). Components then react
-only to what the core changed in the request's row:
+*offering* an event to the protocol core (through the store, spec/store.py; the Folder
+logs it): the core accepts it, and the change is committed, logged and checked by the
+oracles, or refuses it with a reason (nothing changes; the refusal is counted by reason).
+Components offer only what the core enables (`core.consumer` maps an arriving message to
+the action that consumes it, `core.is_enabled` answers for a timer or a fault), so a
+refusal is a real race. An accepted decision comes with the commands the shell carries out
+(spec/commands.py), each by its type:
 
-- a message the core put in flight (core.messages_sent: bootstrap, final word, cancel) is
-  delivered after the link's latency, with loss (retransmitted) and extra delay as faults;
-  on delivery the receiving worker offers the events that handle it (decode: DropBootstrap,
-  DecodeReject, Reserve; Accept, Notice; prefill: PrefillAbort, AnswerCancel);
-- a request the core queued at a prefill waits in that worker's FIFO; at its head the worker
-  offers Reject, then Admit with pages from its allocator (core.pages_to_admit says how many),
-  computes for prompt/throughput seconds, then posts one write per page through its NIC
-  (bounded in-flight writes, bandwidth-serialised) and each write lands later (LandWrite);
-- decode reserves pages on a bootstrap (waiting FIFO for free pages under pool pressure),
-  arms its transfer timeout, and runs continuous batching: one step per batch, its time a
-  function of batch size and context; the last token offers Finish;
-- "intents" are events a component keeps offering after every change of the request until
-  the core accepts them (Release while Closing, a PrefillAbort or AnswerCancel that waits
-  for in-flight writes); the prefill offers SendDone when its NIC reports the request's
-  last write complete.
+- Send: a message (bootstrap, final word, cancel, page table, client gone) is delivered
+  after the link's latency, with loss (retransmitted) and extra delay as faults; on
+  delivery the receiving worker takes the action `core.consumer` names;
+- Queue: the request waits in its prefill worker's FIFO; at its head the worker offers
+  Reject, or Admit with pages from the store's allocator; Compute: the worker computes for
+  prompt/throughput seconds, then posts one write per page (SendPage), and each Post is
+  carried by the NIC (bounded in-flight writes, bandwidth-serialised) and lands later
+  (LandWrite); the prefill offers SendDone when its NIC reports the request's last write;
+- ArmTimer / CancelTimer: decode's transfer timeout; StartDecoding / StopDecoding:
+  continuous batching, one step per batch, its time a function of batch size and context;
+  the last token offers Finish;
+- ReleaseWhenReady, and a message that arrives before its action is enabled (a cancel
+  while writes are in flight): an *intent*, taken as soon as the core enables it;
+- Answer: the client has its answer; FreePages: whoever waits for pages is woken.
 
 Faults (each switchable and rate-controlled by the scenario): client aborts at any moment,
 lost messages (retransmitted after retransmit_after_s), delayed messages, slow page writes,
@@ -44,9 +46,8 @@ from collections import deque
 import simpy
 
 from spec import core
-from spec.core import (CLIENT, CLOSING, DECODING, DST, D_WAITING, GONE, IDLE, PROMPT, PST,
-                       QUEUED, RELEASED, WAITING, Refusal)
-from spec import codec
+from spec.core import PROMPT, PST, QUEUED, SRC, Refusal
+from spec import codec, commands
 from sim.fold import FIRST_TOKEN, RUN_END, Folder, encode, replay, write_header
 from sim.scenario import Lengths, Scenario
 
@@ -114,7 +115,9 @@ class Simulation:
         self.decoding = {}  # request -> its sequence in a decode batch
         self.context_tokens = [0] * c.decode_workers
         self.computed = set()
-        self.intents: dict[int, list[str]] = {}
+        self.intents: dict[int, list[tuple[str, str]]] = {}
+        self.timers: dict[int, object] = {}  # request -> its armed transfer timer's token
+        self._handlers = self._make_handlers()
         self.dirty: list[int] = []
         self.depth = 0
         self.session_waiters = {}
@@ -208,7 +211,7 @@ class Simulation:
     def _after(self, r: int, out: core.Change) -> None:
         """Oracle verdicts, then the components' reactions to what the core changed."""
         self._checked()
-        self.react(r, self.folder.last_old, self.folder.last_row, out)
+        self.react(r, out)
         self.depth -= 1
         if self.depth == 0:
             self._run_intents()
@@ -273,12 +276,16 @@ class Simulation:
 
     # -- reacting to what the core changed --------------------------------------------------
 
-    def react(self, r: int, old: tuple, new: tuple, change) -> None:
+    def react(self, r: int, change: core.Change) -> None:
+        """Carry out the commands of a decision for r (spec/commands.py), then the
+        bookkeeping of a request that moved: its intents are asked again, and a request
+        the store forgot (settled) leaves every table of the shell."""
         p, d = self.folder.last_placement
-        if new is not old:  # a landing write changes no row
-            self._react_to_row(r, p, d, old, new)
-        if change.prefill:
-            self.kick_prefill(p)
+        for command in change.commands:
+            self.carry_out(command, p, d)
+        self._moved(r)
+
+    def _moved(self, r: int) -> None:
         if r in self.intents:
             self.dirty.append(r)
         if r not in self.cluster.rows:
@@ -286,47 +293,83 @@ class Simulation:
             if self.folder.metrics.settled == self.sc.requests and not self.finished.triggered:
                 self.finished.succeed()
 
-    def _react_to_row(self, r: int, p: int, d: int, old: tuple, new: tuple) -> None:
-        for message in core.messages_sent(old, new):
-            if message == core.BOOTSTRAP:
-                self.send(self.on_bootstrap, r, d)
-            elif message == core.FINAL_WORD_MSG:
-                self.send(self.on_final_word, r, d)
-            else:
-                self.send(self.on_cancel, r, p, to_prefill=p)
-        if new[PST] == QUEUED and old[PST] != QUEUED:
-            self.prefill_queue[p].append(r)
-            self.kick_prefill(p)
-        if new[CLIENT] != old[CLIENT]:
-            if new[CLIENT] == GONE:
-                self.later(self.sc.timeouts.notice_delay_s, self.want, r, "prefill", core.CLIENT_GONE)
-                self.later(self.sc.timeouts.notice_delay_s, self.offer_decode_abort, r)
-            if old[CLIENT] in (IDLE, WAITING) and new[CLIENT] not in (IDLE, WAITING):
-                self._answered(r)  # or gone: a closed-loop session moves on either way
-        if new[DST] != old[DST]:
-            self._react_to_decode(r, p, d, old, new)
+    def carry_out(self, command: commands.Command, p: int, d: int) -> None:
+        """One command of the core's decision, at prefill worker p and decode worker d (the
+        request's placement)."""
+        self._handlers[type(command)](command, p, d)
 
-    def _react_to_decode(self, r: int, p: int, d: int, old: tuple, new: tuple) -> None:
-        state = new[DST]
-        if state == D_WAITING:
-            self.later(self.sc.timeouts.transfer_timeout_s, self.offer_if_enabled, "Timeout", r)
+    def _make_handlers(self) -> dict:
+        c = commands
+        return {
+            c.Send: self._send_command, c.Queue: self._queue, c.Compute: self._start_compute,
+            c.Post: self._nic_send, c.ArmTimer: self._arm_timer,
+            c.CancelTimer: self._cancel_timer, c.StartDecoding: self._start_decoding,
+            c.StopDecoding: self._stop_decoding, c.ReleaseWhenReady: self._release_when_ready,
+            c.Answer: lambda command, p, d: self._answered(command.request),
+            c.FreePages: self._pages_freed,
+        }
+
+    def _send_command(self, command: commands.Send, p: int, d: int) -> None:
+        r, message = command.request, command.message
+        if message == core.BOOTSTRAP:
+            self.send(self.on_bootstrap, r, d)
+        elif message == core.FINAL_WORD_MSG:
+            self.send(self.on_final_word, r, d)
+        elif message == core.CANCEL_MSG:
+            self.send(self.on_cancel, r, p, to_prefill=p)
+        elif message == commands.PAGE_TABLE:
             self.send(self.on_table, r, p, to_prefill=p)
-        elif state == DECODING:
-            entry = self.decoding[r] = [r, 0, self.output[r], new[PROMPT] * self.page_tokens]
-            self.ready[d].append(entry)
-            self.kick_decode(d)
-        if old[DST] == DECODING:
-            entry = self.decoding.pop(r, None)
-            if entry is not None:
-                entry[0] = -1
-        if state == CLOSING:
-            self.want(r, "decode", "Release")
-        elif state == RELEASED:
+        else:  # the client went away: the serving edge tells both workers
+            notice_s = self.sc.timeouts.notice_delay_s
+            self.later(notice_s, self.want, r, "prefill", core.CLIENT_GONE)
+            self.later(notice_s, self.offer_decode_abort, r)
+            self._answered(r)  # a closed-loop session moves on either way
+
+    def _queue(self, command: commands.Queue, p: int, d: int) -> None:
+        self.prefill_queue[p].append(command.request)
+        self.kick_prefill(p)
+
+    def _start_compute(self, command: commands.Compute, p: int, d: int) -> None:
+        r = command.request
+        self._compute(p, r, len(self.cluster.rows[r][SRC]))
+
+    def _arm_timer(self, command: commands.ArmTimer, p: int, d: int) -> None:
+        r = command.request
+        token = self.timers[r] = object()
+        self.later(self.sc.timeouts.transfer_timeout_s, self._timer_fired, r, token)
+
+    def _timer_fired(self, r: int, token: object) -> None:
+        if self.timers.get(r) is token:
+            del self.timers[r]
+            self.offer("Timeout", r)
+
+    def _cancel_timer(self, command: commands.CancelTimer, p: int, d: int) -> None:
+        self.timers.pop(command.request, None)
+
+    def _start_decoding(self, command: commands.StartDecoding, p: int, d: int) -> None:
+        r = command.request
+        prompt = self.cluster.rows[r][PROMPT]
+        entry = self.decoding[r] = [r, 0, self.output[r], prompt * self.page_tokens]
+        self.ready[d].append(entry)
+        self.kick_decode(d)
+
+    def _stop_decoding(self, command: commands.StopDecoding, p: int, d: int) -> None:
+        entry = self.decoding.pop(command.request, None)
+        if entry is not None:
+            entry[0] = -1  # the batch skips it at its next step
+
+    def _release_when_ready(self, command: commands.ReleaseWhenReady, p: int, d: int) -> None:
+        self.want(command.request, "decode", "Release")
+
+    def _pages_freed(self, command: commands.FreePages, p: int, d: int) -> None:
+        if command.pool == "decode":
             self.kick_decode_waiting(d)
+        else:
+            self.kick_prefill(p)
 
     def _drop(self, r: int) -> None:
         for table in (self.output, self.decoding, self.intents, self.nic_pending,
-                      self.held_until):
+                      self.held_until, self.timers):
             table.pop(r, None)
         self.all_posted.discard(r)
         self.computed.discard(r)
@@ -398,8 +441,7 @@ class Simulation:
             # (its pool changed), and must not admit the next request alongside.
             self.prefill_busy[p] = True
             if self.offer("Admit", r, pages=pages):
-                self._compute(p, r, need)
-                return
+                return  # its Compute command started the computation
             self.prefill_busy[p] = False
 
     def _compute(self, p: int, r: int, pages: int) -> None:
@@ -444,10 +486,13 @@ class Simulation:
             self.offer_if_enabled("SendDone", r)
 
     def _post(self, p: int, r: int) -> bool:
-        change = self.offer_if_enabled("SendPage", r)
-        if change is None:
-            return False
-        w = change.posted[0]
+        """SendPage, if the core enables it: its Post command puts the write on the NIC."""
+        return self.offer_if_enabled("SendPage", r) is not None
+
+    def _nic_send(self, command: commands.Post, p: int, d: int) -> None:
+        """The NIC carries out a posted write: bandwidth-serialised, slow-link faults; the
+        write lands after its transfer and the link's write latency."""
+        r, w = command.request, command.write
         transfer_s = self.page_transfer_s
         f = self.sc.faults
         if f.slow_link_probability and self.rng["links"].random() < f.slow_link_probability:
@@ -458,7 +503,6 @@ class Simulation:
         self.nic_pending[r] = self.nic_pending.get(r, 0) + 1
         landing = start + transfer_s + self.sc.link.write_latency_s - self.env.now
         self.later(landing, self._land, p, r, w[2], self.prefill_epoch[p])
-        return True
 
     def _land(self, p: int, r: int, page: int, epoch: int) -> None:
         if epoch != self.prefill_epoch[p]:
@@ -494,7 +538,6 @@ class Simulation:
         crash loses anything (a worker with nothing to lose just restarts)."""
         action, key = ("PrefillCrash", "p") if kind == "prefill" else ("DecodeCrash", "d")
         record = {"t": self.env.now, "a": action, key: worker}
-        olds = dict(self.cluster.rows)
         placements = dict(self.cluster.placement)
         self.depth += 1
         out = self.folder.apply(record)
@@ -508,9 +551,10 @@ class Simulation:
                 self._restart_prefill(worker)
             else:
                 self._restart_decode(worker)
-            for r, row in out.rows:
-                self.folder.last_placement = placements[r]
-                self.react(r, olds[r], row, core.Change())
+            for command in out.commands:
+                self.carry_out(command, *placements[command.request])
+            for r, _ in out.rows:
+                self._moved(r)
         self.depth -= 1
         self._run_intents()
 

@@ -164,6 +164,7 @@ class Change(NamedTuple):
     landed: tuple = ()      # writes that landed (and so left the set in flight)
     flushed: bool = False   # every write in the view is dropped (a crash: the view holds
                             # the crashed worker's writes)
+    commands: tuple = ()    # what shells carry out (spec/commands.py); set by `decide` only
 
 
 def commit(s: State, c: Change) -> State:
@@ -824,15 +825,16 @@ Result = Union[State, Refusal]
 
 
 def decide(m: Model, s: State, event: Event) -> Change | Refusal:
-    """The Change `event` makes in `s`, or a Refusal naming why the protocol does not allow
-    it. `s` is a State or a simulator's view of one worker pair (same four attributes)."""
+    """The Change `event` makes in `s`, with the commands a shell carries out
+    (spec/commands.py), or a Refusal naming why the protocol does not allow it. `s` is a
+    core.View: a State, or a store's view of one worker pair."""
     kind = type(event)
     fn = ACTIONS.get(kind)
     if fn is None:
         raise ProtocolMisuse(f"{event!r} is not a protocol event")
     if kind is PrefillCrash or kind is DecodeCrash:
         out = fn(m, s)
-        return Refusal(event, out) if type(out) is str else out
+        return Refusal(event, out) if type(out) is str else _with_commands(s, out)
     r = event.request
     if not s.has_request(r):
         raise ProtocolMisuse(f"request {r} does not exist ({len(s.requests)} requests)")
@@ -855,7 +857,12 @@ def decide(m: Model, s: State, event: Event) -> Change | Refusal:
         out = fn(m, s, r, event.pages)
     if type(out) is str:
         return Refusal(event, out)
-    return out
+    return _with_commands(s, out)
+
+
+def _with_commands(s: View, change: Change) -> Change:
+    """The Change with the commands shells carry out (spec/commands.py derives them)."""
+    return change._replace(commands=_effects(s, change))
 
 
 def apply(m: Model, s: State, event: Event) -> Result:
@@ -877,16 +884,6 @@ def pages_to_reserve(m: Model, row: tuple) -> int | str:
     return _reserve_need(m, row)
 
 
-def messages_sent(old: tuple, new: tuple) -> tuple[str, ...]:
-    """The messages an event put in flight: the commands a shell carries out."""
-    sent = []
-    if new[BOOT] and not old[BOOT]:
-        sent.append(BOOTSTRAP)
-    if new[FW] != NO_MSG and new[FW] != old[FW]:
-        sent.append(FINAL_WORD_MSG)
-    if new[CANCEL] and not old[CANCEL]:
-        sent.append(CANCEL_MSG)
-    return tuple(sent)
 
 
 def message_in_flight(row: tuple) -> bool:
@@ -1064,9 +1061,9 @@ _CRASH = PrefillCrash()
 _DECODE_CRASH = DecodeCrash()
 
 
-def enabled_events(m: Model, s: State) -> list[Event]:
-    return [event for event, _ in successors(m, s)]
 
 
-def is_fair(event: Event) -> bool:
-    return event.action not in UNFAIR_ACTIONS
+
+
+# Commands are derived from a Change in their own module, which reads this one's names.
+from spec.commands import effects as _effects  # noqa: E402

@@ -1,0 +1,166 @@
+"""What a shell must carry out after the core's decision: named effects, not row diffs.
+
+Every decision the core takes for a shell (`core.decide`) comes back as a Change — what the
+protocol state becomes — and, with it, the commands that a shell carries out so that its
+world follows: messages to send, the request to queue or compute, page writes to post,
+timers to arm or cancel, a sequence to add to or take out of the decode batch, pages that
+came back to their pool, the client's answer, a release to take once the protocol allows
+it. A shell handles each command by its type and never compares rows to find out what
+happened; the simulator, the engine and the server carry out the same commands.
+
+Commands are derived here, in one place, from the Change and the rows it replaces, so no
+action can forget one (an answer is sent whenever a client's state becomes final, whichever
+action did it). The derivation order is the order a shell carries them out in: messages,
+then the prefill's work, then the client, then decode's, then freed pages.
+
+Pure like the core: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spec.core import (
+    BOOT, CANCEL, CLIENT, CLIENT_GONE, CLIENT_NAMES, CLOSING, DECODING, DST, D_WAITING, FW,
+    GONE, IDLE, NONE, NO_MSG, PST, QUEUED, RUNNING, WAITING, BOOTSTRAP, CANCEL_MSG,
+    FINAL_WORD_MSG, Change, View,
+)
+
+# The page table decode publishes on Reserve: a message to the prefill, whose arrival the
+# spec does not model separately (SendPage is enabled once the table exists).
+PAGE_TABLE = "page table"
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    request: int
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+
+@dataclass(frozen=True, slots=True)
+class Send(Command):
+    """Put a message on the wire: bootstrap (router -> decode), final word (prefill ->
+    decode), cancel (decode -> prefill), page table (decode -> prefill), client gone (the
+    serving edge -> both workers)."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Queue(Command):
+    """The prefill queues the request for admission."""
+
+
+@dataclass(frozen=True, slots=True)
+class Compute(Command):
+    """The prefill computes the prompt's KV into the source pages it was admitted with."""
+
+
+@dataclass(frozen=True, slots=True)
+class Post(Command):
+    """The prefill's NIC carries out a page write; it lands later (LandWrite)."""
+
+    write: tuple  # (request, source page, decode page, tag)
+
+
+@dataclass(frozen=True, slots=True)
+class ArmTimer(Command):
+    """Decode starts the request's transfer timer (Timeout when it fires)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CancelTimer(Command):
+    """Decode stops waiting for KV: the transfer timer must not fire."""
+
+
+@dataclass(frozen=True, slots=True)
+class StartDecoding(Command):
+    """Decode adds the request to its continuous batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class StopDecoding(Command):
+    """Decode takes the request out of its batch (it ended without Finish)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseWhenReady(Command):
+    """Decode releases the request's pages as soon as the core enables Release (the final
+    word has arrived and no write into them is in flight)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Answer(Command):
+    """The client's answer: a final client state (Ok or an error), exactly once."""
+
+    outcome: str
+
+
+@dataclass(frozen=True, slots=True)
+class FreePages(Command):
+    """Pages came back to a worker's pool: wake whoever waits for pages."""
+
+    pool: str       # "prefill" or "decode"
+    pages: tuple
+
+
+_FINAL = frozenset(range(len(CLIENT_NAMES))) - {IDLE, WAITING, GONE}
+
+
+def effects(s: View, change: Change) -> tuple[Command, ...]:
+    """The commands a Change decided in view `s` asks of the shells, in carrying-out order."""
+    out: list[Command] = []
+    rows = s.requests
+    for r, new in change.rows:
+        out += _row_effects(r, rows[r], new)
+    out += [Post(w[0], w) for w in change.posted]
+    by = change.rows[0][0] if change.rows else (change.landed[0][0] if change.landed else NONE)
+    out += _freed(by, "decode", s.decode_pool, change.decode)
+    out += _freed(by, "prefill", s.prefill_pool, change.prefill)
+    return tuple(out)
+
+
+def _row_effects(r: int, old: tuple, new: tuple) -> list[Command]:
+    out: list[Command] = []
+    if new[BOOT] and not old[BOOT]:
+        out.append(Send(r, BOOTSTRAP))
+    if new[FW] != NO_MSG and new[FW] != old[FW]:
+        out.append(Send(r, FINAL_WORD_MSG))
+    if new[CANCEL] and not old[CANCEL]:
+        out.append(Send(r, CANCEL_MSG))
+    if new[PST] != old[PST]:
+        if new[PST] == QUEUED:
+            out.append(Queue(r))
+        elif new[PST] == RUNNING:
+            out.append(Compute(r))
+    if new[CLIENT] != old[CLIENT]:
+        if new[CLIENT] == GONE:
+            out.append(Send(r, CLIENT_GONE))
+        elif new[CLIENT] in _FINAL and old[CLIENT] in (IDLE, WAITING):
+            out.append(Answer(r, CLIENT_NAMES[new[CLIENT]]))
+    if new[DST] != old[DST]:
+        out += _decode_effects(r, old[DST], new[DST])
+    return out
+
+
+def _decode_effects(r: int, old: int, new: int) -> list[Command]:
+    out: list[Command] = []
+    if new == D_WAITING:
+        out += [ArmTimer(r), Send(r, PAGE_TABLE)]
+    elif old == D_WAITING:
+        out.append(CancelTimer(r))
+    if new == DECODING:
+        out.append(StartDecoding(r))
+    elif old == DECODING:
+        out.append(StopDecoding(r))
+    if new == CLOSING:
+        out.append(ReleaseWhenReady(r))
+    return out
+
+
+def _freed(r: int, pool_name: str, pool, changes: tuple) -> list[Command]:
+    pages = tuple(p for p, page in changes if page[0] == NONE and pool[p][0] != NONE)
+    return [FreePages(r, pool_name, pages)] if pages else []
