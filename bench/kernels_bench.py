@@ -65,6 +65,16 @@ class Timer:
         times = [self._once(fn) for _ in range(self.repeat)]
         return statistics.median(times)
 
+    def median_pair_s(self, fn_a, fn_b, warmup=2):
+        """Medians of fn_a and fn_b timed alternately, so that drift in a shared machine's
+        speed falls on both alike (the tag check's on/off ratio)."""
+        for _ in range(warmup):
+            fn_a()
+            fn_b()
+        self._sync()
+        pairs = [(self._once(fn_a), self._once(fn_b)) for _ in range(self.repeat)]
+        return statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
+
     def _once(self, fn):
         if self.flush is None:
             start = time.perf_counter()
@@ -143,12 +153,13 @@ def library_attention_s(timer, case, scale):
     return results
 
 
-def kernel_attention_s(timer, case, scale, **options):
+def kernel_attention(case, scale, **options):
+    """A call of the dispatched paged decode attention on the case."""
     def call():
         return kernels.paged_decode_attention(
             case["q"], case["kv"], 0, case["block_table"], case["context_lens"],
             case["expected"], case["tags"], scale, **options)
-    return timer.median_s(call)
+    return call
 
 
 def bench_attention(timer, shapes, heads, dtype, generator):
@@ -162,19 +173,29 @@ def bench_attention(timer, shapes, heads, dtype, generator):
         library = library_attention_s(timer, case, scale)
         for name, seconds in library.items():
             print(f"    library {name:<10} {fmt(kv_bytes, seconds)}")
-        with_tags = kernel_attention_s(timer, case, scale)
-        without_tags = kernel_attention_s(timer, case, scale, check_tags=False)
+        with_tags, without_tags = timer.median_pair_s(
+            kernel_attention(case, scale), kernel_attention(case, scale, check_tags=False))
         best_name, best_s = min(((n, s) for n, s in library.items() if s is not None),
                                 key=lambda item: item[1], default=(None, None))
         versus = f", {best_s / with_tags:.0%} of {best_name}" if best_s else ""
         print(f"    kvproof tags on   {fmt(kv_bytes, with_tags)}{versus}")
         print(f"    kvproof tags off  {fmt(kv_bytes, without_tags)}; tag check costs "
               f"{with_tags / without_tags - 1:+.1%} (on/off = {with_tags / without_tags:.3f})")
-        if kernels.backend(case["q"]) == "triton" and batch * heads[1] < 132 * 4:
-            no_split = kernel_attention_s(timer, case, scale, num_splits=1)
-            print(f"    kvproof 1 split   {fmt(kv_bytes, no_split)} (split-K gives "
-                  f"{no_split / with_tags:.2f}x)")
+        splits = _automatic_splits(case)
+        if splits > 1:
+            no_split = timer.median_s(kernel_attention(case, scale, num_splits=1))
+            print(f"    kvproof 1 split   {fmt(kv_bytes, no_split)} (split-K, {splits} "
+                  f"splits, gives {no_split / with_tags:.2f}x)")
         del case
+
+
+def _automatic_splits(case):
+    """The split count the Triton kernel picks for this case (1 on the reference path)."""
+    if kernels.backend(case["q"]) != "triton":
+        return 1
+    from kernels.attention_triton import choose_num_splits
+    batch, pages = case["block_table"].shape
+    return choose_num_splits(batch, case["kv"].shape[3], pages, case["q"].device)
 
 
 # --- pages -----------------------------------------------------------------------------

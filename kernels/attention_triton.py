@@ -47,6 +47,7 @@ Launch choices (untuned until a GPU run; bench/kernels_bench.py measures them):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -311,7 +312,13 @@ def choose_num_splits(batch, num_kv_heads, max_pages, device):
 def _multiprocessor_count(device):
     if device.type != "cuda":
         return 1  # the interpreter: no waves to fill
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_multiprocessors(device.index if device.index is not None
+                                 else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_multiprocessors(index):
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _dot_precision(dtype):
