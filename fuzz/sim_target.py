@@ -270,7 +270,7 @@ class SimTarget(Target):
 
     def check(self) -> list[Violation]:
         """The simulator's own runtime oracles (spec/store.py), which watch every commit."""
-        return [Violation(v.name, f"simulator oracle: {v.detail}") for v in self.cluster.violations]
+        return [Violation(v.property, f"simulator oracle: {v.detail}") for v in self.cluster.violations]
 
     def trace(self) -> list[core.Event]:
         return list(self._trace)

@@ -21,6 +21,7 @@ from typing import Callable, Mapping, Sequence, Union
 
 from spec import core
 from spec.model import Model
+from spec.properties import Violation  # noqa: F401  (the one violation type; re-exported)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,13 +116,6 @@ class Observation:
     decoding: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
-class Violation:
-    property: str   # a spec/properties.py name or an oracle's name
-    detail: str
-
-    def __str__(self) -> str:
-        return f"{self.property}: {self.detail}"
 
 
 def decoding_reads(rows, decode_pool) -> dict[int, tuple[int, ...]]:

@@ -221,11 +221,11 @@ class Simulation:
         if total != self.violations_seen:
             self.violations_seen = total
             if self.sc.oracles.on_violation == "stop":
-                raise StopSimulation(str(self.cluster.violations[-1].__dict__))
+                raise StopSimulation(str(self.cluster.violations[-1]))
         sweep = self.sc.oracles.sweep_every_events
         if sweep and self.folder.events % sweep == 0:
             for violation in self.cluster.sweep():
-                self.cluster._violate(violation.name, violation.detail)
+                self.cluster._violate(violation.property, violation.detail)
         if self.progress and self.folder.events % 2048 == 0:
             self._show_progress()
 
@@ -765,13 +765,13 @@ def result_of(sc: Scenario, folder: Folder, refusals: dict, stopped: str | None,
     (except refused offers, which the log does not record)."""
     cluster = folder.cluster
     for violation in cluster.sweep(at_rest=drained and stopped is None):
-        cluster._violate(violation.name, violation.detail)
+        cluster._violate(violation.property, violation.detail)
     return {
         "scenario": sc.name, "seed": sc.seed, "bugs": sorted(sc.bugs),
         "requests": sc.requests, "events": folder.events,
         "summary": folder.metrics.summary(),
         "violations": dict(sorted(cluster.violation_counts.items())),
-        "first_violations": [v.__dict__ for v in cluster.violations[:10]],
+        "first_violations": [v.as_dict() for v in cluster.violations[:10]],
         "refusals": dict(sorted(refusals.items())),
         "stopped": stopped, "drained": drained,
         "unsettled_requests": len(cluster.rows),

@@ -11,6 +11,7 @@ actions, at a fraction of the cost.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable
 
 from spec.core import (
@@ -20,6 +21,30 @@ from spec.core import (
 from spec.model import Model
 
 Predicate = Callable[[Model, State], bool]
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A property or an oracle that does not hold: the one violation type of every layer
+    (the checker's counterexamples, the store's and the simulator's oracles, the fuzzer)."""
+
+    property: str           # a name of this module, or an oracle's name
+    detail: str = ""        # what was seen, in a sentence
+    request: int = NONE     # the request it concerns, if one
+    kind: str = "invariant"  # invariant, rest, deadlock, cycle (the checker) or oracle
+    trace: list = field(default_factory=list, compare=False)  # the checker's (event, state) steps
+    cycle_start: int = -1   # for a cycle: the index in trace where the loop begins
+
+    @property
+    def length(self) -> int:
+        """Number of steps (events) in the counterexample."""
+        return len(self.trace) - 1
+
+    def as_dict(self) -> dict:
+        return {"property": self.property, "detail": self.detail, "request": self.request}
+
+    def __str__(self) -> str:
+        return f"{self.property}: {self.detail}" if self.detail else self.property
 
 
 def TypeOK(m: Model, s: State) -> bool:

@@ -30,7 +30,7 @@ from spec import core
 from spec.core import (CLIENT, DATA, DECODING, DST, GEN, LEAKED, NONE, OK,
                        OWNER, PROMPT, PST, RUNNING, SRC, TABLE, TAG, Change, Refusal, State)
 from spec.model import Model
-from spec.properties import REST_INVARIANTS, STATE_INVARIANTS, holds_decode_pages
+from spec.properties import REST_INVARIANTS, STATE_INVARIANTS, Violation, holds_decode_pages
 
 
 VIOLATIONS_KEPT = 100  # details kept per run; every violation is counted
@@ -54,13 +54,6 @@ class View:
 
     def request_items(self):
         return self.requests.items()
-
-
-@dataclass
-class Violation:
-    name: str
-    detail: str
-    request: int = NONE
 
 
 @dataclass
@@ -236,7 +229,7 @@ class Store:
         self.violation_counts[name] = self.violation_counts.get(name, 0) + 1
         self.violation_total += 1
         if len(self.violations) < VIOLATIONS_KEPT:
-            self.violations.append(Violation(name, detail, r))
+            self.violations.append(Violation(name, detail, r, kind="oracle"))
 
     def _check_local(self, p: int, d: int, r: int, old: tuple, c: Change) -> None:
         self._check_conservation(p, d)
@@ -361,11 +354,11 @@ class Store:
         for name, check in STATE_INVARIANTS.items():
             # RejectedIsError compares prompts with one worker's pools, not the sum.
             if not check(self.model if name == "RejectedIsError" else flat, state):
-                found.append(Violation(name, "the full-cluster sweep finds it violated"))
+                found.append(Violation(name, "the full-cluster sweep finds it violated", kind="oracle"))
         if at_rest:
             for name, check in REST_INVARIANTS.items():
                 if not check(flat, state):
-                    found.append(Violation(name, "the drained cluster violates it"))
+                    found.append(Violation(name, "the drained cluster violates it", kind="rest"))
         return found
 
 

@@ -75,7 +75,7 @@ def test_the_store_flags_clean_reported_over_foreign_data():
     out = store.take(0, Accept(0, True))
     assert not isinstance(out, core.Refusal)
     assert store.rows[0][core.DST] == core.DECODING  # the core decides on the report...
-    assert [v.name for v in store.violations] == [TRUTHFUL_OBSERVATION]  # ...and it is flagged
+    assert [v.property for v in store.violations] == [TRUTHFUL_OBSERVATION]  # ...and it is flagged
     assert "page contents say False" in store.violations[0].detail
 
 
@@ -83,7 +83,7 @@ def test_the_store_flags_bad_reported_over_clean_data_and_the_request_fails():
     store = _store_with_clean_transfer()
     store.take(0, Accept(0, False))
     assert store.rows[0][core.CLIENT] == core.ERR_TRANSFER
-    assert [v.name for v in store.violations] == [TRUTHFUL_OBSERVATION]
+    assert [v.property for v in store.violations] == [TRUTHFUL_OBSERVATION]
 
 
 def test_a_truthful_shell_raises_no_flag():

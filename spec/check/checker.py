@@ -25,21 +25,8 @@ from typing import Callable
 from spec import core
 from spec.core import Event, State
 from spec.model import Model, ModelError
-from spec.properties import REST_INVARIANTS, STATE_INVARIANTS
+from spec.properties import REST_INVARIANTS, STATE_INVARIANTS, Violation
 from spec.check.symmetry import canonical
-
-
-@dataclass
-class Violation:
-    property: str
-    kind: str  # "invariant", "rest", "deadlock", "cycle"
-    trace: list[tuple[Event | None, State]]
-    cycle_start: int = -1  # for a cycle: the index in trace where the loop begins
-
-    @property
-    def length(self) -> int:
-        """Number of steps (events) in the counterexample."""
-        return len(self.trace) - 1
 
 
 @dataclass
@@ -167,7 +154,7 @@ class Checker:
         queue: deque[State] = deque([init])
         failed = self._first_failure(self.state_checks, init)
         if failed:
-            result.violation = Violation(failed, "invariant", [(None, init)])
+            result.violation = Violation(failed, kind="invariant", trace=[(None, init)])
         generated = 1
         expanded = 0
         next_report = started + self.progress_every_s
@@ -203,7 +190,7 @@ class Checker:
                     action_counts[name] = action_counts.get(name, 0) + 1
                     failed = self._first_failure(self.state_checks, nxt)
                     if failed:
-                        result.violation = Violation(failed, "invariant", self._trace(j, parents))
+                        result.violation = Violation(failed, kind="invariant", trace=self._trace(j, parents))
                         break
                 elif j == here:
                     raise AssertionError(f"{event.label(m)} leaves the state unchanged")
@@ -217,7 +204,7 @@ class Checker:
                 failed = self._first_failure(self.rest_checks, s)
                 if failed:
                     kind = "rest" if any_enabled else "deadlock"
-                    result.violation = Violation(failed, kind, self._trace(here, parents))
+                    result.violation = Violation(failed, kind=kind, trace=self._trace(here, parents))
             if self.progress is not None and time.perf_counter() >= next_report:
                 self.progress(len(parents), generated, depths[here],
                               time.perf_counter() - started)
@@ -238,7 +225,7 @@ class Checker:
             if cycle is not None:
                 stem = self._trace(cycle[0], parents)
                 loop = self._replay_path(stem[-1][1], cycle)
-                result.violation = Violation("Acyclicity", "cycle", stem + loop,
+                result.violation = Violation("Acyclicity", kind="cycle", trace=stem + loop,
                                              cycle_start=len(stem) - 1)
         result.seconds = time.perf_counter() - started
         return result

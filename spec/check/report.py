@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from spec.check.checker import CheckResult, Violation
+from spec.check.checker import CheckResult
+from spec.properties import Violation
 from spec.model import Model
 from spec.tlaplus.tlaview import changes, format_value, to_tla, VARIABLES
 
