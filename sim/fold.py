@@ -22,7 +22,7 @@ from pathlib import Path
 
 from spec import codec, core
 from spec.core import Change, Refusal
-from spec.model import Model
+from spec.model import Model, ProtocolConfig
 from spec.store import Store
 from sim.metrics import Metrics
 from sim.scenario import Scenario, ScenarioError, scenario_from_dict
@@ -37,14 +37,14 @@ class LogError(ValueError):
 
 
 def model_for(scenario: Scenario) -> Model:
-    """The core's constants for one worker pair of the scenario's cluster."""
+    """The core's Model for the scenario's deployment (any worker pair has the same)."""
     c = scenario.cluster
-    return Model(requests=1, max_prompt_pages=-(-scenario.workload.prompt.max_tokens
-                                                  // c.page_tokens),
-                 context_pages=c.context_pages, prefill_pages=c.prefill_pages,
-                 decode_pages=c.decode_pages, bugs=frozenset(scenario.bugs),
-                 crashes=scenario.faults.prefill_crash_rate_per_s > 0,
-                 decode_crashes=scenario.faults.decode_crash_rate_per_s > 0, name=scenario.name)
+    protocol = ProtocolConfig(context_pages=c.context_pages, prefill_pages=c.prefill_pages,
+                              decode_pages=c.decode_pages, bugs=frozenset(scenario.bugs))
+    return Model.for_shell(protocol, -(-scenario.workload.prompt.max_tokens // c.page_tokens),
+                           name=scenario.name,
+                           crashes=scenario.faults.prefill_crash_rate_per_s > 0,
+                           decode_crashes=scenario.faults.decode_crash_rate_per_s > 0)
 
 
 def event_of(record: dict) -> core.Event:

@@ -86,9 +86,48 @@ class ModelError(ValueError):
     """A model's constants are malformed (a user's input error, reported clearly)."""
 
 
+def _positive(label: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ModelError(f"{label} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ProtocolConfig:
+    """What a deployment is configured with, and all its guards read besides the state: the
+    pools' sizes in pages, the context it is set to advertise, and the bug switches (none in
+    production). A shell (simulator, engine, server) builds one from its deployment; the
+    checker's Model adds the bounds of what it explores."""
+
+    context_pages: int
+    prefill_pages: int
+    decode_pages: int
+    bugs: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.bugs) - ALL_BUGS
+        if unknown:
+            raise ModelError(f"unknown bug switch(es) {sorted(unknown)}; known: {sorted(ALL_BUGS)}")
+        for label in ("context_pages", "prefill_pages", "decode_pages"):
+            _positive(label, getattr(self, label))
+        object.__setattr__(self, "bugs", frozenset(self.bugs))
+
+    @property
+    def advertised_context_pages(self) -> int:
+        """What the router admits. The startup check clamps it to the smallest pool."""
+        if "PoolBelowContext" in self.bugs:
+            return self.context_pages
+        return min(self.context_pages, self.prefill_pages, self.decode_pages)
+
+
 @dataclass(frozen=True)
 class Model:
-    """The CONSTANTS of KVTransfer.tla. Validated at construction."""
+    """The CONSTANTS of KVTransfer.tla. Validated at construction.
+
+    Two kinds of constant: the protocol's configuration (`protocol`: pools, context, bug
+    switches) and the checker's bounds (how many requests, the longest prompt, which worker
+    crashes the model explores, names). A shell that runs the protocol for real builds its
+    Model with `Model.for_shell`: its bounds are not a choice of what to explore but what
+    reality allows (any prompt the context admits, crashes always possible)."""
 
     requests: int = 2
     max_prompt_pages: int = 3
@@ -102,18 +141,10 @@ class Model:
     request_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        unknown = set(self.bugs) - ALL_BUGS
-        if unknown:
-            raise ModelError(f"unknown bug switch(es) {sorted(unknown)}; known: {sorted(ALL_BUGS)}")
-        for label, value, low in (
-            ("requests", self.requests, 1),
-            ("max_prompt_pages", self.max_prompt_pages, 1),
-            ("context_pages", self.context_pages, 1),
-            ("prefill_pages", self.prefill_pages, 1),
-            ("decode_pages", self.decode_pages, 1),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ModelError(f"{label} must be an integer >= {low}, got {value!r}")
+        object.__setattr__(self, "protocol", ProtocolConfig(
+            self.context_pages, self.prefill_pages, self.decode_pages, frozenset(self.bugs)))
+        for label in ("requests", "max_prompt_pages"):
+            _positive(label, getattr(self, label))
         if self.request_names and len(self.request_names) != self.requests:
             raise ModelError("request_names must name every request")
         for label, value in (("crashes", self.crashes), ("decode_crashes", self.decode_crashes)):
@@ -124,12 +155,23 @@ class Model:
             names = tuple(f"r{i + 1}" for i in range(self.requests))
             object.__setattr__(self, "request_names", names)
 
+    protocol: ProtocolConfig = field(init=False, repr=False, compare=False)
+
+    @classmethod
+    def for_shell(cls, protocol: ProtocolConfig, max_prompt_pages: int, name: str = "shell",
+                  crashes: bool = True, decode_crashes: bool = True) -> "Model":
+        """The Model a shell hands the core: its deployment's configuration; the longest
+        prompt it will ever pass on; crashes possible unless the shell never injects them
+        (the simulator switches them off with its crash rates). One request in name only:
+        a shell's store keeps any number of live requests."""
+        return cls(requests=1, max_prompt_pages=max_prompt_pages,
+                   context_pages=protocol.context_pages, prefill_pages=protocol.prefill_pages,
+                   decode_pages=protocol.decode_pages, bugs=protocol.bugs, crashes=crashes,
+                   decode_crashes=decode_crashes, name=name)
+
     @property
     def advertised_context_pages(self) -> int:
-        """What the router admits. The startup check clamps it to the smallest pool."""
-        if "PoolBelowContext" in self.bugs:
-            return self.context_pages
-        return min(self.context_pages, self.prefill_pages, self.decode_pages)
+        return self.protocol.advertised_context_pages
 
     def tla_constants(self) -> dict[str, object]:
         """The model as the spec's CONSTANTS (request names for Requests, sorted Bugs)."""
