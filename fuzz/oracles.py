@@ -22,12 +22,14 @@ property of its family is.
 
 from __future__ import annotations
 
+import weakref
+
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from spec import core
 from spec.model import Model
-from spec.properties import REST_INVARIANTS, STATE_INVARIANTS
+from spec.properties import REST_INVARIANTS, STATE_INVARIANTS, STEP_PROPERTIES
 
 from fuzz.target import ENVIRONMENT_FAULTS, Observation, Target, Violation
 
@@ -110,23 +112,26 @@ class Checks:
     state: tuple[tuple[str, Callable], ...]
     rest: tuple[tuple[str, Callable], ...]
     oracles: tuple[tuple[str, Callable], ...]
+    step: tuple[tuple[str, Callable], ...] = ()  # step properties, from one check to the next
 
     @classmethod
     def for_properties(cls, names: Iterable[str] | None = None) -> "Checks":
         """All checks, or those of the named spec properties and their oracles."""
-        chosen = set(names) if names is not None else set(STATE_INVARIANTS) | set(REST_INVARIANTS)
-        unknown = chosen - set(STATE_INVARIANTS) - set(REST_INVARIANTS)
+        known = set(STATE_INVARIANTS) | set(REST_INVARIANTS) | set(STEP_PROPERTIES)
+        chosen = set(names) if names is not None else known
+        unknown = chosen - known
         if unknown:
             raise ValueError(f"unknown propert(y/ies) {sorted(unknown)}")
         return cls(
             state=tuple((n, p) for n, p in STATE_INVARIANTS.items() if n in chosen),
             rest=tuple((n, p) for n, p in REST_INVARIANTS.items() if n in chosen),
             oracles=tuple((n, fn) for n, fn in ORACLES.items()
-                          if chosen.intersection(ORACLE_FAMILY[n])))
+                          if chosen.intersection(ORACLE_FAMILY[n])),
+            step=tuple((n, p) for n, p in STEP_PROPERTIES.items() if n in chosen))
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(n for n, _ in self.state + self.rest + self.oracles)
+        return tuple(n for n, _ in self.state + self.rest + self.oracles + self.step)
 
 
 def at_rest(target: Target) -> bool:
@@ -138,10 +143,20 @@ def at_rest_in(moves_by_action) -> bool:
     return not any(action not in FAIR_EXEMPT for action in moves_by_action)
 
 
+# Per target, the protocol state at the last check and how many moves it had taken: the
+# step properties compare two consecutive moves' states (a reset target starts afresh).
+_last_checked: "weakref.WeakKeyDictionary[Target, tuple[int, object]]" = weakref.WeakKeyDictionary()
+
+
 def check(checks: Checks, m: Model, target: Target) -> list[Violation]:
     """Every violated check in the target's current state (empty when all hold)."""
     s = target.protocol_state()
     found = [Violation(n, "violated") for n, p in checks.state if not p(m, s)]
+    before = _last_checked.get(target)
+    if checks.step and before is not None and before[0] == len(target.trace()) - 1:
+        found += [Violation(n, "violated by the last step") for n, p in checks.step
+                  if not p(m, before[1], s)]
+    _last_checked[target] = (len(target.trace()), s)
     if checks.rest and at_rest(target):
         found += [Violation(n, "violated at rest") for n, p in checks.rest if not p(m, s)]
     if checks.oracles:

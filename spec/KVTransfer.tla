@@ -491,6 +491,13 @@ SourceHeld == \A w \in writes : powner[w.src] = w.req
 
 RejectedIsError == \A r \in Requests : Overlong(r) => client[r] # "Ok" /\ dst[r] # "Decoding"
 
+(* The count check, the checksums and the tag check are backstops: with every guard in    *)
+(* place (no bug switch) and no fault that corrupts or loses data (this spec has none:    *)
+(* crashes flush writes together with the requests they belong to), none of them ever     *)
+(* fires. A protocol that lost writes on its own path would fail requests here.           *)
+NoGuardTripWithoutFault ==
+    Bugs = {} => \A r \in Requests : client[r] \notin {"ErrTransfer", "ErrTag"}
+
 (* At rest no fair action is enabled: only the environment could move the system. *)
 AtRest == ~ENABLED Progress
 
@@ -513,5 +520,25 @@ NoStuckRequest == AtRest => \A r \in Requests : Ended(r)
 EveryRequestEnds == \A r \in Requests : client[r] # "Idle" ~> Ended(r)
 
 PagesComeBack == <>[]AllFree
+
+-----------------------------------------------------------------------------
+(* Step properties: promises about every step, checked by TLC as action properties. *)
+
+Answered(r) == client[r] \notin {"Idle", "Waiting"}
+
+(* Once a client has its answer (Ok, an error, or gone), it never changes. *)
+AnswerNeverChanges == [][\A r \in Requests : Answered(r) => client'[r] = client[r]]_vars
+
+(* A request decode has closed never waits for KV or decodes again. *)
+ClosedNeverReopens ==
+    [][\A r \in Requests : dst[r] \in {"Closing", "Released", "Tomb"} =>
+                               dst'[r] \notin {"Waiting", "Decoding"}]_vars
+
+(* A page's generation never goes back, across decode crashes too: a tag once issued is  *)
+(* never issued again.                                                                   *)
+GenerationsNeverGoBack == [][\A p \in DPages : gen'[p] >= gen[p]]_vars
+
+(* A tombstone is never revived: decode never forgets a request it buried. *)
+TombstonesStay == [][\A r \in Requests : dst[r] = "Tomb" => dst'[r] = "Tomb"]_vars
 
 =============================================================================

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from spec.core import (
-    BOOT, CANCEL, CLIENT, CLOSING, DECODING, DST, D_WAITING, FW, GEN, LEAKED, NONE, NO_MSG, OK,
-    OWNER, PROMPT, PST, QUEUED, RUNNING, SENT, SRC, TABLE, WAITING, State,
+    BOOT, CANCEL, CLIENT, CLOSING, DECODING, DST, D_WAITING, ERR_TAG, ERR_TRANSFER, FW, GEN,
+    IDLE, LEAKED, NONE, NO_MSG, OK, OWNER, PROMPT, PST, QUEUED, RELEASED, RUNNING, SENT, SRC,
+    TABLE, TOMB, WAITING, State,
 )
 from spec.model import Model
 
@@ -125,6 +126,14 @@ def RejectedIsError(m: Model, s: State) -> bool:
     return True
 
 
+def NoGuardTripWithoutFault(m: Model, s: State) -> bool:
+    """With every guard in place and no data-corrupting fault (the spec has none), the count
+    check, the checksums and the tag check never fire: they are backstops."""
+    if m.bugs:
+        return True
+    return not any(row[CLIENT] == ERR_TRANSFER or row[CLIENT] == ERR_TAG for row in s.requests)
+
+
 def NoLeakAtRest(m: Model, s: State) -> bool:
     """At rest every page of both pools is free and no write is in flight."""
     return (not s.writes
@@ -154,11 +163,72 @@ STATE_INVARIANTS: dict[str, Predicate] = {
     "NoWriteIntoForeign": NoWriteIntoForeign,
     "SourceHeld": SourceHeld,
     "RejectedIsError": RejectedIsError,
+    "NoGuardTripWithoutFault": NoGuardTripWithoutFault,
 }
 REST_INVARIANTS: dict[str, Predicate] = {
     "NoLeakAtRest": NoLeakAtRest,
     "NoStuckRequest": NoStuckRequest,
 }
 ALL_INVARIANTS = tuple(STATE_INVARIANTS) + tuple(REST_INVARIANTS)
+
+
+# Step properties: predicates of a step from s to t ([][A]_vars in the spec). Each compares
+# only what the step changed (rows and pools are shared between states when unchanged).
+Step = Callable[[Model, State, State], bool]
+
+
+def _changed_rows(s: State, t: State):
+    if s.requests is t.requests:
+        return ()
+    return ((old, new) for old, new in zip(s.requests, t.requests) if old is not new)
+
+
+def answer_changed(old: tuple, new: tuple) -> bool:
+    return old[CLIENT] != new[CLIENT] and old[CLIENT] != IDLE and old[CLIENT] != WAITING
+
+
+def closed_reopened(old: tuple, new: tuple) -> bool:
+    return old[DST] in _CLOSED and (new[DST] == D_WAITING or new[DST] == DECODING)
+
+
+def tombstone_revived(old: tuple, new: tuple) -> bool:
+    return old[DST] == TOMB and new[DST] != TOMB
+
+
+def AnswerNeverChanges(m: Model, s: State, t: State) -> bool:
+    """Once a client has its answer (Ok, an error, or gone), it never changes."""
+    return not any(answer_changed(old, new) for old, new in _changed_rows(s, t))
+
+
+def ClosedNeverReopens(m: Model, s: State, t: State) -> bool:
+    """A request decode has closed never waits for KV or decodes again."""
+    return not any(closed_reopened(old, new) for old, new in _changed_rows(s, t))
+
+
+def GenerationsNeverGoBack(m: Model, s: State, t: State) -> bool:
+    """A page's generation never goes back: a tag once issued is never issued again."""
+    if s.decode_pool is t.decode_pool:
+        return True
+    return all(b[GEN] >= a[GEN] for a, b in zip(s.decode_pool, t.decode_pool))
+
+
+def TombstonesStay(m: Model, s: State, t: State) -> bool:
+    """A tombstone is never revived."""
+    return not any(tombstone_revived(old, new) for old, new in _changed_rows(s, t))
+
+
+# The step properties about one request's row, for shells that check each commit.
+ROW_STEP_PROPERTIES = {"AnswerNeverChanges": answer_changed,
+                       "ClosedNeverReopens": closed_reopened,
+                       "TombstonesStay": tombstone_revived}
+
+
+_CLOSED = (CLOSING, RELEASED, TOMB)
+STEP_PROPERTIES: dict[str, Step] = {
+    "AnswerNeverChanges": AnswerNeverChanges,
+    "ClosedNeverReopens": ClosedNeverReopens,
+    "GenerationsNeverGoBack": GenerationsNeverGoBack,
+    "TombstonesStay": TombstonesStay,
+}
 # The temporal properties of the spec, and the rest invariants that decide them here.
 LIVENESS = {"EveryRequestEnds": "NoStuckRequest", "PagesComeBack": "NoLeakAtRest"}

@@ -27,10 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from spec import core
-from spec.core import (CLIENT, DATA, DECODING, DST, GEN, LEAKED, NONE, OK,
-                       OWNER, PROMPT, PST, RUNNING, SRC, TABLE, TAG, Change, Refusal, State)
+from spec.core import (CLIENT, CLIENT_NAMES, DATA, DECODE_NAMES, DECODING, DST, GEN, LEAKED,
+                       NONE, OK, OWNER, PROMPT, PST, RUNNING, SRC, TABLE, TAG, Change, Refusal,
+                       State)
 from spec.model import Model
-from spec.properties import REST_INVARIANTS, STATE_INVARIANTS, Violation, holds_decode_pages
+from spec.properties import (REST_INVARIANTS, ROW_STEP_PROPERTIES, STATE_INVARIANTS,
+                             Violation, holds_decode_pages)
 
 
 VIOLATIONS_KEPT = 100  # details kept per run; every violation is counted
@@ -203,6 +205,11 @@ class Store:
         if c.prefill:
             _put_pages(self.prefill_pools[p], self.prefill_free[p], c.prefill, self.moved_prefill)
         if c.decode:
+            pool = self.decode_pools[d]
+            for page, value in c.decode:
+                if value[GEN] < pool[page][GEN]:
+                    self._violate("GenerationsNeverGoBack", f"decode {d} page {page}: "
+                                  f"generation {pool[page][GEN]} -> {value[GEN]}")
             self.decode_pages_used -= _put_pages(self.decode_pools[d], self.decode_free[d],
                                                  c.decode, self.moved_decode)
         writes = self.writes_into[d]
@@ -234,6 +241,12 @@ class Store:
     def _check_local(self, p: int, d: int, r: int, old: tuple, c: Change) -> None:
         self._check_conservation(p, d)
         row = self.rows[r]
+        if row is not old:
+            for name, broken in ROW_STEP_PROPERTIES.items():
+                if broken(old, row):
+                    self._violate(name, f"request {r}: client {CLIENT_NAMES[old[CLIENT]]} -> "
+                                  f"{CLIENT_NAMES[row[CLIENT]]}, decode {DECODE_NAMES[old[DST]]}"
+                                  f" -> {DECODE_NAMES[row[DST]]}", r)
         if row[LEAKED] and not old[LEAKED]:
             self._violate("Isolation", f"request {r} read a page that is not its own", r)
         if row[LEAKED] and row[CLIENT] == OK and old[CLIENT] != OK:

@@ -25,7 +25,7 @@ from typing import Callable
 from spec import core
 from spec.core import Event, State
 from spec.model import Model, ModelError
-from spec.properties import REST_INVARIANTS, STATE_INVARIANTS, Violation
+from spec.properties import REST_INVARIANTS, STATE_INVARIANTS, STEP_PROPERTIES, Violation
 from spec.check.symmetry import canonical
 
 
@@ -114,15 +114,17 @@ class Checker:
                              f"{REQUESTS_MAX} is hopeless (kvproof fuzz takes larger models)")
         self.m = m
         self.symmetry = symmetry
-        names = invariants if invariants is not None else (
-            tuple(STATE_INVARIANTS) + tuple(REST_INVARIANTS))
-        unknown = [n for n in names if n not in STATE_INVARIANTS and n not in REST_INVARIANTS]
+        known = tuple(STATE_INVARIANTS) + tuple(REST_INVARIANTS) + tuple(STEP_PROPERTIES)
+        names = invariants if invariants is not None else known
+        unknown = [n for n in names if n not in known]
         if unknown:
-            raise ValueError(f"unknown propert(y/ies) {unknown}; known: "
-                             f"{list(STATE_INVARIANTS) + list(REST_INVARIANTS)}")
+            raise ValueError(f"unknown propert(y/ies) {unknown}; known: {list(known)}")
         self.invariant_names = tuple(names)
         self.state_checks = [(n, STATE_INVARIANTS[n]) for n in names if n in STATE_INVARIANTS]
         self.rest_checks = [(n, REST_INVARIANTS[n]) for n in names if n in REST_INVARIANTS]
+        # Step properties are checked on every edge, before symmetry maps the successor to
+        # its representative (a step compares the same requests on both sides).
+        self.step_checks = [(n, STEP_PROPERTIES[n]) for n in names if n in STEP_PROPERTIES]
         self.liveness = liveness
         self.progress = progress
         self.progress_every_s = progress_every_s
@@ -135,6 +137,13 @@ class Checker:
         m = self.m
         for name, predicate in checks:
             if not predicate(m, s):
+                return name
+        return None
+
+    def _first_step_failure(self, checks, s: State, t: State) -> str | None:
+        m = self.m
+        for name, predicate in checks:
+            if not predicate(m, s, t):
                 return name
         return None
 
@@ -160,6 +169,7 @@ class Checker:
         next_report = started + self.progress_every_s
         successors = core.successors
         symmetry = self.symmetry
+        step_checks = self.step_checks
         action_counts: dict[str, int] = {}
         transitions: dict[str, int] = {}
         while queue and result.violation is None:
@@ -176,6 +186,12 @@ class Checker:
                 transitions[name] = transitions.get(name, 0) + 1
                 if not fair_enabled and name not in core.UNFAIR_ACTIONS:
                     fair_enabled = True
+                if step_checks:
+                    failed = self._first_step_failure(step_checks, s, nxt)
+                    if failed:
+                        trace = self._trace(here, parents) + [(event, nxt)]
+                        result.violation = Violation(failed, kind="step", trace=trace)
+                        break
                 if symmetry:
                     nxt = canonical(nxt)
                 k = hash(nxt)

@@ -10,6 +10,7 @@ from spec.tlaplus.tlaview import changes, format_value, to_tla, VARIABLES
 KIND_TEXT = {
     "invariant": "Invariant {p} is violated.",
     "rest": "Invariant {p} is violated at rest (no fair action is enabled).",
+    "step": "Action property {p} is violated by the last step.",
     "deadlock": "Deadlock reached: {p} is violated and no action is enabled.",
     "cycle": "Liveness: the state graph has a cycle, so fairness alone does not end requests.",
 }
