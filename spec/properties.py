@@ -223,6 +223,29 @@ ROW_STEP_PROPERTIES = {"AnswerNeverChanges": answer_changed,
                        "TombstonesStay": tombstone_revived}
 
 
+def first_step_failure(s: State, t: State) -> str | None:
+    """The first of STEP_PROPERTIES (in their order) the step from s to t breaks, or None:
+    all four in one pass over what the step changed, for the checker's every edge."""
+    if s.requests is not t.requests:
+        for old, new in zip(s.requests, t.requests):
+            if old is new:
+                continue
+            was = old[CLIENT]
+            if was != new[CLIENT] and was != IDLE and was != WAITING:
+                return "AnswerNeverChanges"
+            was, now = old[DST], new[DST]
+            if was != now and (was == CLOSING or was == RELEASED or was == TOMB):
+                if now == D_WAITING or now == DECODING:
+                    return "ClosedNeverReopens"
+                if was == TOMB:
+                    return "TombstonesStay"
+    if s.decode_pool is not t.decode_pool:
+        for a, b in zip(s.decode_pool, t.decode_pool):
+            if b[GEN] < a[GEN]:
+                return "GenerationsNeverGoBack"
+    return None
+
+
 _CLOSED = (CLOSING, RELEASED, TOMB)
 STEP_PROPERTIES: dict[str, Step] = {
     "AnswerNeverChanges": AnswerNeverChanges,

@@ -165,3 +165,16 @@ def test_the_store_flags_a_generation_that_goes_back():
     store.commit(0, core.Change(decode=((0, (owner, 4, data, tag)),)))
     # (The hand-made change also unbalances the free list: the first report is the step.)
     assert [v.property for v in store.violations][:1] == ["GenerationsNeverGoBack"]
+
+
+@pytest.mark.parametrize("name, action, mutant, base", MUTANTS[:4], ids=IDS[:4])
+def test_the_fused_step_check_agrees_with_the_predicates(monkeypatch, name, action, mutant,
+                                                         base):
+    """With every property on, the checker takes all step properties in one pass
+    (properties.first_step_failure): it must find what the single predicate finds."""
+    _patch(monkeypatch, action, mutant)
+    m = Model(**BASES[base])
+    fused = Checker(m).run()
+    alone = Checker(m, invariants=(name,)).run()
+    assert fused.violation is not None and fused.violation.property == name
+    assert fused.violation.length == alone.violation.length
