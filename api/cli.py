@@ -22,7 +22,7 @@ from spec.check.cfgfile import CfgError, load, model_names
 from spec.check.checker import Checker
 from spec.tlaplus.itf import write_itf
 from spec.model import BUG_SWITCHES, ModelError
-from spec.properties import LIVENESS, REST_INVARIANTS, STATE_INVARIANTS, STEP_PROPERTIES
+from spec.properties import ALL_INVARIANTS, LIVENESS, STEP_PROPERTIES
 from spec.check.report import format_coverage, format_summary, format_trace
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
@@ -44,7 +44,7 @@ def _progress(distinct: int, generated: int, depth: int, seconds: float) -> None
 
 def _properties(cfg, requested: list[str]) -> tuple[tuple[str, ...], bool]:
     """The invariants to check and whether liveness is checked, from the cfg or the flags."""
-    known = set(STATE_INVARIANTS) | set(REST_INVARIANTS) | set(STEP_PROPERTIES)
+    known = set(ALL_INVARIANTS) | set(STEP_PROPERTIES)
     if requested:
         unknown = [n for n in requested if n not in known]
         if unknown:

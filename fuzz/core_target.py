@@ -176,6 +176,10 @@ class CoreTarget(Target):
         free.sort(key=freed_at.__getitem__)  # stable: ascending among equals
         return tuple(free)
 
+    def holding(self) -> bool:
+        now = len(self._trace)
+        return any(until > now for until in self._held.values())
+
     def step(self, event: core.Event) -> None:
         if type(event) is Delay:  # the fuzzer's scheduling: no protocol state changes
             self._held[event.request] = len(self._trace) + 1 + event.stall

@@ -29,7 +29,8 @@ from typing import Callable, Iterable
 
 from spec import core
 from spec.model import Model
-from spec.properties import REST_INVARIANTS, STATE_INVARIANTS, STEP_PROPERTIES
+from spec.properties import (ALL_INVARIANTS, QUIET_INVARIANTS, REST_INVARIANTS,
+                             STATE_INVARIANTS, STEP_PROPERTIES)
 
 from fuzz.target import ENVIRONMENT_FAULTS, Observation, Target, Violation
 
@@ -113,11 +114,12 @@ class Checks:
     rest: tuple[tuple[str, Callable], ...]
     oracles: tuple[tuple[str, Callable], ...]
     step: tuple[tuple[str, Callable], ...] = ()  # step properties, from one check to the next
+    quiet: tuple[tuple[str, Callable], ...] = ()  # where nothing but a timer is enabled
 
     @classmethod
     def for_properties(cls, names: Iterable[str] | None = None) -> "Checks":
         """All checks, or those of the named spec properties and their oracles."""
-        known = set(STATE_INVARIANTS) | set(REST_INVARIANTS) | set(STEP_PROPERTIES)
+        known = set(ALL_INVARIANTS) | set(STEP_PROPERTIES)
         chosen = set(names) if names is not None else known
         unknown = chosen - known
         if unknown:
@@ -127,11 +129,13 @@ class Checks:
             rest=tuple((n, p) for n, p in REST_INVARIANTS.items() if n in chosen),
             oracles=tuple((n, fn) for n, fn in ORACLES.items()
                           if chosen.intersection(ORACLE_FAMILY[n])),
-            step=tuple((n, p) for n, p in STEP_PROPERTIES.items() if n in chosen))
+            step=tuple((n, p) for n, p in STEP_PROPERTIES.items() if n in chosen),
+            quiet=tuple((n, p) for n, p in QUIET_INVARIANTS.items() if n in chosen))
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(n for n, _ in self.state + self.rest + self.oracles + self.step)
+        return tuple(n for n, _ in self.state + self.rest + self.oracles + self.step
+                     + self.quiet)
 
 
 def at_rest(target: Target) -> bool:
@@ -141,6 +145,14 @@ def at_rest(target: Target) -> bool:
 
 def at_rest_in(moves_by_action) -> bool:
     return not any(action not in FAIR_EXEMPT for action in moves_by_action)
+
+
+def quiet(target: Target) -> bool:
+    """Nothing but a transfer timer (or the environment) could move the protocol on, and
+    no traffic is held back on the wire."""
+    return not target.holding() and not any(
+        action not in FAIR_EXEMPT and action not in core.TIMER_ACTIONS
+        for action in target.enabled())
 
 
 # Per target, the protocol state at the last check and how many moves it had taken: the
@@ -159,6 +171,10 @@ def check(checks: Checks, m: Model, target: Target) -> list[Violation]:
     _last_checked[target] = (len(target.trace()), s)
     if checks.rest and at_rest(target):
         found += [Violation(n, "violated at rest") for n, p in checks.rest if not p(m, s)]
+    if checks.quiet and quiet(target):
+        pair = target.pair_model()  # whether a prompt fits is a worker pair's question
+        found += [Violation(n, "violated where only a timer could move the protocol on")
+                  for n, p in checks.quiet if not p(pair, s)]
     if checks.oracles:
         obs = target.observe()
         for name, oracle in checks.oracles:

@@ -126,6 +126,7 @@ class SimTarget(Target):
         self.cluster = self.sim.cluster
         self.workers = self.timing["prefill_workers"]
         self.prefill_pages = pair.prefill_pages  # per worker
+        self._pair = pair
         self.cluster.settled_rows = {}
         self._trace: list[core.Event] = []
         self._story: list[str] = []    # what the simulator did, with simulated times
@@ -134,6 +135,13 @@ class SimTarget(Target):
         self._prompts = tuple(range(1, model.max_prompt_pages + 1))
         self._moves: dict | None = None
         self._state: core.State | None = None
+
+    def pair_model(self) -> Model:
+        return self._pair
+
+    def holding(self) -> bool:
+        now = self.sim.env.now
+        return any(until > now for until in self.sim.held_until.values())
 
     def describe(self) -> str:
         return "simulator: " + ", ".join(f"{k} {v}" for k, v in self.timing.items())

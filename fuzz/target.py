@@ -182,6 +182,16 @@ class Target(abc.ABC):
         takes the fuzzer's events)."""
         return []
 
+    def holding(self) -> bool:
+        """Whether a Delay holds traffic on the wire now: a protocol step is then only
+        postponed, not missing (the quiet check must not mistake it for a stall)."""
+        return False
+
+    def pair_model(self) -> Model:
+        """The model of one prefill/decode worker pair, whose pools the core's decisions
+        are made against (the campaign's model, unless the target splits its pools)."""
+        return self.model
+
 
 # Target name -> a factory. A target module registers itself with @register on import;
 # load_targets imports the modules listed here (the simulator and the engine join the list).

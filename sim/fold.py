@@ -67,8 +67,11 @@ class Folder:
         self.model = self.model or model_for(sc)
         self.cluster = Store(self.model, sc.cluster.prefill_workers, sc.cluster.decode_workers)
         page_bytes = sc.cluster.page_tokens * sc.link.kv_bytes_per_token
-        self.metrics = Metrics(page_bytes, self.model.prefill_pages,
-                               self.model.decode_pages * sc.cluster.decode_workers)
+        m = self.model
+        self.metrics = Metrics(page_bytes, m.prefill_pages,
+                               m.decode_pages * sc.cluster.decode_workers,
+                               fits_pages=min(m.advertised_context_pages, m.prefill_pages,
+                                              m.decode_pages))
         self.events = 0
         # The last accepted event's effect, for the live simulator to react to.
         self.last_placement = (0, 0)

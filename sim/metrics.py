@@ -42,6 +42,9 @@ class Metrics:
     errors_over_time: list = field(default_factory=list)  # (t, answer name)
     ok_output_tokens: int = 0
     last_event_s: float = 0.0
+    fits_pages: int = 0     # a prompt of at most this many pages fits every pool and context
+    fitting: set = field(default_factory=set)   # live requests whose prompt fits
+    fitting_outcomes: dict = field(default_factory=dict)  # their answers, name -> count
 
     def arrive(self, t: float, r: int, prompt_pages: int, output_tokens: int) -> None:
         self.arrived += 1
@@ -50,6 +53,8 @@ class Metrics:
         if prompt_pages > self.prefill_pages:
             self.over_pool.add(r)
             self.over_pool_arrived += 1
+        if prompt_pages <= self.fits_pages:
+            self.fitting.add(r)
 
     def first_token(self, t: float, r: int) -> None:
         self.first_token_s[r] = t
@@ -76,6 +81,8 @@ class Metrics:
 
     def _count(self, r: int, name: str) -> None:
         self.outcomes[name] = self.outcomes.get(name, 0) + 1
+        if r in self.fitting:
+            self.fitting_outcomes[name] = self.fitting_outcomes.get(name, 0) + 1
         if r in self.over_pool:
             self.over_pool_outcomes[name] = self.over_pool_outcomes.get(name, 0) + 1
 
@@ -95,6 +102,7 @@ class Metrics:
         self.first_token_s.pop(r, None)
         self.output_tokens.pop(r, None)
         self.over_pool.discard(r)
+        self.fitting.discard(r)
 
     def summary(self) -> dict:
         """Every figure of the run, as plain JSON-able values."""
@@ -111,6 +119,7 @@ class Metrics:
             "outcomes": dict(sorted(self.outcomes.items())),
             "over_pool_requests": self.over_pool_arrived,
             "over_pool_outcomes": dict(sorted(self.over_pool_outcomes.items())),
+            "fitting_outcomes": dict(sorted(self.fitting_outcomes.items())),
             "leaked_responses": self.leaks,
             "leaked_responses_over_pool": self.leaks_over_pool,
             "leaked_responses_returned_ok": self.leaks_ok,

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import sys
 import time
 from collections import deque
@@ -114,9 +115,9 @@ class Simulation:
         self.output = {}
         self.decoding = {}  # request -> its sequence in a decode batch
         self.context_tokens = [0] * c.decode_workers
-        self.computed = set()
         self.intents: dict[int, list[tuple[str, str]]] = {}
         self.timers: dict[int, object] = {}  # request -> its armed transfer timer's token
+        self.tables_received: set[int] = set()  # requests whose page table reached the prefill
         self._handlers = self._make_handlers()
         self.dirty: list[int] = []
         self.depth = 0
@@ -176,7 +177,7 @@ class Simulation:
 
     def _refused(self, refusal: Refusal) -> None:
         """Count a refusal by its reason: each is a race the summary explains."""
-        key = f"{refusal.event.action}: {refusal.reason}"
+        key = f"{refusal.event.action}: {re.sub(r'[0-9]+', 'N', refusal.reason)}"
         self.refusals[key] = self.refusals.get(key, 0) + 1
 
     def deliver(self, message: str, r: int, worker: str | None = None) -> bool:
@@ -372,7 +373,7 @@ class Simulation:
                       self.held_until, self.timers):
             table.pop(r, None)
         self.all_posted.discard(r)
-        self.computed.discard(r)
+        self.tables_received.discard(r)
 
     def _answered(self, r: int) -> None:
         waiter = self.session_waiters.pop(r, None)
@@ -419,24 +420,30 @@ class Simulation:
     # -- prefill workers -----------------------------------------------------------------
 
     def kick_prefill(self, p: int) -> None:
+        """Admit the first queued request whose page table has arrived (the bootstrap
+        queue: the prefill computes only once decode has reserved), or reject one the core
+        says must be rejected; one request at a time."""
         if self.prefill_busy[p] or self.prefill_down_until[p] > self.env.now:
             return
         queue = self.prefill_queue[p]
-        while queue:
-            r = queue[0]
+        for r in tuple(queue):
             row = self.cluster.rows.get(r)
             if row is None or row[PST] != QUEUED:
-                queue.popleft()
+                queue.remove(r)
                 continue
+            if core.is_enabled(self.model, self.cluster.view(r), r, core.Reject):
+                queue.remove(r)
+                self.offer("Reject", r)
+                continue
+            if r not in self.tables_received:
+                continue  # waits for decode's reservation
             need = core.pages_to_admit(self.model, row)
             if type(need) is str:
-                queue.popleft()  # it cannot be admitted: the core may want it rejected
-                self.offer("Reject", r)
                 continue
             pages = self.cluster.allocate("prefill", p, need)
             if pages is None:
                 return  # pool pressure: wait until pages come back
-            queue.popleft()
+            queue.remove(r)
             # Busy before the offer: the Admit's own reaction kicks this worker again
             # (its pool changed), and must not admit the next request alongside.
             self.prefill_busy[p] = True
@@ -458,15 +465,14 @@ class Simulation:
             return  # the worker crashed meanwhile
         self.prefill_busy[p] = False
         if r in self.cluster.rows:
-            self.computed.add(r)
             self.nic_waiting[p].append(r)
             self.kick_nic(p)
         self.kick_prefill(p)
 
     def on_table(self, r: int, p: int) -> None:
-        if r in self.computed and r not in self.nic_waiting[p]:
-            self.nic_waiting[p].append(r)
-        self.kick_nic(p)
+        """Decode's page table reached the prefill: the request may be admitted now."""
+        self.tables_received.add(r)
+        self.kick_prefill(p)
 
     def kick_nic(self, p: int) -> None:
         """Post writes while the NIC has room, requests in FIFO order."""
@@ -759,6 +765,16 @@ class Simulation:
               f"events/s{eta}", file=sys.stderr, flush=True)
 
 
+def fault_free(sc: Scenario) -> bool:
+    """No fault is switched on and no guard is off: every request whose prompt fits must
+    get its Ok (the simulator's side of FittingRequestsSucceed)."""
+    return not sc.bugs and all(value == default for value, default in (
+        (sc.faults.client_abort_probability, 0.0), (sc.faults.message_loss_probability, 0.0),
+        (sc.faults.message_delay_probability, 0.0), (sc.faults.slow_link_probability, 0.0),
+        (sc.faults.prefill_fail_probability, 0.0), (sc.faults.prefill_crash_rate_per_s, 0.0),
+        (sc.faults.decode_crash_rate_per_s, 0.0)))
+
+
 def result_of(sc: Scenario, folder: Folder, refusals: dict, stopped: str | None,
               drained: bool) -> dict:
     """Everything a run reports, as JSON-able values; the same for a run and its replay
@@ -766,6 +782,11 @@ def result_of(sc: Scenario, folder: Folder, refusals: dict, stopped: str | None,
     cluster = folder.cluster
     for violation in cluster.sweep(at_rest=drained and stopped is None):
         cluster._violate(violation.property, violation.detail)
+    if drained and stopped is None and fault_free(sc):
+        failed = {name: n for name, n in folder.metrics.fitting_outcomes.items() if name != "Ok"}
+        if failed:
+            cluster._violate("FittingRequestsSucceed", "a fault-free run failed requests whose "
+                             f"prompt fits: {failed}")
     return {
         "scenario": sc.name, "seed": sc.seed, "bugs": sorted(sc.bugs),
         "requests": sc.requests, "events": folder.events,

@@ -49,7 +49,7 @@ CONSTANTS
 
 BugNames == {"FinishedNotRejected", "NoCountCheck", "EagerRelease", "SourceReuse",
              "NoAbortNotice", "NoTimeout", "PoolBelowContext", "NoGenBump",
-             "NoChecksum", "NoTombstone", "NoCancel"}
+             "NoChecksum", "NoTombstone", "NoCancel", "AdmitBeforeReserve"}
 
 ASSUME /\ NoReq \notin Requests
        /\ Bugs \subseteq BugNames
@@ -176,8 +176,14 @@ Abort(r) ==
 
 AdmitNeed(r) == IF prompt[r] > PrefillPages THEN 1 ELSE prompt[r]
 
+(* The prefill admits a request (takes its source pages and computes) only once decode   *)
+(* has reserved for it and published its page table: the bootstrap queue. A prefill that *)
+(* took its pages first could hold its whole pool for requests whose decode pages are    *)
+(* held by requests queued behind them at the prefill: a deadlock only timeouts break    *)
+(* (FittingRequestsSucceed finds it with AdmitBeforeReserve).                            *)
 Admit(r, S) ==
     /\ pst[r] = "Queued"
+    /\ table[r] # <<>> \/ "AdmitBeforeReserve" \in Bugs
     /\ prompt[r] <= PrefillPages \/ "FinishedNotRejected" \in Bugs
     /\ S \subseteq FreePrefill
     /\ Cardinality(S) = AdmitNeed(r)
@@ -443,14 +449,16 @@ Release(r) ==
 (* The protocol's own actions are taken fairly; arrivals, client aborts, prefill        *)
 (* failures and crashes are the environment's.                                         *)
 
-FairNext ==
-    \E r \in Requests :
-        \/ \E S \in SUBSET PPages : Admit(r, S)
-        \/ Reject(r) \/ SendPage(r) \/ SendDone(r) \/ PrefillAbort(r) \/ AnswerCancel(r)
-        \/ \E S \in SUBSET DPages : Reserve(r, S)
-        \/ DecodeReject(r) \/ DropBootstrap(r) \/ Accept(r, ChecksumsMatch(r)) \/ Notice(r)
-        \/ Finish(r, TagsMatch(r))
-        \/ DecodeAbort(r) \/ Timeout(r) \/ Release(r)
+(* The protocol's own steps of a request, timers apart. *)
+ProtocolStep(r) ==
+    \/ \E S \in SUBSET PPages : Admit(r, S)
+    \/ Reject(r) \/ SendPage(r) \/ SendDone(r) \/ PrefillAbort(r) \/ AnswerCancel(r)
+    \/ \E S \in SUBSET DPages : Reserve(r, S)
+    \/ DecodeReject(r) \/ DropBootstrap(r) \/ Accept(r, ChecksumsMatch(r)) \/ Notice(r)
+    \/ Finish(r, TagsMatch(r))
+    \/ DecodeAbort(r) \/ Release(r)
+
+FairNext == \E r \in Requests : ProtocolStep(r) \/ Timeout(r)
 
 Next ==
     \/ FairNext
@@ -513,6 +521,26 @@ Ended(r) == /\ client[r] # "Waiting"
 NoLeakAtRest == AtRest => AllFree
 
 NoStuckRequest == AtRest => \A r \in Requests : Ended(r)
+
+(* Something has to succeed. When nothing but a transfer timer could move the protocol on *)
+(* (no protocol step and no write landing is enabled), every request whose prompt fits    *)
+(* the pools and that no fault has ended (a client abort, a prefill failure or crash, a   *)
+(* decode crash, a timeout) has its Ok. A protocol whose prefill never said Done would   *)
+(* leave every request waiting for its timer here. The one excuse is a timer that is the  *)
+(* designed recovery from a fault: decode learns of a prefill crash by timing out, and    *)
+(* until then the crashed request's pages may keep another request from reserving.       *)
+QuietButTimers == /\ ~ENABLED (\E r \in Requests : ProtocolStep(r))
+                  /\ ~ENABLED (\E w \in writes : LandWrite(w))
+
+FaultOutcomes == {"Gone", "ErrPrefill", "ErrDecode", "ErrTimeout"}
+
+Fits(r) == prompt[r] <= Min(Advertised, Min(PrefillPages, DecodePages))
+
+RecoveringFromFault == \E r \in Requests : client[r] \in FaultOutcomes /\ dst[r] = "Waiting"
+
+FittingRequestsSucceed ==
+    QuietButTimers /\ ~RecoveringFromFault => \A r \in Requests :
+        (client[r] \notin {"Idle"} \cup FaultOutcomes /\ Fits(r)) => client[r] = "Ok"
 
 -----------------------------------------------------------------------------
 (* Liveness, under FairSpec. *)

@@ -239,9 +239,14 @@ def arrive(m: Model, s: State, r: int, n: int) -> Change | str:
     return _one(r, _row(row, CLIENT, WAITING, PROMPT, n, PST, QUEUED, BOOT, 1))
 
 
+WAITS_FOR_TABLE = "decode has not reserved yet: the prefill admits once it has the page table"
+
+
 def _admit_need(m: Model, row: tuple) -> int | str:
     if row[PST] != QUEUED:
         return f"the prefill state is {PREFILL_NAMES[row[PST]]}, not Queued"
+    if not row[TABLE] and "AdmitBeforeReserve" not in m.bugs:
+        return WAITS_FOR_TABLE  # the bootstrap queue (KVTransfer.tla, Admit)
     need = row[PROMPT]
     if need > m.prefill_pages:
         if "FinishedNotRejected" not in m.bugs:

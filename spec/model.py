@@ -70,6 +70,12 @@ BUG_SWITCHES: dict[str, tuple[str, str, str]] = {
         "decode gives up on a request without telling the prefill",
         "kvproof guard removal",
     ),
+    "AdmitBeforeReserve": (
+        "prefill admits only once decode has reserved (the bootstrap queue)",
+        "prefill takes its pages before decode reserves; under pool pressure the pools "
+        "deadlock until timeouts fail requests that fit",
+        "pool-pressure hangs of the same family: SGLang #30033, #6857",
+    ),
 }
 
 ALL_BUGS = frozenset(BUG_SWITCHES)

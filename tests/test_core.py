@@ -51,15 +51,15 @@ CORRUPTED = [
     ((Arrive(0, 1),), Accept(0, True), "no Done"),
     ((Arrive(0, 1),), Release(0), "not Closing"),
     ((Arrive(0, 1),), SendPage(0), "not Running"),
-    ((Arrive(0, 1), Admit(0, (0,))), SendPage(0), "page table"),
+    ((Arrive(0, 1),), Admit(0, (0,)), "page table"),
     ((Arrive(0, 1),), Reserve(0, (0, 1)), "1 decode pages needed, 2 given"),
     ((Arrive(0, 1), Reserve(0, (0,)), Arrive(1, 1)), Reserve(1, (0,)), "not free"),
-    ((Arrive(0, 2),), Admit(0, (1, 0)), "ascending"),
+    ((Arrive(0, 2), Reserve(0, (0, 1))), Admit(0, (1, 0)), "ascending"),
     ((Arrive(0, 2),), Reject(0), "fits the prefill pool"),
     ((Arrive(0, 1), Reserve(0, (0,)), Timeout(0)), Release(0), "final word"),
-    ((Arrive(0, 1), Admit(0, (0,)), Reserve(0, (0,)), SendPage(0)), SendDone(0),
+    ((Arrive(0, 1), Reserve(0, (0,)), Admit(0, (0,)), SendPage(0)), SendDone(0),
      "in flight"),
-    ((Arrive(0, 1), Admit(0, (0,)), Reserve(0, (0,)), SendPage(0)), PrefillFail(0),
+    ((Arrive(0, 1), Reserve(0, (0,)), Admit(0, (0,)), SendPage(0)), PrefillFail(0),
      "in flight"),
     ((Arrive(0, 1),), Arrive(0, 1), "already arrived"),
     ((), Arrive(0, 4), "outside 1..3"),
@@ -87,7 +87,7 @@ def test_corrupted_event_is_refused_with_a_reason_and_changes_nothing(before, ev
 def test_a_write_into_a_foreign_page_cannot_be_forged():
     """A LandWrite naming another request's page is refused: writes are the core's, not the
     caller's."""
-    s = run(DEFAULT, Arrive(0, 1), Admit(0, (0,)), Reserve(0, (0,)), SendPage(0))
+    s = run(DEFAULT, Arrive(0, 1), Reserve(0, (0,)), Admit(0, (0,)), SendPage(0))
     assert isinstance(apply(DEFAULT, s, LandWrite(1, 0)), Refusal)
     assert isinstance(apply(DEFAULT, s, LandWrite(0, 2)), Refusal)
 
@@ -161,14 +161,14 @@ def test_finished_not_rejected_swaps_an_overlong_prompt_for_one_page():
     m = Model(bugs={"FinishedNotRejected", "PoolBelowContext"}, **BASES["default"])
     s = run(m, Arrive(0, 3))
     assert isinstance(apply(m, s, Reject(0)), Refusal)
-    s = run(m, Arrive(0, 3), Admit(0, (0,)))
+    s = run(m, Arrive(0, 3), Reserve(0, (0, 1, 2)), Admit(0, (0,)))
     assert s.requests[0][core.SRC] == (0,)
     assert core.CLIENT_NAMES[s.requests[0][core.CLIENT]] == "Waiting"
 
 
 def test_prefill_crash_loses_running_requests_and_flushes_their_writes():
     m = Model(**BASES["solo-crash"])
-    s = run(m, Arrive(0, 2), Admit(0, (0, 1)), Reserve(0, (0, 1)), SendPage(0))
+    s = run(m, Arrive(0, 2), Reserve(0, (0, 1)), Admit(0, (0, 1)), SendPage(0))
     s = apply(m, s, core.PrefillCrash())
     row = s.requests[0]
     assert core.PREFILL_NAMES[row[core.PST]] == "Aborted"
@@ -185,7 +185,7 @@ def test_prefill_crash_loses_running_requests_and_flushes_their_writes():
 
 def test_decode_crash_tombstones_what_decode_knew_and_frees_its_pool_keeping_generations():
     m = Model(**BASES["solo-decode-crash"])
-    s = run(m, Arrive(0, 2), Admit(0, (0, 1)), Reserve(0, (0, 1)), SendPage(0))
+    s = run(m, Arrive(0, 2), Reserve(0, (0, 1)), Admit(0, (0, 1)), SendPage(0))
     gens = [page[core.GEN] for page in s.decode_pool]
     s = apply(m, s, core.DecodeCrash())
     row = s.requests[0]

@@ -174,9 +174,9 @@ def test_a_broken_guard_that_is_no_switch_is_caught(monkeypatch, target, action,
 def _late_write_sequence():
     """The late-write-looks-current bug by hand: r1's write lands in a page r2 reuses after
     r2 accepted; without a tag bump r2 reads r1's data and gets Ok."""
-    return [core.Arrive(0, 1), core.Admit(0, (0,)), core.Reserve(0, (5,)), core.SendPage(0),
-            core.Timeout(0), core.Release(0), core.Arrive(1, 1), core.Admit(1, (1,)),
-            core.Reserve(1, (5,)), core.SendPage(1), core.LandWrite(1, 5), core.SendDone(1),
+    return [core.Arrive(0, 1), core.Reserve(0, (5,)), core.Admit(0, (0,)), core.SendPage(0),
+            core.Timeout(0), core.Release(0), core.Arrive(1, 1), core.Reserve(1, (5,)),
+            core.Admit(1, (1,)), core.SendPage(1), core.LandWrite(1, 5), core.SendDone(1),
             core.Accept(1, True), core.LandWrite(0, 5), core.Finish(1, True)]
 
 
@@ -234,13 +234,13 @@ def test_page_conservation_counts_every_page_once():
 
 def test_minimize_keeps_only_what_the_violation_needs():
     m = _fuzz_model("EagerRelease")
-    bystander = [core.Arrive(3, 2), core.Admit(3, (5, 6)), core.Reserve(3, (7, 8))]
-    events = bystander[:2] + [core.Arrive(0, 1), core.Admit(0, (0,))] + bystander[2:] + [
-        core.Reserve(0, (0,)), core.SendPage(0), core.Timeout(0), core.Release(0)]
+    bystander = [core.Arrive(3, 2), core.Reserve(3, (7, 8)), core.Admit(3, (5, 6))]
+    events = bystander[:2] + [core.Arrive(0, 1), core.Reserve(0, (0,))] + bystander[2:] + [
+        core.Admit(0, (0,)), core.SendPage(0), core.Timeout(0), core.Release(0)]
     minimal, found = minimize("core", m, events, Checks.for_properties(), "NoWriteIntoForeign",
                               seconds_max=10)
     assert [e.label(m) for e in minimal] == [
-        "Arrive(r1, 1)", "Admit(r1, {1})", "Reserve(r1, {1})", "SendPage(r1)", "Timeout(r1)",
+        "Arrive(r1, 1)", "Reserve(r1, {1})", "Admit(r1, {1})", "SendPage(r1)", "Timeout(r1)",
         "Release(r1)"]
     assert found.property == "NoWriteIntoForeign" and found.steps == 6
 
@@ -288,15 +288,15 @@ def test_a_delay_holds_a_request_s_deliveries_until_its_stall_ends_or_nothing_el
     m = _fuzz_model()
     target = CoreTarget()
     target.reset(m, seed=0)
-    for event in [core.Arrive(0, 1), core.Admit(0, (0,)), core.Reserve(0, (0,)),
+    for event in [core.Arrive(0, 1), core.Reserve(0, (0,)), core.Admit(0, (0,)),
                   core.SendPage(0), core.Arrive(1, 1)]:
         target.step(event)
     assert core.LandWrite(0, 0) in target.enabled()["LandWrite"]
     target.step(Delay(0, 2))  # held for the next two events
     assert "LandWrite" not in target.enabled()
-    target.step(core.Admit(1, (1,)))
-    assert "LandWrite" not in target.enabled() and "Delay" in target.enabled()
     target.step(core.Reserve(1, (1,)))
+    assert "LandWrite" not in target.enabled()
+    target.step(core.Admit(1, (1,)))
     assert core.LandWrite(0, 0) in target.enabled()["LandWrite"]  # the stall is over
     target.step(Delay(0, 50))
     target.step(core.SendPage(1))

@@ -21,7 +21,7 @@ M = Model(requests=2, max_prompt_pages=2, context_pages=2, prefill_pages=2, deco
 def _transferred(m: Model = M):
     """r1 (request 0) with its one page transferred cleanly and Done in flight."""
     s = initial_state(m)
-    for event in (Arrive(0, 1), Admit(0, (0,)), Reserve(0, (2,)), SendPage(0),
+    for event in (Arrive(0, 1), Reserve(0, (2,)), Admit(0, (0,)), SendPage(0),
                   LandWrite(0, 2), SendDone(0)):
         s = apply(m, s, event)
         assert not isinstance(s, core.Refusal), s
@@ -60,7 +60,7 @@ def test_without_the_checksum_guard_a_bad_observation_changes_nothing():
 def _store_with_clean_transfer() -> Store:
     store = Store(M, prefill_workers=1, decode_workers=1)
     store.arrive(0, 0, 0)
-    for event in (Arrive(0, 1), Admit(0, (0,)), Reserve(0, (2,)), SendPage(0),
+    for event in (Arrive(0, 1), Reserve(0, (2,)), Admit(0, (0,)), SendPage(0),
                   LandWrite(0, 2), SendDone(0)):
         out = store.take(0, event)
         assert not isinstance(out, core.Refusal), out

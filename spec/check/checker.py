@@ -25,7 +25,7 @@ from typing import Callable
 from spec import core
 from spec.core import Event, State
 from spec.model import Model, ModelError
-from spec.properties import (REST_INVARIANTS, STATE_INVARIANTS, STEP_PROPERTIES, Violation,
+from spec.properties import (QUIET_INVARIANTS, REST_INVARIANTS, STATE_INVARIANTS, STEP_PROPERTIES, Violation,
                              first_step_failure)
 from spec.check.symmetry import canonical
 
@@ -115,7 +115,8 @@ class Checker:
                              f"{REQUESTS_MAX} is hopeless (kvproof fuzz takes larger models)")
         self.m = m
         self.symmetry = symmetry
-        known = tuple(STATE_INVARIANTS) + tuple(REST_INVARIANTS) + tuple(STEP_PROPERTIES)
+        known = (tuple(STATE_INVARIANTS) + tuple(REST_INVARIANTS) + tuple(QUIET_INVARIANTS)
+                 + tuple(STEP_PROPERTIES))
         names = invariants if invariants is not None else known
         unknown = [n for n in names if n not in known]
         if unknown:
@@ -123,6 +124,7 @@ class Checker:
         self.invariant_names = tuple(names)
         self.state_checks = [(n, STATE_INVARIANTS[n]) for n in names if n in STATE_INVARIANTS]
         self.rest_checks = [(n, REST_INVARIANTS[n]) for n in names if n in REST_INVARIANTS]
+        self.quiet_checks = [(n, QUIET_INVARIANTS[n]) for n in names if n in QUIET_INVARIANTS]
         # Step properties are checked on every edge, before symmetry maps the successor to
         # its representative (a step compares the same requests on both sides).
         self.step_checks = [(n, STEP_PROPERTIES[n]) for n in names if n in STEP_PROPERTIES]
@@ -180,6 +182,7 @@ class Checker:
             here = expanded
             expanded += 1
             fair_enabled = False
+            step_enabled = False  # a protocol step other than a timer
             any_enabled = False
             child_indices: list[int] = []
             for event, nxt in successors(m, s):
@@ -187,8 +190,9 @@ class Checker:
                 generated += 1
                 name = event.action
                 transitions[name] = transitions.get(name, 0) + 1
-                if not fair_enabled and name not in core.UNFAIR_ACTIONS:
+                if not step_enabled and name not in core.UNFAIR_ACTIONS:
                     fair_enabled = True
+                    step_enabled = name not in core.TIMER_ACTIONS
                 if step_checks:
                     failed = self._first_step_failure(step_checks, s, nxt)
                     if failed:
@@ -218,6 +222,12 @@ class Checker:
                 break
             if graph is not None:
                 graph.add(child_indices)
+            if not step_enabled and self.quiet_checks:
+                failed = self._first_failure(self.quiet_checks, s)
+                if failed:
+                    result.violation = Violation(failed, kind="quiet",
+                                                 trace=self._trace(here, parents))
+                    break
             if not fair_enabled:
                 result.rest_states += 1
                 failed = self._first_failure(self.rest_checks, s)

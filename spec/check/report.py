@@ -11,6 +11,7 @@ KIND_TEXT = {
     "invariant": "Invariant {p} is violated.",
     "rest": "Invariant {p} is violated at rest (no fair action is enabled).",
     "step": "Action property {p} is violated by the last step.",
+    "quiet": "Invariant {p} is violated where only a timer could move the protocol on.",
     "deadlock": "Deadlock reached: {p} is violated and no action is enabled.",
     "cycle": "Liveness: the state graph has a cycle, so fairness alone does not end requests.",
 }

@@ -170,6 +170,7 @@ ALONE: tuple[Alone, ...] = (
           exposed_by="source-reuse-unverified"),
     Alone("NoTombstone", masked_by="decode timeout with cancel", exposed_by="lost-tombstone"),
     Alone("NoCancel", breaks="NoLeakAtRest", length=5),
+    Alone("AdmitBeforeReserve", breaks="FittingRequestsSucceed", length=4),
 )
 assert {a.switch for a in ALONE} == set(BUG_SWITCHES)
 
