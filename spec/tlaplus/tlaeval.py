@@ -27,7 +27,7 @@ interpreter it replaced; 870,620 states in about 30 s, explore() below):
   the body of an `\\E x \\in S` that do not mention x are tested once, before the loop (most
   actions are disabled in most states, and this is where they stop);
 - pure operators (mentioning no variable) that loop (CHOOSE, quantifiers, comprehensions)
-  are Python functions memoized on their arguments; SortSeq's CHOOSE over [1..n -> S] runs
+  are Python functions memoized on their arguments; Ascending's CHOOSE runs
   once per set, not once per state; other operators are inlined;
 - values are Python's: ints, strs, bools, frozensets, interned model values, and functions
   as a dict subclass, so f[x] is one subscript and equality is dict equality.
