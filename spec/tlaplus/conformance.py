@@ -39,7 +39,7 @@ def from_view(v: object) -> object:
     return v
 
 
-def spec_for(m: Model, text: str | None = None) -> Spec:
+def spec_for(m: Model, text: str | None = None, tlc_branching: bool = False) -> Spec:
     constants = {
         "Requests": frozenset(ModelValue(n) for n in m.request_names),
         "NoReq": ModelValue("NoReq"), "MaxPromptPages": m.max_prompt_pages,
@@ -47,7 +47,8 @@ def spec_for(m: Model, text: str | None = None) -> Spec:
         "DecodePages": m.decode_pages, "Crashes": m.crashes,
         "DecodeCrashes": m.decode_crashes, "Bugs": frozenset(m.bugs),
     }
-    spec = Spec(text if text is not None else SPEC_PATH.read_text(), constants)
+    spec = Spec(text if text is not None else SPEC_PATH.read_text(), constants,
+                tlc_branching=tlc_branching)
     spec.labels = action_labels(spec)
     return spec
 
