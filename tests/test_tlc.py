@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import zipfile
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from api.cli import _properties, main
+from spec.check.checker import Checker
 from spec.model import Model
 from spec.properties import ALL_INVARIANTS
 from spec.check.cfgfile import cfg_for, load, model_names, parse_cfg
@@ -178,3 +180,59 @@ def test_tlc_is_given_every_shipped_cfg_as_it_is(name):
     given = parse_cfg(cfg_for(model, invariants, tuple(cfg.properties) if liveness else ()))
     assert (given.constants, given.invariants, given.properties, given.specification) == (
         cfg.constants, cfg.invariants, cfg.properties, cfg.specification)
+
+
+# -- the figures spec/README.md says TLC must print ----------------------------------------
+
+README = Path(__file__).resolve().parents[1] / "spec" / "README.md"
+# model -> (distinct states, TLC's depth) where every property holds, or the violated
+# invariant and the counterexample's steps. kvproof's counts (TLC's depth counts the initial
+# state); TLC's were seen to be equal for default (870,620, depth 27).
+TLC_FIGURES = {
+    "bug-EagerRelease": ("NoWriteIntoForeign", 6), "bug-FinishedNotRejected": (870620, 27),
+    "bug-NoAbortNotice": (431860, 27), "bug-NoCancel": ("NoLeakAtRest", 5),
+    "bug-NoChecksum": (870620, 27), "bug-NoCountCheck": (870620, 27),
+    "bug-NoGenBump": (845210, 27), "bug-NoTimeout": ("NoLeakAtRest", 4),
+    "bug-NoTombstone": (934300, 27), "bug-PoolBelowContext": (959637, 27),
+    "bug-SourceReuse": ("SourceHeld", 4), "crash": (1593976, 27), "decode-crash": (344176, 23),
+    "default": (870620, 27), "incident": ("OkIsClean", 18), "large": None,
+    "reject-paths": (1102, 14), "small": (81312, 23), "solo": (987, 14),
+    "solo-crash": (1384, 14), "solo-decode-crash": (2143, 14), "wide": (988, 14),
+    "zoo-dead-prefill": ("NoLeakAtRest", 3), "zoo-eager-release": ("NoWriteIntoForeign", 6),
+    "zoo-late-write-looks-current": ("Isolation", 15), "zoo-lost-tombstone": ("NoLeakAtRest", 4),
+    "zoo-no-cancel": ("NoLeakAtRest", 5), "zoo-no-timeout": ("NoLeakAtRest", 4),
+    "zoo-rejected-decodes": ("RejectedIsError", 7),
+    "zoo-silent-prefill-abort": ("NoLeakAtRest", 3), "zoo-source-reuse": ("SourceHeld", 4),
+    "zoo-source-reuse-unverified": ("Isolation", 10),
+}
+
+
+def readme_table() -> dict[str, object]:
+    block = README.read_text().split("<!-- tlc-figures:begin -->")[1].split(
+        "<!-- tlc-figures:end -->")[0]
+    rows = {}
+    for line in block.strip().splitlines()[2:]:
+        name, verdict, distinct, depth = [c.strip() for c in line.strip("|").split("|")]
+        broken = re.match(r"Invariant (\w+) is violated \((\d+) steps\)", verdict)
+        rows[name] = ((broken.group(1), int(broken.group(2))) if broken else
+                      (int(distinct.replace(",", "")), int(depth)) if distinct else None)
+    return rows
+
+
+def test_the_readme_table_of_tlc_figures_is_pinned_and_covers_every_model():
+    assert readme_table() == TLC_FIGURES
+    assert set(TLC_FIGURES) == set(model_names())
+
+
+@pytest.mark.parametrize("name", [n for n, f in TLC_FIGURES.items() if f is not None and (
+    isinstance(f[0], str) and n not in ("incident", "zoo-late-write-looks-current",
+                                        "zoo-rejected-decodes", "zoo-source-reuse-unverified")
+    or isinstance(f[0], int) and f[0] < 5000)])
+def test_the_small_models_figures_are_what_kvproof_finds(name):
+    cfg, model = load(name)
+    invariants, liveness = _properties(cfg, [])
+    result = Checker(model, invariants=invariants, liveness=liveness).run()
+    if result.violation is None:
+        assert (result.distinct_states, result.depth + 1) == TLC_FIGURES[name]
+    else:
+        assert (result.violation.property, result.violation.length) == TLC_FIGURES[name]
