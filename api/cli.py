@@ -125,20 +125,30 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _check_with_tlc(model, invariants: tuple[str, ...], properties: tuple[str, ...]) -> int:
-    from spec.tlaplus.tlc import find_tlc, run_tlc
+    from spec.tlaplus.tlc import find_tlc, run_tlc, static_errors
 
     found = find_tlc()
     if isinstance(found, str):
         print(f"kvproof check --tlc: {found}", file=sys.stderr)
         return EXIT_USAGE
+    refused = static_errors()
+    if refused:  # TLC would stop in SANY before checking anything: say where, without Java
+        print("kvproof check --tlc: SANY would refuse spec/KVTransfer.tla:\n  "
+              + "\n  ".join(refused), file=sys.stderr)
+        return EXIT_USAGE
     print(f"{model.describe()}\nRunning TLC (1 worker) on the same model ...", flush=True)
     result = run_tlc(model, invariants, properties)  # exactly what kvproof would check
+    print("TLC command: " + " ".join(result.command))
     print(f"TLC: {result.states_generated} states generated, {result.distinct_states} distinct "
           f"states found, depth {result.depth}, {result.seconds:.1f} s")
     if result.ok:
         print("TLC: Model checking completed. No error has been found.")
         return EXIT_OK
     print(result.output[-4000:])
+    if result.refused:
+        print(f"kvproof check --tlc: TLC checked nothing (exit {result.returncode}): "
+              f"{result.violation or 'it refused the spec or the .cfg'}", file=sys.stderr)
+        return EXIT_USAGE
     print(f"Error: TLC reports {result.violation or 'an error'}")
     return EXIT_VIOLATION
 

@@ -99,8 +99,13 @@ vars == <<client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel, 
           owner, gen, content, powner, pdata, writes>>
 
 Range(q) == {q[i] : i \in DOMAIN q}
-SortSeq(S) == CHOOSE q \in [1..Cardinality(S) -> S] :
-                \A i, j \in 1..Cardinality(S) : i < j => q[i] < q[j]
+(* A finite set of integers as the ascending sequence of its elements. Not SortSeq:  *)
+(* the standard module TLC, extended above, defines SortSeq(s, Op) with two arguments,   *)
+(* and SANY refuses a second definition of the name. Element i is the x with exactly     *)
+(* i - 1 elements of S below it, so TLC computes it directly instead of searching the    *)
+(* function set [1..n -> S] (n^n candidates) in every Admit and Reserve.                 *)
+Ascending(S) == [i \in 1..Cardinality(S) |->
+                   CHOOSE x \in S : Cardinality({y \in S : y < x}) = i - 1]
 FreePrefill == {p \in PPages : powner[p] = NoReq}
 FreeDecode == {p \in DPages : owner[p] = NoReq}
 WritesOf(r) == {w \in writes : w.req = r}
@@ -188,7 +193,7 @@ Admit(r, S) ==
     /\ S \subseteq FreePrefill
     /\ Cardinality(S) = AdmitNeed(r)
     /\ pst' = [pst EXCEPT ![r] = "Running"]
-    /\ src' = [src EXCEPT ![r] = SortSeq(S)]
+    /\ src' = [src EXCEPT ![r] = Ascending(S)]
     /\ powner' = [p \in PPages |-> IF p \in S THEN r ELSE powner[p]]
     /\ pdata' = [p \in PPages |-> IF p \in S THEN r ELSE pdata[p]]
     /\ UNCHANGED <<client, prompt, sent, dst, table, boot, fwMsg, dfw, cancel, leaked,
@@ -321,7 +326,7 @@ Reserve(r, S) ==
     /\ Cardinality(S) = prompt[r]
     /\ LET g == [p \in DPages |-> IF p \in S /\ "NoGenBump" \notin Bugs
                                     THEN gen[p] + 1 ELSE gen[p]]
-           q == SortSeq(S)
+           q == Ascending(S)
        IN /\ gen' = g
           /\ table' = [table EXCEPT ![r] =
                          [i \in 1..Len(q) |-> [page |-> q[i], gen |-> g[q[i]]]]]

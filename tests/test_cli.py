@@ -24,7 +24,9 @@ def test_default_model_holds_every_property_and_pins_exact_counts(capsys):
     code, out, err = run_cli(capsys)
     assert code == 0, out + err
     assert "No error has been found" in out
-    assert "2357447 states generated, 870620 distinct states found, 0 states left on queue" in out
+    # TLC reports the same three figures for default.cfg (2,385,281 generated counts TLC's
+    # duplicates: spec/check/tlccount.py).
+    assert "2385281 states generated, 870620 distinct states found, 0 states left on queue" in out
     assert "depth of the complete state graph search is 27" in out
     assert "liveness (EveryRequestEnds, PagesComeBack)" in out
     assert "Progress:" in err

@@ -28,6 +28,7 @@ from spec.model import Model, ModelError
 from spec.properties import (QUIET_INVARIANTS, REST_INVARIANTS, STATE_INVARIANTS, STEP_PROPERTIES, Violation,
                              first_step_failure)
 from spec.check.symmetry import canonical
+from spec.check.tlccount import WAYS as TLC_WAYS
 
 
 @dataclass
@@ -35,7 +36,11 @@ class CheckResult:
     model: Model
     symmetry: bool
     distinct_states: int = 0
+    # TLC's convention: initial states plus every successor TLC's enumeration of the spec
+    # produces, duplicates included (spec/check/tlccount.py); `transitions` counts each
+    # enabled event once (the figure kvproof reported as generated before, minus one).
     states_generated: int = 0
+    transitions: int = 0
     depth: int = 0
     seconds: float = 0.0
     violation: Violation | None = None
@@ -170,6 +175,7 @@ class Checker:
         if failed:
             result.violation = Violation(failed, kind="invariant", trace=[(None, init)])
         generated = 1
+        tlc_duplicates = 0
         expanded = 0
         next_report = started + self.progress_every_s
         successors = core.successors
@@ -189,6 +195,9 @@ class Checker:
                 any_enabled = True
                 generated += 1
                 name = event.action
+                ways = TLC_WAYS.get(name)
+                if ways is not None:  # TLC derives this successor that many times
+                    tlc_duplicates += ways(m, s, event) - 1
                 transitions[name] = transitions.get(name, 0) + 1
                 if not step_enabled and name not in core.UNFAIR_ACTIONS:
                     fair_enabled = True
@@ -235,7 +244,7 @@ class Checker:
                     kind = "rest" if any_enabled else "deadlock"
                     result.violation = Violation(failed, kind=kind, trace=self._trace(here, parents))
             if self.progress is not None and time.perf_counter() >= next_report:
-                self.progress(len(parents), generated, depths[here],
+                self.progress(len(parents), generated + tlc_duplicates, depths[here],
                               time.perf_counter() - started)
                 next_report = time.perf_counter() + self.progress_every_s
             if self.max_states is not None and len(parents) > self.max_states:
@@ -243,7 +252,8 @@ class Checker:
                                    "raise --max-states or check a smaller model")
         result.left_on_queue = len(queue)
         result.distinct_states = len(parents)
-        result.states_generated = generated
+        result.states_generated = generated + tlc_duplicates
+        result.transitions = generated - 1
         result.depth = max(depths) if depths else 0
         result.action_counts = action_counts
         result.action_transitions = transitions

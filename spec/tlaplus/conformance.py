@@ -39,11 +39,12 @@ def from_view(v: object) -> object:
     return v
 
 
-def spec_for(m: Model, text: str | None = None) -> Spec:
+def spec_for(m: Model, text: str | None = None, tlc_branching: bool = False) -> Spec:
     constants = {**m.tla_constants(), "NoReq": ModelValue("NoReq"),
                  "Requests": frozenset(ModelValue(n) for n in m.request_names),
                  "Bugs": frozenset(m.bugs)}
-    spec = Spec(text if text is not None else SPEC_PATH.read_text(), constants)
+    spec = Spec(text if text is not None else SPEC_PATH.read_text(), constants,
+                tlc_branching=tlc_branching)
     spec.labels = action_labels(spec)
     return spec
 

@@ -113,7 +113,8 @@ class ActionRules:
             return [item for part in parts for item in self.flatten(part, scope, label, primed)]
         if kind == "OperatorApplication" and node.operator in self.ops \
                 and node.operator not in scope.names \
-                and (scope.init or self.has_primes(self.ops[node.operator].body)):
+                and (scope.init or self.has_primes(self.ops[node.operator].body)
+                     or (self.tlc_branching and self.branches_in_tlc(node))):
             return self._inline_action(node, scope, label, primed)
         return [Item(node, scope, label)]
 
@@ -152,7 +153,48 @@ class ActionRules:
     def is_guard(self, item: Item, primed: dict) -> bool:
         if self.has_primes(item.node):
             return False
+        if self.tlc_branching and len(primed) < len(self.variables) \
+                and self.branches_in_tlc(item.node):
+            return False  # a branch point, as in TLC, although it assigns nothing
         return not (item.scope.init and self.reads_unassigned(item.node, primed))
+
+    def branches_in_tlc(self, node) -> bool:
+        """Whether TLC's successor enumeration branches on this conjunct: a \\/ or \\E, also
+        inside a conjunction, IF, CASE, LET or the body of an operator it applies (TLC enters
+        those; it evaluates a zero-argument operator without variables once, as a value).
+        Such a conjunct generates the rest of the action once per branch that holds, so
+        TLC counts a successor as often as its guard holds (spec/check/tlccount.py)."""
+        kind = type(node).__name__
+        if kind == "Parentheses":
+            return self.branches_in_tlc(node.expression)
+        if kind == "Quantification":
+            return node.quantifier in ("\\E", "\\exists")
+        if kind == "VerticalList":
+            return node.operator == "\\/" or any(self.branches_in_tlc(i.expression)
+                                                 for i in node.arguments)
+        if kind == "If":
+            return self.branches_in_tlc(node.then) or self.branches_in_tlc(node.else_)
+        if kind == "Cases":
+            return any(self.branches_in_tlc(a.expression) for a in node.cases) or (
+                node.other is not None and self.branches_in_tlc(node.other))
+        if kind == "Let":
+            return self.branches_in_tlc(node.expression)
+        if kind != "OperatorApplication":
+            return False
+        if node.operator in ("\\/", "\\lor"):
+            return True
+        if node.operator in ("/\\", "\\land"):
+            return any(self.branches_in_tlc(a) for a in node.arguments or [])
+        op = self.ops.get(node.operator)
+        if op is None or node.operator in self.inlining or node.operator in self.tlc_entered:
+            return False
+        if not op.params and not self.mentions_variables(op.body):
+            return False
+        self.tlc_entered.add(node.operator)
+        try:
+            return self.branches_in_tlc(op.body)
+        finally:
+            self.tlc_entered.discard(node.operator)
 
     def guard(self, codes: list[tuple[Code, int]], then: Callable[[], None]) -> None:
         """`if g1 and g2 ...:` around what `then` emits; one line per conjunct, so that an

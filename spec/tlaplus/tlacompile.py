@@ -31,6 +31,9 @@ class Compiler(ExpressionRules, ActionRules):
     def __init__(self, spec) -> None:
         self.spec, self.ops, self.variables = spec, spec.ops, spec.variables
         self.labels = spec.labels
+        # Branch where TLC branches (on guards too), to count successors as TLC does.
+        self.tlc_branching: bool = getattr(spec, "tlc_branching", False)
+        self.tlc_entered: set[str] = set()
         self.namespace: dict = dict(RUNTIME)
         self.origins: dict[str, list[int]] = {}
         self.fresh_ids = itertools.count()
@@ -123,6 +126,10 @@ class Compiler(ExpressionRules, ActionRules):
     def has_primes(self, node) -> bool:
         return self._scan(node, lambda n: type(n).__name__ == "OperatorApplication"
                           and n.operator in ("'", "UNCHANGED"), self._primes)
+
+    def mentions_variables(self, node) -> bool:
+        return self._scan(node, lambda n: type(n).__name__ == "OperatorApplication"
+                          and n.arguments is None and n.operator in self.variables, {})
 
     def loops(self, node) -> bool:
         """Whether evaluating node enumerates a set (then memoizing it pays)."""

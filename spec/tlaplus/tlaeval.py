@@ -27,7 +27,7 @@ interpreter it replaced; 870,620 states in about 30 s, explore() below):
   the body of an `\\E x \\in S` that do not mention x are tested once, before the loop (most
   actions are disabled in most states, and this is where they stop);
 - pure operators (mentioning no variable) that loop (CHOOSE, quantifiers, comprehensions)
-  are Python functions memoized on their arguments; SortSeq's CHOOSE over [1..n -> S] runs
+  are Python functions memoized on their arguments; Ascending's CHOOSE runs
   once per set, not once per state; other operators are inlined;
 - values are Python's: ints, strs, bools, frozensets, interned model values, and functions
   as a dict subclass, so f[x] is one subscript and equality is dict equality.
@@ -77,8 +77,12 @@ class Operator:
 class Spec:
     """A parsed TLA+ module with constants bound; its operators compile on first use."""
 
-    def __init__(self, text: str, constants: dict[str, object]) -> None:
+    def __init__(self, text: str, constants: dict[str, object],
+                 tlc_branching: bool = False) -> None:
+        """tlc_branching: Next branches on guards that are disjunctions or \\E, as TLC's
+        enumeration does, so its successor lists hold TLC's duplicates (slower)."""
         module = tla.parse(text)
+        self.tlc_branching = tlc_branching
         self.variables: list[str] = []
         self.constants = dict(constants)
         self.ops: dict[str, Operator] = {}
@@ -140,6 +144,9 @@ class Spec:
 class Exploration:
     states: int = 0
     edges: int = 0  # distinct labelled edges (label, from, to)
+    # Initial states plus every successor Next listed, duplicates included: TLC's "states
+    # generated" when the Spec was made with tlc_branching=True.
+    generated: int = 0
     labels: set[str] = field(default_factory=set)
     seconds: float = 0.0
 
@@ -170,9 +177,11 @@ def explore(spec: Spec, max_states: int | None = None,
     meter = WalkMeter(progress, max_states)
     step = spec.next_function()
     inits = [tuple(s[v] for v in spec.variables) for s in spec.initial_states()]
-    seen, queue, result = set(inits), deque(inits), Exploration()
+    seen, queue, result = set(inits), deque(inits), Exploration(generated=len(inits))
     while queue:
-        edges = set(step(queue.popleft()))
+        listed = step(queue.popleft())
+        result.generated += len(listed)
+        edges = set(listed)
         result.edges += len(edges)
         for label, successor in edges:
             result.labels.add(label)

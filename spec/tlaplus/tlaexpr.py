@@ -135,7 +135,7 @@ class ExpressionRules:
 
     def memo_function(self, name: str) -> str | None:
         """A Python function memoized on its arguments, for an operator that mentions no
-        variable and loops (SortSeq's CHOOSE, Range's comprehension); None for the rest,
+        variable and loops (Ascending's CHOOSE, Range's comprehension); None for the rest,
         which are inlined (cheaper than a call and a lookup)."""
         if name in self.memo_functions:
             return self.memo_functions[name]

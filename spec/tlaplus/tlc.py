@@ -2,8 +2,15 @@
 
 TLC is a Java program (tla2tools.jar) that no package registry reachable here ships. It runs
 when `java` is on PATH and TLA2TOOLS_JAR names the jar; otherwise `find_tlc` says exactly
-which of the two is missing. A model with extra switches (`--bug`) is written to a temporary
-.cfg, so TLC checks exactly what the Python checker checks.
+which of the two is missing. The model is written to a temporary .cfg (for a shipped model
+the same constants, invariants and properties as its file in spec/models/, so TLC checks
+exactly what the Python checker checks, `--bug` switches included).
+
+Before Java starts, spec/tlaplus/sany.py checks the spec for what SANY (TLC's front end)
+would refuse, and names the line; TLC itself exits 150 when SANY refuses the spec, which is
+reported as bad input, not as a property violation. Liveness is checked once, after the
+safety search (`-lncheck final`): TLC's default re-checks the growing graph periodically,
+which is most of the time a FairSpec run takes on these models.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from spec.check.cfgfile import cfg_for
 from spec.model import Model
 
 SPEC = Path(__file__).resolve().parent.parent / "KVTransfer.tla"
+# TLC's exit statuses for a spec SANY refuses (150) and a .cfg it cannot use (151).
+SPEC_OR_CONFIG_REFUSED = (150, 151)
 
 
 @dataclass
@@ -32,6 +41,14 @@ class TlcResult:
     seconds: float
     violation: str | None  # "Invariant X", "Deadlock", "Temporal properties", or TLC's error
     output: str
+    returncode: int | None = None
+    command: tuple[str, ...] = ()
+
+    @property
+    def refused(self) -> bool:
+        """SANY refused the spec or TLC the .cfg: nothing was checked (bad input)."""
+        return self.returncode in SPEC_OR_CONFIG_REFUSED or "Semantic errors:" in self.output \
+            or "*** Parse Error ***" in self.output
 
 
 def find_tlc() -> tuple[str, str] | str:
@@ -50,7 +67,7 @@ def find_tlc() -> tuple[str, str] | str:
     return java, jar
 
 
-def parse_tlc_output(text: str, seconds: float) -> TlcResult:
+def parse_tlc_output(text: str, seconds: float, returncode: int | None = None) -> TlcResult:
     def number(pattern: str) -> int | None:
         found = re.findall(pattern, text)
         return int(found[-1].replace(",", "")) if found else None
@@ -66,10 +83,35 @@ def parse_tlc_output(text: str, seconds: float) -> TlcResult:
         violation = "Deadlock"
     elif "Error: Temporal properties were violated" in text:
         violation = "Temporal properties"
+    elif "Semantic errors:" in text:
+        violation = "SANY refused the spec: " + _first_semantic_error(text)
     elif re.search(r"^Error:", text, re.M):
         violation = re.search(r"^Error:.*$", text, re.M).group(0)
-    ok = violation is None and "Model checking completed. No error has been found." in text
-    return TlcResult(ok, distinct, generated, depth, seconds, violation, text)
+    ok = violation is None and "Model checking completed. No error has been found." in text \
+        and returncode in (None, 0)
+    return TlcResult(ok, distinct, generated, depth, seconds, violation, text, returncode)
+
+
+def _first_semantic_error(text: str) -> str:
+    after = text.split("Semantic errors:", 1)[1]
+    lines = [line.strip() for line in after.splitlines() if line.strip()]
+    return next((line for line in lines if not line.startswith("***")), "see TLC's output")
+
+
+def tlc_command(java: str, jar: str, cfg: Path, metadir: Path, workers: int,
+                liveness: bool) -> list[str]:
+    """The command kvproof runs; spec/README.md gives its short form."""
+    options = ["-workers", str(workers), "-metadir", str(metadir), "-config", str(cfg)]
+    if liveness:
+        options += ["-lncheck", "final"]
+    return [java, "-XX:+UseParallelGC", "-cp", jar, "tlc2.TLC", *options, str(SPEC)]
+
+
+def static_errors() -> list[str]:
+    """What SANY would refuse in the spec, as `line N: message` (empty: nothing)."""
+    from spec.tlaplus.sany import check_file
+
+    return [str(e) for e in check_file(SPEC)]
 
 
 def run_tlc(model: Model, invariants: tuple[str, ...], properties: tuple[str, ...],
@@ -81,10 +123,11 @@ def run_tlc(model: Model, invariants: tuple[str, ...], properties: tuple[str, ..
     with tempfile.TemporaryDirectory(prefix="kvproof-tlc-") as tmp:
         cfg = Path(tmp) / "model.cfg"
         cfg.write_text(cfg_for(model, invariants, properties))
-        command = [java, "-XX:+UseParallelGC", "-cp", jar, "tlc2.TLC", "-workers", str(workers),
-                   "-metadir", str(Path(tmp) / "states"), "-config", str(cfg), str(SPEC)]
+        command = tlc_command(java, jar, cfg, Path(tmp) / "states", workers, bool(properties))
         start = time.perf_counter()
         out = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
                              cwd=SPEC.parent)
         seconds = time.perf_counter() - start
-    return parse_tlc_output(out.stdout + out.stderr, seconds)
+    result = parse_tlc_output(out.stdout + out.stderr, seconds, out.returncode)
+    result.command = tuple(command)
+    return result
