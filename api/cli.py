@@ -67,6 +67,14 @@ def _properties(cfg, requested: list[str]) -> tuple[tuple[str, ...], bool]:
     return tuple(names), any(prop in LIVENESS for prop in cfg.properties)
 
 
+def tlc_lists(cfg, invariants: tuple[str, ...], liveness: bool):
+    """What the cfg kvproof writes for TLC lists: the state invariants under INVARIANTS; the
+    liveness and step (action) properties under PROPERTIES, as the shipped file has them."""
+    properties = tuple(p for p in cfg.properties
+                       if p in STEP_PROPERTIES and p in invariants or p in LIVENESS and liveness)
+    return tuple(n for n in invariants if n not in STEP_PROPERTIES), properties
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     if args.list_bugs:
         width = max(len(name) for name in BUG_SWITCHES)
@@ -90,7 +98,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"kvproof check: {error}", file=sys.stderr)
         return EXIT_USAGE
     if args.tlc:
-        return _check_with_tlc(model, invariants, tuple(cfg.properties) if liveness else ())
+        return _check_with_tlc(model, *tlc_lists(cfg, invariants, liveness))
     print(model.describe())
     print(f"Checking {', '.join(invariants)}"
           + (f"; liveness ({', '.join(LIVENESS)}) by acyclicity + rest invariants"

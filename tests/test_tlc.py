@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from api.cli import _properties, main
+from api.cli import _properties, tlc_lists, main
 from spec.check.checker import Checker
 from spec.model import Model
 from spec.properties import ALL_INVARIANTS
@@ -177,7 +177,7 @@ def test_tlc_is_given_every_shipped_cfg_as_it_is(name):
     properties, so TLC checks each shipped model exactly as the file says."""
     cfg, model = load(name)
     invariants, liveness = _properties(cfg, [])
-    given = parse_cfg(cfg_for(model, invariants, tuple(cfg.properties) if liveness else ()))
+    given = parse_cfg(cfg_for(model, *tlc_lists(cfg, invariants, liveness)))
     assert (given.constants, given.invariants, given.properties, given.specification) == (
         cfg.constants, cfg.invariants, cfg.properties, cfg.specification)
 
