@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 MODULUS = (1 << 31) - 1
-_REFERENCE_ROW_UNITS = 4096  # a row of products sums below 2**59: no int64 overflow
+_ROW_UNITS = 4096  # the reference lays a page out as rows of this many units
 
 
 def page_units(kv):
@@ -45,22 +45,32 @@ def page_units(kv):
 
 
 def page_checksum(kv, pages):
-    """int64 [len(pages)]: the digest of each listed page."""
-    units = page_units(kv)[pages.long()].to(torch.int64) & 0xFFFF  # [pages, N]
+    """int64 [len(pages)]: the digest of each listed page.
+
+    With the page as rows of R = _ROW_UNITS units, unit j = r*R + c, row sums S_r and
+    column sums T_c: sum_j j*h_j = R * sum_r r*S_r + sum_c c*T_c, so B = N*A - that,
+    mod p: two reductions over the data instead of a weight tensor the size of the page.
+    Bounds: S_r < 2**28 and T_c < 2**31 (int32 sums, fast), r*S_r < 2**43, c*T_c < 2**43."""
+    units = page_units(kv)[pages.long()]
     count, unit_count = units.shape
-    weights = unit_count - torch.arange(unit_count, device=units.device, dtype=torch.int64)
-    return pack_digest(_sum_mod(units), _sum_mod(units * weights))
+    rows = max(1, -(-unit_count // _ROW_UNITS))
+    assert rows < 2**15, "column sums are int32: pages up to 2**27 units (256 MiB)"
+    table = units.view(torch.uint16).to(torch.int32)  # [0, 65536), one pass
+    if rows * _ROW_UNITS != unit_count:
+        table = torch.nn.functional.pad(table, (0, rows * _ROW_UNITS - unit_count))
+    table = table.view(count, rows, _ROW_UNITS)
+    row_sums = table.sum(dim=2, dtype=torch.int32).long()  # < 2**28: [pages, rows]
+    column_sums = table.sum(dim=1, dtype=torch.int32).long()  # < 2**31: [pages, R]
+    row_index = torch.arange(rows, dtype=torch.int64, device=units.device)
+    column_index = torch.arange(_ROW_UNITS, dtype=torch.int64, device=units.device)
+    sum_a = row_sums.sum(dim=1) % MODULUS
+    by_row = ((row_sums * row_index) % MODULUS).sum(dim=1) % MODULUS
+    by_column = ((column_sums * column_index) % MODULUS).sum(dim=1) % MODULUS
+    position_sum = (_ROW_UNITS * by_row + by_column) % MODULUS  # sum j*h_j mod p
+    sum_b = ((unit_count % MODULUS) * sum_a - position_sum) % MODULUS  # torch %: floor
+    return pack_digest(sum_a, sum_b)
 
 
 def pack_digest(sum_a, sum_b):
     """(B << 32) | A, with both sums already reduced mod p."""
     return (sum_b << 32) | sum_a
-
-
-def _sum_mod(values):
-    """Row sums mod p of non-negative int64 [rows, n] values below 2**47, exactly."""
-    rows, n = values.shape
-    padded = -(-n // _REFERENCE_ROW_UNITS) * _REFERENCE_ROW_UNITS
-    values = torch.nn.functional.pad(values, (0, padded - n))
-    partial = values.view(rows, -1, _REFERENCE_ROW_UNITS).sum(dim=2) % MODULUS
-    return partial.sum(dim=1) % MODULUS

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Triton decides interpreter or compiler when a function is decorated, its own library
+# (tl.sum, tl.cdiv) included, so the choice must be made before anything imports triton.
+# No GPU here: the Triton kernel tests (tests/test_kernels_triton_*.py) run in the
+# interpreter. Export TRITON_INTERPRET=0 to keep the compiler.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from spec.guardtable import run_check as checked  # noqa: F401  (cached model checks)
 

@@ -112,3 +112,17 @@ def make_foreign(case, sequence, slot, seed=1):
     case.kv[page] = fresh.to(case.kv.dtype)
     case.tags[page] = pack_tag(FOREIGN_OWNER, 8)
     return page
+
+
+
+def interpreted_modules(*names):
+    """kernels' Triton modules, in the interpreter (tests/conftest.py sets TRITON_INTERPRET
+    before anything imports triton: triton's own library is decorated at import too)."""
+    import importlib
+
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(tl.sum, InterpretedFunction), (
+        "triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets it)")
+    return [importlib.import_module(name) for name in names]
