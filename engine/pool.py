@@ -58,8 +58,11 @@ class KVPool:
         self.config = config
         shape = (config.num_pages, config.num_layers, 2, config.num_kv_heads,
                  config.page_tokens, config.head_dim)
-        # torch.empty, not zeros: pages hold whatever was there, as after any free.
-        self.kv = torch.empty(shape, dtype=config.dtype, device=config.device)
+        # Zeroed once, at creation, and never again: freed pages keep their content. The
+        # one zeroing matters on the CPU path, whose attention multiplies masked-out
+        # tokens of a sequence's own partial last page by a weight of 0, and 0 * NaN is
+        # NaN: uninitialized memory could hold NaN bit patterns, stale K/V never does.
+        self.kv = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self.tags = torch.full((config.num_pages,), kernels.FRESH_TAG, dtype=torch.int64,
                                device=config.device)
         self.checksums = torch.zeros(config.num_pages, dtype=torch.int64, device=config.device)
