@@ -219,9 +219,11 @@ class Generator:
             if pages is None:
                 return
             waiting.popleft()
-            prefilling.append(self._sequence(request, pages))
+            prefilling.append(self.start_sequence(request, pages))
 
-    def _sequence(self, request: Request, pages: list[int]) -> Sequence:
+    def start_sequence(self, request: Request, pages: list[int]) -> Sequence:
+        """A sequence on these (just allocated) pages: each page's generation is bumped
+        and its new tag written to the pool before anything reads or writes it."""
         tags = []
         for page in pages:
             self._page_generation[page] += 1
