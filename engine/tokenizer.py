@@ -90,8 +90,10 @@ def tokenizer_from_gguf_metadata(metadata: dict, source: Path) -> Tokenizer:
     if kind != "gpt2":
         raise ModelFileError(f"{source}: tokenizer model {kind!r} is not supported (only "
                              "byte-level BPE, 'gpt2')")
-    tokens = metadata["tokenizer.ggml.tokens"]
-    merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ModelFileError(f"{source}: no tokenizer.ggml.tokens in the metadata")
+    merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", [])]
     backend = Backend(models.BPE(vocab={token: i for i, token in enumerate(tokens)},
                                  merges=merges, fuse_unk=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

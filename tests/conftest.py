@@ -17,6 +17,7 @@ from spec.guardtable import run_check as checked  # noqa: F401  (cached model ch
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "alone: a unit of work of its own for pytest-xdist")
+    config.addinivalue_line("markers", "slow: takes more than ~10 s (deselect with -m 'not slow')")
 
 
 @pytest.hookimpl(tryfirst=True)
