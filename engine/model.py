@@ -62,14 +62,37 @@ class DecodeBatch:
 
 
 @dataclass(frozen=True)
+class Projection:
+    """x @ W^T (+ bias). In fp32 the weight is kept transposed, [in, out] contiguous, and
+    applied with mm: for a few rows (decode batches) oneDNN's fp32 path runs x @ W^T
+    2-2.5x slower than x @ W_t on this CPU (measured: 8 x 576 by 576 x 3072, 754 us vs
+    326 us), while bf16 (AMX) is as fast either way, so other dtypes keep torch's layout."""
+    weight: torch.Tensor  # [out, in], or [in, out] when transposed
+    bias: torch.Tensor | None
+    transposed: bool
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Projection:
+        if weight.dtype == torch.float32:
+            return cls(weight.t().contiguous(), bias, True)
+        return cls(weight.contiguous(), bias, False)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.transposed:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight)
+        return torch.addmm(self.bias, x, self.weight)
+
+
+@dataclass(frozen=True)
 class Layer:
     attention_norm: torch.Tensor
-    qkv_weight: torch.Tensor  # [(q_heads + 2 kv_heads) * head_dim, hidden]
-    qkv_bias: torch.Tensor | None
-    o_weight: torch.Tensor
+    qkv: Projection  # out: (q_heads + 2 kv_heads) * head_dim
+    o: Projection
     mlp_norm: torch.Tensor
-    gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]
-    down_weight: torch.Tensor
+    gate_up: Projection  # out: 2 * intermediate
+    down: Projection
 
 
 class LlamaModel:
@@ -83,7 +106,8 @@ class LlamaModel:
             return tensor.to(device=self.device, dtype=dtype).contiguous()
 
         self.embed = put(tensors["embed"])
-        self.output_weight = self.embed if config.tie_word_embeddings else put(tensors["output"])
+        self.output = Projection.of(
+            self.embed if config.tie_word_embeddings else put(tensors["output"]), None)
         self.final_norm = put(tensors["final_norm"])
         self.layers = [self._layer(tensors, i, put) for i in range(config.num_layers)]
         self.attention_scale = 1.0 / math.sqrt(config.head_dim)
@@ -99,10 +123,10 @@ class LlamaModel:
         if f"layers.{i}.q_bias" in tensors:
             bias = put(torch.cat([get("q_bias"), get("k_bias"), get("v_bias")]))
         return Layer(attention_norm=put(get("attention_norm")),
-                     qkv_weight=put(torch.cat([get("q"), get("k"), get("v")])), qkv_bias=bias,
-                     o_weight=put(get("o")), mlp_norm=put(get("mlp_norm")),
-                     gate_up_weight=put(torch.cat([get("gate"), get("up")])),
-                     down_weight=put(get("down")))
+                     qkv=Projection.of(put(torch.cat([get("q"), get("k"), get("v")])), bias),
+                     o=Projection.of(put(get("o")), None), mlp_norm=put(get("mlp_norm")),
+                     gate_up=Projection.of(put(torch.cat([get("gate"), get("up")])), None),
+                     down=Projection.of(put(get("down")), None))
 
     @torch.inference_mode()
     def prefill(self, pool, chunks: list[PrefillChunk], all_logits: bool = False) -> torch.Tensor:
@@ -154,20 +178,20 @@ class LlamaModel:
         tokens = hidden.shape[0]
         for index, layer in enumerate(self.layers):
             normed = F.rms_norm(hidden, (config.hidden_size,), layer.attention_norm, eps)
-            qkv = F.linear(normed, layer.qkv_weight, layer.qkv_bias)
+            qkv = layer.qkv(normed)
             qkv = qkv.view(tokens, q_heads + 2 * kv_heads, head_dim)
             rotated = rotate(qkv[:, :q_heads + kv_heads], cos, sin)
             queries, keys = rotated[:, :q_heads], rotated[:, q_heads:]
             kernels.write_kv(pool.kv, index, slots, keys, qkv[:, q_heads + kv_heads:])
             attended = attend(index, queries).reshape(tokens, q_heads * head_dim)
-            hidden = hidden + F.linear(attended, layer.o_weight)
+            hidden = hidden + layer.o(attended)
             normed = F.rms_norm(hidden, (config.hidden_size,), layer.mlp_norm, eps)
-            gate, up = F.linear(normed, layer.gate_up_weight).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight)
+            gate, up = layer.gate_up(normed).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
         return F.rms_norm(hidden, (config.hidden_size,), self.final_norm, eps)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.output_weight).float()
+        return self.output(hidden).float()
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
