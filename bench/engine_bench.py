@@ -197,7 +197,8 @@ def print_row(label: str, values: dict, unit: str, higher_is_better: bool) -> No
     cells = "  ".join(f"{name} {value:10.2f} {unit}" for name, value in values.items())
     ratio = ""
     if engine and other:
-        ratio = f"  engine/transformers {engine / other if higher_is_better else other / engine:5.2f}x"
+        speedup = engine / other if higher_is_better else other / engine
+        ratio = f"  engine/transformers {speedup:5.2f}x"
     print(f"  {label:<28} {cells}{ratio}", flush=True)
 
 

@@ -101,7 +101,8 @@ def _rename(name: str, global_names: dict, layer_names: dict, layer_prefix: str)
 def _check_complete(config: ModelConfig, tensors: dict, source: Path) -> None:
     missing = sorted(expected_names(config) - tensors.keys())
     if missing:
-        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        shown = ", ".join(missing[:4]) + more
         raise ModelFileError(f"{source}: missing weights {shown}")
     embed_shape = (config.vocab_size, config.hidden_size)
     if tuple(tensors["embed"].shape) != embed_shape:
@@ -181,7 +182,8 @@ def _dequantize(file: Path, tensor) -> torch.Tensor:
     except Exception as error:
         raise ModelFileError(f"{file}: tensor {tensor.name} cannot be dequantized "
                              f"({type(error).__name__}: {error})") from None
-    return torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: the file is a read-only map
+    # a copy: F32 tensors come back as views of the read-only file map
+    return torch.from_numpy(np.array(values, dtype=np.float32))
 
 
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -24,8 +24,10 @@ TENSOR_TYPES = {"token_embd.weight": T.Q8_0, "blk.0.attn_q.weight": T.Q4_0,
                 "blk.0.attn_k.weight": T.Q4_1, "blk.1.attn_v.weight": T.F16,
                 "blk.1.ffn_down.weight": T.BF16, "output.weight": T.Q8_0}
 HF_TO_GGUF = {"input_layernorm.weight": "attn_norm.weight",
-              "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-              "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+              "self_attn.q_proj.weight": "attn_q.weight",
+              "self_attn.k_proj.weight": "attn_k.weight",
+              "self_attn.v_proj.weight": "attn_v.weight",
+              "self_attn.o_proj.weight": "attn_output.weight",
               "post_attention_layernorm.weight": "ffn_norm.weight",
               "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
               "mlp.down_proj.weight": "ffn_down.weight"}
@@ -42,7 +44,8 @@ def gguf_name(hf_name: str) -> str:
 def as_llama_cpp_rows(weight, heads: int):
     """What llama.cpp's converter does to Q and K: each head's halves interleaved."""
     rows, columns = weight.shape
-    return weight.reshape(heads, 2, rows // heads // 2, columns).swapaxes(1, 2).reshape(rows, columns)
+    halves = weight.reshape(heads, 2, rows // heads // 2, columns)
+    return halves.swapaxes(1, 2).reshape(rows, columns)
 
 
 def byte_level_tokens(count: int) -> list[str]:
