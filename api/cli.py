@@ -6,6 +6,7 @@
     kvproof conformance [--model NAME|FILE] [--bug NAME ...] [--symmetry]
     kvproof fuzz [--target NAME] [--seed N] [--examples N | --seconds S] [--bug NAME ...]
     kvproof fuzz --zoo | --replay FILE
+    kvproof generate [--model PATH] [--device cpu|cuda] [--dtype D] [--chat] PROMPT...
 
 Exit status: 0 when every property holds, 1 when one is violated (the message names it),
 2 for bad input (an unknown model, switch or property, an unreadable .cfg).
@@ -226,6 +227,12 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.cli import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvproof", description="Safe KV-cache transfer for "
                                      "disaggregated LLM serving.")
@@ -272,6 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
                                "state machines over the core, later the simulator)")
     add_fuzz_arguments(fuzz)
     fuzz.set_defaults(func=cmd_fuzz)
+    from engine.cli import add_arguments as add_generate_arguments
+
+    generate = commands.add_parser("generate", help="complete prompts with the torch engine "
+                                   "(default model: SmolLM2-135M-Instruct)")
+    add_generate_arguments(generate)
+    generate.set_defaults(func=cmd_generate)
     return parser
 
 

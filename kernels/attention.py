@@ -25,7 +25,32 @@ _NEG_INF = float("-inf")
 def paged_decode_attention(q, kv, layer, block_table, context_lens, expected_tags, tags,
                            scale, *, check_tags=True, num_splits=None):
     """See notes/kernel_contract.md; num_splits changes nothing here (it only schedules
-    the Triton kernel) but is validated the same way."""
+    the Triton kernel) but is validated the same way. The CPU engine's path: the same
+    result as paged_decode_attention_plain in about a third of the torch calls (one
+    gather straight into [batch, K|V, kv_heads, tokens, dim], torch's fused attention)."""
+    check_decode_args(q, kv, layer, block_table, context_lens, expected_tags, tags, num_splits)
+    page_tokens = kv.shape[4]
+    page_ids, id_valid = clamp_page_ids(block_table, kv.shape[0])
+    keys, values = gather_pages_by_head(kv, layer, page_ids)
+    token_valid = _token_mask(context_lens, id_valid, page_tokens)  # [batch, tokens]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None, :], keys.to(q.dtype), values.to(q.dtype),
+        attn_mask=token_valid[:, None, None, :], scale=scale, enable_gqa=True)[:, :, 0, :]
+    tag_ok = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
+    if check_tags:
+        page_starts = _page_starts(block_table.shape[1], page_tokens, q.device)
+        slot_read = page_starts < context_lens[:, None]
+        tag_matches = (tags[page_ids] == expected_tags) & id_valid
+        tag_ok = (slot_read <= tag_matches).all(dim=1)  # every read slot's tag matches
+        # where, not a multiply: NaN or inf in a foreign page must not survive as NaN.
+        out = torch.where(tag_ok[:, None, None], out, 0.0)
+    return out, tag_ok
+
+
+def paged_decode_attention_plain(q, kv, layer, block_table, context_lens, expected_tags,
+                                 tags, scale, *, check_tags=True, num_splits=None):
+    """The definition, written the plain way (einsum softmax in fp32); the fast path above
+    is tested against it."""
     check_decode_args(q, kv, layer, block_table, context_lens, expected_tags, tags, num_splits)
     page_tokens = kv.shape[4]
     slot_read = page_slots_read(context_lens, page_tokens, block_table.shape[1])
@@ -45,7 +70,28 @@ def paged_decode_attention(q, kv, layer, block_table, context_lens, expected_tag
 
 def paged_prefill_attention(q, kv, layer, block_table_row, start_pos, scale):
     """Causal attention of q [new_tokens, q_heads, dim] at positions start_pos.. over the
-    sequence's pages, which already hold the prefix and the new tokens."""
+    sequence's pages, which already hold the prefix and the new tokens. Torch's fused
+    attention (it never builds the [new_tokens, context] score matrix on the CPU)."""
+    new_tokens, num_q_heads, head_dim = q.shape
+    page_tokens = kv.shape[4]
+    context_tokens = start_pos + new_tokens
+    pages_read = -(-context_tokens // page_tokens)
+    assert block_table_row.dim() == 1 and pages_read <= block_table_row.shape[0]
+    assert num_q_heads % kv.shape[3] == 0 and head_dim == kv.shape[5]
+    page_ids = block_table_row[:pages_read].long()
+    assert bool(((page_ids >= 0) & (page_ids < kv.shape[0])).all()), "page id outside the pool"
+    keys, values = gather_pages_by_head(kv, layer, page_ids[None])
+    keys, values = keys[:, :, :context_tokens], values[:, :, :context_tokens]
+    query_pos = start_pos + torch.arange(new_tokens, device=q.device)
+    causal = torch.arange(context_tokens, device=q.device)[None, :] <= query_pos[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.permute(1, 0, 2)[None], keys.to(q.dtype), values.to(q.dtype), attn_mask=causal,
+        scale=scale, enable_gqa=True)
+    return out[0].permute(1, 0, 2)
+
+
+def paged_prefill_attention_plain(q, kv, layer, block_table_row, start_pos, scale):
+    """The definition, the plain way; the fast path above is tested against it."""
     new_tokens, num_q_heads, head_dim = q.shape
     page_tokens = kv.shape[4]
     context_tokens = start_pos + new_tokens
@@ -109,6 +155,33 @@ def gather_pages(kv, layer, page_ids):
     tiles = kv[page_ids, layer].float()  # [batch, pages, K|V, kv_heads, page_tokens, dim]
     tiles = tiles.permute(2, 0, 3, 1, 4, 5).reshape(2, batch, num_kv_heads, -1, head_dim)
     return tiles[0], tiles[1]
+
+
+_PAGE_STARTS: dict = {}
+
+
+def _page_starts(max_pages, page_tokens, device):
+    """[1, max_pages]: the first position of each block-table slot (cached: the decode
+    path runs once per layer per step, and each saved torch call counts on a CPU)."""
+    key = (max_pages, page_tokens, str(device))
+    if key not in _PAGE_STARTS:
+        _PAGE_STARTS[key] = torch.arange(0, max_pages * page_tokens, page_tokens,
+                                         device=device)[None, :]
+    return _PAGE_STARTS[key]
+
+
+def gather_pages_by_head(kv, layer, page_ids):
+    """K and V of the pages page_ids [batch, pages] as two [batch, kv_heads,
+    pages*page_tokens, dim] views of ONE gather in kv's dtype: indexing page, K|V and head
+    together puts the batch, K|V and head axes first and leaves each page's contiguous
+    [page_tokens, dim] tile last, so no permute copy follows."""
+    batch, pages = page_ids.shape
+    _, _, _, num_kv_heads, page_tokens, head_dim = kv.shape
+    key_or_value = torch.arange(2, device=kv.device)[None, :, None, None]
+    heads = torch.arange(num_kv_heads, device=kv.device)[None, None, :, None]
+    tiles = kv[page_ids[:, None, None, :], layer, key_or_value, heads]
+    tiles = tiles.view(batch, 2, num_kv_heads, pages * page_tokens, head_dim)
+    return tiles[:, 0], tiles[:, 1]
 
 
 def _token_mask(context_lens, id_valid, page_tokens):

@@ -1,0 +1,276 @@
+"""The engine next to transformers, on the same model, prompts, dtype and device.
+
+    python bench/engine_bench.py                      # default model, fp32 and bf16, CPU
+    python bench/engine_bench.py --device cuda --dtype bfloat16
+    python bench/engine_bench.py --quick              # fewer repeats, batch 64 left out
+
+Prints, per dtype: decode tokens/s at batch 1, 8 and 64; time to first token for a
+128-token and a 2,048-token prompt; peak memory; the cost of the page-tag check and of
+the page checksums as on/off ratios of decode time; and, once, the default model's load
+time next to transformers loading the same GGUF. Each figure is the median over repeats,
+and the two systems alternate repeat by repeat, so that a neighbour's load on a shared
+machine hits both alike: read the ratios, not the absolute figures.
+
+How each side is timed. Decode tokens/s: transformers' generate with N new tokens minus
+generate with 1 (its prefill), over batch * (N - 1) tokens, greedy, EOS ignored; the
+engine's own decode-step time over the tokens those steps produced. TTFT: one request,
+one new token, from the call to the token. Peak memory: the largest rise of the process's
+resident memory during the batch-64 run on the CPU (torch's peak allocation on CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF progress bars
+
+import torch  # noqa: E402
+
+from engine.generate import Generator, GeneratorConfig, Request  # noqa: E402
+from engine.load import default_model_path, load_model  # noqa: E402
+from engine.model import DTYPES  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+
+PROMPT_TOKENS_DECODE = 64
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", action="append", choices=sorted(DTYPES),
+                        help="repeatable (default: float32 and bfloat16)")
+    parser.add_argument("--batch", type=int, action="append", help="default: 1, 8, 64")
+    parser.add_argument("--new-tokens", type=int, default=32, help="decode tokens per request")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
+    parser.add_argument("--quick", action="store_true", help="2 repeats, no batch 64")
+    parser.add_argument("--no-transformers", action="store_true", help="the engine alone")
+    args = parser.parse_args()
+    args.dtype = args.dtype or ["float32", "bfloat16"]
+    args.batch = args.batch or ([1, 8] if args.quick else [1, 8, 64])
+    if args.quick:
+        args.repeats = min(args.repeats, 2)
+    return args
+
+
+def median_s(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class PeakMemory:
+    """The largest rise in memory while the block runs: resident set size on the CPU
+    (sampled every 5 ms), torch's peak allocation on CUDA."""
+
+    def __init__(self, device: str):
+        self.device, self.peak_bytes = device, 0
+
+    def __enter__(self):
+        if self.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+            self._base = torch.cuda.memory_allocated()
+            return self
+        import psutil
+
+        self._process = psutil.Process()
+        self._base = self._process.memory_info().rss
+        self._running = True
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while self._running:
+            self.peak_bytes = max(self.peak_bytes, self._process.memory_info().rss - self._base)
+            time.sleep(0.005)
+
+    def __exit__(self, *exc) -> None:
+        if self.device.startswith("cuda"):
+            self.peak_bytes = torch.cuda.max_memory_allocated() - self._base
+        else:
+            self._running = False
+            self._thread.join()
+
+
+class EngineSide:
+    name = "engine"
+    POOL_PAGES = 512  # 64 requests of 64 + 32 tokens, or one 2,048-token prompt, at 16/page
+
+    def __init__(self, loaded, device: str):
+        self.loaded, self.device = loaded, device
+        self._generators = {}
+
+    def generator(self, **options) -> Generator:
+        """One generator (and pool) per set of options, reused: a pool is allocated once,
+        as in a server, and pages are not zeroed between runs."""
+        key = tuple(sorted(options.items()))
+        if key not in self._generators:
+            config = GeneratorConfig(num_pages=self.POOL_PAGES, max_batch=64, **options)
+            self._generators[key] = Generator(self.loaded.model, config, self.loaded.tokenizer)
+        return self._generators[key]
+
+    def decode_tokens_per_s(self, prompts, new_tokens: int, **options) -> float:
+        generator = self.generator(**options)
+        sampling = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+        generator.run([Request(i, tuple(p), sampling) for i, p in enumerate(prompts)])
+        synchronize(self.device)
+        return generator.stats.decode_tokens / generator.stats.decode_s
+
+    def first_token_s(self, prompt) -> float:
+        generator = self.generator()
+        started = time.perf_counter()
+        generator.run([Request(0, tuple(prompt), SamplingParams(max_tokens=1))])
+        synchronize(self.device)
+        return time.perf_counter() - started
+
+
+class TransformersSide:
+    name = "transformers"
+
+    def __init__(self, model, device: str):
+        self.model, self.device = model, device
+
+    @torch.inference_mode()
+    def _generate_s(self, prompts, new_tokens: int) -> float:
+        input_ids = torch.tensor(prompts, device=self.device)
+        started = time.perf_counter()
+        self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                            max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                            do_sample=False, pad_token_id=0)
+        synchronize(self.device)
+        return time.perf_counter() - started
+
+    def decode_tokens_per_s(self, prompts, new_tokens: int) -> float:
+        prefill_s = self._generate_s(prompts, 1)
+        total_s = self._generate_s(prompts, new_tokens)
+        return len(prompts) * (new_tokens - 1) / max(total_s - prefill_s, 1e-9)
+
+    def first_token_s(self, prompt) -> float:
+        return self._generate_s([prompt], 1)
+
+
+def load_transformers(device: str):
+    """(model in fp32, seconds) loading the default GGUF, tokenizer included."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    path = default_model_path()
+    started = time.perf_counter()
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32)
+    model = model.to(device).eval()
+    return model, time.perf_counter() - started
+
+
+def prompts_of(length: int, batch: int, vocab: int = 49152) -> list[list[int]]:
+    """Deterministic prompts of ordinary tokens (ids 300.. avoid the special ones)."""
+    generator = torch.Generator().manual_seed(length * 1000 + batch)
+    return torch.randint(300, vocab, (batch, length), generator=generator).tolist()
+
+
+def alternate(sides, measure, repeats: int) -> dict:
+    """Median of `measure(side)` per side, the sides taking turns repeat by repeat."""
+    samples = {side.name: [] for side in sides}
+    for _ in range(repeats):
+        for side in sides:
+            samples[side.name].append(measure(side))
+    return {name: median_s(values) for name, values in samples.items()}
+
+
+def print_row(label: str, values: dict, unit: str, higher_is_better: bool) -> None:
+    engine = values.get("engine")
+    other = values.get("transformers")
+    cells = "  ".join(f"{name} {value:10.2f} {unit}" for name, value in values.items())
+    ratio = ""
+    if engine and other:
+        speedup = engine / other if higher_is_better else other / engine
+        ratio = f"  engine/transformers {speedup:5.2f}x"
+    print(f"  {label:<28} {cells}{ratio}", flush=True)
+
+
+def bench_dtype(args, dtype: str, engine_loaded_fp32_path: Path, transformers_model) -> None:
+    loaded = load_model(engine_loaded_fp32_path, device=args.device, dtype=dtype)
+    engine = EngineSide(loaded, args.device)
+    sides = [engine]
+    if transformers_model is not None:
+        sides.append(TransformersSide(transformers_model.to(DTYPES[dtype]), args.device))
+    print(f"\n{dtype} on {args.device} ({torch.get_num_threads()} threads), "
+          f"{args.new_tokens} new tokens per request, prompts of {PROMPT_TOKENS_DECODE} tokens:")
+    warm = prompts_of(PROMPT_TOKENS_DECODE, 2)
+    for side in sides:
+        side.decode_tokens_per_s(warm, 4)
+    for batch in args.batch:
+        prompts = prompts_of(PROMPT_TOKENS_DECODE, batch)
+        repeats = args.repeats if batch < 64 else max(1, args.repeats - 1)
+        rates = alternate(sides, lambda s: s.decode_tokens_per_s(prompts, args.new_tokens),
+                          repeats)
+        print_row(f"decode batch {batch}", rates, "tok/s", True)
+    for length in (128, 2048):
+        prompt = prompts_of(length, 1)[0]
+        ttft = alternate(sides, lambda s: s.first_token_s(prompt) * 1000, args.repeats)
+        print_row(f"TTFT, {length}-token prompt", ttft, "ms", False)
+    peak_batch = max(args.batch)
+    peaks = {}
+    for side in sides:
+        with PeakMemory(args.device) as memory:
+            side.decode_tokens_per_s(prompts_of(PROMPT_TOKENS_DECODE, peak_batch), args.new_tokens)
+        peaks[side.name] = memory.peak_bytes / 2**20
+    print_row(f"peak memory rise, batch {peak_batch}", peaks, "MiB", False)
+    guard_costs(args, engine)
+
+
+def guard_costs(args, engine: EngineSide) -> None:
+    """Decode time with a guard on over decode time with it off, alternating."""
+    for batch in (1, 8):
+        prompts = prompts_of(PROMPT_TOKENS_DECODE, batch)
+        for guard in ("check_tags", "checksums"):
+            samples = {True: [], False: []}
+            for _ in range(max(args.repeats, 3)):
+                for enabled in (True, False):
+                    rate = engine.decode_tokens_per_s(prompts, args.new_tokens,
+                                                      **{guard: enabled})
+                    samples[enabled].append(1 / rate)
+            ratio = median_s(samples[True]) / median_s(samples[False])
+            print(f"  {guard} on/off, batch {batch:<3}        decode time ratio {ratio:6.3f} "
+                  f"({(ratio - 1) * 100:+.1f}%)", flush=True)
+
+
+def main() -> int:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = default_model_path()
+    started = time.perf_counter()
+    load_model(path, device=args.device, dtype="float32")
+    engine_load_s = time.perf_counter() - started
+    print(f"default model: {path.name}")
+    transformers_model = None
+    if args.no_transformers:
+        print(f"  load (weights + tokenizer)   engine {engine_load_s:6.2f} s")
+    else:
+        transformers_model, transformers_load_s = load_transformers(args.device)
+        print(f"  load (weights + tokenizer)   engine {engine_load_s:6.2f} s  transformers "
+              f"{transformers_load_s:6.2f} s  engine/transformers "
+              f"{transformers_load_s / engine_load_s:5.2f}x faster")
+    with torch.inference_mode():
+        for dtype in args.dtype:
+            bench_dtype(args, dtype, path, transformers_model)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

