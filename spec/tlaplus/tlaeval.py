@@ -19,7 +19,7 @@ Because assignment is decided while generating, the generated code never looks u
 variables are assigned.
 
 What makes it fast (Next in 14 us a state of the default model, 16x less than the closure
-interpreter it replaced; 870,620 states in about 30 s, explore() below):
+interpreter it replaced; the default model in about 30 s, explore() below):
 - constants folded: every subexpression that mentions no variable and no bound name (the
   .cfg constants included) is evaluated once, while compiling; an IF, CASE or bug switch on
   a constant keeps only the branch taken;
