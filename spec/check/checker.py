@@ -50,8 +50,11 @@ class CheckResult:
     states_generated: int = 0
     depth: int = 0
     seconds: float = 0.0
-    violation: Violation | None = None
+    violation: Violation | None = None   # the first found (a shortest one)
+    # With keep_going: the first violation of every property violated, in the order found.
+    violations: list[Violation] = field(default_factory=list)
     invariants: tuple[str, ...] = ()
+    workers: int = 1
     liveness_checked: bool = False
     rest_states: int = 0
     edges: int = 0
@@ -121,7 +124,7 @@ class Checker:
     def __init__(self, m: Model, *, symmetry: bool = False,
                  invariants: tuple[str, ...] | None = None, liveness: bool = True,
                  progress: Progress | None = None, progress_every_s: float = 2.0,
-                 max_states: int | None = None) -> None:
+                 max_states: int | None = None, keep_going: bool = False) -> None:
         if m.requests > REQUESTS_MAX:
             raise ModelError(f"requests={m.requests}: explicit-state checking beyond "
                              f"{REQUESTS_MAX} is hopeless (kvproof fuzz takes larger models)")
@@ -140,16 +143,37 @@ class Checker:
         self.progress = progress
         self.progress_every_s = progress_every_s
         self.max_states = max_states
+        # TLC's -continue: record the first (shortest) violation of each property and go on
+        # exploring, so that one run reports every property the model breaks.
+        self.keep_going = keep_going
+
+    def _failures(self, checks, s: State) -> list[str]:
+        """The properties `s` violates: the first only, unless every one is wanted."""
+        m = self.m
+        failed = [name for name, predicate in checks if not predicate(m, s)]
+        return failed if self.keep_going else failed[:1]
+
+    def _record(self, result: CheckResult, names: list[str], kind: str, index: int,
+                parents: array) -> None:
+        """Violations of `names` at the state with this index; with keep_going, each
+        property is reported once (its first, shortest counterexample) and then no longer
+        checked."""
+        trace = self._trace(index, parents)
+        for name in names:
+            violation = Violation(name, kind, trace)
+            result.violations.append(violation)
+            if result.violation is None:
+                result.violation = violation
+        self.state_checks = [c for c in self.state_checks if c[0] not in names]
+        self.rest_checks = [c for c in self.rest_checks if c[0] not in names]
+
+    def _stop(self, result: CheckResult) -> bool:
+        if self.keep_going:
+            return not self.state_checks and not self.rest_checks and not self.liveness
+        return result.violation is not None
 
     def _key(self, s: State) -> int:
         return hash(canonical(s)) if self.symmetry else hash(s)
-
-    def _first_failure(self, checks, s: State) -> str | None:
-        m = self.m
-        for name, predicate in checks:
-            if not predicate(m, s):
-                return name
-        return None
 
     def run(self) -> CheckResult:
         m = self.m
@@ -165,9 +189,9 @@ class Checker:
         graph = _Graph() if self.liveness else None
         self._index_of, self._events = index_of, events
         queue: deque[State] = deque([init])
-        failed = self._first_failure(self.state_checks, init)
+        failed = self._failures(self.state_checks, init)
         if failed:
-            result.violation = Violation(failed, "invariant", [(None, init)])
+            self._record(result, failed, "invariant", 0, parents)
         generated = 1
         expanded = 0
         next_report = started + self.progress_every_s
@@ -175,7 +199,7 @@ class Checker:
         symmetry = self.symmetry
         action_counts: dict[str, int] = {}
         transitions: dict[str, int] = {}
-        while queue and result.violation is None:
+        while queue and not self._stop(result):
             s = queue.popleft()
             here = expanded
             expanded += 1
@@ -201,23 +225,24 @@ class Checker:
                     depths.append(depths[here] + 1)
                     queue.append(nxt)
                     action_counts[name] = action_counts.get(name, 0) + 1
-                    failed = self._first_failure(self.state_checks, nxt)
+                    failed = self._failures(self.state_checks, nxt)
                     if failed:
-                        result.violation = Violation(failed, "invariant", self._trace(j, parents))
-                        break
+                        self._record(result, failed, "invariant", j, parents)
+                        if self._stop(result):
+                            break
                 elif j == here:
                     raise AssertionError(f"{event.label(m)} leaves the state unchanged")
                 child_indices.append(j)
-            if result.violation is not None:
+            if self._stop(result):
                 break
             if graph is not None:
                 graph.add(child_indices)
             if not fair_enabled:
                 result.rest_states += 1
-                failed = self._first_failure(self.rest_checks, s)
+                failed = self._failures(self.rest_checks, s)
                 if failed:
                     kind = "rest" if any_enabled else "deadlock"
-                    result.violation = Violation(failed, kind, self._trace(here, parents))
+                    self._record(result, failed, kind, here, parents)
             if self.progress is not None and time.perf_counter() >= next_report:
                 self.progress(len(parents), generated, depths[here],
                               time.perf_counter() - started)
@@ -231,17 +256,25 @@ class Checker:
         result.depth = max(depths) if depths else 0
         result.action_counts = action_counts
         result.action_transitions = transitions
-        if result.violation is None and graph is not None:
-            result.edges = len(graph.targets)
-            cycle = graph.find_cycle(len(parents))
-            result.liveness_checked = True
-            if cycle is not None:
-                stem = self._trace(cycle[0], parents)
-                loop = self._replay_path(stem[-1][1], cycle)
-                result.violation = Violation("Acyclicity", "cycle", stem + loop,
-                                             cycle_start=len(stem) - 1)
+        self._check_acyclic(result, graph, parents)
         result.seconds = time.perf_counter() - started
         return result
+
+    def _check_acyclic(self, result: CheckResult, graph: _Graph | None, parents: array) -> None:
+        """Liveness, once the graph is complete (with keep_going, after invariant
+        violations too: a graph explored to the end is complete)."""
+        complete = result.violation is None or (self.keep_going and result.left_on_queue == 0)
+        if graph is None or not complete:
+            return
+        result.edges = len(graph.targets)
+        cycle = graph.find_cycle(len(parents))
+        result.liveness_checked = True
+        if cycle is not None:
+            stem = self._trace(cycle[0], parents)
+            loop = self._replay_path(stem[-1][1], cycle)
+            violation = Violation("Acyclicity", "cycle", stem + loop, cycle_start=len(stem) - 1)
+            result.violations.append(violation)
+            result.violation = result.violation or violation
 
     # -- counterexamples ----------------------------------------------------------------
 
