@@ -313,6 +313,8 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 
     if args.list_bugs:
         return list_bugs()
+    if args.list_models:
+        return list_models()
     try:
         _, model = load(args.model)
         model = _with_bug_flags(model, args.bug)

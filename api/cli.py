@@ -138,6 +138,7 @@ def _add_conformance(commands) -> None:
     conformance.add_argument("--symmetry", action="store_true",
                              help="compare one state per orbit under renaming of requests")
     conformance.add_argument("--quiet", action="store_true", help="no progress lines")
+    _add_list_options(conformance, models=True)
     conformance.set_defaults(func=check_command.cmd_conformance)
 
 

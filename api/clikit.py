@@ -95,17 +95,6 @@ def plural(count: int, word: str, words: str | None = None) -> str:
     return f"{count:,} {word if count == 1 else (words or word + 's')}"
 
 
-def human_bytes(count: int) -> str:
-    """Decimal units (what link bandwidths are quoted in), with the exact count after."""
-    value = float(count)
-    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
-        if value < 1000 or unit == "PB":
-            break
-        value /= 1000
-    exact = f" ({count:,} bytes)" if count >= 1000 else ""
-    return (f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.2f} {unit}") + exact
-
-
 # -- files -------------------------------------------------------------------------------
 
 SIM_LOG, FUZZ_FAILURE, ITF_TRACE, CFG_FILE, TOML_FILE = (
@@ -165,28 +154,39 @@ def wrong_kind(path: str, kind: str | None, wanted: str) -> UsageError:
 
 
 def writable_file(path: str, flag: str) -> None:
-    """Fail before a run, not after it, when its output cannot be written."""
+    """Fail before a run, not after it, when its output cannot be written. The file is
+    opened for real (permission bits say little to root, or on a read-only mount) and left
+    as it was found."""
     target = Path(path)
     if target.is_dir():
         raise UsageError(f"{flag} {path}: is a folder; give a file name")
-    folder = target.resolve().parent
-    if not folder.is_dir():
-        raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise UsageError(f"{flag} {path}: cannot write there (permission denied)")
+    existed = target.exists()
+    try:
+        with open(target, "a" if existed else "x"):
+            pass
+    except OSError as error:
+        raise UsageError(f"{flag} {path}: cannot write there ({_reason(error)})") from None
+    if not existed:
+        target.unlink()
 
 
 def writable_folder(path: str, flag: str) -> None:
+    """Create the folder (it will be written into anyway) and prove a file can go in it."""
+    import tempfile
+
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise UsageError(f"{flag} {path}: is a file; give a folder")
-    existing = target
-    while not existing.exists():
-        existing = existing.parent if existing.parent != existing else existing
-        if existing == existing.parent:
-            break
-    if not os.access(existing.resolve(), os.W_OK):
-        raise UsageError(f"{flag} {path}: cannot write there (permission denied)")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=target):
+            pass
+    except OSError as error:
+        raise UsageError(f"{flag} {path}: cannot write there ({_reason(error)})") from None
+
+
+def _reason(error: OSError) -> str:
+    return (error.strerror or str(error)).lower()
 
 
 def quietly_closed_stdout() -> int:
