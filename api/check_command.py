@@ -210,10 +210,10 @@ def _exhaust(args: argparse.Namespace, plan: Plan) -> int:
     print(format_summary(result))
     _write_counterexample(args, plan.model, violations[0])
     _write_summary(args, plan, result, [(None, v) for v in violations])
-    for violation in violations:
+    print(f"reproduce: {reproduce_command(args)}")
+    for violation in violations:  # the verdict comes last, as TLC's does
         print(f"Error: {violation.property} is violated ({violation.kind}); "
               f"counterexample of {plural(violation.length, 'step')}.")
-    print(f"reproduce: {reproduce_command(args)}")
     return EXIT_VIOLATION
 
 
@@ -354,7 +354,7 @@ def _trace_and_model(args: argparse.Namespace):
     if not Path(args.trace).is_file():
         raise UsageError(f"{args.trace}: no such file")
     kind = sniff(args.trace)
-    if kind not in (ITF_TRACE, FUZZ_FAILURE):
+    if kind not in (ITF_TRACE, FUZZ_FAILURE, None):  # None: load_trace says what is wrong
         raise wrong_kind(args.trace, kind, "an ITF trace")
     trace = load_trace(args.trace)
     meta = trace.get("#meta") if isinstance(trace.get("#meta"), dict) else {}

@@ -232,13 +232,16 @@ def _replay(args: argparse.Namespace) -> int:
     from fuzz.oracles import Checks
     from fuzz.target import TargetRefused
 
-    if args.zoo or args.bug or args.property or args.seed is not None or args.target:
+    given = [flag for flag, value in (("--zoo", args.zoo), ("--bug", args.bug),
+                                      ("--property", args.property), ("--seed", args.seed),
+                                      ("--target", args.target)) if value not in (False, [], None)]
+    if given:
         raise UsageError("--replay takes the target, model, switches and properties from the "
-                         "file; drop --zoo, --bug, --property, --seed and --target")
+                         f"file; it combines with no other option (drop {', '.join(given)})")
     if not Path(args.replay).is_file():
         raise UsageError(f"--replay {args.replay}: no such file")
     kind = sniff(args.replay)
-    if kind != FUZZ_FAILURE:
+    if kind is not None and kind != FUZZ_FAILURE:
         raise wrong_kind(args.replay, kind, "a saved fuzz failure")
     try:
         saved = replay.load(args.replay)

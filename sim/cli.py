@@ -309,9 +309,7 @@ def _stopped_text(result: dict) -> str:
     first = result["first_violations"][0] if result["first_violations"] else None
     if not first:
         return str(result["stopped"])
-    request = first.get("request")
-    who = f" (request {request})" if isinstance(request, int) and request >= 0 else ""
-    return f"{first['name']}{who}: {first['detail']}"
+    return f"{first['name']}: {first['detail']}"
 
 
 def _verdict(args: argparse.Namespace, result: dict) -> int:
