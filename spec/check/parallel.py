@@ -6,7 +6,7 @@ processes of a concurrent.futures pool; the coordinator (this process) keeps wha
 one: the fingerprint table, the parent pointers, the queue and the liveness graph.
 
 The queue is cut into chunks in index order and the results are taken back in the same
-order (Executor.map keeps it), so the coordinator numbers new states exactly as the serial
+order (oldest future first), so the coordinator numbers new states exactly as the serial
 checker does: the counts, the depth, the state graph and every counterexample (not only its
 length) are the serial checker's. The coordinator stops at the same successor the serial
 checker would stop at; work the pool did beyond it is thrown away.
@@ -32,6 +32,10 @@ from spec.properties import REST_INVARIANTS, STATE_INVARIANTS
 # States per task: big enough that pickling a task costs little next to expanding it,
 # small enough that a level of a few thousand states still keeps every worker busy.
 CHUNK_STATES = 1024
+# Tasks handed out and not yet read back, per worker: enough that a worker never waits for
+# the coordinator, few enough to bound the memory in flight. There is no barrier between
+# BFS levels: a chunk goes out as soon as the queue holds one.
+TASKS_IN_FLIGHT_PER_WORKER = 3
 
 _worker: dict = {}
 
@@ -86,15 +90,26 @@ class ParallelChecker(Checker):
 
     def run(self) -> CheckResult:
         names = tuple(n for n, _ in self.state_checks), tuple(n for n, _ in self.rest_checks)
-        with ProcessPoolExecutor(self.workers, initializer=_start_worker,
-                                 initargs=(self.m, self.symmetry, *names)) as pool:
+        pool = ProcessPoolExecutor(self.workers, initializer=_start_worker,
+                                   initargs=(self.m, self.symmetry, *names))
+        try:
             return self._search(pool)
+        finally:
+            # After a violation, chunks beyond it are still queued: drop them.
+            pool.shutdown(wait=True, cancel_futures=True)
 
-    def _chunks(self, queue: deque):
-        """Chunks of the queue's states in order; the queue grows while they are read."""
-        while queue:
-            take = min(CHUNK_STATES, len(queue))
-            yield [queue.popleft() for _ in range(take)]
+    def _results(self, pool, queue: deque):
+        """The expansion of every queued state, in queue order, as the queue grows: a
+        chunk is handed out when CHUNK_STATES states wait, or whatever waits when nothing
+        else is in flight (the end of the search, or a narrow level)."""
+        in_flight: deque = deque()
+        limit = TASKS_IN_FLIGHT_PER_WORKER * self.workers
+        while queue or in_flight:
+            while queue and len(in_flight) < limit and (
+                    len(queue) >= CHUNK_STATES or not in_flight):
+                take = min(CHUNK_STATES, len(queue))
+                in_flight.append(pool.submit(_expand, [queue.popleft() for _ in range(take)]))
+            yield from in_flight.popleft().result()
 
     def _search(self, pool) -> CheckResult:
         m = self.m
@@ -102,80 +117,91 @@ class ParallelChecker(Checker):
                              workers=self.workers)
         started = time.perf_counter()
         init = canonical(core.initial_state(m)) if self.symmetry else core.initial_state(m)
-        index_of: dict[int, int] = {self._key(init): 0}
-        parents, depths = array("q", [-1]), array("H", [0])
-        events: list = [None]
-        self._index_of, self._events = index_of, events
-        graph = _Graph() if self.liveness else None
+        search = _Search(init, self._key(init), self.liveness)
+        self._index_of, self._events = search.index_of, search.events
         failed = self._failures(self.state_checks, init)
         if failed:
-            self._record(result, failed, "invariant", 0, parents)
-        states: deque = deque([init])
-        queued = 1        # states in `states` or in chunks not yet read back
-        generated, here = 1, -1
-        counts: dict[str, int] = {}
-        transitions: dict[str, int] = {}
+            self._record(result, failed, "invariant", 0, search.parents)
         next_report = started + self.progress_every_s
-        while states and not self._stop(result):
-            # One wave: the chunks of what is queued now; new states queue for the next.
-            wave = list(self._chunks(states))
-            for chunk_result in pool.map(_expand, wave):
-                for fair_enabled, any_enabled, keys, actions, new, rest in chunk_result:
-                    here += 1
-                    queued -= 1
-                    child_indices: list[int] = []
-                    sent = {position: (event, state, failed)
-                            for position, event, state, failed in new}
-                    for position, key in enumerate(keys):
-                        generated += 1
-                        name = actions[position]
-                        transitions[name] = transitions.get(name, 0) + 1
-                        j = index_of.get(key)
-                        if j is None:
-                            event, state, failed = sent[position]
-                            j = len(parents)
-                            index_of[key] = j
-                            parents.append(here)
-                            events.append(event)
-                            depths.append(depths[here] + 1)
-                            states.append(state)
-                            queued += 1
-                            counts[name] = counts.get(name, 0) + 1
-                            failed = [f for f in failed if f in dict(self.state_checks)]
-                            if failed:
-                                self._record(result, failed if self.keep_going else failed[:1],
-                                             "invariant", j, parents)
-                                if self._stop(result):
-                                    break
-                        elif j == here:
-                            raise AssertionError(f"{name} leaves the state unchanged")
-                        child_indices.append(j)
-                    if self._stop(result):
-                        break
-                    if graph is not None:
-                        graph.add(child_indices)
-                    if not fair_enabled:
-                        result.rest_states += 1
-                        failed = [f for f in rest if f in dict(self.rest_checks)]
-                        if failed:
-                            self._record(result, failed if self.keep_going else failed[:1],
-                                         "rest" if any_enabled else "deadlock", here, parents)
-                    if self.progress is not None and time.perf_counter() >= next_report:
-                        self.progress(len(parents), generated, depths[here],
-                                      time.perf_counter() - started)
-                        next_report = time.perf_counter() + self.progress_every_s
-                    if self.max_states is not None and len(parents) > self.max_states:
-                        raise RuntimeError(f"more than {self.max_states} distinct states; "
-                                           "raise --max-states or check a smaller model")
-                    if self._stop(result):
-                        break
+        if not self._stop(result):
+            for expanded in self._results(pool, search.states):
+                self._take(search, expanded, result)
+                if self.progress is not None and time.perf_counter() >= next_report:
+                    self.progress(len(search.parents), search.generated,
+                                  search.depths[search.here], time.perf_counter() - started)
+                    next_report = time.perf_counter() + self.progress_every_s
+                if self.max_states is not None and len(search.parents) > self.max_states:
+                    raise RuntimeError(f"more than {self.max_states} distinct states; "
+                                       "raise --max-states or check a smaller model")
                 if self._stop(result):
                     break
-        result.left_on_queue = queued
-        result.distinct_states = len(parents)
-        result.states_generated = generated
-        result.depth = max(depths) if depths else 0
-        result.action_counts, result.action_transitions = counts, transitions
-        self._check_acyclic(result, graph, parents)
+        result.left_on_queue = search.queued
+        result.distinct_states = len(search.parents)
+        result.states_generated = search.generated
+        result.depth = max(search.depths)
+        result.action_counts, result.action_transitions = search.counts, search.transitions
+        self._check_acyclic(result, search.graph, search.parents)
         result.seconds = time.perf_counter() - started
         return result
+
+    def _take(self, search: "_Search", expanded: tuple, result: CheckResult) -> None:
+        """One expanded state's successors, in the serial checker's order and with its
+        bookkeeping; stops where the serial checker would stop."""
+        fair_enabled, any_enabled, keys, actions, new, rest = expanded
+        search.here += 1
+        search.queued -= 1
+        here = search.here
+        sent = {position: (event, state, failed) for position, event, state, failed in new}
+        children: list[int] = []
+        for position, key in enumerate(keys):
+            name = actions[position]
+            search.generated += 1
+            search.transitions[name] = search.transitions.get(name, 0) + 1
+            j = search.index_of.get(key)
+            if j is None:
+                event, state, failed = sent[position]
+                j = search.add(key, here, event, state, name)
+                failed = [f for f in failed if f in dict(self.state_checks)]
+                if failed:
+                    self._record(result, failed if self.keep_going else failed[:1],
+                                 "invariant", j, search.parents)
+                    if self._stop(result):
+                        return
+            elif j == here:
+                raise AssertionError(f"{name} leaves the state unchanged")
+            children.append(j)
+        if search.graph is not None:
+            search.graph.add(children)
+        if not fair_enabled:
+            result.rest_states += 1
+            failed = [f for f in rest if f in dict(self.rest_checks)]
+            if failed:
+                self._record(result, failed if self.keep_going else failed[:1],
+                             "rest" if any_enabled else "deadlock", here, search.parents)
+
+
+class _Search:
+    """The coordinator's side of the search: what the serial checker keeps in locals."""
+
+    def __init__(self, init, key: int, liveness: bool) -> None:
+        self.index_of: dict[int, int] = {key: 0}
+        self.parents, self.depths = array("q", [-1]), array("H", [0])
+        self.events: list = [None]
+        self.states: deque = deque([init])
+        self.graph = _Graph() if liveness else None
+        self.queued = 1      # states in `states` or in chunks not yet read back
+        self.generated, self.here = 1, -1
+        self.counts: dict[str, int] = {}
+        self.transitions: dict[str, int] = {}
+
+    def add(self, key: int, parent: int, event, state, action: str) -> int:
+        """A state seen for the first time; its index."""
+        j = len(self.parents)
+        self.index_of[key] = j
+        self.parents.append(parent)
+        self.events.append(event)
+        self.depths.append(self.depths[parent] + 1)
+        self.states.append(state)
+        self.queued += 1
+        self.counts[action] = self.counts.get(action, 0) + 1
+        return j
