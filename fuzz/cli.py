@@ -72,8 +72,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "spelling)")
     parser.add_argument("--zoo", action="store_true",
                         help="run every bug-zoo entry on every target and print the matrix")
+    parser.add_argument("--runs", type=positive_int, default=1, metavar="K",
+                        help="K independent campaigns, seeds N, N+1, ..., N+K-1 (with "
+                             "--examples; spread them with --jobs or --ray)")
     parser.add_argument("--jobs", type=positive_int, default=1, metavar="N",
-                        help="with --zoo: run the cells in N processes (same matrix as one)")
+                        help="run zoo cells or --runs campaigns in N processes (the same "
+                             "results as one)")
+    parser.add_argument("--ray", metavar="ADDRESS", default=None,
+                        help="run zoo cells or --runs campaigns on a Ray cluster (ADDRESS: "
+                             "local, auto, HOST:PORT); needs the ray package")
     parser.add_argument("--replay", metavar="FILE", default=None,
                         help="re-run a saved failure and report whether it reproduces")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -111,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvproof fuzz: {error}", file=sys.stderr)
         return EXIT_USAGE
     if args.zoo:
-        return _zoo(targets, base, args.jobs, args.quiet)
+        return _zoo(targets, base, args)
     worst = EXIT_OK
     for target in targets:
         worst = max(worst, _fuzz(args, base, target))
@@ -128,6 +135,15 @@ def _campaign(args: argparse.Namespace):
     bad = [p for p in args.property if p not in known]
     if bad:
         raise UsageError(f"unknown propert(y/ies) {bad}; known: {sorted(known)}")
+    if (args.jobs > 1 or args.ray) and not (args.zoo or args.runs > 1):
+        raise UsageError("--jobs and --ray spread the cells of --zoo or the campaigns of "
+                         "--runs K; a single campaign runs in one process")
+    if args.runs > 1 and (args.seconds or args.zoo):
+        raise UsageError("--runs takes an --examples budget and no --zoo (a --seconds budget "
+                         "already runs seeds N, N+1, ... one after another)")
+    if args.ray:
+        from api.campaigns import require_ray
+        require_ray()
     if args.zoo and (args.bug or args.property or args.out):
         raise UsageError("--zoo sets the switches and properties of each entry itself and "
                          "saves nothing; drop --bug, --property and --itf")
@@ -167,9 +183,11 @@ def _targets(args: argparse.Namespace) -> list[str]:
 def _fuzz(args: argparse.Namespace, base, target: str) -> int:
     from dataclasses import replace
 
-    from fuzz.runner import format_failure, run_campaign
+    from fuzz.runner import run_campaign
 
     campaign = replace(base, target=target)
+    if args.runs > 1:
+        return _fuzz_runs(args, campaign)
     print(f"kvproof fuzz: {campaign.describe()}", flush=True)
     outcome = run_campaign(campaign, progress=None if args.quiet else _progress)
     print(f"{plural(outcome.examples, 'example')}, "
@@ -180,8 +198,14 @@ def _fuzz(args: argparse.Namespace, base, target: str) -> int:
     if not outcome.caught:
         print(f"No violation (seed {campaign.seed}).")
         return EXIT_OK
+    return _report_failure(args, campaign, outcome)
+
+
+def _report_failure(args: argparse.Namespace, campaign, outcome) -> int:
+    from fuzz.runner import format_failure
+
     print(format_failure(campaign, outcome))
-    path = args.out or f"kvproof-fuzz-{target}-seed{outcome.batch_seed}.itf.json"
+    path = args.out or f"kvproof-fuzz-{campaign.target}-seed{outcome.batch_seed}.itf.json"
     try:
         _save(path, campaign, outcome)
     except OSError as error:
@@ -189,6 +213,36 @@ def _fuzz(args: argparse.Namespace, base, target: str) -> int:
         return EXIT_VIOLATION
     print(f"Minimal failing sequence written to {path}; replay: kvproof fuzz --replay {path}")
     return EXIT_VIOLATION
+
+
+def _fuzz_runs(args: argparse.Namespace, campaign) -> int:
+    """K campaigns with consecutive seeds, as independent runs (processes or Ray); one line
+    each, then the first failure in full."""
+    from dataclasses import replace
+    from functools import partial
+
+    from api.campaigns import parallel_map
+    from fuzz.runner import reproduce_command
+    from fuzz.zoo import run_portable
+
+    campaigns = [replace(campaign, seed=campaign.seed + k) for k in range(args.runs)]
+    where = (f"Ray at {args.ray}" if args.ray else
+             plural(args.jobs, "process", "processes"))
+    print(f"kvproof fuzz: {args.runs} runs, seeds {campaign.seed}..{campaigns[-1].seed}, on "
+          f"{where}; each: {campaign.describe()}", flush=True)
+    outcomes = partial(parallel_map, jobs=args.jobs, ray_address=args.ray)(
+        run_portable, campaigns)
+    for run, outcome in zip(campaigns, outcomes):
+        if outcome.caught:
+            print(f"seed {run.seed}: FAILED after {plural(outcome.examples_to_catch, 'example')}"
+                  f": {outcome.failure.violations[0]}; reproduce: "
+                  f"{reproduce_command(run, outcome)}")
+        else:
+            print(f"seed {run.seed}: no violation in {plural(outcome.examples, 'example')}")
+    failed = [(run, o) for run, o in zip(campaigns, outcomes) if o.caught]
+    if not failed:
+        return EXIT_OK
+    return _report_failure(args, *failed[0])
 
 
 def _progress(line: str) -> None:
@@ -208,15 +262,27 @@ def _save(path: str, campaign, outcome) -> None:
                                "setup": failure.setup.describe()})
 
 
-def _zoo(targets: list[str], base, jobs: int, quiet: bool) -> int:
+def _zoo(targets: list[str], base, args: argparse.Namespace) -> int:
+    from functools import partial
+
+    from api.campaigns import parallel_map
     from fuzz.zoo import format_cell, format_matrix, run_zoo
+
+    jobs, quiet = args.jobs, args.quiet
 
     budget = f"{base.seconds:g} s" if base.seconds else plural(base.examples, "example")
     print(f"kvproof fuzz --zoo: targets {', '.join(targets)}; seed {base.seed}; per cell "
           f"{budget}; profile {base.profile.name}"
-          + (f"; {jobs} processes" if jobs > 1 else ""), flush=True)
-    cells = run_zoo(targets, base, jobs=jobs, progress=None if quiet else lambda cell: print(
-        f"  {cell.row.name} on {cell.target}: {format_cell(cell)}", flush=True))
+          + (f"; Ray at {args.ray}" if args.ray else f"; {jobs} processes" if jobs > 1 else ""),
+          flush=True)
+    mapper = partial(parallel_map, jobs=jobs, ray_address=args.ray)
+    try:
+        cells = run_zoo(targets, base, mapper=mapper, progress=None if quiet else lambda cell:
+                        print(f"  {cell.row.name} on {cell.target}: {format_cell(cell)}",
+                              flush=True))
+    except UsageError as error:
+        print(f"kvproof fuzz: {error}", file=sys.stderr)
+        return EXIT_USAGE
     print(format_matrix(cells))
     bad = [c for c in cells if not c.ok]
     if bad:

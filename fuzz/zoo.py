@@ -78,14 +78,19 @@ def run_portable(campaign: Campaign) -> Outcome:
 
 
 def run_zoo(targets: list[str], base: Campaign, rows: list[Row] | None = None,
-            progress: Callable[[Cell], None] | None = None, jobs: int = 1) -> list[Cell]:
-    """Every cell, in row then target order whatever `jobs` is."""
+            progress: Callable[[Cell], None] | None = None, jobs: int = 1,
+            mapper: Callable | None = None) -> list[Cell]:
+    """Every cell, in row then target order, whatever runs them: this process, `jobs`
+    processes, or `mapper(run_portable, campaigns)` (api/campaigns.py: processes or Ray)."""
     planned = list(_campaigns(targets, base, rows or zoo_rows()))
-    if jobs > 1:
-        with ProcessPoolExecutor(jobs) as pool:
-            outcomes = pool.map(run_portable, [c for _, c in planned])
-            return [_told(Cell(row, c.target, o), progress)
-                    for (row, c), o in zip(planned, outcomes)]
+    if mapper is None and jobs > 1:
+        def mapper(fn, items):
+            with ProcessPoolExecutor(jobs) as pool:
+                return list(pool.map(fn, items))
+    if mapper is not None:
+        outcomes = mapper(run_portable, [c for _, c in planned])
+        return [_told(Cell(row, c.target, o), progress)
+                for (row, c), o in zip(planned, outcomes)]
     return [_told(Cell(row, c.target, run_campaign(c)), progress) for row, c in planned]
 
 
@@ -116,7 +121,8 @@ def format_matrix(cells: list[Cell]) -> str:
     text = {(c.row, c.target): format_cell(c) for c in cells}
     name_width = max(len("entry"), *(len(r.name) for r in rows))
     widths = {t: max(len(t), *(len(text.get((r, t), "-")) for r in rows)) for t in targets}
-    lines = [f"{'entry':<{name_width}}  " + "  |  ".join(f"{t:<{widths[t]}}" for t in targets)]
+    lines = [(f"{'entry':<{name_width}}  " + "  |  ".join(f"{t:<{widths[t]}}" for t in targets)
+              ).rstrip()]
     for row in rows:
         lines.append(f"{row.name:<{name_width}}  " + "  |  ".join(
             f"{text.get((row, t), '-'):<{widths[t]}}" for t in targets).rstrip())

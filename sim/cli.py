@@ -65,6 +65,9 @@ def add_parser(commands) -> None:
                           "with --plot)")
     sim.add_argument("--jobs", type=positive_int, default=1, metavar="N",
                      help="with --sweep: run the points in N processes (same results as one)")
+    sim.add_argument("--ray", metavar="ADDRESS",
+                     help="with --sweep: run the points on a Ray cluster (ADDRESS: local, "
+                          "auto, HOST:PORT); needs the ray package")
     sim.add_argument("--slo-ttft-ms", type=float, default=SLO_TTFT_MS_DEFAULT, metavar="MS",
                      help=f"TTFT target for SLO attainment (default {SLO_TTFT_MS_DEFAULT:g})")
     sim.add_argument("--slo-tpot-ms", type=float, default=SLO_TPOT_MS_DEFAULT, metavar="MS",
@@ -150,7 +153,7 @@ def build_scenario(args: argparse.Namespace, data: dict | None = None):
 
 # -- checks before a run ---------------------------------------------------------------------
 
-RUN_CHANGING = ("seed", "requests", "bug", "guards_on", "on_violation", "set", "sweep")
+RUN_CHANGING = ("seed", "requests", "bug", "guards_on", "on_violation", "set", "sweep", "ray")
 
 
 def _preflight(args: argparse.Namespace) -> None:
@@ -164,6 +167,12 @@ def _preflight(args: argparse.Namespace) -> None:
         _preflight_replay(args)
     elif not args.scenario:
         raise UsageError("name a scenario (see --list-scenarios) or give --replay LOG")
+    if (args.jobs > 1 or args.ray) and not args.sweep:
+        raise UsageError("--jobs and --ray spread the points of --sweep; one run is one "
+                         "process")
+    if args.ray:
+        from api.campaigns import require_ray
+        require_ray()
     if args.sweep and (args.log or args.itf or args.csv):
         raise UsageError("--sweep runs many times; --log, --itf and --csv take one run")
     if args.itf and not (args.log or args.replay):

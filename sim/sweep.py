@@ -1,7 +1,8 @@
 """`kvproof sim SCENARIO --sweep FIELD=V1,V2,...`: one run per value of one field.
 
 Points are independent runs of fully built scenarios (the seed included), so with `--jobs N`
-they run in a concurrent.futures process pool and give exactly the results of one process.
+(a process pool) or `--ray ADDRESS` (api/campaigns.py) they give exactly the results of one
+process.
 Every point is validated before the first one runs.
 """
 
@@ -10,8 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-from concurrent.futures import ProcessPoolExecutor
-
+from api.campaigns import parallel_map
 from api.clikit import EXIT_OK, EXIT_VIOLATION, UsageError
 from sim.scenario import Scenario
 
@@ -19,8 +19,10 @@ COLUMNS = ("value", "settled", "ok", "errors", "leaked", "violations", "TTFT p50
            "TTFT p99 ms", "goodput req/s", "TTFT SLO")
 
 
-def run_point(data: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
-    """One run (in a pool process): its result, with SLO attainment."""
+def run_point(point: tuple[dict, float, float]) -> dict:
+    """One run (anywhere): its result, with SLO attainment. `point` is the scenario's data
+    and the two SLO targets in milliseconds."""
+    data, slo_ttft_ms, slo_tpot_ms = point
     from sim.report import slo_summary
     from sim.run import simulate
 
@@ -98,14 +100,10 @@ def run_sweep(args: argparse.Namespace) -> int:
     first = points[0][1]
     print(f"kvproof sim: sweep of {field} over {', '.join(v for v, _ in points)}; scenario "
           f"{first['name']}, seed {first['seed']}"
-          + (f"; {args.jobs} processes" if args.jobs > 1 else ""), flush=True)
-    options = (args.slo_ttft_ms, args.slo_tpot_ms)
-    if args.jobs > 1:
-        with ProcessPoolExecutor(args.jobs) as pool:
-            results = list(pool.map(run_point, [d for _, d in points],
-                                    *[[o] * len(points) for o in options]))
-    else:
-        results = [run_point(d, *options) for _, d in points]
+          + (f"; Ray at {args.ray}" if args.ray else
+             f"; {args.jobs} processes" if args.jobs > 1 else ""), flush=True)
+    results = parallel_map(run_point, [(d, args.slo_ttft_ms, args.slo_tpot_ms)
+                                       for _, d in points], args.jobs, args.ray)
     print(format_table(field, [_row(v, r) for (v, _), r in zip(points, results)]))
     if args.plot:
         bugs = "+".join(first["bugs"]) or "no bugs"

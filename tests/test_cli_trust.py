@@ -439,6 +439,40 @@ def test_zoo_cells_in_processes_equal_a_serial_run():
     assert seen(serial) == seen(parallel)
 
 
+def test_fuzz_runs_in_processes_equal_serial_runs(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["fuzz", "--bug", "NoTimeout", "--runs", "3", "--examples", "15", "--seed", "1",
+            "--shrink-seconds", "0", "--quiet"]
+    code, serial, _ = run(capsys, *argv)
+    code_jobs, parallel, _ = run(capsys, *argv, "--jobs", "2")
+
+    def per_seed(out):
+        return [line for line in out.splitlines() if line.startswith("seed ")]
+    assert code == code_jobs == 1 and len(per_seed(serial)) == 3
+    assert per_seed(serial) == per_seed(parallel)
+    again = shlex.split(per_seed(serial)[-1].split("reproduce: ")[1])[1:]
+    assert run(capsys, *again, "--shrink-seconds", "0", "--quiet")[0] == 1
+
+
+def test_ray_missing_is_one_line_before_any_work(capsys):
+    if __import__("importlib").util.find_spec("ray") is not None:
+        pytest.skip("ray is installed here")
+    for argv in (["sim", "default", "--sweep", "seed=1,2", "--ray", "local"],
+                 ["fuzz", "--zoo", "--ray", "local"]):
+        code, out, err = run(capsys, *argv)
+        assert code == 2 and out == "" and "--ray needs the ray package" in err
+
+
+def test_a_sweep_on_a_local_ray_instance_equals_a_serial_run(capsys):
+    """Runs where ray is installed (CI here has no ray: see cli_needs.md, "Ray")."""
+    pytest.importorskip("ray")
+    argv = ["sim", "default", "--requests", "20", "--sweep", "workload.rate_per_s=5,40"]
+    code, serial, _ = run(capsys, *argv)
+    code_ray, on_ray, _ = run(capsys, *argv, "--ray", "local")
+    assert code == code_ray == 0
+    assert serial.splitlines()[1:] == on_ray.splitlines()[1:]
+
+
 # -- what only a forbidden file can fix (/work/notes/cli_needs.md); the CLI works around
 # -- each of these today, and these tests turn green when the fix lands where it belongs.
 
