@@ -185,8 +185,9 @@ def _preflight_replay(args: argparse.Namespace) -> None:
     changing = [f"--{name.replace('_', '-')}" for name in RUN_CHANGING
                 if getattr(args, name) not in (None, False, [])]
     if args.scenario or changing:
+        drop = ", ".join(changing) or "the scenario"
         raise UsageError("--replay rebuilds the run its log records; it takes no scenario and "
-                         f"no option that changes a run (drop {', '.join(changing) or 'the scenario'})")
+                         f"no option that changes a run (drop {drop})")
     if not Path(args.replay).is_file():
         raise UsageError(f"--replay {args.replay}: no such file")
     kind = sniff(args.replay)

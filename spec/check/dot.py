@@ -2,9 +2,10 @@
 
 Nodes are states numbered in breadth-first order (0 is the initial state). A whole state is
 too much to read on a picture, so a node shows its number and its clients' states, with the
-whole state in the tooltip; edges carry the event's label. States that violate a state invariant are drawn red. Drawing is
-for small models only: beyond DOT_STATES_MAX states the picture says nothing, and the
-function refuses rather than write a file no viewer can lay out.
+whole state in the tooltip; edges carry the event's label. States that violate a state
+invariant are drawn red. Drawing is for small models only: beyond DOT_STATES_MAX states the
+picture says nothing, and the function refuses rather than write a file no viewer can lay
+out.
 """
 
 from __future__ import annotations

@@ -59,14 +59,15 @@ def format_trace(m: Model, violation: Violation, full: bool = False, shortest: b
 def format_summary(result: CheckResult) -> str:
     m = result.model
     workers = f" with {result.workers} workers" if result.workers > 1 else ""
+    rate = result.distinct_states / max(result.seconds, 1e-9)
     lines = [
         describe_model(m),
         f"{result.states_generated} states generated, {result.distinct_states} distinct states "
         f"found, {result.left_on_queue} states left on queue.",
         # TLC counts the initial state in the depth; result.depth counts steps.
         f"The depth of the complete state graph search is {result.depth + 1}.",
-        f"Checked in {result.seconds:.2f} s ({result.distinct_states / max(result.seconds, 1e-9):,.0f}"
-        f" distinct states/s){workers}{' with symmetry over requests' if result.symmetry else ''}.",
+        f"Checked in {result.seconds:.2f} s ({rate:,.0f} distinct states/s){workers}"
+        f"{' with symmetry over requests' if result.symmetry else ''}.",
         f"The optimistic probability of a fingerprint collision is "
         f"{result.collision_probability:.1E}.",
     ]
