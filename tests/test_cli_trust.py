@@ -293,6 +293,14 @@ def test_the_one_pair_demo_shows_a_whole_transfer(capsys, tmp_path):
     assert code == 0 and "trace OK" in out
 
 
+def test_a_replayed_log_converts_to_itf(capsys, tmp_path):
+    log, itf = tmp_path / "run.ndjson", tmp_path / "run.itf.json"
+    assert run(capsys, "sim", "one-pair", "--log", str(log), "--quiet")[0] == 0
+    code, out, _ = run(capsys, "sim", "--replay", str(log), "--itf", str(itf))
+    assert code == 0 and "check it with kvproof validate" in out
+    assert run(capsys, "validate", str(itf))[0] == 0
+
+
 def test_fuzz_zoo_matrix_columns_line_up():
     from fuzz.runner import Campaign, Outcome
     from fuzz.zoo import Cell, Row, format_matrix
@@ -340,6 +348,12 @@ def test_workers_give_the_serial_counts_and_counterexample(model):
     if one.violation:
         labels = [[e.label(m) if e else "" for e, _ in r.violation.trace] for r in (one, two)]
         assert labels[0] == labels[1]
+
+
+def test_check_workers_from_the_command_line(capsys):
+    code, out, _ = run(capsys, "check", "--model", "solo", "--workers", "2", "--quiet")
+    assert code == 0 and "1617 states generated, 987 distinct states found" in out
+    assert "with 2 workers" in out
 
 
 def test_continue_reports_every_violated_property(capsys, tmp_path):
