@@ -82,8 +82,7 @@ def list_models() -> int:
     rows = []
     for name in model_names():
         _, m = load(name)
-        size = (f"{plural(m.requests, 'request')}, decode pool {plural(m.decode_pages, 'page')}"
-                + (f", bugs {'+'.join(sorted(m.bugs))}" if m.bugs else ""))
+        size = f"{plural(m.requests, 'request')}, decode pool {plural(m.decode_pages, 'page')}"
         rows.append((name, size, model_description(name)))
     name_width = max(len(r[0]) for r in rows)
     size_width = max(len(r[1]) for r in rows)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from api.clikit import (EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, Parser, UsageError,  # noqa: F401
-                        add_subcommand, positive_int, quietly_closed_stdout)
+from api.clikit import (EXIT_USAGE, Parser, UsageError, add_subcommand, positive_int,
+                        quietly_closed_stdout)
 from api import check_command
 
 

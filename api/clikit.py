@@ -62,9 +62,11 @@ def help_epilog(examples: list[str], extra: str = "") -> str:
 
 def add_subcommand(commands, name: str, summary: str, description: str,
                    examples: list[str], extra: str = "") -> Parser:
+    import textwrap
+
     return commands.add_parser(
-        name, help=summary, description=description, epilog=help_epilog(examples, extra),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        name, help=summary, description=textwrap.fill(description, 88),
+        epilog=help_epilog(examples, extra), formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def positive_int(text: str) -> int:

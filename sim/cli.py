@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 
 from api.clikit import (EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, FUZZ_FAILURE, ITF_TRACE,
-                        SIM_LOG, UsageError, add_subcommand, plural, positive_int, sniff,
+                        UsageError, add_subcommand, plural, positive_int, sniff,
                         writable_file, writable_folder, wrong_kind)
 from sim.fold import LogError
 from sim.scenario import ScenarioError, load_scenario, scenario_from_dict, scenario_names
