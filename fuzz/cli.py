@@ -1,8 +1,8 @@
 """`kvproof fuzz`: the command line of the fuzzer (api/cli.py hands the subcommand here).
 
     kvproof fuzz [--target NAME ...] [--seed N] [--examples N | --seconds S] [--bug NAME ...]
-                 [--property NAME ...] [--profile NAME] [--out FILE]
-    kvproof fuzz --zoo [--target NAME ...] [--seed N] [--examples N | --seconds S]
+                 [--property NAME ...] [--profile NAME] [--itf FILE] [--jobs N]
+    kvproof fuzz --zoo [--target NAME ...] [--seed N] [--examples N | --seconds S] [--jobs N]
     kvproof fuzz --replay FILE
 
 Exit status: 0 when nothing is violated (for --zoo: every entry caught and no false alarm),
@@ -16,6 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from api.clikit import (FUZZ_FAILURE, UsageError, plural, positive_int, sniff,
+                        writable_file, wrong_kind)
 from spec.model import BUG_SWITCHES
 from spec.properties import REST_INVARIANTS, STATE_INVARIANTS
 
@@ -29,8 +31,15 @@ ZOO_EXAMPLES_DEFAULT = 1000
 SECONDS_BATCH_EXAMPLES = 50
 
 
-class UsageError(ValueError):
-    """The user's input is wrong: reported on stderr with exit status 2."""
+EXAMPLES = [
+    "kvproof fuzz --seed 1                          # the core, 200 examples",
+    "kvproof fuzz --target sim --bug EagerRelease --seconds 60",
+    "kvproof fuzz --zoo --examples 300 --jobs 2     # every zoo entry on every target",
+    "kvproof fuzz --replay kvproof-fuzz-core-seed1.itf.json",
+]
+EXTRA = ("aliases (kept for one release): --out = --itf\n"
+         "--replay FILE re-runs what a file kvproof wrote records and reports whether its "
+         "verdict reproduces,\nas kvproof sim --replay LOG does for a simulator log.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,16 +66,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "$KVPROOF_FUZZ_PROFILE or 'default')")
     parser.add_argument("--shrink-seconds", type=float, default=20.0, metavar="S",
                         help="time Hypothesis may spend shrinking a failure (0: none)")
-    parser.add_argument("--out", default=None, metavar="FILE",
-                        help="where to save a failure (default: "
-                             "kvproof-fuzz-<target>-seed<N>.itf.json)")
+    parser.add_argument("--itf", "--out", dest="out", default=None, metavar="FILE",
+                        help="where to save a failure, an ITF trace with the events (default: "
+                             "kvproof-fuzz-<target>-seed<N>.itf.json; --out is the old "
+                             "spelling)")
     parser.add_argument("--zoo", action="store_true",
                         help="run every bug-zoo entry on every target and print the matrix")
+    parser.add_argument("--runs", type=positive_int, default=1, metavar="K",
+                        help="K independent campaigns, seeds N, N+1, ..., N+K-1 (with "
+                             "--examples; spread them with --jobs or --ray)")
+    parser.add_argument("--jobs", type=positive_int, default=1, metavar="N",
+                        help="run zoo cells or --runs campaigns in N processes (the same "
+                             "results as one)")
+    parser.add_argument("--ray", metavar="ADDRESS", default=None,
+                        help="run zoo cells or --runs campaigns on a Ray cluster (ADDRESS: "
+                             "local, auto, HOST:PORT); needs the ray package")
     parser.add_argument("--replay", metavar="FILE", default=None,
                         help="re-run a saved failure and report whether it reproduces")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--list-bugs", action="store_true", help="list the bug switches")
+    parser.add_argument("--list-targets", action="store_true", help="list the fuzz targets")
+    parser.add_argument("--list-properties", action="store_true",
+                        help="list the properties that can be checked")
+
+
+def _listing(args: argparse.Namespace) -> int | None:
+    from api.check_command import list_bugs, list_properties
+
+    if args.list_bugs:
+        return list_bugs()
+    if args.list_properties:
+        return list_properties()
+    if args.list_targets:
+        for name, cls in sorted(load_targets().items()):
+            doc = (cls.__doc__ or "").strip().split("\n")[0]
+            print(f"{name:<8}{doc}")
+        return EXIT_OK
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
+    listed = _listing(args)
+    if listed is not None:
+        return listed
     try:
         if args.replay:
             return _replay(args)
@@ -76,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvproof fuzz: {error}", file=sys.stderr)
         return EXIT_USAGE
     if args.zoo:
-        return _zoo(targets, base)
+        return _zoo(targets, base, args)
     worst = EXIT_OK
     for target in targets:
         worst = max(worst, _fuzz(args, base, target))
@@ -93,9 +135,20 @@ def _campaign(args: argparse.Namespace):
     bad = [p for p in args.property if p not in known]
     if bad:
         raise UsageError(f"unknown propert(y/ies) {bad}; known: {sorted(known)}")
-    if args.zoo and (args.bug or args.property):
-        raise UsageError("--zoo sets the switches and properties of each entry itself; "
-                         "drop --bug and --property")
+    if (args.jobs > 1 or args.ray) and not (args.zoo or args.runs > 1):
+        raise UsageError("--jobs and --ray spread the cells of --zoo or the campaigns of "
+                         "--runs K; a single campaign runs in one process")
+    if args.runs > 1 and (args.seconds or args.zoo):
+        raise UsageError("--runs takes an --examples budget and no --zoo (a --seconds budget "
+                         "already runs seeds N, N+1, ... one after another)")
+    if args.ray:
+        from api.campaigns import require_ray
+        require_ray()
+    if args.zoo and (args.bug or args.property or args.out):
+        raise UsageError("--zoo sets the switches and properties of each entry itself and "
+                         "saves nothing; drop --bug, --property and --itf")
+    if args.out:
+        writable_file(args.out, "--itf")
     if args.examples is not None and args.examples < 1:
         raise UsageError(f"--examples must be at least 1, got {args.examples}")
     if args.seconds is not None and not args.seconds > 0:
@@ -130,20 +183,29 @@ def _targets(args: argparse.Namespace) -> list[str]:
 def _fuzz(args: argparse.Namespace, base, target: str) -> int:
     from dataclasses import replace
 
-    from fuzz.runner import format_failure, run_campaign
+    from fuzz.runner import run_campaign
 
     campaign = replace(base, target=target)
+    if args.runs > 1:
+        return _fuzz_runs(args, campaign)
     print(f"kvproof fuzz: {campaign.describe()}", flush=True)
-    outcome = run_campaign(campaign)
-    print(f"{outcome.examples} examples, {outcome.steps + outcome.drain_steps} steps "
+    outcome = run_campaign(campaign, progress=None if args.quiet else _progress)
+    print(f"{plural(outcome.examples, 'example')}, "
+          f"{plural(outcome.steps + outcome.drain_steps, 'step')} "
           f"({outcome.steps} by the rules, {outcome.drain_steps} by the drain) in "
           f"{outcome.seconds:.1f} s: {outcome.examples_per_second:.1f} examples/s, "
           f"{outcome.steps_per_second:,.0f} steps/s")
     if not outcome.caught:
         print(f"No violation (seed {campaign.seed}).")
         return EXIT_OK
+    return _report_failure(args, campaign, outcome)
+
+
+def _report_failure(args: argparse.Namespace, campaign, outcome) -> int:
+    from fuzz.runner import format_failure
+
     print(format_failure(campaign, outcome))
-    path = args.out or f"kvproof-fuzz-{target}-seed{outcome.batch_seed}.itf.json"
+    path = args.out or f"kvproof-fuzz-{campaign.target}-seed{outcome.batch_seed}.itf.json"
     try:
         _save(path, campaign, outcome)
     except OSError as error:
@@ -151,6 +213,40 @@ def _fuzz(args: argparse.Namespace, base, target: str) -> int:
         return EXIT_VIOLATION
     print(f"Minimal failing sequence written to {path}; replay: kvproof fuzz --replay {path}")
     return EXIT_VIOLATION
+
+
+def _fuzz_runs(args: argparse.Namespace, campaign) -> int:
+    """K campaigns with consecutive seeds, as independent runs (processes or Ray); one line
+    each, then the first failure in full."""
+    from dataclasses import replace
+    from functools import partial
+
+    from api.campaigns import parallel_map
+    from fuzz.runner import reproduce_command
+    from fuzz.zoo import run_portable
+
+    campaigns = [replace(campaign, seed=campaign.seed + k) for k in range(args.runs)]
+    where = (f"Ray at {args.ray}" if args.ray else
+             plural(args.jobs, "process", "processes"))
+    print(f"kvproof fuzz: {args.runs} runs, seeds {campaign.seed}..{campaigns[-1].seed}, on "
+          f"{where}; each: {campaign.describe()}", flush=True)
+    outcomes = partial(parallel_map, jobs=args.jobs, ray_address=args.ray)(
+        run_portable, campaigns)
+    for run, outcome in zip(campaigns, outcomes):
+        if outcome.caught:
+            print(f"seed {run.seed}: FAILED after {plural(outcome.examples_to_catch, 'example')}"
+                  f": {outcome.failure.violations[0]}; reproduce: "
+                  f"{reproduce_command(run, outcome)}")
+        else:
+            print(f"seed {run.seed}: no violation in {plural(outcome.examples, 'example')}")
+    failed = [(run, o) for run, o in zip(campaigns, outcomes) if o.caught]
+    if not failed:
+        return EXIT_OK
+    return _report_failure(args, *failed[0])
+
+
+def _progress(line: str) -> None:
+    print(f"  {line}", file=sys.stderr, flush=True)
 
 
 def _save(path: str, campaign, outcome) -> None:
@@ -166,14 +262,27 @@ def _save(path: str, campaign, outcome) -> None:
                                "setup": failure.setup.describe()})
 
 
-def _zoo(targets: list[str], base) -> int:
+def _zoo(targets: list[str], base, args: argparse.Namespace) -> int:
+    from functools import partial
+
+    from api.campaigns import parallel_map
     from fuzz.zoo import format_cell, format_matrix, run_zoo
 
-    budget = f"{base.seconds:g} s" if base.seconds else f"{base.examples} examples"
+    jobs, quiet = args.jobs, args.quiet
+
+    budget = f"{base.seconds:g} s" if base.seconds else plural(base.examples, "example")
     print(f"kvproof fuzz --zoo: targets {', '.join(targets)}; seed {base.seed}; per cell "
-          f"{budget}; profile {base.profile.name}", flush=True)
-    cells = run_zoo(targets, base, progress=lambda cell: print(
-        f"  {cell.row.name} on {cell.target}: {format_cell(cell)}", flush=True))
+          f"{budget}; profile {base.profile.name}"
+          + (f"; Ray at {args.ray}" if args.ray else f"; {jobs} processes" if jobs > 1 else ""),
+          flush=True)
+    mapper = partial(parallel_map, jobs=jobs, ray_address=args.ray)
+    try:
+        cells = run_zoo(targets, base, mapper=mapper, progress=None if quiet else lambda cell:
+                        print(f"  {cell.row.name} on {cell.target}: {format_cell(cell)}",
+                              flush=True))
+    except UsageError as error:
+        print(f"kvproof fuzz: {error}", file=sys.stderr)
+        return EXIT_USAGE
     print(format_matrix(cells))
     bad = [c for c in cells if not c.ok]
     if bad:
@@ -189,11 +298,17 @@ def _replay(args: argparse.Namespace) -> int:
     from fuzz.oracles import Checks
     from fuzz.target import TargetRefused
 
-    if args.zoo or args.bug or args.property or args.seed is not None:
-        raise UsageError("--replay takes the model, switches and properties from the file; "
-                         "it combines with no other option")
+    given = [flag for flag, value in (("--zoo", args.zoo), ("--bug", args.bug),
+                                      ("--property", args.property), ("--seed", args.seed),
+                                      ("--target", args.target)) if value not in (False, [], None)]
+    if given:
+        raise UsageError("--replay takes the target, model, switches and properties from the "
+                         f"file; it combines with no other option (drop {', '.join(given)})")
     if not Path(args.replay).is_file():
         raise UsageError(f"--replay {args.replay}: no such file")
+    kind = sniff(args.replay)
+    if kind is not None and kind != FUZZ_FAILURE:
+        raise wrong_kind(args.replay, kind, "a saved fuzz failure")
     try:
         saved = replay.load(args.replay)
     except replay.ReplayError as error:

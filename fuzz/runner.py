@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from hypothesis import HealthCheck, Phase, Verbosity, seed as hypothesis_seed, settings
 from hypothesis.stateful import run_state_machine_as_test
@@ -90,13 +91,34 @@ class Outcome:
         return (self.steps + self.drain_steps) / max(self.seconds, 1e-9)
 
 
+@dataclass
+class _AnnouncingRecorder(Recorder):
+    """A Recorder that says when the first failure is found: shrinking it can take many
+    seconds, and without a line a user cannot tell a shrinking run from a hung one."""
+
+    announce: Callable[[str], None] | None = None
+    shrink_seconds: float = 0.0
+
+    def failed(self) -> None:
+        first = not self.first_failure_example
+        super().failed()
+        if first and self.announce is not None:
+            shrinking = (f"; shrinking it (at most {self.shrink_seconds:g} s) ..."
+                         if self.shrink_seconds else "")
+            self.announce(f"found a failure after {self.examples:,} "
+                          f"example{'s' if self.examples != 1 else ''}{shrinking}")
+
+
 def random_seed() -> int:
     """A fresh seed for a run that was given none (it is printed, so the run replays)."""
     return random.SystemRandom().randrange(2**31)
 
 
-def run_campaign(c: Campaign) -> Outcome:
-    recorder = Recorder(clock=time.perf_counter)
+def run_campaign(c: Campaign, progress: Callable[[str], None] | None = None) -> Outcome:
+    """Run the campaign; `progress` is told, one line at a time, when a failure is found
+    and while it is being cut down."""
+    recorder = _AnnouncingRecorder(clock=time.perf_counter, announce=progress,
+                                   shrink_seconds=c.shrink_seconds)
     outcome = Outcome(c)
     start = time.perf_counter()
     batch = 0
@@ -116,6 +138,9 @@ def run_campaign(c: Campaign) -> Outcome:
     if outcome.failure is not None:
         outcome.examples_to_catch = recorder.first_failure_example
         outcome.seconds_to_catch = recorder.first_failure_clock - start
+        if progress is not None:
+            progress(f"shrunk to {len(outcome.failure.trace)} events; cutting the sequence "
+                     f"down (at most {c.minimize_seconds:g} s) ...")
         _minimize(c, outcome)
     return outcome
 
@@ -145,15 +170,21 @@ def _minimize(c: Campaign, outcome: Outcome) -> None:
 
 
 def reproduce_command(c: Campaign, outcome: Outcome) -> str:
+    """Every option that changes what the campaign draws or checks: the target, the batch's
+    seed and size, the profile, the switches and the properties."""
     bugs = "".join(f" --bug {b}" for b in sorted(c.bugs))
-    return (f"kvproof fuzz --target {c.target} --seed {outcome.batch_seed} --examples "
-            f"{outcome.batch_examples} --profile {c.profile.name}{bugs}")
+    properties = "".join(f" --property {p}" for p in c.properties or ())
+    seed = outcome.batch_seed if outcome.batch_seed is not None else c.seed
+    examples = outcome.batch_examples or c.examples
+    return (f"kvproof fuzz --target {c.target} --seed {seed} --examples "
+            f"{examples} --profile {c.profile.name}{bugs}{properties}")
 
 
 def format_failure(c: Campaign, outcome: Outcome) -> str:
     """The failure as a person reads it: seed, setup, the minimal sequence, the violation."""
     failure, m = outcome.failure, outcome.failure.setup.model
-    lines = [f"FAILED after {outcome.examples_to_catch} examples "
+    lines = [f"FAILED after {outcome.examples_to_catch} "
+             f"example{'s' if outcome.examples_to_catch != 1 else ''} "
              f"({outcome.seconds_to_catch:.1f} s): {failure.violations[0]}",
              f"  seed {outcome.batch_seed}; reproduce: {reproduce_command(c, outcome)}",
              f"  example: {failure.setup.describe()}"]

@@ -6,11 +6,17 @@ already an entry, then "none": no switch at all, which must end its budget with 
 violations (a false alarm there is a fuzzer or oracle bug, or a protocol bug). Columns are
 the registered targets. Every cell is a campaign with the same seed and budget, stopped at
 the first violation.
+
+Cells are independent runs, so `jobs > 1` runs them in a process pool (concurrent.futures):
+each cell's campaign is the same, seed and budget included, so an example budget gives the
+same matrix as one process (a budget in seconds depends on speed either way).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Callable
 
 from spec.check.zoo import ALONE, ENTRIES
@@ -53,48 +59,79 @@ class Cell:
         return self.outcome.caught == self.row.must_fail
 
 
-def run_zoo(targets: list[str], base: Campaign, rows: list[Row] | None = None,
-            progress: Callable[[Cell], None] | None = None) -> list[Cell]:
-    cells = []
-    for row in rows or zoo_rows():
+def _campaigns(targets: list[str], base: Campaign, rows: list[Row]):
+    for row in rows:
         for target in targets:
-            campaign = Campaign(target=target, bugs=row.bugs, properties=row.properties,
+            yield row, Campaign(target=target, bugs=row.bugs, properties=row.properties,
                                 profile=base.profile, seed=base.seed, examples=base.examples,
                                 seconds=base.seconds, shrink_seconds=base.shrink_seconds,
                                 minimize_seconds=base.minimize_seconds)
-            cell = Cell(row, target, run_campaign(campaign))
-            cells.append(cell)
-            if progress:
-                progress(cell)
-    return cells
+
+
+def run_portable(campaign: Campaign) -> Outcome:
+    """run_campaign for a pool process: the failure comes back as plain data, because the
+    exception Hypothesis raised (FuzzFailure) cannot be rebuilt from its pickle."""
+    outcome = run_campaign(campaign)
+    if outcome.failure is not None:
+        outcome = replace(outcome, failure=SimpleNamespace(**outcome.failure.__dict__))
+    return outcome
+
+
+def run_zoo(targets: list[str], base: Campaign, rows: list[Row] | None = None,
+            progress: Callable[[Cell], None] | None = None, jobs: int = 1,
+            mapper: Callable | None = None) -> list[Cell]:
+    """Every cell, in row then target order, whatever runs them: this process, `jobs`
+    processes, or `mapper(run_portable, campaigns)` (api/campaigns.py: processes or Ray)."""
+    planned = list(_campaigns(targets, base, rows or zoo_rows()))
+    if mapper is None and jobs > 1:
+        def mapper(fn, items):
+            with ProcessPoolExecutor(jobs) as pool:
+                return list(pool.map(fn, items))
+    if mapper is not None:
+        outcomes = mapper(run_portable, [c for _, c in planned])
+        return [_told(Cell(row, c.target, o), progress)
+                for (row, c), o in zip(planned, outcomes)]
+    return [_told(Cell(row, c.target, run_campaign(c)), progress) for row, c in planned]
+
+
+def _told(cell: Cell, progress: Callable[[Cell], None] | None) -> Cell:
+    if progress:
+        progress(cell)
+    return cell
 
 
 def format_cell(cell: Cell) -> str:
     o = cell.outcome
     if not o.caught:
         verdict = "clean" if not cell.row.must_fail else "MISSED"
-        return f"{verdict}: 0 violations in {o.examples} examples ({o.seconds:.1f} s)"
+        return (f"{verdict}: 0 violations in {o.examples} example{'s' if o.examples != 1 else ''}"
+                f" ({o.seconds:.1f} s)")
     found = o.replayed.property
     same = "" if found == cell.row.checker_property else f" (checker: {cell.row.checker_property})"
     verdict = "caught" if cell.row.must_fail else "FALSE ALARM"
-    return (f"{verdict} after {o.examples_to_catch} examples, {o.seconds_to_catch:.1f} s; "
+    return (f"{verdict} after {o.examples_to_catch} example"
+            f"{'s' if o.examples_to_catch != 1 else ''}, {o.seconds_to_catch:.1f} s; "
             f"{found}{same} in {len(o.minimal)} events")
 
 
 def format_matrix(cells: list[Cell]) -> str:
+    """The matrix with every column as wide as its widest cell."""
     targets = sorted({c.target for c in cells})
-    width = max(len(c.row.name) for c in cells)
-    lines = [f"{'entry':<{width}}  " + "  |  ".join(targets)]
-    for row in dict.fromkeys(c.row for c in cells):
-        by_target = {c.target: c for c in cells if c.row == row}
-        lines.append(f"{row.name:<{width}}  " + "  |  ".join(
-            format_cell(by_target[t]) if t in by_target else "-" for t in targets))
+    rows = list(dict.fromkeys(c.row for c in cells))
+    text = {(c.row, c.target): format_cell(c) for c in cells}
+    name_width = max(len("entry"), *(len(r.name) for r in rows))
+    widths = {t: max(len(t), *(len(text.get((r, t), "-")) for r in rows)) for t in targets}
+    lines = [(f"{'entry':<{name_width}}  " + "  |  ".join(f"{t:<{widths[t]}}" for t in targets)
+              ).rstrip()]
+    for row in rows:
+        lines.append(f"{row.name:<{name_width}}  " + "  |  ".join(
+            f"{text.get((row, t), '-'):<{widths[t]}}" for t in targets).rstrip())
     for target in targets:
         mine = [c.outcome for c in cells if c.target == target]
         examples = sum(o.examples for o in mine)
         seconds = sum(o.seconds for o in mine)
         steps = sum(o.steps + o.drain_steps for o in mine)
-        lines.append(f"{target}: {examples} examples, {steps} steps in {seconds:.1f} s: "
+        lines.append(f"{target}: {examples:,} examples, {steps:,} steps in {seconds:.1f} s: "
                      f"{examples / max(seconds, 1e-9):.1f} examples/s, "
                      f"{steps / max(seconds, 1e-9):,.0f} steps/s")
     return "\n".join(lines)

@@ -1,97 +1,289 @@
-"""`kvproof sim`: run a scenario, or replay a run's log.
+"""`kvproof sim`: run a scenario, sweep one of its fields, or replay a run's log.
+
+Everything a run will need is checked before it starts (the scenario and its overrides, the
+output paths, whether the cluster can be written as an ITF trace), so a mistake costs no
+simulated time. A run that finds a violation prints the command that reproduces it, with
+every option that changed the run.
 
 Exit status: 0 when every oracle held, 1 when a violation or a leaked response was found,
-2 on bad input (an unknown scenario, a malformed file, a log that is not a run).
+2 on bad input (an unknown scenario or field, a malformed file, a log that is not a run).
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
+import tomllib
+from pathlib import Path
 
+from api.clikit import (EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, FUZZ_FAILURE, ITF_TRACE,
+                        UsageError, add_subcommand, plural, positive_int, sniff,
+                        writable_file, writable_folder, wrong_kind)
 from sim.fold import LogError
-from sim.scenario import ScenarioError, load_scenario, scenario_names
+from sim.scenario import ScenarioError, load_scenario, scenario_from_dict, scenario_names
+
+# Defaults of the SLO targets reported in the summary (DistServe's chatbot SLOs are of this
+# order): time to first token, and mean time per output token after it.
+SLO_TTFT_MS_DEFAULT = 2000.0
+SLO_TPOT_MS_DEFAULT = 100.0
+EXAMPLES = [
+    "kvproof sim incident-2026 --bug FinishedNotRejected --bug NoCountCheck",
+    "kvproof sim default --seed 7 --set cluster.decode_workers=8 --json out.json",
+    "kvproof sim default --sweep workload.rate_per_s=5,10,20,40 --jobs 2 --plot plots/",
+    "kvproof sim one-pair --log run.ndjson --itf run.itf.json && kvproof validate run.itf.json",
+    "kvproof sim --replay run.ndjson --csv requests.csv",
+]
+EXTRA = ("aliases (kept for one release): --list = --list-scenarios\n"
+         "--replay LOG re-runs a recorded run from its log alone (as kvproof fuzz --replay FILE "
+         "does for a saved failure)\nand reports its verdict; it takes no option that would "
+         "change the run.")
 
 
 def add_parser(commands) -> None:
-    sim = commands.add_parser("sim", help="simulate a cluster running the protocol core under "
-                              "load and faults")
-    sim.add_argument("scenario", nargs="?", help="a scenario name (see --list) or a TOML file")
+    sim = add_subcommand(
+        commands, "sim", "simulate a cluster running the protocol core under load and faults",
+        "Run a SimPy cluster of prefill and decode workers, every protocol step decided by "
+        "the protocol core, under a scenario's load and faults; check the invariants as it "
+        "runs and count leaked responses. Scenarios are TOML files; any field can be "
+        "overridden with --set, and one can be swept with --sweep.", EXAMPLES, EXTRA)
+    sim.add_argument("scenario", nargs="?", help="a scenario name (see --list-scenarios) or a "
+                     "TOML file")
     sim.add_argument("--seed", type=int, help="override the scenario's seed")
-    sim.add_argument("--requests", type=int, help="override the number of requests")
+    sim.add_argument("--requests", type=positive_int, help="override the number of requests")
     sim.add_argument("--bug", action="append", default=[], metavar="NAME",
-                     help="add a bug switch to the scenario's (repeatable)")
+                     help="add a bug switch to the scenario's (repeatable; see --list-bugs)")
     sim.add_argument("--guards-on", action="store_true",
                      help="clear the scenario's own bug switches first")
     sim.add_argument("--on-violation", choices=("stop", "count"),
                      help="stop at the first violation or count them all")
+    sim.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                     help="override any scenario field, e.g. cluster.decode_workers=8 or "
+                          "faults.client_abort_probability=0.1 (repeatable; VALUE in TOML)")
+    sim.add_argument("--sweep", metavar="FIELD=V1,V2,...",
+                     help="run once per value of one field and print a table (and a plot "
+                          "with --plot)")
+    sim.add_argument("--jobs", type=positive_int, default=1, metavar="N",
+                     help="with --sweep: run the points in N processes (same results as one)")
+    sim.add_argument("--ray", metavar="ADDRESS",
+                     help="with --sweep: run the points on a Ray cluster (ADDRESS: local, "
+                          "auto, HOST:PORT); needs the ray package")
+    sim.add_argument("--slo-ttft-ms", type=float, default=SLO_TTFT_MS_DEFAULT, metavar="MS",
+                     help=f"TTFT target for SLO attainment (default {SLO_TTFT_MS_DEFAULT:g})")
+    sim.add_argument("--slo-tpot-ms", type=float, default=SLO_TPOT_MS_DEFAULT, metavar="MS",
+                     help=f"time-per-output-token target (default {SLO_TPOT_MS_DEFAULT:g})")
     sim.add_argument("--log", metavar="FILE", help="write the event log (ndjson) to FILE")
     sim.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
+    sim.add_argument("--csv", metavar="FILE", help="write one row per request as CSV to FILE")
     sim.add_argument("--plot", metavar="DIR", help="write PNG plots to DIR")
     sim.add_argument("--itf", metavar="FILE", help="also write the run as an ITF trace of the "
                      "spec, for `kvproof validate` (one prefill and one decode worker only)")
     sim.add_argument("--replay", metavar="LOG", help="rebuild a run's state and metrics from "
                      "its log alone")
-    sim.add_argument("--list", action="store_true", help="list the shipped scenarios")
+    sim.add_argument("--list-scenarios", "--list", dest="list_scenarios", action="store_true",
+                     help="list the shipped scenarios (--list is the old spelling)")
+    sim.add_argument("--list-bugs", action="store_true", help="list the bug switches")
     sim.add_argument("--quiet", action="store_true", help="no progress lines")
     sim.set_defaults(func=cmd_sim)
 
 
-def _scenario(args: argparse.Namespace):
-    sc = load_scenario(args.scenario)
-    changes: dict = {}
-    if args.seed is not None:
-        changes["seed"] = args.seed
-    if args.requests is not None:
-        changes["requests"] = args.requests
-    if args.bug or args.guards_on:
-        base = () if args.guards_on else sc.bugs
-        changes["bugs"] = tuple(dict.fromkeys(base + tuple(args.bug)))
-    if args.on_violation:
-        changes["oracles"] = {**sc.oracles.model_dump(), "on_violation": args.on_violation}
-    return sc.with_options(**changes) if changes else sc
+# -- the scenario and its overrides --------------------------------------------------------
 
+def _toml_value(text: str):
+    """A --set value as TOML reads it (8, 0.5, true, "x", [1, 2]); a bare word as text."""
+    try:
+        return tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _assign(data: dict, field: str, text: str) -> None:
+    """Set a dotted field of a scenario's data, refusing a path the scenario does not have
+    (pydantic would report it as an extra key; this says which part of the path is wrong)."""
+    from sim.scenario import Scenario
+
+    parts = field.split(".")
+    node, model = data, Scenario
+    for depth, part in enumerate(parts):
+        fields = getattr(model, "model_fields", {})
+        if part not in fields:
+            where = ".".join(parts[:depth]) or "a scenario"
+            raise UsageError(f"--set {field}: {where} has no field {part!r}; fields: "
+                             f"{', '.join(fields)}")
+        if depth == len(parts) - 1:
+            node[part] = _toml_value(text)
+            return
+        model = fields[part].annotation
+        node = node.setdefault(part, {})
+
+
+def _parse_assignment(text: str, flag: str) -> tuple[str, str]:
+    field, equals, value = text.partition("=")
+    if not equals or not field:
+        raise UsageError(f"{flag} {text!r}: expected FIELD=VALUE")
+    return field.strip(), value.strip()
+
+
+def scenario_data(args: argparse.Namespace) -> dict:
+    """The scenario's data with every command-line override applied, not yet validated."""
+    from spec.model import BUG_SWITCHES
+
+    unknown = [b for b in args.bug if b not in BUG_SWITCHES]
+    if unknown:
+        raise UsageError(f"unknown bug switch(es) {', '.join(unknown)}; see --list-bugs")
+    base = load_scenario(args.scenario)
+    data = base.model_dump(mode="json")
+    if args.seed is not None:
+        data["seed"] = args.seed
+    if args.requests is not None:
+        data["requests"] = args.requests
+    if args.bug or args.guards_on:
+        kept = () if args.guards_on else tuple(base.bugs)
+        data["bugs"] = list(dict.fromkeys(kept + tuple(args.bug)))
+    if args.on_violation:
+        data["oracles"]["on_violation"] = args.on_violation
+    for assignment in args.set:
+        _assign(data, *_parse_assignment(assignment, "--set"))
+    return data
+
+
+def build_scenario(args: argparse.Namespace, data: dict | None = None):
+    return scenario_from_dict(data or scenario_data(args), where="the scenario with its options")
+
+
+# -- checks before a run ---------------------------------------------------------------------
+
+RUN_CHANGING = ("seed", "requests", "bug", "guards_on", "on_violation", "set", "sweep", "ray")
+
+
+def _preflight(args: argparse.Namespace) -> None:
+    for flag, path in (("--log", args.log), ("--json", args.json), ("--csv", args.csv),
+                       ("--itf", args.itf)):
+        if path:
+            writable_file(path, flag)
+    if args.plot:
+        writable_folder(args.plot, "--plot")
+    if args.replay:
+        _preflight_replay(args)
+    elif not args.scenario:
+        raise UsageError("name a scenario (see --list-scenarios) or give --replay LOG")
+    if (args.jobs > 1 or args.ray) and not args.sweep:
+        raise UsageError("--jobs and --ray spread the points of --sweep; one run is one "
+                         "process")
+    if args.ray:
+        from api.campaigns import require_ray
+        require_ray()
+    if args.sweep and (args.log or args.itf or args.csv):
+        raise UsageError("--sweep runs many times; --log, --itf and --csv take one run")
+    if args.itf and not (args.log or args.replay):
+        raise UsageError("--itf converts the run's log: give --log FILE too")
+
+
+def _preflight_replay(args: argparse.Namespace) -> None:
+    from sim.logcheck import check_log
+
+    changing = [f"--{name.replace('_', '-')}" for name in RUN_CHANGING
+                if getattr(args, name) not in (None, False, [])]
+    if args.scenario or changing:
+        drop = ", ".join(changing) or "the scenario"
+        raise UsageError("--replay rebuilds the run its log records; it takes no scenario and "
+                         f"no option that changes a run (drop {drop})")
+    if not Path(args.replay).is_file():
+        raise UsageError(f"--replay {args.replay}: no such file")
+    kind = sniff(args.replay)
+    if kind in (ITF_TRACE, FUZZ_FAILURE):
+        raise wrong_kind(args.replay, kind, "a simulator log")
+    check_log(args.replay)
+
+
+def _check_itf_shape(args: argparse.Namespace, scenario) -> None:
+    """The spec has one prefill and one decode worker; say so before the run, not after."""
+    c = scenario.cluster
+    if args.itf and (c.prefill_workers != 1 or c.decode_workers != 1):
+        raise UsageError(f"--itf: only a run with one prefill and one decode worker maps onto "
+                         f"the spec (this scenario has {c.prefill_workers} and "
+                         f"{c.decode_workers}; try one-pair, or --set cluster.prefill_workers=1 "
+                         "--set cluster.decode_workers=1)")
+
+
+# -- the command ------------------------------------------------------------------------------
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from sim.report import summary_table, write_json, write_plots
-    from sim.run import replay_result, simulate
-
-    if args.list:
-        for name in scenario_names():
-            print(f"{name:<24}{load_scenario(name).description.splitlines()[0]}")
-        return 0
+    if args.list_scenarios:
+        return _list_scenarios()
+    if args.list_bugs:
+        from api.check_command import list_bugs
+        return list_bugs()
     try:
-        if args.replay:
-            if args.scenario:
-                raise ScenarioError("--replay takes the log alone, not a scenario")
-            result, folder = replay_result(args.replay)
-            metrics = folder.metrics
-            print(f"replayed {args.replay}: {result['events']:,} events")
-        else:
-            if not args.scenario:
-                raise ScenarioError("name a scenario (see --list) or give --replay LOG")
-            sc = _scenario(args)
-            print(f"kvproof sim: scenario {sc.name}, seed {sc.seed}, {sc.requests:,} requests, "
-                  f"bugs: {', '.join(sc.bugs) or 'none'}", flush=True)
-            if args.itf and not args.log:
-                raise ScenarioError("--itf converts the run's log: give --log FILE too")
-            result, sim = simulate(sc, log_path=args.log, progress=not args.quiet)
-            metrics = sim.folder.metrics
-            if args.itf:
-                _write_itf(args.log, args.itf)
-    except (ScenarioError, LogError) as error:
+        _preflight(args)
+        if args.sweep:
+            from sim.sweep import run_sweep
+            return run_sweep(args)
+        result, metrics = _replay(args) if args.replay else _run(args)
+    except (ScenarioError, LogError, UsageError) as error:
         print(f"kvproof sim: {error}", file=sys.stderr)
-        return 2
-    except OSError as error:
-        print(f"kvproof sim: {error}", file=sys.stderr)
-        return 2
-    print(summary_table(result))
-    if args.json:
-        write_json(args.json, result)
-    if args.plot:
-        for path in write_plots(args.plot, metrics, result["scenario"]):
-            print(f"wrote {path}")
+        return EXIT_USAGE
+    _report(args, result, metrics)
     return _verdict(args, result)
+
+
+def _list_scenarios() -> int:
+    """Each scenario with its whole description, wrapped (a first line would cut a sentence)."""
+    import textwrap
+
+    width = max(len(name) for name in scenario_names()) + 2
+    for name in scenario_names():
+        text = " ".join(load_scenario(name).description.split())
+        lines = textwrap.wrap(text, 96 - width) or [""]
+        print(f"{name:<{width}}{lines[0]}")
+        for line in lines[1:]:
+            print(" " * width + line)
+    return EXIT_OK
+
+
+def _run(args: argparse.Namespace):
+    from sim.run import simulate
+
+    scenario = build_scenario(args)
+    _check_itf_shape(args, scenario)
+    print(f"kvproof sim: scenario {scenario.name}, seed {scenario.seed}, "
+          f"{plural(scenario.requests, 'request')}, bugs: {', '.join(scenario.bugs) or 'none'}",
+          flush=True)
+    result, sim = simulate(scenario, log_path=args.log, progress=not args.quiet)
+    if args.itf:
+        _write_itf(args.log, args.itf)
+    return result, sim.folder.metrics
+
+
+def _replay(args: argparse.Namespace):
+    from sim.run import replay_result
+
+    result, folder = replay_result(args.replay)
+    print(f"replayed {args.replay}: {plural(result['events'], 'event')}")
+    _check_itf_shape(args, folder.scenario)
+    if args.itf:
+        _write_itf(args.replay, args.itf)
+    return result, folder.metrics
+
+
+def _report(args: argparse.Namespace, result: dict, metrics) -> None:
+    from sim.report import slo_summary, summary_table, write_csv, write_json, write_plots
+
+    result["slo"] = slo_summary(metrics, args.slo_ttft_ms, args.slo_tpot_ms)
+    print(summary_table(result))
+    try:
+        if args.json:
+            write_json(args.json, result)
+        if args.csv:
+            rows = write_csv(args.csv, metrics)
+            print(f"wrote {args.csv} ({plural(rows, 'request')})")
+        if args.plot:
+            for path in write_plots(args.plot, metrics, result):
+                print(f"wrote {path}")
+    except OSError as error:
+        # Checked before the run; this is a disk that filled up or a folder removed since.
+        print(f"kvproof sim: cannot write the results: {error.strerror}: {error.filename}",
+              file=sys.stderr)
 
 
 def _write_itf(log: str, path: str) -> None:
@@ -101,15 +293,41 @@ def _write_itf(log: str, path: str) -> None:
     _, itf = log_to_itf(log)
     with open(path, "w") as f:
         json.dump(itf, f, indent=1)
-    print(f"wrote {path} ({len(itf['states']) - 1} steps): check it with kvproof validate {path}")
+    print(f"wrote {path} ({plural(len(itf['states']) - 1, 'step')}): check it with "
+          f"kvproof validate {shlex.quote(path)}")
+
+
+def reproduce_command(args: argparse.Namespace, seed: int) -> str:
+    """The command that reruns this run: the scenario and every option that changed it,
+    with the seed made explicit, and a log to replay it from."""
+    words = ["kvproof", "sim", args.scenario, "--seed", str(seed)]
+    if args.requests is not None:
+        words += ["--requests", str(args.requests)]
+    if args.guards_on:
+        words.append("--guards-on")
+    for bug in args.bug:
+        words += ["--bug", bug]
+    if args.on_violation:
+        words += ["--on-violation", args.on_violation]
+    for assignment in args.set:
+        words += ["--set", assignment]
+    words += ["--log", args.log or "trace.ndjson"]
+    return shlex.join(words)
+
+
+def _stopped_text(result: dict) -> str:
+    first = result["first_violations"][0] if result["first_violations"] else None
+    if not first:
+        return str(result["stopped"])
+    return f"{first['name']}: {first['detail']}"
 
 
 def _verdict(args: argparse.Namespace, result: dict) -> int:
     bad = result["violations"] or result["summary"]["leaked_responses"]
     if result["stopped"]:
-        print(f"STOPPED at the first violation: {result['stopped']}")
+        print(f"STOPPED at the first violation: {_stopped_text(result)}")
     if bad and not args.replay:
-        replay = (f"kvproof sim --replay {args.log}" if args.log else
-                  f"kvproof sim {args.scenario} --seed {result['seed']} --log trace.ndjson")
-        print(f"reproduce with seed={result['seed']}: {replay}")
-    return 1 if bad else 0
+        print(f"reproduce with seed={result['seed']}: {reproduce_command(args, result['seed'])}")
+        if args.log:
+            print(f"replay the log: kvproof sim --replay {shlex.quote(args.log)}")
+    return EXIT_VIOLATION if bad else EXIT_OK

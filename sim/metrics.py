@@ -1,4 +1,10 @@
-"""Metrics of a run, folded from its event log alone (so a replay reproduces them exactly)."""
+"""Metrics of a run, folded from its event log alone (so a replay reproduces them exactly).
+
+Besides the aggregates, the first REQUEST_ROWS_MAX requests keep a row each (arrival, prompt
+pages, output tokens, time to first token, answer, leaked or not) for `--csv`; beyond that
+bound a run of millions of requests would hold them all in memory, so rows stop and the
+CSV says it is cut.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,18 @@ def percentile(values: list[float], q: float) -> float | None:
     ordered = sorted(values)
     rank = max(1, -(-len(ordered) * q // 100))
     return ordered[int(rank) - 1]
+
+
+REQUEST_ROWS_MAX = 1_000_000
+REQUEST_COLUMNS = ("request", "arrival_s", "prompt_pages", "output_tokens", "over_pool",
+                   "ttft_s", "e2e_s", "tpot_s", "answer", "leaked")
+
+
+def slo_attainment(values_s: list[float], target_s: float) -> float | None:
+    """The fraction of values within the target; None when there are none."""
+    if not values_s:
+        return None
+    return sum(1 for v in values_s if v <= target_s) / len(values_s)
 
 
 @dataclass
@@ -45,6 +63,8 @@ class Metrics:
     fits_pages: int = 0     # a prompt of at most this many pages fits every pool and context
     fitting: set = field(default_factory=set)   # live requests whose prompt fits
     fitting_outcomes: dict = field(default_factory=dict)  # their answers, name -> count
+    leaks_over_time: list = field(default_factory=list)   # (t, request), as errors are
+    request_rows: dict = field(default_factory=dict)      # request -> row, first ones only
 
     def arrive(self, t: float, r: int, prompt_pages: int, output_tokens: int) -> None:
         self.arrived += 1
@@ -55,10 +75,16 @@ class Metrics:
             self.over_pool_arrived += 1
         if prompt_pages <= self.fits_pages:
             self.fitting.add(r)
+        if len(self.request_rows) < REQUEST_ROWS_MAX:
+            self.request_rows[r] = {
+                "request": r, "arrival_s": t, "prompt_pages": prompt_pages,
+                "output_tokens": output_tokens, "over_pool": r in self.over_pool,
+                "ttft_s": None, "e2e_s": None, "tpot_s": None, "answer": None, "leaked": False}
 
     def first_token(self, t: float, r: int) -> None:
         self.first_token_s[r] = t
         self.ttft_s.append(t - self.arrival_s[r])
+        self._row(r, ttft_s=t - self.arrival_s[r])
 
     def answered(self, t: float, r: int, old: tuple, new: tuple) -> None:
         """The client's state moved from waiting (or idle) to an answer."""
@@ -67,15 +93,18 @@ class Metrics:
         if new[CLIENT] in (WAITING, GONE):
             if new[CLIENT] == GONE:
                 self._count(r, "Gone")
+                self._row(r, answer="Gone")
             return
         name = CLIENT_NAMES[new[CLIENT]]
         self._count(r, name)
         self.e2e_s.append(t - self.arrival_s[r])
+        self._row(r, answer=name, e2e_s=t - self.arrival_s[r])
         if new[CLIENT] == OK:
             self.ok_output_tokens += self.output_tokens[r]
             first = self.first_token_s.get(r)
             if first is not None and self.output_tokens[r] > 1:
                 self.tpot_s.append((t - first) / (self.output_tokens[r] - 1))
+                self._row(r, tpot_s=self.tpot_s[-1])
         else:
             self.errors_over_time.append((t, name))
 
@@ -86,7 +115,15 @@ class Metrics:
         if r in self.over_pool:
             self.over_pool_outcomes[name] = self.over_pool_outcomes.get(name, 0) + 1
 
+    def _row(self, r: int, **values) -> None:
+        row = self.request_rows.get(r)
+        if row is not None:
+            row.update(values)
+
     def leak(self, r: int, ok: bool) -> None:
+        # The fold sets last_event_s before it observes the event that leaked.
+        self.leaks_over_time.append((self.last_event_s, r))
+        self._row(r, leaked=True)
         self.leaks += 1
         self.leaks_over_pool += r in self.over_pool
         self.leaks_ok += ok

@@ -1,11 +1,50 @@
-"""What a run prints and writes: the summary table, JSON results, PNG plots."""
+"""What a run prints and writes: the summary table, JSON results, a per-request CSV, PNG
+plots. Latencies are in milliseconds everywhere a person reads them (table and plots);
+JSON keeps seconds, the unit in its key names."""
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
-from sim.metrics import Metrics
+from sim.metrics import REQUEST_COLUMNS, REQUEST_ROWS_MAX, Metrics, slo_attainment
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count:,} {word if count == 1 else word + 's'}"
+
+
+def human_bytes(count: int) -> str:
+    """Decimal units (what link bandwidths are quoted in), with the exact count after."""
+    value, unit = float(count), "B"
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if value < 1000 or unit == "PB":
+            break
+        value /= 1000
+    if unit == "B":
+        return f"{count:,} bytes"
+    return f"{value:,.2f} {unit} ({count:,} bytes)"
+
+
+def slo_summary(metrics: Metrics, ttft_ms: float, tpot_ms: float) -> dict:
+    """SLO attainment: the share of first tokens within the TTFT target and of successful
+    requests whose mean time per output token is within the TPOT target."""
+    return {"ttft_target_ms": ttft_ms, "tpot_target_ms": tpot_ms,
+            "ttft_attained": slo_attainment(metrics.ttft_s, ttft_ms / 1000),
+            "ttft_count": len(metrics.ttft_s),
+            "tpot_attained": slo_attainment(metrics.tpot_s, tpot_ms / 1000),
+            "tpot_count": len(metrics.tpot_s)}
+
+
+def _slo_line(slo: dict) -> str:
+    def part(name: str, key: str) -> str:
+        share = slo[f"{key}_attained"]
+        target = f"{name} <= {slo[f'{key}_target_ms']:,g} ms"
+        if share is None:
+            return f"{target}: no data"
+        return f"{target}: {share:.1%} of {slo[f'{key}_count']:,}"
+    return f"SLO attainment   {part('TTFT', 'ttft')}; {part('TPOT', 'tpot')}"
 
 
 def _ms(value: float | None) -> str:
@@ -17,7 +56,7 @@ def summary_table(result: dict) -> str:
     lines = [f"scenario {result['scenario']}  seed {result['seed']}  bugs: "
              f"{', '.join(result['bugs']) or 'none'}",
              f"requests {s['requests_arrived']:,} arrived, {s['requests_settled']:,} settled, "
-             f"{s['simulated_s']:,.1f} s simulated, {result['events']:,} events",
+             f"{s['simulated_s']:,.1f} s simulated, {_plural(result['events'], 'event')}",
              "",
              f"{'latency (ms)':<16}{'p50':>12}{'p90':>12}{'p99':>12}{'count':>10}"]
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end-to-end")):
@@ -34,9 +73,12 @@ def summary_table(result: dict) -> str:
               f"LEAKED RESPONSES {s['leaked_responses']:,} (over-pool {s['leaked_responses_over_pool']:,}, "
               f"returned as success {s['leaked_responses_returned_ok']:,})",
               f"decode pool      mean {util['mean']:.1%}, peak {util['peak']:.1%}",
-              f"bytes moved      {s['bytes_transferred']:,}",
+              f"bytes moved      {human_bytes(s['bytes_transferred'])}",
               "refused offers   " + _counts(result["refusals"]),
               "violations       " + (_counts(result["violations"]) or "none")]
+    if "slo" in result:
+        after_latencies = next(k for k, line in enumerate(lines) if line.startswith("end-to-end"))
+        lines.insert(after_latencies + 1, _slo_line(result["slo"]))
     return "\n".join(lines)
 
 
@@ -48,17 +90,44 @@ def write_json(path: str | Path, result: dict) -> None:
     Path(path).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
 
 
-def write_plots(directory: str | Path, metrics: Metrics, title: str) -> list[Path]:
-    """TTFT CDF, decode pool occupancy over time and errors over time, as PNG files."""
+def write_csv(path: str | Path, metrics: Metrics) -> int:
+    """One row per request (the first REQUEST_ROWS_MAX); the number of rows written."""
+    rows = list(metrics.request_rows.values())
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=REQUEST_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    if len(rows) == REQUEST_ROWS_MAX:
+        print(f"note: {path} holds the first {REQUEST_ROWS_MAX:,} requests only")
+    return len(rows)
+
+
+def plot_title(result: dict) -> str:
+    """What a plot shows, enough to reproduce it: scenario, seed and switches."""
+    import textwrap
+
+    bugs = ", ".join(result["bugs"]) or "none"
+    return "\n".join(textwrap.wrap(f"{result['scenario']}, seed {result['seed']}, bugs: {bugs}",
+                                    70))
+
+
+def write_plots(directory: str | Path, metrics: Metrics, result: dict) -> list[Path]:
+    """TTFT CDF, decode pool occupancy over time, and errors and leaked responses over
+    time, as PNG files; a plot with nothing to show says so on its face."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    title = plot_title(result)
     paths = []
 
-    def save(fig, name: str) -> None:
+    def save(fig, ax, name: str, what: str, empty: bool) -> None:
+        ax.set_title(f"{what}\n{title}", fontsize=8)
+        if empty:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes,
+                    fontsize=14, color="grey")
         fig.tight_layout()
         path = out / name
         fig.savefig(path, dpi=100)
@@ -66,29 +135,33 @@ def write_plots(directory: str | Path, metrics: Metrics, title: str) -> list[Pat
         paths.append(path)
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ttft = sorted(metrics.ttft_s)
-    if ttft:
-        ax.plot(ttft, [(k + 1) / len(ttft) for k in range(len(ttft))])
-    ax.set(xlabel="time to first token (s)", ylabel="fraction of requests",
-           title=f"{title}: TTFT CDF")
-    save(fig, "ttft_cdf.png")
+    ttft_ms = sorted(v * 1000 for v in metrics.ttft_s)
+    if ttft_ms:
+        ax.plot(ttft_ms, [(k + 1) / len(ttft_ms) for k in range(len(ttft_ms))])
+    ax.set(xlabel="time to first token (ms)", ylabel="fraction of requests")
+    save(fig, ax, "ttft_cdf.png", "TTFT CDF", not ttft_ms)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     if metrics.occupancy:
         times, used = zip(*metrics.occupancy)
         ax.step(times, [u / metrics.decode_pages_total for u in used], where="post")
-    ax.set(xlabel="simulated time (s)", ylabel="decode pages in use (fraction)",
-           title=f"{title}: pool occupancy")
-    save(fig, "pool_occupancy.png")
+    ax.set(xlabel="simulated time (s)", ylabel="decode pages in use (fraction of all workers')")
+    save(fig, ax, "pool_occupancy.png", "decode pool occupancy", not metrics.occupancy)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     by_kind: dict[str, list[float]] = {}
     for t, kind in metrics.errors_over_time:
         by_kind.setdefault(kind, []).append(t)
     for kind, times in sorted(by_kind.items()):
-        ax.plot(times, range(1, len(times) + 1), label=kind, drawstyle="steps-post")
-    if by_kind:
-        ax.legend()
-    ax.set(xlabel="simulated time (s)", ylabel="errors so far", title=f"{title}: errors")
-    save(fig, "errors_over_time.png")
+        ax.plot(times, range(1, len(times) + 1), label=f"error {kind}", drawstyle="steps-post")
+    leaks = [t for t, _ in metrics.leaks_over_time]
+    if leaks:
+        # Leaked responses are answered as success: they are not errors, and they are what
+        # a plot of this run must not hide.
+        ax.plot(leaks, range(1, len(leaks) + 1), label="LEAKED response (answered Ok)",
+                drawstyle="steps-post", color="red", linewidth=2)
+    if by_kind or leaks:
+        ax.legend(fontsize=8)
+    ax.set(xlabel="simulated time (s)", ylabel="answers so far")
+    save(fig, ax, "errors_over_time.png", "errors and leaked responses", not (by_kind or leaks))
     return paths

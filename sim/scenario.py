@@ -185,8 +185,11 @@ def scenario_from_dict(data: dict, where: str = "scenario") -> Scenario:
 
 
 def _explain(error: ValidationError) -> str:
+    """pydantic's errors as a user reads them: the field's path, then the message without
+    pydantic's own prefix ("Value error, "); a check on the whole scenario names no field."""
     parts = []
     for item in error.errors():
-        field = ".".join(str(x) for x in item["loc"]) or "(top level)"
-        parts.append(f"{field}: {item['msg']}")
+        message = item["msg"].removeprefix("Value error, ")
+        field = ".".join(str(x) for x in item["loc"])
+        parts.append(f"{field}: {message}" if field else message)
     return "; ".join(parts)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from api.cli import _properties, tlc_lists, main
+from api.check_command import _properties, tlc_lists
+from api.cli import main
 from spec.check.checker import Checker
 from spec.model import Model
 from spec.properties import ALL_INVARIANTS

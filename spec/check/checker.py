@@ -25,10 +25,11 @@ from typing import Callable
 from spec import core
 from spec.core import Event, State
 from spec.model import Model, ModelError
-from spec.properties import (QUIET_INVARIANTS, REST_INVARIANTS, STATE_INVARIANTS, STEP_PROPERTIES, Violation,
-                             first_step_failure)
-from spec.check.symmetry import canonical
+from spec.properties import (QUIET_INVARIANTS, REST_INVARIANTS, STATE_INVARIANTS,
+                             STEP_PROPERTIES, Violation, first_step_failure)
 from spec.check.tlccount import WAYS as TLC_WAYS
+from spec.check.symmetry import canonical
+
 
 
 @dataclass
@@ -36,15 +37,18 @@ class CheckResult:
     model: Model
     symmetry: bool
     distinct_states: int = 0
+    states_generated: int = 0
     # TLC's convention: initial states plus every successor TLC's enumeration of the spec
     # produces, duplicates included (spec/check/tlccount.py); `transitions` counts each
     # enabled event once (the figure kvproof reported as generated before, minus one).
-    states_generated: int = 0
     transitions: int = 0
     depth: int = 0
     seconds: float = 0.0
-    violation: Violation | None = None
+    violation: Violation | None = None   # the first found (a shortest one)
+    # With keep_going: the first violation of every property violated, in the order found.
+    violations: list[Violation] = field(default_factory=list)
     invariants: tuple[str, ...] = ()
+    workers: int = 1
     liveness_checked: bool = False
     rest_states: int = 0
     edges: int = 0
@@ -114,7 +118,7 @@ class Checker:
     def __init__(self, m: Model, *, symmetry: bool = False,
                  invariants: tuple[str, ...] | None = None, liveness: bool = True,
                  progress: Progress | None = None, progress_every_s: float = 2.0,
-                 max_states: int | None = None) -> None:
+                 max_states: int | None = None, keep_going: bool = False) -> None:
         if m.requests > REQUESTS_MAX:
             raise ModelError(f"requests={m.requests}: explicit-state checking beyond "
                              f"{REQUESTS_MAX} is hopeless (kvproof fuzz takes larger models)")
@@ -137,25 +141,50 @@ class Checker:
         self.progress = progress
         self.progress_every_s = progress_every_s
         self.max_states = max_states
+        # TLC's -continue: record the first (shortest) violation of each property and go on
+        # exploring, so that one run reports every property the model breaks.
+        self.keep_going = keep_going
+
+    def _failures(self, checks, s: State) -> list[str]:
+        """The properties `s` violates: the first only, unless every one is wanted."""
+        m = self.m
+        failed = [name for name, predicate in checks if not predicate(m, s)]
+        return failed if self.keep_going else failed[:1]
+
+    def _step_failures(self, checks, s: State, t: State) -> list[str]:
+        """The step properties the edge from s to t breaks (the first only, unless every
+        one is wanted); all of them at once take one fused pass."""
+        m = self.m
+        if len(checks) == len(STEP_PROPERTIES) and not self.keep_going:
+            failed = first_step_failure(s, t)
+            return [failed] if failed else []
+        failed = [name for name, predicate in checks if not predicate(m, s, t)]
+        return failed if self.keep_going else failed[:1]
+
+    def _record(self, result: CheckResult, names: list[str], kind: str, index: int,
+                parents: array, last_step: tuple | None = None) -> None:
+        """Violations of `names` at the state with this index (or by the step `last_step`
+        from it); with keep_going, each property is reported once (its first, shortest
+        counterexample) and then no longer checked."""
+        trace = self._trace(index, parents) + ([last_step] if last_step else [])
+        for name in names:
+            violation = Violation(name, kind=kind, trace=trace)
+            result.violations.append(violation)
+            if result.violation is None:
+                result.violation = violation
+        self.state_checks = [c for c in self.state_checks if c[0] not in names]
+        self.rest_checks = [c for c in self.rest_checks if c[0] not in names]
+        self.quiet_checks = [c for c in self.quiet_checks if c[0] not in names]
+        self.step_checks = [c for c in self.step_checks if c[0] not in names]
+
+    def _stop(self, result: CheckResult) -> bool:
+        if self.keep_going:
+            return not (self.state_checks or self.rest_checks or self.quiet_checks
+                        or self.step_checks or self.liveness)
+        return result.violation is not None
 
     def _key(self, s: State) -> int:
         return hash(canonical(s)) if self.symmetry else hash(s)
-
-    def _first_failure(self, checks, s: State) -> str | None:
-        m = self.m
-        for name, predicate in checks:
-            if not predicate(m, s):
-                return name
-        return None
-
-    def _first_step_failure(self, checks, s: State, t: State) -> str | None:
-        m = self.m
-        if len(checks) == len(STEP_PROPERTIES):
-            return first_step_failure(s, t)  # all of them: one fused pass
-        for name, predicate in checks:
-            if not predicate(m, s, t):
-                return name
-        return None
 
     def run(self) -> CheckResult:
         m = self.m
@@ -171,19 +200,18 @@ class Checker:
         graph = _Graph() if self.liveness else None
         self._index_of, self._events = index_of, events
         queue: deque[State] = deque([init])
-        failed = self._first_failure(self.state_checks, init)
+        failed = self._failures(self.state_checks, init)
         if failed:
-            result.violation = Violation(failed, kind="invariant", trace=[(None, init)])
+            self._record(result, failed, "invariant", 0, parents)
         generated = 1
         tlc_duplicates = 0
         expanded = 0
         next_report = started + self.progress_every_s
         successors = core.successors
         symmetry = self.symmetry
-        step_checks = self.step_checks
         action_counts: dict[str, int] = {}
         transitions: dict[str, int] = {}
-        while queue and result.violation is None:
+        while queue and not self._stop(result):
             s = queue.popleft()
             here = expanded
             expanded += 1
@@ -195,19 +223,19 @@ class Checker:
                 any_enabled = True
                 generated += 1
                 name = event.action
+                transitions[name] = transitions.get(name, 0) + 1
                 ways = TLC_WAYS.get(name)
                 if ways is not None:  # TLC derives this successor that many times
                     tlc_duplicates += ways(m, s, event) - 1
-                transitions[name] = transitions.get(name, 0) + 1
                 if not step_enabled and name not in core.UNFAIR_ACTIONS:
                     fair_enabled = True
                     step_enabled = name not in core.TIMER_ACTIONS
-                if step_checks:
-                    failed = self._first_step_failure(step_checks, s, nxt)
+                if self.step_checks:
+                    failed = self._step_failures(self.step_checks, s, nxt)
                     if failed:
-                        trace = self._trace(here, parents) + [(event, nxt)]
-                        result.violation = Violation(failed, kind="step", trace=trace)
-                        break
+                        self._record(result, failed, "step", here, parents, (event, nxt))
+                        if self._stop(result):
+                            break
                 if symmetry:
                     nxt = canonical(nxt)
                 k = hash(nxt)
@@ -220,29 +248,28 @@ class Checker:
                     depths.append(depths[here] + 1)
                     queue.append(nxt)
                     action_counts[name] = action_counts.get(name, 0) + 1
-                    failed = self._first_failure(self.state_checks, nxt)
+                    failed = self._failures(self.state_checks, nxt)
                     if failed:
-                        result.violation = Violation(failed, kind="invariant", trace=self._trace(j, parents))
-                        break
+                        self._record(result, failed, "invariant", j, parents)
+                        if self._stop(result):
+                            break
                 elif j == here:
                     raise AssertionError(f"{event.label(m)} leaves the state unchanged")
                 child_indices.append(j)
-            if result.violation is not None:
+            if self._stop(result):
                 break
             if graph is not None:
                 graph.add(child_indices)
             if not step_enabled and self.quiet_checks:
-                failed = self._first_failure(self.quiet_checks, s)
+                failed = self._failures(self.quiet_checks, s)
                 if failed:
-                    result.violation = Violation(failed, kind="quiet",
-                                                 trace=self._trace(here, parents))
-                    break
+                    self._record(result, failed, "quiet", here, parents)
             if not fair_enabled:
                 result.rest_states += 1
-                failed = self._first_failure(self.rest_checks, s)
+                failed = self._failures(self.rest_checks, s)
                 if failed:
                     kind = "rest" if any_enabled else "deadlock"
-                    result.violation = Violation(failed, kind=kind, trace=self._trace(here, parents))
+                    self._record(result, failed, kind, here, parents)
             if self.progress is not None and time.perf_counter() >= next_report:
                 self.progress(len(parents), generated + tlc_duplicates, depths[here],
                               time.perf_counter() - started)
@@ -257,17 +284,26 @@ class Checker:
         result.depth = max(depths) if depths else 0
         result.action_counts = action_counts
         result.action_transitions = transitions
-        if result.violation is None and graph is not None:
-            result.edges = len(graph.targets)
-            cycle = graph.find_cycle(len(parents))
-            result.liveness_checked = True
-            if cycle is not None:
-                stem = self._trace(cycle[0], parents)
-                loop = self._replay_path(stem[-1][1], cycle)
-                result.violation = Violation("Acyclicity", kind="cycle", trace=stem + loop,
-                                             cycle_start=len(stem) - 1)
+        self._check_acyclic(result, graph, parents)
         result.seconds = time.perf_counter() - started
         return result
+
+    def _check_acyclic(self, result: CheckResult, graph: _Graph | None, parents: array) -> None:
+        """Liveness, once the graph is complete (with keep_going, after invariant
+        violations too: a graph explored to the end is complete)."""
+        complete = result.violation is None or (self.keep_going and result.left_on_queue == 0)
+        if graph is None or not complete:
+            return
+        result.edges = len(graph.targets)
+        cycle = graph.find_cycle(len(parents))
+        result.liveness_checked = True
+        if cycle is not None:
+            stem = self._trace(cycle[0], parents)
+            loop = self._replay_path(stem[-1][1], cycle)
+            violation = Violation("Acyclicity", kind="cycle", trace=stem + loop,
+                                  cycle_start=len(stem) - 1)
+            result.violations.append(violation)
+            result.violation = result.violation or violation
 
     # -- counterexamples ----------------------------------------------------------------
 

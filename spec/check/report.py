@@ -17,9 +17,30 @@ KIND_TEXT = {
 }
 
 
-def format_trace(m: Model, violation: Violation) -> str:
+def describe_model(m: Model) -> str:
+    """Model.describe() in words that agree with their numbers ("1 request", "1 page")."""
+    def pages(n: int) -> str:
+        return f"{n} page" if n == 1 else f"{n} pages"
+
+    bugs = ", ".join(sorted(m.bugs)) or "none"
+    requests = "1 request" if m.requests == 1 else f"{m.requests} requests"
+    prompts = "prompts of 1 page" if m.max_prompt_pages == 1 else (
+        f"prompts 1..{m.max_prompt_pages} pages")
+    return (f"model {m.name}: {requests}, {prompts}, context {pages(m.context_pages)} "
+            f"(advertised {m.advertised_context_pages}), prefill pool "
+            f"{pages(m.prefill_pages)}, decode pool {pages(m.decode_pages)}"
+            f"{', prefill crashes' if m.crashes else ''}"
+            f"{', decode crashes' if m.decode_crashes else ''}; bugs: {bugs}")
+
+
+def format_trace(m: Model, violation: Violation, full: bool = False, shortest: bool = True) -> str:
+    """A counterexample as TLC prints it: the initial state in full, then per step the
+    variables that changed (or, with full, every variable: easier to read at one step,
+    harder to follow along)."""
+    which = "The shortest behaviour" if shortest else "A behaviour"
     lines = [KIND_TEXT[violation.kind].format(p=violation.property),
-             f"The shortest behaviour violating it has {violation.length} steps:"]
+             f"{which} violating it has {violation.length} "
+             f"{'step' if violation.length == 1 else 'steps'}:"]
     previous = None
     for index, (event, state) in enumerate(violation.trace):
         view = to_tla(m, state)
@@ -30,22 +51,26 @@ def format_trace(m: Model, violation: Violation) -> str:
         else:
             loop = " (the loop starts here)" if index == violation.cycle_start else ""
             lines.append(f"State {index + 1}: <{event.label(m)}>{loop}")
-            for line in changes(previous, view):
-                lines.append(f"  {line}")
+            if full:
+                lines += [f"  /\\ {var} = {format_value(view[var])}" for var in VARIABLES]
+            else:
+                lines += [f"  {line}" for line in changes(previous, view)]
         previous = view
     return "\n".join(lines)
 
 
 def format_summary(result: CheckResult) -> str:
     m = result.model
+    workers = f" with {result.workers} workers" if result.workers > 1 else ""
+    rate = result.distinct_states / max(result.seconds, 1e-9)
     lines = [
-        m.describe(),
+        describe_model(m),
         f"{result.states_generated} states generated, {result.distinct_states} distinct states "
         f"found, {result.left_on_queue} states left on queue.",
         # TLC counts the initial state in the depth; result.depth counts steps.
         f"The depth of the complete state graph search is {result.depth + 1}.",
-        f"Checked in {result.seconds:.2f} s ({result.distinct_states / max(result.seconds, 1e-9):,.0f}"
-        f" distinct states/s){' with symmetry over requests' if result.symmetry else ''}.",
+        f"Checked in {result.seconds:.2f} s ({rate:,.0f} distinct states/s){workers}"
+        f"{' with symmetry over requests' if result.symmetry else ''}.",
         f"The optimistic probability of a fingerprint collision is "
         f"{result.collision_probability:.1E}.",
     ]

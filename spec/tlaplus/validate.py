@@ -1,13 +1,18 @@
 """Trace validation: is a recorded run a behaviour of the protocol?
 
 A trace is ITF JSON (spec/tlaplus/itf.py): a list of states, each with the values of some or all of
-KVTransfer.tla's variables and, in "#meta", the action that produced it. A trace may observe
+KVTransfer.tla's variables and, in "#meta", the action that produced it — or no action at
+all, as Apalache writes its traces: an unlabelled step may be any action whose result
+matches the recorded state. A trace may observe
 only some variables (a simulator or engine sees what it sees); validation then searches for
 a behaviour of the protocol consistent with every observation: it keeps the set of core
 states that match the trace so far and advances it by the steps whose action carries the
 recorded name (and label, when one is recorded) and whose result matches the next recorded
 state. The first step with no such successor is illegal, and the report says what the
-closest candidate differs in.
+closest candidate differs in. Along the way the state invariants are evaluated: a step
+after which every state consistent with the trace violates one is reported with the
+invariant's name (the step is legal, the behaviour is bad), and at the last state, when no
+fair action is enabled there, so are the rest invariants.
 
 The steps are taken by the protocol core; the conformance check (spec/tlaplus/conformance.py) shows
 on the shipped models that the core's steps are exactly KVTransfer.tla's, which is what
@@ -22,6 +27,7 @@ from pathlib import Path
 
 from spec import core
 from spec.core import State
+from spec.properties import REST_INVARIANTS, STATE_INVARIANTS
 from spec.tlaplus.itf import state_to_itf
 from spec.model import Model
 from spec.tlaplus.tlaview import VARIABLES
@@ -39,6 +45,7 @@ class Verdict:
     steps: int
     message: str
     bad_step: int = -1  # index of the first illegal state in the trace
+    violated: str | None = None  # an invariant the trace breaks (its steps being legal)
 
     def __str__(self) -> str:
         return self.message
@@ -75,8 +82,10 @@ def load_trace(path: str | Path) -> dict:
         if unknown:
             raise TraceError(f"{path}: state {i} has variables the spec does not have: "
                              f"{sorted(unknown)}")
-        if i and not isinstance(state.get("#meta", {}).get("action"), str):
-            raise TraceError(f"{path}: state {i} records no action in #meta")
+        action = state.get("#meta", {}).get("action") if isinstance(
+            state.get("#meta"), dict) else None
+        if i and action is not None and not isinstance(action, str):
+            raise TraceError(f"{path}: state {i}: #meta.action must be an action name")
     return data
 
 
@@ -93,7 +102,54 @@ def _matches(m: Model, s: State, observed: dict[str, object]) -> bool:
     return not _differences(m, s, observed)
 
 
-def validate(m: Model, trace: dict) -> Verdict:
+def _broken_everywhere(m: Model, states: set[State], table: dict) -> str | None:
+    """An invariant that every state in `states` violates (certainly broken), or None."""
+    for name, predicate in table.items():
+        if all(not predicate(m, s) for s in states):
+            return name
+    return None
+
+
+def _at_rest(m: Model, s: State) -> bool:
+    return all(event.action in core.UNFAIR_ACTIONS for event, _ in core.successors(m, s))
+
+
+def _step(m: Model, frontier: set[State], index: int, recorded: dict):
+    """The states consistent with the trace after step `index`, or the Verdict that
+    the step is illegal."""
+    meta = recorded.get("#meta") if isinstance(recorded.get("#meta"), dict) else {}
+    action, label = meta.get("action"), meta.get("label")
+    observed = _observed(recorded)
+    successors: set[State] = set()
+    closest: tuple[int, str, list[str]] | None = None
+    for s in frontier:
+        for event, nxt in core.successors(m, s):
+            if action and (event.action != action or (label and event.label(m) != label)):
+                continue
+            diff = _differences(m, nxt, observed)
+            if not diff:
+                successors.add(nxt)
+            elif closest is None or len(diff) < closest[0]:
+                closest = (len(diff), event.label(m), diff)
+    what = label or action or "an unlabelled step"
+    if not successors:
+        if closest is None:
+            why = f"{what} is not enabled in any state consistent with the trace so far"
+        else:
+            why = (f"{closest[1]} is enabled, but its result differs from the recorded "
+                   f"state in {', '.join(closest[2])}")
+        return Verdict(False, index, f"step {index} ({what}) is illegal: {why}",
+                       bad_step=index)
+    if len(successors) > FRONTIER_MAX:
+        return Verdict(False, index, f"step {index}: more than {FRONTIER_MAX} states are "
+                       "consistent with the observations; record more variables",
+                       bad_step=index)
+    return successors
+
+
+def validate(m: Model, trace: dict, invariants: bool = False) -> Verdict:
+    """Whether the trace is a behaviour of the protocol; with `invariants`, also whether
+    it keeps them (a counterexample is a legal trace that does not)."""
     states = trace["states"]
     first = _observed(states[0])
     frontier = {core.initial_state(m)}
@@ -102,34 +158,23 @@ def validate(m: Model, trace: dict) -> Verdict:
         return Verdict(False, 0, f"state 0 is not the initial state: {', '.join(diff)} differ",
                        bad_step=0)
     for index in range(1, len(states)):
-        meta = states[index].get("#meta", {})
-        action, label = meta["action"], meta.get("label")
-        observed = _observed(states[index])
-        successors: set[State] = set()
-        closest: tuple[int, str, list[str]] | None = None
-        for s in frontier:
-            for event, nxt in core.successors(m, s):
-                if event.action != action or (label and event.label(m) != label):
-                    continue
-                diff = _differences(m, nxt, observed)
-                if not diff:
-                    successors.add(nxt)
-                elif closest is None or len(diff) < closest[0]:
-                    closest = (len(diff), event.label(m), diff)
-        if not successors:
-            what = label or action
-            if closest is None:
-                why = f"{what} is not enabled in any state consistent with the trace so far"
-            else:
-                why = (f"{closest[1]} is enabled, but its result differs from the recorded "
-                       f"state in {', '.join(closest[2])}")
-            return Verdict(False, index, f"step {index} ({what}) is illegal: {why}",
-                           bad_step=index)
-        if len(successors) > FRONTIER_MAX:
-            return Verdict(False, index, f"step {index}: more than {FRONTIER_MAX} states are "
-                           "consistent with the observations; record more variables",
-                           bad_step=index)
-        frontier = successors
+        stepped = _step(m, frontier, index, states[index])
+        if isinstance(stepped, Verdict):
+            return stepped
+        frontier = stepped
+        broken = _broken_everywhere(m, frontier, STATE_INVARIANTS) if invariants else None
+        if broken:
+            meta = states[index].get("#meta") or {}
+            what = meta.get("label") or meta.get("action") or "an unlabelled step"
+            return Verdict(False, index, f"step {index} ({what}) is legal, but after it "
+                           f"{broken} is violated", bad_step=index, violated=broken)
+    if invariants and all(_at_rest(m, s) for s in frontier):
+        broken = _broken_everywhere(m, frontier, REST_INVARIANTS)
+        if broken:
+            return Verdict(False, len(states) - 1, f"the trace ends at rest (no fair action "
+                           f"is enabled) and {broken} is violated there",
+                           bad_step=len(states) - 1, violated=broken)
     return Verdict(True, len(states) - 1,
-                   f"trace OK: {len(states) - 1} steps, each a legal step of the protocol "
-                   f"({len(frontier)} state(s) consistent with the last observation)")
+                   f"trace OK: {len(states) - 1} steps, each a legal step of the protocol, "
+                   f"no invariant violated ({len(frontier)} state(s) consistent with the "
+                   "last observation)")

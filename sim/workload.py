@@ -1,0 +1,130 @@
+"""Trace-driven workloads: requests read from a file instead of drawn from distributions.
+
+A trace is what LLM-serving simulators (Vidur, the Splitwise simulator, DistServe) replay:
+one request per row, with its arrival time and its prompt and output lengths in tokens.
+Two layouts are read:
+
+- CSV with a header. The Azure LLM inference trace's columns (TIMESTAMP, ContextTokens,
+  GeneratedTokens; TIMESTAMP a date and time) are recognised as they are, and so are
+  arrival_s, prompt_tokens, output_tokens (arrival_s in seconds from the start).
+- JSON Lines, one object per line, with the same keys.
+
+Arrival times become seconds from the first request; they must not go backwards. Every
+error names the file and line. `sim/workloads/azure-format-sample.csv` is a small sample
+in the Azure layout (synthetic values, the public column names).
+
+The simulator's request source lives in sim/run.py; `TraceWorkload.arrivals()` is what it
+calls instead of its Poisson/bursty/closed generators (see /work/notes/cli_needs.md).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from sim.scenario import ScenarioError
+
+TRACE_REQUESTS_MAX = 10_000_000  # the scenario's own bound on requests
+COLUMNS = {
+    "arrival": ("arrival_s", "TIMESTAMP", "timestamp", "arrival_time"),
+    "prompt": ("prompt_tokens", "ContextTokens", "input_tokens", "context_tokens"),
+    "output": ("output_tokens", "GeneratedTokens", "generated_tokens"),
+}
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class TraceWorkload:
+    path: str
+    requests: tuple[TraceRequest, ...]
+
+    def arrivals(self):
+        """(delay in seconds since the previous arrival, request), in order."""
+        previous = 0.0
+        for request in self.requests:
+            yield request.arrival_s - previous, request
+            previous = request.arrival_s
+
+
+def _pick(row: dict, what: str, where: str) -> str:
+    for name in COLUMNS[what]:
+        if name in row and row[name] not in (None, ""):
+            return str(row[name])
+    raise ScenarioError(f"{where}: no {what} column (one of {', '.join(COLUMNS[what])})")
+
+
+def _seconds(text: str, where: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        # Azure writes seven fractional digits; datetime takes six.
+        head, _, fraction = text.partition(".")
+        return datetime.fromisoformat(f"{head}.{(fraction + '000000')[:6]}" if fraction
+                                      else head).timestamp()
+    except ValueError:
+        raise ScenarioError(f"{where}: arrival {text!r} is neither seconds nor a date and "
+                            "time") from None
+
+
+def _tokens(text: str, what: str, where: str) -> int:
+    try:
+        value = int(float(text))
+    except ValueError:
+        raise ScenarioError(f"{where}: {what} tokens {text!r} is not a number") from None
+    if value < 1:
+        raise ScenarioError(f"{where}: {what} tokens must be at least 1, got {value}")
+    return value
+
+
+def _rows(path: Path):
+    """(line number, row as a dict) of a CSV or JSON Lines file."""
+    with path.open(encoding="utf-8", newline="") as f:
+        if path.suffix in (".jsonl", ".ndjson"):
+            for number, line in enumerate(f, start=1):
+                if line.strip():
+                    try:
+                        yield number, json.loads(line)
+                    except json.JSONDecodeError as error:
+                        raise ScenarioError(f"{path}:{number}: not JSON ({error.msg})") from None
+        else:
+            for number, row in enumerate(csv.DictReader(f), start=2):
+                yield number, row
+
+
+def load_workload(path: str | Path) -> TraceWorkload:
+    path = Path(path)
+    if not path.is_file():
+        raise ScenarioError(f"{path}: no such file")
+    requests: list[TraceRequest] = []
+    start = previous = None
+    try:
+        for number, row in _rows(path):
+            where = f"{path}:{number}"
+            if not isinstance(row, dict):
+                raise ScenarioError(f"{where}: expected an object")
+            at = _seconds(_pick(row, "arrival", where), where)
+            start = at if start is None else start
+            if previous is not None and at < previous:
+                raise ScenarioError(f"{where}: arrival goes back in time")
+            previous = at
+            requests.append(TraceRequest(at - start,
+                                         _tokens(_pick(row, "prompt", where), "prompt", where),
+                                         _tokens(_pick(row, "output", where), "output", where)))
+            if len(requests) > TRACE_REQUESTS_MAX:
+                raise ScenarioError(f"{path}: more than {TRACE_REQUESTS_MAX:,} requests")
+    except UnicodeDecodeError as error:
+        raise ScenarioError(f"{path}: not a text file (byte {error.start})") from None
+    if not requests:
+        raise ScenarioError(f"{path}: no requests")
+    return TraceWorkload(str(path), tuple(requests))
