@@ -144,7 +144,7 @@ def _add_conformance(commands) -> None:
 
 
 def _add_fuzz(commands) -> None:
-    from fuzz.cli import EXAMPLES, EXTRA, add_arguments, run
+    from api.fuzz_command import EXAMPLES, EXTRA, add_arguments, run
 
     fuzz = add_subcommand(
         commands, "fuzz", "fuzz the protocol core and the simulator with Hypothesis",
@@ -173,7 +173,7 @@ def _add_generate(commands) -> None:
 
 
 def build_parser() -> Parser:
-    from sim.cli import add_parser as add_sim_parser
+    from api.sim_command import add_parser as add_sim_parser
 
     parser = Parser(prog="kvproof", description="Safe KV-cache transfer for disaggregated LLM "
                     "serving: one TLA+-checked protocol, model-checked, simulated and fuzzed.",

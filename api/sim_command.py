@@ -217,7 +217,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     try:
         _preflight(args)
         if args.sweep:
-            from sim.sweep import run_sweep
+            from api.sweep import run_sweep
             return run_sweep(args)
         result, metrics = _replay(args) if args.replay else _run(args)
     except (ScenarioError, LogError, UsageError) as error:

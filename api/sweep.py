@@ -32,7 +32,7 @@ def run_point(point: tuple[dict, float, float]) -> dict:
 
 
 def _points(args: argparse.Namespace) -> tuple[str, list[tuple[str, dict]]]:
-    from sim.cli import _assign, _parse_assignment, build_scenario, scenario_data
+    from api.sim_command import _assign, _parse_assignment, build_scenario, scenario_data
 
     field, values = _parse_assignment(args.sweep, "--sweep")
     texts = [v.strip() for v in values.split(",") if v.strip()]
@@ -94,7 +94,7 @@ def _plot(directory: str, field: str, values: list[str], results: list[dict], ti
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    from sim.cli import reproduce_command
+    from api.sim_command import reproduce_command
 
     field, points = _points(args)
     first = points[0][1]
