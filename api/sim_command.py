@@ -319,7 +319,7 @@ def _stopped_text(result: dict) -> str:
     first = result["first_violations"][0] if result["first_violations"] else None
     if not first:
         return str(result["stopped"])
-    return f"{first['name']}: {first['detail']}"
+    return f"{first['property']}: {first['detail']}"
 
 
 def _verdict(args: argparse.Namespace, result: dict) -> int:

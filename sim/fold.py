@@ -169,11 +169,17 @@ def read_log(path: str | Path):
         if header.get("format") != LOG_FORMAT:
             raise LogError(f"{path}: not a kvproof simulator log (format {header.get('format')!r})")
         scenario = scenario_from_dict(header["scenario"], where=f"{path} header")
-        records = [json.loads(line) for line in lines[1:]]
     except (json.JSONDecodeError, KeyError, AttributeError) as error:
-        raise LogError(f"{path}: malformed log: {error}") from None
+        raise LogError(f"{path} line 1: malformed header: {error}") from None
     except ScenarioError as error:
         raise LogError(str(error)) from None
+    records = []
+    for k, line in enumerate(lines[1:], start=2):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            raise LogError(f"{path} line {k}: malformed record ({error.msg}): the log is cut "
+                           "or damaged there") from None
     return scenario, records
 
 
@@ -182,9 +188,10 @@ def replay(path: str | Path) -> tuple[Folder, dict]:
     end record (empty if the run did not finish writing its log)."""
     scenario, records = read_log(path)
     folder = Folder(scenario)
-    end = {}
-    if records and records[-1].get("a") == RUN_END:
-        end = records.pop()
+    if not records or records[-1].get("a") != RUN_END:
+        raise LogError(f"{path}: the log has no end record: the run that wrote it did not "
+                       "finish, or the file was cut (at a line boundary)")
+    end = records.pop()
     for k, record in enumerate(records, start=2):
         try:
             out = folder.apply(record)

@@ -208,7 +208,8 @@ class Model:
     def describe(self) -> str:
         bugs = ", ".join(sorted(self.bugs)) or "none"
         return (
-            f"model {self.name}: {self.requests} requests, prompts 1..{self.max_prompt_pages} pages, "
+            f"model {self.name}: {self.requests} request{'s' if self.requests != 1 else ''}, "
+            f"prompts 1..{self.max_prompt_pages} pages, "
             f"context {self.context_pages} (advertised {self.advertised_context_pages}), "
             f"prefill pool {self.prefill_pages}, decode pool {self.decode_pages} pages"
             f"{', prefill crashes' if self.crashes else ''}"

@@ -61,7 +61,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     made["cut_mid_line"] = write("cut-mid.ndjson", "".join(lines[:-200]) + lines[-200][:20])
     # --trace-out (the old spelling of --itf) so that this fixture also builds on the code
     # before issue 14, where each row of the table can be seen to fail.
-    assert main(["check", "--model", "bug-NoTimeout", "--trace-out", str(made["cex"])]) == 1
+    assert main(["check", "--model", "bug-EagerRelease", "--trace-out", str(made["cex"])]) == 1
     cex = json.loads(made["cex"].read_text())
     cex["#meta"]["fuzz"] = {"format": "kvproof-fuzz/1", "target": "sim", "events": []}
     made["fuzz_sim"] = write("kvproof-fuzz-sim-seed7.itf.json", json.dumps(cex))
@@ -326,8 +326,8 @@ def test_every_subcommand_help_has_a_description_examples_and_exit_codes(capsys)
 
 def test_old_spellings_still_work(capsys, tmp_path):
     cex = tmp_path / "cex.json"
-    code, out, _ = run(capsys, "check", "--model", "bug-NoTimeout", "--invariant",
-                       "NoLeakAtRest", "--trace-out", str(cex), "--quiet")
+    code, out, _ = run(capsys, "check", "--model", "bug-EagerRelease", "--invariant",
+                       "NoWriteIntoForeign", "--trace-out", str(cex), "--quiet")
     assert code == 1 and cex.exists()
     assert "aliases" in run(capsys, "check", "--help")[1]
 
@@ -352,7 +352,7 @@ def test_workers_give_the_serial_counts_and_counterexample(model):
 
 def test_check_workers_from_the_command_line(capsys):
     code, out, _ = run(capsys, "check", "--model", "solo", "--workers", "2", "--quiet")
-    assert code == 0 and "1617 states generated, 987 distinct states found" in out
+    assert code == 0 and "1581 states generated, 963 distinct states found" in out
     assert "with 2 workers" in out
 
 
@@ -373,18 +373,18 @@ def test_json_summary_and_dot_graph_and_full_trace(capsys, tmp_path):
     code, out, _ = run(capsys, "check", "--model", "solo", "--json", str(summary),
                        "--dump-dot", str(dot), "--quiet")
     found = json.loads(summary.read_text())
-    assert code == 0 and found["ok"] and found["distinct_states"] == 987
+    assert code == 0 and found["ok"] and found["distinct_states"] == 963
     assert f"{found['distinct_states']} distinct states found" in out
     text = dot.read_text()
     assert text.startswith('digraph "solo"') and text.count(" [label=") - text.count(
-        " -> ") == 987
-    code, out, _ = run(capsys, "check", "--model", "bug-NoTimeout", "--full-trace", "--quiet")
+        " -> ") == 963
+    code, out, _ = run(capsys, "check", "--model", "zoo-no-timeout", "--full-trace", "--quiet")
     assert out.count("/\\ client = ") == 5  # 4 steps and the initial state, every variable
 
 
 def test_validate_evaluates_invariants_and_accepts_unlabelled_traces(capsys, files, tmp_path):
     code, out, _ = run(capsys, "validate", str(files["cex"]))
-    assert code == 1 and "NoLeakAtRest is violated" in out
+    assert code == 1 and "NoWriteIntoForeign is violated" in out
     trace = json.loads(files["cex"].read_text())
     for state in trace["states"]:
         state["#meta"] = {"index": state["#meta"]["index"]}  # as Apalache writes it
@@ -392,7 +392,7 @@ def test_validate_evaluates_invariants_and_accepts_unlabelled_traces(capsys, fil
     unlabelled = tmp_path / "apalache.itf.json"
     unlabelled.write_text(json.dumps(trace))
     code, out, _ = run(capsys, "validate", str(unlabelled))
-    assert code == 0 and "trace OK: 3 steps" in out
+    assert code == 0 and "trace OK: 5 steps" in out
 
 
 def test_list_models_says_what_each_is_for_and_its_size(capsys):
@@ -490,8 +490,6 @@ def test_a_sweep_on_a_local_ray_instance_equals_a_serial_run(capsys):
 # -- what only a forbidden file can fix (/work/notes/cli_needs.md); the CLI works around
 # -- each of these today, and these tests turn green when the fix lands where it belongs.
 
-@pytest.mark.xfail(strict=True, reason="sim/fold.py replay() accepts a log without its end "
-                   "record; the CLI checks it in sim/logcheck.py (cli_needs.md item 1)")
 def test_fold_replay_refuses_a_log_cut_at_a_line_boundary(files):
     from sim.fold import LogError, replay
 
@@ -499,8 +497,6 @@ def test_fold_replay_refuses_a_log_cut_at_a_line_boundary(files):
         replay(files["cut_at_line"])
 
 
-@pytest.mark.xfail(strict=True, reason="sim/fold.py read_log() reports the JSON parser's "
-                   "position in the line, not the log's line (cli_needs.md item 2)")
 def test_fold_read_log_names_the_line_of_a_cut_record(files):
     from sim.fold import LogError, read_log
 
@@ -509,8 +505,6 @@ def test_fold_read_log_names_the_line_of_a_cut_record(files):
         read_log(files["cut_mid_line"])
 
 
-@pytest.mark.xfail(strict=True, reason="sim/run.py stores str(dict) as result['stopped'] "
-                   "(cli_needs.md item 3)")
 def test_the_stop_reason_in_the_result_is_not_a_dict_repr():
     from sim.run import simulate
     from sim.scenario import load_scenario
@@ -522,8 +516,6 @@ def test_the_stop_reason_in_the_result_is_not_a_dict_repr():
     assert result["stopped"] and not result["stopped"].startswith("{")
 
 
-@pytest.mark.xfail(strict=True, reason="spec/model.py Model.describe() says '1 requests' "
-                   "(cli_needs.md item 5; the CLI prints report.describe_model instead)")
 def test_model_describe_agrees_in_number():
     from spec.model import Model
 
