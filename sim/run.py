@@ -51,6 +51,7 @@ from spec.core import PROMPT, PST, QUEUED, SRC, Refusal
 from spec import codec, commands
 from sim.fold import FIRST_TOKEN, RUN_END, Folder, encode, replay, write_header
 from sim.scenario import Lengths, Scenario
+from sim.workload import TraceRequest, load_workload  # noqa: F401  (TraceRequest: a type)
 
 
 class StopSimulation(Exception):
@@ -126,6 +127,11 @@ class Simulation:
         self.held_until: dict[int, float] = {}
         self.round_robin = [0, 0]
         self.finished = self.env.event()  # every request has settled
+        # A trace-driven workload: the file's requests, at most sc.requests of them.
+        self.trace = (load_workload(scenario.workload.trace_file)
+                      if scenario.workload.arrival == "trace" else None)
+        self.requests_total = (min(scenario.requests, len(self.trace.requests))
+                               if self.trace is not None else scenario.requests)
         self.pending = 0
         self.wall_start = time.perf_counter()
         self.next_progress = self.wall_start + 2.0
@@ -273,7 +279,7 @@ class Simulation:
 
     @property
     def at_rest(self) -> bool:
-        return self.pending == 0 and self.next_request >= self.sc.requests
+        return self.pending == 0 and self.next_request >= self.requests_total
 
     # -- reacting to what the core changed --------------------------------------------------
 
@@ -291,7 +297,7 @@ class Simulation:
             self.dirty.append(r)
         if r not in self.cluster.rows:
             self._drop(r)
-            if self.folder.metrics.settled == self.sc.requests and not self.finished.triggered:
+            if self.folder.metrics.settled == self.requests_total and not self.finished.triggered:
                 self.finished.succeed()
 
     def carry_out(self, command: commands.Command, p: int, d: int) -> None:
@@ -683,10 +689,11 @@ class Simulation:
             self.cluster.free_pages("decode", k) - len(self.decode_waiting[k]), -k))
         return p, d
 
-    def new_request(self, prompt_pages: int | None = None) -> simpy.Event | None:
+    def new_request(self, prompt_pages: int | None = None,
+                    traced: "TraceRequest | None" = None) -> simpy.Event | None:
         """The next client request, now; its prompt drawn from the workload, or
-        `prompt_pages` long (the fuzzer's choice)."""
-        if self.next_request >= self.sc.requests:
+        `prompt_pages` long (the fuzzer's choice), or as a trace file's row says."""
+        if self.next_request >= self.requests_total:
             return None
         r = self.next_request
         self.next_request += 1
@@ -695,6 +702,8 @@ class Simulation:
         if prompt_pages is not None:
             prompt = prompt_pages * self.page_tokens
         output = sample_tokens(lengths, self.sc.workload.output)
+        if traced is not None:
+            prompt, output = traced.prompt_tokens, max(1, traced.output_tokens)
         p, d = self.place()
         self.output[r] = output
         answered = self.env.event()
@@ -712,10 +721,18 @@ class Simulation:
         if r in self.cluster.rows:
             self.offer_if_enabled("Abort", r)
 
+    def replay_trace(self):
+        """Arrivals, prompts and outputs as the workload's trace file has them."""
+        for delay_s, request in self.trace.arrivals():
+            if self.next_request >= self.requests_total:
+                return
+            yield self.env.timeout(delay_s)
+            self.new_request(traced=request)
+
     def open_loop(self):
         w, rng = self.sc.workload, self.rng["arrivals"]
         burst = w.burst_size if w.arrival == "bursty" else 1
-        while self.next_request < self.sc.requests:
+        while self.next_request < self.requests_total:
             yield self.env.timeout(rng.expovariate(w.rate_per_s / burst))
             for _ in range(burst):
                 self.new_request()
@@ -733,8 +750,10 @@ class Simulation:
     # -- running ----------------------------------------------------------------------------
 
     def run(self) -> None:
-        if self.sc.workload.arrival == "closed":
-            for _ in range(min(self.sc.workload.sessions, self.sc.requests)):
+        if self.trace is not None:
+            self.env.process(self.replay_trace())
+        elif self.sc.workload.arrival == "closed":
+            for _ in range(min(self.sc.workload.sessions, self.requests_total)):
                 self.env.process(self.session())
         else:
             self.env.process(self.open_loop())
@@ -757,10 +776,10 @@ class Simulation:
         self.next_progress = now + 2.0
         m = self.folder.metrics
         elapsed = max(now - self.wall_start, 1e-9)
-        done = m.settled / self.sc.requests
+        done = m.settled / self.requests_total
         bar = "#" * int(done * 30)
         eta = f", ~{elapsed * (1 - done) / done:,.0f} s left" if 0 < done < 1 else ""
-        print(f"  sim [{bar:<30}] {done:6.1%}  {m.settled:,}/{self.sc.requests:,} requests, "
+        print(f"  sim [{bar:<30}] {done:6.1%}  {m.settled:,}/{self.requests_total:,} requests, "
               f"{self.env.now:,.1f} s simulated, {self.folder.events / elapsed:,.0f} "
               f"events/s{eta}", file=sys.stderr, flush=True)
 

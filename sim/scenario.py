@@ -76,13 +76,22 @@ class Cluster(_Strict):
 
 
 class Workload(_Strict):
-    arrival: Literal["poisson", "bursty", "closed"] = "poisson"
+    # trace: arrivals, prompt and output lengths read from trace_file (sim/workload.py)
+    arrival: Literal["poisson", "bursty", "closed", "trace"] = "poisson"
+    trace_file: str | None = None
     rate_per_s: float = Field(10.0, gt=0, le=1e6)     # poisson and bursty: mean arrival rate
     burst_size: int = Field(8, ge=1, le=10000)        # bursty: requests per burst
     sessions: int = Field(8, ge=1, le=100000)         # closed loop: concurrent sessions
     think_time_s: float = Field(0.5, ge=0, le=3600)   # closed loop: pause between requests
     prompt: Lengths = Lengths()
     output: Lengths = Lengths(median_tokens=128, sigma=0.8, max_tokens=8192)
+
+    @model_validator(mode="after")
+    def _trace_has_a_file(self) -> "Workload":
+        if (self.arrival == "trace") != (self.trace_file is not None):
+            raise ValueError("workload.trace_file is given exactly when workload.arrival is "
+                             "'trace'")
+        return self
 
 
 class Compute(_Strict):

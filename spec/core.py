@@ -319,7 +319,8 @@ def land_write(m: Model, s: State, r: int, page: int) -> Change | str:
         if w[0] == r and w[2] == page:
             break
     else:
-        return f"no write of this request into decode page {page + 1} is in flight"
+        return (f"no write of this request into decode page {page + 1} is in flight (it "
+                "landed already, or a crash flushed it while it was on the wire)")
     data = s.prefill_pool[w[1]][1]  # the NIC reads the source page now, not at post time
     owner, gen, _, _ = s.decode_pool[page]
     return Change(decode=((page, (owner, gen, data, w[3])),), landed=(w,))

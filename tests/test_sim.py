@@ -204,3 +204,18 @@ def test_a_prefill_worker_computes_one_request_at_a_time():
     # then 2 pages at 1 ms a page each.
     assert admitted == pytest.approx([0.001, 0.003, 0.005])
     assert sim.folder.metrics.summary()["outcomes"] == {"Ok": 3}
+
+
+def test_a_trace_driven_workload_replays_the_file_s_requests(tmp_path):
+    """Arrival times, prompt and output lengths from a trace file (the shipped sample in the
+    public Azure layout), at most the scenario's request count."""
+    from pathlib import Path
+
+    sample = Path(__file__).resolve().parents[1] / "sim" / "workloads" / "azure-format-sample.csv"
+    sc = Scenario(name="trace", requests=1000,
+                  workload=dict(arrival="trace", trace_file=str(sample)))
+    result, sim = simulate(sc)
+    assert result["summary"]["requests_arrived"] == 60 and result["drained"]
+    assert result["violations"] == {} and result["summary"]["outcomes"] == {"Ok": 60}
+    with pytest.raises(ScenarioError, match="trace_file"):
+        scenario_from_dict({"name": "x", "workload": {"arrival": "trace"}})

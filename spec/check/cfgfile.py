@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from spec.model import Model, ModelError
+from spec.model import Model, ModelError, TLA_CONSTANTS
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 SECTIONS = {
@@ -31,12 +31,13 @@ TOKEN = re.compile(r'\s*(?:(?P<str>"[^"\n]*")|(?P<num>-?\d+)|(?P<id>[A-Za-z_][A-
 
 # The constants KVTransfer.tla declares, and the Model field each one sets (a ModelError names
 # the field; the user wrote the constant).
-CONSTANT_FIELDS = {
-    "Requests": "requests", "NoReq": None, "MaxPromptPages": "max_prompt_pages",
-    "ContextPages": "context_pages", "PrefillPages": "prefill_pages",
-    "DecodePages": "decode_pages", "Crashes": "crashes", "DecodeCrashes": "decode_crashes",
-    "Bugs": "bugs",
-}
+CONSTANT_FIELDS = {"Requests": "requests", "NoReq": None,
+                   **{constant: field for field, constant in TLA_CONSTANTS.items()},
+                   "Bugs": "bugs"}
+_SIZES = tuple((field, constant) for field, constant in TLA_CONSTANTS.items()
+               if field.endswith("_pages"))
+_FLAGS = tuple((field, constant) for field, constant in TLA_CONSTANTS.items()
+               if field not in dict(_SIZES))
 
 
 class CfgError(ValueError):
@@ -185,11 +186,9 @@ def model_from_cfg(cfg: CfgFile, name: str) -> Model:
     if cfg.specification not in (None, "Spec", "FairSpec"):
         raise CfgError(f"{cfg.path}: SPECIFICATION must be Spec or FairSpec")
     names = tuple(sorted(r.name for r in requests))
-    sizes = {key: _int_constant(cfg, name) for key, name in (
-        ("max_prompt_pages", "MaxPromptPages"), ("context_pages", "ContextPages"),
-        ("prefill_pages", "PrefillPages"), ("decode_pages", "DecodePages"))}
+    sizes = {key: _int_constant(cfg, name) for key, name in _SIZES}
     flags = {}
-    for key, constant in (("crashes", "Crashes"), ("decode_crashes", "DecodeCrashes")):
+    for key, constant in _FLAGS:
         if constant not in cfg.constants:
             raise CfgError(f"{cfg.path}: constant {constant} is not set")
         flags[key] = cfg.constants[constant]
