@@ -68,10 +68,8 @@ def paged_decode_attention_plain(q, kv, layer, block_table, context_lens, expect
     return out.to(q.dtype), tag_ok
 
 
-def paged_prefill_attention(q, kv, layer, block_table_row, start_pos, scale):
-    """Causal attention of q [new_tokens, q_heads, dim] at positions start_pos.. over the
-    sequence's pages, which already hold the prefix and the new tokens. Torch's fused
-    attention (it never builds the [new_tokens, context] score matrix on the CPU)."""
+def _prefill_pages(q, kv, block_table_row, start_pos):
+    """New tokens, context tokens and the page ids a prefill chunk reads, checked."""
     new_tokens, num_q_heads, head_dim = q.shape
     page_tokens = kv.shape[4]
     context_tokens = start_pos + new_tokens
@@ -80,6 +78,14 @@ def paged_prefill_attention(q, kv, layer, block_table_row, start_pos, scale):
     assert num_q_heads % kv.shape[3] == 0 and head_dim == kv.shape[5]
     page_ids = block_table_row[:pages_read].long()
     assert bool(((page_ids >= 0) & (page_ids < kv.shape[0])).all()), "page id outside the pool"
+    return new_tokens, context_tokens, page_ids
+
+
+def paged_prefill_attention(q, kv, layer, block_table_row, start_pos, scale):
+    """Causal attention of q [new_tokens, q_heads, dim] at positions start_pos.. over the
+    sequence's pages, which already hold the prefix and the new tokens. Torch's fused
+    attention (it never builds the [new_tokens, context] score matrix on the CPU)."""
+    new_tokens, context_tokens, page_ids = _prefill_pages(q, kv, block_table_row, start_pos)
     keys, values = gather_pages_by_head(kv, layer, page_ids[None])
     keys, values = keys[:, :, :context_tokens], values[:, :, :context_tokens]
     query_pos = start_pos + torch.arange(new_tokens, device=q.device)
@@ -92,14 +98,7 @@ def paged_prefill_attention(q, kv, layer, block_table_row, start_pos, scale):
 
 def paged_prefill_attention_plain(q, kv, layer, block_table_row, start_pos, scale):
     """The definition, the plain way; the fast path above is tested against it."""
-    new_tokens, num_q_heads, head_dim = q.shape
-    page_tokens = kv.shape[4]
-    context_tokens = start_pos + new_tokens
-    pages_read = -(-context_tokens // page_tokens)
-    assert block_table_row.dim() == 1 and pages_read <= block_table_row.shape[0]
-    assert num_q_heads % kv.shape[3] == 0 and head_dim == kv.shape[5]
-    page_ids = block_table_row[:pages_read].long()
-    assert bool(((page_ids >= 0) & (page_ids < kv.shape[0])).all()), "page id outside the pool"
+    new_tokens, context_tokens, page_ids = _prefill_pages(q, kv, block_table_row, start_pos)
     keys, values = gather_pages(kv, layer, page_ids[None])
     keys, values = keys[0, :, :context_tokens], values[0, :, :context_tokens]
     query_pos = start_pos + torch.arange(new_tokens, device=q.device)
