@@ -36,6 +36,16 @@ class Row:
         return bool(self.bugs)
 
 
+# Rows a target cannot reach, with the reason (the matrix prints them as out of reach, and
+# the zoo test asks nothing of them on that target).
+OUT_OF_REACH: dict[tuple[str, str], str] = {
+    ("AdmitBeforeReserve alone", "sim"):
+        "the simulator's transfer timers always run, so its fuzz target is never quiet: the "
+        "pool deadlock ends in timeouts, which no check there can tell from an injected one "
+        "(kvproof sim's fault-free oracle and the core target catch it)",
+}
+
+
 def zoo_rows() -> list[Row]:
     rows = [Row(e.name, e.bugs, e.invariants, e.property) for e in ENTRIES]
     known = {row.bugs for row in rows}
