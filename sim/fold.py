@@ -71,7 +71,8 @@ class Folder:
         self.metrics = Metrics(page_bytes, m.prefill_pages,
                                m.decode_pages * sc.cluster.decode_workers,
                                fits_pages=min(m.advertised_context_pages, m.prefill_pages,
-                                              m.decode_pages))
+                                              m.decode_pages),
+                               decode_workers=sc.cluster.decode_workers)
         self.events = 0
         # The last accepted event's effect, for the live simulator to react to.
         self.last_placement = (0, 0)
@@ -120,7 +121,8 @@ class Folder:
         if change.landed:
             m.pages_written += len(change.landed)
         if change.decode:
-            m.decode_pages_changed(t, cluster.decode_pages_used)
+            d = self.last_placement[1]
+            m.decode_pages_changed(t, cluster.decode_pages_used, d, cluster.decode_used(d))
         if new is old:
             return  # a landing write changes no row
         if new[core.CLIENT] != old[core.CLIENT]:
@@ -136,8 +138,9 @@ class Folder:
         out = crash(worker)
         if type(out) is not Refusal:
             self.events += 1
-            if out.decode:
-                self.metrics.decode_pages_changed(t, self.cluster.decode_pages_used)
+            if out.decode:  # only a decode crash frees decode pages: `worker` is decode's
+                self.metrics.decode_pages_changed(t, self.cluster.decode_pages_used, worker,
+                                                  self.cluster.decode_used(worker))
             for r, row in out.rows:
                 self.metrics.answered(t, r, olds[r], row)
                 if core.settled(row):

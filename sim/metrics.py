@@ -57,6 +57,8 @@ class Metrics:
     pages_written: int = 0
     decode_pages_used: int = 0
     occupancy: list = field(default_factory=list)   # (t, decode pages used), on change
+    occupancy_by_worker: dict = field(default_factory=dict)  # decode worker -> its (t, used)
+    decode_workers: int = 1
     errors_over_time: list = field(default_factory=list)  # (t, answer name)
     ok_output_tokens: int = 0
     last_event_s: float = 0.0
@@ -128,10 +130,16 @@ class Metrics:
         self.leaks_over_pool += r in self.over_pool
         self.leaks_ok += ok
 
-    def decode_pages_changed(self, t: float, used: int) -> None:
+    def decode_pages_changed(self, t: float, used: int, worker: int = 0,
+                             worker_used: int | None = None) -> None:
+        """Decode pages in use over all workers, and on the one worker whose pool changed."""
         if used != self.decode_pages_used:
             self.decode_pages_used = used
             self.occupancy.append((t, used))
+        if worker_used is not None:
+            series = self.occupancy_by_worker.setdefault(worker, [])
+            if not series or series[-1][1] != worker_used:
+                series.append((t, worker_used))
 
     def forget(self, r: int) -> None:
         self.settled += 1

@@ -144,8 +144,18 @@ def write_plots(directory: str | Path, metrics: Metrics, result: dict) -> list[P
     fig, ax = plt.subplots(figsize=(6, 4))
     if metrics.occupancy:
         times, used = zip(*metrics.occupancy)
-        ax.step(times, [u / metrics.decode_pages_total for u in used], where="post")
-    ax.set(xlabel="simulated time (s)", ylabel="decode pages in use (fraction of all workers')")
+        ax.step(times, [u / metrics.decode_pages_total for u in used], where="post",
+                label="all workers", color="black")
+    per_worker = sorted(metrics.occupancy_by_worker.items())
+    workers = metrics.decode_workers
+    pool = metrics.decode_pages_total / workers  # one worker's pages
+    for worker, series in per_worker if workers > 1 else ():
+        times, used = zip(*series)
+        ax.step(times, [u / pool for u in used], where="post", linewidth=0.8, alpha=0.7,
+                label=f"decode {worker}")
+    if workers > 1:
+        ax.legend(fontsize=6, ncol=2)
+    ax.set(xlabel="simulated time (s)", ylabel="decode pages in use (fraction of the pool)")
     save(fig, ax, "pool_occupancy.png", "decode pool occupancy", not metrics.occupancy)
 
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -227,6 +227,10 @@ class Store:
             return None
         return tuple(sorted(stack[-need:])) if need else ()
 
+    def decode_used(self, worker: int) -> int:
+        """Pages of a decode worker's pool that requests own now."""
+        return self.model.decode_pages - len(self.decode_free[worker])
+
     def free_pages(self, pool: str, worker: int) -> int:
         return len(self.prefill_free[worker] if pool == "prefill" else self.decode_free[worker])
 

@@ -219,3 +219,16 @@ def test_a_trace_driven_workload_replays_the_file_s_requests(tmp_path):
     assert result["violations"] == {} and result["summary"]["outcomes"] == {"Ok": 60}
     with pytest.raises(ScenarioError, match="trace_file"):
         scenario_from_dict({"name": "x", "workload": {"arrival": "trace"}})
+
+
+def test_pool_occupancy_is_kept_per_decode_worker_and_replays(tmp_path):
+    """Each decode worker's own occupancy series, folded from the log like every metric."""
+    sc = load_scenario("faults-all").with_options(requests=120)
+    log = tmp_path / "run.ndjson"
+    result, sim = simulate(sc, log_path=str(log))
+    live = sim.folder.metrics.occupancy_by_worker
+    assert sorted(live) == list(range(sc.cluster.decode_workers))
+    assert all(0 <= used <= sim.model.decode_pages for series in live.values()
+               for _, used in series)
+    folder, _ = replay(log)
+    assert folder.metrics.occupancy_by_worker == live
