@@ -138,7 +138,8 @@ class Simulation:
 
     # -- offering events to the core ------------------------------------------------------
 
-    def offer(self, action: str, r: int, **args) -> core.Change | None:
+    def offer(self, action: str, r: int, _count_refusal: bool = True,
+              **args) -> core.Change | None:
         """The Change the core made for this event, or None if it refused (falsy). `args`
         are the event's fields (by their names in spec/core.py) and, for Arrive, the
         shell's facts the log keeps beside it (placement p, d and output length out)."""
@@ -150,7 +151,8 @@ class Simulation:
         # The core decides first, so that a refusal costs no record and no fold.
         out = self.cluster.decide(r, event)
         if type(out) is Refusal:
-            self._refused(out)
+            if _count_refusal:
+                self._refused(out)
             return None
         self.depth += 1
         now = self.env.now
@@ -172,14 +174,10 @@ class Simulation:
         return cls(r, **args)
 
     def offer_if_enabled(self, action: str, r: int) -> core.Change | None:
-        """Offer an action a timer or a fault scheduled earlier, if the core still enables
-        it: a transfer timer of a request that has moved on is a cancelled timer, a fault
-        aimed at a request that has moved on does not happen. Neither is a refusal."""
-        if r not in self.cluster.rows:
-            return None
-        if not core.is_enabled(self.model, self.cluster.view(r), r, core.EVENT_TYPES[action]):
-            return None
-        return self.offer(action, r)
+        """Offer an action a fault or the NIC scheduled earlier, if the core still enables
+        it: a fault aimed at a request that has moved on does not happen, and a NIC with no
+        page left to post moves on. Neither is a refusal (nothing raced)."""
+        return self.offer(action, r, _count_refusal=False)
 
     def _refused(self, refusal: Refusal) -> None:
         """Count a refusal by its reason: each is a race the summary explains."""

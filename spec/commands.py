@@ -116,10 +116,15 @@ def effects(s: View, change: Change) -> tuple[Command, ...]:
     rows = s.requests
     for r, new in change.rows:
         out += _row_effects(r, rows[r], new)
-    out += [Post(w[0], w) for w in change.posted]
-    by = change.rows[0][0] if change.rows else (change.landed[0][0] if change.landed else NONE)
-    out += _freed(by, "decode", s.decode_pool, change.decode)
-    out += _freed(by, "prefill", s.prefill_pool, change.prefill)
+    if change.posted:
+        out += [Post(w[0], w) for w in change.posted]
+    if change.decode or change.prefill:
+        by = change.rows[0][0] if change.rows else (
+            change.landed[0][0] if change.landed else NONE)
+        if change.decode:
+            out += _freed(by, "decode", s.decode_pool, change.decode)
+        if change.prefill:
+            out += _freed(by, "prefill", s.prefill_pool, change.prefill)
     return tuple(out)
 
 

@@ -99,12 +99,20 @@ class Store:
         # Settled rows, when a caller wants them kept (the fuzzer's sim target reads every
         # request's end); None: forgotten rows are gone, as a long run needs.
         self.settled_rows: dict | None = None
+        self._views: dict[tuple[int, int], View] = {}
 
     # -- the core's answers ------------------------------------------------------------
 
     def view(self, r: int) -> View:
-        p, d = self.placement[r]
-        return View(self.rows, self.decode_pools[d], self.prefill_pools[p], self.writes_into[d])
+        """The view of r's worker pair. Views are kept per pair: the lists they hold are
+        changed in place, so a view stays current."""
+        pair = self.placement[r]
+        view = self._views.get(pair)
+        if view is None:
+            p, d = pair
+            view = self._views[pair] = View(self.rows, self.decode_pools[d],
+                                            self.prefill_pools[p], self.writes_into[d])
+        return view
 
     def decide(self, r: int, event: core.Event) -> Change | Refusal:
         """The core's answer to `event` on request r; nothing changes yet."""
