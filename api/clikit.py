@@ -69,25 +69,23 @@ def add_subcommand(commands, name: str, summary: str, description: str,
         epilog=help_epilog(examples, extra), formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1 (a bound of 0 or below would silently mean nothing)."""
+def _whole_number(text: str, low: int, bound: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (a bound of 0 or below would silently mean nothing)."""
+    return _whole_number(text, 1, "at least 1")
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
+    return _whole_number(text, 0, "0 or more")
 
 
 # -- words and numbers -------------------------------------------------------------------
