@@ -439,8 +439,8 @@ class Simulation:
                 queue.remove(r)
                 self.offer("Reject", r)
                 continue
-            if r not in self.tables_received and "AdmitBeforeReserve" not in self.model.bugs:
-                continue  # waits for decode's reservation (the bug admits without it)
+            if r not in self.tables_received and core.admission_waits_for_table(self.model):
+                continue  # the page table has not reached this prefill yet
             need = core.pages_to_admit(self.model, row)
             if type(need) is str:
                 continue
@@ -785,11 +785,9 @@ class Simulation:
 def fault_free(sc: Scenario) -> bool:
     """No fault is switched on: every request whose prompt fits must get its Ok (the
     simulator's side of FittingRequestsSucceed), whatever guard a bug switch removed."""
-    return all(value == default for value, default in (
-        (sc.faults.client_abort_probability, 0.0), (sc.faults.message_loss_probability, 0.0),
-        (sc.faults.message_delay_probability, 0.0), (sc.faults.slow_link_probability, 0.0),
-        (sc.faults.prefill_fail_probability, 0.0), (sc.faults.prefill_crash_rate_per_s, 0.0),
-        (sc.faults.decode_crash_rate_per_s, 0.0)))
+    faults = sc.faults
+    return all(getattr(faults, name) == 0 for name in type(faults).model_fields
+               if name.endswith(("_probability", "_rate_per_s")))
 
 
 def result_of(sc: Scenario, folder: Folder, refusals: dict, stopped: str | None,

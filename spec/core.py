@@ -242,10 +242,16 @@ def arrive(m: Model, s: State, r: int, n: int) -> Change | str:
 WAITS_FOR_TABLE = "decode has not reserved yet: the prefill admits once it has the page table"
 
 
+def admission_waits_for_table(m: Model) -> bool:
+    """Whether the prefill admits a request only once decode's page table has reached it
+    (the bootstrap queue; AdmitBeforeReserve is the bug that does not wait)."""
+    return "AdmitBeforeReserve" not in m.bugs
+
+
 def _admit_need(m: Model, row: tuple) -> int | str:
     if row[PST] != QUEUED:
         return f"the prefill state is {PREFILL_NAMES[row[PST]]}, not Queued"
-    if not row[TABLE] and "AdmitBeforeReserve" not in m.bugs:
+    if not row[TABLE] and admission_waits_for_table(m):
         return WAITS_FOR_TABLE  # the bootstrap queue (KVTransfer.tla, Admit)
     need = row[PROMPT]
     if need > m.prefill_pages:
