@@ -1,0 +1,135 @@
+"""The engine as a server sees it: submit a request, receive its tokens and its outcome,
+abort it, look at the pools. This module is the contract between engine/ (which
+implements it over protocol-driven prefill and decode workers) and api/ (which serves it
+over HTTP); it holds types only, no behaviour.
+
+Threading. An engine runs its workers' loop on one background thread of its own
+(`start()`); `submit` and `abort` may be called from any thread and never block on model
+work. A request's events reach its `on_event` callback on the engine's thread, in order:
+zero or more `TokenOut`, then exactly one `Finished`, then nothing. A server bridges them
+into asyncio with `loop.call_soon_threadsafe`.
+
+Outcomes. `Finished.outcome` is the protocol core's final client state for the request
+(spec/core.py CLIENT_NAMES: "Ok", "Gone", "ErrTooLong", "ErrPrefill", "ErrTransfer",
+"ErrTag", "ErrTimeout", "ErrDecode"), never a separate judgement of the engine's: the one
+mapping from outcome to HTTP answer lives in api/.
+
+Refusals before anything is allocated are exceptions of `submit`: `ContextTooLong` (the
+prompt plus max_tokens exceed the advertised context: an HTTP 400), `Overloaded` (the
+bounded admission queue is full: an HTTP 503 with Retry-After), `EngineStopped`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from engine.sampling import SamplingParams
+
+OUTCOMES = ("Ok", "Gone", "ErrTooLong", "ErrPrefill", "ErrTransfer", "ErrTag", "ErrTimeout",
+            "ErrDecode")
+GUARDS = ("count", "checksum", "tag")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the top k
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    request_id: int
+    token_id: int
+    text: str  # the text this token adds (stop strings already cut; may be "")
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Finished:
+    request_id: int
+    outcome: str  # one of OUTCOMES: the core's final client state
+    finish_reason: str | None  # "stop" or "length" when outcome == "Ok", else None
+    guard: str | None  # which runtime guard tripped (one of GUARDS), when one did
+    prompt_tokens: int
+    completion_tokens: int
+    detail: str = ""  # one line for the operator (what the core refused, which guard)
+
+
+Event = TokenOut | Finished
+
+
+class Refused(Exception):
+    """submit refused the request before anything was allocated."""
+
+
+class ContextTooLong(Refused):
+    def __init__(self, prompt_tokens: int, max_tokens: int, context_length: int):
+        self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
+        self.context_length = context_length
+        super().__init__(f"prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) "
+                         f"exceeds the context length ({context_length})")
+
+
+class Overloaded(Refused):
+    def __init__(self, queued: int, retry_after_s: float):
+        self.queued, self.retry_after_s = queued, retry_after_s
+        super().__init__(f"{queued} requests already queued; retry in {retry_after_s:g} s")
+
+
+class EngineStopped(Refused):
+    pass
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    worker: str  # "prefill-0", "decode-0", ...
+    pages: int
+    free: int
+    held: int
+    tombstoned: int
+    writes_in_flight: int
+
+
+@dataclass(frozen=True)
+class RequestSnapshot:
+    request_id: int
+    outcome: str | None  # None while live
+    timeline: tuple[tuple[float, str], ...]  # (seconds since engine start, protocol event)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    pools: tuple[PoolSnapshot, ...]
+    queued: int
+    running: int
+    recent: tuple[RequestSnapshot, ...]  # newest last, bounded
+    guard_trips: dict = field(default_factory=dict)  # guard -> count
+    refusals: dict = field(default_factory=dict)  # core refusal reason -> count
+    rejects: dict = field(default_factory=dict)  # reject reason (too long, capacity) -> count
+    outcomes: dict = field(default_factory=dict)  # final outcome -> count
+    transfers: int = 0  # page writes landed
+    transfer_bytes: int = 0
+
+
+class Engine(Protocol):
+    model_name: str
+    context_length: int  # the advertised context (the startup capacity check holds it)
+    tokenizer: object  # engine.tokenizer.Tokenizer
+
+    def start(self) -> None: ...
+
+    def submit(self, request: GenerationRequest,
+               on_event: Callable[[Event], None]) -> int:
+        """The request's id; raises a Refused subclass before allocating anything."""
+
+    def abort(self, request_id: int) -> None:
+        """The client is gone: abort through the protocol (idempotent, any thread)."""
+
+    def snapshot(self) -> Snapshot: ...
+
+    def stop(self, drain_s: float = 0.0) -> None:
+        """Stop taking requests; let live ones finish for up to drain_s, abort the rest
+        through the protocol, and return once every pool is whole again."""
