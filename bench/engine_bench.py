@@ -14,14 +14,20 @@ machine hits both alike: read the ratios, not the absolute figures.
 How each side is timed. Decode tokens/s: transformers' generate with N new tokens minus
 generate with 1 (its prefill), over batch * (N - 1) tokens, greedy, EOS ignored; the
 engine's own decode-step time over the tokens those steps produced. TTFT: one request,
-one new token, from the call to the token. Peak memory: the largest rise of the process's
-resident memory during the batch-64 run on the CPU (torch's peak allocation on CUDA).
+one new token, from the call to the token. Peak memory: each side runs its largest batch
+once in a fresh child process of its own (a process that already ran the other figures
+keeps freed memory and shows no rise), which loads the model, then samples its resident
+memory every 5 ms through the run: the peak, and the peak's rise over the loaded model
+(the engine's rise includes its whole preallocated 512-page KV pool, transformers' its
+growing cache). On CUDA: torch's peak allocation, in-process.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import statistics
 import sys
 import threading
@@ -52,6 +58,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
     parser.add_argument("--quick", action="store_true", help="2 repeats, no batch 64")
     parser.add_argument("--no-transformers", action="store_true", help="the engine alone")
+    parser.add_argument("--peak-child", choices=["engine", "transformers"],
+                        help=argparse.SUPPRESS)  # internal: one side's peak memory, as JSON
     args = parser.parse_args()
     args.dtype = args.dtype or ["float32", "bfloat16"]
     args.batch = args.batch or ([1, 8] if args.quick else [1, 8, 64])
@@ -70,11 +78,12 @@ def synchronize(device: str) -> None:
 
 
 class PeakMemory:
-    """The largest rise in memory while the block runs: resident set size on the CPU
-    (sampled every 5 ms), torch's peak allocation on CUDA."""
+    """The largest rise in memory while the block runs (`peak_bytes`) and the largest
+    resident set (`peak_total_bytes`): RSS sampled every 5 ms on the CPU, torch's peak
+    allocation on CUDA. Meaningful in a fresh process only (see the module's docstring)."""
 
     def __init__(self, device: str):
-        self.device, self.peak_bytes = device, 0
+        self.device, self.peak_bytes, self.peak_total_bytes = device, 0, 0
 
     def __enter__(self):
         if self.device.startswith("cuda"):
@@ -92,12 +101,15 @@ class PeakMemory:
 
     def _sample(self) -> None:
         while self._running:
-            self.peak_bytes = max(self.peak_bytes, self._process.memory_info().rss - self._base)
+            rss = self._process.memory_info().rss
+            self.peak_total_bytes = max(self.peak_total_bytes, rss)
+            self.peak_bytes = max(self.peak_bytes, rss - self._base)
             time.sleep(0.005)
 
     def __exit__(self, *exc) -> None:
         if self.device.startswith("cuda"):
-            self.peak_bytes = torch.cuda.max_memory_allocated() - self._base
+            self.peak_total_bytes = torch.cuda.max_memory_allocated()
+            self.peak_bytes = self.peak_total_bytes - self._base
         else:
             self._running = False
             self._thread.join()
@@ -223,14 +235,50 @@ def bench_dtype(args, dtype: str, engine_loaded_fp32_path: Path, transformers_mo
         prompt = prompts_of(length, 1)[0]
         ttft = alternate(sides, lambda s: s.first_token_s(prompt) * 1000, args.repeats)
         print_row(f"TTFT, {length}-token prompt", ttft, "ms", False)
-    peak_batch = max(args.batch)
-    peaks = {}
-    for side in sides:
-        with PeakMemory(args.device) as memory:
-            side.decode_tokens_per_s(prompts_of(PROMPT_TOKENS_DECODE, peak_batch), args.new_tokens)
-        peaks[side.name] = memory.peak_bytes / 2**20
-    print_row(f"peak memory rise, batch {peak_batch}", peaks, "MiB", False)
+    peak_memory_rows(args, dtype, [side.name for side in sides])
     guard_costs(args, engine)
+
+
+def peak_memory_rows(args, dtype: str, side_names: list[str]) -> None:
+    """One fresh child process per side (CPU); in-process on CUDA, where torch's own
+    peak counter is exact."""
+    batch = max(args.batch)
+    totals, rises = {}, {}
+    for name in side_names:
+        command = [sys.executable, __file__, "--peak-child", name, "--dtype", dtype,
+                   "--device", args.device, "--batch", str(batch),
+                   "--new-tokens", str(args.new_tokens)]
+        if args.threads:
+            command += ["--threads", str(args.threads)]
+        child = subprocess.run(command, capture_output=True, text=True)
+        if child.returncode != 0:
+            print(f"  peak memory, {name}: the child failed: "
+                  f"{child.stderr.strip().splitlines()[-1:]}", flush=True)
+            return
+        figures = json.loads(child.stdout.strip().splitlines()[-1])
+        totals[name] = figures["peak_total_bytes"] / 2**20
+        rises[name] = figures["peak_rise_bytes"] / 2**20
+    print_row(f"peak memory, batch {batch}", totals, "MiB", False)
+    print_row("  rise over loaded model", rises, "MiB", False)
+
+
+def peak_child(args) -> int:
+    """Load one side, run its largest batch once under PeakMemory, print JSON."""
+    dtype = args.dtype[0]
+    batch = max(args.batch)
+    with torch.inference_mode():
+        if args.peak_child == "engine":
+            side = EngineSide(load_model(default_model_path(), device=args.device, dtype=dtype),
+                              args.device)
+        else:
+            model, _ = load_transformers(args.device)
+            side = TransformersSide(model.to(DTYPES[dtype]), args.device)
+        prompts = prompts_of(PROMPT_TOKENS_DECODE, batch)
+        with PeakMemory(args.device) as memory:
+            side.decode_tokens_per_s(prompts, args.new_tokens)
+    print(json.dumps({"peak_total_bytes": memory.peak_total_bytes,
+                      "peak_rise_bytes": memory.peak_bytes}))
+    return 0
 
 
 def guard_costs(args, engine: EngineSide) -> None:
@@ -253,6 +301,8 @@ def main() -> int:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.peak_child:
+        return peak_child(args)
     path = default_model_path()
     started = time.perf_counter()
     load_model(path, device=args.device, dtype="float32")
