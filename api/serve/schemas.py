@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 N_MAX = 8  # choices per prompt
 CHOICES_MAX = 16  # prompts x n in one request
@@ -87,14 +87,17 @@ class CompletionRequest(_Sampling):
 
     @field_validator("prompt")
     @classmethod
-    def _some_prompt(cls, value: Prompt) -> Prompt:
+    def _some_prompt(cls, value: Prompt, info: ValidationInfo) -> Prompt:
         if isinstance(value, list):
             if not value:
                 raise ValueError("the prompt list is empty")
-            if len(value) > PROMPTS_MAX:
-                raise ValueError(f"at most {PROMPTS_MAX} prompts in one request")
             if any(isinstance(item, list) and not item for item in value):
                 raise ValueError("a token-id prompt is empty")
+        prompts = len(value) if isinstance(value, list) and not isinstance(value[0], int) else 1
+        if prompts > PROMPTS_MAX:
+            raise ValueError(f"at most {PROMPTS_MAX} prompts in one request")
+        if prompts * info.data.get("n", 1) > CHOICES_MAX:
+            raise ValueError(f"prompts x n is at most {CHOICES_MAX}")
         return value
 
     @field_validator("echo")
@@ -112,12 +115,6 @@ class CompletionRequest(_Sampling):
         if all(isinstance(item, int) for item in value):
             return [list(value)]
         return list(value)
-
-    @model_validator(mode="after")
-    def _choices_bounded(self) -> CompletionRequest:
-        if len(self.prompts()) * self.n > CHOICES_MAX:
-            raise ValueError(f"prompts x n is at most {CHOICES_MAX}")
-        return self
 
 
 class TextPart(_Strict):
@@ -148,11 +145,12 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = Field(None, max_length=0, description="not served")
     response_format: ResponseFormat | None = None
 
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo):
+        if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs: true")
-        return self
+        return value
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
