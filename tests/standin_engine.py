@@ -62,6 +62,7 @@ class StandInEngine:
                                   num_pages * page_tokens)
         self.queue_max, self.step_delay_s, self.retry_after_s = queue_max, step_delay_s, retry_after_s
         self.fail_next: deque = deque()  # (outcome, guard) for the next requests to finish
+        self.fail_at_admission: deque = deque()  # (outcome, guard): fail before any token
         self._started = time.perf_counter()
         self._lock = threading.Condition()
         self._inbox: deque = deque()
@@ -160,8 +161,14 @@ class StandInEngine:
         for _ in range(admitted):
             live = self._waiting.popleft()
             live.timeline.append((self._now(), "Reserve"))
-        for sequence in self._prefilling:
-            self._live[sequence.request.request_id].sequence = sequence
+        for sequence in list(self._prefilling):
+            live = self._live[sequence.request.request_id]
+            if live.sequence is None and self.fail_at_admission:
+                live.sequence = sequence
+                self._drop(sequence)
+                self._finish(live, self.fail_at_admission[0][0], None,
+                             self.fail_at_admission.popleft()[1])
+            live.sequence = sequence
         if self._prefilling:
             generator._prefill(self._prefilling, self._running, done, self._started)
         if self._running:
@@ -185,13 +192,17 @@ class StandInEngine:
             if live in self._waiting:
                 self._waiting.remove(live)
             elif sequence is not None:
-                for queue in (self._prefilling, self._running):
-                    if sequence in queue:
-                        queue.remove(sequence)
-                with self._lock:
-                    self.generator.free_pages.give_back(sequence.pages)
+                self._drop(sequence)
             live.timeline.append((self._now(), "Abort"))
             self._finish(live, "Gone", None, None)
+
+    def _drop(self, sequence) -> None:
+        """Take an admitted sequence out of the loop and give its pages back."""
+        for queue in (self._prefilling, self._running):
+            if sequence in queue:
+                queue.remove(sequence)
+        with self._lock:
+            self.generator.free_pages.give_back(sequence.pages)
 
     def _outcome_of(self, finish_reason: str) -> tuple[str, str | None, str | None]:
         """(outcome, finish_reason, guard) for a Generator finish reason."""
@@ -220,7 +231,7 @@ class StandInEngine:
             self._lock.notify_all()
         live.on_event(Finished(live.request_id, outcome, finish_reason, guard,
                                len(live.request.prompt_ids), completion_tokens,
-                               detail=f"runtime guard {guard!r} tripped" if guard else ""))
+                               detail="injected by the test" if outcome not in ("Ok", "Gone") else ""))
 
     def _emit_tokens(self, live: _Live, final: bool) -> None:
         """A TokenOut for every token the sequence gained, text held back while it could
