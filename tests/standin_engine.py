@@ -51,13 +51,13 @@ class StandInEngine:
 
     def __init__(self, loaded, *, num_pages: int = 256, page_tokens: int = 16,
                  max_batch: int = 32, queue_max: int = 64, step_delay_s: float = 0.0,
-                 retry_after_s: float = 1.0):
+                 retry_after_s: float = 1.0, prefill_chunk_tokens: int = 512):
         assert loaded.tokenizer is not None, "the stand-in needs a tokenizer"
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.path.name
         self.generator = Generator(loaded.model, GeneratorConfig(
             num_pages=num_pages, page_tokens=page_tokens, max_batch=max_batch,
-            keep_logits=True), loaded.tokenizer)
+            prefill_chunk_tokens=prefill_chunk_tokens, keep_logits=True), loaded.tokenizer)
         self.context_length = min(loaded.model.config.max_position_embeddings,
                                   num_pages * page_tokens)
         self.queue_max, self.step_delay_s, self.retry_after_s = queue_max, step_delay_s, retry_after_s
