@@ -63,6 +63,7 @@ class StandInEngine:
         self.queue_max, self.step_delay_s, self.retry_after_s = queue_max, step_delay_s, retry_after_s
         self.fail_next: deque = deque()  # (outcome, guard) for the next requests to finish
         self.fail_at_admission: deque = deque()  # (outcome, guard): fail before any token
+        self.last_error: Exception | None = None  # what a step raised, if one did
         self._started = time.perf_counter()
         self._lock = threading.Condition()
         self._inbox: deque = deque()
@@ -147,7 +148,25 @@ class StandInEngine:
                 if self._stopping and not self._live and not aborts:
                     return
             self._abort(aborts)
-            self._step()
+            try:
+                self._step()
+            except Exception as error:  # an engine bug: fail what is admitted, loudly
+                self._fail_admitted(error)
+
+    def _fail_admitted(self, error: Exception) -> None:
+        """A step raised: every admitted request ends ErrDecode (a 500 the tests see), its
+        pages given back, and the loop goes on for the others."""
+        import traceback
+
+        traceback.print_exc()
+        admitted = {s.request.request_id: s for s in self._prefilling + self._running}
+        for live in [live for live in self._live.values() if live not in self._waiting]:
+            sequence = admitted.get(live.request_id)
+            if sequence is not None:
+                self._drop(sequence)
+                live.sequence = sequence
+            self._finish(live, "ErrDecode", None, None, detail=f"the step raised {error!r}")
+        self.last_error = error
 
     def _step(self) -> None:
         """One round of Generator.run's loop over the queues kept between rounds."""
@@ -215,7 +234,8 @@ class StandInEngine:
             return "ErrTag", None, "tag"
         return "ErrTooLong", None, None  # "rejected": submit's check makes this unreachable
 
-    def _finish(self, live: _Live, outcome: str, finish_reason, guard) -> None:
+    def _finish(self, live: _Live, outcome: str, finish_reason, guard,
+                detail: str = "") -> None:
         sequence = live.sequence
         completion_tokens = len(sequence.output_ids) if sequence is not None else 0
         if outcome != "Gone":
@@ -231,7 +251,8 @@ class StandInEngine:
             self._lock.notify_all()
         live.on_event(Finished(live.request_id, outcome, finish_reason, guard,
                                len(live.request.prompt_ids), completion_tokens,
-                               detail="injected by the test" if outcome not in ("Ok", "Gone") else ""))
+                               detail=detail or ("injected by the test"
+                                                 if outcome not in ("Ok", "Gone") else "")))
 
     def _emit_tokens(self, live: _Live, final: bool) -> None:
         """A TokenOut for every token the sequence gained, text held back while it could

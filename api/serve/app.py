@@ -185,9 +185,19 @@ async def _serve(request: Request, engine, plan, wire, metrics, received_s: floa
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+def _encode(param: str, encode, text: str) -> list[int]:
+    """Token ids of a client's text; text the tokenizer cannot read (a lone surrogate) is
+    the client's error, not ours."""
+    try:
+        return list(encode(text))
+    except Exception as error:  # tokenizers raises bare exceptions on unencodable text
+        raise ApiError(400, f"{param}: the text cannot be tokenized ({error})", param=param,
+                       code="invalid_value") from None
+
+
 def _prompt_ids(engine, prompt) -> tuple[int, ...]:
     if isinstance(prompt, str):
-        ids = engine.tokenizer.encode(prompt)
+        ids = _encode("prompt", engine.tokenizer.encode, prompt)
     else:
         vocabulary = engine.tokenizer.backend.get_vocab_size()
         bad = [token for token in prompt if not 0 <= token < vocabulary]
@@ -210,7 +220,8 @@ def _chat_ids(engine, body: ChatCompletionRequest) -> tuple[int, ...]:
     except ModelFileError as error:  # no template, or the template refused the messages
         raise ApiError(400, f"messages: {error}", param="messages",
                        code="invalid_value") from None
-    ids = engine.tokenizer.backend.encode(text, add_special_tokens=False).ids
+    ids = _encode("messages", lambda t: engine.tokenizer.backend.encode(
+        t, add_special_tokens=False).ids, text)
     if not ids:
         raise ApiError(400, "messages: no tokens", param="messages", code="invalid_value")
     return tuple(ids)

@@ -31,6 +31,12 @@ from api.serve.errors import ApiError, outcome_error, refusal_error
 from api.serve.wire import sse, usage
 
 INT64_MAX = (1 << 63) - 1
+# Below this a temperature is greedy: dividing logits by 1e-300 overflows them to inf and
+# the engine's sampler has no distribution left to draw from (engine/sampling.py raises).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# A top_p of 5e-324 is 0 in fp32 and the sampler then masks every token (the same raise);
+# any top_p this small keeps only the most likely token, so it is raised to this floor.
+TOP_P_FLOOR = 1e-6
 CLIENT_CLOSED_STATUS = 499  # nginx's: nobody reads it, the access log does
 
 
@@ -63,6 +69,9 @@ def sampling_for(n_prompts: int, n: int, *, max_tokens: int, temperature: float,
         value = seed + index
         return value - (1 << 64) if value > INT64_MAX else value
 
+    if temperature < GREEDY_BELOW_TEMPERATURE:
+        temperature = 0.0
+    top_p = max(top_p, TOP_P_FLOOR)
     return tuple(SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 seed=seed_of(index), stop=stop)
                  for index in range(n_prompts * n))
