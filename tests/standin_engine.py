@@ -304,3 +304,10 @@ def build_engine(loaded, config=None) -> StandInEngine:
         raise NotImplementedError("the stand-in engine is a single process")
     options.pop("prefill_workers", None), options.pop("decode_workers", None)
     return StandInEngine(loaded, **options)
+
+
+def build_engine_below_capacity(loaded, config=None):
+    """A factory whose startup capacity check fails, as the real engine's does when a KV
+    pool is smaller than the advertised context."""
+    raise ValueError(f"decode-0's KV pool holds 64 tokens, below the advertised context "
+                     f"({loaded.model.config.max_position_embeddings} tokens)")
