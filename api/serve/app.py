@@ -180,9 +180,25 @@ async def _serve(request: Request, engine, plan, wire, metrics, received_s: floa
     if first is None:
         raise generation.client_closed()
     metrics.responses.labels(path, "200").inc()
-    return StreamingResponse(generation.stream(choices, plan, wire, timings, first),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return AbortingStream(choices, generation.stream(choices, plan, wire, timings, first),
+                          media_type="text/event-stream",
+                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class AbortingStream(StreamingResponse):
+    """A stream that aborts its unfinished choices however the response ends: the body
+    generator's own `finally` does not run when a client leaves before the first chunk
+    is pulled (an unstarted generator is dropped, not closed)."""
+
+    def __init__(self, choices, content, **kwargs):
+        super().__init__(content, **kwargs)
+        self.choices = choices
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.choices.abort_unfinished()
 
 
 def _encode(param: str, encode, text: str) -> list[int]:
