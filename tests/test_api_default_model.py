@@ -29,7 +29,7 @@ def test_the_default_model_answers_paris_through_the_openai_client(default_model
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
                                timeout=60)
         reply = client.chat.completions.create(
-            model="SmolLM2-135M-Instruct.Q4_1.gguf", temperature=0, max_tokens=12,
+            model=engine.model_name, temperature=0, max_tokens=12,
             messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in reply.choices[0].message.content
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(

@@ -38,8 +38,12 @@ from api.serve.wire import ChatWire, CompletionWire
 DASHBOARD = Path(__file__).with_name("dashboard.html")
 MODEL_ALIASES = ("default",)  # besides the engine's own model name
 ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 404, 500, 503, 504)}
+# A stream's events as Schemathesis and OpenAPI 3.2 read them: each event an object whose
+# `data` is one JSON chunk (chat.completion.chunk / text_completion / an error) or [DONE].
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 GENERATION_RESPONSES = ERROR_RESPONSES | {
-    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+    200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}}}
 
 
 class EngineLifetime:

@@ -144,6 +144,8 @@ def _engine_config(config_type, args: argparse.Namespace):
                       f"no {', '.join(missing)})")
     try:
         return config_type(**wanted)
+    except NotImplementedError as error:
+        raise Refusal(f"not supported yet by this engine: {error}") from None
     except (TypeError, ValueError, AssertionError) as error:
         raise Refusal(f"engine config: {error}") from None
 
