@@ -34,9 +34,10 @@ def read_until(sock: socket.socket, marker: bytes, count: int = 1) -> bytes:
 
 
 def timeline(engine, request_id: int) -> list[str]:
+    """The request's protocol actions by name ("Reserve(r1, {1, 2})" -> "Reserve")."""
     for request in engine.snapshot().recent:
         if request.request_id == request_id:
-            return [action for _at, action in request.timeline]
+            return [action.split("(", 1)[0] for _at, action in request.timeline]
     return []
 
 
@@ -101,7 +102,7 @@ def test_leaving_mid_stream(slow_server):
 def test_leaving_while_a_whole_answer_is_gathered(slow_server):
     server, engine = slow_server
     sock = send_raw(server.port, "/v1/completions", {"prompt": "w", "max_tokens": 60, "n": 2})
-    wait_until(lambda: len(engine.submitted) == 2 and engine.snapshot().running == 1)
+    wait_until(lambda: len(engine.submitted) == 2 and engine.snapshot().running >= 1)
     sock.close()
     gone_once(engine, *engine.submitted)
 
