@@ -119,16 +119,31 @@ async def _stream(client, url: str, prompt: str, max_tokens: int) -> tuple[float
     return first, completion_tokens
 
 
-def run_http(url: str, prompts: list[str], max_tokens: int) -> dict:
-    import httpx
+class HttpClients:
+    """One event loop and one connection pool for every HTTP run, kept warm between runs."""
 
-    async def run_all():
-        limits = httpx.Limits(max_connections=len(prompts))
-        async with httpx.AsyncClient(timeout=RUN_S_MAX, limits=limits) as client:
-            return await asyncio.gather(*(_stream(client, url, p, max_tokens) for p in prompts))
+    def __init__(self, streams: int):
+        import httpx
 
+        self.loop = asyncio.new_event_loop()
+        self.client = httpx.AsyncClient(timeout=RUN_S_MAX,
+                                        limits=httpx.Limits(max_connections=streams))
+
+    def run(self, url: str, prompts: list[str], max_tokens: int) -> list:
+        async def batch():
+            return await asyncio.gather(*(_stream(self.client, url, p, max_tokens)
+                                          for p in prompts))
+
+        return self.loop.run_until_complete(batch())
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.aclose())
+        self.loop.close()
+
+
+def run_http(clients: HttpClients, url: str, prompts: list[str], max_tokens: int) -> dict:
     started = time.perf_counter()
-    results = asyncio.run(run_all())
+    results = clients.run(url, prompts, max_tokens)
     wall_s = time.perf_counter() - started
     return {"tokens": sum(n for _f, n in results), "wall_s": wall_s,
             "ttft_s": [f for f, _n in results if f is not None]}
@@ -202,13 +217,15 @@ def main() -> int:
     print(f"{loaded.path.name} on {args.device} ({args.dtype}); {args.streams} concurrent "
           f"streams x {max_tokens} tokens (greedy), {repeats} repeat(s), sides alternating")
     direct, http = [], []
+    clients = HttpClients(args.streams)
     try:
-        run_http(server.url, prompts[:2], 2)  # warm both sides: first-call costs out
-        run_direct(engine, prompts[:2], 2)
+        run_http(clients, server.url, prompts, 2)  # warm both sides: first-call costs out, and
+        run_direct(engine, prompts, 2)     # the client's connection pool filled
         for _ in range(repeats):
             direct.append(run_direct(engine, prompts, max_tokens))
-            http.append(run_http(server.url, prompts, max_tokens))
+            http.append(run_http(clients, server.url, prompts, max_tokens))
     finally:
+        clients.close()
         server.close()
         engine.stop(0)
     d, h = summary(direct), summary(http)

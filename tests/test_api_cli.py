@@ -125,3 +125,12 @@ def test_once_stopping_new_requests_get_503_and_health_says_stopping(tiny_chat_m
         assert (response.status_code, response.json()["error"]["code"]) == (503, "engine_stopped")
         health = client.get("/health")
         assert (health.status_code, health.json()["status"]) == (503, "stopping")
+
+
+def test_api_never_imports_the_tests_stand_in():
+    """The stand-in engine is for the server's tests only: nothing in api/ imports tests/."""
+    from tests.test_architecture import imports_of, sources
+
+    bad = [f"{path.name} imports {name}" for path in sources("api") for name in imports_of(path)
+           if name.split(".")[0] == "tests"]
+    assert bad == []
