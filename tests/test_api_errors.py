@@ -205,3 +205,10 @@ def test_extreme_sampling_values_found_by_schemathesis_are_served(client, extrem
     response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3} | extreme)
     assert response.status_code == 200, response.text
     assert client.engine.inner.last_error is None
+
+
+def test_the_openapi_schema_documents_400_not_422(client):
+    schema = client.get("/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert "422" not in responses and {"200", "400", "503"} <= set(responses)
