@@ -26,7 +26,7 @@ from collections import Counter, deque
 
 import torch
 
-from engine.generate import Generator, GeneratorConfig, Request, pages_needed
+from engine.generate import Generator, GeneratorConfig, Request
 from engine.service import (ContextTooLong, EngineStopped, Finished, GenerationRequest,
                             Overloaded, PoolSnapshot, RequestSnapshot, Snapshot, TokenOut)
 

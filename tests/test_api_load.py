@@ -12,7 +12,6 @@ import random
 import time
 
 import httpx
-import pytest
 
 from api.serve.app import create_app
 from tests.api_cases import (LiveServer, assert_pools_whole, standin, tiny_chat_model,  # noqa: F401
