@@ -9,6 +9,8 @@ one line and exit status 2.
     kvproof sim         SCENARIO [--seed N] [--bug NAME ...] [--set FIELD=VALUE ...] ...
     kvproof fuzz        [--target NAME ...] [--seed N] [--examples N | --seconds S] ...
     kvproof generate    [--model PATH] [--device cpu|cuda] [--dtype D] [--chat] PROMPT...
+    kvproof serve       [--model PATH] [--host H] [--port N] [--device cpu|cuda] [--dtype D]
+                        [--disaggregated --prefill-workers N --decode-workers M]
 
 Exit status: 0 when every property holds, 1 when one is violated (the message names it and
 how to reproduce it), 2 for bad input. Each subcommand's --help has examples.
@@ -172,6 +174,20 @@ def _add_generate(commands) -> None:
     generate.set_defaults(func=run)
 
 
+def _add_serve(commands) -> None:
+    from api.serve.command import EXAMPLES, add_arguments, run
+
+    serve = add_subcommand(
+        commands, "serve", "serve the engine over an OpenAI-compatible HTTP API",
+        "Serve the engine over HTTP: /v1/completions and /v1/chat/completions (streaming "
+        "too), /v1/models, /health, /metrics (Prometheus) and a dashboard at /. Every error "
+        "is an OpenAI error body; a request the protocol did not finish cleanly is never "
+        "answered with success. SIGTERM drains live requests, then stops.",
+        EXAMPLES)
+    add_arguments(serve)
+    serve.set_defaults(func=run)
+
+
 def build_parser() -> Parser:
     from api.sim_command import add_parser as add_sim_parser
 
@@ -187,6 +203,7 @@ def build_parser() -> Parser:
     add_sim_parser(commands)
     _add_fuzz(commands)
     _add_generate(commands)
+    _add_serve(commands)
     parser.subcommands = commands.choices  # for reporting an unknown option under its name
     return parser
 

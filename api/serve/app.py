@@ -1,0 +1,299 @@
+"""The FastAPI app: OpenAI-compatible endpoints over any engine.service.Engine.
+
+    POST /v1/completions        text or token-id prompts; n, stop, seed, logprobs, stream
+    POST /v1/chat/completions   messages through the model's chat template; the same options
+    GET  /v1/models             the one model served
+    GET  /health                200 while serving, 503 once stopping
+    GET  /metrics               Prometheus text (api/serve/metrics.py)
+    GET  /v1/kvproof/state      engine.snapshot() as JSON, for the dashboard
+    GET  /                      the dashboard (static HTML + JS, polls the state)
+
+The app owns the engine's lifetime: the lifespan starts it, and `EngineLifetime.stop`
+(SIGTERM in `kvproof serve`, or the lifespan's end) stops it once. Errors of every kind
+leave as OpenAI error bodies (api/serve/errors.py); FastAPI's 422 for a malformed body is
+replaced by a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from api.serve import generation
+from api.serve.errors import ApiError
+from api.serve.metrics import ServerMetrics
+from api.serve.schemas import (CHAT_MAX_TOKENS_DEFAULT, COMPLETION_MAX_TOKENS_DEFAULT,
+                               ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                               CompletionResponse, ErrorResponse, Health, ModelList)
+from api.serve.wire import ChatWire, CompletionWire
+
+DASHBOARD = Path(__file__).with_name("dashboard.html")
+MODEL_ALIASES = ("default",)  # besides the engine's own model name
+ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 404, 500, 503, 504)}
+# A stream's events as Schemathesis and OpenAPI 3.2 read them: each event an object whose
+# `data` is one JSON chunk (chat.completion.chunk / text_completion / an error) or [DONE].
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+GENERATION_RESPONSES = ERROR_RESPONSES | {
+    200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}}}
+
+
+class EngineLifetime:
+    """Starts the engine once and stops it once, whoever asks first."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.stopping = False
+        self._lock = threading.Lock()
+        self.started_s = time.time()
+
+    def start(self) -> None:
+        self.engine.start()
+
+    def stop(self, drain_s: float = 0.0) -> None:
+        with self._lock:
+            if self.stopping:
+                return
+            self.stopping = True
+        self.engine.stop(drain_s)
+
+
+def create_app(engine, *, drain_s: float = 0.0, start_engine: bool = True) -> FastAPI:
+    lifetime = EngineLifetime(engine)
+    metrics = ServerMetrics(engine)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        if start_engine:
+            lifetime.start()
+        yield
+        lifetime.stop(drain_s)
+
+    app = FastAPI(title="kvproof", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible serving over the kvproof engine")
+    app.state.engine, app.state.lifetime, app.state.metrics = engine, lifetime, metrics
+    _add_error_handlers(app, metrics)
+    _add_generation_routes(app, engine, metrics)
+    _add_info_routes(app, engine, lifetime, metrics)
+    app.openapi = lambda: _openapi_without_422(app)
+    return app
+
+
+def _openapi_without_422(app: FastAPI) -> dict:
+    """FastAPI documents a 422 for every body it validates; this server answers those with
+    a 400 (documented on each operation), so the 422 entries would be false."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version,
+                             description=app.description, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    def answer(request: Request, error: ApiError) -> JSONResponse:
+        metrics.responses.labels(request.url.path, str(error.status)).inc()
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError):
+        return answer(request, error)
+
+    @app.exception_handler(RequestValidationError)
+    async def malformed(request: Request, error: RequestValidationError):
+        return answer(request, validation_error(error.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
+        return answer(request, ApiError(error.status_code, str(error.detail),
+                                        "invalid_request_error", code))
+
+
+def validation_error(errors) -> ApiError:
+    """A 400 naming the first bad field (OpenAI's `param`), in place of FastAPI's 422."""
+    first = errors[0] if errors else {"loc": (), "msg": "malformed request", "type": ""}
+    if first.get("type") == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON: {first.get('msg')}",
+                        code="invalid_json")
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    fields = [part for part in loc if not _is_type_tag(part)]
+    param = ".".join(fields) or None
+    message = first.get("msg", "invalid value")
+    if param is None:
+        return ApiError(400, f"the body must be a JSON object: {message}", code="invalid_body")
+    return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+def _is_type_tag(part: str) -> bool:
+    """pydantic puts the union member it tried in the location ('list[int]', 'str')."""
+    return part in ("str", "int", "float", "bool") or "[" in part or part.startswith(
+        "function-")
+
+
+def _model_name(engine, requested: str | None) -> str:
+    if requested not in (None, engine.model_name, *MODEL_ALIASES):
+        raise ApiError(404, f"the model {requested!r} is not served here (this server "
+                       f"serves {engine.model_name!r})", code="model_not_found", param="model")
+    return engine.model_name
+
+
+def _add_generation_routes(app: FastAPI, engine, metrics: ServerMetrics) -> None:
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses=GENERATION_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request):
+        received_s = time.perf_counter()
+        model = _model_name(engine, body.model)
+        prompts = tuple(_prompt_ids(engine, prompt) for prompt in body.prompts())
+        plan = generation.Plan(
+            prompts=prompts, n=body.n, logprobs=body.logprobs, stream=body.stream,
+            include_usage=body.include_usage(), prompt_param="prompt",
+            sampling=generation.sampling_for(
+                len(prompts), body.n, max_tokens=body.max_tokens or COMPLETION_MAX_TOKENS_DEFAULT,
+                temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                stop=body.stop_strings()))
+        wire = CompletionWire(model, engine.tokenizer, body.logprobs)
+        return await _serve(request, engine, plan, wire, metrics, received_s)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses=GENERATION_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        received_s = time.perf_counter()
+        model = _model_name(engine, body.model)
+        prompt = _chat_ids(engine, body)
+        max_tokens = body.token_limit() or max(
+            1, min(CHAT_MAX_TOKENS_DEFAULT, engine.context_length - len(prompt)))
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        plan = generation.Plan(
+            prompts=(prompt,), n=body.n, logprobs=logprobs, stream=body.stream,
+            include_usage=body.include_usage(), prompt_param="messages",
+            sampling=generation.sampling_for(
+                1, body.n, max_tokens=max_tokens, temperature=body.temperature,
+                top_p=body.top_p, seed=body.seed, stop=body.stop_strings()))
+        wire = ChatWire(model, engine.tokenizer, logprobs)
+        return await _serve(request, engine, plan, wire, metrics, received_s)
+
+
+async def _serve(request: Request, engine, plan, wire, metrics, received_s: float):
+    path = request.url.path
+    choices = generation.submit_all(engine, plan)
+    timings = generation.Timings(metrics, received_s)
+    if not plan.stream:
+        body = await generation.answer_whole(request, choices, plan, wire, timings)
+        if body is None:
+            raise generation.client_closed()
+        metrics.responses.labels(path, "200").inc()
+        return JSONResponse(body)
+    first = await generation.first_event(request, choices)
+    if first is None:
+        raise generation.client_closed()
+    metrics.responses.labels(path, "200").inc()
+    return AbortingStream(choices, generation.stream(choices, plan, wire, timings, first),
+                          media_type="text/event-stream",
+                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class AbortingStream(StreamingResponse):
+    """A stream that aborts its unfinished choices however the response ends: the body
+    generator's own `finally` does not run when a client leaves before the first chunk
+    is pulled (an unstarted generator is dropped, not closed)."""
+
+    def __init__(self, choices, content, **kwargs):
+        super().__init__(content, **kwargs)
+        self.choices = choices
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.choices.abort_unfinished()
+
+
+def _encode(param: str, encode, text: str) -> list[int]:
+    """Token ids of a client's text; text the tokenizer cannot read (a lone surrogate) is
+    the client's error, not ours."""
+    try:
+        return list(encode(text))
+    except Exception as error:  # tokenizers raises bare exceptions on unencodable text
+        raise ApiError(400, f"{param}: the text cannot be tokenized ({error})", param=param,
+                       code="invalid_value") from None
+
+
+def _prompt_ids(engine, prompt) -> tuple[int, ...]:
+    if isinstance(prompt, str):
+        ids = _encode("prompt", engine.tokenizer.encode, prompt)
+    else:
+        vocabulary = engine.tokenizer.backend.get_vocab_size()
+        bad = [token for token in prompt if not 0 <= token < vocabulary]
+        if bad:
+            raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary "
+                           f"(0..{vocabulary - 1})", param="prompt", code="invalid_value")
+        ids = list(prompt)
+    if not ids:
+        raise ApiError(400, "prompt: no tokens (the prompt is empty)", param="prompt",
+                       code="invalid_value")
+    return tuple(ids)
+
+
+def _chat_ids(engine, body: ChatCompletionRequest) -> tuple[int, ...]:
+    from engine.config import ModelFileError
+
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        text = engine.tokenizer.render_chat(messages)
+    except ModelFileError as error:  # no template, or the template refused the messages
+        raise ApiError(400, f"messages: {error}", param="messages",
+                       code="invalid_value") from None
+    ids = _encode("messages", lambda t: engine.tokenizer.backend.encode(
+        t, add_special_tokens=False).ids, text)
+    if not ids:
+        raise ApiError(400, "messages: no tokens", param="messages", code="invalid_value")
+    return tuple(ids)
+
+
+def _add_info_routes(app: FastAPI, engine, lifetime: EngineLifetime,
+                     metrics: ServerMetrics) -> None:
+    @app.get("/v1/models", response_model=ModelList)
+    async def models():
+        return {"object": "list", "data": [{
+            "id": engine.model_name, "object": "model", "created": int(lifetime.started_s),
+            "owned_by": "kvproof", "context_length": engine.context_length}]}
+
+    @app.get("/health", response_model=Health, responses={503: {"model": Health}})
+    async def health():
+        snapshot = engine.snapshot()
+        body = {"status": "stopping" if lifetime.stopping else "ok", "model": engine.model_name,
+                "queued": snapshot.queued, "running": snapshot.running}
+        return JSONResponse(body, status_code=503 if lifetime.stopping else 200)
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/kvproof/state")
+    async def state():
+        return state_json(engine, lifetime)
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def dashboard():
+        return HTMLResponse(DASHBOARD.read_text())
+
+
+def state_json(engine, lifetime: EngineLifetime) -> dict:
+    """engine.snapshot() as JSON, with what the dashboard shows beside it."""
+    snapshot = dataclasses.asdict(engine.snapshot())
+    return {"model": engine.model_name, "context_length": engine.context_length,
+            "uptime_s": round(time.time() - lifetime.started_s, 3),
+            "stopping": lifetime.stopping} | snapshot

