@@ -173,9 +173,11 @@ class Runtime:
 
     # -- the client's side -----------------------------------------------------------------
 
-    def arrive(self, request: GenerationRequest, on_event: Callable) -> int:
-        r = self.next_id
-        self.next_id += 1
+    def arrive(self, request: GenerationRequest, on_event: Callable,
+               request_id: int | None = None) -> int:
+        r = self.next_id if request_id is None else request_id
+        assert r not in self.live, f"request id {r} is live"
+        self.next_id = r + 1
         n = pages_needed(len(request.prompt_ids), request.sampling.max_tokens,
                          self.config.page_tokens)
         self.live[r] = Live(r, request, on_event, n, self.clock())
