@@ -43,15 +43,15 @@ from engine.pool import PoolConfig
 from engine.sampling import sample
 from engine.service import (Finished, GenerationRequest, PoolSnapshot, RequestSnapshot,
                             TokenOut)
+from engine.eventlog import LOG_FORMAT
 from engine.transport import InProcessTransport, PageWrite
-from engine.workers import DecodeWorker, PrefillWorker
+from engine.workers import DecodeWorker, PrefillWorker, kv_rows
 from spec import codec, core
 from spec import commands as cmd
 from spec.core import Refusal
 from spec.model import Model, ProtocolConfig
 from spec.store import Store
 
-LOG_FORMAT = "kvproof-engine-log/1"
 RECENT_KEPT = 64  # finished requests kept for snapshots
 GONE_PREFILL, GONE_DECODE, RELEASE, DONE = "client gone@prefill", "client gone@decode", \
     "release", "done"
@@ -70,6 +70,7 @@ class RuntimeConfig:
     transport_seed: int | None = None
     lands_per_step: int = 1 << 30
     log_records_max: int = 1_000_000  # in-memory event log bound (0: no log)
+    keep_kv: bool = False  # tests and fuzzers: keep each request's prompt KV (the leak oracle)
 
     def __post_init__(self) -> None:
         for name in ("prefill_pages", "decode_pages", "page_tokens", "context_tokens",
@@ -131,6 +132,11 @@ class Runtime:
         self.timers: dict[int, float] = {}
         self.recent: list[Live] = []
         self.log: list[dict] = []
+        # The leak oracle's evidence (config.keep_kv): per request, the prompt KV its prefill
+        # computed, and the prompt KV its decode read at its last step, both as tensors
+        # [tokens, layers, 2, kv_heads, dim] copied out of the pools.
+        self.prompt_kv: dict[int, torch.Tensor] = {}
+        self.read_kv: dict[int, torch.Tensor] = {}
         self.started = clock()
         self.next_id = 0
         self.counts = {"guard_trips": {}, "refusals": {}, "rejects": {}, "outcomes": {}}
@@ -140,7 +146,7 @@ class Runtime:
             cmd.CancelTimer: self._cancel_timer, cmd.StartDecoding: self._start_decoding,
             cmd.StopDecoding: self._stop_decoding,
             cmd.ReleaseWhenReady: lambda c: self._want(c.request, RELEASE),
-            cmd.Answer: self._answer, cmd.FreePages: lambda c: None,
+            cmd.Answer: self._answer, cmd.FreePages: self._pages_freed,
         }
 
     # -- the one path into the core ------------------------------------------------------
@@ -239,6 +245,13 @@ class Runtime:
     def _stop_decoding(self, c: cmd.StopDecoding) -> None:
         self.decode.stop(c.request)
 
+    def _pages_freed(self, c: cmd.FreePages) -> None:
+        """Source pages came back (Done, an abort, or SourceReuse's early free): nothing
+        may compute into them for this request any more. Freed decode pages need nothing:
+        waiting bootstraps retry their Reserve on the next step."""
+        if c.pool == "prefill":
+            self.prefill.stop(c.request)
+
     def _answer(self, c: cmd.Answer) -> None:
         live = self.live[c.request]
         if c.outcome == "ErrTag":
@@ -312,8 +325,20 @@ class Runtime:
         if reason is not None:
             self._end_decoding(live, reason)
 
+    def _keep_read_kv(self, live: Live) -> None:
+        if self.config.keep_kv:
+            self.read_kv[live.request_id] = kv_rows(self.decode.pool, live.sequence.pages,
+                                                    len(live.request.prompt_ids))
+
+    def leaked(self, r: int) -> bool:
+        """The leak oracle (needs keep_kv): decode read prompt KV other than what the
+        request's own prefill computed, compared bit for bit over the computed tokens."""
+        own, read = self.prompt_kv[r], self.read_kv[r]
+        return not torch.equal(read[:own.shape[0]], own)
+
     def _end_decoding(self, live: Live, reason: str) -> None:
         live.finish_reason = reason
+        self._keep_read_kv(live)
         tags_ok = live.tags_ok and self.decode.tags_current(live.sequence)
         self.take(live.request_id, core.Finish(live.request_id, tags_ok))
 
@@ -421,6 +446,9 @@ class Runtime:
             r = sequence.request.request_id
             live = self.live[r]
             live.first = (token, logits, sequence.generator)
+            if self.config.keep_kv:
+                self.prompt_kv[r] = kv_rows(self.prefill.pool, sequence.pages,
+                                            len(sequence.prompt_ids))
             for _ in self._row(r)[core.SRC]:
                 assert self.take(r, core.SendPage(r)) is not None, "SendPage refused"
             live.wants.add(DONE)
@@ -431,6 +459,14 @@ class Runtime:
         for write in writes:
             self._land_one(write)
         return bool(writes)
+
+    def land_only(self, predicate) -> int:
+        """Tests and fuzzers: land exactly the in-flight writes matching `predicate` now,
+        whatever the transport's own order (how the zoo's interleavings are built)."""
+        writes = self.transport.ready_only(predicate)
+        for write in writes:
+            self._land_one(write)
+        return len(writes)
 
     def _land_one(self, write: PageWrite) -> None:
         r = write.request
@@ -452,6 +488,7 @@ class Runtime:
             if not ok:
                 live.tags_ok = False
                 live.finish_reason = None
+                self._keep_read_kv(live)
                 self.take(live.request_id, core.Finish(live.request_id, False))
                 continue
             token = sample(logits[None], [sequence.request.sampling], [sequence.generator])[0]
