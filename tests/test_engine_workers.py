@@ -248,16 +248,22 @@ def test_a_transfer_timeout_ends_the_request_and_release_waits_for_the_writes(mo
     assert actions.index("Timeout") < actions.index("PrefillAbort") < actions.index("Release")
 
 
-def test_a_prompt_longer_than_the_prefill_pool_is_rejected_by_the_prefill(model):
-    # Without the startup check the advertised context exceeds the prefill pool, so the
-    # prefill's own reject path must end the request before it allocates anything.
-    rt = runtime(model, prefill_pages=4, decode_pages=32, context_tokens=64,
-                 bugs={"PoolBelowContext"})
+@pytest.mark.parametrize("prefill_pages,decode_pages,first", [
+    (4, 32, ["Arrive", "Reserve", "Reject"]),
+    (32, 4, ["Arrive", "DecodeReject", "PrefillAbort"]),
+])
+def test_a_prompt_longer_than_a_pool_is_rejected_by_that_worker(model, prefill_pages,
+                                                                decode_pages, first):
+    # Without the startup check the advertised context exceeds a pool, so that worker's
+    # own reject path must end the request before it allocates anything.
+    rt = runtime(model, prefill_pages=prefill_pages, decode_pages=decode_pages,
+                 context_tokens=64, bugs={"PoolBelowContext"})
     client = Client()
     r = rt.arrive(GenerationRequest(prompt(6, 20), SamplingParams(max_tokens=4)), client)
     run(rt)
     assert client.finished(r).outcome == "ErrTooLong"
-    assert [record["a"] for record in rt.log][:3] == ["Arrive", "Reserve", "Reject"]
+    assert [record["a"] for record in rt.log][:3] == first
+    assert "Admit" not in [record["a"] for record in rt.log]
     assert_whole(rt)
 
 
