@@ -139,6 +139,7 @@ class Runtime:
         self.read_kv: dict[int, torch.Tensor] = {}
         self.started = clock()
         self.next_id = 0
+        self.on_commit: Callable | None = None  # fuzzers: (event, change) after each commit
         self.counts = {"guard_trips": {}, "refusals": {}, "rejects": {}, "outcomes": {}}
         self._handlers = {
             cmd.Send: self._send, cmd.Queue: self._queue, cmd.Compute: self._compute,
@@ -164,6 +165,8 @@ class Runtime:
         live = self.live.get(r)
         if live is not None:
             live.timeline.append((now, event.label()))
+        if self.on_commit is not None:
+            self.on_commit(event, out)
         for command in out.commands:
             self._handlers[type(command)](command)
         row = self.store.rows.get(r)

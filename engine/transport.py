@@ -79,10 +79,16 @@ class InProcessTransport:
             return []
         if self._rng is not None:
             self._rng.shuffle(self._wire)
-        count = min(self.lands_per_step, len(self._wire))
-        out, self._wire = self._wire[:count], self._wire[count:]
+        movable = [w for w in self._wire if not self.hold(w)]
+        out = movable[:self.lands_per_step]
+        self._wire = [w for w in self._wire if w not in out]
         self._arrived.extend(out)
         return out
+
+    @staticmethod
+    def hold(write: PageWrite) -> bool:
+        """Whether a write stays on the wire for now (a fuzzer's Delay replaces this)."""
+        return False
 
     def ready_only(self, predicate) -> list[PageWrite]:
         """Tests: let exactly the in-flight writes matching `predicate` arrive, paused or not."""
@@ -112,6 +118,9 @@ class InProcessTransport:
 
     def writes_of(self, request: int) -> list[PageWrite]:
         return [w for w in self._wire + self._arrived if w.request == request]
+
+    def writes_of_all(self) -> list[PageWrite]:
+        return self._wire + self._arrived
 
 
 def page_checksum(pool: KVPool, page: int) -> int:
