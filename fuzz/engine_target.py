@@ -78,6 +78,7 @@ class EngineTarget(Target):
     """The protocol-driven engine (engine/runtime.py) on a tiny random model."""
 
     vocabulary = frozenset({"Arrive", "Abort", "PrefillFail", "Timeout", "Wait", "Delay"})
+    in_default_zoo = False
 
     def reset(self, model: Model, seed: int) -> None:
         import torch

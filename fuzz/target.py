@@ -142,6 +142,9 @@ class Target(abc.ABC):
     vocabulary: frozenset[str] = frozenset()
     # Protocol events the core accepted, over every instance of the class (benchmarks).
     events_committed = 0
+    # Whether `kvproof fuzz --zoo` runs it when no --target is named (the engine needs
+    # torch and is two orders of magnitude slower per step: it is asked for by name).
+    in_default_zoo = True
 
     @abc.abstractmethod
     def reset(self, model: Model, seed: int) -> None:

@@ -507,3 +507,20 @@ def test_source_reuse_unverified_decode_reads_the_other_requests_kv(model):
     assert not rt.leaked(y)
     assert {"Isolation", "OkIsClean"} <= {v.property for v in rt.store.violations}
     assert "TruthfulObservation" not in {v.property for v in rt.store.violations}
+
+
+# -- the engine as a fuzz target ----------------------------------------------------------
+
+@pytest.mark.parametrize("entry,examples_max", [("source-reuse-unverified", 20),
+                                                ("eager-release", 20), (None, 15)])
+def test_the_engine_fuzz_target_catches_data_path_entries_and_raises_no_false_alarm(
+        entry, examples_max):
+    from fuzz.runner import Campaign, run_campaign
+    from spec.check.zoo import ENTRY_BY_NAME
+
+    bugs = ENTRY_BY_NAME[entry].bugs if entry else frozenset()
+    properties = ENTRY_BY_NAME[entry].invariants if entry else None
+    outcome = run_campaign(Campaign(target="engine", bugs=bugs, properties=properties, seed=1,
+                                    examples=examples_max, shrink_seconds=0,
+                                    minimize_seconds=1.0))
+    assert outcome.caught == bool(entry), outcome
