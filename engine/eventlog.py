@@ -69,3 +69,30 @@ def replay(header: dict, records: list[dict]) -> Store:
         if core.settled(store.rows[r]):
             store.forget(r)
     return store
+
+
+def core_trace(header: dict, records: list[dict]) -> tuple[Model, list]:
+    """The run as a behaviour of the spec's finite model: (Model with one request per
+    request of the log, [(event or None, core State), ...]) by core.apply from the initial
+    state, for ITF output and validation (`kvproof validate`, the TLA+ evaluator). The
+    engine numbers requests 0, 1, ... in arrival order, which are the model's requests."""
+    events = []
+    for k, record in enumerate(records, start=2):
+        try:
+            events.append(codec.decode(record))
+        except codec.CodecError as error:
+            raise LogError(f"line {k}: {error}") from None
+    requests = 1 + max((e.request for e in events), default=0)
+    m = Model(requests=requests, max_prompt_pages=header["max_prompt_pages"],
+              context_pages=header["context_pages"], prefill_pages=header["prefill_pages"],
+              decode_pages=header["decode_pages"], bugs=frozenset(header["bugs"]),
+              name="engine-run")
+    state = core.initial_state(m)
+    steps: list = [(None, state)]
+    for k, event in enumerate(events, start=2):
+        out = core.apply(m, state, event)
+        if type(out) is Refusal:
+            raise LogError(f"line {k}: the core refuses {out}: not a run of the protocol")
+        state = out
+        steps.append((event, state))
+    return m, steps

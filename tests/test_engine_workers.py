@@ -524,3 +524,49 @@ def test_the_engine_fuzz_target_catches_data_path_entries_and_raises_no_false_al
                                     examples=examples_max, shrink_seconds=0,
                                     minimize_seconds=1.0))
     assert outcome.caught == bool(entry), outcome
+
+
+# -- the engine's run as a behaviour of the spec ---------------------------------------------
+
+def test_an_engine_run_is_a_behaviour_of_the_tla_spec_and_validates_as_itf(model, tmp_path,
+                                                                          capsys):
+    """A small engine run (2 requests, one aborted while its writes are in flight; pools of
+    3 and 4 pages) as a trace of the spec's finite model: every state the core reaches from
+    the engine's events is a successor, under the TLA+ evaluator's Next of KVTransfer.tla's
+    text, of the one before; and `kvproof validate` accepts it as ITF."""
+    from api.cli import main
+    from engine.eventlog import core_trace
+    from spec.tlaplus.conformance import _Keys, _key, spec_for
+    from spec.tlaplus.itf import write_itf
+
+    rt = runtime(model, prefill_pages=3, decode_pages=4, context_tokens=12)
+    rt.transport.paused = True
+    client = Client()
+    kept = rt.arrive(GenerationRequest(prompt(50, 5), SamplingParams(max_tokens=3)), client)
+    gone = rt.arrive(GenerationRequest(prompt(51, 2), SamplingParams(max_tokens=3)), client)
+    step_until(rt, lambda: len(rt.transport.writes_of(gone)) == 1)
+    rt.abort(gone)
+    rt.transport.paused = False
+    run(rt)
+    assert client.finished(kept).outcome == "Ok" and client.finished(gone).outcome == "Gone"
+    m, steps = core_trace(rt.log_header(), rt.log)
+    assert len(steps) == len(rt.log) + 1
+    spec, keys = spec_for(m), _Keys(m)
+
+    def first_illegal(steps) -> int | None:
+        current = [s for s in spec.initial_states() if _key(s) == keys(steps[0][1])]
+        assert len(current) == 1
+        for index, (event, state) in enumerate(steps[1:], start=1):
+            want = keys(state)
+            current = [t for _, t in spec.successors(current[0]) if _key(t) == want][:1]
+            if not current:
+                return index
+        return None
+    assert first_illegal(steps) is None
+    # The check can fail: a trace that skips one state (two steps at once) is not a
+    # behaviour of the spec.
+    assert first_illegal(steps[:5] + steps[6:]) == 5
+    path = tmp_path / "engine-run.itf.json"
+    write_itf(str(path), m, steps, "an engine run")
+    assert main(["validate", str(path)]) == 0
+    assert f"trace OK: {len(rt.log)} steps" in capsys.readouterr().out
