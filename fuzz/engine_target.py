@@ -197,7 +197,7 @@ class EngineTarget(Target):
 
     def _writers(self, r: int) -> tuple[int, ...]:
         """Who wrote each page decode read for r, from the bytes (the module header)."""
-        torch, rt = self._torch, self.rt
+        rt = self.rt
         live = rt.live[r]
         prompt_tokens = len(live.request.prompt_ids)
         read = rt.read_kv.get(r)
@@ -210,16 +210,25 @@ class EngineTarget(Target):
             if read is None:  # decode never read (a tag failure before any step)
                 writers.append(core.NONE)
                 continue
-            rows = read[start:end]
-            writer = core.NONE
-            # The request itself first: two prompts with the same first tokens have the same
-            # K/V there, and bytes equal to its own are its own, whoever else has them too.
-            for w, own in sorted(rt.prompt_kv.items(), key=lambda item: item[0] != r):
-                if own.shape[0] >= end and torch.equal(own[start:end], rows):
-                    writer = w
-                    break
-            writers.append(writer)
+            writers.append(self._writer_of(r, i, read[start:end]))
         return tuple(writers)
+
+    def _writer_of(self, r: int, index: int, rows) -> int:
+        """The request whose prefill computed exactly these K/V rows into some page of its
+        own: r itself at this page of its table first (two prompts with the same first
+        tokens have the same K/V there, and bytes equal to its own are its own), then any
+        page of any request (a stale page keeps what its last writer put there)."""
+        torch, n = self._torch, rows.shape[0]
+        own = self.rt.prompt_kv.get(r)
+        start = index * PAGE_TOKENS
+        if own is not None and own.shape[0] >= start + n \
+                and torch.equal(own[start:start + n], rows):
+            return r
+        for w, kv in self.rt.prompt_kv.items():
+            for first in range(0, kv.shape[0] - n + 1, PAGE_TOKENS):
+                if torch.equal(kv[first:first + n], rows):
+                    return w
+        return core.NONE
 
     # -- what the fuzzer checks -------------------------------------------------------------
 
