@@ -20,8 +20,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from engine.runtime import Runtime, RuntimeConfig
-from engine.service import (ContextTooLong, EngineStopped, GenerationRequest, Overloaded,
-                            Snapshot)
+from engine.service import (ContextTooLong, EngineStopped, Finished, GenerationRequest,
+                            Overloaded, Snapshot)
 
 POOL_TOKENS_DEFAULT = 16384
 
@@ -135,6 +135,9 @@ class ThreadedEngine:
 
     def submit(self, request: GenerationRequest, on_event) -> int:
         prompt, max_tokens = len(request.prompt_ids), request.sampling.max_tokens
+        vocabulary = self.runtime.model.config.vocab_size
+        if not prompt or not all(0 <= t < vocabulary for t in request.prompt_ids):
+            raise ValueError(f"a prompt is 1 or more token ids in [0, {vocabulary})")
         if prompt + max_tokens > self.context_length:
             raise ContextTooLong(prompt, max_tokens, self.context_length)
         with self._lock:
@@ -208,7 +211,25 @@ class ThreadedEngine:
                     self._wake.clear()
         except BaseException as error:  # a bug: keep it for stop() and the tests to see
             self.error = error
+            self._fail_everyone(error)
             raise
+
+    def _fail_everyone(self, error: BaseException) -> None:
+        """The loop died (a bug): no request may hang. Every live one gets a Finished with
+        ErrDecode, the outcome of a decode worker that is gone, outside the protocol (the
+        core cannot take events any more), with the error in `detail`."""
+        with self._lock:
+            self._stopping = True
+            inbox, self._inbox = list(self._inbox), deque()
+        pending = [(r, request, on_event) for r, request, on_event in inbox]
+        pending += [(live.request_id, live.request, live.on_event)
+                    for live in self.runtime.live.values() if live.outcome is None]
+        for r, request, on_event in pending:
+            try:
+                on_event(Finished(r, "ErrDecode", None, None, len(request.prompt_ids), 0,
+                                  f"engine failure: {type(error).__name__}: {error}"))
+            except Exception:  # noqa: BLE001 - the callback's own failure changes nothing
+                pass
 
     def _drain_inbox(self) -> bool:
         with self._lock:

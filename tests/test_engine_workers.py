@@ -570,3 +570,22 @@ def test_an_engine_run_is_a_behaviour_of_the_tla_spec_and_validates_as_itf(model
     write_itf(str(path), m, steps, "an engine run")
     assert main(["validate", str(path)]) == 0
     assert f"trace OK: {len(rt.log)} steps" in capsys.readouterr().out
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dying_loop_fails_every_live_request_instead_of_leaving_it_hanging(model):
+    engine = build_engine(loaded(model), EngineConfig(
+        context_length=64, page_tokens=PAGE, prefill_pool_tokens=128, decode_pool_tokens=128))
+    client = Client()
+    with pytest.raises(ValueError, match="token ids in"):
+        engine.submit(GenerationRequest((5, 999), SamplingParams(max_tokens=3)), client)
+
+    def broken_step():
+        raise RuntimeError("a bug in a step")
+    engine.runtime.step = broken_step
+    r = engine.submit(GenerationRequest(prompt(1, 5), SamplingParams(max_tokens=3)), client)
+    engine.start()
+    engine._thread.join(10)
+    assert isinstance(engine.error, RuntimeError)
+    end = client.finished(r)
+    assert end.outcome == "ErrDecode" and "a bug in a step" in end.detail
