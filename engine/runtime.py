@@ -53,8 +53,9 @@ from spec.model import Model, ProtocolConfig
 from spec.store import Store
 
 RECENT_KEPT = 64  # finished requests kept for snapshots
-GONE_PREFILL, GONE_DECODE, RELEASE, DONE = "client gone@prefill", "client gone@decode", \
-    "release", "done"
+# The runtime's own wants besides messages: post the computed pages, send Done, release.
+GONE_PREFILL, GONE_DECODE = "client gone@prefill", "client gone@decode"
+SEND, DONE, RELEASE = "send pages", "done", "release"
 
 
 @dataclass(frozen=True)
@@ -376,6 +377,8 @@ class Runtime:
         if what == RELEASE:
             done = core.is_enabled(m, view, r, core.Release) and self.take(r, core.Release(r))
             return self._settle(live, what, done or row[core.DST] != core.CLOSING)
+        if what == SEND:
+            return self._send_pages(live, view)
         if what == DONE:
             done = core.is_enabled(m, view, r, core.SendDone) and self.take(r, core.SendDone(r))
             if done:
@@ -396,6 +399,22 @@ class Runtime:
         else:
             event = action(r)
         return self._settle(live, what, self.take(r, event) is not None)
+
+    def _send_pages(self, live: Live, view) -> bool:
+        """Post one write per computed source page, as long as the core allows SendPage
+        (it waits for decode's page table when the prefill admitted before it came:
+        AdmitBeforeReserve); then wait to send Done."""
+        r, m = live.request_id, self.core_model
+        posted = False
+        while core.is_enabled(m, view, r, core.SendPage):
+            posted |= self.take(r, core.SendPage(r)) is not None
+        row = self.store.rows.get(r)
+        if row is None or row[core.PST] != core.RUNNING:
+            live.wants.discard(SEND)
+        elif row[core.SENT] == len(row[core.SRC]):
+            live.wants.discard(SEND)
+            live.wants.add(DONE)
+        return posted
 
     @staticmethod
     def _still_pending(row: tuple, what: str) -> bool:
@@ -452,9 +471,7 @@ class Runtime:
             if self.config.keep_kv:
                 self.prompt_kv[r] = kv_rows(self.prefill.pool, sequence.pages,
                                             len(sequence.prompt_ids))
-            for _ in self._row(r)[core.SRC]:
-                assert self.take(r, core.SendPage(r)) is not None, "SendPage refused"
-            live.wants.add(DONE)
+            live.wants.add(SEND)
         return True
 
     def _land(self) -> bool:
