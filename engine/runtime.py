@@ -70,7 +70,7 @@ class RuntimeConfig:
     bugs: frozenset = frozenset()
     transport_seed: int | None = None
     lands_per_step: int = 1 << 30
-    log_records_max: int = 1_000_000  # in-memory event log bound (0: no log)
+    log_records_max: int = 100_000  # in-memory event log bound, in records (0: no log)
     keep_kv: bool = False  # tests and fuzzers: keep each request's prompt KV (the leak oracle)
 
     def __post_init__(self) -> None:
@@ -99,7 +99,6 @@ class Live:
     pages: int  # the core's prompt_pages (see the module header)
     started_s: float
     wants: set = field(default_factory=set)
-    table_received: bool = False
     first: tuple | None = None  # (token, logits row, generator) from the prefill
     sequence: Sequence | None = None  # at decode
     tags_ok: bool = True
@@ -211,7 +210,7 @@ class Runtime:
     def _send(self, c: cmd.Send) -> None:
         r, message = c.request, c.message
         if message == cmd.PAGE_TABLE:
-            self.live[r].table_received = True
+            pass  # in-process it reaches the prefill with the Reserve; admission asks the core
         elif message == core.CLIENT_GONE:
             self._want(r, GONE_PREFILL)
             self._want(r, GONE_DECODE)
