@@ -112,10 +112,13 @@ def test_no_module_outside_the_protocol_package_keeps_protocol_bookkeeping():
 
 def test_the_engine_changes_protocol_state_only_through_the_store():
     """engine/ takes every event with Store.take: no module of it calls the core's apply,
-    commit or an action function itself, or writes a store's rows or pools."""
+    commit or an action function itself, or writes a store's rows or pools. (eventlog.py
+    is the exception by design: it folds a finished log into a fresh state for replay and
+    validation, never the live engine's.)"""
     markers = ("core.apply(", "core.commit(", "core.release(", "core.finish(",
                ".rows[", ".decode_pools[", ".prefill_pools[")
-    offenders = [f"{module_name(path)}: {marker}" for path in sources("engine")
+    live = [path for path in sources("engine") if path.name != "eventlog.py"]
+    offenders = [f"{module_name(path)}: {marker}" for path in live
                  for marker in markers if marker in path.read_text()
                  and not _only_reads(path.read_text(), marker)]
     assert offenders == []
