@@ -34,7 +34,8 @@ SECONDS_BATCH_EXAMPLES = 50
 EXAMPLES = [
     "kvproof fuzz --seed 1                          # the core, 200 examples",
     "kvproof fuzz --target sim --bug EagerRelease --seconds 60",
-    "kvproof fuzz --zoo --examples 300 --jobs 2     # every zoo entry on every target",
+    "kvproof fuzz --zoo --examples 300 --jobs 2     # every zoo entry on core and sim",
+    "kvproof fuzz --zoo --target engine --examples 80   # ... on the real engine (torch)",
     "kvproof fuzz --replay kvproof-fuzz-core-seed1.itf.json",
 ]
 EXTRA = ("aliases (kept for one release): --out = --itf\n"
@@ -46,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     names = ", ".join(m.rsplit(".", 1)[-1].removesuffix("_target") for m in TARGET_MODULES)
     parser.add_argument("--target", action="append", default=[], metavar="NAME",
                         help=f"the system to fuzz: {names} (repeatable; default: core, or "
-                             "every target with --zoo)")
+                             "core and sim with --zoo; engine only by name)")
     parser.add_argument("--seed", type=int, default=None, metavar="N",
                         help="the seed (default: a fresh one, printed)")
     budget = parser.add_mutually_exclusive_group()
@@ -177,7 +178,9 @@ def _targets(args: argparse.Namespace) -> list[str]:
         raise UsageError(f"unknown target(s) {unknown}; known: {sorted(known)}")
     if args.target:
         return list(dict.fromkeys(args.target))
-    return sorted(known) if args.zoo else ["core"]
+    if args.zoo:
+        return sorted(name for name, cls in known.items() if cls.in_default_zoo)
+    return ["core"]
 
 
 def _fuzz(args: argparse.Namespace, base, target: str) -> int:

@@ -166,6 +166,33 @@ def _padded_rows(rows: list[torch.Tensor], width: int, fill: int) -> torch.Tenso
     return table
 
 
+def stop_reason(tokenizer, sequence: Sequence, token: int) -> str | None:
+    """"stop", "length" or None for `token` about to be appended to `sequence` (shared by
+    the Generator and the protocol-driven decode worker, so both stop alike)."""
+    sampling = sequence.request.sampling
+    eos = tokenizer.eos_token_ids if tokenizer else ()
+    if token in eos and not sampling.ignore_eos:
+        return "stop"
+    if sampling.stop and tokenizer and _hits_stop(tokenizer, sequence, token):
+        return "stop"
+    if len(sequence.output_ids) + 1 >= sampling.max_tokens:
+        return "length"
+    return None
+
+
+def _hits_stop(tokenizer, sequence: Sequence, token: int) -> bool:
+    """True when the text with `token` contains a stop string; the text is kept cut
+    just before it (the stop string itself is not part of the completion)."""
+    text = tokenizer.decode(sequence.output_ids + [token])
+    cuts = [text.find(stop) for stop in sequence.request.sampling.stop]
+    cuts = [cut for cut in cuts if cut >= 0]
+    if not cuts:
+        return False
+    sequence.output_ids.append(token)
+    sequence.text = text[:min(cuts)]
+    return True
+
+
 @dataclass
 class RunStats:
     prefill_tokens: int = 0
@@ -297,27 +324,7 @@ class Generator:
                 self._finish(sequence, reason, running, done)
 
     def _stop_reason(self, sequence: Sequence, token: int) -> str | None:
-        sampling = sequence.request.sampling
-        eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
-        if token in eos and not sampling.ignore_eos:
-            return "stop"
-        if sampling.stop and self.tokenizer and self._hits_stop(sequence, token):
-            return "stop"
-        if len(sequence.output_ids) + 1 >= sampling.max_tokens:
-            return "length"
-        return None
-
-    def _hits_stop(self, sequence: Sequence, token: int) -> bool:
-        """True when the text with `token` contains a stop string; the text is kept cut
-        just before it (the stop string itself is not part of the completion)."""
-        text = self.tokenizer.decode(sequence.output_ids + [token])
-        cuts = [text.find(stop) for stop in sequence.request.sampling.stop]
-        cuts = [cut for cut in cuts if cut >= 0]
-        if not cuts:
-            return False
-        sequence.output_ids.append(token)
-        sequence.text = text[:min(cuts)]
-        return True
+        return stop_reason(self.tokenizer, sequence, token)
 
     def _finish(self, sequence: Sequence, reason: str, running: list, done: dict) -> None:
         assert reason in FINISH_REASONS

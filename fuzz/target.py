@@ -142,6 +142,9 @@ class Target(abc.ABC):
     vocabulary: frozenset[str] = frozenset()
     # Protocol events the core accepted, over every instance of the class (benchmarks).
     events_committed = 0
+    # Whether `kvproof fuzz --zoo` runs it when no --target is named (the engine needs
+    # torch and is two orders of magnitude slower per step: it is asked for by name).
+    in_default_zoo = True
 
     @abc.abstractmethod
     def reset(self, model: Model, seed: int) -> None:
@@ -196,7 +199,7 @@ class Target(abc.ABC):
 # Target name -> a factory. A target module registers itself with @register on import;
 # load_targets imports the modules listed here (the simulator and the engine join the list).
 TARGETS: dict[str, Callable[[], Target]] = {}
-TARGET_MODULES = ("fuzz.core_target", "fuzz.sim_target")
+TARGET_MODULES = ("fuzz.core_target", "fuzz.sim_target", "fuzz.engine_target")
 
 
 def load_targets() -> dict[str, Callable[[], Target]]:

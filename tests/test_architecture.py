@@ -110,6 +110,30 @@ def test_no_module_outside_the_protocol_package_keeps_protocol_bookkeeping():
     assert offenders == []
 
 
+def test_the_engine_changes_protocol_state_only_through_the_store():
+    """engine/ takes every event with Store.take: no module of it calls the core's apply,
+    commit or an action function itself, or writes a store's rows or pools. (eventlog.py
+    is the exception by design: it folds a finished log into a fresh state for replay and
+    validation, never the live engine's.)"""
+    markers = ("core.apply(", "core.commit(", "core.release(", "core.finish(",
+               ".rows[", ".decode_pools[", ".prefill_pools[")
+    live = [path for path in sources("engine") if path.name != "eventlog.py"]
+    offenders = [f"{module_name(path)}: {marker}" for path in live
+                 for marker in markers if marker in path.read_text()
+                 and not _only_reads(path.read_text(), marker)]
+    assert offenders == []
+
+
+def _only_reads(text: str, marker: str) -> bool:
+    """True when every use of a subscript marker is a read (never `...] =`)."""
+    if not marker.endswith("["):
+        return False
+    for line in text.splitlines():
+        if marker in line and "] =" in line.split(marker, 1)[1]:
+            return False
+    return True
+
+
 def test_the_rules_can_fail(tmp_path):
     """A module that imports a shell from the protocol is seen (so the rules are not vacuous)."""
     bad = tmp_path / "bad.py"

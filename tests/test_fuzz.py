@@ -395,7 +395,7 @@ def test_a_run_without_a_seed_prints_the_one_it_drew(capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--bug", "Bogus"], "unknown bug switch"),
-    (["--target", "engine"], "unknown target"),
+    (["--target", "gpu"], "unknown target"),
     (["--property", "Bogus"], "unknown propert"),
     (["--examples", "0"], "--examples must be at least 1"),
     (["--seconds", "-1"], "--seconds must be positive"),

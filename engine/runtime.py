@@ -1,0 +1,566 @@
+"""The protocol-driven engine loop: one prefill worker, one decode worker, one transport,
+and every protocol step decided by the core through one spec.store.Store.
+
+Theory of operation. The runtime is a shell in DESIGN.md's sense: it turns what happens
+(a request arrives, a bootstrap reaches decode, a prompt is computed, a write lands, a
+decode step reads its pages, a timer fires, a client goes away) into core events, hands
+each to `Store.take`, and carries out the commands of the core's answer by their type
+(spec/commands.py). It never compares rows to find out what happened and never decides an
+outcome: a refusal leaves everything as it was, and the client's answer is the `Answer`
+command's outcome.
+
+Messages between the workers (bootstrap, page table, final word, cancel, client gone) are
+"wants": a message in flight waits, per request, until the action the core names for it
+(`core.consumer`) is enabled and has what it needs (free pages for a Reserve), and is then
+taken. `step()` runs one iteration: deliver messages, admit at the prefill (the bootstrap
+queue: a request is admitted once its page table has come back), one chunked prefill step
+(completed prompts post their page writes: one SendPage per page), the writes the
+transport delivers (LandWrite, then the copy and the tag), one decode step over the
+continuous batch (Finish with the observed tag verdict), releases, timers.
+
+Reservation sizing. The core's request has one page count, `prompt_pages`: decode
+reserves that many pages, the prefill admits that many source pages and must write every
+one of them, and decode's count check compares the pages written with the pages reserved.
+The engine passes the count of pages the request can ever occupy at decode:
+pages_needed(prompt + max_tokens). The prefill computes the prompt into the first pages
+and sends all of them (the tail pages' bytes are whatever the source pages held, with
+their checksums, and decode overwrites them as it generates). So every decode page a
+request ever reads or writes was reserved, tagged and counted by the core, at the cost of
+a prefill pool sized for prompt + max_tokens and tail pages sent needlessly (README).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from engine.generate import Request, Sequence, pages_needed, stop_reason
+from engine.model import LlamaModel
+from engine.pool import PoolConfig
+from engine.sampling import sample
+from engine.service import (Finished, GenerationRequest, PoolSnapshot, RequestSnapshot,
+                            TokenOut)
+from engine.eventlog import LOG_FORMAT
+from engine.transport import InProcessTransport, PageWrite
+from engine.workers import DecodeWorker, PrefillWorker, kv_rows
+from spec import codec, core
+from spec import commands as cmd
+from spec.core import Refusal
+from spec.model import Model, ProtocolConfig
+from spec.store import Store
+
+RECENT_KEPT = 64  # finished requests kept for snapshots
+# The runtime's own wants besides messages: post the computed pages, send Done, release.
+GONE_PREFILL, GONE_DECODE = "client gone@prefill", "client gone@decode"
+SEND, DONE, RELEASE = "send pages", "done", "release"
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    prefill_pages: int = 256
+    decode_pages: int = 256
+    page_tokens: int = 16
+    context_tokens: int = 2048  # what the engine advertises (ContextTooLong above it)
+    max_batch: int = 64
+    prefill_chunk_tokens: int = 512
+    transfer_timeout_s: float = 30.0
+    bugs: frozenset = frozenset()
+    transport_seed: int | None = None
+    lands_per_step: int = 1 << 30
+    log_records_max: int = 100_000  # in-memory event log bound, in records (0: no log)
+    keep_kv: bool = False  # tests and fuzzers: keep each request's prompt KV (the leak oracle)
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_pages", "decode_pages", "page_tokens", "context_tokens",
+                     "max_batch", "prefill_chunk_tokens"):
+            assert getattr(self, name) > 0, f"{name} must be positive"
+        assert self.transfer_timeout_s > 0
+        object.__setattr__(self, "bugs", frozenset(self.bugs))
+
+    @property
+    def context_pages(self) -> int:
+        return -(-self.context_tokens // self.page_tokens)
+
+    def protocol(self) -> ProtocolConfig:
+        return ProtocolConfig(self.context_pages, self.prefill_pages, self.decode_pages,
+                              self.bugs)
+
+
+@dataclass(eq=False)
+class Live:
+    """The shell's side of one request: what the protocol state does not hold."""
+
+    request_id: int
+    request: GenerationRequest
+    on_event: Callable
+    pages: int  # the core's prompt_pages (see the module header)
+    started_s: float
+    wants: set = field(default_factory=set)
+    first: tuple | None = None  # (token, logits row, generator) from the prefill
+    sequence: Sequence | None = None  # at decode
+    tags_ok: bool = True
+    count_sent: int = 0
+    outcome: str | None = None
+    finish_reason: str | None = None
+    guard: str | None = None
+    text: str = ""
+    completion_tokens: int = 0
+    timeline: list = field(default_factory=list)
+
+
+class Runtime:
+    """Single-threaded: call `arrive`, `abort` and `step` from one thread (the threaded
+    engine in engine/serving.py does)."""
+
+    def __init__(self, model: LlamaModel, config: RuntimeConfig = RuntimeConfig(),
+                 tokenizer=None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.model, self.config, self.tokenizer, self.clock = model, config, tokenizer, clock
+        self.core_model = Model.for_shell(config.protocol(), config.context_pages,
+                                          name="engine", crashes=False, decode_crashes=False)
+        self.store = Store(self.core_model, 1, 1)
+        pool = PoolConfig.for_model(model.config, 1, config.page_tokens, model.dtype,
+                                    model.device)
+        self.prefill = PrefillWorker(model, _sized(pool, config.prefill_pages),
+                                     config.prefill_chunk_tokens)
+        self.decode = DecodeWorker(model, _sized(pool, config.decode_pages), config.max_batch)
+        self.transport = InProcessTransport(self.prefill.pool, self.decode.pool,
+                                            config.lands_per_step, config.transport_seed)
+        self.live: dict[int, Live] = {}
+        self.timers: dict[int, float] = {}
+        self.recent: list[Live] = []
+        self.log: list[dict] = []
+        # The leak oracle's evidence (config.keep_kv): per request, the prompt KV its prefill
+        # computed, and the prompt KV its decode read at its last step, both as tensors
+        # [tokens, layers, 2, kv_heads, dim] copied out of the pools.
+        self.prompt_kv: dict[int, torch.Tensor] = {}
+        self.read_kv: dict[int, torch.Tensor] = {}
+        self.started = clock()
+        self.next_id = 0
+        self.on_commit: Callable | None = None  # fuzzers: (event, change) after each commit
+        self.counts = {"guard_trips": {}, "refusals": {}, "rejects": {}, "outcomes": {}}
+        self._handlers = {
+            cmd.Send: self._send, cmd.Queue: self._queue, cmd.Compute: self._compute,
+            cmd.Post: self._post, cmd.ArmTimer: self._arm_timer,
+            cmd.CancelTimer: self._cancel_timer, cmd.StartDecoding: self._start_decoding,
+            cmd.StopDecoding: self._stop_decoding,
+            cmd.ReleaseWhenReady: lambda c: self._want(c.request, RELEASE),
+            cmd.Answer: self._answer, cmd.FreePages: self._pages_freed,
+        }
+
+    # -- the one path into the core ------------------------------------------------------
+
+    def take(self, r: int, event: core.Event) -> core.Change | None:
+        """The core decides; an accepted event is logged and its commands carried out."""
+        out = self.store.take(r, event)
+        if type(out) is Refusal:
+            reasons = self.counts["refusals"]
+            reasons[out.reason] = reasons.get(out.reason, 0) + 1
+            return None
+        now = self.clock() - self.started
+        if self.config.log_records_max and len(self.log) < self.config.log_records_max:
+            self.log.append({"t": round(now, 6), **codec.encode(event)})
+        live = self.live.get(r)
+        if live is not None:
+            live.timeline.append((now, event.label()))
+        if self.on_commit is not None:
+            self.on_commit(event, out)
+        for command in out.commands:
+            self._handlers[type(command)](command)
+        row = self.store.rows.get(r)
+        if row is not None and core.settled(row):
+            self._forget(r)
+        return out
+
+    def _view(self, r: int):
+        return self.store.view(r)
+
+    def _row(self, r: int) -> tuple:
+        return self.store.rows[r]
+
+    # -- the client's side -----------------------------------------------------------------
+
+    def arrive(self, request: GenerationRequest, on_event: Callable,
+               request_id: int | None = None) -> int:
+        r = self.next_id if request_id is None else request_id
+        assert r not in self.live, f"request id {r} is live"
+        self.next_id = r + 1
+        n = pages_needed(len(request.prompt_ids), request.sampling.max_tokens,
+                         self.config.page_tokens)
+        self.live[r] = Live(r, request, on_event, n, self.clock())
+        self.store.arrive(r, 0, 0)
+        if self.take(r, core.Arrive(r, n)) is None:
+            self.store.withdraw(r)
+            self._finished(self.live.pop(r), "ErrTooLong", detail="the core refused Arrive")
+        return r
+
+    def abort(self, r: int) -> None:
+        if r in self.store.rows and self._row(r)[core.CLIENT] == core.WAITING:
+            self.take(r, core.Abort(r))
+
+    # -- commands ----------------------------------------------------------------------
+
+    def _want(self, r: int, what: str) -> None:
+        live = self.live.get(r)
+        if live is not None:
+            live.wants.add(what)
+
+    def _send(self, c: cmd.Send) -> None:
+        r, message = c.request, c.message
+        if message == cmd.PAGE_TABLE:
+            pass  # in-process it reaches the prefill with the Reserve; admission asks the core
+        elif message == core.CLIENT_GONE:
+            self._want(r, GONE_PREFILL)
+            self._want(r, GONE_DECODE)
+            self._finished(self.live[r], "Gone", detail="the client went away")
+        else:
+            self._want(r, message)
+
+    def _queue(self, c: cmd.Queue) -> None:
+        self.prefill.queue.append(c.request)
+
+    def _compute(self, c: cmd.Compute) -> None:
+        r = c.request
+        live = self.live[r]
+        request = Request(r, live.request.prompt_ids, live.request.sampling)
+        self.prefill.start(request, self._row(r)[core.SRC])
+
+    def _post(self, c: cmd.Post) -> None:
+        r, source, page, tag = c.write
+        self.transport.post(PageWrite(r, source, page, tag, self.prefill.checksum(source)))
+
+    def _arm_timer(self, c: cmd.ArmTimer) -> None:
+        self.timers[c.request] = self.clock() + self.config.transfer_timeout_s
+
+    def _cancel_timer(self, c: cmd.CancelTimer) -> None:
+        self.timers.pop(c.request, None)
+
+    def _start_decoding(self, c: cmd.StartDecoding) -> None:
+        r = c.request
+        live = self.live[r]
+        token, logits, generator = live.first
+        request = Request(r, live.request.prompt_ids, live.request.sampling)
+        live.sequence = self.decode.start(request, self._row(r)[core.TABLE], generator)
+        self._next_token(live, token, logits)
+
+    def _stop_decoding(self, c: cmd.StopDecoding) -> None:
+        self.decode.stop(c.request)
+
+    def _pages_freed(self, c: cmd.FreePages) -> None:
+        """Source pages came back (Done, an abort, or SourceReuse's early free): nothing
+        may compute into them for this request any more. Freed decode pages need nothing:
+        waiting bootstraps retry their Reserve on the next step."""
+        if c.pool == "prefill":
+            self.prefill.stop(c.request)
+
+    def _answer(self, c: cmd.Answer) -> None:
+        live = self.live[c.request]
+        if c.outcome == "ErrTag":
+            live.guard = "tag"
+        elif c.outcome == "ErrTransfer":
+            live.guard = "count" if live.count_sent != live.pages else "checksum"
+        if live.guard:
+            trips = self.counts["guard_trips"]
+            trips[live.guard] = trips.get(live.guard, 0) + 1
+        if c.outcome == "ErrTooLong":
+            rejects = self.counts["rejects"]
+            rejects["too long"] = rejects.get("too long", 0) + 1
+        self._finished(live, c.outcome)
+
+    def _finished(self, live: Live, outcome: str, detail: str = "") -> None:
+        if live.outcome is not None:
+            return
+        live.outcome = outcome
+        outcomes = self.counts["outcomes"]
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        reason = live.finish_reason if outcome == "Ok" else None
+        if not detail and live.guard:
+            detail = f"the {live.guard} guard tripped"
+        live.on_event(Finished(live.request_id, outcome, reason, live.guard,
+                               len(live.request.prompt_ids), live.completion_tokens, detail))
+
+    def _forget(self, r: int) -> None:
+        self.store.forget(r)
+        live = self.live.pop(r, None)
+        self.timers.pop(r, None)
+        self.prefill.stop(r)
+        self.decode.stop(r)
+        if live is not None:
+            self.recent.append(live)
+            del self.recent[:-RECENT_KEPT]
+
+    # -- tokens out ---------------------------------------------------------------------
+
+    def _emit(self, live: Live, token: int, logits: torch.Tensor) -> None:
+        live.completion_tokens += 1
+        sequence = live.sequence
+        if sequence.text is not None:
+            text = sequence.text
+        elif self.tokenizer is not None:
+            text = self.tokenizer.decode(sequence.output_ids)
+        else:
+            text = ""
+        delta = ""
+        if not text.endswith("\ufffd") and text.startswith(live.text):
+            delta, live.text = text[len(live.text):], text
+        logprob, top = None, ()
+        k = live.request.logprobs
+        if k is not None:
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            logprob = float(logprobs[token])
+            if k:
+                values, ids = logprobs.topk(k)
+                top = tuple(zip(ids.tolist(), values.tolist()))
+        live.on_event(TokenOut(live.request_id, token, delta, logprob, top))
+
+    def _next_token(self, live: Live, token: int, logits: torch.Tensor) -> None:
+        """Append a sampled token as the Generator does (an end-of-sequence token is not
+        output), stream it, and end decoding when the request stops."""
+        sequence = live.sequence
+        before = len(sequence.output_ids)
+        reason = stop_reason(self.tokenizer, sequence, token)
+        if reason is None or reason == "length":
+            sequence.output_ids.append(token)
+        if len(sequence.output_ids) > before:
+            self._emit(live, token, logits)
+        if reason is not None:
+            self._end_decoding(live, reason)
+
+    def _keep_read_kv(self, live: Live) -> None:
+        if self.config.keep_kv:
+            self.read_kv[live.request_id] = kv_rows(self.decode.pool, live.sequence.pages,
+                                                    len(live.request.prompt_ids))
+
+    def leaked(self, r: int) -> bool:
+        """The leak oracle (needs keep_kv): decode read prompt KV other than what the
+        request's own prefill computed, compared bit for bit over the computed tokens."""
+        own, read = self.prompt_kv[r], self.read_kv[r]
+        return not torch.equal(read[:own.shape[0]], own)
+
+    def _end_decoding(self, live: Live, reason: str) -> None:
+        live.finish_reason = reason
+        self._keep_read_kv(live)
+        tags_ok = live.tags_ok and self.decode.tags_current(live.sequence)
+        self.take(live.request_id, core.Finish(live.request_id, tags_ok))
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One iteration; False when there was nothing to do."""
+        busy = self._deliver()
+        busy |= self._admit()
+        busy |= self._prefill_step()
+        busy |= self._land()
+        busy |= self._decode_step()
+        busy |= self._timers()
+        return busy
+
+    def _deliver(self) -> bool:
+        busy = False
+        for r in sorted(self.live):
+            live = self.live.get(r)
+            if live is None or not live.wants:
+                continue
+            for what in sorted(live.wants):
+                if r not in self.store.rows:
+                    break
+                busy |= self._try(live, what)
+        return busy
+
+    def _try(self, live: Live, what: str) -> bool:
+        """Take the action that consumes a message now, if the core enables one."""
+        r, m, view = live.request_id, self.core_model, self._view(live.request_id)
+        row = self._row(r)
+        if what == RELEASE:
+            done = core.is_enabled(m, view, r, core.Release) and self.take(r, core.Release(r))
+            return self._settle(live, what, done or row[core.DST] != core.CLOSING)
+        if what == SEND:
+            return self._send_pages(live, view)
+        if what == DONE:
+            done = core.is_enabled(m, view, r, core.SendDone) and self.take(r, core.SendDone(r))
+            if done:
+                live.count_sent = row[core.SENT]
+            return self._settle(live, what, done or row[core.PST] != core.RUNNING)
+        message, worker = {GONE_PREFILL: (core.CLIENT_GONE, "prefill"),
+                           GONE_DECODE: (core.CLIENT_GONE, "decode")}.get(what, (what, None))
+        action = core.consumer(m, view, r, message, worker)
+        if action is None:
+            return self._settle(live, what, not self._still_pending(row, what))
+        if action is core.Reserve:
+            pages = self.store.allocate("decode", 0, core.allocation_need(m, view, action, r))
+            if pages is None:
+                return False  # decode waits for pages; the bootstrap stays queued
+            event = core.Reserve(r, pages)
+        elif action is core.Accept:
+            event = core.Accept(r, self.decode.checksums_ok(r))
+        else:
+            event = action(r)
+        return self._settle(live, what, self.take(r, event) is not None)
+
+    def _send_pages(self, live: Live, view) -> bool:
+        """Post one write per computed source page, as long as the core allows SendPage
+        (it waits for decode's page table when the prefill admitted before it came:
+        AdmitBeforeReserve); then wait to send Done."""
+        r, m = live.request_id, self.core_model
+        posted = False
+        while core.is_enabled(m, view, r, core.SendPage):
+            posted |= self.take(r, core.SendPage(r)) is not None
+        row = self.store.rows.get(r)
+        if row is None or row[core.PST] != core.RUNNING:
+            live.wants.discard(SEND)
+        elif row[core.SENT] == len(row[core.SRC]):
+            live.wants.discard(SEND)
+            live.wants.add(DONE)
+        return posted
+
+    @staticmethod
+    def _still_pending(row: tuple, what: str) -> bool:
+        """Whether a message nothing can consume yet may still be consumed later."""
+        if what == core.BOOTSTRAP:
+            return bool(row[core.BOOT])
+        if what == core.FINAL_WORD_MSG:
+            return row[core.FW] != core.NO_MSG
+        if what == core.CANCEL_MSG:
+            return bool(row[core.CANCEL])
+        if what == GONE_PREFILL:
+            return row[core.PST] in (core.QUEUED, core.RUNNING)
+        return row[core.DST] == core.D_NONE and bool(row[core.BOOT])  # GONE_DECODE
+
+    def _settle(self, live: Live, what: str, finished: bool) -> bool:
+        if finished:
+            live.wants.discard(what)
+        return bool(finished)
+
+    def _admit(self) -> bool:
+        """The prefill's admission queue, in order: Reject what the core says must be
+        rejected, admit what has its page table and fits; a request waiting for its table
+        does not block those behind it, one waiting for pages does."""
+        busy = False
+        m = self.core_model
+        for r in list(self.prefill.queue):
+            if r not in self.store.rows or self._row(r)[core.PST] != core.QUEUED:
+                self.prefill.queue.remove(r)
+                continue
+            view = self._view(r)
+            if core.is_enabled(m, view, r, core.Reject):
+                self.prefill.queue.remove(r)
+                busy |= self.take(r, core.Reject(r)) is not None
+                continue
+            need = core.allocation_need(m, view, core.Admit, r)
+            if type(need) is str:
+                continue
+            if len(self.prefill.computing) >= self.config.max_batch:
+                break
+            pages = self.store.allocate("prefill", 0, need)
+            if pages is None:
+                break
+            self.prefill.queue.remove(r)
+            busy |= self.take(r, core.Admit(r, pages)) is not None
+        return busy
+
+    def _prefill_step(self) -> bool:
+        if not self.prefill.computing:
+            return False
+        for sequence, token, logits in self.prefill.step():
+            r = sequence.request.request_id
+            live = self.live[r]
+            live.first = (token, logits, sequence.generator)
+            if self.config.keep_kv:
+                self.prompt_kv[r] = kv_rows(self.prefill.pool, sequence.pages,
+                                            len(sequence.prompt_ids))
+            live.wants.add(SEND)
+        return True
+
+    def _land(self) -> bool:
+        writes = self.transport.ready()
+        for write in writes:
+            self._land_one(write)
+        return bool(writes)
+
+    def land_only(self, predicate) -> int:
+        """Tests and fuzzers: land exactly the in-flight writes matching `predicate` now,
+        whatever the transport's own order (how the zoo's interleavings are built)."""
+        writes = self.transport.ready_only(predicate)
+        for write in writes:
+            self._land_one(write)
+        return len(writes)
+
+    def _land_one(self, write: PageWrite) -> None:
+        r = write.request
+        if r not in self.store.rows:
+            self.transport.drop(write)
+            return
+        out = self.take(r, core.LandWrite(r, write.decode_page))
+        if out is None:
+            self.transport.drop(write)
+            return
+        self.transport.land(write)
+        (page, value), = out.decode
+        self.decode.landed(r, page, write.checksum, value[core.TAG])
+
+    def _decode_step(self) -> bool:
+        results = self.decode.step()
+        for sequence, ok, logits in results:
+            live = self.live[sequence.request.request_id]
+            if not ok:
+                live.tags_ok = False
+                live.finish_reason = None
+                self._keep_read_kv(live)
+                self.take(live.request_id, core.Finish(live.request_id, False))
+                continue
+            token = sample(logits[None], [sequence.request.sampling], [sequence.generator])[0]
+            self._next_token(live, token, logits)
+        return bool(results)
+
+    def _timers(self) -> bool:
+        now = self.clock()
+        due = [r for r, at in self.timers.items() if at <= now]
+        for r in due:
+            del self.timers[r]
+            self.take(r, core.Timeout(r))
+        return bool(due)
+
+    # -- what a server or a test looks at --------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        return not self.live and not self.transport.in_flight
+
+    def queued(self) -> int:
+        """Requests admitted by the router and not yet computing at the prefill."""
+        return sum(1 for r in self.live if r in self.store.rows
+                   and self._row(r)[core.PST] == core.QUEUED)
+
+    def pool_snapshots(self) -> tuple[PoolSnapshot, ...]:
+        store = self.store
+        tombs = sum(1 for row in store.rows.values() if row[core.DST] == core.TOMB)
+        p, d = self.config.prefill_pages, self.config.decode_pages
+        p_free, d_free = len(store.prefill_free[0]), len(store.decode_free[0])
+        in_flight = self.transport.in_flight
+        return (PoolSnapshot(self.prefill.name, p, p_free, p - p_free, 0, in_flight),
+                PoolSnapshot(self.decode.name, d, d_free, d - d_free, tombs, in_flight))
+
+    def request_snapshots(self) -> tuple[RequestSnapshot, ...]:
+        everyone = self.recent + [self.live[r] for r in sorted(self.live)]
+        return tuple(RequestSnapshot(x.request_id, x.outcome, tuple(x.timeline))
+                     for x in everyone[-RECENT_KEPT:])
+
+    def whole(self) -> bool:
+        """Every page of both pools free and no write in flight: the state after a drain."""
+        store = self.store
+        return (len(store.prefill_free[0]) == self.config.prefill_pages
+                and len(store.decode_free[0]) == self.config.decode_pages
+                and not self.transport.in_flight and not store.rows)
+
+    def log_header(self) -> dict:
+        protocol = self.config.protocol()
+        return {"format": LOG_FORMAT, "context_pages": protocol.context_pages,
+                "prefill_pages": protocol.prefill_pages, "decode_pages": protocol.decode_pages,
+                "bugs": sorted(protocol.bugs), "max_prompt_pages": self.config.context_pages}
+
+
+def _sized(pool: PoolConfig, pages: int) -> PoolConfig:
+    return replace(pool, num_pages=pages)
+
