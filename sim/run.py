@@ -49,6 +49,7 @@ import simpy
 from spec import core
 from spec.core import PROMPT, PST, QUEUED, SRC, Refusal
 from spec import codec, commands
+from sim.prefill_queue import PrefillQueue
 from sim.fold import FIRST_TOKEN, RUN_END, Folder, encode, replay, write_header
 from sim.scenario import Lengths, Scenario
 from sim.workload import TraceRequest, load_workload  # noqa: F401  (TraceRequest: a type)
@@ -97,7 +98,7 @@ class Simulation:
         self.refusals: dict[str, int] = {}
         self.violations_seen = 0
         # Prefill workers.
-        self.prefill_queue = [deque() for _ in range(c.prefill_workers)]
+        self.prefill_queue = [PrefillQueue() for _ in range(c.prefill_workers)]
         self.prefill_busy = [False] * c.prefill_workers
         self.prefill_epoch = [0] * c.prefill_workers
         self.prefill_down_until = [0.0] * c.prefill_workers
@@ -240,20 +241,20 @@ class Simulation:
             for wanted in tuple(self.intents.get(r, ())):
                 if r not in self.cluster.rows:
                     break
-                cls = self._ready(r, wanted)
-                if cls is not None and self.offer(cls.__name__, r):
+                if self._take_intent(r, wanted):
                     still = self.intents.get(r)
                     if still and wanted in still:
                         still.remove(wanted)
 
-    def _ready(self, r: int, wanted: tuple[str, str]) -> type | None:
-        """The action that carries out an intent now, if the core has one enabled."""
+    def _take_intent(self, r: int, wanted: tuple[str, str]) -> bool:
+        """Carry out an intent if the core enables it now: a message goes to the action
+        the core says consumes it; an action is offered and decided once (a refusal here
+        is no race, only "not yet", and is not counted)."""
         worker, what = wanted
-        view = self.cluster.view(r)
-        if what in core.CONSUMERS:
-            return core.consumer(self.model, view, r, what, worker)
-        cls = core.EVENT_TYPES[what]
-        return cls if core.is_enabled(self.model, view, r, cls) else None
+        if what not in core.CONSUMERS:
+            return bool(self.offer_if_enabled(what, r))
+        cls = core.consumer(self.model, self.cluster.view(r), r, what, worker)
+        return cls is not None and bool(self.offer(cls.__name__, r))
 
     def want(self, r: int, worker: str, what: str) -> None:
         """Carry out `what` for r (a message its worker has received, or an action of that
@@ -288,13 +289,13 @@ class Simulation:
         p, d = self.folder.last_placement
         for command in change.commands:
             self.carry_out(command, p, d)
-        self._moved(r)
+        self._moved(r, p)
 
-    def _moved(self, r: int) -> None:
+    def _moved(self, r: int, p: int) -> None:
         if r in self.intents:
             self.dirty.append(r)
         if r not in self.cluster.rows:
-            self._drop(r)
+            self._drop(r, p)
             if self.folder.metrics.settled == self.requests_total and not self.finished.triggered:
                 self.finished.succeed()
 
@@ -331,7 +332,10 @@ class Simulation:
             self._answered(r)  # a closed-loop session moves on either way
 
     def _queue(self, command: commands.Queue, p: int, d: int) -> None:
-        self.prefill_queue[p].append(command.request)
+        r = command.request
+        ready = (r in self.tables_received or not core.admission_waits_for_table(self.model)
+                 or core.is_enabled(self.model, self.cluster.view(r), r, core.Reject))
+        self.prefill_queue[p].add(r, ready)
         self.kick_prefill(p)
 
     def _start_compute(self, command: commands.Compute, p: int, d: int) -> None:
@@ -372,7 +376,8 @@ class Simulation:
         else:
             self.kick_prefill(p)
 
-    def _drop(self, r: int) -> None:
+    def _drop(self, r: int, p: int) -> None:
+        self.prefill_queue[p].forget(r)
         for table in (self.output, self.decoding, self.intents, self.nic_pending,
                       self.held_until, self.timers):
             table.pop(r, None)
@@ -426,34 +431,38 @@ class Simulation:
     def kick_prefill(self, p: int) -> None:
         """Admit the first queued request whose page table has arrived (the bootstrap
         queue: the prefill computes only once decode has reserved), or reject one the core
-        says must be rejected; one request at a time."""
+        says must be rejected; one request at a time. Only ready requests are looked at
+        (sim/prefill_queue.py)."""
         if self.prefill_busy[p] or self.prefill_down_until[p] > self.env.now:
             return
         queue = self.prefill_queue[p]
-        for r in tuple(queue):
-            row = self.cluster.rows.get(r)
-            if row is None or row[PST] != QUEUED:
-                queue.remove(r)
-                continue
-            if core.is_enabled(self.model, self.cluster.view(r), r, core.Reject):
-                queue.remove(r)
-                self.offer("Reject", r)
-                continue
-            if r not in self.tables_received and core.admission_waits_for_table(self.model):
-                continue  # the page table has not reached this prefill yet
-            need = core.pages_to_admit(self.model, row)
-            if type(need) is str:
-                continue
-            pages = self.cluster.allocate("prefill", p, need)
-            if pages is None:
-                return  # pool pressure: wait until pages come back
-            queue.remove(r)
-            # Busy before the offer: the Admit's own reaction kicks this worker again
-            # (its pool changed), and must not admit the next request alongside.
-            self.prefill_busy[p] = True
-            if self.offer("Admit", r, pages=pages):
-                return  # its Compute command started the computation
-            self.prefill_busy[p] = False
+        passed = []  # ready, yet the core names no page count to admit with: look past them
+        try:
+            while (r := queue.first()) is not None:
+                row = self.cluster.rows.get(r)
+                if row is None or row[PST] != QUEUED:
+                    queue.take()  # aborted, crashed or settled meanwhile
+                    continue
+                if core.is_enabled(self.model, self.cluster.view(r), r, core.Reject):
+                    queue.take()
+                    self.offer("Reject", r)
+                    continue
+                need = core.pages_to_admit(self.model, row)
+                if type(need) is str:
+                    passed.append(queue.take())
+                    continue
+                pages = self.cluster.allocate("prefill", p, need)
+                if pages is None:
+                    return  # pool pressure: wait until pages come back
+                queue.take()
+                # Busy before the offer: the Admit's own reaction kicks this worker again
+                # (its pool changed), and must not admit the next request alongside.
+                self.prefill_busy[p] = True
+                if self.offer("Admit", r, pages=pages):
+                    return  # its Compute command started the computation
+                self.prefill_busy[p] = False
+        finally:
+            queue.put_back(passed)
 
     def _compute(self, p: int, r: int, pages: int) -> None:
         self.prefill_busy[p] = True
@@ -476,6 +485,7 @@ class Simulation:
     def on_table(self, r: int, p: int) -> None:
         """Decode's page table reached the prefill: the request may be admitted now."""
         self.tables_received.add(r)
+        self.prefill_queue[p].table_arrived(r)
         self.kick_prefill(p)
 
     def kick_nic(self, p: int) -> None:
@@ -564,7 +574,7 @@ class Simulation:
             for command in out.commands:
                 self.carry_out(command, *placements[command.request])
             for r, _ in out.rows:
-                self._moved(r)
+                self._moved(r, placements[r][0])
         self.depth -= 1
         self._run_intents()
 
