@@ -120,7 +120,7 @@ class Folder:
         new = cluster.rows[r]
         if change.landed:
             m.pages_written += len(change.landed)
-        if change.decode:
+        if cluster.moved_decode:  # an owner changed (a landing write changes no count)
             d = self.last_placement[1]
             m.decode_pages_changed(t, cluster.decode_pages_used, d, cluster.decode_used(d))
         if new is old:

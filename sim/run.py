@@ -219,7 +219,7 @@ class Simulation:
         self._checked()
         self.react(r, out)
         self.depth -= 1
-        if self.depth == 0:
+        if self.depth == 0 and self.dirty:
             self._run_intents()
 
     def _checked(self) -> None:
@@ -287,8 +287,9 @@ class Simulation:
         bookkeeping of a request that moved: its intents are asked again, and a request
         the store forgot (settled) leaves every table of the shell."""
         p, d = self.folder.last_placement
+        handlers = self._handlers
         for command in change.commands:
-            self.carry_out(command, p, d)
+            handlers[type(command)](command, p, d)  # carry_out, without the extra call
         self._moved(r, p)
 
     def _moved(self, r: int, p: int) -> None:

@@ -202,12 +202,17 @@ class Store:
     # -- committing a Change in place ---------------------------------------------------
 
     def _commit(self, p: int, d: int, c: Change, flush_from: int = NONE) -> None:
+        rows = self.rows
         for r, row in c.rows:
-            old = self.rows[r]
-            p_r, d_r = self.placement[r]
-            self.decode_claimed[d_r] += _claim(row) - _claim(old)
-            self.prefill_claimed[p_r] += _source_claim(row) - _source_claim(old)
-            self.rows[r] = row
+            old = rows[r]
+            # The claims count pages from the decode state and table, and from the
+            # prefill state and sources: recounted only when those fields changed.
+            if row[DST] != old[DST] or row[TABLE] is not old[TABLE]:
+                self.decode_claimed[self.placement[r][1]] += _claim(row) - _claim(old)
+            if row[PST] != old[PST] or row[SRC] is not old[SRC]:
+                self.prefill_claimed[self.placement[r][0]] += (_source_claim(row)
+                                                              - _source_claim(old))
+            rows[r] = row
         self.moved_prefill.clear()
         self.moved_decode.clear()
         if c.prefill:
@@ -419,6 +424,19 @@ def _put_pages(pool: list, stack: list, changes: tuple, moved: list) -> int:
     """Replace pages in place, keeping the free stack in step with the owner fields; append
     to `moved` the pages whose owner or generation changed; return pages freed minus taken."""
     freed = 0
+    taken = len(changes)
+    if taken > 1 and sorted(stack[-taken:]) == [page for page, _ in changes]:
+        for page, value in changes:
+            if pool[page][0] != NONE or value[0] == NONE:
+                break
+        else:
+            # An allocation of the pages on top of the free stack (what `allocate` hands
+            # out): taken off in one slice, not searched for one at a time.
+            del stack[-taken:]
+            for page, value in changes:
+                pool[page] = value
+                moved.append(page)
+            return -taken
     for page, value in changes:
         before = pool[page]
         pool[page] = value
