@@ -89,7 +89,7 @@ class Simulation:
         self.progress = progress
         seed = scenario.seed
         self.rng = {k: random.Random(f"{seed}:{k}") for k in
-                    ("arrivals", "lengths", "faults", "links", "crashes")}
+                    ("arrivals", "lengths", "faults", "links", "crashes", "reactions")}
         c = scenario.cluster
         self.page_tokens = c.page_tokens
         self.page_transfer_s = (c.page_tokens * scenario.link.kv_bytes_per_token
@@ -263,6 +263,10 @@ class Simulation:
         if (worker, what) not in wanted:
             wanted.append((worker, what))
         self.dirty.append(r)
+        if self.depth == 0:
+            # Not inside a decision (a notice delivered by a timer): if the core enables
+            # it now, it is taken now, not at the next event someone else causes.
+            self._run_intents()
 
     def later(self, delay_s: float, fn, *args) -> None:
         """Call fn(*args) after delay_s. These are the protocol's own timers and deliveries:
@@ -288,9 +292,26 @@ class Simulation:
         the store forgot (settled) leaves every table of the shell."""
         p, d = self.folder.last_placement
         handlers = self._handlers
-        for command in change.commands:
+        todo = change.commands
+        if len(todo) > 1:
+            todo = self.concurrent_order(todo)
+        for command in todo:
             handlers[type(command)](command, p, d)  # carry_out, without the extra call
         self._moved(r, p)
+
+    def concurrent_order(self, todo: tuple) -> list:
+        """The commands of one decision in the order the shell carries them out. Those of
+        one worker for one request keep the core's order (a worker does one thing after
+        another); different workers (or requests, after a crash) act concurrently, so
+        their turns are ordered by the run's seed: no reaction always goes first."""
+        groups: dict[tuple, list] = {}
+        for command in todo:
+            groups.setdefault((command.request, _carrier(command)), []).append(command)
+        if len(groups) == 1:
+            return list(todo)
+        turns = list(groups.values())
+        self.rng["reactions"].shuffle(turns)
+        return [command for turn in turns for command in turn]
 
     def _moved(self, r: int, p: int) -> None:
         if r in self.intents:
@@ -327,9 +348,13 @@ class Simulation:
         elif message == commands.PAGE_TABLE:
             self.send(self.on_table, r, p, to_prefill=p)
         else:  # the client went away: the serving edge tells both workers
+            # The serving edge tells both workers at once: which notice lands first is
+            # the seed's choice (SimPy runs equal times in scheduling order).
             notice_s = self.sc.timeouts.notice_delay_s
-            self.later(notice_s, self.want, r, "prefill", core.CLIENT_GONE)
-            self.later(notice_s, self.offer_decode_abort, r)
+            notices = [(self.want, r, "prefill", core.CLIENT_GONE), (self.offer_decode_abort, r)]
+            self.rng["reactions"].shuffle(notices)
+            for notice in notices:
+                self.later(notice_s, *notice)
             self._answered(r)  # a closed-loop session moves on either way
 
     def _queue(self, command: commands.Queue, p: int, d: int) -> None:
@@ -572,7 +597,7 @@ class Simulation:
                 self._restart_prefill(worker)
             else:
                 self._restart_decode(worker)
-            for command in out.commands:
+            for command in self.concurrent_order(out.commands):
                 self.carry_out(command, *placements[command.request])
             for r, _ in out.rows:
                 self._moved(r, placements[r][0])
@@ -791,6 +816,25 @@ class Simulation:
         print(f"  sim [{bar:<30}] {done:6.1%}  {m.settled:,}/{self.requests_total:,} requests, "
               f"{self.env.now:,.1f} s simulated, {self.folder.events / elapsed:,.0f} "
               f"events/s{eta}", file=sys.stderr, flush=True)
+
+
+# Who carries out a command (spec/commands.py): the worker whose turn it is. A message is
+# the sender's; freed pages the pool's owner.
+_SENDERS = {core.BOOTSTRAP: "router", core.FINAL_WORD_MSG: "prefill", core.CANCEL_MSG: "decode",
+            commands.PAGE_TABLE: "decode", core.CLIENT_GONE: "client"}
+_CARRIERS = {commands.Queue: "prefill", commands.Compute: "prefill", commands.Post: "prefill",
+             commands.ArmTimer: "decode", commands.CancelTimer: "decode",
+             commands.StartDecoding: "decode", commands.StopDecoding: "decode",
+             commands.ReleaseWhenReady: "decode", commands.Answer: "client"}
+
+
+def _carrier(command: commands.Command) -> str:
+    kind = type(command)
+    if kind is commands.Send:
+        return _SENDERS[command.message]
+    if kind is commands.FreePages:
+        return command.pool
+    return _CARRIERS[kind]
 
 
 def fault_free(sc: Scenario) -> bool:

@@ -232,3 +232,33 @@ def test_pool_occupancy_is_kept_per_decode_worker_and_replays(tmp_path):
                for _, used in series)
     folder, _ = replay(log)
     assert folder.metrics.occupancy_by_worker == live
+
+
+def _abort_orders(log) -> dict:
+    """For each request that both workers stopped on a client-gone notice, which one
+    stopped first: {"PrefillAbort first": n, "DecodeAbort first": m}."""
+    first, orders = {}, {}
+    for line in log.read_text().splitlines()[1:]:
+        record = json.loads(line)
+        action, r = record["a"], record.get("request")
+        if action in ("PrefillAbort", "DecodeAbort"):
+            if r in first and first[r] != action:
+                key = f"{first[r]} first"
+                orders[key] = orders.get(key, 0) + 1
+            first.setdefault(r, action)
+    return orders
+
+
+def test_concurrent_reactions_are_ordered_by_the_seed(tmp_path):
+    # A client abort reaches both workers at once; which acts first is the seed's choice,
+    # not the simulator's code order (which put decode first on every abort), and a seed
+    # gives the same order again.
+    orders = {}
+    for seed in (7, 8, 7):
+        log = tmp_path / f"abort{seed}.ndjson"
+        simulate(load_scenario("faults-client-abort").with_options(seed=seed, requests=200),
+                 log_path=str(log))
+        orders.setdefault(seed, []).append(_abort_orders(log))
+    assert orders[7][0] == orders[7][1]
+    both = {key for seen in (orders[7][0], orders[8][0]) for key in seen}
+    assert both == {"PrefillAbort first", "DecodeAbort first"}, orders
