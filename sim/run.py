@@ -49,6 +49,7 @@ import simpy
 from spec import core
 from spec.core import PROMPT, PST, QUEUED, SRC, Refusal
 from spec import codec, commands
+from sim import fault_hits as hits
 from sim.prefill_queue import PrefillQueue
 from sim.fold import FIRST_TOKEN, RUN_END, Folder, encode, replay, write_header
 from sim.scenario import Lengths, Scenario
@@ -96,6 +97,7 @@ class Simulation:
                                 / scenario.link.bandwidth_bytes_per_s)
         self.next_request = 0
         self.refusals: dict[str, int] = {}
+        self.fault_hits = hits.FaultHits()  # how often each fault struck its target state
         self.violations_seen = 0
         # Prefill workers.
         self.prefill_queue = [PrefillQueue() for _ in range(c.prefill_workers)]
@@ -105,6 +107,7 @@ class Simulation:
         self.nic_in_flight = [0] * c.prefill_workers
         self.nic_free_at = [0.0] * c.prefill_workers
         self.nic_waiting = [deque() for _ in range(c.prefill_workers)]
+        self.nic_posted = [deque() for _ in range(c.prefill_workers)]  # writes awaiting a slot
         self.nic_pending: dict[int, int] = {}   # request -> its writes still in flight
         self.all_posted: set[int] = set()       # requests whose every page is posted
         # Decode workers.
@@ -340,13 +343,13 @@ class Simulation:
     def _send_command(self, command: commands.Send, p: int, d: int) -> None:
         r, message = command.request, command.message
         if message == core.BOOTSTRAP:
-            self.send(self.on_bootstrap, r, d)
+            self.send(self.on_bootstrap, r, d, message=message)
         elif message == core.FINAL_WORD_MSG:
-            self.send(self.on_final_word, r, d)
+            self.send(self.on_final_word, r, d, message=message)
         elif message == core.CANCEL_MSG:
-            self.send(self.on_cancel, r, p, to_prefill=p)
+            self.send(self.on_cancel, r, p, to_prefill=p, message=message)
         elif message == commands.PAGE_TABLE:
-            self.send(self.on_table, r, p, to_prefill=p)
+            self.send(self.on_table, r, p, to_prefill=p, message=message)
         else:  # the client went away: the serving edge tells both workers
             # The serving edge tells both workers at once: which notice lands first is
             # the seed's choice (SimPy runs equal times in scheduling order).
@@ -370,13 +373,16 @@ class Simulation:
 
     def _arm_timer(self, command: commands.ArmTimer, p: int, d: int) -> None:
         r = command.request
-        token = self.timers[r] = object()
+        # The token is the timer's deadline in a list: a new timer is a new list (`is`).
+        token = self.timers[r] = [self.env.now + self.sc.timeouts.transfer_timeout_s]
         self.later(self.sc.timeouts.transfer_timeout_s, self._timer_fired, r, token)
 
     def _timer_fired(self, r: int, token: object) -> None:
         if self.timers.get(r) is token:
             del self.timers[r]
-            self.offer("Timeout", r)
+            hit = hits.writes_of_request(self.cluster, r)
+            if self.offer("Timeout", r):
+                self.fault_hits.fired("Timeout", hit)
 
     def _cancel_timer(self, command: commands.CancelTimer, p: int, d: int) -> None:
         self.timers.pop(command.request, None)
@@ -417,14 +423,17 @@ class Simulation:
 
     # -- messages ---------------------------------------------------------------------------
 
-    def send(self, handler, r: int, worker: int, to_prefill: int = -1) -> None:
+    def send(self, handler, r: int, worker: int, to_prefill: int = -1,
+             message: str = "") -> None:
         """Deliver a message after latency, loss (retransmitted) and delay faults."""
         f, rng = self.sc.faults, self.rng["links"]
         delay = self.sc.link.message_latency_s
         while f.message_loss_probability and rng.random() < f.message_loss_probability:
             delay += f.retransmit_after_s
+            self.fault_hits.fired("MessageLoss", hits.stressful_message(message))
         if f.message_delay_probability and rng.random() < f.message_delay_probability:
             delay += rng.expovariate(1.0 / f.message_delay_mean_s) if f.message_delay_mean_s else 0
+            self.fault_hits.fired("MessageDelay", hits.stressful_message(message))
         self.later(delay, self._deliver, handler, r, worker, to_prefill)
 
     def hold(self, r: int, seconds: float) -> None:
@@ -495,8 +504,7 @@ class Simulation:
         compute_s = pages * self.page_tokens / self.sc.compute.prefill_tokens_per_s
         f = self.sc.faults
         if f.prefill_fail_probability and self.rng["faults"].random() < f.prefill_fail_probability:
-            self.later(self.rng["faults"].uniform(0, compute_s), self.offer_if_enabled,
-                       "PrefillFail", r)
+            self.later(self.rng["faults"].uniform(0, compute_s), self._prefill_fail, r)
         self.later(compute_s, self._computed, p, r, self.prefill_epoch[p])
 
     def _computed(self, p: int, r: int, epoch: int) -> None:
@@ -518,7 +526,8 @@ class Simulation:
         """Post writes while the NIC has room, requests in FIFO order."""
         waiting = self.nic_waiting[p]
         limit = self.sc.link.writes_in_flight_max
-        while waiting and self.nic_in_flight[p] < limit:
+        # Room counts the writes already posted and still waiting for a slot.
+        while waiting and self.nic_in_flight[p] + len(self.nic_posted[p]) < limit:
             r = waiting[0]
             if r not in self.cluster.rows or not self._post(p, r):
                 waiting.popleft()
@@ -536,18 +545,37 @@ class Simulation:
         return self.offer_if_enabled("SendPage", r) is not None
 
     def _nic_send(self, command: commands.Post, p: int, d: int) -> None:
-        """The NIC carries out a posted write: bandwidth-serialised, slow-link faults; the
-        write lands after its transfer and the link's write latency."""
-        r, w = command.request, command.write
+        """The NIC takes a posted write. A SendPage may post any number of writes (one Post
+        command each): they queue at the NIC in posting order and start while it has a slot
+        (writes_in_flight_max), so the bound holds however many one decision posts."""
+        r = command.request
+        self.nic_pending[r] = self.nic_pending.get(r, 0) + 1
+        self.nic_posted[p].append(command.write)
+        self._start_writes(p)
+
+    def _start_writes(self, p: int) -> None:
+        posted, limit = self.nic_posted[p], self.sc.link.writes_in_flight_max
+        while posted and self.nic_in_flight[p] < limit:
+            self._start_write(p, posted.popleft())
+
+    def _start_write(self, p: int, w: tuple) -> None:
+        """A write on the wire: bandwidth-serialised, slow-link faults; it lands after its
+        transfer and the link's write latency."""
+        r = w[0]
         transfer_s = self.page_transfer_s
         f = self.sc.faults
-        if f.slow_link_probability and self.rng["links"].random() < f.slow_link_probability:
+        slowed = f.slow_link_probability and self.rng["links"].random() < f.slow_link_probability
+        if slowed:
             transfer_s *= f.slow_link_factor
         start = max(self.env.now, self.nic_free_at[p])
         self.nic_free_at[p] = start + transfer_s
         self.nic_in_flight[p] += 1
-        self.nic_pending[r] = self.nic_pending.get(r, 0) + 1
+        assert self.nic_in_flight[p] <= self.sc.link.writes_in_flight_max
         landing = start + transfer_s + self.sc.link.write_latency_s - self.env.now
+        if slowed:
+            timer = self.timers.get(r)
+            self.fault_hits.fired("SlowLink", timer is not None
+                                  and self.env.now + landing > timer[0])
         self.later(landing, self._land, p, r, w[2], self.prefill_epoch[p])
 
     def _land(self, p: int, r: int, page: int, epoch: int) -> None:
@@ -564,6 +592,7 @@ class Simulation:
             self.nic_pending[r] = left
         self.offer("LandWrite", r, page=page)
         self._done_if_landed(r)
+        self._start_writes(p)
         self.kick_nic(p)
 
     def on_cancel(self, r: int, p: int) -> None:
@@ -583,6 +612,9 @@ class Simulation:
         """A worker dies and restarts: PrefillCrash or DecodeCrash, if the core says the
         crash loses anything (a worker with nothing to lose just restarts)."""
         action, key = ("PrefillCrash", "p") if kind == "prefill" else ("DecodeCrash", "d")
+        self.fault_hits.fired(action, hits.prefill_writes_in_flight(self.cluster, worker)
+                              if kind == "prefill" else
+                              hits.decode_writes_in_flight(self.cluster, worker))
         record = {"t": self.env.now, "a": action, key: worker}
         placements = dict(self.cluster.placement)
         self.depth += 1
@@ -609,6 +641,7 @@ class Simulation:
         self.prefill_busy[p] = False
         self.nic_in_flight[p] = 0
         self.nic_waiting[p].clear()
+        self.nic_posted[p].clear()
         self.prefill_down_until[p] = self.env.now + self.sc.faults.prefill_restart_s
         self.later(self.sc.faults.prefill_restart_s, self.kick_prefill, p)
 
@@ -753,7 +786,15 @@ class Simulation:
 
     def _abort(self, r: int) -> None:
         if r in self.cluster.rows:
-            self.offer_if_enabled("Abort", r)
+            hit = hits.in_transfer(self.cluster, r)
+            if self.offer_if_enabled("Abort", r):
+                self.fault_hits.fired("ClientAbort", hit)
+
+    def _prefill_fail(self, r: int) -> None:
+        if r in self.cluster.rows:
+            hit = hits.decode_holds_pages(self.cluster, r)
+            if self.offer_if_enabled("PrefillFail", r):
+                self.fault_hits.fired("PrefillFail", hit)
 
     def replay_trace(self):
         """Arrivals, prompts and outputs as the workload's trace file has them."""
@@ -846,9 +887,9 @@ def fault_free(sc: Scenario) -> bool:
 
 
 def result_of(sc: Scenario, folder: Folder, refusals: dict, stopped: str | None,
-              drained: bool) -> dict:
+              drained: bool, fault_hits: dict | None = None) -> dict:
     """Everything a run reports, as JSON-able values; the same for a run and its replay
-    (except refused offers, which the log does not record)."""
+    (except refused offers and fault hits, which the log does not record)."""
     cluster = folder.cluster
     for violation in cluster.sweep(at_rest=drained and stopped is None):
         cluster._violate(violation.property, violation.detail)
@@ -864,6 +905,7 @@ def result_of(sc: Scenario, folder: Folder, refusals: dict, stopped: str | None,
         "violations": dict(sorted(cluster.violation_counts.items())),
         "first_violations": [v.as_dict() for v in cluster.violations[:10]],
         "refusals": dict(sorted(refusals.items())),
+        "fault_hits": fault_hits or {},
         "stopped": stopped, "drained": drained,
         "unsettled_requests": len(cluster.rows),
     }
@@ -884,7 +926,8 @@ def simulate(sc: Scenario, *, log_path: str | None = None,
         if log:
             log.write(encode({"t": sim.env.now, "a": RUN_END, "drained": drained,
                               "stopped": stopped}) + "\n")
-        return result_of(sc, sim.folder, sim.refusals, stopped, drained), sim
+        return result_of(sc, sim.folder, sim.refusals, stopped, drained,
+                         sim.fault_hits.as_dict()), sim
     finally:
         if log:
             log.close()

@@ -262,3 +262,34 @@ def test_concurrent_reactions_are_ordered_by_the_seed(tmp_path):
     assert orders[7][0] == orders[7][1]
     both = {key for seen in (orders[7][0], orders[8][0]) for key in seen}
     assert both == {"PrefillAbort first", "DecodeAbort first"}, orders
+
+
+FAULT_SCENARIOS_ONLY = [n for n in scenario_names() if n.startswith("faults-")]
+
+
+@pytest.mark.parametrize("name", FAULT_SCENARIOS_ONLY)
+def test_every_fault_of_a_fault_scenario_hits_its_target_state(name):
+    # A fault that never strikes the state it is meant to stress (a crash with writes in
+    # flight, an abort mid-transfer) tests nothing; some seed of the first three must hit.
+    from sim.fault_hits import TARGETS, faults_switched_on
+
+    scenario = load_scenario(name)
+    wanted = faults_switched_on(scenario.faults)
+    assert wanted, f"{name} switches on no fault"
+    missed = set(wanted)
+    for seed in (scenario.seed, 1, 2):
+        result, _ = _run(name, seed=seed, requests=200)
+        hits = result["fault_hits"]
+        assert set(hits) <= set(TARGETS)
+        missed -= {kind for kind in wanted if hits.get(kind, {}).get("hits", 0) > 0}
+        if not missed:
+            break
+    assert not missed, f"{name}: {sorted(missed)} never hit their target state"
+
+
+def test_fault_hits_are_counted_when_the_fault_fires():
+    result, _ = _run("faults-client-abort", requests=200)
+    hit = result["fault_hits"]["ClientAbort"]
+    assert hit["fired"] == result["summary"]["outcomes"]["Gone"]  # every accepted abort
+    assert 0 < hit["hits"] < hit["fired"]
+    assert result["fault_hits"].keys() == {"ClientAbort"}
