@@ -49,7 +49,7 @@ import simpy
 from spec import core
 from spec.core import PROMPT, PST, QUEUED, SRC, Refusal
 from spec import codec, commands
-from sim import fault_hits as hits
+from sim import crash as shell_crash, fault_hits as hits
 from sim.prefill_queue import PrefillQueue
 from sim.fold import FIRST_TOKEN, RUN_END, Folder, encode, replay, write_header
 from sim.scenario import Lengths, Scenario
@@ -887,12 +887,16 @@ def fault_free(sc: Scenario) -> bool:
 
 
 def result_of(sc: Scenario, folder: Folder, refusals: dict, stopped: str | None,
-              drained: bool, fault_hits: dict | None = None) -> dict:
+              drained: bool, fault_hits: dict | None = None,
+              crashed: dict | None = None) -> dict:
     """Everything a run reports, as JSON-able values; the same for a run and its replay
-    (except refused offers and fault hits, which the log does not record)."""
+    (except refused offers and fault hits, which the log does not record). A run whose
+    shell crashed (`crashed`, sim/crash.py) is not swept: it may have stopped halfway
+    through carrying out a decision."""
     cluster = folder.cluster
-    for violation in cluster.sweep(at_rest=drained and stopped is None):
-        cluster._violate(violation.property, violation.detail)
+    if crashed is None:
+        for violation in cluster.sweep(at_rest=drained and stopped is None):
+            cluster._violate(violation.property, violation.detail)
     if drained and stopped is None and fault_free(sc):
         failed = {name: n for name, n in folder.metrics.fitting_outcomes.items() if name != "Ok"}
         if failed:
@@ -906,7 +910,7 @@ def result_of(sc: Scenario, folder: Folder, refusals: dict, stopped: str | None,
         "first_violations": [v.as_dict() for v in cluster.violations[:10]],
         "refusals": dict(sorted(refusals.items())),
         "fault_hits": fault_hits or {},
-        "stopped": stopped, "drained": drained,
+        "stopped": stopped, "drained": drained, "crash": crashed,
         "unsettled_requests": len(cluster.rows),
     }
 
@@ -917,17 +921,19 @@ def simulate(sc: Scenario, *, log_path: str | None = None,
     log = open(log_path, "w") if log_path else None
     try:
         sim = Simulation(sc, log=log, progress=progress)
-        stopped = None
+        stopped = crashed = None
         try:
             sim.run()
         except StopSimulation as stop:
             stopped = str(stop)
-        drained = sim.finished.triggered or sim.at_rest
+        except Exception as error:  # noqa: BLE001  the shell crashed: a finding (sim/crash.py)
+            crashed = {**shell_crash.describe(error), "t": sim.env.now, "events": sim.folder.events}
+        drained = crashed is None and (sim.finished.triggered or sim.at_rest)
         if log:
             log.write(encode({"t": sim.env.now, "a": RUN_END, "drained": drained,
-                              "stopped": stopped}) + "\n")
+                              "stopped": stopped, "crashed": crashed}) + "\n")
         return result_of(sc, sim.folder, sim.refusals, stopped, drained,
-                         sim.fault_hits.as_dict()), sim
+                         sim.fault_hits.as_dict(), crashed), sim
     finally:
         if log:
             log.close()
@@ -937,4 +943,4 @@ def replay_result(path: str) -> tuple[dict, Folder]:
     """The result of the run that wrote log `path`, rebuilt from the log alone."""
     folder, end = replay(path)
     return result_of(folder.scenario, folder, {}, end.get("stopped"),
-                     end.get("drained", False)), folder
+                     end.get("drained", False), crashed=end.get("crashed")), folder
