@@ -50,6 +50,7 @@ from spec import core
 from spec.core import PROMPT, PST, QUEUED, SRC, Refusal
 from spec import codec, commands
 from sim import crash as shell_crash, fault_hits as hits
+from sim.decode_batch import DecodeBatch
 from sim.prefill_queue import PrefillQueue
 from sim.fold import FIRST_TOKEN, RUN_END, Folder, encode, replay, write_header
 from sim.scenario import Lengths, Scenario
@@ -113,13 +114,10 @@ class Simulation:
         # Decode workers.
         self.decode_waiting = [deque() for _ in range(c.decode_workers)]
         self.decode_down_until = [0.0] * c.decode_workers
-        self.batch = [[] for _ in range(c.decode_workers)]
-        self.ready = [deque() for _ in range(c.decode_workers)]
-        self.stepping = [False] * c.decode_workers
+        self.batches = [DecodeBatch() for _ in range(c.decode_workers)]
         # Per live request (dropped when it settles).
         self.output = {}
         self.decoding = {}  # request -> its sequence in a decode batch
-        self.context_tokens = [0] * c.decode_workers
         self.intents: dict[int, list[tuple[str, str]]] = {}
         self.timers: dict[int, object] = {}  # request -> its armed transfer timer's token
         self.tables_received: set[int] = set()  # requests whose page table reached the prefill
@@ -153,7 +151,7 @@ class Simulation:
             return None  # settled and forgotten: a late timer or message
         event = self._event(action, r, args)
         # The core decides first, so that a refusal costs no record and no fold.
-        out = self.cluster.decide(r, event)
+        out = core.decide(self.model, self.cluster.view(r), event)  # store.decide, inlined
         if type(out) is Refusal:
             if _count_refusal:
                 self._refused(out)
@@ -311,9 +309,13 @@ class Simulation:
         for command in todo:
             groups.setdefault((command.request, _carrier(command)), []).append(command)
         if len(groups) == 1:
-            return list(todo)
+            return todo
         turns = list(groups.values())
-        self.rng["reactions"].shuffle(turns)
+        if len(turns) == 2:  # the usual case, one draw instead of shuffle's
+            if self.rng["reactions"].random() < 0.5:
+                turns.reverse()
+        else:
+            self.rng["reactions"].shuffle(turns)
         return [command for turn in turns for command in turn]
 
     def _moved(self, r: int, p: int) -> None:
@@ -390,14 +392,15 @@ class Simulation:
     def _start_decoding(self, command: commands.StartDecoding, p: int, d: int) -> None:
         r = command.request
         prompt = self.cluster.rows[r][PROMPT]
-        entry = self.decoding[r] = [r, 0, self.output[r], prompt * self.page_tokens]
-        self.ready[d].append(entry)
+        sequence = self.decoding[r] = DecodeBatch.sequence(r, self.output[r],
+                                                            prompt * self.page_tokens)
+        self.batches[d].add(sequence)
         self.kick_decode(d)
 
     def _stop_decoding(self, command: commands.StopDecoding, p: int, d: int) -> None:
-        entry = self.decoding.pop(command.request, None)
-        if entry is not None:
-            entry[0] = -1  # the batch skips it at its next step
+        sequence = self.decoding.pop(command.request, None)
+        if sequence is not None:
+            self.batches[d].stop(sequence)
 
     def _release_when_ready(self, command: commands.ReleaseWhenReady, p: int, d: int) -> None:
         self.want(command.request, "decode", "Release")
@@ -695,44 +698,32 @@ class Simulation:
             self.offer("DecodeAbort", r)
 
     def kick_decode(self, d: int) -> None:
-        """Start the next continuous-batching step of decode worker d, if it is idle.
-        A sequence in the batch is [request, tokens generated, tokens wanted, context]."""
-        if self.stepping[d]:
+        """Start the next continuous-batching step of decode worker d, if it is idle
+        (sim/decode_batch.py)."""
+        batch = self.batches[d]
+        if batch.stepping:
             return
-        batch, ready = self.batch[d], self.ready[d]
-        while ready and len(batch) < self.sc.cluster.decode_batch_max:
-            entry = ready.popleft()
-            if entry[0] >= 0:
-                batch.append(entry)
-                self.context_tokens[d] += entry[3]
-        if not batch:
+        batch.fill(self.sc.cluster.decode_batch_max)
+        if not batch.size:
             return
         c = self.sc.compute
-        step_s = (c.decode_step_base_s + c.decode_step_per_request_s * len(batch)
-                  + c.decode_step_per_context_token_s * self.context_tokens[d])
-        self.stepping[d] = True
+        step_s = (c.decode_step_base_s + c.decode_step_per_request_s * batch.size
+                  + c.decode_step_per_context_token_s * batch.context_tokens)
+        batch.stepping = True
         self.later(step_s, self._stepped, d)
 
     def _stepped(self, d: int) -> None:
-        self.stepping[d] = False
-        keep = []
-        context = 0
-        for entry in self.batch[d]:
-            r = entry[0]
+        batch = self.batches[d]
+        batch.stepping = False
+        for sequence, first, finished in batch.step():
+            r = sequence[0]
             if r < 0:
                 continue  # decode closed it meanwhile (the client went away)
-            entry[1] += 1
-            entry[3] += 1
-            if entry[1] == 1:
+            if first:
                 self._fact(FIRST_TOKEN, r)
-            if entry[1] >= entry[2]:
+            if finished:
                 self.decoding.pop(r, None)
                 self.offer("Finish", r)
-            else:
-                keep.append(entry)
-                context += entry[3]
-        self.batch[d] = keep
-        self.context_tokens[d] = context
         self.kick_decode(d)
 
     def _fact(self, action: str, r: int) -> None:

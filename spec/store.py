@@ -256,7 +256,10 @@ class Store:
             self.violations.append(Violation(name, detail, r, kind="oracle"))
 
     def _check_local(self, p: int, d: int, r: int, old: tuple, c: Change) -> None:
-        self._check_conservation(p, d)
+        if c.rows or self.moved_decode or self.moved_prefill or self.rows[r] is not old:
+            # Only a row or a page owner that changed can change what conservation counts
+            # (a landing write changes neither: its page keeps owner and generation).
+            self._check_conservation(p, d)
         row = self.rows[r]
         if row is not old:
             self._check_row(r, old, row)
