@@ -72,10 +72,10 @@ class DecodeBatch:
         self.context_tokens -= sequence[PROMPT_CONTEXT] + self.steps - sequence[JOINED]
         sequence[JOINED] = None
 
-    def step(self) -> list[tuple[list, bool, bool]]:
-        """A step ended: every sequence has one more token. Returns, in batch order (join
-        order), (sequence, first token now, finished now) for those that did either; the
-        finished ones have left the batch."""
+    def step(self) -> tuple[list, list]:
+        """A step ended: every sequence has one more token. Returns the sequences that emit
+        their first token now and those that finished now (they have left the batch), each
+        in batch order (join order); `in_order` interleaves them."""
         self.steps += 1
         self.context_tokens += self.size
         first, self.new = self.new, []
@@ -86,8 +86,12 @@ class DecodeBatch:
             if sequence[REQUEST] >= 0 and sequence[JOINED] is not None:
                 self._leave(sequence)
                 done.append(sequence)
-        if not done:
-            return [(s, True, False) for s in first]
+        return first, done
+
+    @staticmethod
+    def in_order(first: list, done: list) -> list[tuple[list, bool, bool]]:
+        """(sequence, first token now, finished now) in batch order, as one pass over the
+        batch would meet them."""
         finished = {id(s) for s in done}
         started = {id(s) for s in first}
         merged = sorted({id(s): s for s in first + done}.values(), key=lambda s: s[ORDER])

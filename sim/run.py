@@ -446,8 +446,8 @@ class Simulation:
 
     def _held(self, r: int, fn, *args) -> bool:
         """Re-schedule fn(*args) if r is held; True if it was."""
-        until = self.held_until.get(r, 0.0)
-        if until <= self.env.now:
+        until = self.held_until.get(r)
+        if until is None or until <= self.env.now:
             return False
         self.later(until - self.env.now, fn, *args)
         return True
@@ -457,7 +457,7 @@ class Simulation:
             return
         back = (self.prefill_down_until[to_prefill] if to_prefill >= 0
                 else self.decode_down_until[worker])
-        if back > self.env.now:
+        if back and back > self.env.now:  # 0.0: the worker never went down
             # A restarting worker gets its messages once it is back (the sender re-sends).
             self.later(back - self.env.now, self._deliver, handler, r, worker, to_prefill)
             return
@@ -471,7 +471,8 @@ class Simulation:
         queue: the prefill computes only once decode has reserved), or reject one the core
         says must be rejected; one request at a time. Only ready requests are looked at
         (sim/prefill_queue.py)."""
-        if self.prefill_busy[p] or self.prefill_down_until[p] > self.env.now:
+        down_until = self.prefill_down_until[p]
+        if self.prefill_busy[p] or (down_until and down_until > self.env.now):
             return
         queue = self.prefill_queue[p]
         passed = []  # ready, yet the core names no page count to admit with: look past them
@@ -570,15 +571,16 @@ class Simulation:
         slowed = f.slow_link_probability and self.rng["links"].random() < f.slow_link_probability
         if slowed:
             transfer_s *= f.slow_link_factor
-        start = max(self.env.now, self.nic_free_at[p])
+        now = self.env.now
+        start = max(now, self.nic_free_at[p])
         self.nic_free_at[p] = start + transfer_s
         self.nic_in_flight[p] += 1
         assert self.nic_in_flight[p] <= self.sc.link.writes_in_flight_max
-        landing = start + transfer_s + self.sc.link.write_latency_s - self.env.now
+        landing = start + transfer_s + self.sc.link.write_latency_s - now
         if slowed:
             timer = self.timers.get(r)
             self.fault_hits.fired("SlowLink", timer is not None
-                                  and self.env.now + landing > timer[0])
+                                  and now + landing > timer[0])
         self.later(landing, self._land, p, r, w[2], self.prefill_epoch[p])
 
     def _land(self, p: int, r: int, page: int, epoch: int) -> None:
@@ -715,15 +717,21 @@ class Simulation:
     def _stepped(self, d: int) -> None:
         batch = self.batches[d]
         batch.stepping = False
-        for sequence, first, finished in batch.step():
-            r = sequence[0]
-            if r < 0:
-                continue  # decode closed it meanwhile (the client went away)
-            if first:
-                self._fact(FIRST_TOKEN, r)
-            if finished:
-                self.decoding.pop(r, None)
-                self.offer("Finish", r)
+        first, done = batch.step()
+        if not done:  # most steps: only the sequences that joined emit their first token
+            for sequence in first:
+                if sequence[0] >= 0:
+                    self._fact(FIRST_TOKEN, sequence[0])
+        else:
+            for sequence, first_token, finished in batch.in_order(first, done):
+                r = sequence[0]
+                if r < 0:
+                    continue  # decode closed it meanwhile (the client went away)
+                if first_token:
+                    self._fact(FIRST_TOKEN, r)
+                if finished:
+                    self.decoding.pop(r, None)
+                    self.offer("Finish", r)
         self.kick_decode(d)
 
     def _fact(self, action: str, r: int) -> None:

@@ -872,12 +872,15 @@ def decide(m: Model, s: State, event: Event) -> Change | Refusal:
     return _with_commands(s, out)
 
 
+_new_tuple = tuple.__new__  # a NamedTuple from a tuple of all its fields, no checks
+
+
 def _with_commands(s: View, change: Change) -> Change:
     """The Change with the commands shells carry out (spec/commands.py derives them). On
     every shell decision: a change with no commands (a landing write) is returned as it is,
     and the others are built without namedtuple's keyword machinery."""
     commands = _effects(s, change)
-    return Change._make(change[:-1] + (commands,)) if commands else change
+    return _new_tuple(Change, change[:-1] + (commands,)) if commands else change
 
 
 def apply(m: Model, s: State, event: Event) -> Result:
