@@ -137,6 +137,10 @@ class Simulation:
         self.pending = 0
         self.wall_start = time.perf_counter()
         self.next_progress = self.wall_start + 2.0
+        # _checked has work when a violation is new, or at a multiple of these events (the
+        # sweep's and the progress line's), so the step after every event asks one modulo.
+        self.check_every_events = math.gcd(scenario.oracles.sweep_every_events,
+                                           2048 if progress else 0) or 2**62
 
     # -- offering events to the core ------------------------------------------------------
 
@@ -217,7 +221,9 @@ class Simulation:
 
     def _after(self, r: int, out: core.Change) -> None:
         """Oracle verdicts, then the components' reactions to what the core changed."""
-        self._checked()
+        if (self.cluster.violation_total != self.violations_seen
+                or self.folder.events % self.check_every_events == 0):
+            self._checked()
         self.react(r, out)
         self.depth -= 1
         if self.depth == 0 and self.dirty:
@@ -298,18 +304,26 @@ class Simulation:
             todo = self.concurrent_order(todo)
         for command in todo:
             handlers[type(command)](command, p, d)  # carry_out, without the extra call
-        self._moved(r, p)
+        if r in self.intents:  # _moved, inlined
+            self.dirty.append(r)
+        if r not in self.cluster.rows:
+            self._settled(r, p)
 
     def concurrent_order(self, todo: tuple) -> list:
         """The commands of one decision in the order the shell carries them out. Those of
         one worker for one request keep the core's order (a worker does one thing after
         another); different workers (or requests, after a crash) act concurrently, so
         their turns are ordered by the run's seed: no reaction always goes first."""
+        first = todo[0]
+        group = (first.request, _carrier(first))
+        for command in todo:
+            if (command.request, _carrier(command)) != group:
+                break
+        else:
+            return todo  # one worker's commands (most decisions)
         groups: dict[tuple, list] = {}
         for command in todo:
             groups.setdefault((command.request, _carrier(command)), []).append(command)
-        if len(groups) == 1:
-            return todo
         turns = list(groups.values())
         if len(turns) == 2:  # the usual case, one draw instead of shuffle's
             if self.rng["reactions"].random() < 0.5:
@@ -322,9 +336,13 @@ class Simulation:
         if r in self.intents:
             self.dirty.append(r)
         if r not in self.cluster.rows:
-            self._drop(r, p)
-            if self.folder.metrics.settled == self.requests_total and not self.finished.triggered:
-                self.finished.succeed()
+            self._settled(r, p)
+
+    def _settled(self, r: int, p: int) -> None:
+        """The store forgot r: it leaves every table of the shell."""
+        self._drop(r, p)
+        if self.folder.metrics.settled == self.requests_total and not self.finished.triggered:
+            self.finished.succeed()
 
     def carry_out(self, command: commands.Command, p: int, d: int) -> None:
         """One command of the core's decision, at prefill worker p and decode worker d (the

@@ -114,6 +114,10 @@ def effects(s: View, change: Change) -> tuple[Command, ...]:
     """The commands a Change decided in view `s` asks of the shells, in carrying-out order.
     Called on every decision a shell takes, so it appends into one list and looks only at
     the parts of the Change that are there (a landing write has no row and frees nothing)."""
+    if not change.rows and not change.posted and not change.prefill and len(change.decode) == 1:
+        page, value = change.decode[0]  # one decode page changed (a write landed) ...
+        if value[0] != NONE or s.decode_pool[page][0] == NONE:
+            return ()                   # ... and it was not freed: nothing to carry out
     out: list[Command] = []
     rows = s.requests
     for r, new in change.rows:
