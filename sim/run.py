@@ -153,7 +153,12 @@ class Simulation:
             return self._arrive(r, args)
         if r not in self.cluster.rows:
             return None  # settled and forgotten: a late timer or message
-        event = self._event(action, r, args)
+        return self.take(self._event(action, r, args), _count_refusal)
+
+    def take(self, event: core.Event, _count_refusal: bool = True) -> core.Change | None:
+        """`offer` for an event already built (the per-page events, on the hot path: no
+        keyword arguments to pack and unpack); its request must still be live."""
+        r = event.request
         # The core decides first, so that a refusal costs no record and no fold.
         out = core.decide(self.model, self.cluster.view(r), event)  # store.decide, inlined
         if type(out) is Refusal:
@@ -564,7 +569,7 @@ class Simulation:
 
     def _post(self, p: int, r: int) -> bool:
         """SendPage, if the core enables it: its Post command puts the write on the NIC."""
-        return self.offer_if_enabled("SendPage", r) is not None
+        return self.take(core.SendPage(r), _count_refusal=False) is not None  # if enabled
 
     def _nic_send(self, command: commands.Post, p: int, d: int) -> None:
         """The NIC takes a posted write. A SendPage may post any number of writes (one Post
@@ -613,7 +618,8 @@ class Simulation:
         left = self.nic_pending.pop(r, 0) - 1
         if left > 0:
             self.nic_pending[r] = left
-        self.offer("LandWrite", r, page=page)
+        if r in self.cluster.rows:
+            self.take(core.LandWrite(r, page))
         self._done_if_landed(r)
         self._start_writes(p)
         self.kick_nic(p)
