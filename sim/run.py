@@ -110,6 +110,7 @@ class Simulation:
         self.nic_waiting = [deque() for _ in range(c.prefill_workers)]
         self.nic_posted = [deque() for _ in range(c.prefill_workers)]  # writes awaiting a slot
         self.nic_pending: dict[int, int] = {}   # request -> its writes still in flight
+        self.send_page_events: dict[int, core.SendPage] = {}
         self.all_posted: set[int] = set()       # requests whose every page is posted
         # Decode workers.
         self.decode_waiting = [deque() for _ in range(c.decode_workers)]
@@ -437,6 +438,7 @@ class Simulation:
     def _drop(self, r: int, p: int) -> None:
         self.prefill_queue[p].forget(r)
         for table in (self.output, self.decoding, self.intents, self.nic_pending,
+                      self.send_page_events,
                       self.held_until, self.timers):
             table.pop(r, None)
         self.all_posted.discard(r)
@@ -569,7 +571,10 @@ class Simulation:
 
     def _post(self, p: int, r: int) -> bool:
         """SendPage, if the core enables it: its Post command puts the write on the NIC."""
-        return self.take(core.SendPage(r), _count_refusal=False) is not None  # if enabled
+        event = self.send_page_events.get(r)
+        if event is None:  # one event per request: the same for each of its pages
+            event = self.send_page_events[r] = core.SendPage(r)
+        return self.take(event, _count_refusal=False) is not None  # if the core enables it
 
     def _nic_send(self, command: commands.Post, p: int, d: int) -> None:
         """The NIC takes a posted write. A SendPage may post any number of writes (one Post
