@@ -140,6 +140,8 @@ class Simulation:
         self.next_progress = self.wall_start + 2.0
         # _checked has work when a violation is new, or at a multiple of these events (the
         # sweep's and the progress line's), so the step after every event asks one modulo.
+        # Bound once: SimPy's env.timeout builds a bound method on every attribute access.
+        self._timeout, self._fire_callback = self.env.timeout, self._fire
         self.check_every_events = math.gcd(scenario.oracles.sweep_every_events,
                                            2048 if progress else 0) or 2**62
 
@@ -285,8 +287,7 @@ class Simulation:
         """Call fn(*args) after delay_s. These are the protocol's own timers and deliveries:
         when none is pending and every request has arrived, the cluster is at rest."""
         self.pending += 1
-        event = self.env.timeout(delay_s, (fn, args))
-        event.callbacks.append(self._fire)
+        self._timeout(delay_s, (fn, args)).callbacks.append(self._fire_callback)
 
     def _fire(self, event) -> None:
         self.pending -= 1

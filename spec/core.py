@@ -880,7 +880,10 @@ def _with_commands(s: View, change: Change) -> Change:
     every shell decision: a change with no commands (a landing write) is returned as it is,
     and the others are built without namedtuple's keyword machinery."""
     commands = _effects(s, change)
-    return _new_tuple(Change, change[:-1] + (commands,)) if commands else change
+    if not commands:
+        return change
+    rows, decode, prefill, posted, landed, flushed, _ = change
+    return _new_tuple(Change, (rows, decode, prefill, posted, landed, flushed, commands))
 
 
 def apply(m: Model, s: State, event: Event) -> Result:
