@@ -90,16 +90,27 @@ class Folder:
         if action == "DecodeCrash":
             return self._crash(t, self.cluster.crash_decode, record["d"])
         event = event_of(record)
-        r = event.request
         if action == "Arrive":
-            self.cluster.arrive(r, record["p"], record["d"])
+            return self.arrive(t, event, record["p"], record["d"], record["out"])
+        r = event.request
         out = self.cluster.decide(r, event)
         if type(out) is Refusal:
-            if action == "Arrive":
-                self.cluster.withdraw(r)
             return out
-        if action == "Arrive":
-            m.arrive(t, r, event.prompt_pages, record["out"])
+        self.accept(t, r, out, event)
+        return out
+
+    def arrive(self, t: float, event: core.Arrive, p: int, d: int,
+               output_tokens: int) -> Change | Refusal:
+        """An Arrive and the shell's facts beside it (placement, output length): a record's
+        or, in a live run, the event itself (no record to encode and decode again)."""
+        r = event.request
+        self.metrics.last_event_s = t
+        self.cluster.arrive(r, p, d)
+        out = self.cluster.decide(r, event)
+        if type(out) is Refusal:
+            self.cluster.withdraw(r)
+            return out
+        self.metrics.arrive(t, r, event.prompt_pages, output_tokens)
         self.accept(t, r, out, event)
         return out
 

@@ -212,15 +212,15 @@ class Simulation:
 
     def _arrive(self, r: int, args: dict) -> core.Change | None:
         event = core.Arrive(r, args["prompt_pages"])
-        record = {"t": self.env.now, **codec.encode(event),
-                  **{k: args[k] for k in ("p", "d", "out")}}
+        now = self.env.now
         self.depth += 1
-        out = self.folder.apply(record)
+        out = self.folder.arrive(now, event, args["p"], args["d"], args["out"])
         if type(out) is Refusal:
             self._refused(out)
             self.depth -= 1
             return None
         if self.log is not None:
+            record = {"t": now, **codec.encode(event), **{k: args[k] for k in ("p", "d", "out")}}
             self.log.write(encode(record) + "\n")
         if self.on_commit is not None:
             self.on_commit(event, out)
@@ -479,7 +479,7 @@ class Simulation:
         return True
 
     def _deliver(self, handler, r: int, worker: int, to_prefill: int) -> None:
-        if self._held(r, self._deliver, handler, r, worker, to_prefill):
+        if self.held_until and self._held(r, self._deliver, handler, r, worker, to_prefill):
             return
         back = (self.prefill_down_until[to_prefill] if to_prefill >= 0
                 else self.decode_down_until[worker])
@@ -583,8 +583,12 @@ class Simulation:
         (writes_in_flight_max), so the bound holds however many one decision posts."""
         r = command.request
         self.nic_pending[r] = self.nic_pending.get(r, 0) + 1
-        self.nic_posted[p].append(command.write)
-        self._start_writes(p)
+        posted = self.nic_posted[p]
+        if not posted and self.nic_in_flight[p] < self.sc.link.writes_in_flight_max:
+            self._start_write(p, command.write)  # a free slot and no one ahead: now
+        else:
+            posted.append(command.write)
+            self._start_writes(p)
 
     def _start_writes(self, p: int) -> None:
         posted, limit = self.nic_posted[p], self.sc.link.writes_in_flight_max
@@ -615,7 +619,7 @@ class Simulation:
     def _land(self, p: int, r: int, page: int, epoch: int) -> None:
         if epoch != self.prefill_epoch[p]:
             return  # flushed with the crashed worker's queue pairs
-        if self._held(r, self._land, p, r, page, epoch):
+        if self.held_until and self._held(r, self._land, p, r, page, epoch):
             return  # a held write keeps its NIC slot
         self.nic_in_flight[p] -= 1
         # A request can settle with writes still on the wire: a decode crash flushes them
@@ -627,7 +631,8 @@ class Simulation:
         if r in self.cluster.rows:
             self.take(core.LandWrite(r, page))
         self._done_if_landed(r)
-        self._start_writes(p)
+        if self.nic_posted[p]:
+            self._start_writes(p)
         self.kick_nic(p)
 
     def on_cancel(self, r: int, p: int) -> None:
