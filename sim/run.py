@@ -321,6 +321,8 @@ class Simulation:
         one worker for one request keep the core's order (a worker does one thing after
         another); different workers (or requests, after a crash) act concurrently, so
         their turns are ordered by the run's seed: no reaction always goes first."""
+        if not todo:
+            return todo
         first = todo[0]
         group = (first.request, _carrier(first))
         for command in todo:

@@ -293,3 +293,10 @@ def test_fault_hits_are_counted_when_the_fault_fires():
     assert hit["fired"] == result["summary"]["outcomes"]["Gone"]  # every accepted abort
     assert 0 < hit["hits"] < hit["fired"]
     assert result["fault_hits"].keys() == {"ClientAbort"}
+
+
+def test_a_decision_without_commands_is_carried_out_as_nothing():
+    # Found by the fuzzer's crash reporting: a crash whose change carries no command made
+    # the grouping of concurrent reactions read the first of none (IndexError).
+    sim = Simulation(load_scenario("one-pair"))
+    assert sim.concurrent_order(()) == ()
