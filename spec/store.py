@@ -100,12 +100,21 @@ class Store:
         # request's end); None: forgotten rows are gone, as a long run needs.
         self.settled_rows: dict | None = None
         self._views: dict[tuple[int, int], View] = {}
+        self._view_of: dict[int, View] = {}   # live request -> its pair's view
 
     # -- the core's answers ------------------------------------------------------------
 
     def view(self, r: int) -> View:
         """The view of r's worker pair. Views are kept per pair: the lists they hold are
-        changed in place, so a view stays current."""
+        changed in place, so a view stays current; and per live request, since every
+        decision asks for one."""
+        try:
+            return self._view_of[r]
+        except KeyError:
+            view = self._view_of[r] = self._pair_view(r)
+            return view
+
+    def _pair_view(self, r: int) -> View:
         pair = self.placement[r]
         view = self._views.get(pair)
         if view is None:
@@ -189,6 +198,7 @@ class Store:
         assert self.rows[r] == core.EMPTY_ROW
         del self.rows[r]
         del self.placement[r]
+        self._view_of.pop(r, None)
 
 
     def forget(self, r: int) -> None:
@@ -198,6 +208,7 @@ class Store:
             self.settled_rows[r] = self.rows[r]
         del self.rows[r]
         del self.placement[r]
+        self._view_of.pop(r, None)
 
     # -- committing a Change in place ---------------------------------------------------
 
@@ -261,8 +272,9 @@ class Store:
             # (a landing write changes neither: its page keeps owner and generation).
             self._check_conservation(p, d)
         row = self.rows[r]
-        if row is not old:
-            self._check_row(r, old, row)
+        if row is not old and (row[CLIENT] != old[CLIENT] or row[DST] != old[DST]
+                               or row[LEAKED] != old[LEAKED]):
+            self._check_row(r, old, row)  # (its own first test, inlined here: most steps)
         if self.moved_decode or self.moved_prefill:
             self._check_pages(p, d)
             self._check_writes(p, d)
