@@ -118,7 +118,8 @@ class Folder:
         """Commit a change the core decided for request r, and fold it into the metrics:
         the one path by which a live run and a replay change anything."""
         cluster = self.cluster
-        cluster.check_observation(r, event)
+        if core.INFO[type(event)].observed is not None:  # most events observe nothing
+            cluster.check_observation(r, event)
         old = cluster.rows[r]
         self.last_placement = cluster.placement[r]
         cluster.commit(r, change)
@@ -140,7 +141,7 @@ class Folder:
             if new[core.CLIENT] == core.OK and cluster.leak_check(r):
                 m.leak(r, ok=True)
             m.answered(t, r, old, new)
-        if core.settled(new):
+        if new[core.PST] != core.RUNNING and core.settled(new):  # (running: never settled)
             cluster.forget(r)
             m.forget(r)
 
