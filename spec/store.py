@@ -337,12 +337,17 @@ class Store:
             if (page, gen) not in table:
                 self._violate("ExclusiveOwner", f"decode {d} page {page} is owned by "
                               f"request {owner} at gen {gen}, not in its table", owner)
+        sources: dict[int, frozenset] = {}  # owner -> the source pages its row holds
         for page in self.moved_prefill:
             owner = self.prefill_pools[p][page][0]
             if owner == NONE:
                 continue
-            row = self.rows.get(owner)
-            if row is None or row[PST] != RUNNING or page not in row[SRC]:
+            held = sources.get(owner)
+            if held is None:
+                row = self.rows.get(owner)
+                held = sources[owner] = (frozenset(row[SRC]) if row is not None
+                                         and row[PST] == RUNNING else frozenset())
+            if page not in held:
                 self._violate("ExclusiveOwner", f"prefill {p} page {page} is owned by "
                               f"request {owner}, which does not hold it", owner)
 
