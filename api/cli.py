@@ -154,7 +154,7 @@ def _add_fuzz(commands) -> None:
         "state machines: arrivals, aborts, timeouts, crashes, message reorderings, in "
         "interleavings a scenario would rarely reach; check every property and oracle after "
         "each step; shrink a failure to a minimal event sequence and save it.",
-        EXAMPLES, EXTRA)
+        EXAMPLES, EXTRA, crash=True)
     add_arguments(fuzz)
     fuzz.set_defaults(func=run)
 

@@ -21,6 +21,9 @@ import sys
 from pathlib import Path
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
+# The shell crashed: an exception inside a simulator run or a fuzz target (sim/crash.py). A
+# finding, reported like a violation, but not a verdict on the protocol.
+EXIT_CRASH = 3
 # What a shell reports for a process ended by SIGPIPE (`kvproof check | head`): the reader
 # went away, which is neither a verdict nor bad input.
 EXIT_BROKEN_PIPE = 128 + 13
@@ -29,6 +32,9 @@ EXIT_CODES = """exit status:
   0  every property holds (nothing violated, nothing leaked)
   1  a property is violated (the output names it and how to reproduce it)
   2  bad input (an unknown name, an unreadable or malformed file, a bad option value)"""
+CRASH_EXIT_LINE = """
+  3  the shell crashed: an exception inside the run (the output names its type, message and
+     innermost frame, the seed, the command that reproduces it and the saved events)"""
 
 
 class UsageError(ValueError):
@@ -54,19 +60,22 @@ class Parser(argparse.ArgumentParser):
         self.error(f"unexpected argument {first!r}")
 
 
-def help_epilog(examples: list[str], extra: str = "") -> str:
-    """The end of a subcommand's --help: examples, then the exit codes."""
+def help_epilog(examples: list[str], extra: str = "", crash: bool = False) -> str:
+    """The end of a subcommand's --help: examples, then the exit codes (with `crash`, also
+    the one for a crashed shell: the subcommands that run one, sim and fuzz)."""
     lines = ["examples:"] + [f"  {example}" for example in examples]
-    return "\n".join(lines) + "\n\n" + (extra + "\n\n" if extra else "") + EXIT_CODES
+    return ("\n".join(lines) + "\n\n" + (extra + "\n\n" if extra else "") + EXIT_CODES
+            + (CRASH_EXIT_LINE if crash else ""))
 
 
 def add_subcommand(commands, name: str, summary: str, description: str,
-                   examples: list[str], extra: str = "") -> Parser:
+                   examples: list[str], extra: str = "", crash: bool = False) -> Parser:
     import textwrap
 
     return commands.add_parser(
         name, help=summary, description=textwrap.fill(description, 88),
-        epilog=help_epilog(examples, extra), formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=help_epilog(examples, extra, crash),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def _whole_number(text: str, low: int, bound: str) -> int:

@@ -6,7 +6,9 @@
     kvproof fuzz --replay FILE
 
 Exit status: 0 when nothing is violated (for --zoo: every entry caught and no false alarm),
-1 when something is (for --replay: the saved violation reproduces), 2 for bad input.
+1 when something is (for --replay: the saved violation reproduces), 2 for bad input, 3 when
+the target itself crashed (sim/crash.py): an exception, reported with its innermost frame,
+the seed, the reproduce command and the saved events, and replayed like a violation.
 Every run prints its seed; a run given no seed draws one.
 """
 
@@ -25,6 +27,8 @@ from fuzz.profiles import PROFILES, default_profile_name
 from fuzz.target import TARGET_MODULES, load_targets
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
+from api.clikit import EXIT_CRASH  # noqa: E402
+from sim.crash import SHELL_CRASH  # noqa: E402
 EXAMPLES_DEFAULT = 200
 ZOO_EXAMPLES_DEFAULT = 1000
 # A time budget runs batches this big, seeds seed, seed+1, ...; it is checked between them.
@@ -207,15 +211,19 @@ def _fuzz(args: argparse.Namespace, base, target: str) -> int:
 def _report_failure(args: argparse.Namespace, campaign, outcome) -> int:
     from fuzz.runner import format_failure
 
+    crashed = outcome.replayed.property == SHELL_CRASH
+    if crashed:
+        print(f"SHELL CRASHED: the {campaign.target} target raised an exception (a bug of the "
+              "shell, not a protocol violation); it is reported, shrunk and saved as one")
     print(format_failure(campaign, outcome))
     path = args.out or f"kvproof-fuzz-{campaign.target}-seed{outcome.batch_seed}.itf.json"
     try:
         _save(path, campaign, outcome)
     except OSError as error:
         print(f"kvproof fuzz: cannot save the failure to {path}: {error}", file=sys.stderr)
-        return EXIT_VIOLATION
+        return EXIT_CRASH if crashed else EXIT_VIOLATION
     print(f"Minimal failing sequence written to {path}; replay: kvproof fuzz --replay {path}")
-    return EXIT_VIOLATION
+    return EXIT_CRASH if crashed else EXIT_VIOLATION
 
 
 def _fuzz_runs(args: argparse.Namespace, campaign) -> int:
@@ -331,4 +339,4 @@ def _replay(args: argparse.Namespace) -> int:
     same = str(found.violations[0]) == saved.violation and found.steps == saved.steps
     print(f"{'Reproduced' if same else 'A different violation'}: {found.violations[0]} "
           f"after event {found.steps}")
-    return EXIT_VIOLATION
+    return EXIT_CRASH if found.property == SHELL_CRASH else EXIT_VIOLATION

@@ -6,7 +6,9 @@ simulated time. A run that finds a violation prints the command that reproduces 
 every option that changed the run.
 
 Exit status: 0 when every oracle held, 1 when a violation or a leaked response was found,
-2 on bad input (an unknown scenario or field, a malformed file, a log that is not a run).
+2 on bad input (an unknown scenario or field, a malformed file, a log that is not a run),
+3 when the simulator itself crashed (sim/crash.py): the exception, its innermost frame, the
+seed, the reproduce command and a log of the events up to the crash are reported.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from api.clikit import (EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, FUZZ_FAILURE, ITF_TRACE,
+from api.clikit import (EXIT_CRASH, EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, FUZZ_FAILURE, ITF_TRACE,
                         UsageError, add_subcommand, plural, positive_int, sniff,
                         writable_file, writable_folder, wrong_kind)
 from sim.fold import LogError
@@ -46,7 +48,8 @@ def add_parser(commands) -> None:
         "Run a SimPy cluster of prefill and decode workers, every protocol step decided by "
         "the protocol core, under a scenario's load and faults; check the invariants as it "
         "runs and count leaked responses. Scenarios are TOML files; any field can be "
-        "overridden with --set, and one can be swept with --sweep.", EXAMPLES, EXTRA)
+        "overridden with --set, and one can be swept with --sweep.", EXAMPLES, EXTRA,
+        crash=True)
     sim.add_argument("scenario", nargs="?", help="a scenario name (see --list-scenarios) or a "
                      "TOML file")
     sim.add_argument("--seed", type=int, help="override the scenario's seed")
@@ -250,9 +253,36 @@ def _run(args: argparse.Namespace):
           f"{plural(scenario.requests, 'request')}, bugs: {', '.join(scenario.bugs) or 'none'}",
           flush=True)
     result, sim = simulate(scenario, log_path=args.log, progress=not args.quiet)
-    if args.itf:
+    if result["crash"] is not None:
+        _keep_crash_log(args, scenario, result)
+    elif args.itf:
         _write_itf(args.log, args.itf)
     return result, sim.folder.metrics
+
+
+def crash_log_path(scenario) -> str:
+    return f"kvproof-sim-{scenario.name}-seed{scenario.seed}-crash.ndjson"
+
+
+def _keep_crash_log(args: argparse.Namespace, scenario, result: dict) -> None:
+    """The events up to a crash, in a log: the run's own (--log), or, when it kept none, a
+    second run of the same seed with a log, which also shows whether the crash reproduces."""
+    from sim.run import simulate
+
+    crash = result["crash"]
+    if args.log:
+        crash["log"], crash["reproduced"] = args.log, None
+        return
+    path = crash_log_path(scenario)
+    try:
+        again, _ = simulate(scenario, log_path=path)
+    except OSError as error:
+        print(f"kvproof sim: cannot write the crash log {path}: {error}", file=sys.stderr)
+        crash["log"], crash["reproduced"] = None, None
+        return
+    crash["log"] = path
+    crash["reproduced"] = again["crash"] is not None and all(
+        again["crash"][key] == crash[key] for key in ("type", "message", "frame", "events"))
 
 
 def _replay(args: argparse.Namespace):
@@ -322,7 +352,29 @@ def _stopped_text(result: dict) -> str:
     return f"{first['property']}: {first['detail']}"
 
 
+def _crash_verdict(args: argparse.Namespace, result: dict) -> int:
+    """A crashed shell: the exception, where, and how to get it back (exit 3)."""
+    from sim.crash import one_line
+
+    crash = result["crash"]
+    print(f"SHELL CRASHED after {plural(crash['events'], 'event')}, at {crash['t']:.6f} s "
+          f"simulated: {one_line(crash)}")
+    if crash["line"]:
+        print(f"  {crash['frame']}: {crash['line']}")
+    if not args.replay:
+        print(f"reproduce with seed={result['seed']}: {reproduce_command(args, result['seed'])}")
+    if crash.get("log"):
+        again = {True: " (a second run of the seed crashed the same way)",
+                 False: " (a second run of the seed did NOT crash the same way)"}
+        print(f"the events up to the crash: {crash['log']}"
+              f"{again.get(crash.get('reproduced'), '')}; replay them: kvproof sim --replay "
+              f"{shlex.quote(crash['log'])}")
+    return EXIT_CRASH
+
+
 def _verdict(args: argparse.Namespace, result: dict) -> int:
+    if result.get("crash"):
+        return _crash_verdict(args, result)
     bad = result["violations"] or result["summary"]["leaked_responses"]
     if result["stopped"]:
         print(f"STOPPED at the first violation: {_stopped_text(result)}")

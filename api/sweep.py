@@ -12,7 +12,7 @@ import argparse
 import copy
 import sys
 from api.campaigns import parallel_map
-from api.clikit import EXIT_OK, EXIT_VIOLATION, UsageError
+from api.clikit import EXIT_CRASH, EXIT_OK, EXIT_VIOLATION, UsageError
 from sim.scenario import Scenario
 
 COLUMNS = ("value", "settled", "ok", "errors", "leaked", "violations", "TTFT p50 ms",
@@ -116,5 +116,13 @@ def run_sweep(args: argparse.Namespace) -> int:
         point.set = [*args.set, f"{field}={value}"]
         print(f"{field}={value}: reproduce with seed={result['seed']}: "
               f"{reproduce_command(point, result['seed'])}")
+    crashed = [(v, r) for (v, _), r in zip(points, results) if r.get("crash")]
+    for value, result in crashed:
+        from sim.crash import one_line
+
+        point = copy.copy(args)
+        point.set = [*args.set, f"{field}={value}"]
+        print(f"{field}={value}: SHELL CRASHED: {one_line(result['crash'])}; reproduce with "
+              f"seed={result['seed']}: {reproduce_command(point, result['seed'])}")
     sys.stdout.flush()
-    return EXIT_VIOLATION if bad else EXIT_OK
+    return EXIT_CRASH if crashed else EXIT_VIOLATION if bad else EXIT_OK

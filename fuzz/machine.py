@@ -50,6 +50,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 from spec import core
 from spec.model import Model
 
+from sim import crash as shell_crash
+
 from fuzz import oracles
 from fuzz.oracles import Checks
 from fuzz.profiles import Profile
@@ -229,7 +231,7 @@ class FuzzMachine(RuleBasedStateMachine):
     def configure(self, data) -> None:
         self.setup = draw_setup(data, self.profile, self.bugs, self.target.vocabulary)
         self.weight = self.setup.weight_table()
-        self.target.reset(self.setup.model, seed=self.setup.seed)
+        self._guarded(self.target.reset, self.setup.model, seed=self.setup.seed)
         self._check()
 
     @rule(choice=st.integers(0, 2**64 - 1))
@@ -250,7 +252,7 @@ class FuzzMachine(RuleBasedStateMachine):
         move = self._pick(moves, lambda: digits.below(len(moves)))
         if isinstance(move, Open):
             move = self._close(move, digits)
-        self.target.step(move)
+        self._guarded(self.target.step, move, move=move)
         self.recorder.steps += 1
         self._check()
 
@@ -331,15 +333,37 @@ class FuzzMachine(RuleBasedStateMachine):
                 move = move.close(rng.randint(1, self.setup.prompt_pages_max)
                                   if move.action == "Arrive" else
                                   allocate(move, self.setup.policy, rng))
-            target.step(move)
+            self._guarded(target.step, move, move=move)
             self.drained.add(len(target.trace()) - 1)
             self.recorder.drain_steps += 1
             self._check()
         raise AssertionError(f"the drain did not reach rest in {self.profile.drain_steps_max} "
                              "steps: the protocol has a cycle")
 
+    def _guarded(self, fn: Callable, *args, move: core.Event | None = None, **kwargs) -> None:
+        """Call into the target; an exception it raises is a crashed shell, a finding
+        (sim/crash.py): a FuzzFailure whose violation is the crash, with every event up to
+        and including the one being taken, so that it is shrunk, saved and replayed like
+        any other failure."""
+        try:
+            fn(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001
+            self._crashed(error, move)
+
+    def _crashed(self, error: Exception, move: core.Event | None) -> None:
+        trace = self.target.trace()
+        if move is not None and not (trace and trace[-1] is move):
+            trace.append(move)  # a target that records an event only once it is taken
+        self.failed = True
+        self.recorder.failed()
+        raise FuzzFailure(self.setup, trace, frozenset(self.drained),
+                          [shell_crash.as_violation(error)], self.target.describe()) from error
+
     def _check(self) -> None:
-        violations = oracles.check(self.checks, self.setup.model, self.target)
+        try:
+            violations = oracles.check(self.checks, self.setup.model, self.target)
+        except Exception as error:  # noqa: BLE001  an oracle reading a broken target
+            self._crashed(error, None)
         if violations:
             self.failed = True
             self.recorder.failed()

@@ -28,6 +28,8 @@ from spec import codec, core
 from spec.tlaplus.itf import model_from_meta, trace_to_itf
 from spec.model import Model, ModelError
 
+from sim import crash as shell_crash
+
 from fuzz import oracles
 from fuzz.oracles import Checks
 from fuzz.target import MOVE_TYPES, AtWorker, TargetRefused, Violation, load_targets
@@ -59,17 +61,25 @@ def replay(target_name: str, m: Model, events: list[core.Event], checks: Checks,
     Raises TargetRefused when the target refuses an event. With `states`, appends the
     protocol state after reset and after every event."""
     target = load_targets()[target_name]()
-    target.reset(m, seed=seed)
-    if states is not None:
-        states.append((None, target.protocol_state()))
-    found = oracles.check(checks, m, target)
+    try:
+        target.reset(m, seed=seed)
+        if states is not None:
+            states.append((None, target.protocol_state()))
+        found = oracles.check(checks, m, target)
+    except Exception as error:  # noqa: BLE001  the shell crashed: a finding (sim/crash.py)
+        return Replayed(0, [shell_crash.as_violation(error)])
     if found:
         return Replayed(0, found)
     for k, event in enumerate(events):
-        target.step(event)
-        if states is not None:
-            states.append((event, target.protocol_state()))
-        found = oracles.check(checks, m, target)
+        try:
+            target.step(event)
+            if states is not None:
+                states.append((event, target.protocol_state()))
+            found = oracles.check(checks, m, target)
+        except TargetRefused:
+            raise
+        except Exception as error:  # noqa: BLE001
+            return Replayed(k + 1, [shell_crash.as_violation(error)], tuple(target.story()))
         if found:
             return Replayed(k + 1, found, tuple(target.story()))
     return None

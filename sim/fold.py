@@ -90,16 +90,27 @@ class Folder:
         if action == "DecodeCrash":
             return self._crash(t, self.cluster.crash_decode, record["d"])
         event = event_of(record)
-        r = event.request
         if action == "Arrive":
-            self.cluster.arrive(r, record["p"], record["d"])
+            return self.arrive(t, event, record["p"], record["d"], record["out"])
+        r = event.request
         out = self.cluster.decide(r, event)
         if type(out) is Refusal:
-            if action == "Arrive":
-                self.cluster.withdraw(r)
             return out
-        if action == "Arrive":
-            m.arrive(t, r, event.prompt_pages, record["out"])
+        self.accept(t, r, out, event)
+        return out
+
+    def arrive(self, t: float, event: core.Arrive, p: int, d: int,
+               output_tokens: int) -> Change | Refusal:
+        """An Arrive and the shell's facts beside it (placement, output length): a record's
+        or, in a live run, the event itself (no record to encode and decode again)."""
+        r = event.request
+        self.metrics.last_event_s = t
+        self.cluster.arrive(r, p, d)
+        out = self.cluster.decide(r, event)
+        if type(out) is Refusal:
+            self.cluster.withdraw(r)
+            return out
+        self.metrics.arrive(t, r, event.prompt_pages, output_tokens)
         self.accept(t, r, out, event)
         return out
 
@@ -107,7 +118,8 @@ class Folder:
         """Commit a change the core decided for request r, and fold it into the metrics:
         the one path by which a live run and a replay change anything."""
         cluster = self.cluster
-        cluster.check_observation(r, event)
+        if core.INFO[type(event)].observed is not None:  # most events observe nothing
+            cluster.check_observation(r, event)
         old = cluster.rows[r]
         self.last_placement = cluster.placement[r]
         cluster.commit(r, change)
@@ -120,7 +132,7 @@ class Folder:
         new = cluster.rows[r]
         if change.landed:
             m.pages_written += len(change.landed)
-        if change.decode:
+        if cluster.moved_decode:  # an owner changed (a landing write changes no count)
             d = self.last_placement[1]
             m.decode_pages_changed(t, cluster.decode_pages_used, d, cluster.decode_used(d))
         if new is old:
@@ -129,7 +141,7 @@ class Folder:
             if new[core.CLIENT] == core.OK and cluster.leak_check(r):
                 m.leak(r, ok=True)
             m.answered(t, r, old, new)
-        if core.settled(new):
+        if new[core.PST] != core.RUNNING and core.settled(new):  # (running: never settled)
             cluster.forget(r)
             m.forget(r)
 

@@ -76,6 +76,9 @@ def summary_table(result: dict) -> str:
               f"bytes moved      {human_bytes(s['bytes_transferred'])}",
               "refused offers   " + _counts(result["refusals"]),
               "violations       " + (_counts(result["violations"]) or "none")]
+    for k, (kind, hit) in enumerate(sorted(result.get("fault_hits", {}).items())):
+        lines.append(f"{'fault hits' if k == 0 else '':<17}{kind}: {hit['hits']:,} of "
+                     f"{hit['fired']:,} fired {hit['target']}")
     if "slo" in result:
         after_latencies = next(k for k, line in enumerate(lines) if line.startswith("end-to-end"))
         lines.insert(after_latencies + 1, _slo_line(result["slo"]))

@@ -49,6 +49,9 @@ import simpy
 from spec import core
 from spec.core import PROMPT, PST, QUEUED, SRC, Refusal
 from spec import codec, commands
+from sim import crash as shell_crash, fault_hits as hits
+from sim.decode_batch import DecodeBatch
+from sim.prefill_queue import PrefillQueue
 from sim.fold import FIRST_TOKEN, RUN_END, Folder, encode, replay, write_header
 from sim.scenario import Lengths, Scenario
 from sim.workload import TraceRequest, load_workload  # noqa: F401  (TraceRequest: a type)
@@ -88,34 +91,34 @@ class Simulation:
         self.progress = progress
         seed = scenario.seed
         self.rng = {k: random.Random(f"{seed}:{k}") for k in
-                    ("arrivals", "lengths", "faults", "links", "crashes")}
+                    ("arrivals", "lengths", "faults", "links", "crashes", "reactions")}
         c = scenario.cluster
         self.page_tokens = c.page_tokens
         self.page_transfer_s = (c.page_tokens * scenario.link.kv_bytes_per_token
                                 / scenario.link.bandwidth_bytes_per_s)
         self.next_request = 0
         self.refusals: dict[str, int] = {}
+        self.fault_hits = hits.FaultHits()  # how often each fault struck its target state
         self.violations_seen = 0
         # Prefill workers.
-        self.prefill_queue = [deque() for _ in range(c.prefill_workers)]
+        self.prefill_queue = [PrefillQueue() for _ in range(c.prefill_workers)]
         self.prefill_busy = [False] * c.prefill_workers
         self.prefill_epoch = [0] * c.prefill_workers
         self.prefill_down_until = [0.0] * c.prefill_workers
         self.nic_in_flight = [0] * c.prefill_workers
         self.nic_free_at = [0.0] * c.prefill_workers
         self.nic_waiting = [deque() for _ in range(c.prefill_workers)]
+        self.nic_posted = [deque() for _ in range(c.prefill_workers)]  # writes awaiting a slot
         self.nic_pending: dict[int, int] = {}   # request -> its writes still in flight
+        self.send_page_events: dict[int, core.SendPage] = {}
         self.all_posted: set[int] = set()       # requests whose every page is posted
         # Decode workers.
         self.decode_waiting = [deque() for _ in range(c.decode_workers)]
         self.decode_down_until = [0.0] * c.decode_workers
-        self.batch = [[] for _ in range(c.decode_workers)]
-        self.ready = [deque() for _ in range(c.decode_workers)]
-        self.stepping = [False] * c.decode_workers
+        self.batches = [DecodeBatch() for _ in range(c.decode_workers)]
         # Per live request (dropped when it settles).
         self.output = {}
         self.decoding = {}  # request -> its sequence in a decode batch
-        self.context_tokens = [0] * c.decode_workers
         self.intents: dict[int, list[tuple[str, str]]] = {}
         self.timers: dict[int, object] = {}  # request -> its armed transfer timer's token
         self.tables_received: set[int] = set()  # requests whose page table reached the prefill
@@ -135,6 +138,12 @@ class Simulation:
         self.pending = 0
         self.wall_start = time.perf_counter()
         self.next_progress = self.wall_start + 2.0
+        # _checked has work when a violation is new, or at a multiple of these events (the
+        # sweep's and the progress line's), so the step after every event asks one modulo.
+        # Bound once: SimPy's env.timeout builds a bound method on every attribute access.
+        self._timeout, self._fire_callback = self.env.timeout, self._fire
+        self.check_every_events = math.gcd(scenario.oracles.sweep_every_events,
+                                           2048 if progress else 0) or 2**62
 
     # -- offering events to the core ------------------------------------------------------
 
@@ -147,9 +156,14 @@ class Simulation:
             return self._arrive(r, args)
         if r not in self.cluster.rows:
             return None  # settled and forgotten: a late timer or message
-        event = self._event(action, r, args)
+        return self.take(self._event(action, r, args), _count_refusal)
+
+    def take(self, event: core.Event, _count_refusal: bool = True) -> core.Change | None:
+        """`offer` for an event already built (the per-page events, on the hot path: no
+        keyword arguments to pack and unpack); its request must still be live."""
+        r = event.request
         # The core decides first, so that a refusal costs no record and no fold.
-        out = self.cluster.decide(r, event)
+        out = core.decide(self.model, self.cluster.view(r), event)  # store.decide, inlined
         if type(out) is Refusal:
             if _count_refusal:
                 self._refused(out)
@@ -198,15 +212,15 @@ class Simulation:
 
     def _arrive(self, r: int, args: dict) -> core.Change | None:
         event = core.Arrive(r, args["prompt_pages"])
-        record = {"t": self.env.now, **codec.encode(event),
-                  **{k: args[k] for k in ("p", "d", "out")}}
+        now = self.env.now
         self.depth += 1
-        out = self.folder.apply(record)
+        out = self.folder.arrive(now, event, args["p"], args["d"], args["out"])
         if type(out) is Refusal:
             self._refused(out)
             self.depth -= 1
             return None
         if self.log is not None:
+            record = {"t": now, **codec.encode(event), **{k: args[k] for k in ("p", "d", "out")}}
             self.log.write(encode(record) + "\n")
         if self.on_commit is not None:
             self.on_commit(event, out)
@@ -215,10 +229,12 @@ class Simulation:
 
     def _after(self, r: int, out: core.Change) -> None:
         """Oracle verdicts, then the components' reactions to what the core changed."""
-        self._checked()
+        if (self.cluster.violation_total != self.violations_seen
+                or self.folder.events % self.check_every_events == 0):
+            self._checked()
         self.react(r, out)
         self.depth -= 1
-        if self.depth == 0:
+        if self.depth == 0 and self.dirty:
             self._run_intents()
 
     def _checked(self) -> None:
@@ -240,20 +256,20 @@ class Simulation:
             for wanted in tuple(self.intents.get(r, ())):
                 if r not in self.cluster.rows:
                     break
-                cls = self._ready(r, wanted)
-                if cls is not None and self.offer(cls.__name__, r):
+                if self._take_intent(r, wanted):
                     still = self.intents.get(r)
                     if still and wanted in still:
                         still.remove(wanted)
 
-    def _ready(self, r: int, wanted: tuple[str, str]) -> type | None:
-        """The action that carries out an intent now, if the core has one enabled."""
+    def _take_intent(self, r: int, wanted: tuple[str, str]) -> bool:
+        """Carry out an intent if the core enables it now: a message goes to the action
+        the core says consumes it; an action is offered and decided once (a refusal here
+        is no race, only "not yet", and is not counted)."""
         worker, what = wanted
-        view = self.cluster.view(r)
-        if what in core.CONSUMERS:
-            return core.consumer(self.model, view, r, what, worker)
-        cls = core.EVENT_TYPES[what]
-        return cls if core.is_enabled(self.model, view, r, cls) else None
+        if what not in core.CONSUMERS:
+            return bool(self.offer_if_enabled(what, r))
+        cls = core.consumer(self.model, self.cluster.view(r), r, what, worker)
+        return cls is not None and bool(self.offer(cls.__name__, r))
 
     def want(self, r: int, worker: str, what: str) -> None:
         """Carry out `what` for r (a message its worker has received, or an action of that
@@ -262,13 +278,16 @@ class Simulation:
         if (worker, what) not in wanted:
             wanted.append((worker, what))
         self.dirty.append(r)
+        if self.depth == 0:
+            # Not inside a decision (a notice delivered by a timer): if the core enables
+            # it now, it is taken now, not at the next event someone else causes.
+            self._run_intents()
 
     def later(self, delay_s: float, fn, *args) -> None:
         """Call fn(*args) after delay_s. These are the protocol's own timers and deliveries:
         when none is pending and every request has arrived, the cluster is at rest."""
         self.pending += 1
-        event = self.env.timeout(delay_s, (fn, args))
-        event.callbacks.append(self._fire)
+        self._timeout(delay_s, (fn, args)).callbacks.append(self._fire_callback)
 
     def _fire(self, event) -> None:
         self.pending -= 1
@@ -286,17 +305,53 @@ class Simulation:
         bookkeeping of a request that moved: its intents are asked again, and a request
         the store forgot (settled) leaves every table of the shell."""
         p, d = self.folder.last_placement
-        for command in change.commands:
-            self.carry_out(command, p, d)
-        self._moved(r)
+        handlers = self._handlers
+        todo = change.commands
+        if len(todo) > 1:
+            todo = self.concurrent_order(todo)
+        for command in todo:
+            handlers[type(command)](command, p, d)  # carry_out, without the extra call
+        if r in self.intents:  # _moved, inlined
+            self.dirty.append(r)
+        if r not in self.cluster.rows:
+            self._settled(r, p)
 
-    def _moved(self, r: int) -> None:
+    def concurrent_order(self, todo: tuple) -> list:
+        """The commands of one decision in the order the shell carries them out. Those of
+        one worker for one request keep the core's order (a worker does one thing after
+        another); different workers (or requests, after a crash) act concurrently, so
+        their turns are ordered by the run's seed: no reaction always goes first."""
+        if not todo:
+            return todo
+        first = todo[0]
+        group = (first.request, _carrier(first))
+        for command in todo:
+            if (command.request, _carrier(command)) != group:
+                break
+        else:
+            return todo  # one worker's commands (most decisions)
+        groups: dict[tuple, list] = {}
+        for command in todo:
+            groups.setdefault((command.request, _carrier(command)), []).append(command)
+        turns = list(groups.values())
+        if len(turns) == 2:  # the usual case, one draw instead of shuffle's
+            if self.rng["reactions"].random() < 0.5:
+                turns.reverse()
+        else:
+            self.rng["reactions"].shuffle(turns)
+        return [command for turn in turns for command in turn]
+
+    def _moved(self, r: int, p: int) -> None:
         if r in self.intents:
             self.dirty.append(r)
         if r not in self.cluster.rows:
-            self._drop(r)
-            if self.folder.metrics.settled == self.requests_total and not self.finished.triggered:
-                self.finished.succeed()
+            self._settled(r, p)
+
+    def _settled(self, r: int, p: int) -> None:
+        """The store forgot r: it leaves every table of the shell."""
+        self._drop(r, p)
+        if self.folder.metrics.settled == self.requests_total and not self.finished.triggered:
+            self.finished.succeed()
 
     def carry_out(self, command: commands.Command, p: int, d: int) -> None:
         """One command of the core's decision, at prefill worker p and decode worker d (the
@@ -317,21 +372,28 @@ class Simulation:
     def _send_command(self, command: commands.Send, p: int, d: int) -> None:
         r, message = command.request, command.message
         if message == core.BOOTSTRAP:
-            self.send(self.on_bootstrap, r, d)
+            self.send(self.on_bootstrap, r, d, message=message)
         elif message == core.FINAL_WORD_MSG:
-            self.send(self.on_final_word, r, d)
+            self.send(self.on_final_word, r, d, message=message)
         elif message == core.CANCEL_MSG:
-            self.send(self.on_cancel, r, p, to_prefill=p)
+            self.send(self.on_cancel, r, p, to_prefill=p, message=message)
         elif message == commands.PAGE_TABLE:
-            self.send(self.on_table, r, p, to_prefill=p)
+            self.send(self.on_table, r, p, to_prefill=p, message=message)
         else:  # the client went away: the serving edge tells both workers
+            # The serving edge tells both workers at once: which notice lands first is
+            # the seed's choice (SimPy runs equal times in scheduling order).
             notice_s = self.sc.timeouts.notice_delay_s
-            self.later(notice_s, self.want, r, "prefill", core.CLIENT_GONE)
-            self.later(notice_s, self.offer_decode_abort, r)
+            notices = [(self.want, r, "prefill", core.CLIENT_GONE), (self.offer_decode_abort, r)]
+            self.rng["reactions"].shuffle(notices)
+            for notice in notices:
+                self.later(notice_s, *notice)
             self._answered(r)  # a closed-loop session moves on either way
 
     def _queue(self, command: commands.Queue, p: int, d: int) -> None:
-        self.prefill_queue[p].append(command.request)
+        r = command.request
+        ready = (r in self.tables_received or not core.admission_waits_for_table(self.model)
+                 or core.is_enabled(self.model, self.cluster.view(r), r, core.Reject))
+        self.prefill_queue[p].add(r, ready)
         self.kick_prefill(p)
 
     def _start_compute(self, command: commands.Compute, p: int, d: int) -> None:
@@ -340,13 +402,16 @@ class Simulation:
 
     def _arm_timer(self, command: commands.ArmTimer, p: int, d: int) -> None:
         r = command.request
-        token = self.timers[r] = object()
+        # The token is the timer's deadline in a list: a new timer is a new list (`is`).
+        token = self.timers[r] = [self.env.now + self.sc.timeouts.transfer_timeout_s]
         self.later(self.sc.timeouts.transfer_timeout_s, self._timer_fired, r, token)
 
     def _timer_fired(self, r: int, token: object) -> None:
         if self.timers.get(r) is token:
             del self.timers[r]
-            self.offer("Timeout", r)
+            hit = hits.writes_of_request(self.cluster, r)
+            if self.offer("Timeout", r):
+                self.fault_hits.fired("Timeout", hit)
 
     def _cancel_timer(self, command: commands.CancelTimer, p: int, d: int) -> None:
         self.timers.pop(command.request, None)
@@ -354,14 +419,15 @@ class Simulation:
     def _start_decoding(self, command: commands.StartDecoding, p: int, d: int) -> None:
         r = command.request
         prompt = self.cluster.rows[r][PROMPT]
-        entry = self.decoding[r] = [r, 0, self.output[r], prompt * self.page_tokens]
-        self.ready[d].append(entry)
+        sequence = self.decoding[r] = DecodeBatch.sequence(r, self.output[r],
+                                                            prompt * self.page_tokens)
+        self.batches[d].add(sequence)
         self.kick_decode(d)
 
     def _stop_decoding(self, command: commands.StopDecoding, p: int, d: int) -> None:
-        entry = self.decoding.pop(command.request, None)
-        if entry is not None:
-            entry[0] = -1  # the batch skips it at its next step
+        sequence = self.decoding.pop(command.request, None)
+        if sequence is not None:
+            self.batches[d].stop(sequence)
 
     def _release_when_ready(self, command: commands.ReleaseWhenReady, p: int, d: int) -> None:
         self.want(command.request, "decode", "Release")
@@ -372,8 +438,10 @@ class Simulation:
         else:
             self.kick_prefill(p)
 
-    def _drop(self, r: int) -> None:
+    def _drop(self, r: int, p: int) -> None:
+        self.prefill_queue[p].forget(r)
         for table in (self.output, self.decoding, self.intents, self.nic_pending,
+                      self.send_page_events,
                       self.held_until, self.timers):
             table.pop(r, None)
         self.all_posted.discard(r)
@@ -386,14 +454,17 @@ class Simulation:
 
     # -- messages ---------------------------------------------------------------------------
 
-    def send(self, handler, r: int, worker: int, to_prefill: int = -1) -> None:
+    def send(self, handler, r: int, worker: int, to_prefill: int = -1,
+             message: str = "") -> None:
         """Deliver a message after latency, loss (retransmitted) and delay faults."""
         f, rng = self.sc.faults, self.rng["links"]
         delay = self.sc.link.message_latency_s
         while f.message_loss_probability and rng.random() < f.message_loss_probability:
             delay += f.retransmit_after_s
+            self.fault_hits.fired("MessageLoss", hits.stressful_message(message))
         if f.message_delay_probability and rng.random() < f.message_delay_probability:
             delay += rng.expovariate(1.0 / f.message_delay_mean_s) if f.message_delay_mean_s else 0
+            self.fault_hits.fired("MessageDelay", hits.stressful_message(message))
         self.later(delay, self._deliver, handler, r, worker, to_prefill)
 
     def hold(self, r: int, seconds: float) -> None:
@@ -403,18 +474,18 @@ class Simulation:
 
     def _held(self, r: int, fn, *args) -> bool:
         """Re-schedule fn(*args) if r is held; True if it was."""
-        until = self.held_until.get(r, 0.0)
-        if until <= self.env.now:
+        until = self.held_until.get(r)
+        if until is None or until <= self.env.now:
             return False
         self.later(until - self.env.now, fn, *args)
         return True
 
     def _deliver(self, handler, r: int, worker: int, to_prefill: int) -> None:
-        if self._held(r, self._deliver, handler, r, worker, to_prefill):
+        if self.held_until and self._held(r, self._deliver, handler, r, worker, to_prefill):
             return
         back = (self.prefill_down_until[to_prefill] if to_prefill >= 0
                 else self.decode_down_until[worker])
-        if back > self.env.now:
+        if back and back > self.env.now:  # 0.0: the worker never went down
             # A restarting worker gets its messages once it is back (the sender re-sends).
             self.later(back - self.env.now, self._deliver, handler, r, worker, to_prefill)
             return
@@ -426,42 +497,46 @@ class Simulation:
     def kick_prefill(self, p: int) -> None:
         """Admit the first queued request whose page table has arrived (the bootstrap
         queue: the prefill computes only once decode has reserved), or reject one the core
-        says must be rejected; one request at a time."""
-        if self.prefill_busy[p] or self.prefill_down_until[p] > self.env.now:
+        says must be rejected; one request at a time. Only ready requests are looked at
+        (sim/prefill_queue.py)."""
+        down_until = self.prefill_down_until[p]
+        if self.prefill_busy[p] or (down_until and down_until > self.env.now):
             return
         queue = self.prefill_queue[p]
-        for r in tuple(queue):
-            row = self.cluster.rows.get(r)
-            if row is None or row[PST] != QUEUED:
-                queue.remove(r)
-                continue
-            if core.is_enabled(self.model, self.cluster.view(r), r, core.Reject):
-                queue.remove(r)
-                self.offer("Reject", r)
-                continue
-            if r not in self.tables_received and core.admission_waits_for_table(self.model):
-                continue  # the page table has not reached this prefill yet
-            need = core.pages_to_admit(self.model, row)
-            if type(need) is str:
-                continue
-            pages = self.cluster.allocate("prefill", p, need)
-            if pages is None:
-                return  # pool pressure: wait until pages come back
-            queue.remove(r)
-            # Busy before the offer: the Admit's own reaction kicks this worker again
-            # (its pool changed), and must not admit the next request alongside.
-            self.prefill_busy[p] = True
-            if self.offer("Admit", r, pages=pages):
-                return  # its Compute command started the computation
-            self.prefill_busy[p] = False
+        passed = []  # ready, yet the core names no page count to admit with: look past them
+        try:
+            while (r := queue.first()) is not None:
+                row = self.cluster.rows.get(r)
+                if row is None or row[PST] != QUEUED:
+                    queue.take()  # aborted, crashed or settled meanwhile
+                    continue
+                if core.is_enabled(self.model, self.cluster.view(r), r, core.Reject):
+                    queue.take()
+                    self.offer("Reject", r)
+                    continue
+                need = core.pages_to_admit(self.model, row)
+                if type(need) is str:
+                    passed.append(queue.take())
+                    continue
+                pages = self.cluster.allocate("prefill", p, need)
+                if pages is None:
+                    return  # pool pressure: wait until pages come back
+                queue.take()
+                # Busy before the offer: the Admit's own reaction kicks this worker again
+                # (its pool changed), and must not admit the next request alongside.
+                self.prefill_busy[p] = True
+                if self.offer("Admit", r, pages=pages):
+                    return  # its Compute command started the computation
+                self.prefill_busy[p] = False
+        finally:
+            queue.put_back(passed)
 
     def _compute(self, p: int, r: int, pages: int) -> None:
         self.prefill_busy[p] = True
         compute_s = pages * self.page_tokens / self.sc.compute.prefill_tokens_per_s
         f = self.sc.faults
         if f.prefill_fail_probability and self.rng["faults"].random() < f.prefill_fail_probability:
-            self.later(self.rng["faults"].uniform(0, compute_s), self.offer_if_enabled,
-                       "PrefillFail", r)
+            self.later(self.rng["faults"].uniform(0, compute_s), self._prefill_fail, r)
         self.later(compute_s, self._computed, p, r, self.prefill_epoch[p])
 
     def _computed(self, p: int, r: int, epoch: int) -> None:
@@ -476,13 +551,15 @@ class Simulation:
     def on_table(self, r: int, p: int) -> None:
         """Decode's page table reached the prefill: the request may be admitted now."""
         self.tables_received.add(r)
+        self.prefill_queue[p].table_arrived(r)
         self.kick_prefill(p)
 
     def kick_nic(self, p: int) -> None:
         """Post writes while the NIC has room, requests in FIFO order."""
         waiting = self.nic_waiting[p]
         limit = self.sc.link.writes_in_flight_max
-        while waiting and self.nic_in_flight[p] < limit:
+        # Room counts the writes already posted and still waiting for a slot.
+        while waiting and self.nic_in_flight[p] + len(self.nic_posted[p]) < limit:
             r = waiting[0]
             if r not in self.cluster.rows or not self._post(p, r):
                 waiting.popleft()
@@ -497,27 +574,54 @@ class Simulation:
 
     def _post(self, p: int, r: int) -> bool:
         """SendPage, if the core enables it: its Post command puts the write on the NIC."""
-        return self.offer_if_enabled("SendPage", r) is not None
+        event = self.send_page_events.get(r)
+        if event is None:  # one event per request: the same for each of its pages
+            event = self.send_page_events[r] = core.SendPage(r)
+        return self.take(event, _count_refusal=False) is not None  # if the core enables it
 
     def _nic_send(self, command: commands.Post, p: int, d: int) -> None:
-        """The NIC carries out a posted write: bandwidth-serialised, slow-link faults; the
-        write lands after its transfer and the link's write latency."""
-        r, w = command.request, command.write
+        """The NIC takes a posted write. A SendPage may post any number of writes (one Post
+        command each): they queue at the NIC in posting order and start while it has a slot
+        (writes_in_flight_max), so the bound holds however many one decision posts."""
+        r = command.request
+        self.nic_pending[r] = self.nic_pending.get(r, 0) + 1
+        posted = self.nic_posted[p]
+        if not posted and self.nic_in_flight[p] < self.sc.link.writes_in_flight_max:
+            self._start_write(p, command.write)  # a free slot and no one ahead: now
+        else:
+            posted.append(command.write)
+            self._start_writes(p)
+
+    def _start_writes(self, p: int) -> None:
+        posted, limit = self.nic_posted[p], self.sc.link.writes_in_flight_max
+        while posted and self.nic_in_flight[p] < limit:
+            self._start_write(p, posted.popleft())
+
+    def _start_write(self, p: int, w: tuple) -> None:
+        """A write on the wire: bandwidth-serialised, slow-link faults; it lands after its
+        transfer and the link's write latency."""
+        r = w[0]
         transfer_s = self.page_transfer_s
         f = self.sc.faults
-        if f.slow_link_probability and self.rng["links"].random() < f.slow_link_probability:
+        slowed = f.slow_link_probability and self.rng["links"].random() < f.slow_link_probability
+        if slowed:
             transfer_s *= f.slow_link_factor
-        start = max(self.env.now, self.nic_free_at[p])
+        now = self.env.now
+        start = max(now, self.nic_free_at[p])
         self.nic_free_at[p] = start + transfer_s
         self.nic_in_flight[p] += 1
-        self.nic_pending[r] = self.nic_pending.get(r, 0) + 1
-        landing = start + transfer_s + self.sc.link.write_latency_s - self.env.now
+        assert self.nic_in_flight[p] <= self.sc.link.writes_in_flight_max
+        landing = start + transfer_s + self.sc.link.write_latency_s - now
+        if slowed:
+            timer = self.timers.get(r)
+            self.fault_hits.fired("SlowLink", timer is not None
+                                  and now + landing > timer[0])
         self.later(landing, self._land, p, r, w[2], self.prefill_epoch[p])
 
     def _land(self, p: int, r: int, page: int, epoch: int) -> None:
         if epoch != self.prefill_epoch[p]:
             return  # flushed with the crashed worker's queue pairs
-        if self._held(r, self._land, p, r, page, epoch):
+        if self.held_until and self._held(r, self._land, p, r, page, epoch):
             return  # a held write keeps its NIC slot
         self.nic_in_flight[p] -= 1
         # A request can settle with writes still on the wire: a decode crash flushes them
@@ -526,8 +630,11 @@ class Simulation:
         left = self.nic_pending.pop(r, 0) - 1
         if left > 0:
             self.nic_pending[r] = left
-        self.offer("LandWrite", r, page=page)
+        if r in self.cluster.rows:
+            self.take(core.LandWrite(r, page))
         self._done_if_landed(r)
+        if self.nic_posted[p]:
+            self._start_writes(p)
         self.kick_nic(p)
 
     def on_cancel(self, r: int, p: int) -> None:
@@ -547,6 +654,9 @@ class Simulation:
         """A worker dies and restarts: PrefillCrash or DecodeCrash, if the core says the
         crash loses anything (a worker with nothing to lose just restarts)."""
         action, key = ("PrefillCrash", "p") if kind == "prefill" else ("DecodeCrash", "d")
+        self.fault_hits.fired(action, hits.prefill_writes_in_flight(self.cluster, worker)
+                              if kind == "prefill" else
+                              hits.decode_writes_in_flight(self.cluster, worker))
         record = {"t": self.env.now, "a": action, key: worker}
         placements = dict(self.cluster.placement)
         self.depth += 1
@@ -561,10 +671,10 @@ class Simulation:
                 self._restart_prefill(worker)
             else:
                 self._restart_decode(worker)
-            for command in out.commands:
+            for command in self.concurrent_order(out.commands):
                 self.carry_out(command, *placements[command.request])
             for r, _ in out.rows:
-                self._moved(r)
+                self._moved(r, placements[r][0])
         self.depth -= 1
         self._run_intents()
 
@@ -573,6 +683,7 @@ class Simulation:
         self.prefill_busy[p] = False
         self.nic_in_flight[p] = 0
         self.nic_waiting[p].clear()
+        self.nic_posted[p].clear()
         self.prefill_down_until[p] = self.env.now + self.sc.faults.prefill_restart_s
         self.later(self.sc.faults.prefill_restart_s, self.kick_prefill, p)
 
@@ -626,44 +737,38 @@ class Simulation:
             self.offer("DecodeAbort", r)
 
     def kick_decode(self, d: int) -> None:
-        """Start the next continuous-batching step of decode worker d, if it is idle.
-        A sequence in the batch is [request, tokens generated, tokens wanted, context]."""
-        if self.stepping[d]:
+        """Start the next continuous-batching step of decode worker d, if it is idle
+        (sim/decode_batch.py)."""
+        batch = self.batches[d]
+        if batch.stepping:
             return
-        batch, ready = self.batch[d], self.ready[d]
-        while ready and len(batch) < self.sc.cluster.decode_batch_max:
-            entry = ready.popleft()
-            if entry[0] >= 0:
-                batch.append(entry)
-                self.context_tokens[d] += entry[3]
-        if not batch:
+        batch.fill(self.sc.cluster.decode_batch_max)
+        if not batch.size:
             return
         c = self.sc.compute
-        step_s = (c.decode_step_base_s + c.decode_step_per_request_s * len(batch)
-                  + c.decode_step_per_context_token_s * self.context_tokens[d])
-        self.stepping[d] = True
+        step_s = (c.decode_step_base_s + c.decode_step_per_request_s * batch.size
+                  + c.decode_step_per_context_token_s * batch.context_tokens)
+        batch.stepping = True
         self.later(step_s, self._stepped, d)
 
     def _stepped(self, d: int) -> None:
-        self.stepping[d] = False
-        keep = []
-        context = 0
-        for entry in self.batch[d]:
-            r = entry[0]
-            if r < 0:
-                continue  # decode closed it meanwhile (the client went away)
-            entry[1] += 1
-            entry[3] += 1
-            if entry[1] == 1:
-                self._fact(FIRST_TOKEN, r)
-            if entry[1] >= entry[2]:
-                self.decoding.pop(r, None)
-                self.offer("Finish", r)
-            else:
-                keep.append(entry)
-                context += entry[3]
-        self.batch[d] = keep
-        self.context_tokens[d] = context
+        batch = self.batches[d]
+        batch.stepping = False
+        first, done = batch.step()
+        if not done:  # most steps: only the sequences that joined emit their first token
+            for sequence in first:
+                if sequence[0] >= 0:
+                    self._fact(FIRST_TOKEN, sequence[0])
+        else:
+            for sequence, first_token, finished in batch.in_order(first, done):
+                r = sequence[0]
+                if r < 0:
+                    continue  # decode closed it meanwhile (the client went away)
+                if first_token:
+                    self._fact(FIRST_TOKEN, r)
+                if finished:
+                    self.decoding.pop(r, None)
+                    self.offer("Finish", r)
         self.kick_decode(d)
 
     def _fact(self, action: str, r: int) -> None:
@@ -717,7 +822,15 @@ class Simulation:
 
     def _abort(self, r: int) -> None:
         if r in self.cluster.rows:
-            self.offer_if_enabled("Abort", r)
+            hit = hits.in_transfer(self.cluster, r)
+            if self.offer_if_enabled("Abort", r):
+                self.fault_hits.fired("ClientAbort", hit)
+
+    def _prefill_fail(self, r: int) -> None:
+        if r in self.cluster.rows:
+            hit = hits.decode_holds_pages(self.cluster, r)
+            if self.offer_if_enabled("PrefillFail", r):
+                self.fault_hits.fired("PrefillFail", hit)
 
     def replay_trace(self):
         """Arrivals, prompts and outputs as the workload's trace file has them."""
@@ -782,6 +895,25 @@ class Simulation:
               f"events/s{eta}", file=sys.stderr, flush=True)
 
 
+# Who carries out a command (spec/commands.py): the worker whose turn it is. A message is
+# the sender's; freed pages the pool's owner.
+_SENDERS = {core.BOOTSTRAP: "router", core.FINAL_WORD_MSG: "prefill", core.CANCEL_MSG: "decode",
+            commands.PAGE_TABLE: "decode", core.CLIENT_GONE: "client"}
+_CARRIERS = {commands.Queue: "prefill", commands.Compute: "prefill", commands.Post: "prefill",
+             commands.ArmTimer: "decode", commands.CancelTimer: "decode",
+             commands.StartDecoding: "decode", commands.StopDecoding: "decode",
+             commands.ReleaseWhenReady: "decode", commands.Answer: "client"}
+
+
+def _carrier(command: commands.Command) -> str:
+    kind = type(command)
+    if kind is commands.Send:
+        return _SENDERS[command.message]
+    if kind is commands.FreePages:
+        return command.pool
+    return _CARRIERS[kind]
+
+
 def fault_free(sc: Scenario) -> bool:
     """No fault is switched on: every request whose prompt fits must get its Ok (the
     simulator's side of FittingRequestsSucceed), whatever guard a bug switch removed."""
@@ -791,12 +923,16 @@ def fault_free(sc: Scenario) -> bool:
 
 
 def result_of(sc: Scenario, folder: Folder, refusals: dict, stopped: str | None,
-              drained: bool) -> dict:
+              drained: bool, fault_hits: dict | None = None,
+              crashed: dict | None = None) -> dict:
     """Everything a run reports, as JSON-able values; the same for a run and its replay
-    (except refused offers, which the log does not record)."""
+    (except refused offers and fault hits, which the log does not record). A run whose
+    shell crashed (`crashed`, sim/crash.py) is not swept: it may have stopped halfway
+    through carrying out a decision."""
     cluster = folder.cluster
-    for violation in cluster.sweep(at_rest=drained and stopped is None):
-        cluster._violate(violation.property, violation.detail)
+    if crashed is None:
+        for violation in cluster.sweep(at_rest=drained and stopped is None):
+            cluster._violate(violation.property, violation.detail)
     if drained and stopped is None and fault_free(sc):
         failed = {name: n for name, n in folder.metrics.fitting_outcomes.items() if name != "Ok"}
         if failed:
@@ -809,7 +945,8 @@ def result_of(sc: Scenario, folder: Folder, refusals: dict, stopped: str | None,
         "violations": dict(sorted(cluster.violation_counts.items())),
         "first_violations": [v.as_dict() for v in cluster.violations[:10]],
         "refusals": dict(sorted(refusals.items())),
-        "stopped": stopped, "drained": drained,
+        "fault_hits": fault_hits or {},
+        "stopped": stopped, "drained": drained, "crash": crashed,
         "unsettled_requests": len(cluster.rows),
     }
 
@@ -820,16 +957,19 @@ def simulate(sc: Scenario, *, log_path: str | None = None,
     log = open(log_path, "w") if log_path else None
     try:
         sim = Simulation(sc, log=log, progress=progress)
-        stopped = None
+        stopped = crashed = None
         try:
             sim.run()
         except StopSimulation as stop:
             stopped = str(stop)
-        drained = sim.finished.triggered or sim.at_rest
+        except Exception as error:  # noqa: BLE001  the shell crashed: a finding (sim/crash.py)
+            crashed = {**shell_crash.describe(error), "t": sim.env.now, "events": sim.folder.events}
+        drained = crashed is None and (sim.finished.triggered or sim.at_rest)
         if log:
             log.write(encode({"t": sim.env.now, "a": RUN_END, "drained": drained,
-                              "stopped": stopped}) + "\n")
-        return result_of(sc, sim.folder, sim.refusals, stopped, drained), sim
+                              "stopped": stopped, "crashed": crashed}) + "\n")
+        return result_of(sc, sim.folder, sim.refusals, stopped, drained,
+                         sim.fault_hits.as_dict(), crashed), sim
     finally:
         if log:
             log.close()
@@ -839,4 +979,4 @@ def replay_result(path: str) -> tuple[dict, Folder]:
     """The result of the run that wrote log `path`, rebuilt from the log alone."""
     folder, end = replay(path)
     return result_of(folder.scenario, folder, {}, end.get("stopped"),
-                     end.get("drained", False)), folder
+                     end.get("drained", False), crashed=end.get("crashed")), folder

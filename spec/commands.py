@@ -111,25 +111,32 @@ _FINAL = frozenset(range(len(CLIENT_NAMES))) - {IDLE, WAITING, GONE}
 
 
 def effects(s: View, change: Change) -> tuple[Command, ...]:
-    """The commands a Change decided in view `s` asks of the shells, in carrying-out order."""
+    """The commands a Change decided in view `s` asks of the shells, in carrying-out order.
+    Called on every decision a shell takes, so it appends into one list and looks only at
+    the parts of the Change that are there (a landing write has no row and frees nothing)."""
+    if not change.rows and not change.posted and not change.prefill and len(change.decode) == 1:
+        page, value = change.decode[0]  # one decode page changed (a write landed) ...
+        if value[0] != NONE or s.decode_pool[page][0] == NONE:
+            return ()                   # ... and it was not freed: nothing to carry out
     out: list[Command] = []
     rows = s.requests
     for r, new in change.rows:
-        out += _row_effects(r, rows[r], new)
-    if change.posted:
-        out += [Post(w[0], w) for w in change.posted]
+        old = rows[r]
+        if new is not old:
+            _row_effects(out, r, old, new)
+    for w in change.posted:
+        out.append(Post(w[0], w))
     if change.decode or change.prefill:
         by = change.rows[0][0] if change.rows else (
             change.landed[0][0] if change.landed else NONE)
         if change.decode:
-            out += _freed(by, "decode", s.decode_pool, change.decode)
+            _freed(out, by, "decode", s.decode_pool, change.decode)
         if change.prefill:
-            out += _freed(by, "prefill", s.prefill_pool, change.prefill)
+            _freed(out, by, "prefill", s.prefill_pool, change.prefill)
     return tuple(out)
 
 
-def _row_effects(r: int, old: tuple, new: tuple) -> list[Command]:
-    out: list[Command] = []
+def _row_effects(out: list, r: int, old: tuple, new: tuple) -> None:
     if new[BOOT] and not old[BOOT]:
         out.append(Send(r, BOOTSTRAP))
     if new[FW] != NO_MSG and new[FW] != old[FW]:
@@ -147,14 +154,12 @@ def _row_effects(r: int, old: tuple, new: tuple) -> list[Command]:
         elif new[CLIENT] in _FINAL and old[CLIENT] in (IDLE, WAITING):
             out.append(Answer(r, CLIENT_NAMES[new[CLIENT]]))
     if new[DST] != old[DST]:
-        out += _decode_effects(r, old[DST], new[DST])
-    return out
+        _decode_effects(out, r, old[DST], new[DST])
 
 
-def _decode_effects(r: int, old: int, new: int) -> list[Command]:
-    out: list[Command] = []
+def _decode_effects(out: list, r: int, old: int, new: int) -> None:
     if new == D_WAITING:
-        out += [ArmTimer(r), Send(r, PAGE_TABLE)]
+        out += (ArmTimer(r), Send(r, PAGE_TABLE))
     elif old == D_WAITING:
         out.append(CancelTimer(r))
     if new == DECODING:
@@ -163,9 +168,9 @@ def _decode_effects(r: int, old: int, new: int) -> list[Command]:
         out.append(StopDecoding(r))
     if new == CLOSING:
         out.append(ReleaseWhenReady(r))
-    return out
 
 
-def _freed(r: int, pool_name: str, pool, changes: tuple) -> list[Command]:
-    pages = tuple(p for p, page in changes if page[0] == NONE and pool[p][0] != NONE)
-    return [FreePages(r, pool_name, pages)] if pages else []
+def _freed(out: list, r: int, pool_name: str, pool, changes: tuple) -> None:
+    pages = [p for p, page in changes if page[0] == NONE and pool[p][0] != NONE]
+    if pages:
+        out.append(FreePages(r, pool_name, tuple(pages)))

@@ -872,9 +872,18 @@ def decide(m: Model, s: State, event: Event) -> Change | Refusal:
     return _with_commands(s, out)
 
 
+_new_tuple = tuple.__new__  # a NamedTuple from a tuple of all its fields, no checks
+
+
 def _with_commands(s: View, change: Change) -> Change:
-    """The Change with the commands shells carry out (spec/commands.py derives them)."""
-    return change._replace(commands=_effects(s, change))
+    """The Change with the commands shells carry out (spec/commands.py derives them). On
+    every shell decision: a change with no commands (a landing write) is returned as it is,
+    and the others are built without namedtuple's keyword machinery."""
+    commands = _effects(s, change)
+    if not commands:
+        return change
+    rows, decode, prefill, posted, landed, flushed, _ = change
+    return _new_tuple(Change, (rows, decode, prefill, posted, landed, flushed, commands))
 
 
 def apply(m: Model, s: State, event: Event) -> Result:

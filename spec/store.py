@@ -100,12 +100,21 @@ class Store:
         # request's end); None: forgotten rows are gone, as a long run needs.
         self.settled_rows: dict | None = None
         self._views: dict[tuple[int, int], View] = {}
+        self._view_of: dict[int, View] = {}   # live request -> its pair's view
 
     # -- the core's answers ------------------------------------------------------------
 
     def view(self, r: int) -> View:
         """The view of r's worker pair. Views are kept per pair: the lists they hold are
-        changed in place, so a view stays current."""
+        changed in place, so a view stays current; and per live request, since every
+        decision asks for one."""
+        try:
+            return self._view_of[r]
+        except KeyError:
+            view = self._view_of[r] = self._pair_view(r)
+            return view
+
+    def _pair_view(self, r: int) -> View:
         pair = self.placement[r]
         view = self._views.get(pair)
         if view is None:
@@ -189,6 +198,7 @@ class Store:
         assert self.rows[r] == core.EMPTY_ROW
         del self.rows[r]
         del self.placement[r]
+        self._view_of.pop(r, None)
 
 
     def forget(self, r: int) -> None:
@@ -198,16 +208,22 @@ class Store:
             self.settled_rows[r] = self.rows[r]
         del self.rows[r]
         del self.placement[r]
+        self._view_of.pop(r, None)
 
     # -- committing a Change in place ---------------------------------------------------
 
     def _commit(self, p: int, d: int, c: Change, flush_from: int = NONE) -> None:
+        rows = self.rows
         for r, row in c.rows:
-            old = self.rows[r]
-            p_r, d_r = self.placement[r]
-            self.decode_claimed[d_r] += _claim(row) - _claim(old)
-            self.prefill_claimed[p_r] += _source_claim(row) - _source_claim(old)
-            self.rows[r] = row
+            old = rows[r]
+            # The claims count pages from the decode state and table, and from the
+            # prefill state and sources: recounted only when those fields changed.
+            if row[DST] != old[DST] or row[TABLE] is not old[TABLE]:
+                self.decode_claimed[self.placement[r][1]] += _claim(row) - _claim(old)
+            if row[PST] != old[PST] or row[SRC] is not old[SRC]:
+                self.prefill_claimed[self.placement[r][0]] += (_source_claim(row)
+                                                              - _source_claim(old))
+            rows[r] = row
         self.moved_prefill.clear()
         self.moved_decode.clear()
         if c.prefill:
@@ -251,14 +267,34 @@ class Store:
             self.violations.append(Violation(name, detail, r, kind="oracle"))
 
     def _check_local(self, p: int, d: int, r: int, old: tuple, c: Change) -> None:
-        self._check_conservation(p, d)
+        if c.rows or self.moved_decode or self.moved_prefill or self.rows[r] is not old:
+            # Only a row or a page owner that changed can change what conservation counts
+            # (a landing write changes neither: its page keeps owner and generation).
+            self._check_conservation(p, d)
         row = self.rows[r]
-        if row is not old:
-            for name, broken in ROW_STEP_PROPERTIES.items():
-                if broken(old, row):
-                    self._violate(name, f"request {r}: client {CLIENT_NAMES[old[CLIENT]]} -> "
-                                  f"{CLIENT_NAMES[row[CLIENT]]}, decode {DECODE_NAMES[old[DST]]}"
-                                  f" -> {DECODE_NAMES[row[DST]]}", r)
+        if row is not old and (row[CLIENT] != old[CLIENT] or row[DST] != old[DST]
+                               or row[LEAKED] != old[LEAKED]):
+            self._check_row(r, old, row)  # (its own first test, inlined here: most steps)
+        if self.moved_decode or self.moved_prefill:
+            self._check_pages(p, d)
+            self._check_writes(p, d)
+        for w in c.posted:
+            self._check_write(p, d, w)
+
+    def _check_row(self, r: int, old: tuple, row: tuple) -> None:
+        """The row properties a step of r can break. Each compares the old and new row and
+        is broken only by a step that changes the client state, the decode state or the
+        leaked flag (the step properties read only the client and decode states; Isolation
+        needs the flag to turn on; OkIsClean and RejectedIsError a client or decode state
+        to change). So a step that changes none of the three (most steps: a page posted, a
+        final word sent) is checked with one comparison instead of every property."""
+        if row[CLIENT] == old[CLIENT] and row[DST] == old[DST] and row[LEAKED] == old[LEAKED]:
+            return
+        for name, broken in ROW_STEP_PROPERTIES.items():
+            if broken(old, row):
+                self._violate(name, f"request {r}: client {CLIENT_NAMES[old[CLIENT]]} -> "
+                              f"{CLIENT_NAMES[row[CLIENT]]}, decode {DECODE_NAMES[old[DST]]}"
+                              f" -> {DECODE_NAMES[row[DST]]}", r)
         if row[LEAKED] and not old[LEAKED]:
             self._violate("Isolation", f"request {r} read a page that is not its own", r)
         if row[LEAKED] and row[CLIENT] == OK and old[CLIENT] != OK:
@@ -268,11 +304,6 @@ class Store:
             self._violate("RejectedIsError", f"request {r}: a {row[PROMPT]}-page prompt is "
                           f"longer than a pool ({self.pool_pages_min} pages) but decodes or "
                           f"succeeds", r)
-        if self.moved_decode or self.moved_prefill:
-            self._check_pages(p, d)
-            self._check_writes(p, d)
-        for w in c.posted:
-            self._check_write(p, d, w)
 
     def _check_conservation(self, p: int, d: int) -> None:
         """free + held == total on both workers, where "free" comes from the pages' owner
@@ -306,12 +337,17 @@ class Store:
             if (page, gen) not in table:
                 self._violate("ExclusiveOwner", f"decode {d} page {page} is owned by "
                               f"request {owner} at gen {gen}, not in its table", owner)
+        sources: dict[int, frozenset] = {}  # owner -> the source pages its row holds
         for page in self.moved_prefill:
             owner = self.prefill_pools[p][page][0]
             if owner == NONE:
                 continue
-            row = self.rows.get(owner)
-            if row is None or row[PST] != RUNNING or page not in row[SRC]:
+            held = sources.get(owner)
+            if held is None:
+                row = self.rows.get(owner)
+                held = sources[owner] = (frozenset(row[SRC]) if row is not None
+                                         and row[PST] == RUNNING else frozenset())
+            if page not in held:
                 self._violate("ExclusiveOwner", f"prefill {p} page {page} is owned by "
                               f"request {owner}, which does not hold it", owner)
 
@@ -408,6 +444,19 @@ def _put_pages(pool: list, stack: list, changes: tuple, moved: list) -> int:
     """Replace pages in place, keeping the free stack in step with the owner fields; append
     to `moved` the pages whose owner or generation changed; return pages freed minus taken."""
     freed = 0
+    taken = len(changes)
+    if taken > 1 and sorted(stack[-taken:]) == [page for page, _ in changes]:
+        for page, value in changes:
+            if pool[page][0] != NONE or value[0] == NONE:
+                break
+        else:
+            # An allocation of the pages on top of the free stack (what `allocate` hands
+            # out): taken off in one slice, not searched for one at a time.
+            del stack[-taken:]
+            for page, value in changes:
+                pool[page] = value
+                moved.append(page)
+            return -taken
     for page, value in changes:
         before = pool[page]
         pool[page] = value

@@ -232,3 +232,71 @@ def test_pool_occupancy_is_kept_per_decode_worker_and_replays(tmp_path):
                for _, used in series)
     folder, _ = replay(log)
     assert folder.metrics.occupancy_by_worker == live
+
+
+def _abort_orders(log) -> dict:
+    """For each request that both workers stopped on a client-gone notice, which one
+    stopped first: {"PrefillAbort first": n, "DecodeAbort first": m}."""
+    first, orders = {}, {}
+    for line in log.read_text().splitlines()[1:]:
+        record = json.loads(line)
+        action, r = record["a"], record.get("request")
+        if action in ("PrefillAbort", "DecodeAbort"):
+            if r in first and first[r] != action:
+                key = f"{first[r]} first"
+                orders[key] = orders.get(key, 0) + 1
+            first.setdefault(r, action)
+    return orders
+
+
+def test_concurrent_reactions_are_ordered_by_the_seed(tmp_path):
+    # A client abort reaches both workers at once; which acts first is the seed's choice,
+    # not the simulator's code order (which put decode first on every abort), and a seed
+    # gives the same order again.
+    orders = {}
+    for seed in (7, 8, 7):
+        log = tmp_path / f"abort{seed}.ndjson"
+        simulate(load_scenario("faults-client-abort").with_options(seed=seed, requests=200),
+                 log_path=str(log))
+        orders.setdefault(seed, []).append(_abort_orders(log))
+    assert orders[7][0] == orders[7][1]
+    both = {key for seen in (orders[7][0], orders[8][0]) for key in seen}
+    assert both == {"PrefillAbort first", "DecodeAbort first"}, orders
+
+
+FAULT_SCENARIOS_ONLY = [n for n in scenario_names() if n.startswith("faults-")]
+
+
+@pytest.mark.parametrize("name", FAULT_SCENARIOS_ONLY)
+def test_every_fault_of_a_fault_scenario_hits_its_target_state(name):
+    # A fault that never strikes the state it is meant to stress (a crash with writes in
+    # flight, an abort mid-transfer) tests nothing; some seed of the first three must hit.
+    from sim.fault_hits import TARGETS, faults_switched_on
+
+    scenario = load_scenario(name)
+    wanted = faults_switched_on(scenario.faults)
+    assert wanted, f"{name} switches on no fault"
+    missed = set(wanted)
+    for seed in (scenario.seed, 1, 2):
+        result, _ = _run(name, seed=seed, requests=200)
+        hits = result["fault_hits"]
+        assert set(hits) <= set(TARGETS)
+        missed -= {kind for kind in wanted if hits.get(kind, {}).get("hits", 0) > 0}
+        if not missed:
+            break
+    assert not missed, f"{name}: {sorted(missed)} never hit their target state"
+
+
+def test_fault_hits_are_counted_when_the_fault_fires():
+    result, _ = _run("faults-client-abort", requests=200)
+    hit = result["fault_hits"]["ClientAbort"]
+    assert hit["fired"] == result["summary"]["outcomes"]["Gone"]  # every accepted abort
+    assert 0 < hit["hits"] < hit["fired"]
+    assert result["fault_hits"].keys() == {"ClientAbort"}
+
+
+def test_a_decision_without_commands_is_carried_out_as_nothing():
+    # Found by the fuzzer's crash reporting: a crash whose change carries no command made
+    # the grouping of concurrent reactions read the first of none (IndexError).
+    sim = Simulation(load_scenario("one-pair"))
+    assert sim.concurrent_order(()) == ()
