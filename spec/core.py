@@ -71,11 +71,17 @@ NO_MSG, MSG_DONE, MSG_REJECT, MSG_ABORT = range(4)
 MESSAGE_NAMES = ("None", "Done", "Reject", "Abort")
 FINAL_WORD = {P_DONE: MSG_DONE, REJECTED: MSG_REJECT, ABORTED: MSG_ABORT}
 
-# Fields of a request row.
-CLIENT, PROMPT, PST, SENT, SRC, DST, TABLE, BOOT, FW, DFW, CANCEL, LEAKED = range(12)
+# Fields of a request row. A row mixes what different parties know: the router's (CLIENT,
+# PROMPT), the prefill's (PST, SENT, SRC, PTABLE), decode's (DST, TABLE, DFW, ANNOUNCED,
+# LANDED), the messages on the wire (BOOT, FW, FW_COUNT, CANCEL) and one ghost (LEAKED,
+# history for the properties). Each action reads only its own worker's fields and the
+# messages addressed to it: spec/locality.py says who owns what, and tests/test_locality.py
+# checks every action of the spec against it.
+(CLIENT, PROMPT, PST, SENT, SRC, DST, TABLE, BOOT, FW, DFW, CANCEL, PTABLE, FW_COUNT,
+ ANNOUNCED, LANDED, LEAKED) = range(16)
 ROW_FIELDS = ("client", "prompt", "pst", "sent", "src", "dst", "table", "boot", "fwMsg",
-              "dfw", "cancel", "leaked")
-EMPTY_ROW = (IDLE, 0, P_NONE, 0, (), D_NONE, (), 0, NO_MSG, 0, 0, 0)
+              "dfw", "cancel", "ptable", "fwCount", "announced", "landed", "leaked")
+EMPTY_ROW = (IDLE, 0, P_NONE, 0, (), D_NONE, (), 0, NO_MSG, 0, 0, (), 0, 0, 0, 0)
 
 # Fields of a decode page.
 OWNER, GEN, DATA, TAG = range(4)
@@ -251,7 +257,7 @@ def admission_waits_for_table(m: Model) -> bool:
 def _admit_need(m: Model, row: tuple) -> int | str:
     if row[PST] != QUEUED:
         return f"the prefill state is {PREFILL_NAMES[row[PST]]}, not Queued"
-    if not row[TABLE] and admission_waits_for_table(m):
+    if not row[PTABLE] and admission_waits_for_table(m):
         return WAITS_FOR_TABLE  # the bootstrap queue (KVTransfer.tla, Admit)
     need = row[PROMPT]
     if need > m.prefill_pages:
@@ -296,7 +302,7 @@ def reject(m: Model, s: State, r: int) -> Change | str:
         return "the prompt fits the prefill pool"
     if "FinishedNotRejected" in m.bugs:
         return "with FinishedNotRejected the prefill admits a placeholder instead"
-    return _one(r, _row(row, PST, REJECTED, FW, MSG_REJECT,
+    return _one(r, _row(row, PST, REJECTED, FW, MSG_REJECT, FW_COUNT, row[SENT],
                         CLIENT, _client_error(row, ERR_TOO_LONG)))
 
 
@@ -304,9 +310,9 @@ def send_page(m: Model, s: State, r: int) -> Change | str:
     row = s.requests[r]
     if row[PST] != RUNNING:
         return f"the prefill state is {PREFILL_NAMES[row[PST]]}, not Running"
-    table = row[TABLE]
+    table = row[PTABLE]  # the prefill's copy, received from decode
     if not table:
-        return "decode has not published a page table"
+        return "the prefill has not received decode's page table"
     i = row[SENT]
     src = row[SRC]
     if i >= len(src):
@@ -329,7 +335,9 @@ def land_write(m: Model, s: State, r: int, page: int) -> Change | str:
                 "landed already, or a crash flushed it while it was on the wire)")
     data = s.prefill_pool[w[1]][1]  # the NIC reads the source page now, not at post time
     owner, gen, _, _ = s.decode_pool[page]
-    return Change(decode=((page, (owner, gen, data, w[3])),), landed=(w,))
+    row = s.requests[r]  # decode counts the write (its completion carries the request)
+    return Change(((r, _row(row, LANDED, row[LANDED] + 1)),),
+                  decode=((page, (owner, gen, data, w[3])),), landed=(w,))
 
 
 def send_done(m: Model, s: State, r: int) -> Change | str:
@@ -340,7 +348,7 @@ def send_done(m: Model, s: State, r: int) -> Change | str:
         return f"{row[SENT]} of {len(row[SRC])} pages posted"
     if _writes_of(s, r):
         return "writes of this request are still in flight"
-    return Change(((r, _row(row, PST, P_DONE, FW, MSG_DONE)),),
+    return Change(((r, _row(row, PST, P_DONE, FW, MSG_DONE, FW_COUNT, row[SENT])),),
                   prefill=_free_prefill_of(s.prefill_pool, r, row[SRC]))
 
 
@@ -348,8 +356,12 @@ def _stop_prefill(m: Model, s: State, r: int, client: int) -> Change:
     row = s.requests[r]
     # A prefill that stops because of a cancel answers it; the bug drops only the notice a
     # prefill owes decode when it stops on its own or on a client abort.
-    fw = row[FW] if "NoAbortNotice" in m.bugs and not row[CANCEL] else MSG_ABORT
-    return Change(((r, _row(row, PST, ABORTED, CANCEL, 0, FW, fw, CLIENT, client)),),
+    if "NoAbortNotice" in m.bugs and not row[CANCEL]:
+        fw, count = row[FW], row[FW_COUNT]
+    else:
+        fw, count = MSG_ABORT, row[SENT]
+    return Change(((r, _row(row, PST, ABORTED, CANCEL, 0, FW, fw, FW_COUNT, count,
+                            CLIENT, client)),),
                   prefill=_free_prefill_of(s.prefill_pool, r, row[SRC]))
 
 
@@ -388,7 +400,7 @@ def answer_cancel(m: Model, s: State, r: int) -> Change | str:
     word = FINAL_WORD.get(row[PST])
     if word is None:
         return f"the prefill state is {PREFILL_NAMES[row[PST]]}: it has no final word yet"
-    return _one(r, _row(row, CANCEL, 0, FW, word))
+    return _one(r, _row(row, CANCEL, 0, FW, word, FW_COUNT, row[SENT]))
 
 
 def _reserve_need(m: Model, row: tuple) -> int | str:
@@ -417,7 +429,8 @@ def reserve(m: Model, s: State, r: int, pages: tuple) -> Change | str:
         _, gen, data, tag = pool[p]
         changes.append((p, (r, gen + bump, data, tag)))
         table.append((p, gen + bump))
-    return Change(((r, _row(row, BOOT, 0, DST, D_WAITING, TABLE, tuple(table))),),
+    table = tuple(table)  # published: the prefill receives the same table (PTABLE)
+    return Change(((r, _row(row, BOOT, 0, DST, D_WAITING, TABLE, table, PTABLE, table)),),
                   decode=tuple(changes))
 
 
@@ -467,24 +480,27 @@ def tags_match(s: State, r: int) -> bool:
 
 def _transfer_fault(m: Model, row: tuple, checksums_ok: bool) -> bool:
     """Decode's checks on Done: the count, then the checksums the data path verified."""
-    if "NoCountCheck" not in m.bugs and row[SENT] != len(row[TABLE]):
+    if "NoCountCheck" not in m.bugs and row[FW_COUNT] != len(row[TABLE]):
         return True
     return "NoChecksum" not in m.bugs and not checksums_ok
 
 
 def _receive_final_word(m: Model, s: State, r: int, row: tuple) -> tuple:
-    """What decode does with a final word that is not a Done it can accept."""
+    """What decode does with a final word that is not a Done it can accept. Where it keeps
+    the final word it keeps the count of writes the word announces (Release waits for as
+    many to land)."""
     d = row[DST]
+    count = row[FW_COUNT]
     if d == D_NONE:
         if "NoTombstone" in m.bugs:
-            return _row(row, FW, NO_MSG)  # the bug: decode forgets it ever heard of r
-        return _row(row, FW, NO_MSG, DST, TOMB, DFW, 1)
+            return _row(row, FW, NO_MSG, FW_COUNT, 0)  # the bug: decode forgets r
+        return _row(row, FW, NO_MSG, FW_COUNT, 0, DST, TOMB, DFW, 1, ANNOUNCED, count)
     if d == D_WAITING:
-        return _row(row, FW, NO_MSG, DST, CLOSING, DFW, 1,
+        return _row(row, FW, NO_MSG, FW_COUNT, 0, DST, CLOSING, DFW, 1, ANNOUNCED, count,
                     CLIENT, _client_error(row, ERR_PREFILL))
     if d == CLOSING:
-        return _row(row, FW, NO_MSG, DFW, 1)
-    return _row(row, FW, NO_MSG)  # Released, Tomb, Decoding: nothing left to do
+        return _row(row, FW, NO_MSG, FW_COUNT, 0, DFW, 1, ANNOUNCED, count)
+    return _row(row, FW, NO_MSG, FW_COUNT, 0)  # Released, Tomb, Decoding: nothing left
 
 
 def accept(m: Model, s: State, r: int, checksums_ok: bool) -> Change | str:
@@ -492,11 +508,12 @@ def accept(m: Model, s: State, r: int, checksums_ok: bool) -> Change | str:
     if row[FW] != MSG_DONE:
         return "no Done is in flight"
     if row[DST] == D_WAITING:
+        count = row[FW_COUNT]
         if _transfer_fault(m, row, checksums_ok):
-            row = _row(row, FW, NO_MSG, DST, CLOSING, DFW, 1,
+            row = _row(row, FW, NO_MSG, FW_COUNT, 0, DST, CLOSING, DFW, 1, ANNOUNCED, count,
                        CLIENT, _client_error(row, ERR_TRANSFER))
         else:
-            row = _row(row, FW, NO_MSG, DST, DECODING, DFW, 1)
+            row = _row(row, FW, NO_MSG, FW_COUNT, 0, DST, DECODING, DFW, 1, ANNOUNCED, count)
     else:
         row = _receive_final_word(m, s, r, row)
     return _one(r, row)
@@ -556,13 +573,13 @@ def release(m: Model, s: State, r: int) -> Change | str:
     row = s.requests[r]
     if row[DST] != CLOSING:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not Closing"
-    pool = s.decode_pool
     if "EagerRelease" not in m.bugs:
         if not row[DFW]:
             return "the prefill's final word has not arrived"
-        for w in s.writes:
-            if pool[w[2]][OWNER] == r:
-                return f"a write into decode page {w[2] + 1} is still in flight"
+        if row[LANDED] < row[ANNOUNCED]:
+            return (f"{row[LANDED]} of the {row[ANNOUNCED]} writes the final word announced "
+                    "have landed")
+    pool = s.decode_pool
     freed = []
     for page, _ in row[TABLE]:
         owner, gen, data, tag = pool[page]
@@ -581,7 +598,9 @@ def prefill_crash(m: Model, s: State) -> Change | str:
     (decode re-sends outstanding cancels when the prefill reconnects)."""
     if not m.crashes:
         return "this model has no prefill crashes (Crashes = FALSE)"
-    lost = tuple((r, _row(row, PST, ABORTED, CLIENT, _client_error(row, ERR_PREFILL)))
+    # The restarted prefill has posted nothing for them (SENT 0): an Abort it sends later
+    # announces no write, and the flushed writes never land.
+    lost = tuple((r, _row(row, PST, ABORTED, SENT, 0, CLIENT, _client_error(row, ERR_PREFILL)))
                  for r, row in s.request_items() if row[PST] == QUEUED or row[PST] == RUNNING)
     if not lost:
         return "no request is queued or running at the prefill: a crash loses nothing"
@@ -606,7 +625,7 @@ def decode_crash(m: Model, s: State) -> Change | str:
         d = row[DST]
         if row[BOOT] or d == D_WAITING or d == DECODING or d == CLOSING:
             active = row[PST] == QUEUED or row[PST] == RUNNING
-            lost.append((r, _row(row, DST, TOMB, BOOT, 0, TABLE, (),
+            lost.append((r, _row(row, DST, TOMB, BOOT, 0, TABLE, (), PTABLE, (),
                                  CANCEL, 1 if active else row[CANCEL],
                                  CLIENT, _client_error(row, ERR_DECODE))))
     if not lost:
