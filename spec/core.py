@@ -75,8 +75,8 @@ FINAL_WORD = {P_DONE: MSG_DONE, REJECTED: MSG_REJECT, ABORTED: MSG_ABORT}
 # PROMPT), the prefill's (PST, SENT, SRC, PTABLE), decode's (DST, TABLE, DFW, ANNOUNCED,
 # LANDED), the messages on the wire (BOOT, FW, FW_COUNT, CANCEL) and one ghost (LEAKED,
 # history for the properties). Each action reads only its own worker's fields and the
-# messages addressed to it: spec/locality.py says who owns what, and tests/test_locality.py
-# checks every action of the spec against it.
+# messages addressed to it: spec/tlaplus/locality.py says who owns what, and
+# tests/test_locality.py checks every action of the spec against it.
 (CLIENT, PROMPT, PST, SENT, SRC, DST, TABLE, BOOT, FW, DFW, CANCEL, PTABLE, FW_COUNT,
  ANNOUNCED, LANDED, LEAKED) = range(16)
 ROW_FIELDS = ("client", "prompt", "pst", "sent", "src", "dst", "table", "boot", "fwMsg",
@@ -765,7 +765,7 @@ Release = _simple("Release", "Decode frees the request's pages.")
 # message, which worker takes it) is derived from this table.
 
 # Messages and writes on the wire, by what consumes them. The page table decode publishes
-# is shared knowledge in the spec (SendPage waits until it exists), not a message.
+# reaches the prefill with Reserve (PTABLE, the prefill's copy): no action consumes it.
 BOOTSTRAP, FINAL_WORD_MSG, CANCEL_MSG, WRITE, CLIENT_GONE = (
     "bootstrap", "final word", "cancel", "write", "client gone")
 

@@ -1,0 +1,75 @@
+"""Every action of the spec reads only what its worker can know (spec/tlaplus/locality.py).
+
+The rule is computed from KVTransfer.tla's parse tree, so it can fail: the spec as it was
+before issue 11's locality change (tests/data/KVTransfer-before-locality.tla, a copy of that
+text) is flagged at exactly the four guards that read another worker's state.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from spec import core
+from spec.tlaplus import locality
+from spec.tlaplus.conformance import SPEC_PATH
+from spec.tlaplus.tlaview import VARIABLES
+
+BEFORE = Path(__file__).resolve().parent / "data" / "KVTransfer-before-locality.tla"
+
+
+def test_the_spec_as_it_is_breaks_no_locality():
+    assert locality.violations() == []
+
+
+def test_the_old_guards_are_flagged():
+    """Release read the set of writes in flight (the prefill's send queue); Admit and
+    SendPage read decode's page table; Accept compared the prefill's own count of posted
+    writes with the table. Nothing else was flagged."""
+    flagged = {tuple(re.match(r"(\w+) \(\w+\) reads (\w+)", v).groups())
+               for v in locality.violations(BEFORE.read_text())}
+    assert flagged == {("Release", "writes"), ("Admit", "table"), ("SendPage", "table"),
+                       ("Accept", "sent")}
+
+
+def test_a_guard_that_reads_a_ghost_is_flagged():
+    text = SPEC_PATH.read_text()
+    old = "    /\\ dst' = [dst EXCEPT ![r] = \"Released\"]"
+    assert text.count(old) == 1
+    mutant = text.replace(old, "    /\\ r \\notin leaked\n" + old)
+    assert locality.violations(mutant) == [
+        "Release (decode) reads leaked: leaked is a ghost (history for the properties)"]
+
+
+def test_a_message_read_by_its_sender_is_flagged():
+    """A wire variable is readable only by its receiver: decode peeking at whether its own
+    cancel is still in flight would be reading the network."""
+    text = SPEC_PATH.read_text()
+    old = "Timeout(r) ==\n    /\\ \"NoTimeout\" \\notin Bugs\n"
+    assert text.count(old) == 1
+    mutant = text.replace(old, old + "    /\\ ~cancel[r]\n")
+    assert locality.violations(mutant) == [
+        "Timeout (decode) reads cancel: cancel is a message decode -> prefill, not addressed "
+        "to the decode"]
+
+
+def test_the_release_guard_reads_decode_state_only():
+    release = {row.action: row for row in locality.analyse()}["Release"]
+    assert release.access.guard_reads == {"dst", "dfw", "landed", "announced"}
+    assert release.access.writes == {"dst", "owner"}
+
+
+def test_every_variable_has_one_owner_and_the_spec_says_the_same():
+    assert set(locality.OWNERS) == set(VARIABLES)
+    assert set(locality.WIRE) == {v for v, o in locality.OWNERS.items() if o == "wire"}
+    declared = SPEC_PATH.read_text().split("VARIABLES\n", 1)[1].split("\n\n", 1)[0]
+    said = dict(re.findall(r"^\s+(\w+),?\s*\\\* (\w+)", declared, re.M))
+    assert said == locality.OWNERS
+
+
+def test_every_checked_action_is_a_workers_protocol_step():
+    rows = {row.action: row for row in locality.analyse()}
+    assert set(rows) == set(core.ACTION_NAMES)
+    unchecked = {name for name, row in rows.items() if not row.checked}
+    assert unchecked == {"Arrive", "Abort", "PrefillFail", "PrefillCrash", "DecodeCrash",
+                         "LandWrite"}
