@@ -28,7 +28,8 @@ protocol's own actions and timers taken by a worker; not for arrivals and faults
 environment: a crash reads and clears whatever it destroys) nor for the network (LandWrite is
 the physics of a write, which reads the source page and lands in decode's memory).
 
-    python -m spec.tlaplus.locality            # the table, and exit 1 if an action breaks it
+    python -m spec.tlaplus.locality            # the tables, and exit 1 if an action breaks it
+    python -m spec.tlaplus.locality --write    # and write them into spec/README.md
 """
 
 from __future__ import annotations
@@ -257,12 +258,33 @@ def actions_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+README = SPEC_PATH.parent / "README.md"
+BEGIN, END = "<!-- locality:begin -->", "<!-- locality:end -->"
+
+
+def render(text: str | None = None) -> str:
+    return owners_table() + "\n\n" + actions_table(analyse(text))
+
+
+def readme_section() -> str:
+    readme = README.read_text()
+    return readme[readme.index(BEGIN) + len(BEGIN):readme.index(END)].strip()
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The tables (of the spec, or of the .tla file named), `--write` into spec/README.md;
+    exit 1 when an action reads what its worker cannot know."""
     args = sys.argv[1:] if argv is None else argv
-    text = Path(args[0]).read_text() if args else None
-    rows = analyse(text)
-    print(owners_table(), actions_table(rows), sep="\n\n")
-    bad = [v for row in rows for v in row.violations]
+    write = "--write" in args
+    paths = [a for a in args if a != "--write"]
+    text = Path(paths[0]).read_text() if paths else None
+    table = render(text)
+    print(table)
+    if write:
+        readme = README.read_text()
+        start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
+        README.write_text(readme[:start] + "\n" + table + "\n" + readme[end:])
+    bad = violations(text)
     for v in bad:
         print(v)
     return 1 if bad else 0
