@@ -224,6 +224,11 @@ def _free_prefill_of(pool, r: int, pages: tuple) -> tuple:
     return tuple((p, (NONE, pool[p][1])) for p in pages if pool[p][0] == r)
 
 
+def _cancel(m: Model) -> tuple:
+    """The row change that sends decode's cancel to the prefill (none with NoCancel)."""
+    return () if "NoCancel" in m.bugs else (CANCEL, 1)
+
+
 def _client_error(row: tuple, error: int) -> int:
     """A waiting client gets `error`; a client that already has its answer keeps it."""
     return error if row[CLIENT] == WAITING else row[CLIENT]
@@ -356,12 +361,11 @@ def _stop_prefill(m: Model, s: State, r: int, client: int) -> Change:
     row = s.requests[r]
     # A prefill that stops because of a cancel answers it; the bug drops only the notice a
     # prefill owes decode when it stops on its own or on a client abort.
-    if "NoAbortNotice" in m.bugs and not row[CANCEL]:
-        fw, count = row[FW], row[FW_COUNT]
-    else:
-        fw, count = MSG_ABORT, row[SENT]
-    return Change(((r, _row(row, PST, ABORTED, CANCEL, 0, FW, fw, FW_COUNT, count,
-                            CLIENT, client)),),
+    # (Fields an action leaves alone are not named: it does not read the message it is not
+    # sending, which is on the wire. spec/tlaplus/locality.py checks what actions read.)
+    silent = "NoAbortNotice" in m.bugs and not row[CANCEL]
+    notice = () if silent else (FW, MSG_ABORT, FW_COUNT, row[SENT])
+    return Change(((r, _row(row, PST, ABORTED, CANCEL, 0, *notice, CLIENT, client)),),
                   prefill=_free_prefill_of(s.prefill_pool, r, row[SRC]))
 
 
@@ -442,8 +446,7 @@ def decode_reject(m: Model, s: State, r: int) -> Change | str:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not None"
     if row[PROMPT] <= m.decode_pages:
         return "the prompt fits the decode pool"
-    cancel = row[CANCEL] if "NoCancel" in m.bugs else 1
-    return _one(r, _row(row, BOOT, 0, DST, CLOSING, CANCEL, cancel,
+    return _one(r, _row(row, BOOT, 0, DST, CLOSING, *_cancel(m),
                         CLIENT, _client_error(row, ERR_TOO_LONG)))
 
 
@@ -538,7 +541,7 @@ def finish(m: Model, s: State, r: int, tags_ok: bool) -> Change | str:
         if pool[page][DATA] != r or pool[page][TAG] != pool[page][GEN]:
             foreign = 1
     return _one(r, _row(row, DST, CLOSING, CLIENT, _client_error(row, OK),
-                        LEAKED, row[LEAKED] | foreign))
+                        *((LEAKED, 1) if foreign else ())))
 
 
 def abort(m: Model, s: State, r: int) -> Change | str:
@@ -554,8 +557,8 @@ def decode_abort(m: Model, s: State, r: int) -> Change | str:
         return "the client has not gone"
     if row[DST] != D_WAITING and row[DST] != DECODING:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not Waiting or Decoding"
-    cancel = row[CANCEL] if row[DFW] or "NoCancel" in m.bugs else 1
-    return _one(r, _row(row, DST, CLOSING, CANCEL, cancel))
+    # Holding the final word, decode has nothing to ask the prefill.
+    return _one(r, _row(row, DST, CLOSING, *(() if row[DFW] else _cancel(m))))
 
 
 def timeout(m: Model, s: State, r: int) -> Change | str:
@@ -564,8 +567,7 @@ def timeout(m: Model, s: State, r: int) -> Change | str:
     row = s.requests[r]
     if row[DST] != D_WAITING:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not Waiting"
-    cancel = row[CANCEL] if "NoCancel" in m.bugs else 1
-    return _one(r, _row(row, DST, CLOSING, CANCEL, cancel,
+    return _one(r, _row(row, DST, CLOSING, *_cancel(m),
                         CLIENT, _client_error(row, ERR_TIMEOUT)))
 
 

@@ -108,3 +108,26 @@ def test_the_new_release_guard_agrees_with_the_old_one_wherever_decode_closes(ba
                 seen.add(t)
                 queue.append(t)
     assert compared > 200
+
+
+def test_the_cores_actions_break_no_locality_either():
+    """Conformance cannot tell the prefill's copy of the page table from decode's own (they
+    are equal in every reachable state), so the core's source is read too."""
+    assert locality.core_violations() == []
+
+
+def test_a_core_that_reads_the_other_workers_fields_is_flagged():
+    source = locality.CORE_PATH.read_text()
+    old_send = "table = row[PTABLE]  # the prefill's copy, received from decode"
+    old_accept = 'if "NoCountCheck" not in m.bugs and row[FW_COUNT] != len(row[TABLE]):'
+    old_release = "        if row[LANDED] < row[ANNOUNCED]:\n"
+    for old in (old_send, old_accept, old_release):
+        assert source.count(old) == 1
+    mutant = (source.replace(old_send, "table = row[TABLE]")
+              .replace(old_accept, 'if "NoCountCheck" not in m.bugs and row[SENT] != '
+                                   'len(row[TABLE]):')
+              .replace(old_release, "        if _writes_of(s, r):\n"))
+    assert locality.core_violations(mutant) == [
+        "SendPage (prefill) reads table: table is the decode's",
+        "Accept (decode) reads sent: sent is the prefill's",
+        "Release (decode) reads writes: writes is the prefill's"]

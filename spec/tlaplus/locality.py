@@ -23,6 +23,9 @@ unchanged rest of x, not a read; the right side of a ghost's assignment is not r
 worker (it is history, computed by the model). UNCHANGED reads nothing. Reads in conjuncts
 that write nothing are the guard's; the rest feed the effect; the rule applies to both.
 
+`core_reads` applies the same rule to spec/core.py's action functions, read from their
+source: conformance cannot see which of two always-equal fields the core reads.
+
 Who takes each action comes from spec/core.py's ACTION_TABLE. The rule is checked for the
 protocol's own actions and timers taken by a worker; not for arrivals and faults (the
 environment: a crash reads and clears whatever it destroys) nor for the network (LandWrite is
@@ -256,6 +259,59 @@ def actions_table(rows: list[Row]) -> str:
         lines.append(f"| {row.action} | {row.worker} | {names(a.guard_reads)} | "
                      f"{names(a.reads - a.guard_reads)} | {names(a.writes)} | {rule} |")
     return "\n".join(lines)
+
+
+# -- the same rule on the core's source ---------------------------------------------------
+# The spec and the core have the same state graph (conformance), but that cannot tell a core
+# that reads decode's TABLE from one that reads the prefill's PTABLE: the two are equal in
+# every reachable state. So the core's actions are read too, from their source (Python's
+# ast): a row field read is a subscript by the field's constant (row[PTABLE]), a pool read is
+# the view's attribute (s.decode_pool), and the core's own helpers are followed.
+
+CORE_PATH = SPEC_PATH.parent / "core.py"
+ROW_CONSTANTS = {name: core.ROW_FIELDS[getattr(core, name)] for name in (
+    "CLIENT", "PROMPT", "PST", "SENT", "SRC", "DST", "TABLE", "BOOT", "FW", "DFW", "CANCEL",
+    "PTABLE", "FW_COUNT", "ANNOUNCED", "LANDED", "LEAKED")}
+assert sorted(ROW_CONSTANTS.values()) == sorted(core.ROW_FIELDS)
+VIEW_PARTS = {"decode_pool": ("owner", "gen", "content"), "prefill_pool": ("powner", "pdata"),
+              "writes": ("writes",)}
+
+
+def core_reads(source: str | None = None) -> dict[str, set]:
+    """Action name -> the spec variables its core function reads (helpers followed)."""
+    import ast
+
+    tree = ast.parse(source if source is not None else CORE_PATH.read_text())
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+    def reads(name: str, seen: tuple) -> set:
+        out: set = set()
+        for node in ast.walk(functions[name]):
+            if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name) \
+                    and node.slice.id in ROW_CONSTANTS:
+                out.add(ROW_CONSTANTS[node.slice.id])
+            elif isinstance(node, ast.Attribute) and node.attr in VIEW_PARTS:
+                out.update(VIEW_PARTS[node.attr])
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                    and node.func.id in functions and node.func.id not in seen:
+                out |= reads(node.func.id, seen + (node.func.id,))
+        return out
+
+    return {info.event.__name__: reads(core.ACTIONS[info.event].__name__,
+                                       (core.ACTIONS[info.event].__name__,))
+            for info in core.ACTION_TABLE}
+
+
+def core_violations(source: str | None = None) -> list[str]:
+    found = core_reads(source)
+    out = []
+    for info in core.ACTION_TABLE:
+        if info.kind not in CHECKED_KINDS or info.worker not in (ROUTER, PREFILL, DECODE):
+            continue
+        name = info.event.__name__
+        out += [f"{name} ({info.worker}) reads {v}: {why_not(info.worker, v)}"
+                for v in sorted(found[name]) if not may_read(info.worker, v)]
+    return out
 
 
 README = SPEC_PATH.parent / "README.md"
