@@ -131,3 +131,51 @@ def test_a_core_that_reads_the_other_workers_fields_is_flagged():
         "SendPage (prefill) reads table: table is the decode's",
         "Accept (decode) reads sent: sent is the prefill's",
         "Release (decode) reads writes: writes is the prefill's"]
+
+
+# -- does decode's count matter? -----------------------------------------------------------
+# In the protocol the count never decides anything (the final word follows the completion of
+# every write: test above). It is the backstop for a prefill that sends its final word while
+# writes are still on the wire. Two mutants of the core show it: a prefill whose Done does
+# not wait for its writes to complete, and a decode that releases on the final word alone.
+
+def _without_writes_of(s, r):
+    return s._replace(writes=tuple(w for w in s.writes if w[0] != r))
+
+
+def _done_before_completion(original):
+    return lambda m, s, r: original(m, _without_writes_of(s, r), r)
+
+
+def _release_without_count(original):
+    def release(m, s, r):
+        row = s.requests[r]
+        counted = row[:core.LANDED] + (row[core.ANNOUNCED],) + row[core.LANDED + 1:]
+        return original(m, s._replace(requests=s.requests[:r] + (counted,)
+                                      + s.requests[r + 1:]), r)
+    return release
+
+
+def _patch(monkeypatch, mutants):
+    for action, mutant in mutants:
+        monkeypatch.setitem(core.ACTIONS, action, mutant(core.ACTIONS[action]))
+    monkeypatch.setattr(core, "_SIMPLE_ACTIONS", tuple(
+        (cls, core.ACTIONS[cls]) for cls, _ in core._SIMPLE_ACTIONS))
+    monkeypatch.setattr(core, "_CACHES", {})
+
+
+@pytest.mark.parametrize("mutants, breaks", [
+    ([(core.SendDone, _done_before_completion)], None),
+    ([(core.Release, _release_without_count)], None),
+    ([(core.SendDone, _done_before_completion), (core.Release, _release_without_count)],
+     ("NoWriteIntoForeign", 7)),
+], ids=["early-done", "release-without-count", "both"])
+def test_decodes_count_of_landed_writes_is_what_stops_an_early_final_word(
+        monkeypatch, mutants, breaks):
+    from spec.check.checker import check
+
+    _patch(monkeypatch, mutants)
+    result = check(Model(**BASES["solo"]), invariants=("NoWriteIntoForeign", "Isolation",
+                                                       "OkIsClean"), liveness=False)
+    found = result.violation and (result.violation.property, result.violation.length)
+    assert found == breaks
