@@ -89,7 +89,7 @@ class StopDecoding(Command):
 @dataclass(frozen=True, slots=True)
 class ReleaseWhenReady(Command):
     """Decode releases the request's pages as soon as the core enables Release (the final
-    word has arrived and no write into them is in flight)."""
+    word has arrived and as many of the request's writes have landed as it announced)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,11 +5,12 @@ Theory of operation
 A request goes router -> prefill -> decode. The router checks the prompt against the
 advertised context and hands the request to a prefill worker (its state becomes Queued) and
 sends a *bootstrap* to a decode worker. Decode reserves pages for the whole prompt, stamping
-each page with a fresh generation (its ownership tag), and publishes the page table. The
-prefill allocates source pages, computes the KV, and posts one write per page into decode's
-pages (SendPage); each write lands later (LandWrite), carrying the data of its source page
-*at landing time* and the tag it was addressed with. When every write has landed, the prefill
-sends its final word Done (with the count it sent) and frees its source pages. Decode accepts
+each page with a fresh generation (its ownership tag), and sends the page table to the
+prefill (which keeps its copy, PTABLE). The prefill allocates source pages, computes the KV,
+and posts one write per page into decode's pages (SendPage); each write lands later
+(LandWrite), carrying the data of its source page *at landing time* and the tag it was
+addressed with, and decode counts it (LANDED). When every write has completed, the prefill
+sends its final word Done (with the count it posted, FW_COUNT) and frees its source pages. Decode accepts
 only if the count equals what it reserved and the checksums match; it then decodes, reading
 every page and comparing each page's tag with the generation it reserved (Finish).
 
@@ -17,8 +18,9 @@ Failure is part of the protocol: the prefill rejects a prompt its pool can never
 (Reject), fails or is aborted (PrefillFail, PrefillAbort), decode rejects a prompt its pool
 can never hold (DecodeReject), times out (Timeout), notices a client that went away
 (DecodeAbort). Every ending on the decode side goes through Closing, and pages come back only
-at Release, which waits for the prefill's final word (Done, Reject or Abort) and for every
-write into those pages to have landed. Decode asks for that final word with a cancel; an
+at Release, which waits for the prefill's final word (Done, Reject or Abort, each carrying the
+count of writes the prefill posted) and for as many of the request's writes to have landed in
+decode's pages, counted by decode itself: decode cannot see the writes on the network. Decode asks for that final word with a cancel; an
 ended prefill answers a cancel by repeating its final word (AnswerCancel). Messages overtake
 each other: a final word can reach decode before the bootstrap, so decode keeps a tombstone
 and drops the late bootstrap (DropBootstrap).
