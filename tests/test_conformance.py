@@ -113,10 +113,12 @@ def test_a_mutated_spec_is_caught_too():
 
 
 def test_a_spec_that_cannot_be_evaluated_is_reported_at_its_state():
-    """Dropping SendPage's table guard makes the spec index an empty table, which TLC
-    would report as an error too (with AdmitBeforeReserve: the bootstrap queue would
-    otherwise make the guard redundant)."""
-    text = SPEC_PATH.read_text().replace("    /\\ table[r] # <<>>\n", "", 1)
+    """Dropping SendPage's guard on the prefill's copy of the page table makes the spec
+    index an empty table, which TLC would report as an error too (with AdmitBeforeReserve:
+    the bootstrap queue would otherwise make the guard redundant)."""
+    guard = "    /\\ ptable[r] # <<>>\n"
+    assert SPEC_PATH.read_text().count(guard) == 1
+    text = SPEC_PATH.read_text().replace(guard, "", 1)
     model = Model(bugs={"AdmitBeforeReserve"}, **BASES["solo"])
     result = check_conformance(model, spec_for(model, text))
     assert not result.ok
