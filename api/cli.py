@@ -35,10 +35,14 @@ def _version() -> str:
         return "kvproof (not installed: run from a source tree)"
 
 
-def _add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default", metavar="NAME|FILE",
-                        help="a shipped model (see --list-models) or a .cfg file "
-                             "(default: default)")
+def _add_model_options(parser: argparse.ArgumentParser, headline: bool = False) -> None:
+    """--model and --bug. With `headline` (kvproof check) no --model means the default model
+    and then the crash models, in turn."""
+    parser.add_argument("--model", default=None if headline else "default",
+                        metavar="NAME|FILE",
+                        help="a shipped model (see --list-models) or a .cfg file (default: "
+                             + ("default, then crash and decode-crash, in turn)" if headline
+                                else "default)"))
     parser.add_argument("--bug", action="append", default=[], metavar="NAME",
                         help="turn on a bug switch (repeatable; see --list-bugs)")
 
@@ -48,14 +52,14 @@ def _add_check(commands) -> None:
         commands, "check", "model-check the KV transfer protocol",
         "Explore every state of a model of the protocol (breadth first, like TLC) and check "
         "its invariants and liveness; print the shortest counterexample when one fails.",
-        ["kvproof check                                  # the default model, every property",
+        ["kvproof check                                  # default, then the crash models",
          "kvproof check --model incident --itf cex.itf.json",
          "kvproof check --model solo --bug NoTimeout --continue",
          "kvproof check --workers 2 --json summary.json",
          "kvproof check --model large --simulate --depth 60 --traces 10000 --seed 1",
          "kvproof check --model solo --dump-dot solo.dot && dot -Tsvg solo.dot > solo.svg"],
         "aliases (kept for one release): --invariant = --property, --trace-out = --itf")
-    _add_model_options(check)
+    _add_model_options(check, headline=True)
     check.add_argument("--property", "--invariant", dest="property", action="append",
                        default=[], metavar="NAME",
                        help="check only these properties (repeatable; default: the model's; "

@@ -6,27 +6,34 @@
 (* A request arrives at the router, which checks the prompt against the    *)
 (* advertised context, queues it at the prefill and sends a bootstrap to   *)
 (* decode. Decode reserves one page per prompt page, stamping each with a  *)
-(* fresh generation (the page's ownership tag), and publishes its page     *)
-(* table. The prefill allocates source pages, computes the KV into them   *)
-(* and posts one write per page; a write lands later, carrying the data    *)
-(* of its source page at landing time and the tag it was addressed with.   *)
-(* Once every write has landed the prefill sends its final word Done (with *)
-(* the count it sent) and frees its sources. Decode accepts only if the    *)
-(* count equals what it reserved and the checksums match, then decodes,    *)
-(* comparing every page's tag with the generation it reserved (Finish).    *)
+(* fresh generation (the page's ownership tag), and sends its page table   *)
+(* to the prefill. The prefill allocates source pages, computes the KV     *)
+(* into them and posts one write per page; a write lands later, carrying   *)
+(* the data of its source page at landing time and the tag it was          *)
+(* addressed with, and decode counts it. Once every write has completed    *)
+(* the prefill sends its final word Done (with the count it posted) and    *)
+(* frees its sources. Decode accepts only if the count equals what it      *)
+(* reserved and the checksums match, then decodes, comparing every page's  *)
+(* tag with the generation it reserved (Finish).                           *)
 (*                                                                         *)
-(* The prefill's final word is Done, Reject or Abort. Decode releases a    *)
-(* request's pages only after that final word has arrived and no write     *)
-(* into them is in flight; when decode gives up (timeout, client abort,    *)
+(* The prefill's final word is Done, Reject or Abort, each with the count  *)
+(* of writes posted. Decode releases a request's pages only after that     *)
+(* final word has arrived and as many writes as it announced have landed;  *)
+(* when decode gives up (timeout, client abort,                            *)
 (* prompt too long for its pool) it asks for the final word with a cancel, *)
 (* which an ended prefill answers by repeating it. Messages overtake each  *)
 (* other, so a final word that beats the bootstrap leaves a tombstone and  *)
 (* the late bootstrap is dropped. Pages are never zeroed: a freed page     *)
 (* keeps its content, and a fresh pool carries the invalid tag -1.         *)
 (*                                                                         *)
+(* Every action reads only its own worker's variables and the messages     *)
+(* addressed to it (the comments on VARIABLES say who owns each; the one   *)
+(* ghost, leaked, is history for the properties): spec/tlaplus/locality.py *)
+(* checks it from this text.                                               *)
+(*                                                                         *)
 (* Every guard can be switched off by an element of the constant Bugs, so  *)
-(* one spec serves the correct protocol and every bug of the zoo. The     *)
-(* Python core (spec/core.py) implements the same actions with the same   *)
+(* one spec serves the correct protocol and every bug of the zoo. The      *)
+(* Python core (spec/core.py) implements the same actions with the same    *)
 (* names; spec/tlaview.py maps its states to these variables.              *)
 (*                                                                         *)
 (* Check with TLC using a .cfg from this directory, e.g. default.cfg.      *)
@@ -76,27 +83,33 @@ DecodeStates == {"None", "Waiting", "Decoding", "Closing", "Released", "Tomb"}
 Messages == {"None", "Done", "Reject", "Abort"}
 
 VARIABLES
-    client,   \* what the client sees
-    prompt,   \* prompt length in pages (0 before arrival)
-    pst,      \* prefill state per request
-    sent,     \* pages whose write the prefill has posted
-    src,      \* the prefill's source pages, in order
-    dst,      \* decode state per request
-    table,    \* decode page table: <<[page, gen]>>, fixed once reserved
-    boot,     \* bootstrap router -> decode in flight
-    fwMsg,    \* the prefill's final word in flight to decode
-    dfw,      \* decode holds the prefill's final word
-    cancel,   \* cancel decode -> prefill in flight
-    leaked,   \* history: requests that consumed data not their own
-    owner,    \* decode pool: owner of each page
-    gen,      \* decode pool: generation (ownership tag) of each page
-    content,  \* decode pool: <<whose data, tag it was written with>>
-    powner,   \* prefill pool: owner of each page
-    pdata,    \* prefill pool: whose KV each page holds
-    writes    \* in-flight page writes
+    client,   \* router: what the client sees (the serving edge keeps the first answer)
+    prompt,   \* router: prompt length in pages (0 before arrival); the prefill's queue
+              \*   entry and decode's bootstrap carry it
+    pst,      \* prefill: its state per request
+    sent,     \* prefill: pages whose write it has posted
+    src,      \* prefill: its source pages, in order
+    dst,      \* decode: its state per request
+    table,    \* decode: its page table <<[page, gen]>>, fixed once reserved
+    boot,     \* wire, router -> decode: the bootstrap in flight
+    fwMsg,    \* wire, prefill -> decode: the prefill's final word in flight
+    dfw,      \* decode: it holds the prefill's final word
+    cancel,   \* wire, decode -> prefill: a cancel in flight
+    ptable,   \* prefill: decode's page table as the prefill received it
+    fwCount,  \* wire, prefill -> decode: the count of writes the final word announces
+    announced, \* decode: the count of writes the final word it holds announced
+    landed,   \* decode: writes into its pages it has seen land, per request
+    leaked,   \* ghost (history, for the properties): requests that consumed foreign data
+    owner,    \* decode: owner of each page of its pool
+    gen,      \* decode: generation (ownership tag) of each page
+    content,  \* decode: each page's memory, <<whose data, tag it was written with>>
+    powner,   \* prefill: owner of each page of its pool
+    pdata,    \* prefill: each page's memory (whose KV it holds)
+    writes    \* prefill: its send queue, the writes it posted whose completion has not
+              \*   come back (the network lands them)
 
-vars == <<client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel, leaked,
-          owner, gen, content, powner, pdata, writes>>
+vars == <<client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel, ptable,
+          fwCount, announced, landed, leaked, owner, gen, content, powner, pdata, writes>>
 
 Range(q) == {q[i] : i \in DOMAIN q}
 (* A finite set of integers as the ascending sequence of its elements. Not SortSeq:  *)
@@ -127,6 +140,10 @@ TypeOK ==
     /\ fwMsg \in [Requests -> Messages]
     /\ dfw \in [Requests -> BOOLEAN]
     /\ cancel \in [Requests -> BOOLEAN]
+    /\ \A r \in Requests : Len(ptable[r]) <= DecodePages
+    /\ fwCount \in [Requests -> 0..MaxPromptPages]
+    /\ announced \in [Requests -> 0..MaxPromptPages]
+    /\ landed \in [Requests -> Nat]
     /\ leaked \subseteq Requests
     /\ owner \in [DPages -> Requests \cup {NoReq}]
     /\ gen \in [DPages -> Nat]
@@ -147,6 +164,10 @@ Init ==
     /\ fwMsg = [r \in Requests |-> "None"]
     /\ dfw = [r \in Requests |-> FALSE]
     /\ cancel = [r \in Requests |-> FALSE]
+    /\ ptable = [r \in Requests |-> <<>>]
+    /\ fwCount = [r \in Requests |-> 0]
+    /\ announced = [r \in Requests |-> 0]
+    /\ landed = [r \in Requests |-> 0]
     /\ leaked = {}
     /\ owner = [p \in DPages |-> NoReq]
     /\ gen = [p \in DPages |-> 0]
@@ -168,13 +189,14 @@ Arrive(r, n) ==
               /\ pst' = [pst EXCEPT ![r] = "Queued"]
               /\ boot' = [boot EXCEPT ![r] = TRUE]
     /\ UNCHANGED <<sent, src, dst, table, fwMsg, dfw, cancel, leaked, owner, gen, content,
-                   powner, pdata, writes>>
+                   powner, pdata, writes, ptable, fwCount, announced, landed>>
 
 Abort(r) ==
     /\ client[r] = "Waiting"
     /\ client' = [client EXCEPT ![r] = "Gone"]
     /\ UNCHANGED <<prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel, leaked,
-                   owner, gen, content, powner, pdata, writes>>
+                   owner, gen, content, powner, pdata, writes, ptable, fwCount,
+                   announced, landed>>
 
 -----------------------------------------------------------------------------
 (* Prefill. *)
@@ -188,7 +210,7 @@ AdmitNeed(r) == IF prompt[r] > PrefillPages THEN 1 ELSE prompt[r]
 (* (FittingRequestsSucceed finds it with AdmitBeforeReserve).                            *)
 Admit(r, S) ==
     /\ pst[r] = "Queued"
-    /\ table[r] # <<>> \/ "AdmitBeforeReserve" \in Bugs
+    /\ ptable[r] # <<>> \/ "AdmitBeforeReserve" \in Bugs
     /\ prompt[r] <= PrefillPages \/ "FinishedNotRejected" \in Bugs
     /\ S \subseteq FreePrefill
     /\ Cardinality(S) = AdmitNeed(r)
@@ -197,7 +219,8 @@ Admit(r, S) ==
     /\ powner' = [p \in PPages |-> IF p \in S THEN r ELSE powner[p]]
     /\ pdata' = [p \in PPages |-> IF p \in S THEN r ELSE pdata[p]]
     /\ UNCHANGED <<client, prompt, sent, dst, table, boot, fwMsg, dfw, cancel, leaked,
-                   owner, gen, content, writes>>
+                   owner, gen, content, writes, ptable, fwCount, announced,
+                   landed>>
 
 Reject(r) ==
     /\ pst[r] = "Queued"
@@ -205,29 +228,31 @@ Reject(r) ==
     /\ "FinishedNotRejected" \notin Bugs
     /\ pst' = [pst EXCEPT ![r] = "Rejected"]
     /\ fwMsg' = [fwMsg EXCEPT ![r] = "Reject"]
+    /\ fwCount' = [fwCount EXCEPT ![r] = sent[r]]
     /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTooLong")]
     /\ UNCHANGED <<prompt, sent, src, dst, table, boot, dfw, cancel, leaked, owner, gen,
-                   content, powner, pdata, writes>>
+                   content, powner, pdata, writes, ptable, announced, landed>>
 
 SendPage(r) ==
     /\ pst[r] = "Running"
-    /\ table[r] # <<>>
+    /\ ptable[r] # <<>>
     /\ sent[r] < Len(src[r])
     /\ LET i == sent[r] + 1
        IN /\ writes' = writes \cup {[req |-> r, src |-> src[r][i],
-                                     dst |-> table[r][i].page, gen |-> table[r][i].gen]}
+                                     dst |-> ptable[r][i].page, gen |-> ptable[r][i].gen]}
           /\ sent' = [sent EXCEPT ![r] = i]
           /\ powner' = IF i = Len(src[r]) /\ "SourceReuse" \in Bugs
                          THEN FreeSources(r) ELSE powner
     /\ UNCHANGED <<client, prompt, pst, src, dst, table, boot, fwMsg, dfw, cancel, leaked,
-                   owner, gen, content, pdata>>
+                   owner, gen, content, pdata, ptable, fwCount, announced, landed>>
 
 LandWrite(w) ==
     /\ w \in writes
     /\ content' = [content EXCEPT ![w.dst] = <<pdata[w.src], w.gen>>]
     /\ writes' = writes \ {w}
+    /\ landed' = [landed EXCEPT ![w.req] = landed[w.req] + 1]
     /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel,
-                   leaked, owner, gen, powner, pdata>>
+                   leaked, owner, gen, powner, pdata, ptable, fwCount, announced>>
 
 SendDone(r) ==
     /\ pst[r] = "Running"
@@ -235,9 +260,10 @@ SendDone(r) ==
     /\ WritesOf(r) = {}
     /\ pst' = [pst EXCEPT ![r] = "Done"]
     /\ fwMsg' = [fwMsg EXCEPT ![r] = "Done"]
+    /\ fwCount' = [fwCount EXCEPT ![r] = sent[r]]
     /\ powner' = FreeSources(r)
-    /\ UNCHANGED <<client, prompt, sent, src, dst, table, boot, dfw, cancel, leaked, owner,
-                   gen, content, pdata, writes>>
+    /\ UNCHANGED <<client, prompt, sent, src, dst, table, boot, dfw, cancel, leaked,
+                   owner, gen, content, pdata, writes, ptable, announced, landed>>
 
 (* A prefill that stops because of a cancel answers it; NoAbortNotice drops only the   *)
 (* notice a prefill owes decode when it stops on its own or on a client abort.         *)
@@ -246,10 +272,12 @@ StopPrefill(r, c) ==
     /\ cancel' = [cancel EXCEPT ![r] = FALSE]
     /\ fwMsg' = IF "NoAbortNotice" \in Bugs /\ ~cancel[r]
                   THEN fwMsg ELSE [fwMsg EXCEPT ![r] = "Abort"]
+    /\ fwCount' = IF "NoAbortNotice" \in Bugs /\ ~cancel[r]
+                    THEN fwCount ELSE [fwCount EXCEPT ![r] = sent[r]]
     /\ client' = [client EXCEPT ![r] = c]
     /\ powner' = FreeSources(r)
     /\ UNCHANGED <<prompt, sent, src, dst, table, boot, dfw, leaked, owner, gen, content,
-                   pdata, writes>>
+                   pdata, writes, ptable, announced, landed>>
 
 PrefillCanStop(r) == pst[r] \in {"Queued", "Running"} /\ WritesOf(r) = {}
 
@@ -276,10 +304,11 @@ PrefillCrash ==
     /\ pst' = [r \in Requests |-> IF Active(r) THEN "Aborted" ELSE pst[r]]
     /\ client' = [r \in Requests |-> IF Active(r) THEN ClientError(r, "ErrPrefill")
                                                   ELSE client[r]]
+    /\ sent' = [r \in Requests |-> IF Active(r) THEN 0 ELSE sent[r]]
     /\ powner' = [p \in PPages |-> NoReq]
     /\ writes' = {}
-    /\ UNCHANGED <<prompt, sent, src, dst, table, boot, fwMsg, dfw, cancel, leaked, owner,
-                   gen, content, pdata>>
+    /\ UNCHANGED <<prompt, src, dst, table, boot, fwMsg, dfw, cancel, leaked, owner, gen,
+                   content, pdata, ptable, fwCount, announced, landed>>
 
 (* The decode dies and restarts empty, in a new epoch. Every request it knew of, or had a  *)
 (* bootstrap for in flight, is lost: its client sees an error and decode keeps it as a    *)
@@ -296,12 +325,14 @@ DecodeCrash ==
     /\ dst' = [r \in Requests |-> IF DecodeKnows(r) THEN "Tomb" ELSE dst[r]]
     /\ boot' = [r \in Requests |-> IF DecodeKnows(r) THEN FALSE ELSE boot[r]]
     /\ table' = [r \in Requests |-> IF DecodeKnows(r) THEN <<>> ELSE table[r]]
+    /\ ptable' = [r \in Requests |-> IF DecodeKnows(r) THEN <<>> ELSE ptable[r]]
     /\ cancel' = [r \in Requests |-> IF DecodeKnows(r) /\ Active(r) THEN TRUE ELSE cancel[r]]
     /\ client' = [r \in Requests |-> IF DecodeKnows(r) THEN ClientError(r, "ErrDecode")
                                                       ELSE client[r]]
     /\ owner' = [p \in DPages |-> NoReq]
     /\ writes' = {}
-    /\ UNCHANGED <<prompt, pst, sent, src, fwMsg, dfw, leaked, gen, content, powner, pdata>>
+    /\ UNCHANGED <<prompt, pst, sent, src, fwMsg, dfw, leaked, gen, content, powner,
+                   pdata, fwCount, announced, landed>>
 
 FinalWordOf(s) == CASE s = "Done" -> "Done"
                     [] s = "Rejected" -> "Reject"
@@ -312,8 +343,9 @@ AnswerCancel(r) ==
     /\ pst[r] \in {"Done", "Rejected", "Aborted"}
     /\ cancel' = [cancel EXCEPT ![r] = FALSE]
     /\ fwMsg' = [fwMsg EXCEPT ![r] = FinalWordOf(pst[r])]
+    /\ fwCount' = [fwCount EXCEPT ![r] = sent[r]]
     /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, boot, dfw, leaked, owner,
-                   gen, content, powner, pdata, writes>>
+                   gen, content, powner, pdata, writes, ptable, announced, landed>>
 
 -----------------------------------------------------------------------------
 (* Decode. *)
@@ -327,14 +359,15 @@ Reserve(r, S) ==
     /\ LET g == [p \in DPages |-> IF p \in S /\ "NoGenBump" \notin Bugs
                                     THEN gen[p] + 1 ELSE gen[p]]
            q == Ascending(S)
+           t == [i \in 1..Len(q) |-> [page |-> q[i], gen |-> g[q[i]]]]
        IN /\ gen' = g
-          /\ table' = [table EXCEPT ![r] =
-                         [i \in 1..Len(q) |-> [page |-> q[i], gen |-> g[q[i]]]]]
+          /\ table' = [table EXCEPT ![r] = t]
+          /\ ptable' = [ptable EXCEPT ![r] = t]
     /\ owner' = [p \in DPages |-> IF p \in S THEN r ELSE owner[p]]
     /\ boot' = [boot EXCEPT ![r] = FALSE]
     /\ dst' = [dst EXCEPT ![r] = "Waiting"]
     /\ UNCHANGED <<client, prompt, pst, sent, src, fwMsg, dfw, cancel, leaked, content,
-                   powner, pdata, writes>>
+                   powner, pdata, writes, fwCount, announced, landed>>
 
 DecodeReject(r) ==
     /\ boot[r]
@@ -345,32 +378,38 @@ DecodeReject(r) ==
     /\ cancel' = IF "NoCancel" \in Bugs THEN cancel ELSE [cancel EXCEPT ![r] = TRUE]
     /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTooLong")]
     /\ UNCHANGED <<prompt, pst, sent, src, table, fwMsg, dfw, leaked, owner, gen, content,
-                   powner, pdata, writes>>
+                   powner, pdata, writes, ptable, fwCount, announced, landed>>
 
 DropBootstrap(r) ==
     /\ boot[r]
     /\ dst[r] = "Tomb"
     /\ boot' = [boot EXCEPT ![r] = FALSE]
     /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, fwMsg, dfw, cancel, leaked,
-                   owner, gen, content, powner, pdata, writes>>
+                   owner, gen, content, powner, pdata, writes, ptable, fwCount,
+                   announced, landed>>
 
 (* Decode's handling of a final word it cannot accept as a transfer. *)
+(* Decode keeps the final word and the count of writes it announces.                  *)
 ReceiveFinalWord(r) ==
     /\ fwMsg' = [fwMsg EXCEPT ![r] = "None"]
+    /\ fwCount' = [fwCount EXCEPT ![r] = 0]
     /\ CASE dst[r] = "None" ->
               IF "NoTombstone" \in Bugs
-                THEN UNCHANGED <<dst, dfw, client>>
+                THEN UNCHANGED <<dst, dfw, announced, client>>
                 ELSE /\ dst' = [dst EXCEPT ![r] = "Tomb"]
                      /\ dfw' = [dfw EXCEPT ![r] = TRUE]
+                     /\ announced' = [announced EXCEPT ![r] = fwCount[r]]
                      /\ UNCHANGED client
          [] dst[r] = "Waiting" ->
               /\ dst' = [dst EXCEPT ![r] = "Closing"]
               /\ dfw' = [dfw EXCEPT ![r] = TRUE]
+              /\ announced' = [announced EXCEPT ![r] = fwCount[r]]
               /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrPrefill")]
          [] dst[r] = "Closing" ->
               /\ dfw' = [dfw EXCEPT ![r] = TRUE]
+              /\ announced' = [announced EXCEPT ![r] = fwCount[r]]
               /\ UNCHANGED <<dst, client>>
-         [] OTHER -> UNCHANGED <<dst, dfw, client>>
+         [] OTHER -> UNCHANGED <<dst, dfw, announced, client>>
 
 (* Observed verdicts. Whether the checksums of the landed pages match, and whether every   *)
 (* page's tag is the one decode reserved, is known only to the data path: a real engine     *)
@@ -384,28 +423,30 @@ ChecksumsMatch(r) == \A i \in 1..Min(sent[r], Len(table[r])) : content[table[r][
 TagsMatch(r) == \A i \in DOMAIN table[r] : content[table[r][i].page][2] = table[r][i].gen
 
 TransferFault(r, checksumsOk) ==
-    \/ "NoCountCheck" \notin Bugs /\ sent[r] # Len(table[r])
+    \/ "NoCountCheck" \notin Bugs /\ fwCount[r] # Len(table[r])
     \/ "NoChecksum" \notin Bugs /\ ~checksumsOk
 
 Accept(r, checksumsOk) ==
     /\ fwMsg[r] = "Done"
     /\ IF dst[r] = "Waiting"
          THEN /\ fwMsg' = [fwMsg EXCEPT ![r] = "None"]
+              /\ fwCount' = [fwCount EXCEPT ![r] = 0]
               /\ dfw' = [dfw EXCEPT ![r] = TRUE]
+              /\ announced' = [announced EXCEPT ![r] = fwCount[r]]
               /\ IF TransferFault(r, checksumsOk)
                    THEN /\ dst' = [dst EXCEPT ![r] = "Closing"]
                         /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTransfer")]
                    ELSE /\ dst' = [dst EXCEPT ![r] = "Decoding"]
                         /\ UNCHANGED client
          ELSE ReceiveFinalWord(r)
-    /\ UNCHANGED <<prompt, pst, sent, src, table, boot, cancel, leaked, owner, gen, content,
-                   powner, pdata, writes>>
+    /\ UNCHANGED <<prompt, pst, sent, src, table, boot, cancel, leaked, owner, gen,
+                   content, powner, pdata, writes, ptable, landed>>
 
 Notice(r) ==
     /\ fwMsg[r] \in {"Reject", "Abort"}
     /\ ReceiveFinalWord(r)
-    /\ UNCHANGED <<prompt, pst, sent, src, table, boot, cancel, leaked, owner, gen, content,
-                   powner, pdata, writes>>
+    /\ UNCHANGED <<prompt, pst, sent, src, table, boot, cancel, leaked, owner, gen,
+                   content, powner, pdata, writes, ptable, landed>>
 
 Foreign(r) == \E i \in DOMAIN table[r] :
                   content[table[r][i].page] # <<r, gen[table[r][i].page]>>
@@ -421,7 +462,8 @@ Finish(r, tagsOk) ==
          ELSE /\ client' = [client EXCEPT ![r] = ClientError(r, "Ok")]
               /\ leaked' = IF Foreign(r) THEN leaked \cup {r} ELSE leaked
     /\ UNCHANGED <<prompt, pst, sent, src, table, boot, fwMsg, dfw, cancel, owner, gen,
-                   content, powner, pdata, writes>>
+                   content, powner, pdata, writes, ptable, fwCount, announced,
+                   landed>>
 
 DecodeAbort(r) ==
     /\ client[r] = "Gone"
@@ -429,7 +471,8 @@ DecodeAbort(r) ==
     /\ dst' = [dst EXCEPT ![r] = "Closing"]
     /\ cancel' = IF dfw[r] \/ "NoCancel" \in Bugs THEN cancel ELSE [cancel EXCEPT ![r] = TRUE]
     /\ UNCHANGED <<client, prompt, pst, sent, src, table, boot, fwMsg, dfw, leaked, owner,
-                   gen, content, powner, pdata, writes>>
+                   gen, content, powner, pdata, writes, ptable, fwCount, announced,
+                   landed>>
 
 Timeout(r) ==
     /\ "NoTimeout" \notin Bugs
@@ -438,17 +481,23 @@ Timeout(r) ==
     /\ cancel' = IF "NoCancel" \in Bugs THEN cancel ELSE [cancel EXCEPT ![r] = TRUE]
     /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTimeout")]
     /\ UNCHANGED <<prompt, pst, sent, src, table, boot, fwMsg, dfw, leaked, owner, gen,
-                   content, powner, pdata, writes>>
+                   content, powner, pdata, writes, ptable, fwCount, announced,
+                   landed>>
 
+(* Decode frees a request's pages once it holds the prefill's final word and has seen as *)
+(* many of the request's writes land as that word announced: then none of them can still *)
+(* land in the pages. Decode counts landed writes itself (landed); the writes in flight   *)
+(* are the prefill's send queue, which decode cannot see.                                 *)
 Release(r) ==
     /\ dst[r] = "Closing"
     /\ \/ "EagerRelease" \in Bugs
-       \/ dfw[r] /\ \A w \in writes : owner[w.dst] # r
+       \/ dfw[r] /\ landed[r] >= announced[r]
     /\ dst' = [dst EXCEPT ![r] = "Released"]
     /\ owner' = [p \in DPages |-> IF owner[p] = r /\ p \in {table[r][i].page : i \in DOMAIN table[r]}
                                     THEN NoReq ELSE owner[p]]
-    /\ UNCHANGED <<client, prompt, pst, sent, src, table, boot, fwMsg, dfw, cancel, leaked,
-                   gen, content, powner, pdata, writes>>
+    /\ UNCHANGED <<client, prompt, pst, sent, src, table, boot, fwMsg, dfw, cancel,
+                   leaked, gen, content, powner, pdata, writes, ptable, fwCount,
+                   announced, landed>>
 
 -----------------------------------------------------------------------------
 (* The protocol's own actions are taken fairly; arrivals, client aborts, prefill        *)

@@ -26,8 +26,8 @@ from spec.core import (
     FINAL_WORD_MSG, Change, View,
 )
 
-# The page table decode publishes on Reserve: a message to the prefill, whose arrival the
-# spec does not model separately (SendPage is enabled once the table exists).
+# The page table decode publishes on Reserve: a message to the prefill. The spec delivers it
+# with Reserve (the prefill's copy, ptable); a shell that delays it delays Admit with it.
 PAGE_TABLE = "page table"
 
 
@@ -89,7 +89,7 @@ class StopDecoding(Command):
 @dataclass(frozen=True, slots=True)
 class ReleaseWhenReady(Command):
     """Decode releases the request's pages as soon as the core enables Release (the final
-    word has arrived and no write into them is in flight)."""
+    word has arrived and as many of the request's writes have landed as it announced)."""
 
 
 @dataclass(frozen=True, slots=True)

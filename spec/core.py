@@ -5,11 +5,12 @@ Theory of operation
 A request goes router -> prefill -> decode. The router checks the prompt against the
 advertised context and hands the request to a prefill worker (its state becomes Queued) and
 sends a *bootstrap* to a decode worker. Decode reserves pages for the whole prompt, stamping
-each page with a fresh generation (its ownership tag), and publishes the page table. The
-prefill allocates source pages, computes the KV, and posts one write per page into decode's
-pages (SendPage); each write lands later (LandWrite), carrying the data of its source page
-*at landing time* and the tag it was addressed with. When every write has landed, the prefill
-sends its final word Done (with the count it sent) and frees its source pages. Decode accepts
+each page with a fresh generation (its ownership tag), and sends the page table to the
+prefill (which keeps its copy, PTABLE). The prefill allocates source pages, computes the KV,
+and posts one write per page into decode's pages (SendPage); each write lands later
+(LandWrite), carrying the data of its source page *at landing time* and the tag it was
+addressed with, and decode counts it (LANDED). When every write has completed, the prefill
+sends its final word Done (with the count it posted, FW_COUNT) and frees its source pages. Decode accepts
 only if the count equals what it reserved and the checksums match; it then decodes, reading
 every page and comparing each page's tag with the generation it reserved (Finish).
 
@@ -17,8 +18,9 @@ Failure is part of the protocol: the prefill rejects a prompt its pool can never
 (Reject), fails or is aborted (PrefillFail, PrefillAbort), decode rejects a prompt its pool
 can never hold (DecodeReject), times out (Timeout), notices a client that went away
 (DecodeAbort). Every ending on the decode side goes through Closing, and pages come back only
-at Release, which waits for the prefill's final word (Done, Reject or Abort) and for every
-write into those pages to have landed. Decode asks for that final word with a cancel; an
+at Release, which waits for the prefill's final word (Done, Reject or Abort, each carrying the
+count of writes the prefill posted) and for as many of the request's writes to have landed in
+decode's pages, counted by decode itself: decode cannot see the writes on the network. Decode asks for that final word with a cancel; an
 ended prefill answers a cancel by repeating its final word (AnswerCancel). Messages overtake
 each other: a final word can reach decode before the bootstrap, so decode keeps a tombstone
 and drops the late bootstrap (DropBootstrap).
@@ -71,11 +73,17 @@ NO_MSG, MSG_DONE, MSG_REJECT, MSG_ABORT = range(4)
 MESSAGE_NAMES = ("None", "Done", "Reject", "Abort")
 FINAL_WORD = {P_DONE: MSG_DONE, REJECTED: MSG_REJECT, ABORTED: MSG_ABORT}
 
-# Fields of a request row.
-CLIENT, PROMPT, PST, SENT, SRC, DST, TABLE, BOOT, FW, DFW, CANCEL, LEAKED = range(12)
+# Fields of a request row. A row mixes what different parties know: the router's (CLIENT,
+# PROMPT), the prefill's (PST, SENT, SRC, PTABLE), decode's (DST, TABLE, DFW, ANNOUNCED,
+# LANDED), the messages on the wire (BOOT, FW, FW_COUNT, CANCEL) and one ghost (LEAKED,
+# history for the properties). Each action reads only its own worker's fields and the
+# messages addressed to it: spec/tlaplus/locality.py says who owns what, and
+# tests/test_locality.py checks every action of the spec against it.
+(CLIENT, PROMPT, PST, SENT, SRC, DST, TABLE, BOOT, FW, DFW, CANCEL, PTABLE, FW_COUNT,
+ ANNOUNCED, LANDED, LEAKED) = range(16)
 ROW_FIELDS = ("client", "prompt", "pst", "sent", "src", "dst", "table", "boot", "fwMsg",
-              "dfw", "cancel", "leaked")
-EMPTY_ROW = (IDLE, 0, P_NONE, 0, (), D_NONE, (), 0, NO_MSG, 0, 0, 0)
+              "dfw", "cancel", "ptable", "fwCount", "announced", "landed", "leaked")
+EMPTY_ROW = (IDLE, 0, P_NONE, 0, (), D_NONE, (), 0, NO_MSG, 0, 0, (), 0, 0, 0, 0)
 
 # Fields of a decode page.
 OWNER, GEN, DATA, TAG = range(4)
@@ -218,6 +226,11 @@ def _free_prefill_of(pool, r: int, pages: tuple) -> tuple:
     return tuple((p, (NONE, pool[p][1])) for p in pages if pool[p][0] == r)
 
 
+def _cancel(m: Model) -> tuple:
+    """The row change that sends decode's cancel to the prefill (none with NoCancel)."""
+    return () if "NoCancel" in m.bugs else (CANCEL, 1)
+
+
 def _client_error(row: tuple, error: int) -> int:
     """A waiting client gets `error`; a client that already has its answer keeps it."""
     return error if row[CLIENT] == WAITING else row[CLIENT]
@@ -251,7 +264,7 @@ def admission_waits_for_table(m: Model) -> bool:
 def _admit_need(m: Model, row: tuple) -> int | str:
     if row[PST] != QUEUED:
         return f"the prefill state is {PREFILL_NAMES[row[PST]]}, not Queued"
-    if not row[TABLE] and admission_waits_for_table(m):
+    if not row[PTABLE] and admission_waits_for_table(m):
         return WAITS_FOR_TABLE  # the bootstrap queue (KVTransfer.tla, Admit)
     need = row[PROMPT]
     if need > m.prefill_pages:
@@ -296,7 +309,7 @@ def reject(m: Model, s: State, r: int) -> Change | str:
         return "the prompt fits the prefill pool"
     if "FinishedNotRejected" in m.bugs:
         return "with FinishedNotRejected the prefill admits a placeholder instead"
-    return _one(r, _row(row, PST, REJECTED, FW, MSG_REJECT,
+    return _one(r, _row(row, PST, REJECTED, FW, MSG_REJECT, FW_COUNT, row[SENT],
                         CLIENT, _client_error(row, ERR_TOO_LONG)))
 
 
@@ -304,9 +317,9 @@ def send_page(m: Model, s: State, r: int) -> Change | str:
     row = s.requests[r]
     if row[PST] != RUNNING:
         return f"the prefill state is {PREFILL_NAMES[row[PST]]}, not Running"
-    table = row[TABLE]
+    table = row[PTABLE]  # the prefill's copy, received from decode
     if not table:
-        return "decode has not published a page table"
+        return "the prefill has not received decode's page table"
     i = row[SENT]
     src = row[SRC]
     if i >= len(src):
@@ -329,7 +342,9 @@ def land_write(m: Model, s: State, r: int, page: int) -> Change | str:
                 "landed already, or a crash flushed it while it was on the wire)")
     data = s.prefill_pool[w[1]][1]  # the NIC reads the source page now, not at post time
     owner, gen, _, _ = s.decode_pool[page]
-    return Change(decode=((page, (owner, gen, data, w[3])),), landed=(w,))
+    row = s.requests[r]  # decode counts the write (its completion carries the request)
+    return Change(((r, _row(row, LANDED, row[LANDED] + 1)),),
+                  decode=((page, (owner, gen, data, w[3])),), landed=(w,))
 
 
 def send_done(m: Model, s: State, r: int) -> Change | str:
@@ -340,7 +355,7 @@ def send_done(m: Model, s: State, r: int) -> Change | str:
         return f"{row[SENT]} of {len(row[SRC])} pages posted"
     if _writes_of(s, r):
         return "writes of this request are still in flight"
-    return Change(((r, _row(row, PST, P_DONE, FW, MSG_DONE)),),
+    return Change(((r, _row(row, PST, P_DONE, FW, MSG_DONE, FW_COUNT, row[SENT])),),
                   prefill=_free_prefill_of(s.prefill_pool, r, row[SRC]))
 
 
@@ -348,8 +363,11 @@ def _stop_prefill(m: Model, s: State, r: int, client: int) -> Change:
     row = s.requests[r]
     # A prefill that stops because of a cancel answers it; the bug drops only the notice a
     # prefill owes decode when it stops on its own or on a client abort.
-    fw = row[FW] if "NoAbortNotice" in m.bugs and not row[CANCEL] else MSG_ABORT
-    return Change(((r, _row(row, PST, ABORTED, CANCEL, 0, FW, fw, CLIENT, client)),),
+    # (Fields an action leaves alone are not named: it does not read the message it is not
+    # sending, which is on the wire. spec/tlaplus/locality.py checks what actions read.)
+    silent = "NoAbortNotice" in m.bugs and not row[CANCEL]
+    notice = () if silent else (FW, MSG_ABORT, FW_COUNT, row[SENT])
+    return Change(((r, _row(row, PST, ABORTED, CANCEL, 0, *notice, CLIENT, client)),),
                   prefill=_free_prefill_of(s.prefill_pool, r, row[SRC]))
 
 
@@ -388,7 +406,7 @@ def answer_cancel(m: Model, s: State, r: int) -> Change | str:
     word = FINAL_WORD.get(row[PST])
     if word is None:
         return f"the prefill state is {PREFILL_NAMES[row[PST]]}: it has no final word yet"
-    return _one(r, _row(row, CANCEL, 0, FW, word))
+    return _one(r, _row(row, CANCEL, 0, FW, word, FW_COUNT, row[SENT]))
 
 
 def _reserve_need(m: Model, row: tuple) -> int | str:
@@ -417,7 +435,8 @@ def reserve(m: Model, s: State, r: int, pages: tuple) -> Change | str:
         _, gen, data, tag = pool[p]
         changes.append((p, (r, gen + bump, data, tag)))
         table.append((p, gen + bump))
-    return Change(((r, _row(row, BOOT, 0, DST, D_WAITING, TABLE, tuple(table))),),
+    table = tuple(table)  # published: the prefill receives the same table (PTABLE)
+    return Change(((r, _row(row, BOOT, 0, DST, D_WAITING, TABLE, table, PTABLE, table)),),
                   decode=tuple(changes))
 
 
@@ -429,8 +448,7 @@ def decode_reject(m: Model, s: State, r: int) -> Change | str:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not None"
     if row[PROMPT] <= m.decode_pages:
         return "the prompt fits the decode pool"
-    cancel = row[CANCEL] if "NoCancel" in m.bugs else 1
-    return _one(r, _row(row, BOOT, 0, DST, CLOSING, CANCEL, cancel,
+    return _one(r, _row(row, BOOT, 0, DST, CLOSING, *_cancel(m),
                         CLIENT, _client_error(row, ERR_TOO_LONG)))
 
 
@@ -467,24 +485,27 @@ def tags_match(s: State, r: int) -> bool:
 
 def _transfer_fault(m: Model, row: tuple, checksums_ok: bool) -> bool:
     """Decode's checks on Done: the count, then the checksums the data path verified."""
-    if "NoCountCheck" not in m.bugs and row[SENT] != len(row[TABLE]):
+    if "NoCountCheck" not in m.bugs and row[FW_COUNT] != len(row[TABLE]):
         return True
     return "NoChecksum" not in m.bugs and not checksums_ok
 
 
 def _receive_final_word(m: Model, s: State, r: int, row: tuple) -> tuple:
-    """What decode does with a final word that is not a Done it can accept."""
+    """What decode does with a final word that is not a Done it can accept. Where it keeps
+    the final word it keeps the count of writes the word announces (Release waits for as
+    many to land)."""
     d = row[DST]
+    count = row[FW_COUNT]
     if d == D_NONE:
         if "NoTombstone" in m.bugs:
-            return _row(row, FW, NO_MSG)  # the bug: decode forgets it ever heard of r
-        return _row(row, FW, NO_MSG, DST, TOMB, DFW, 1)
+            return _row(row, FW, NO_MSG, FW_COUNT, 0)  # the bug: decode forgets r
+        return _row(row, FW, NO_MSG, FW_COUNT, 0, DST, TOMB, DFW, 1, ANNOUNCED, count)
     if d == D_WAITING:
-        return _row(row, FW, NO_MSG, DST, CLOSING, DFW, 1,
+        return _row(row, FW, NO_MSG, FW_COUNT, 0, DST, CLOSING, DFW, 1, ANNOUNCED, count,
                     CLIENT, _client_error(row, ERR_PREFILL))
     if d == CLOSING:
-        return _row(row, FW, NO_MSG, DFW, 1)
-    return _row(row, FW, NO_MSG)  # Released, Tomb, Decoding: nothing left to do
+        return _row(row, FW, NO_MSG, FW_COUNT, 0, DFW, 1, ANNOUNCED, count)
+    return _row(row, FW, NO_MSG, FW_COUNT, 0)  # Released, Tomb, Decoding: nothing left
 
 
 def accept(m: Model, s: State, r: int, checksums_ok: bool) -> Change | str:
@@ -492,11 +513,12 @@ def accept(m: Model, s: State, r: int, checksums_ok: bool) -> Change | str:
     if row[FW] != MSG_DONE:
         return "no Done is in flight"
     if row[DST] == D_WAITING:
+        count = row[FW_COUNT]
         if _transfer_fault(m, row, checksums_ok):
-            row = _row(row, FW, NO_MSG, DST, CLOSING, DFW, 1,
+            row = _row(row, FW, NO_MSG, FW_COUNT, 0, DST, CLOSING, DFW, 1, ANNOUNCED, count,
                        CLIENT, _client_error(row, ERR_TRANSFER))
         else:
-            row = _row(row, FW, NO_MSG, DST, DECODING, DFW, 1)
+            row = _row(row, FW, NO_MSG, FW_COUNT, 0, DST, DECODING, DFW, 1, ANNOUNCED, count)
     else:
         row = _receive_final_word(m, s, r, row)
     return _one(r, row)
@@ -521,7 +543,7 @@ def finish(m: Model, s: State, r: int, tags_ok: bool) -> Change | str:
         if pool[page][DATA] != r or pool[page][TAG] != pool[page][GEN]:
             foreign = 1
     return _one(r, _row(row, DST, CLOSING, CLIENT, _client_error(row, OK),
-                        LEAKED, row[LEAKED] | foreign))
+                        *((LEAKED, 1) if foreign else ())))
 
 
 def abort(m: Model, s: State, r: int) -> Change | str:
@@ -537,8 +559,8 @@ def decode_abort(m: Model, s: State, r: int) -> Change | str:
         return "the client has not gone"
     if row[DST] != D_WAITING and row[DST] != DECODING:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not Waiting or Decoding"
-    cancel = row[CANCEL] if row[DFW] or "NoCancel" in m.bugs else 1
-    return _one(r, _row(row, DST, CLOSING, CANCEL, cancel))
+    # Holding the final word, decode has nothing to ask the prefill.
+    return _one(r, _row(row, DST, CLOSING, *(() if row[DFW] else _cancel(m))))
 
 
 def timeout(m: Model, s: State, r: int) -> Change | str:
@@ -547,8 +569,7 @@ def timeout(m: Model, s: State, r: int) -> Change | str:
     row = s.requests[r]
     if row[DST] != D_WAITING:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not Waiting"
-    cancel = row[CANCEL] if "NoCancel" in m.bugs else 1
-    return _one(r, _row(row, DST, CLOSING, CANCEL, cancel,
+    return _one(r, _row(row, DST, CLOSING, *_cancel(m),
                         CLIENT, _client_error(row, ERR_TIMEOUT)))
 
 
@@ -556,13 +577,13 @@ def release(m: Model, s: State, r: int) -> Change | str:
     row = s.requests[r]
     if row[DST] != CLOSING:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not Closing"
-    pool = s.decode_pool
     if "EagerRelease" not in m.bugs:
         if not row[DFW]:
             return "the prefill's final word has not arrived"
-        for w in s.writes:
-            if pool[w[2]][OWNER] == r:
-                return f"a write into decode page {w[2] + 1} is still in flight"
+        if row[LANDED] < row[ANNOUNCED]:
+            return (f"{row[LANDED]} of the {row[ANNOUNCED]} writes the final word announced "
+                    "have landed")
+    pool = s.decode_pool
     freed = []
     for page, _ in row[TABLE]:
         owner, gen, data, tag = pool[page]
@@ -581,7 +602,9 @@ def prefill_crash(m: Model, s: State) -> Change | str:
     (decode re-sends outstanding cancels when the prefill reconnects)."""
     if not m.crashes:
         return "this model has no prefill crashes (Crashes = FALSE)"
-    lost = tuple((r, _row(row, PST, ABORTED, CLIENT, _client_error(row, ERR_PREFILL)))
+    # The restarted prefill has posted nothing for them (SENT 0): an Abort it sends later
+    # announces no write, and the flushed writes never land.
+    lost = tuple((r, _row(row, PST, ABORTED, SENT, 0, CLIENT, _client_error(row, ERR_PREFILL)))
                  for r, row in s.request_items() if row[PST] == QUEUED or row[PST] == RUNNING)
     if not lost:
         return "no request is queued or running at the prefill: a crash loses nothing"
@@ -606,7 +629,7 @@ def decode_crash(m: Model, s: State) -> Change | str:
         d = row[DST]
         if row[BOOT] or d == D_WAITING or d == DECODING or d == CLOSING:
             active = row[PST] == QUEUED or row[PST] == RUNNING
-            lost.append((r, _row(row, DST, TOMB, BOOT, 0, TABLE, (),
+            lost.append((r, _row(row, DST, TOMB, BOOT, 0, TABLE, (), PTABLE, (),
                                  CANCEL, 1 if active else row[CANCEL],
                                  CLIENT, _client_error(row, ERR_DECODE))))
     if not lost:
@@ -746,7 +769,7 @@ Release = _simple("Release", "Decode frees the request's pages.")
 # message, which worker takes it) is derived from this table.
 
 # Messages and writes on the wire, by what consumes them. The page table decode publishes
-# is shared knowledge in the spec (SendPage waits until it exists), not a message.
+# reaches the prefill with Reserve (PTABLE, the prefill's copy): no action consumes it.
 BOOTSTRAP, FINAL_WORD_MSG, CANCEL_MSG, WRITE, CLIENT_GONE = (
     "bootstrap", "final word", "cancel", "write", "client gone")
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from spec.core import (
+    ANNOUNCED, FW_COUNT, LANDED, PTABLE,
     BOOT, CANCEL, CLIENT, CLOSING, DECODING, DST, D_WAITING, ERR_DECODE, ERR_PREFILL, ERR_TAG,
     ERR_TIMEOUT, ERR_TRANSFER, FW, GEN, GONE, IDLE, LEAKED, NONE, NO_MSG, OK, OWNER, PROMPT, PST, QUEUED, RELEASED, RUNNING, SENT, SRC,
     TABLE, TOMB, WAITING, State,
@@ -53,7 +54,10 @@ def TypeOK(m: Model, s: State) -> bool:
     n = m.requests
     for row in s.requests:
         if not (0 <= row[PROMPT] <= m.max_prompt_pages and 0 <= row[SENT] <= m.max_prompt_pages
-                and len(row[SRC]) <= m.prefill_pages and len(row[TABLE]) <= m.decode_pages):
+                and len(row[SRC]) <= m.prefill_pages and len(row[TABLE]) <= m.decode_pages
+                and len(row[PTABLE]) <= m.decode_pages
+                and 0 <= row[FW_COUNT] <= m.max_prompt_pages
+                and 0 <= row[ANNOUNCED] <= m.max_prompt_pages and row[LANDED] >= 0):
             return False
     for owner, gen, data, tag in s.decode_pool:
         if not (-1 <= owner < n and gen >= 0 and -1 <= data < n):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 from spec import core
 from spec.core import (CLIENT, CLIENT_NAMES, DATA, DECODE_NAMES, DECODING, DST, GEN, LEAKED,
-                       NONE, OK, OWNER, PROMPT, PST, RUNNING, SRC, TABLE, TAG, Change, Refusal,
+                       NONE, OK, OWNER, PROMPT, PST, PTABLE, RUNNING, SRC, TABLE, TAG, Change, Refusal,
                        State)
 from spec.model import Model
 from spec.properties import (REST_INVARIANTS, ROW_STEP_PROPERTIES, STATE_INVARIANTS,
@@ -396,6 +396,7 @@ class Store:
             row = list(self.rows[r])
             row[SRC] = tuple(x + p * pp for x in row[SRC])
             row[TABLE] = tuple((x + d * dp, g) for x, g in row[TABLE])
+            row[PTABLE] = tuple((x + d * dp, g) for x, g in row[PTABLE])
             rows.append(tuple(row))
         rows.append(core.EMPTY_ROW)
         decode = tuple((who(o), g, who(data), t) for pool in self.decode_pools

@@ -175,10 +175,10 @@ def test_reject_paths_model_holds_and_exercises_both_reject_paths():
 
 
 def test_crash_models_hold_with_exact_counts():
-    assert checked("solo-crash", frozenset(), symmetry=False).distinct_states == 1354
+    assert checked("solo-crash", frozenset(), symmetry=False).distinct_states == 1252
     result = checked("crash", frozenset())
     assert result.ok and result.liveness_checked
-    assert result.distinct_states == 708847
+    assert result.distinct_states == 633874
 
 
 @pytest.mark.slow
@@ -186,6 +186,6 @@ def test_decode_crash_models_hold_with_exact_counts():
     solo = checked("solo-decode-crash", frozenset(), symmetry=False)
     assert solo.ok and solo.distinct_states == 2095
     both = checked("decode-crash", frozenset(), symmetry=False)
-    assert both.ok and both.liveness_checked and both.distinct_states == 305576
+    assert both.ok and both.liveness_checked and both.distinct_states == 322726
     assert both.action_transitions["DecodeCrash"] > 0
     assert both.action_transitions["PrefillCrash"] > 0

@@ -20,16 +20,56 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
 
 @pytest.mark.slow
 def test_default_model_holds_every_property_and_pins_exact_counts(capsys):
-    """The README's main job: `kvproof check` on the default model (no symmetry)."""
+    """The README's main job: `kvproof check` checks the default model (no symmetry), then
+    the models with crashes, with one exit status."""
     code, out, err = run_cli(capsys)
     assert code == 0, out + err
-    assert "No error has been found" in out
+    assert "checking default, crash, decode-crash in turn" in out
+    assert out.count("No error has been found") == 3
     # TLC reports the same three figures for default.cfg (2,385,281 generated counts TLC's
     # duplicates: spec/check/tlccount.py).
-    assert "2109163 states generated, 772008 distinct states found, 0 states left on queue" in out
-    assert "depth of the complete state graph search is 27" in out
+    default, crash, decode_crash = out.split("=== ")[1:]
+    assert "2109163 states generated, 772008 distinct states found, 0 states left on queue" \
+        in default
+    assert "depth of the complete state graph search is 27" in default
+    assert "1267726 distinct states found" in crash
+    assert "322726 distinct states found" in decode_crash
     assert "liveness (EveryRequestEnds, PagesComeBack)" in out
+    assert out.count("Witness: a client is answered Ok after 8 steps") == 3
+    assert out.rstrip().endswith("kvproof check: default holds, crash holds, decode-crash holds.")
     assert "Progress:" in err
+
+
+def test_without_model_a_bug_fails_the_headline_check_with_one_status(capsys, tmp_path):
+    """--bug applies to each model in turn; the first counterexample is the one written."""
+    cex = tmp_path / "cex.itf.json"
+    code, out, _ = run_cli(capsys, "--bug", "SourceReuse", "--itf", str(cex), "--quiet")
+    assert code == 1
+    assert out.count("Error: SourceHeld is violated (invariant); counterexample of 4 steps.") == 3
+    assert out.rstrip().endswith("default FAILS, crash FAILS, decode-crash FAILS.")
+    assert json.loads(cex.read_text())["#meta"]["description"].startswith(
+        "counterexample to SourceHeld on model default:")
+
+
+def test_a_model_where_no_client_is_ever_answered_ok_fails(capsys, monkeypatch):
+    """Reachability: a mutant whose Finish always reports a tag mismatch never answers Ok.
+    Checking only TypeOK, nothing else notices; the witness check does, and names the
+    model."""
+    from spec import core
+
+    def finish_never_ok(m, s, r, tags_ok):
+        return core.finish(m, s, r, False)
+
+    monkeypatch.setattr(core, "_SIMPLE_ACTIONS", tuple(
+        (cls, finish_never_ok if cls is core.Finish else fn) for cls, fn in core._SIMPLE_ACTIONS))
+    monkeypatch.setattr(core, "_CACHES", {})
+    code, out, _ = run_cli(capsys, "--model", "solo", "--property", "TypeOK")
+    assert code == 1
+    assert "Error: no behaviour of model solo ends with a client answered Ok" in out
+    assert out.rstrip().endswith("Error: Ok is unreachable in model solo.")
+    monkeypatch.undo()
+    code, out, _ = run_cli(capsys, "--model", "solo", "--property", "TypeOK")
+    assert code == 0 and "Witness: a client is answered Ok after 8 steps" in out
 
 
 @pytest.mark.slow

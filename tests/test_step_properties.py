@@ -81,8 +81,8 @@ def _done_counts_one_page_less(original):
         if type(out) is str:
             return out
         (_, row), = out.rows
-        return out._replace(rows=((r, row[:core.SENT] + (row[core.SENT] - 1,)
-                                   + row[core.SENT + 1:]),))
+        return out._replace(rows=((r, row[:core.FW_COUNT] + (row[core.FW_COUNT] - 1,)
+                                   + row[core.FW_COUNT + 1:]),))
     return send_done
 
 

@@ -12,6 +12,12 @@ all is reported as a deadlock. Liveness: the checker records the state graph and
 acyclic (and that no action stutters); on an acyclic graph every behaviour under weak
 fairness of the protocol's actions ends at rest, so the rest invariants decide
 EveryRequestEnds and PagesComeBack. A cycle is reported as a lasso trace.
+
+Reachability: a model in which no behaviour ends with a client answered Ok checks nothing
+worth having (every property holds vacuously of a protocol that never succeeds). So the
+checker keeps the first state it finds in which a client has Ok, and returns a shortest
+behaviour to it, the *witness* (`CheckResult.witness`); `kvproof check` prints it, and fails
+a model whose complete state graph has none.
 """
 
 from __future__ import annotations
@@ -56,10 +62,17 @@ class CheckResult:
     # Per action: distinct states it discovered first, and transitions it generated.
     action_counts: dict[str, int] = field(default_factory=dict)
     action_transitions: dict[str, int] = field(default_factory=dict)
+    # A shortest behaviour that ends with a client answered Ok, or None if none was found.
+    witness: list | None = None
 
     @property
     def ok(self) -> bool:
         return self.violation is None
+
+    @property
+    def ok_unreachable(self) -> bool:
+        """The whole graph was explored and no state has a client answered Ok."""
+        return self.witness is None and self.left_on_queue == 0 and self.violation is None
 
     @property
     def collision_probability(self) -> float:
@@ -112,6 +125,14 @@ class _Graph:
 # hopeless. Larger models are for the fuzzer and the simulator, so the limit lives here and
 # not in Model.
 REQUESTS_MAX = 6
+
+
+def answered_ok(s: State) -> bool:
+    """A client of this state has its Ok (only Finish gives one)."""
+    for row in s.requests:
+        if row[core.CLIENT] == core.OK:
+            return True
+    return False
 
 
 class Checker:
@@ -206,6 +227,7 @@ class Checker:
         generated = 1
         tlc_duplicates = 0
         expanded = 0
+        witness: int | None = None  # the first state found with a client answered Ok
         next_report = started + self.progress_every_s
         successors = core.successors
         symmetry = self.symmetry
@@ -248,6 +270,8 @@ class Checker:
                     depths.append(depths[here] + 1)
                     queue.append(nxt)
                     action_counts[name] = action_counts.get(name, 0) + 1
+                    if witness is None and name == "Finish" and answered_ok(nxt):
+                        witness = j
                     failed = self._failures(self.state_checks, nxt)
                     if failed:
                         self._record(result, failed, "invariant", j, parents)
@@ -284,6 +308,8 @@ class Checker:
         result.depth = max(depths) if depths else 0
         result.action_counts = action_counts
         result.action_transitions = transitions
+        if witness is not None:
+            result.witness = self._trace(witness, parents)
         self._check_acyclic(result, graph, parents)
         result.seconds = time.perf_counter() - started
         return result

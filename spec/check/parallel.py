@@ -26,7 +26,7 @@ from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 
 from spec import core
-from spec.check.checker import CheckResult, Checker, _Graph
+from spec.check.checker import CheckResult, Checker, _Graph, answered_ok
 from spec.check.symmetry import canonical
 from spec.check.tlccount import WAYS as TLC_WAYS
 from spec.properties import (QUIET_INVARIANTS, REST_INVARIANTS, STATE_INVARIANTS,
@@ -158,6 +158,8 @@ class ParallelChecker(Checker):
         result.transitions = search.generated - 1
         result.depth = max(search.depths)
         result.action_counts, result.action_transitions = search.counts, search.transitions
+        if search.witness is not None:
+            result.witness = self._trace(search.witness, search.parents)
         self._check_acyclic(result, search.graph, search.parents)
         result.seconds = time.perf_counter() - started
         return result
@@ -188,6 +190,8 @@ class ParallelChecker(Checker):
             if j is None:
                 state, failed = sent[position]
                 j = search.add(key, here, _ACTIONS.setdefault(name, _Action(name)), state, name)
+                if search.witness is None and name == "Finish" and answered_ok(state):
+                    search.witness = j
                 failed = [f for f in failed if f in dict(self.state_checks)]
                 if failed:
                     self._record(result, failed if self.keep_going else failed[:1],
@@ -246,6 +250,7 @@ class _Search:
         self.tlc_duplicates = 0  # TLC counts these successors again (spec/check/tlccount.py)
         self.counts: dict[str, int] = {}
         self.transitions: dict[str, int] = {}
+        self.witness: int | None = None  # the first state found with a client answered Ok
 
     def add(self, key: int, parent: int, event, state, action: str) -> int:
         """A state seen for the first time; its index."""

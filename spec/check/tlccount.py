@@ -9,9 +9,9 @@ and the core, which yields each event once, counts it once. The guards of KVTran
 that can hold in more than one way:
 
     PrefillAbort(r)  cancel[r] \\/ client[r] = "Gone"
-    Admit(r, S)      table[r] # <<>> \\/ "AdmitBeforeReserve" \\in Bugs, then
+    Admit(r, S)      ptable[r] # <<>> \\/ "AdmitBeforeReserve" \\in Bugs, then
                      prompt[r] <= PrefillPages \\/ "FinishedNotRejected" \\in Bugs
-    Release(r)       \\/ "EagerRelease" \\in Bugs  \\/ dfw[r] /\\ no write into r's pages
+    Release(r)       \\/ "EagerRelease" \\in Bugs  \\/ dfw[r] /\\ landed[r] >= announced[r]
     PrefillCrash     \\E r \\in Requests : Active(r)
     DecodeCrash      \\E r \\in Requests : DecodeKnows(r), which is boot[r] \\/ HoldsPages(r)
 
@@ -44,13 +44,13 @@ def _prefill_abort(m: Model, s: State, event) -> int:
 def _admit(m: Model, s: State, event) -> int:
     """Two disjunctive guards, one after the other: the ways multiply."""
     row = s.requests[event.request]
-    table = bool(row[core.TABLE]) + ("AdmitBeforeReserve" in m.bugs)
+    table = bool(row[core.PTABLE]) + ("AdmitBeforeReserve" in m.bugs)
     return table * ((row[core.PROMPT] <= m.prefill_pages) + ("FinishedNotRejected" in m.bugs))
 
 
 def _release(m: Model, s: State, event) -> int:
-    r, pool = event.request, s.decode_pool
-    settled = s.requests[r][core.DFW] and all(pool[w[2]][core.OWNER] != r for w in s.writes)
+    row = s.requests[event.request]
+    settled = row[core.DFW] and row[core.LANDED] >= row[core.ANNOUNCED]
     return ("EagerRelease" in m.bugs) + bool(settled)
 
 

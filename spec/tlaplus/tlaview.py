@@ -11,14 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spec.core import (
-    BOOT, CANCEL, CLIENT, CLIENT_NAMES, DECODE_NAMES, DFW, DST, FW, LEAKED, MESSAGE_NAMES,
-    NONE, PREFILL_NAMES, PROMPT, PST, SENT, SRC, TABLE, State,
+    ANNOUNCED, BOOT, CANCEL, CLIENT, CLIENT_NAMES, DECODE_NAMES, DFW, DST, FW, FW_COUNT,
+    LANDED, LEAKED, MESSAGE_NAMES, NONE, PREFILL_NAMES, PROMPT, PST, PTABLE, SENT, SRC, TABLE,
+    State,
 )
 from spec.model import Model
 from spec.tlaplus.tlavalues import ModelValue
 
 VARIABLES = ("client", "prompt", "pst", "sent", "src", "dst", "table", "boot", "fwMsg", "dfw",
-             "cancel", "leaked", "owner", "gen", "content", "powner", "pdata", "writes")
+             "cancel", "ptable", "fwCount", "announced", "landed", "leaked", "owner", "gen",
+             "content", "powner", "pdata", "writes")
 
 
 NO_REQ = ModelValue("NoReq")
@@ -48,6 +50,10 @@ def _req(m: Model, x: int) -> ModelValue:
     return ModelValue(m.request_names[x]) if x != NONE else NO_REQ
 
 
+def _page_table(entries: tuple) -> tuple:
+    return tuple(Record((("page", p + 1), ("gen", g))) for p, g in entries)
+
+
 def _decode_pool(s: State) -> tuple:
     return s.decode_pool
 
@@ -69,12 +75,15 @@ MAPPING = {
     "sent": _per_request(SENT, lambda v: v),
     "src": _per_request(SRC, lambda v: tuple(p + 1 for p in v)),
     "dst": _per_request(DST, lambda v: DECODE_NAMES[v]),
-    "table": _per_request(TABLE, lambda v: tuple(
-        Record((("page", p + 1), ("gen", g))) for p, g in v)),
+    "table": _per_request(TABLE, lambda v: _page_table(v)),
     "boot": _per_request(BOOT, bool),
     "fwMsg": _per_request(FW, lambda v: MESSAGE_NAMES[v]),
     "dfw": _per_request(DFW, bool),
     "cancel": _per_request(CANCEL, bool),
+    "ptable": _per_request(PTABLE, lambda v: _page_table(v)),
+    "fwCount": _per_request(FW_COUNT, lambda v: v),
+    "announced": _per_request(ANNOUNCED, lambda v: v),
+    "landed": _per_request(LANDED, lambda v: v),
     "leaked": (lambda s: tuple(row[LEAKED] for row in s.requests),
                lambda m, flags: frozenset(ModelValue(n) for n, f in zip(m.request_names, flags)
                                           if f)),

@@ -1,0 +1,577 @@
+----------------------------- MODULE KVTransfer -----------------------------
+(***************************************************************************)
+(* The KV-cache transfer protocol of disaggregated LLM serving:            *)
+(* router -> prefill -> decode, with paged KV pools on both sides.         *)
+(*                                                                         *)
+(* A request arrives at the router, which checks the prompt against the    *)
+(* advertised context, queues it at the prefill and sends a bootstrap to   *)
+(* decode. Decode reserves one page per prompt page, stamping each with a  *)
+(* fresh generation (the page's ownership tag), and publishes its page     *)
+(* table. The prefill allocates source pages, computes the KV into them   *)
+(* and posts one write per page; a write lands later, carrying the data    *)
+(* of its source page at landing time and the tag it was addressed with.   *)
+(* Once every write has landed the prefill sends its final word Done (with *)
+(* the count it sent) and frees its sources. Decode accepts only if the    *)
+(* count equals what it reserved and the checksums match, then decodes,    *)
+(* comparing every page's tag with the generation it reserved (Finish).    *)
+(*                                                                         *)
+(* The prefill's final word is Done, Reject or Abort. Decode releases a    *)
+(* request's pages only after that final word has arrived and no write     *)
+(* into them is in flight; when decode gives up (timeout, client abort,    *)
+(* prompt too long for its pool) it asks for the final word with a cancel, *)
+(* which an ended prefill answers by repeating it. Messages overtake each  *)
+(* other, so a final word that beats the bootstrap leaves a tombstone and  *)
+(* the late bootstrap is dropped. Pages are never zeroed: a freed page     *)
+(* keeps its content, and a fresh pool carries the invalid tag -1.         *)
+(*                                                                         *)
+(* Every guard can be switched off by an element of the constant Bugs, so  *)
+(* one spec serves the correct protocol and every bug of the zoo. The     *)
+(* Python core (spec/core.py) implements the same actions with the same   *)
+(* names; spec/tlaview.py maps its states to these variables.              *)
+(*                                                                         *)
+(* Check with TLC using a .cfg from this directory, e.g. default.cfg.      *)
+(* Those models need CHECK_DEADLOCK FALSE: a state where every request has *)
+(* ended has no successor, and NoLeakAtRest / NoStuckRequest decide        *)
+(* whether a state without a fair successor is a good one.                 *)
+(***************************************************************************)
+EXTENDS Integers, Sequences, FiniteSets, TLC
+
+CONSTANTS
+    Requests,        \* the requests (model values)
+    NoReq,           \* "no request" (a model value)
+    MaxPromptPages,  \* longest prompt a client may send, in pages
+    ContextPages,    \* context the deployment is configured to advertise, in pages
+    PrefillPages,    \* size of the prefill KV pool, in pages
+    DecodePages,     \* size of the decode KV pool, in pages
+    Crashes,         \* whether the prefill worker may crash and restart (BOOLEAN)
+    DecodeCrashes,   \* whether the decode worker may crash and restart (BOOLEAN)
+    Bugs             \* the bug switches that are on (a set of strings)
+
+BugNames == {"FinishedNotRejected", "NoCountCheck", "EagerRelease", "SourceReuse",
+             "NoAbortNotice", "NoTimeout", "PoolBelowContext", "NoGenBump",
+             "NoChecksum", "NoTombstone", "NoCancel", "AdmitBeforeReserve"}
+
+ASSUME /\ NoReq \notin Requests
+       /\ Bugs \subseteq BugNames
+       /\ MaxPromptPages \in Nat \ {0}
+       /\ ContextPages \in Nat \ {0}
+       /\ PrefillPages \in Nat \ {0}
+       /\ DecodePages \in Nat \ {0}
+       /\ Crashes \in BOOLEAN
+       /\ DecodeCrashes \in BOOLEAN
+
+PPages == 1..PrefillPages
+DPages == 1..DecodePages
+Min(a, b) == IF a < b THEN a ELSE b
+
+(* The startup check: a node advertises no more context than its pools hold. *)
+Advertised == IF "PoolBelowContext" \in Bugs
+                THEN ContextPages
+                ELSE Min(ContextPages, Min(PrefillPages, DecodePages))
+
+ClientStates == {"Idle", "Waiting", "Ok", "Gone", "ErrTooLong", "ErrPrefill",
+                 "ErrTransfer", "ErrTag", "ErrTimeout", "ErrDecode"}
+PrefillStates == {"None", "Queued", "Running", "Done", "Rejected", "Aborted"}
+DecodeStates == {"None", "Waiting", "Decoding", "Closing", "Released", "Tomb"}
+Messages == {"None", "Done", "Reject", "Abort"}
+
+VARIABLES
+    client,   \* what the client sees
+    prompt,   \* prompt length in pages (0 before arrival)
+    pst,      \* prefill state per request
+    sent,     \* pages whose write the prefill has posted
+    src,      \* the prefill's source pages, in order
+    dst,      \* decode state per request
+    table,    \* decode page table: <<[page, gen]>>, fixed once reserved
+    boot,     \* bootstrap router -> decode in flight
+    fwMsg,    \* the prefill's final word in flight to decode
+    dfw,      \* decode holds the prefill's final word
+    cancel,   \* cancel decode -> prefill in flight
+    leaked,   \* history: requests that consumed data not their own
+    owner,    \* decode pool: owner of each page
+    gen,      \* decode pool: generation (ownership tag) of each page
+    content,  \* decode pool: <<whose data, tag it was written with>>
+    powner,   \* prefill pool: owner of each page
+    pdata,    \* prefill pool: whose KV each page holds
+    writes    \* in-flight page writes
+
+vars == <<client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel, leaked,
+          owner, gen, content, powner, pdata, writes>>
+
+Range(q) == {q[i] : i \in DOMAIN q}
+(* A finite set of integers as the ascending sequence of its elements. Not SortSeq:  *)
+(* the standard module TLC, extended above, defines SortSeq(s, Op) with two arguments,   *)
+(* and SANY refuses a second definition of the name. Element i is the x with exactly     *)
+(* i - 1 elements of S below it, so TLC computes it directly instead of searching the    *)
+(* function set [1..n -> S] (n^n candidates) in every Admit and Reserve.                 *)
+Ascending(S) == [i \in 1..Cardinality(S) |->
+                   CHOOSE x \in S : Cardinality({y \in S : y < x}) = i - 1]
+FreePrefill == {p \in PPages : powner[p] = NoReq}
+FreeDecode == {p \in DPages : owner[p] = NoReq}
+WritesOf(r) == {w \in writes : w.req = r}
+ClientError(r, e) == IF client[r] = "Waiting" THEN e ELSE client[r]
+FreeSources(r) == [p \in PPages |-> IF p \in Range(src[r]) /\ powner[p] = r
+                                      THEN NoReq ELSE powner[p]]
+HoldsPages(r) == dst[r] \in {"Waiting", "Decoding", "Closing"}
+Overlong(r) == prompt[r] > Min(PrefillPages, DecodePages)
+
+TypeOK ==
+    /\ client \in [Requests -> ClientStates]
+    /\ prompt \in [Requests -> 0..MaxPromptPages]
+    /\ pst \in [Requests -> PrefillStates]
+    /\ sent \in [Requests -> 0..MaxPromptPages]
+    /\ \A r \in Requests : src[r] \in Seq(PPages) /\ Len(src[r]) <= PrefillPages
+    /\ dst \in [Requests -> DecodeStates]
+    /\ \A r \in Requests : Len(table[r]) <= DecodePages
+    /\ boot \in [Requests -> BOOLEAN]
+    /\ fwMsg \in [Requests -> Messages]
+    /\ dfw \in [Requests -> BOOLEAN]
+    /\ cancel \in [Requests -> BOOLEAN]
+    /\ leaked \subseteq Requests
+    /\ owner \in [DPages -> Requests \cup {NoReq}]
+    /\ gen \in [DPages -> Nat]
+    /\ \A p \in DPages : content[p][1] \in Requests \cup {NoReq} /\ content[p][2] \in Int
+    /\ powner \in [PPages -> Requests \cup {NoReq}]
+    /\ pdata \in [PPages -> Requests \cup {NoReq}]
+    /\ \A w \in writes : w.req \in Requests /\ w.src \in PPages /\ w.dst \in DPages
+
+Init ==
+    /\ client = [r \in Requests |-> "Idle"]
+    /\ prompt = [r \in Requests |-> 0]
+    /\ pst = [r \in Requests |-> "None"]
+    /\ sent = [r \in Requests |-> 0]
+    /\ src = [r \in Requests |-> <<>>]
+    /\ dst = [r \in Requests |-> "None"]
+    /\ table = [r \in Requests |-> <<>>]
+    /\ boot = [r \in Requests |-> FALSE]
+    /\ fwMsg = [r \in Requests |-> "None"]
+    /\ dfw = [r \in Requests |-> FALSE]
+    /\ cancel = [r \in Requests |-> FALSE]
+    /\ leaked = {}
+    /\ owner = [p \in DPages |-> NoReq]
+    /\ gen = [p \in DPages |-> 0]
+    /\ content = [p \in DPages |-> <<NoReq, -1>>]
+    /\ powner = [p \in PPages |-> NoReq]
+    /\ pdata = [p \in PPages |-> NoReq]
+    /\ writes = {}
+
+-----------------------------------------------------------------------------
+(* Router and client. *)
+
+Arrive(r, n) ==
+    /\ client[r] = "Idle"
+    /\ prompt' = [prompt EXCEPT ![r] = n]
+    /\ IF n > Advertised
+         THEN /\ client' = [client EXCEPT ![r] = "ErrTooLong"]
+              /\ UNCHANGED <<pst, boot>>
+         ELSE /\ client' = [client EXCEPT ![r] = "Waiting"]
+              /\ pst' = [pst EXCEPT ![r] = "Queued"]
+              /\ boot' = [boot EXCEPT ![r] = TRUE]
+    /\ UNCHANGED <<sent, src, dst, table, fwMsg, dfw, cancel, leaked, owner, gen, content,
+                   powner, pdata, writes>>
+
+Abort(r) ==
+    /\ client[r] = "Waiting"
+    /\ client' = [client EXCEPT ![r] = "Gone"]
+    /\ UNCHANGED <<prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel, leaked,
+                   owner, gen, content, powner, pdata, writes>>
+
+-----------------------------------------------------------------------------
+(* Prefill. *)
+
+AdmitNeed(r) == IF prompt[r] > PrefillPages THEN 1 ELSE prompt[r]
+
+(* The prefill admits a request (takes its source pages and computes) only once decode   *)
+(* has reserved for it and published its page table: the bootstrap queue. A prefill that *)
+(* took its pages first could hold its whole pool for requests whose decode pages are    *)
+(* held by requests queued behind them at the prefill: a deadlock only timeouts break    *)
+(* (FittingRequestsSucceed finds it with AdmitBeforeReserve).                            *)
+Admit(r, S) ==
+    /\ pst[r] = "Queued"
+    /\ table[r] # <<>> \/ "AdmitBeforeReserve" \in Bugs
+    /\ prompt[r] <= PrefillPages \/ "FinishedNotRejected" \in Bugs
+    /\ S \subseteq FreePrefill
+    /\ Cardinality(S) = AdmitNeed(r)
+    /\ pst' = [pst EXCEPT ![r] = "Running"]
+    /\ src' = [src EXCEPT ![r] = Ascending(S)]
+    /\ powner' = [p \in PPages |-> IF p \in S THEN r ELSE powner[p]]
+    /\ pdata' = [p \in PPages |-> IF p \in S THEN r ELSE pdata[p]]
+    /\ UNCHANGED <<client, prompt, sent, dst, table, boot, fwMsg, dfw, cancel, leaked,
+                   owner, gen, content, writes>>
+
+Reject(r) ==
+    /\ pst[r] = "Queued"
+    /\ prompt[r] > PrefillPages
+    /\ "FinishedNotRejected" \notin Bugs
+    /\ pst' = [pst EXCEPT ![r] = "Rejected"]
+    /\ fwMsg' = [fwMsg EXCEPT ![r] = "Reject"]
+    /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTooLong")]
+    /\ UNCHANGED <<prompt, sent, src, dst, table, boot, dfw, cancel, leaked, owner, gen,
+                   content, powner, pdata, writes>>
+
+SendPage(r) ==
+    /\ pst[r] = "Running"
+    /\ table[r] # <<>>
+    /\ sent[r] < Len(src[r])
+    /\ LET i == sent[r] + 1
+       IN /\ writes' = writes \cup {[req |-> r, src |-> src[r][i],
+                                     dst |-> table[r][i].page, gen |-> table[r][i].gen]}
+          /\ sent' = [sent EXCEPT ![r] = i]
+          /\ powner' = IF i = Len(src[r]) /\ "SourceReuse" \in Bugs
+                         THEN FreeSources(r) ELSE powner
+    /\ UNCHANGED <<client, prompt, pst, src, dst, table, boot, fwMsg, dfw, cancel, leaked,
+                   owner, gen, content, pdata>>
+
+LandWrite(w) ==
+    /\ w \in writes
+    /\ content' = [content EXCEPT ![w.dst] = <<pdata[w.src], w.gen>>]
+    /\ writes' = writes \ {w}
+    /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel,
+                   leaked, owner, gen, powner, pdata>>
+
+SendDone(r) ==
+    /\ pst[r] = "Running"
+    /\ sent[r] = Len(src[r])
+    /\ WritesOf(r) = {}
+    /\ pst' = [pst EXCEPT ![r] = "Done"]
+    /\ fwMsg' = [fwMsg EXCEPT ![r] = "Done"]
+    /\ powner' = FreeSources(r)
+    /\ UNCHANGED <<client, prompt, sent, src, dst, table, boot, dfw, cancel, leaked, owner,
+                   gen, content, pdata, writes>>
+
+(* A prefill that stops because of a cancel answers it; NoAbortNotice drops only the   *)
+(* notice a prefill owes decode when it stops on its own or on a client abort.         *)
+StopPrefill(r, c) ==
+    /\ pst' = [pst EXCEPT ![r] = "Aborted"]
+    /\ cancel' = [cancel EXCEPT ![r] = FALSE]
+    /\ fwMsg' = IF "NoAbortNotice" \in Bugs /\ ~cancel[r]
+                  THEN fwMsg ELSE [fwMsg EXCEPT ![r] = "Abort"]
+    /\ client' = [client EXCEPT ![r] = c]
+    /\ powner' = FreeSources(r)
+    /\ UNCHANGED <<prompt, sent, src, dst, table, boot, dfw, leaked, owner, gen, content,
+                   pdata, writes>>
+
+PrefillCanStop(r) == pst[r] \in {"Queued", "Running"} /\ WritesOf(r) = {}
+
+PrefillAbort(r) ==
+    /\ PrefillCanStop(r)
+    /\ cancel[r] \/ client[r] = "Gone"
+    /\ StopPrefill(r, client[r])
+
+PrefillFail(r) ==
+    /\ PrefillCanStop(r)
+    /\ client[r] = "Waiting"
+    /\ StopPrefill(r, "ErrPrefill")
+
+(* The prefill dies and restarts empty. Its queued and running requests are lost (their  *)
+(* clients see an error), its pool is free again and the writes it had posted are        *)
+(* flushed with its queue pairs. It sends no notice: decode learns by timing out, and the *)
+(* restarted prefill answers the cancel with Abort. Cancels in flight reach the restarted *)
+(* prefill (decode re-sends outstanding cancels when the prefill reconnects).             *)
+Active(r) == pst[r] \in {"Queued", "Running"}
+
+PrefillCrash ==
+    /\ Crashes
+    /\ \E r \in Requests : Active(r)
+    /\ pst' = [r \in Requests |-> IF Active(r) THEN "Aborted" ELSE pst[r]]
+    /\ client' = [r \in Requests |-> IF Active(r) THEN ClientError(r, "ErrPrefill")
+                                                  ELSE client[r]]
+    /\ powner' = [p \in PPages |-> NoReq]
+    /\ writes' = {}
+    /\ UNCHANGED <<prompt, sent, src, dst, table, boot, fwMsg, dfw, cancel, leaked, owner,
+                   gen, content, pdata>>
+
+(* The decode dies and restarts empty, in a new epoch. Every request it knew of, or had a  *)
+(* bootstrap for in flight, is lost: its client sees an error and decode keeps it as a    *)
+(* tombstone (the restarted decode drops every message of the old epoch, so a late        *)
+(* bootstrap never reserves again). Its pool is free again, but generations survive the   *)
+(* restart, so no stale tag can look current. Writes in flight into the old memory        *)
+(* registration fail and are flushed; the prefill learns from the broken connection       *)
+(* (modelled as a cancel) and stops or repeats its final word, which decode ignores.      *)
+DecodeKnows(r) == boot[r] \/ HoldsPages(r)
+
+DecodeCrash ==
+    /\ DecodeCrashes
+    /\ \E r \in Requests : DecodeKnows(r)
+    /\ dst' = [r \in Requests |-> IF DecodeKnows(r) THEN "Tomb" ELSE dst[r]]
+    /\ boot' = [r \in Requests |-> IF DecodeKnows(r) THEN FALSE ELSE boot[r]]
+    /\ table' = [r \in Requests |-> IF DecodeKnows(r) THEN <<>> ELSE table[r]]
+    /\ cancel' = [r \in Requests |-> IF DecodeKnows(r) /\ Active(r) THEN TRUE ELSE cancel[r]]
+    /\ client' = [r \in Requests |-> IF DecodeKnows(r) THEN ClientError(r, "ErrDecode")
+                                                      ELSE client[r]]
+    /\ owner' = [p \in DPages |-> NoReq]
+    /\ writes' = {}
+    /\ UNCHANGED <<prompt, pst, sent, src, fwMsg, dfw, leaked, gen, content, powner, pdata>>
+
+FinalWordOf(s) == CASE s = "Done" -> "Done"
+                    [] s = "Rejected" -> "Reject"
+                    [] s = "Aborted" -> "Abort"
+
+AnswerCancel(r) ==
+    /\ cancel[r]
+    /\ pst[r] \in {"Done", "Rejected", "Aborted"}
+    /\ cancel' = [cancel EXCEPT ![r] = FALSE]
+    /\ fwMsg' = [fwMsg EXCEPT ![r] = FinalWordOf(pst[r])]
+    /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, boot, dfw, leaked, owner,
+                   gen, content, powner, pdata, writes>>
+
+-----------------------------------------------------------------------------
+(* Decode. *)
+
+Reserve(r, S) ==
+    /\ boot[r]
+    /\ dst[r] = "None"
+    /\ prompt[r] <= DecodePages
+    /\ S \subseteq FreeDecode
+    /\ Cardinality(S) = prompt[r]
+    /\ LET g == [p \in DPages |-> IF p \in S /\ "NoGenBump" \notin Bugs
+                                    THEN gen[p] + 1 ELSE gen[p]]
+           q == Ascending(S)
+       IN /\ gen' = g
+          /\ table' = [table EXCEPT ![r] =
+                         [i \in 1..Len(q) |-> [page |-> q[i], gen |-> g[q[i]]]]]
+    /\ owner' = [p \in DPages |-> IF p \in S THEN r ELSE owner[p]]
+    /\ boot' = [boot EXCEPT ![r] = FALSE]
+    /\ dst' = [dst EXCEPT ![r] = "Waiting"]
+    /\ UNCHANGED <<client, prompt, pst, sent, src, fwMsg, dfw, cancel, leaked, content,
+                   powner, pdata, writes>>
+
+DecodeReject(r) ==
+    /\ boot[r]
+    /\ dst[r] = "None"
+    /\ prompt[r] > DecodePages
+    /\ boot' = [boot EXCEPT ![r] = FALSE]
+    /\ dst' = [dst EXCEPT ![r] = "Closing"]
+    /\ cancel' = IF "NoCancel" \in Bugs THEN cancel ELSE [cancel EXCEPT ![r] = TRUE]
+    /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTooLong")]
+    /\ UNCHANGED <<prompt, pst, sent, src, table, fwMsg, dfw, leaked, owner, gen, content,
+                   powner, pdata, writes>>
+
+DropBootstrap(r) ==
+    /\ boot[r]
+    /\ dst[r] = "Tomb"
+    /\ boot' = [boot EXCEPT ![r] = FALSE]
+    /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, fwMsg, dfw, cancel, leaked,
+                   owner, gen, content, powner, pdata, writes>>
+
+(* Decode's handling of a final word it cannot accept as a transfer. *)
+ReceiveFinalWord(r) ==
+    /\ fwMsg' = [fwMsg EXCEPT ![r] = "None"]
+    /\ CASE dst[r] = "None" ->
+              IF "NoTombstone" \in Bugs
+                THEN UNCHANGED <<dst, dfw, client>>
+                ELSE /\ dst' = [dst EXCEPT ![r] = "Tomb"]
+                     /\ dfw' = [dfw EXCEPT ![r] = TRUE]
+                     /\ UNCHANGED client
+         [] dst[r] = "Waiting" ->
+              /\ dst' = [dst EXCEPT ![r] = "Closing"]
+              /\ dfw' = [dfw EXCEPT ![r] = TRUE]
+              /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrPrefill")]
+         [] dst[r] = "Closing" ->
+              /\ dfw' = [dfw EXCEPT ![r] = TRUE]
+              /\ UNCHANGED <<dst, client>>
+         [] OTHER -> UNCHANGED <<dst, dfw, client>>
+
+(* Observed verdicts. Whether the checksums of the landed pages match, and whether every   *)
+(* page's tag is the one decode reserved, is known only to the data path: a real engine     *)
+(* computes a digest and compares tags in its attention kernel. So Accept and Finish take   *)
+(* the data path's observation as an argument and decide on it alone. In this spec the      *)
+(* data path is modelled by the abstract page contents: Next passes the observation those    *)
+(* contents imply (ChecksumsMatch, TagsMatch), which is also the oracle a shell's reported   *)
+(* observation is compared with (spec/core.py observation_conflict).                        *)
+ChecksumsMatch(r) == \A i \in 1..Min(sent[r], Len(table[r])) : content[table[r][i].page][1] = r
+
+TagsMatch(r) == \A i \in DOMAIN table[r] : content[table[r][i].page][2] = table[r][i].gen
+
+TransferFault(r, checksumsOk) ==
+    \/ "NoCountCheck" \notin Bugs /\ sent[r] # Len(table[r])
+    \/ "NoChecksum" \notin Bugs /\ ~checksumsOk
+
+Accept(r, checksumsOk) ==
+    /\ fwMsg[r] = "Done"
+    /\ IF dst[r] = "Waiting"
+         THEN /\ fwMsg' = [fwMsg EXCEPT ![r] = "None"]
+              /\ dfw' = [dfw EXCEPT ![r] = TRUE]
+              /\ IF TransferFault(r, checksumsOk)
+                   THEN /\ dst' = [dst EXCEPT ![r] = "Closing"]
+                        /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTransfer")]
+                   ELSE /\ dst' = [dst EXCEPT ![r] = "Decoding"]
+                        /\ UNCHANGED client
+         ELSE ReceiveFinalWord(r)
+    /\ UNCHANGED <<prompt, pst, sent, src, table, boot, cancel, leaked, owner, gen, content,
+                   powner, pdata, writes>>
+
+Notice(r) ==
+    /\ fwMsg[r] \in {"Reject", "Abort"}
+    /\ ReceiveFinalWord(r)
+    /\ UNCHANGED <<prompt, pst, sent, src, table, boot, cancel, leaked, owner, gen, content,
+                   powner, pdata, writes>>
+
+Foreign(r) == \E i \in DOMAIN table[r] :
+                  content[table[r][i].page] # <<r, gen[table[r][i].page]>>
+
+(* The last decode step: read every page, checking its tag, and answer the client. The    *)
+(* tag check is the data path's observation tagsOk; leaked is history, for the properties.  *)
+Finish(r, tagsOk) ==
+    /\ dst[r] = "Decoding"
+    /\ dst' = [dst EXCEPT ![r] = "Closing"]
+    /\ IF ~tagsOk
+         THEN /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTag")]
+              /\ UNCHANGED leaked
+         ELSE /\ client' = [client EXCEPT ![r] = ClientError(r, "Ok")]
+              /\ leaked' = IF Foreign(r) THEN leaked \cup {r} ELSE leaked
+    /\ UNCHANGED <<prompt, pst, sent, src, table, boot, fwMsg, dfw, cancel, owner, gen,
+                   content, powner, pdata, writes>>
+
+DecodeAbort(r) ==
+    /\ client[r] = "Gone"
+    /\ dst[r] \in {"Waiting", "Decoding"}
+    /\ dst' = [dst EXCEPT ![r] = "Closing"]
+    /\ cancel' = IF dfw[r] \/ "NoCancel" \in Bugs THEN cancel ELSE [cancel EXCEPT ![r] = TRUE]
+    /\ UNCHANGED <<client, prompt, pst, sent, src, table, boot, fwMsg, dfw, leaked, owner,
+                   gen, content, powner, pdata, writes>>
+
+Timeout(r) ==
+    /\ "NoTimeout" \notin Bugs
+    /\ dst[r] = "Waiting"
+    /\ dst' = [dst EXCEPT ![r] = "Closing"]
+    /\ cancel' = IF "NoCancel" \in Bugs THEN cancel ELSE [cancel EXCEPT ![r] = TRUE]
+    /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTimeout")]
+    /\ UNCHANGED <<prompt, pst, sent, src, table, boot, fwMsg, dfw, leaked, owner, gen,
+                   content, powner, pdata, writes>>
+
+Release(r) ==
+    /\ dst[r] = "Closing"
+    /\ \/ "EagerRelease" \in Bugs
+       \/ dfw[r] /\ \A w \in writes : owner[w.dst] # r
+    /\ dst' = [dst EXCEPT ![r] = "Released"]
+    /\ owner' = [p \in DPages |-> IF owner[p] = r /\ p \in {table[r][i].page : i \in DOMAIN table[r]}
+                                    THEN NoReq ELSE owner[p]]
+    /\ UNCHANGED <<client, prompt, pst, sent, src, table, boot, fwMsg, dfw, cancel, leaked,
+                   gen, content, powner, pdata, writes>>
+
+-----------------------------------------------------------------------------
+(* The protocol's own actions are taken fairly; arrivals, client aborts, prefill        *)
+(* failures and crashes are the environment's.                                         *)
+
+(* The protocol's own steps of a request, timers apart. *)
+ProtocolStep(r) ==
+    \/ \E S \in SUBSET PPages : Admit(r, S)
+    \/ Reject(r) \/ SendPage(r) \/ SendDone(r) \/ PrefillAbort(r) \/ AnswerCancel(r)
+    \/ \E S \in SUBSET DPages : Reserve(r, S)
+    \/ DecodeReject(r) \/ DropBootstrap(r) \/ Accept(r, ChecksumsMatch(r)) \/ Notice(r)
+    \/ Finish(r, TagsMatch(r))
+    \/ DecodeAbort(r) \/ Release(r)
+
+FairNext == \E r \in Requests : ProtocolStep(r) \/ Timeout(r)
+
+Next ==
+    \/ FairNext
+    \/ \E w \in writes : LandWrite(w)
+    \/ \E r \in Requests : \E n \in 1..MaxPromptPages : Arrive(r, n)
+    \/ \E r \in Requests : Abort(r) \/ PrefillFail(r)
+    \/ PrefillCrash
+    \/ DecodeCrash
+
+(* A write that is posted eventually lands: LandWrite is fair too. *)
+Progress == FairNext \/ \E w \in writes : LandWrite(w)
+
+Spec == Init /\ [][Next]_vars
+FairSpec == Spec /\ WF_vars(Progress)
+
+Symmetry == Permutations(Requests)
+
+-----------------------------------------------------------------------------
+(* Safety. *)
+
+Isolation == leaked = {}
+
+OkIsClean == \A r \in Requests : client[r] = "Ok" => r \notin leaked
+
+ExclusiveOwner ==
+    /\ \A p \in DPages : owner[p] # NoReq =>
+          /\ HoldsPages(owner[p])
+          /\ [page |-> p, gen |-> gen[p]] \in Range(table[owner[p]])
+    /\ \A r \in Requests : HoldsPages(r) =>
+          \A i \in DOMAIN table[r] : /\ owner[table[r][i].page] = r
+                                     /\ gen[table[r][i].page] = table[r][i].gen
+    /\ \A p \in PPages : powner[p] # NoReq =>
+          pst[powner[p]] = "Running" /\ p \in Range(src[powner[p]])
+
+NoWriteIntoForeign == \A w \in writes : owner[w.dst] = w.req /\ gen[w.dst] = w.gen
+
+SourceHeld == \A w \in writes : powner[w.src] = w.req
+
+RejectedIsError == \A r \in Requests : Overlong(r) => client[r] # "Ok" /\ dst[r] # "Decoding"
+
+(* The count check, the checksums and the tag check are backstops: with every guard in    *)
+(* place (no bug switch) and no fault that corrupts or loses data (this spec has none:    *)
+(* crashes flush writes together with the requests they belong to), none of them ever     *)
+(* fires. A protocol that lost writes on its own path would fail requests here.           *)
+NoGuardTripWithoutFault ==
+    Bugs = {} => \A r \in Requests : client[r] \notin {"ErrTransfer", "ErrTag"}
+
+(* At rest no fair action is enabled: only the environment could move the system. *)
+AtRest == ~ENABLED Progress
+
+AllFree == /\ writes = {}
+           /\ \A p \in DPages : owner[p] = NoReq
+           /\ \A p \in PPages : powner[p] = NoReq
+
+Ended(r) == /\ client[r] # "Waiting"
+            /\ pst[r] \notin {"Queued", "Running"}
+            /\ ~HoldsPages(r)
+            /\ ~boot[r] /\ fwMsg[r] = "None" /\ ~cancel[r]
+
+NoLeakAtRest == AtRest => AllFree
+
+NoStuckRequest == AtRest => \A r \in Requests : Ended(r)
+
+(* Something has to succeed. When nothing but a transfer timer could move the protocol on *)
+(* (no protocol step and no write landing is enabled), every request whose prompt fits    *)
+(* the pools and that no fault has ended (a client abort, a prefill failure or crash, a   *)
+(* decode crash, a timeout) has its Ok. A protocol whose prefill never said Done would   *)
+(* leave every request waiting for its timer here. The one excuse is a timer that is the  *)
+(* designed recovery from a fault: decode learns of a prefill crash by timing out, and    *)
+(* until then the crashed request's pages may keep another request from reserving.       *)
+QuietButTimers == /\ ~ENABLED (\E r \in Requests : ProtocolStep(r))
+                  /\ ~ENABLED (\E w \in writes : LandWrite(w))
+
+FaultOutcomes == {"Gone", "ErrPrefill", "ErrDecode", "ErrTimeout"}
+
+Fits(r) == prompt[r] <= Min(Advertised, Min(PrefillPages, DecodePages))
+
+RecoveringFromFault == \E r \in Requests : client[r] \in FaultOutcomes /\ dst[r] = "Waiting"
+
+FittingRequestsSucceed ==
+    QuietButTimers /\ ~RecoveringFromFault => \A r \in Requests :
+        (client[r] \notin {"Idle"} \cup FaultOutcomes /\ Fits(r)) => client[r] = "Ok"
+
+-----------------------------------------------------------------------------
+(* Liveness, under FairSpec. *)
+
+EveryRequestEnds == \A r \in Requests : client[r] # "Idle" ~> Ended(r)
+
+PagesComeBack == <>[]AllFree
+
+-----------------------------------------------------------------------------
+(* Step properties: promises about every step, checked by TLC as action properties. *)
+
+Answered(r) == client[r] \notin {"Idle", "Waiting"}
+
+(* Once a client has its answer (Ok, an error, or gone), it never changes. *)
+AnswerNeverChanges == [][\A r \in Requests : Answered(r) => client'[r] = client[r]]_vars
+
+(* A request decode has closed never waits for KV or decodes again. *)
+ClosedNeverReopens ==
+    [][\A r \in Requests : dst[r] \in {"Closing", "Released", "Tomb"} =>
+                               dst'[r] \notin {"Waiting", "Decoding"}]_vars
+
+(* A page's generation never goes back, across decode crashes too: a tag once issued is  *)
+(* never issued again.                                                                   *)
+GenerationsNeverGoBack == [][\A p \in DPages : gen'[p] >= gen[p]]_vars
+
+(* A tombstone is never revived: decode never forgets a request it buried. *)
+TombstonesStay == [][\A r \in Requests : dst[r] = "Tomb" => dst'[r] = "Tomb"]_vars
+
+=============================================================================
