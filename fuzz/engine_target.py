@@ -36,7 +36,7 @@ from spec.model import Model
 from spec.properties import holds_decode_pages
 
 from fuzz.target import (Delay, Observation, Open, PoolView, Target, TargetRefused, Violation,
-                         Wait, decoding_reads, register)
+                         Wait, decoding_reads, listed, register)
 
 PAGE_TOKENS = 2
 STEPS_PER_WAIT_MAX = 40  # engine steps one Wait may take before it must commit an event
@@ -144,10 +144,7 @@ class EngineTarget(Target):
 
     def step(self, event: core.Event) -> None:
         moves = self.enabled().get(event.action, ())
-        listed = any(event == move or (type(move) is Open and event.request == move.request
-                                       and _argument(event) in move.options)
-                     for move in moves)
-        if not listed:
+        if not listed(event, moves):
             raise TargetRefused(f"{event} is not enabled in the engine now")
         self._trace.append(event)
         self._moves = self._state = None
@@ -272,8 +269,3 @@ class EngineTarget(Target):
 
     def story(self) -> list[str]:
         return list(self._story)
-
-
-def _argument(event: core.Event) -> int:
-    return event.prompt_pages if type(event) is core.Arrive else event.stall
-

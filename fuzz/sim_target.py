@@ -46,7 +46,7 @@ from sim.run import Simulation
 from sim.scenario import Scenario
 
 from fuzz.target import (AtWorker, Delay, Observation, Open, PoolView, Target, TargetRefused,
-                         Violation, Wait, decoding_reads, register)
+                         Violation, Wait, decoding_reads, listed, register)
 
 PAGE_TOKENS = 16
 # SimPy steps one Wait may take before it must have committed a protocol event: the
@@ -181,10 +181,7 @@ class SimTarget(Target):
 
     def step(self, event: core.Event) -> None:
         moves = self.enabled().get(event.action, ())
-        listed = any(event == move or (type(move) is Open and event.request == move.request
-                                       and _argument(event) in move.options)
-                     for move in moves)
-        if not listed:
+        if not listed(event, moves):
             raise TargetRefused(f"{event} is not enabled in the simulator now")
         self._trace.append(event)
         self._moves = self._state = None
@@ -290,8 +287,3 @@ class SimTarget(Target):
         """Every protocol event the core accepted since reset, in order (crashes as the
         core's worker-less events): with one prefill worker, a run of the core."""
         return list(self._committed_events)
-
-
-def _argument(event: core.Event) -> int:
-    """The argument the fuzzer chose for an open move (Arrive, Delay)."""
-    return event.prompt_pages if type(event) is core.Arrive else event.stall

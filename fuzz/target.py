@@ -48,6 +48,16 @@ class Open:
         return cls(self.request, tuple(sorted(choice)))
 
 
+def listed(event: core.Event, moves) -> bool:
+    """Is `event` one of `moves` (a target's enabled moves of its action): the move itself,
+    or an Open move of the same request whose options hold the argument the fuzzer chose
+    (Arrive's prompt pages, Delay's stall)?"""
+    return any(event == move or (type(move) is Open and event.request == move.request
+                                 and (event.prompt_pages if type(event) is core.Arrive
+                                      else event.stall) in move.options)
+               for move in moves)
+
+
 @dataclass(frozen=True, slots=True)
 class Wait(core.Event):
     """Time passes until the target takes its next protocol event on its own (an environment
