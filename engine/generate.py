@@ -193,6 +193,18 @@ def _hits_stop(tokenizer, sequence: Sequence, token: int) -> bool:
     return True
 
 
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` could be the start of a stop string (not
+    to be streamed yet: the next token may complete it)."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
+
+
 @dataclass
 class RunStats:
     prefill_tokens: int = 0

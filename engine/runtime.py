@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from engine.generate import Request, Sequence, pages_needed, stop_reason
+from engine.generate import Request, Sequence, held_back, pages_needed, stop_reason
 from engine.model import LlamaModel
 from engine.pool import PoolConfig
 from engine.sampling import sample
@@ -106,7 +106,8 @@ class Live:
     outcome: str | None = None
     finish_reason: str | None = None
     guard: str | None = None
-    text: str = ""
+    text: str = ""  # streamed so far
+    held: list = field(default_factory=list)  # tokens not streamed yet (see _emit)
     completion_tokens: int = 0
     timeline: list = field(default_factory=list)
 
@@ -293,18 +294,10 @@ class Runtime:
 
     # -- tokens out ---------------------------------------------------------------------
 
-    def _emit(self, live: Live, token: int, logits: torch.Tensor) -> None:
+    def _emit(self, live: Live, token: int, logits: torch.Tensor, final: bool) -> None:
+        """Stream `token`, or hold it back while the text ends with what may become a stop
+        string (or half a character): a client never sees text a stop string later cuts."""
         live.completion_tokens += 1
-        sequence = live.sequence
-        if sequence.text is not None:
-            text = sequence.text
-        elif self.tokenizer is not None:
-            text = self.tokenizer.decode(sequence.output_ids)
-        else:
-            text = ""
-        delta = ""
-        if not text.endswith("\ufffd") and text.startswith(live.text):
-            delta, live.text = text[len(live.text):], text
         logprob, top = None, ()
         k = live.request.logprobs
         if k is not None:
@@ -313,7 +306,27 @@ class Runtime:
             if k:
                 values, ids = logprobs.topk(k)
                 top = tuple(zip(ids.tolist(), values.tolist()))
-        live.on_event(TokenOut(live.request_id, token, delta, logprob, top))
+        live.held.append((token, logprob, top))
+        text = self._text(live.sequence)
+        if not final and (text.endswith("\ufffd")
+                          or held_back(text, live.request.sampling.stop)):
+            return
+        self._flush(live, text)
+
+    def _text(self, sequence: Sequence) -> str:
+        if sequence.text is not None:  # cut before a stop string
+            return sequence.text
+        return self.tokenizer.decode(sequence.output_ids) if self.tokenizer else ""
+
+    def _flush(self, live: Live, text: str) -> None:
+        """Send the held tokens; the last carries the text they add."""
+        delta = ""
+        if text.startswith(live.text):
+            delta, live.text = text[len(live.text):], text
+        held, live.held = live.held, []
+        for index, (token, logprob, top) in enumerate(held):
+            last = index == len(held) - 1
+            live.on_event(TokenOut(live.request_id, token, delta if last else "", logprob, top))
 
     def _next_token(self, live: Live, token: int, logits: torch.Tensor) -> None:
         """Append a sampled token as the Generator does (an end-of-sequence token is not
@@ -324,7 +337,9 @@ class Runtime:
         if reason is None or reason == "length":
             sequence.output_ids.append(token)
         if len(sequence.output_ids) > before:
-            self._emit(live, token, logits)
+            self._emit(live, token, logits, final=reason is not None)
+        elif reason is not None and live.held:
+            self._flush(live, self._text(sequence))
         if reason is not None:
             self._end_decoding(live, reason)
 
