@@ -299,7 +299,7 @@ def _zoo(targets: list[str], base, args: argparse.Namespace) -> int:
     if bad:
         print("FAILED: " + "; ".join(f"{c.row.name} on {c.target}: {format_cell(c)}"
                                      for c in bad))
-        return EXIT_VIOLATION
+        return EXIT_CRASH if any(c.crashed for c in bad) else EXIT_VIOLATION
     print("Every zoo entry caught on every target; no false alarm.")
     return EXIT_OK
 

@@ -236,7 +236,11 @@ class FuzzMachine(RuleBasedStateMachine):
 
     @rule(choice=st.integers(0, 2**64 - 1))
     def step(self, choice: int) -> None:
-        """Take one enabled event, the action picked by this example's swarm weights."""
+        """Take one enabled event, the action picked by this example's swarm weights (a
+        target that raises while listing its moves has crashed too)."""
+        self._guarded(self._step, choice)
+
+    def _step(self, choice: int) -> None:
         weight = self.weight
         enabled = self._ready_moves()
         offered = [(a, weight[a]) for a in enabled if weight[a]]
@@ -304,7 +308,7 @@ class FuzzMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         if self.setup is not None and not self.failed:
-            self._drain()
+            self._guarded(self._drain)
 
     def _drain(self) -> None:
         """Run every request to its end, faults off: arrivals still due and the protocol's
@@ -347,6 +351,8 @@ class FuzzMachine(RuleBasedStateMachine):
         any other failure."""
         try:
             fn(*args, **kwargs)
+        except FuzzFailure:
+            raise
         except Exception as error:  # noqa: BLE001
             self._crashed(error, move)
 

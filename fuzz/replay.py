@@ -59,13 +59,16 @@ def replay(target_name: str, m: Model, events: list[core.Event], checks: Checks,
     """Take `events` on a fresh target reset with `seed` (the example's: it drives the
     simulator's timing); the first violation, or None if every check holds.
     Raises TargetRefused when the target refuses an event. With `states`, appends the
-    protocol state after reset and after every event."""
+    protocol state after reset and after every event. The target lists its moves after
+    every event, as the fuzzer has it do, so that a target that crashes listing them
+    crashes on replay too."""
     target = load_targets()[target_name]()
     try:
         target.reset(m, seed=seed)
         if states is not None:
             states.append((None, target.protocol_state()))
         found = oracles.check(checks, m, target)
+        target.enabled()
     except Exception as error:  # noqa: BLE001  the shell crashed: a finding (sim/crash.py)
         return Replayed(0, [shell_crash.as_violation(error)])
     if found:
@@ -76,6 +79,7 @@ def replay(target_name: str, m: Model, events: list[core.Event], checks: Checks,
             if states is not None:
                 states.append((event, target.protocol_state()))
             found = oracles.check(checks, m, target)
+            target.enabled()
         except TargetRefused:
             raise
         except Exception as error:  # noqa: BLE001

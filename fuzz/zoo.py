@@ -22,6 +22,7 @@ from typing import Callable
 from spec.check.zoo import ALONE, ENTRIES
 
 from fuzz.runner import Campaign, Outcome, run_campaign
+from sim.crash import SHELL_CRASH
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,17 @@ class Cell:
     outcome: Outcome
 
     @property
+    def crashed(self) -> bool:
+        """The target itself raised (sim/crash.py): a finding about the shell, never a
+        catch, whatever the row expects."""
+        return self.outcome.caught and self.outcome.replayed.property == SHELL_CRASH
+
+    @property
     def ok(self) -> bool:
         """Caught when it must be; clean when it must be; anything, out of the target's
-        reach (OUT_OF_REACH)."""
+        reach (OUT_OF_REACH); never a crashed target."""
+        if self.crashed:
+            return False
         if (self.row.name, self.target) in OUT_OF_REACH:
             return True
         return self.outcome.caught == self.row.must_fail
@@ -124,6 +133,9 @@ def _told(cell: Cell, progress: Callable[[Cell], None] | None) -> Cell:
 
 def format_cell(cell: Cell) -> str:
     o = cell.outcome
+    if cell.crashed:
+        return (f"CRASHED after {o.examples_to_catch} example"
+                f"{'s' if o.examples_to_catch != 1 else ''}: {o.replayed.violations[0].detail}")
     if not o.caught and (cell.row.name, cell.target) in OUT_OF_REACH:
         return f"out of reach ({o.examples} examples; fuzz/zoo.py OUT_OF_REACH says why)"
     if not o.caught:

@@ -121,3 +121,23 @@ def test_the_simulator_takes_any_number_of_writes_per_send_page(monkeypatch, tmp
     assert actions.count("LandWrite") > 2 * actions.count("SendPage")  # several per post
     assert set(result["summary"]["outcomes"]) <= {"Ok", "ErrTooLong"}
     assert sim.nic_in_flight == [0] * sc.cluster.prefill_workers
+
+
+def test_a_crashed_zoo_cell_is_never_a_catch_and_exits_3(monkeypatch, capsys):
+    from fuzz.runner import Campaign
+    from fuzz.zoo import format_cell, run_zoo, zoo_rows
+
+    def release(m, s, r):
+        raise KeyError("injected")
+
+    monkeypatch.setitem(core.ACTIONS, core.Release, release)
+    row = next(r for r in zoo_rows() if r.must_fail)
+    cell, = run_zoo(["core"], Campaign(target="core", seed=3, examples=30, shrink_seconds=0),
+                    rows=[row])
+    assert cell.crashed and not cell.ok
+    assert format_cell(cell).startswith("CRASHED after")
+    code = main(["fuzz", "--zoo", "--target", "core", "--seed", "3", "--examples", "10",
+                 "--quiet"])
+    out = capsys.readouterr().out
+    assert code == EXIT_CRASH, out
+    assert "CRASHED" in out
