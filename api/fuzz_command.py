@@ -39,7 +39,7 @@ EXAMPLES = [
     "kvproof fuzz --seed 1                          # the core, 200 examples",
     "kvproof fuzz --target sim --bug EagerRelease --seconds 60",
     "kvproof fuzz --zoo --examples 300 --jobs 2     # every zoo entry on core and sim",
-    "kvproof fuzz --zoo --target engine --examples 80   # ... on the real engine (torch)",
+    "kvproof fuzz --zoo --target engine --seed 1 --examples 400   # data-path entries, engine",
     "kvproof fuzz --replay kvproof-fuzz-core-seed1.itf.json",
 ]
 EXTRA = ("aliases (kept for one release): --out = --itf\n"
