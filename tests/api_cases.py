@@ -53,10 +53,11 @@ def tiny_chat_model(tmp_path_factory):
     return load_model(make_tiny_chat_model(tmp_path_factory.mktemp("tinychat")))
 
 
-def standin(loaded, **options):
-    from tests.standin_engine import StandInEngine
+def protocol_engine(loaded, **config):
+    """The protocol-driven engine (engine.serving.build_engine) over `loaded`, counted."""
+    from engine.serving import EngineConfig, build_engine
 
-    return CountingEngine(StandInEngine(loaded, **options))
+    return CountingEngine(build_engine(loaded, EngineConfig(**config)))
 
 
 class LiveServer:
