@@ -136,6 +136,20 @@ def assert_pools_whole(snapshot) -> None:
     assert (snapshot.queued, snapshot.running) == (0, 0)
 
 
+def pools_whole(snapshot) -> bool:
+    return (snapshot.queued, snapshot.running) == (0, 0) and all(
+        (pool.free, pool.held, pool.writes_in_flight) == (pool.pages, 0, 0)
+        for pool in snapshot.pools)
+
+
+def wait_settled(engine, timeout_s: float = 10.0):
+    """The engine's snapshot once nothing is queued or running and every pool is whole (a
+    request can still hold pages after its answer: release waits for its writes and the
+    prefill's final word); times out, failing the test, if that never happens."""
+    wait_until(lambda: pools_whole(engine.snapshot()), timeout_s, "every pool whole")
+    return engine.snapshot()
+
+
 def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
     import time
 
