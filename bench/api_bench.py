@@ -17,8 +17,8 @@ from sending the request to the first content chunk, tokens from each stream's f
 chunk, over the wall time of the whole batch. Greedy decoding, the same prompts: both sides
 generate the same tokens.
 
-The engine is build_engine's (the protocol-driven engine) when it exists; until it lands,
-the bench measures the tests' stand-in over engine.generate.Generator and says so.
+The engine is the protocol-driven one (engine.serving.build_engine) on both sides, with
+the same EngineConfig.
 """
 
 from __future__ import annotations
@@ -37,22 +37,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-STANDIN = "tests.standin_engine:build_engine"
 PROMPTS = ("Tell me about the sea.", "Write a short poem about autumn.",
            "What is the capital of France?", "Explain how a bicycle works.")
 SERVER_START_S_MAX = 120
 RUN_S_MAX = 600
-
-
-def factory_spec() -> tuple[str, str]:
-    """(MODULE:FUNCTION, what it is) for the engine to measure."""
-    from api.serve.command import DEFAULT_FACTORIES, _find
-
-    for candidate in DEFAULT_FACTORIES:
-        if _find(candidate) is not None:
-            return candidate, "the protocol-driven engine"
-    return STANDIN, ("the tests' stand-in engine over engine.generate.Generator (the "
-                     "protocol-driven engine is not built yet)")
 
 
 def workload(streams: int) -> list[str]:
@@ -152,9 +140,9 @@ def run_http(clients: HttpClients, url: str, prompts: list[str], max_tokens: int
 class Server:
     """`kvproof serve` in a subprocess on a free port."""
 
-    def __init__(self, factory: str, model: str | None, device: str, dtype: str):
-        command = [sys.executable, "-m", "api.cli", "serve", "--port", "0", "--engine-factory",
-                   factory, "--device", device, "--dtype", dtype, "--drain-s", "0"]
+    def __init__(self, model: str | None, device: str, dtype: str):
+        command = [sys.executable, "-m", "api.cli", "serve", "--port", "0", "--device", device,
+                   "--dtype", dtype, "--drain-s", "0"]
         if model:
             command += ["--model", model]
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
@@ -200,19 +188,13 @@ def main() -> int:
     max_tokens = args.max_tokens or (16 if args.quick else 64)
     repeats = args.repeats or (1 if args.quick else 3)
 
-    import importlib
-
     from engine.load import load_model
+    from engine.serving import EngineConfig, build_engine
 
-    factory, what = factory_spec()
-    print(f"engine: {what}")
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    module_name, _, function = factory.partition(":")
-    module = importlib.import_module(module_name)
-    engine = getattr(module, function)(loaded, None if module_name.startswith("tests") else
-                                       getattr(module, "EngineConfig")())
+    engine = build_engine(loaded, EngineConfig())
     engine.start()
-    server = Server(factory, args.model, args.device, args.dtype)
+    server = Server(args.model, args.device, args.dtype)
     prompts = workload(args.streams)
     print(f"{loaded.path.name} on {args.device} ({args.dtype}); {args.streams} concurrent "
           f"streams x {max_tokens} tokens (greedy), {repeats} repeat(s), sides alternating")
