@@ -19,6 +19,13 @@ generate the same tokens.
 
 The engine is the protocol-driven one (engine.serving.build_engine) on both sides, with
 the same EngineConfig.
+
+A third line, "HTTP, null engine", serves the same streams over an engine that computes
+nothing (`NullEngine`: each loop turn hands every live request its next token at once), so
+its tokens/s is the ceiling of the serving stack itself (event-loop handoff, JSON, SSE,
+uvicorn, and the client reading it): its inverse is what HTTP costs a token, and that cost
+times the direct tokens/s is the share of the time a real engine loses to HTTP. On a busy
+shared machine that figure is steadier than the difference of two noisy throughputs.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 PROMPTS = ("Tell me about the sea.", "Write a short poem about autumn.",
            "What is the capital of France?", "Explain how a bicycle works.")
 SERVER_START_S_MAX = 120
+NULL_TOKENS_FACTOR = 8  # the null engine's streams are this much longer: it is that fast
 RUN_S_MAX = 600
 
 
@@ -137,12 +145,83 @@ def run_http(clients: HttpClients, url: str, prompts: list[str], max_tokens: int
             "ttft_s": [f for f, _n in results if f is not None]}
 
 
+class NullEngine:
+    """engine.service.Engine computing nothing: each loop turn gives every live request one
+    token (the same token), and a request ends Ok after max_tokens of them."""
+
+    def __init__(self, loaded):
+        from engine.service import Snapshot
+
+        self.model_name, self.tokenizer = loaded.path.stem, loaded.tokenizer
+        self.context_length = loaded.model.config.max_position_embeddings
+        self.token_id = loaded.tokenizer.encode("a")[-1]
+        self.text = loaded.tokenizer.decode([self.token_id])
+        self._snapshot = Snapshot(pools=(), queued=0, running=0, recent=())
+        self._lock, self._wake = threading.Lock(), threading.Event()
+        self._inbox, self._aborts, self._live = [], set(), {}
+        self._next_id, self._quit = 0, False
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request, on_event) -> int:
+        with self._lock:
+            r, self._next_id = self._next_id, self._next_id + 1
+            self._inbox.append((r, request, on_event))
+        self._wake.set()
+        return r
+
+    def abort(self, request_id: int) -> None:
+        with self._lock:
+            self._aborts.add(request_id)
+        self._wake.set()
+
+    def snapshot(self):
+        return self._snapshot
+
+    def stop(self, drain_s: float = 0.0) -> None:
+        self._quit = True
+        self._wake.set()
+        self._thread.join(10)
+
+    def _loop(self) -> None:
+        from engine.service import Finished, TokenOut
+
+        while not self._quit:
+            with self._lock:
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, set()
+            for r, request, on_event in inbox:
+                self._live[r] = [request, on_event, 0]
+            for r in aborts & self._live.keys():
+                request, on_event, count = self._live.pop(r)
+                on_event(Finished(r, "Gone", None, None, len(request.prompt_ids), count))
+            for r, entry in list(self._live.items()):
+                request, on_event, count = entry
+                entry[2] = count = count + 1
+                on_event(TokenOut(r, self.token_id, self.text))
+                if count == request.sampling.max_tokens:
+                    del self._live[r]
+                    on_event(Finished(r, "Ok", "length", None, len(request.prompt_ids), count))
+            if not self._live:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+
+def build_null_engine(loaded, config=None) -> NullEngine:
+    """For `kvproof serve --engine-factory bench.api_bench:build_null_engine`."""
+    return NullEngine(loaded)
+
+
 class Server:
     """`kvproof serve` in a subprocess on a free port."""
 
-    def __init__(self, model: str | None, device: str, dtype: str):
+    def __init__(self, model: str | None, device: str, dtype: str, factory: str | None = None):
         command = [sys.executable, "-m", "api.cli", "serve", "--port", "0", "--device", device,
                    "--dtype", dtype, "--drain-s", "0"]
+        if factory:
+            command += ["--engine-factory", factory]
         if model:
             command += ["--model", model]
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
@@ -195,28 +274,39 @@ def main() -> int:
     engine = build_engine(loaded, EngineConfig())
     engine.start()
     server = Server(args.model, args.device, args.dtype)
+    null_server = Server(args.model, args.device, args.dtype,
+                         factory="bench.api_bench:build_null_engine")
     prompts = workload(args.streams)
     print(f"{loaded.path.name} on {args.device} ({args.dtype}); {args.streams} concurrent "
           f"streams x {max_tokens} tokens (greedy), {repeats} repeat(s), sides alternating")
-    direct, http = [], []
+    direct, http, null = [], [], []
+    null_tokens = max_tokens * NULL_TOKENS_FACTOR
     clients = HttpClients(args.streams)
     try:
         run_http(clients, server.url, prompts, 2)  # warm both sides: first-call costs out, and
         run_direct(engine, prompts, 2)     # the client's connection pool filled
+        run_http(clients, null_server.url, prompts, 2)
         for _ in range(repeats):
             direct.append(run_direct(engine, prompts, max_tokens))
             http.append(run_http(clients, server.url, prompts, max_tokens))
+            null.append(run_http(clients, null_server.url, prompts, null_tokens))
     finally:
         clients.close()
         server.close()
+        null_server.close()
         engine.stop(0)
-    d, h = summary(direct), summary(http)
-    print(f"{'':8}{'tokens/s':>12}{'TTFT p50':>12}{'TTFT p99':>12}{'tokens':>9}")
-    for name, s in (("direct", d), ("HTTP", h)):
-        print(f"{name:8}{s['tokens_per_s']:>12,.1f}{s['ttft_p50_s'] * 1000:>10.0f}ms"
+    d, h, z = summary(direct), summary(http), summary(null)
+    print(f"{'':18}{'tokens/s':>12}{'TTFT p50':>12}{'TTFT p99':>12}{'tokens':>9}")
+    for name, s in (("direct", d), ("HTTP", h), ("HTTP, null engine", z)):
+        print(f"{name:18}{s['tokens_per_s']:>12,.1f}{s['ttft_p50_s'] * 1000:>10.0f}ms"
               f"{s['ttft_p99_s'] * 1000:>10.0f}ms{s['tokens']:>9}")
-    print(f"HTTP/direct: tokens/s x{h['tokens_per_s'] / d['tokens_per_s']:.2f}, TTFT p50 "
-          f"x{h['ttft_p50_s'] / d['ttft_p50_s']:.2f}, TTFT p99 x{h['ttft_p99_s'] / d['ttft_p99_s']:.2f}")
+    print(f"HTTP/direct: tokens/s x{h['tokens_per_s'] / d['tokens_per_s']:.3f}, TTFT p50 "
+          f"x{h['ttft_p50_s'] / d['ttft_p50_s']:.2f}, TTFT p99 x{h['ttft_p99_s'] / d['ttft_p99_s']:.2f}"
+          f" (each the median over {repeats} repeat(s))")
+    cost_us = 1e6 / z["tokens_per_s"]
+    print(f"HTTP costs {cost_us:.0f} us a token (the null engine's ceiling); at the direct "
+          f"{d['tokens_per_s']:,.1f} tokens/s that is {d['tokens_per_s'] * cost_us / 1e4:.2f}% "
+          f"of the time")
     return 0
 
 
