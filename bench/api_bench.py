@@ -246,8 +246,16 @@ class Server:
             self.process.wait(timeout=10)
 
 
+def arrival_spread_s(recent, count: int) -> float:
+    """First to last Arrive among the newest `count` requests of an engine's snapshot."""
+    arrivals = [request["timeline"][0][0] if isinstance(request, dict) else
+                request.timeline[0][0] for request in list(recent)[-count:]]
+    return max(arrivals) - min(arrivals)
+
+
 def summary(runs: list[dict]) -> dict:
-    return {"tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
+    return {"arrival_spread_s": statistics.median(r.get("arrival_spread_s", 0) for r in runs),
+            "tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
             "ttft_p50_s": statistics.median(percentile(r["ttft_s"], 0.5) for r in runs),
             "ttft_p99_s": statistics.median(percentile(r["ttft_s"], 0.99) for r in runs),
             "tokens": runs[0]["tokens"]}
@@ -266,6 +274,8 @@ def main() -> int:
     args = parser.parse_args()
     max_tokens = args.max_tokens or (16 if args.quick else 64)
     repeats = args.repeats or (1 if args.quick else 3)
+
+    import httpx
 
     from engine.load import load_model
     from engine.serving import EngineConfig, build_engine
@@ -288,7 +298,11 @@ def main() -> int:
         run_http(clients, null_server.url, prompts, 2)
         for _ in range(repeats):
             direct.append(run_direct(engine, prompts, max_tokens))
+            direct[-1]["arrival_spread_s"] = arrival_spread_s(engine.snapshot().recent,
+                                                              len(prompts))
             http.append(run_http(clients, server.url, prompts, max_tokens))
+            state = httpx.get(f"{server.url}/v1/kvproof/state", timeout=60).json()
+            http[-1]["arrival_spread_s"] = arrival_spread_s(state["recent"], len(prompts))
             null.append(run_http(clients, null_server.url, prompts, null_tokens))
     finally:
         clients.close()
@@ -296,10 +310,12 @@ def main() -> int:
         null_server.close()
         engine.stop(0)
     d, h, z = summary(direct), summary(http), summary(null)
-    print(f"{'':18}{'tokens/s':>12}{'TTFT p50':>12}{'TTFT p99':>12}{'tokens':>9}")
+    print(f"{'':18}{'tokens/s':>12}{'TTFT p50':>12}{'TTFT p99':>12}{'tokens':>9}"
+          f"{'arrivals over':>15}")
     for name, s in (("direct", d), ("HTTP", h), ("HTTP, null engine", z)):
+        spread = f"{s['arrival_spread_s'] * 1000:>13.0f}ms" if name != "HTTP, null engine" else ""
         print(f"{name:18}{s['tokens_per_s']:>12,.1f}{s['ttft_p50_s'] * 1000:>10.0f}ms"
-              f"{s['ttft_p99_s'] * 1000:>10.0f}ms{s['tokens']:>9}")
+              f"{s['ttft_p99_s'] * 1000:>10.0f}ms{s['tokens']:>9}{spread}")
     print(f"HTTP/direct: tokens/s x{h['tokens_per_s'] / d['tokens_per_s']:.3f}, TTFT p50 "
           f"x{h['ttft_p50_s'] / d['ttft_p50_s']:.2f}, TTFT p99 x{h['ttft_p99_s'] / d['ttft_p99_s']:.2f}"
           f" (each the median over {repeats} repeat(s))")
