@@ -319,6 +319,10 @@ def main() -> int:
     print(f"HTTP/direct: tokens/s x{h['tokens_per_s'] / d['tokens_per_s']:.3f}, TTFT p50 "
           f"x{h['ttft_p50_s'] / d['ttft_p50_s']:.2f}, TTFT p99 x{h['ttft_p99_s'] / d['ttft_p99_s']:.2f}"
           f" (each the median over {repeats} repeat(s))")
+    pairs = sorted((hr["tokens"] / hr["wall_s"]) / (dr["tokens"] / dr["wall_s"])
+                   for dr, hr in zip(direct, http))
+    print(f"HTTP/direct tokens/s, repeat by repeat: {', '.join(f'{r:.3f}' for r in pairs)} "
+          f"(median {statistics.median(pairs):.3f})")
     cost_us = 1e6 / z["tokens_per_s"]
     print(f"HTTP costs {cost_us:.0f} us a token (the null engine's ceiling); at the direct "
           f"{d['tokens_per_s']:,.1f} tokens/s that is {d['tokens_per_s'] * cost_us / 1e4:.2f}% "

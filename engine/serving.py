@@ -215,9 +215,10 @@ class ThreadedEngine:
                     for r in list(self.runtime.live):
                         self.runtime.abort(r)
                 busy |= self.runtime.step()
-                published, idle = self._publish(), self.runtime.idle
-                with self._lock:
-                    self._published, self._idle, self._in_transit = published, idle, 0
+                if busy:  # an idle turn changed nothing: the last snapshot still holds
+                    published, idle = self._publish(), self.runtime.idle
+                    with self._lock:
+                        self._published, self._idle, self._in_transit = published, idle, 0
                 if busy and self.config.step_delay_s:
                     time.sleep(self.config.step_delay_s)
                 if not busy:
