@@ -121,8 +121,9 @@ def _find(spec: str):
 
 
 def _engine_config(config_type, args: argparse.Namespace):
-    """The engine's config with the options it has. Without a config type (a stand-in) the
-    options go as a dict; an option the config has no field for is refused, never dropped."""
+    """The engine's config with the options it has. Without a config type (a factory whose
+    module has no EngineConfig: bench/api_bench.py's null engine) the options go as a dict;
+    an option the config has no field for is refused, never dropped."""
     wanted = {}
     if args.disaggregated:
         wanted = dict(disaggregated=True, prefill_workers=args.prefill_workers or 1,
