@@ -9,12 +9,14 @@ N concurrent streams, the medians over repeats, and the HTTP/direct ratios. The 
 alternate repeat by repeat, so a neighbour's load on a shared machine hits both alike:
 read the ratios, not the absolute figures.
 
-How each side is timed. Direct: every request submitted at once to an engine in this
-process; TTFT from submit to the first TokenOut, tokens/s over the wall time from the first
-submit to the last Finished. HTTP: `kvproof serve` in a subprocess (its own engine, the same
-factory and model), N streaming chat/completions clients over httpx in this process; TTFT
-from sending the request to the first content chunk, tokens from each stream's final usage
-chunk, over the wall time of the whole batch. Greedy decoding, the same prompts: both sides
+How each side is timed. Direct: every request tokenized (the chat template) and submitted
+in one loop to an engine in this process; TTFT from the start of that loop to the
+request's first TokenOut, tokens/s over the wall time from the start of the loop to the
+last Finished. HTTP: `kvproof serve` in a subprocess (its own engine, the same model), N
+streaming chat/completions clients over httpx in this process, all sent at once; TTFT from
+sending the request to the first content chunk, tokens from each stream's final usage
+chunk, over the wall time of the whole batch. Both TTFTs count from the moment the batch
+was released, and both include tokenizing it (the server tokenizes what it receives). Greedy decoding, the same prompts: both sides
 generate the same tokens.
 
 The engine is the protocol-driven one (engine.serving.build_engine) on both sides, with
@@ -70,7 +72,6 @@ def run_direct(engine, prompts: list[str], max_tokens: int) -> dict:
     tokens = {"count": 0, "finished": 0}
     lock = threading.Lock()
     started = time.perf_counter()
-    submitted_s: dict[int, float] = {}
 
     def on_event(index: int, event) -> None:
         with lock:
@@ -81,13 +82,12 @@ def run_direct(engine, prompts: list[str], max_tokens: int) -> dict:
                     done.set()
             else:
                 tokens["count"] += 1
-                first_s.setdefault(index, time.perf_counter() - submitted_s[index])
+                first_s.setdefault(index, time.perf_counter() - started)
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     for index, prompt in enumerate(prompts):
         ids = tuple(tokenizer.backend.encode(tokenizer.render_chat(
             [{"role": "user", "content": prompt}]), add_special_tokens=False).ids)
-        submitted_s[index] = time.perf_counter()
         engine.submit(GenerationRequest(ids, sampling),
                       lambda event, index=index: on_event(index, event))
     assert done.wait(RUN_S_MAX), "the direct run did not finish"
