@@ -259,3 +259,64 @@ def test_the_openapi_schema_documents_400_not_422(client):
     for path in ("/v1/completions", "/v1/chat/completions"):
         responses = schema["paths"][path]["post"]["responses"]
         assert "422" not in responses and {"200", "400", "503"} <= set(responses)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_aborted_by_a_stopping_server_is_a_503_or_an_error_event(
+        tiny_chat_model, stream):  # noqa: F811
+    """Gone, end to end: the server stops with no drain time while a request decodes; the
+    engine aborts it through the protocol and the client is told, never sent a success."""
+    import json
+    import threading
+
+    engine = protocol_engine(tiny_chat_model, step_delay_s=0.02)
+    app = create_app(engine)
+
+    def stop_once_running() -> None:
+        def accepted() -> bool:  # decode has the KV: the first token is out
+            recent = engine.snapshot().recent
+            return bool(recent) and any(action.startswith("Accept")
+                                        for _at, action in recent[-1].timeline)
+        wait_until(accepted, what="the request to decode")
+        app.state.lifetime.stop(drain_s=0)
+
+    with TestClient(app) as client:
+        stopper = threading.Thread(target=stop_once_running)
+        stopper.start()
+        response = client.post("/v1/completions", json={
+            "prompt": "stop", "max_tokens": 300, "temperature": 0, "stream": stream})
+        stopper.join(30)
+    snapshot = engine.snapshot()
+    assert snapshot.outcomes == {"Gone": 1}
+    assert_pools_whole(snapshot)
+    if not stream:
+        assert (response.status_code, response.json()["error"]["code"]) == (
+            503, "request_aborted")
+        return
+    assert response.status_code == 200
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert "[DONE]" not in events
+    assert json.loads(events[-1])["error"]["code"] == "request_aborted"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_engine_loop_is_a_500_decode_failed_not_a_hang(tiny_chat_model):  # noqa: F811
+    """ErrDecode, end to end: the engine's loop dies (a bug in a step, put there by the
+    test); every live request is failed with the error, and the client gets a 500."""
+    engine = protocol_engine(tiny_chat_model)
+    runtime = engine.inner.runtime
+    idle_step = runtime.step
+
+    def broken_step():
+        if runtime.live:
+            raise RuntimeError("a bug in a step")
+        return idle_step()
+    runtime.step = broken_step
+    with TestClient(create_app(engine)) as client:
+        response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        assert response.status_code == 500
+        error = response.json()["error"]
+        assert error["code"] == "decode_failed" and "a bug in a step" in error["message"]
+        late = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        assert (late.status_code, late.json()["error"]["code"]) == (503, "engine_stopped")
+    assert isinstance(engine.inner.error, RuntimeError)
