@@ -26,6 +26,7 @@ from engine.service import (ContextTooLong, EngineStopped, Finished, GenerationR
                             Overloaded, Snapshot)
 
 POOL_TOKENS_DEFAULT = 16384
+IDLE_PUBLISH_S = 0.1  # how stale an idle engine's snapshot may get, at most
 
 
 class CapacityError(RuntimeError):
@@ -208,6 +209,7 @@ class ThreadedEngine:
             return not self._inbox and self._idle
 
     def _loop(self) -> None:
+        published_s = time.monotonic()
         try:
             while not self._quit:
                 busy = self._drain_inbox()
@@ -215,8 +217,12 @@ class ThreadedEngine:
                     for r in list(self.runtime.live):
                         self.runtime.abort(r)
                 busy |= self.runtime.step()
-                if busy:  # an idle turn changed nothing: the last snapshot still holds
-                    published, idle = self._publish(), self.runtime.idle
+                # A snapshot costs a walk over the recent requests: idle turns (every
+                # idle_wait_s) publish only every IDLE_PUBLISH_S, enough for what an idle
+                # turn may change (a refused event's count).
+                now = time.monotonic()
+                if busy or now - published_s >= IDLE_PUBLISH_S:
+                    published, idle, published_s = self._publish(), self.runtime.idle, now
                     with self._lock:
                         self._published, self._idle, self._in_transit = published, idle, 0
                 if busy and self.config.step_delay_s:

@@ -14,7 +14,6 @@ import threading
 from pathlib import Path
 
 import httpx
-import pytest
 
 from api.cli import main
 from tests.api_cases import make_tiny_chat_model, tiny_chat_model, wait_until  # noqa: F401
