@@ -246,15 +246,23 @@ class Server:
             self.process.wait(timeout=10)
 
 
-def arrival_spread_s(recent, count: int) -> float:
-    """First to last Arrive among the newest `count` requests of an engine's snapshot."""
-    arrivals = [request["timeline"][0][0] if isinstance(request, dict) else
-                request.timeline[0][0] for request in list(recent)[-count:]]
-    return max(arrivals) - min(arrivals)
+def engine_timings(recent, count: int) -> dict:
+    """From the newest `count` requests' protocol timelines: how spread out their arrivals
+    were, and the engine's own TTFT p50 (Accept, when decode starts with the prefill's first
+    token, after the batch's first Arrive): the engine's share of TTFT, without the client
+    and the HTTP path."""
+    timelines = [request["timeline"] if isinstance(request, dict) else request.timeline
+                 for request in list(recent)[-count:]]
+    arrivals = [timeline[0][0] for timeline in timelines]
+    accepts = [next(at for at, action in timeline if action.startswith("Accept"))
+               - min(arrivals) for timeline in timelines]
+    return {"arrival_spread_s": max(arrivals) - min(arrivals),
+            "engine_ttft_s": statistics.median(accepts)}
 
 
 def summary(runs: list[dict]) -> dict:
     return {"arrival_spread_s": statistics.median(r.get("arrival_spread_s", 0) for r in runs),
+            "engine_ttft_s": statistics.median(r.get("engine_ttft_s", 0) for r in runs),
             "tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
             "ttft_p50_s": statistics.median(percentile(r["ttft_s"], 0.5) for r in runs),
             "ttft_p99_s": statistics.median(percentile(r["ttft_s"], 0.99) for r in runs),
@@ -298,11 +306,10 @@ def main() -> int:
         run_http(clients, null_server.url, prompts, 2)
         for _ in range(repeats):
             direct.append(run_direct(engine, prompts, max_tokens))
-            direct[-1]["arrival_spread_s"] = arrival_spread_s(engine.snapshot().recent,
-                                                              len(prompts))
+            direct[-1] |= engine_timings(engine.snapshot().recent, len(prompts))
             http.append(run_http(clients, server.url, prompts, max_tokens))
             state = httpx.get(f"{server.url}/v1/kvproof/state", timeout=60).json()
-            http[-1]["arrival_spread_s"] = arrival_spread_s(state["recent"], len(prompts))
+            http[-1] |= engine_timings(state["recent"], len(prompts))
             null.append(run_http(clients, null_server.url, prompts, null_tokens))
     finally:
         clients.close()
@@ -311,9 +318,10 @@ def main() -> int:
         engine.stop(0)
     d, h, z = summary(direct), summary(http), summary(null)
     print(f"{'':18}{'tokens/s':>12}{'TTFT p50':>12}{'TTFT p99':>12}{'tokens':>9}"
-          f"{'arrivals over':>15}")
+          f"{'arrivals over':>15}{'engine TTFT p50':>17}")
     for name, s in (("direct", d), ("HTTP", h), ("HTTP, null engine", z)):
-        spread = f"{s['arrival_spread_s'] * 1000:>13.0f}ms" if name != "HTTP, null engine" else ""
+        spread = (f"{s['arrival_spread_s'] * 1000:>13.0f}ms{s['engine_ttft_s'] * 1000:>15.0f}ms"
+                  if name != "HTTP, null engine" else "")
         print(f"{name:18}{s['tokens_per_s']:>12,.1f}{s['ttft_p50_s'] * 1000:>10.0f}ms"
               f"{s['ttft_p99_s'] * 1000:>10.0f}ms{s['tokens']:>9}{spread}")
     print(f"HTTP/direct: tokens/s x{h['tokens_per_s'] / d['tokens_per_s']:.3f}, TTFT p50 "
