@@ -9,16 +9,25 @@ N concurrent streams, the medians over repeats, and the HTTP/direct ratios. The 
 alternate repeat by repeat, so a neighbour's load on a shared machine hits both alike:
 read the ratios, not the absolute figures.
 
-How each side is timed. Direct: every request submitted at once to an engine in this
-process; TTFT from submit to the first TokenOut, tokens/s over the wall time from the first
-submit to the last Finished. HTTP: `kvproof serve` in a subprocess (its own engine, the same
-factory and model), N streaming chat/completions clients over httpx in this process; TTFT
-from sending the request to the first content chunk, tokens from each stream's final usage
-chunk, over the wall time of the whole batch. Greedy decoding, the same prompts: both sides
+How each side is timed. Direct: every request tokenized (the chat template) and submitted
+in one loop to an engine in this process; TTFT from the start of that loop to the
+request's first TokenOut, tokens/s over the wall time from the start of the loop to the
+last Finished. HTTP: `kvproof serve` in a subprocess (its own engine, the same model), N
+streaming chat/completions clients over httpx in this process, all sent at once; TTFT from
+sending the request to the first content chunk, tokens from each stream's final usage
+chunk, over the wall time of the whole batch. Both TTFTs count from the moment the batch
+was released, and both include tokenizing it (the server tokenizes what it receives). Greedy decoding, the same prompts: both sides
 generate the same tokens.
 
-The engine is build_engine's (the protocol-driven engine) when it exists; until it lands,
-the bench measures the tests' stand-in over engine.generate.Generator and says so.
+The engine is the protocol-driven one (engine.serving.build_engine) on both sides, with
+the same EngineConfig.
+
+A third line, "HTTP, null engine", serves the same streams over an engine that computes
+nothing (`NullEngine`: each loop turn hands every live request its next token at once), so
+its tokens/s is the ceiling of the serving stack itself (event-loop handoff, JSON, SSE,
+uvicorn, and the client reading it): its inverse is what HTTP costs a token, and that cost
+times the direct tokens/s is the share of the time a real engine loses to HTTP. On a busy
+shared machine that figure is steadier than the difference of two noisy throughputs.
 """
 
 from __future__ import annotations
@@ -37,22 +46,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-STANDIN = "tests.standin_engine:build_engine"
 PROMPTS = ("Tell me about the sea.", "Write a short poem about autumn.",
            "What is the capital of France?", "Explain how a bicycle works.")
 SERVER_START_S_MAX = 120
+NULL_TOKENS_FACTOR = 8  # the null engine's streams are this much longer: it is that fast
 RUN_S_MAX = 600
-
-
-def factory_spec() -> tuple[str, str]:
-    """(MODULE:FUNCTION, what it is) for the engine to measure."""
-    from api.serve.command import DEFAULT_FACTORIES, _find
-
-    for candidate in DEFAULT_FACTORIES:
-        if _find(candidate) is not None:
-            return candidate, "the protocol-driven engine"
-    return STANDIN, ("the tests' stand-in engine over engine.generate.Generator (the "
-                     "protocol-driven engine is not built yet)")
 
 
 def workload(streams: int) -> list[str]:
@@ -74,7 +72,6 @@ def run_direct(engine, prompts: list[str], max_tokens: int) -> dict:
     tokens = {"count": 0, "finished": 0}
     lock = threading.Lock()
     started = time.perf_counter()
-    submitted_s: dict[int, float] = {}
 
     def on_event(index: int, event) -> None:
         with lock:
@@ -85,13 +82,12 @@ def run_direct(engine, prompts: list[str], max_tokens: int) -> dict:
                     done.set()
             else:
                 tokens["count"] += 1
-                first_s.setdefault(index, time.perf_counter() - submitted_s[index])
+                first_s.setdefault(index, time.perf_counter() - started)
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     for index, prompt in enumerate(prompts):
         ids = tuple(tokenizer.backend.encode(tokenizer.render_chat(
             [{"role": "user", "content": prompt}]), add_special_tokens=False).ids)
-        submitted_s[index] = time.perf_counter()
         engine.submit(GenerationRequest(ids, sampling),
                       lambda event, index=index: on_event(index, event))
     assert done.wait(RUN_S_MAX), "the direct run did not finish"
@@ -149,12 +145,83 @@ def run_http(clients: HttpClients, url: str, prompts: list[str], max_tokens: int
             "ttft_s": [f for f, _n in results if f is not None]}
 
 
+class NullEngine:
+    """engine.service.Engine computing nothing: each loop turn gives every live request one
+    token (the same token), and a request ends Ok after max_tokens of them."""
+
+    def __init__(self, loaded):
+        from engine.service import Snapshot
+
+        self.model_name, self.tokenizer = loaded.path.stem, loaded.tokenizer
+        self.context_length = loaded.model.config.max_position_embeddings
+        self.token_id = loaded.tokenizer.encode("a")[-1]
+        self.text = loaded.tokenizer.decode([self.token_id])
+        self._snapshot = Snapshot(pools=(), queued=0, running=0, recent=())
+        self._lock, self._wake = threading.Lock(), threading.Event()
+        self._inbox, self._aborts, self._live = [], set(), {}
+        self._next_id, self._quit = 0, False
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request, on_event) -> int:
+        with self._lock:
+            r, self._next_id = self._next_id, self._next_id + 1
+            self._inbox.append((r, request, on_event))
+        self._wake.set()
+        return r
+
+    def abort(self, request_id: int) -> None:
+        with self._lock:
+            self._aborts.add(request_id)
+        self._wake.set()
+
+    def snapshot(self):
+        return self._snapshot
+
+    def stop(self, drain_s: float = 0.0) -> None:
+        self._quit = True
+        self._wake.set()
+        self._thread.join(10)
+
+    def _loop(self) -> None:
+        from engine.service import Finished, TokenOut
+
+        while not self._quit:
+            with self._lock:
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, set()
+            for r, request, on_event in inbox:
+                self._live[r] = [request, on_event, 0]
+            for r in aborts & self._live.keys():
+                request, on_event, count = self._live.pop(r)
+                on_event(Finished(r, "Gone", None, None, len(request.prompt_ids), count))
+            for r, entry in list(self._live.items()):
+                request, on_event, count = entry
+                entry[2] = count = count + 1
+                on_event(TokenOut(r, self.token_id, self.text))
+                if count == request.sampling.max_tokens:
+                    del self._live[r]
+                    on_event(Finished(r, "Ok", "length", None, len(request.prompt_ids), count))
+            if not self._live:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+
+def build_null_engine(loaded, config=None) -> NullEngine:
+    """For `kvproof serve --engine-factory bench.api_bench:build_null_engine`."""
+    return NullEngine(loaded)
+
+
 class Server:
     """`kvproof serve` in a subprocess on a free port."""
 
-    def __init__(self, factory: str, model: str | None, device: str, dtype: str):
-        command = [sys.executable, "-m", "api.cli", "serve", "--port", "0", "--engine-factory",
-                   factory, "--device", device, "--dtype", dtype, "--drain-s", "0"]
+    def __init__(self, model: str | None, device: str, dtype: str, factory: str | None = None):
+        command = [sys.executable, "-m", "api.cli", "serve", "--port", "0", "--device", device,
+                   "--dtype", dtype, "--drain-s", "0"]
+        if factory:
+            command += ["--engine-factory", factory]
         if model:
             command += ["--model", model]
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
@@ -179,8 +246,24 @@ class Server:
             self.process.wait(timeout=10)
 
 
+def engine_timings(recent, count: int) -> dict:
+    """From the newest `count` requests' protocol timelines: how spread out their arrivals
+    were, and the engine's own TTFT p50 (Accept, when decode starts with the prefill's first
+    token, after the batch's first Arrive): the engine's share of TTFT, without the client
+    and the HTTP path."""
+    timelines = [request["timeline"] if isinstance(request, dict) else request.timeline
+                 for request in list(recent)[-count:]]
+    arrivals = [timeline[0][0] for timeline in timelines]
+    accepts = [next(at for at, action in timeline if action.startswith("Accept"))
+               - min(arrivals) for timeline in timelines]
+    return {"arrival_spread_s": max(arrivals) - min(arrivals),
+            "engine_ttft_s": statistics.median(accepts)}
+
+
 def summary(runs: list[dict]) -> dict:
-    return {"tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
+    return {"arrival_spread_s": statistics.median(r.get("arrival_spread_s", 0) for r in runs),
+            "engine_ttft_s": statistics.median(r.get("engine_ttft_s", 0) for r in runs),
+            "tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
             "ttft_p50_s": statistics.median(percentile(r["ttft_s"], 0.5) for r in runs),
             "ttft_p99_s": statistics.median(percentile(r["ttft_s"], 0.99) for r in runs),
             "tokens": runs[0]["tokens"]}
@@ -200,41 +283,58 @@ def main() -> int:
     max_tokens = args.max_tokens or (16 if args.quick else 64)
     repeats = args.repeats or (1 if args.quick else 3)
 
-    import importlib
+    import httpx
 
     from engine.load import load_model
+    from engine.serving import EngineConfig, build_engine
 
-    factory, what = factory_spec()
-    print(f"engine: {what}")
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    module_name, _, function = factory.partition(":")
-    module = importlib.import_module(module_name)
-    engine = getattr(module, function)(loaded, None if module_name.startswith("tests") else
-                                       getattr(module, "EngineConfig")())
+    engine = build_engine(loaded, EngineConfig())
     engine.start()
-    server = Server(factory, args.model, args.device, args.dtype)
+    server = Server(args.model, args.device, args.dtype)
+    null_server = Server(args.model, args.device, args.dtype,
+                         factory="bench.api_bench:build_null_engine")
     prompts = workload(args.streams)
     print(f"{loaded.path.name} on {args.device} ({args.dtype}); {args.streams} concurrent "
           f"streams x {max_tokens} tokens (greedy), {repeats} repeat(s), sides alternating")
-    direct, http = [], []
+    direct, http, null = [], [], []
+    null_tokens = max_tokens * NULL_TOKENS_FACTOR
     clients = HttpClients(args.streams)
     try:
         run_http(clients, server.url, prompts, 2)  # warm both sides: first-call costs out, and
         run_direct(engine, prompts, 2)     # the client's connection pool filled
+        run_http(clients, null_server.url, prompts, 2)
         for _ in range(repeats):
             direct.append(run_direct(engine, prompts, max_tokens))
+            direct[-1] |= engine_timings(engine.snapshot().recent, len(prompts))
             http.append(run_http(clients, server.url, prompts, max_tokens))
+            state = httpx.get(f"{server.url}/v1/kvproof/state", timeout=60).json()
+            http[-1] |= engine_timings(state["recent"], len(prompts))
+            null.append(run_http(clients, null_server.url, prompts, null_tokens))
     finally:
         clients.close()
         server.close()
+        null_server.close()
         engine.stop(0)
-    d, h = summary(direct), summary(http)
-    print(f"{'':8}{'tokens/s':>12}{'TTFT p50':>12}{'TTFT p99':>12}{'tokens':>9}")
-    for name, s in (("direct", d), ("HTTP", h)):
-        print(f"{name:8}{s['tokens_per_s']:>12,.1f}{s['ttft_p50_s'] * 1000:>10.0f}ms"
-              f"{s['ttft_p99_s'] * 1000:>10.0f}ms{s['tokens']:>9}")
-    print(f"HTTP/direct: tokens/s x{h['tokens_per_s'] / d['tokens_per_s']:.2f}, TTFT p50 "
-          f"x{h['ttft_p50_s'] / d['ttft_p50_s']:.2f}, TTFT p99 x{h['ttft_p99_s'] / d['ttft_p99_s']:.2f}")
+    d, h, z = summary(direct), summary(http), summary(null)
+    print(f"{'':18}{'tokens/s':>12}{'TTFT p50':>12}{'TTFT p99':>12}{'tokens':>9}"
+          f"{'arrivals over':>15}{'engine TTFT p50':>17}")
+    for name, s in (("direct", d), ("HTTP", h), ("HTTP, null engine", z)):
+        spread = (f"{s['arrival_spread_s'] * 1000:>13.0f}ms{s['engine_ttft_s'] * 1000:>15.0f}ms"
+                  if name != "HTTP, null engine" else "")
+        print(f"{name:18}{s['tokens_per_s']:>12,.1f}{s['ttft_p50_s'] * 1000:>10.0f}ms"
+              f"{s['ttft_p99_s'] * 1000:>10.0f}ms{s['tokens']:>9}{spread}")
+    print(f"HTTP/direct: tokens/s x{h['tokens_per_s'] / d['tokens_per_s']:.3f}, TTFT p50 "
+          f"x{h['ttft_p50_s'] / d['ttft_p50_s']:.2f}, TTFT p99 x{h['ttft_p99_s'] / d['ttft_p99_s']:.2f}"
+          f" (each the median over {repeats} repeat(s))")
+    pairs = sorted((hr["tokens"] / hr["wall_s"]) / (dr["tokens"] / dr["wall_s"])
+                   for dr, hr in zip(direct, http))
+    print(f"HTTP/direct tokens/s, repeat by repeat: {', '.join(f'{r:.3f}' for r in pairs)} "
+          f"(median {statistics.median(pairs):.3f})")
+    cost_us = 1e6 / z["tokens_per_s"]
+    print(f"HTTP costs {cost_us:.0f} us a token (the null engine's ceiling); at the direct "
+          f"{d['tokens_per_s']:,.1f} tokens/s that is {d['tokens_per_s'] * cost_us / 1e4:.2f}% "
+          f"of the time")
     return 0
 
 

@@ -9,14 +9,16 @@ PoolBelowContext switch is this check turned off (for the bug zoo's tests only).
 `ThreadedEngine` runs `Runtime.step()` on one background thread. `submit` and `abort` may
 be called from any thread: they refuse what must be refused before anything is allocated
 (ContextTooLong, Overloaded, EngineStopped) and put the rest in an inbox the loop drains,
-so they never wait for model work. Every callback runs on the engine's thread.
+so they never wait for model work. Every callback runs on the engine's thread. What submit
+refuses is counted with the runtime's rejects ("too long", "capacity"), so the snapshot and
+/metrics see every request that was turned away, wherever.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 
 from engine.runtime import Runtime, RuntimeConfig
@@ -24,6 +26,7 @@ from engine.service import (ContextTooLong, EngineStopped, Finished, GenerationR
                             Overloaded, Snapshot)
 
 POOL_TOKENS_DEFAULT = 16384
+IDLE_PUBLISH_S = 0.1  # how stale an idle engine's snapshot may get, at most
 
 
 class CapacityError(RuntimeError):
@@ -49,6 +52,9 @@ class EngineConfig:
     retry_after_s: float = 1.0
     transfer_timeout_s: float = 30.0
     idle_wait_s: float = 0.005  # how long the loop sleeps when there is nothing to do
+    # Tests only: the loop sleeps this long after every step that did work, so that a test
+    # can catch a request queued, mid-prefill or mid-stream (0: never).
+    step_delay_s: float = 0.0
     bugs: frozenset = frozenset()  # bug switches (spec/model.py): tests of the zoo only
     transport_seed: int | None = None
     disaggregated: bool = True  # always: one prefill and one decode worker
@@ -60,6 +66,7 @@ class EngineConfig:
                      "prefill_chunk_tokens", "max_queued"):
             assert getattr(self, name) > 0, f"{name} must be positive"
         assert self.context_length is None or self.context_length > 0
+        assert self.step_delay_s >= 0 and self.idle_wait_s > 0
         object.__setattr__(self, "bugs", frozenset(self.bugs))
         if self.prefill_workers != 1 or self.decode_workers != 1:
             raise NotImplementedError("one prefill and one decode worker per process "
@@ -123,6 +130,7 @@ class ThreadedEngine:
         self._idle = True
         self._abort_all = False
         self._in_transit = 0  # drained from the inbox since the last publish
+        self._refused: Counter = Counter()  # submit's refusals by reject reason
         self._published = self._publish()
         self.error: BaseException | None = None  # what killed the loop, if anything
 
@@ -138,13 +146,15 @@ class ThreadedEngine:
         vocabulary = self.runtime.model.config.vocab_size
         if not prompt or not all(0 <= t < vocabulary for t in request.prompt_ids):
             raise ValueError(f"a prompt is 1 or more token ids in [0, {vocabulary})")
-        if prompt + max_tokens > self.context_length:
-            raise ContextTooLong(prompt, max_tokens, self.context_length)
         with self._lock:
+            if prompt + max_tokens > self.context_length:
+                self._refused["too long"] += 1
+                raise ContextTooLong(prompt, max_tokens, self.context_length)
             if self._stopping:
                 raise EngineStopped("the engine is stopping")
             queued = len(self._inbox) + self._in_transit + self._published.queued
             if queued >= self.config.max_queued:
+                self._refused["capacity"] += 1
                 raise Overloaded(queued, self.config.retry_after_s)
             r = self._next_id
             self._next_id += 1
@@ -161,7 +171,10 @@ class ThreadedEngine:
         """The loop publishes one after every step; the inbox is added at call time."""
         with self._lock:
             published, waiting = self._published, len(self._inbox) + self._in_transit
-        return replace(published, queued=published.queued + waiting)
+            refused = dict(self._refused)
+        rejects = {reason: published.rejects.get(reason, 0) + refused.get(reason, 0)
+                   for reason in published.rejects.keys() | refused.keys()}
+        return replace(published, queued=published.queued + waiting, rejects=rejects)
 
     def stop(self, drain_s: float = 0.0) -> None:
         with self._lock:
@@ -196,6 +209,7 @@ class ThreadedEngine:
             return not self._inbox and self._idle
 
     def _loop(self) -> None:
+        published_s = time.monotonic()
         try:
             while not self._quit:
                 busy = self._drain_inbox()
@@ -203,9 +217,16 @@ class ThreadedEngine:
                     for r in list(self.runtime.live):
                         self.runtime.abort(r)
                 busy |= self.runtime.step()
-                published, idle = self._publish(), self.runtime.idle
-                with self._lock:
-                    self._published, self._idle, self._in_transit = published, idle, 0
+                # A snapshot costs a walk over the recent requests: idle turns (every
+                # idle_wait_s) publish only every IDLE_PUBLISH_S, enough for what an idle
+                # turn may change (a refused event's count).
+                now = time.monotonic()
+                if busy or now - published_s >= IDLE_PUBLISH_S:
+                    published, idle, published_s = self._publish(), self.runtime.idle, now
+                    with self._lock:
+                        self._published, self._idle, self._in_transit = published, idle, 0
+                if busy and self.config.step_delay_s:
+                    time.sleep(self.config.step_delay_s)
                 if not busy:
                     self._wake.wait(self.config.idle_wait_s)
                     self._wake.clear()

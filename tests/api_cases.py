@@ -53,10 +53,11 @@ def tiny_chat_model(tmp_path_factory):
     return load_model(make_tiny_chat_model(tmp_path_factory.mktemp("tinychat")))
 
 
-def standin(loaded, **options):
-    from tests.standin_engine import StandInEngine
+def protocol_engine(loaded, **config):
+    """The protocol-driven engine (engine.serving.build_engine) over `loaded`, counted."""
+    from engine.serving import EngineConfig, build_engine
 
-    return CountingEngine(StandInEngine(loaded, **options))
+    return CountingEngine(build_engine(loaded, EngineConfig(**config)))
 
 
 class LiveServer:
@@ -133,6 +134,20 @@ def assert_pools_whole(snapshot) -> None:
     for pool in snapshot.pools:
         assert (pool.free, pool.held, pool.writes_in_flight) == (pool.pages, 0, 0), pool
     assert (snapshot.queued, snapshot.running) == (0, 0)
+
+
+def pools_whole(snapshot) -> bool:
+    return (snapshot.queued, snapshot.running) == (0, 0) and all(
+        (pool.free, pool.held, pool.writes_in_flight) == (pool.pages, 0, 0)
+        for pool in snapshot.pools)
+
+
+def wait_settled(engine, timeout_s: float = 10.0):
+    """The engine's snapshot once nothing is queued or running and every pool is whole (a
+    request can still hold pages after its answer: release waits for its writes and the
+    prefill's final word); times out, failing the test, if that never happens."""
+    wait_until(lambda: pools_whole(engine.snapshot()), timeout_s, "every pool whole")
+    return engine.snapshot()
 
 
 def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:

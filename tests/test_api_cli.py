@@ -3,6 +3,7 @@ and exits 0, and every refusal is one line with exit status 2."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -13,14 +14,11 @@ import threading
 from pathlib import Path
 
 import httpx
-import pytest
 
 from api.cli import main
-from api.serve.command import DEFAULT_FACTORIES, _find
-from tests.api_cases import tiny_chat_model  # noqa: F401
+from tests.api_cases import make_tiny_chat_model, tiny_chat_model, wait_until  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
-STANDIN = "tests.standin_engine:build_engine"
 START_S_MAX = 60
 
 
@@ -39,12 +37,11 @@ def lines_of(process: subprocess.Popen) -> list[str]:
 def test_serve_prints_a_url_and_curl_line_and_sigterm_drains_a_live_stream(tiny_chat_model):  # noqa: F811
     process = subprocess.Popen(
         [sys.executable, "-m", "api.cli", "serve", "--model", str(tiny_chat_model.path),
-         "--port", "0", "--engine-factory", STANDIN, "--drain-s", "20"],
+         "--port", "0", "--drain-s", "20"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=os.environ | {"PYTHONUNBUFFERED": "1"})
     try:
         lines = lines_of(process)
-        from tests.api_cases import wait_until
         wait_until(lambda: any("curl " in line for line in lines), START_S_MAX, "the curl line")
         url = lines[0].split(" at ", 1)[1].split(" ", 1)[0]
         assert url.startswith("http://127.0.0.1:")
@@ -53,7 +50,8 @@ def test_serve_prints_a_url_and_curl_line_and_sigterm_drains_a_live_stream(tiny_
         reply = httpx.post(curl[1], json=json.loads(curl[curl.index("-d") + 1]), timeout=30)
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["role"] == "assistant"
         with httpx.stream("POST", f"{url}/v1/completions", timeout=30, json={
-                "prompt": "drain me", "max_tokens": 200, "stream": True}) as stream:
+                "prompt": "drain me", "max_tokens": 200, "stream": True,
+                "temperature": 0}) as stream:
             events = stream.iter_lines()
             assert next(events).startswith("data: ")  # the request is live
             process.send_signal(signal.SIGTERM)
@@ -74,50 +72,61 @@ def run_cli(capsys, *arguments: str) -> tuple[int, str]:
     return code, captured.err + captured.out
 
 
-def test_disaggregated_is_refused_when_the_engine_has_no_such_config(capsys, tiny_chat_model):  # noqa: F811
-    code, output = run_cli(capsys, "--model", str(tiny_chat_model.path), "--engine-factory",
-                           STANDIN, "--disaggregated", "--prefill-workers", "2",
-                           "--decode-workers", "2")
-    assert code == 2
-    assert output.strip() == ("kvproof serve: not supported yet by this engine: the stand-in "
-                              "engine is a single process")
+def test_disaggregated_with_one_worker_each_is_the_engine_and_other_counts_exit_2(
+        capsys, tiny_chat_model):  # noqa: F811
+    from api.serve.command import _build, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    _app, engine = _build(parser.parse_args([
+        "--model", str(tiny_chat_model.path), "--disaggregated", "--prefill-workers", "1",
+        "--decode-workers", "1"]))
+    assert (engine.config.disaggregated, engine.config.prefill_workers,
+            engine.config.decode_workers) == (True, 1, 1)
+    assert [pool.worker for pool in engine.snapshot().pools] == ["prefill-0", "decode-0"]
+    for prefill, decode in (("2", "2"), ("1", "3"), ("4", "1")):
+        code, output = run_cli(capsys, "--model", str(tiny_chat_model.path), "--disaggregated",
+                               "--prefill-workers", prefill, "--decode-workers", decode)
+        assert code == 2
+        assert output == ("kvproof serve: not supported yet by this engine: one prefill and "
+                          f"one decode worker per process (asked for {prefill} and "
+                          f"{decode})\n")
 
 
 def test_worker_counts_need_disaggregated(capsys):
-    code, output = run_cli(capsys, "--prefill-workers", "2", "--engine-factory", STANDIN)
-    assert code == 2 and "need --disaggregated" in output
-
-
-def test_a_failed_capacity_check_is_printed_and_exits_2(capsys, tiny_chat_model):  # noqa: F811
-    code, output = run_cli(capsys, "--model", str(tiny_chat_model.path), "--engine-factory",
-                           "tests.standin_engine:build_engine_below_capacity")
+    code, output = run_cli(capsys, "--prefill-workers", "2")
     assert code == 2
-    assert output.strip() == ("kvproof serve: the engine refused to start: decode-0's KV pool "
-                              "holds 64 tokens, below the advertised context (512 tokens)")
+    assert output == ("kvproof serve: --prefill-workers and --decode-workers need "
+                      "--disaggregated\n")
+
+
+def test_a_failed_capacity_check_is_printed_and_exits_2(capsys, tmp_path):
+    """A model whose context (32768 tokens) is larger than the default KV pools (16384
+    tokens): the engine's startup check refuses it, naming the node and both numbers."""
+    model = make_tiny_chat_model(tmp_path / "long", max_position_embeddings=32768)
+    capsys.readouterr()  # transformers' progress bar while saving it
+    code, output = run_cli(capsys, "--model", str(model))
+    assert code == 2
+    assert output == ("kvproof serve: the engine refused to start: prefill-0's KV pool holds "
+                      "16384 tokens, less than the advertised context of 32768 tokens; "
+                      "enlarge the pool or set lower_context_to_fit to advertise what it "
+                      "holds\n")
 
 
 def test_a_missing_model_or_factory_exits_2(capsys, tmp_path):
-    code, output = run_cli(capsys, "--model", str(tmp_path / "nothing"), "--engine-factory",
-                           STANDIN)
+    code, output = run_cli(capsys, "--model", str(tmp_path / "nothing"))
     assert code == 2 and output.startswith("kvproof serve: ") and output.count("\n") == 1
     code, output = run_cli(capsys, "--engine-factory", "tests.no_such_module:build")
     assert code == 2 and "no such module or function" in output
-
-
-@pytest.mark.skipif(any(_find(f) for f in DEFAULT_FACTORIES),
-                    reason="the protocol-driven engine has landed")
-def test_without_the_protocol_engine_serve_says_so_and_exits_2(capsys):
-    code, output = run_cli(capsys)
-    assert code == 2 and "the protocol-driven engine is not built yet" in output
 
 
 def test_once_stopping_new_requests_get_503_and_health_says_stopping(tiny_chat_model):  # noqa: F811
     from fastapi.testclient import TestClient
 
     from api.serve.app import create_app
-    from tests.api_cases import standin
+    from tests.api_cases import protocol_engine
 
-    engine = standin(tiny_chat_model, num_pages=16)
+    engine = protocol_engine(tiny_chat_model)
     app = create_app(engine)
     with TestClient(app) as client:
         app.state.lifetime.stop(drain_s=1.0)
@@ -127,8 +136,8 @@ def test_once_stopping_new_requests_get_503_and_health_says_stopping(tiny_chat_m
         assert (health.status_code, health.json()["status"]) == (503, "stopping")
 
 
-def test_api_never_imports_the_tests_stand_in():
-    """The stand-in engine is for the server's tests only: nothing in api/ imports tests/."""
+def test_api_never_imports_the_tests():
+    """Test helpers stay in tests/: nothing in api/ imports them."""
     from tests.test_architecture import imports_of, sources
 
     bad = [f"{path.name} imports {name}" for path in sources("api") for name in imports_of(path)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from api.serve.app import create_app
-from tests.api_cases import LiveServer, standin, tiny_chat_model, wait_until  # noqa: F401
+from tests.api_cases import LiveServer, protocol_engine, tiny_chat_model, wait_until  # noqa: F401
 
 PAGE_S_MAX = 20.0
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -23,7 +23,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 @pytest.fixture(scope="module")
 def live(tiny_chat_model):  # noqa: F811
-    engine = standin(tiny_chat_model, num_pages=48)
+    engine = protocol_engine(tiny_chat_model)
     with LiveServer(create_app(engine)) as server:
         yield server, engine
 

@@ -1,6 +1,8 @@
 """The server's errors: the one outcome -> HTTP table, exhaustively; submit's refusals; a
 malformed body named field by field (400, not FastAPI's 422); guard trips and refusals
-end to end through the app (in-process, over the stand-in engine)."""
+end to end through the app (in-process, over the protocol-driven engine). The guard trips
+are real: the bug zoo's switches (EngineConfig.bugs) turn a guard's partner off and the
+engine's own guard catches what follows; nothing here fakes a failure."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ from fastapi.testclient import TestClient
 
 from api.serve.app import create_app
 from api.serve.errors import OUTCOME_ANSWERS, outcome_error, refusal_error
+from engine.sampling import SamplingParams
 from engine.service import (GUARDS, OUTCOMES, ContextTooLong, EngineStopped, Finished,
-                            Overloaded)
-from tests.api_cases import assert_pools_whole, standin, tiny_chat_model  # noqa: F401
+                            GenerationRequest, Overloaded)
+from tests.api_cases import (assert_pools_whole, protocol_engine, tiny_chat_model,  # noqa: F401
+                             wait_settled, wait_until)
 
 EXPECTED = {  # outcome: (status, code) with no guard
     "Ok": (200, None), "Gone": (503, "request_aborted"),
@@ -64,7 +68,7 @@ def test_refusals_map_to_400_and_503_with_retry_after():
 
 @pytest.fixture(scope="module")
 def client(tiny_chat_model):  # noqa: F811
-    engine = standin(tiny_chat_model, num_pages=64)
+    engine = protocol_engine(tiny_chat_model)
     with TestClient(create_app(engine)) as test_client:
         test_client.engine = engine
         yield test_client
@@ -137,64 +141,107 @@ def test_an_over_long_prompt_is_a_400_before_anything_is_allocated(client):
     assert_pools_whole(client.engine.snapshot())
 
 
-@pytest.mark.parametrize("outcome,guard,status,code", [
-    ("ErrTag", "tag", 500, "guard_tag"), ("ErrTransfer", "checksum", 500, "guard_checksum"),
-    ("ErrTransfer", "count", 500, "guard_count"), ("ErrTimeout", None, 504, "kv_transfer_timeout"),
-])
-def test_a_guard_trip_is_never_a_success(client, outcome, guard, status, code):
-    inner = client.engine.inner
-    for stream, failures in ((False, inner.fail_next), (True, inner.fail_at_admission),
-                             (False, inner.fail_at_admission)):
-        failures.append((outcome, guard))
-        response = client.post("/v1/chat/completions", json=CHAT | {"stream": stream})
-        assert response.status_code == status, response.text
-        error = response.json()["error"]
-        assert error["code"] == code and (guard is None or f"'{guard}'" in error["message"])
-    assert client.engine.snapshot().guard_trips.get(guard, 0) >= (3 if guard else 0)
-    assert_pools_whole(client.engine.snapshot())
+SMALL = dict(context_length=64, page_tokens=4, prefill_pool_tokens=64, decode_pool_tokens=64)
+# (name, engine config, completions body, status, code): each a real failure of the engine.
+FAILURES = [
+    # The prefill pool (32 tokens) is below the context (PoolBelowContext): the prefill
+    # worker rejects the 44-token request, the core answers ErrTooLong.
+    ("rejected by the prefill", SMALL | dict(prefill_pool_tokens=32, bugs={"PoolBelowContext"}),
+     {"prompt": "x" * 40, "max_tokens": 4}, 400, "context_length_exceeded"),
+    # ... and with FinishedNotRejected the placeholder is sent (one page of eleven): the
+    # count guard fails the transfer (the 2026 incident's first line of defence).
+    ("count", SMALL | dict(prefill_pool_tokens=32,
+                           bugs={"PoolBelowContext", "FinishedNotRejected"}),
+     {"prompt": "x" * 40, "max_tokens": 4}, 500, "guard_count"),
+    # SourceReuse: the first prompt's source pages are freed when its writes are posted,
+    # the second prompt is computed into them before the writes read them: the checksum
+    # guard fails the first one's transfer (the whole answer is that error).
+    ("checksum", dict(context_length=12, page_tokens=4, prefill_pool_tokens=12,
+                      decode_pool_tokens=64, bugs={"SourceReuse"}),
+     {"prompt": ["abcdefgh", "ijklmnop"], "max_tokens": 4}, 500, "guard_checksum"),
+    # The transfer timeout (50 ms) is shorter than the prefill (11 chunks of 4 tokens, 20 ms
+    # a step): decode gives up waiting for the KV.
+    ("timeout", SMALL | dict(transfer_timeout_s=0.05, step_delay_s=0.02, prefill_chunk_tokens=4),
+     {"prompt": "x" * 40, "max_tokens": 4}, 504, "kv_transfer_timeout"),
+]
 
 
-def test_an_error_after_the_first_token_ends_the_stream_with_an_error_event(client):
+@pytest.mark.parametrize("name,config,body,status,code", FAILURES, ids=[f[0] for f in FAILURES])
+def test_a_failure_before_the_first_token_is_its_own_http_status(tiny_chat_model, name,  # noqa: F811
+                                                                   config, body, status, code):
+    engine = protocol_engine(tiny_chat_model, **config)
+    with TestClient(create_app(engine)) as client:
+        for stream in (False, True):
+            response = client.post("/v1/completions", json=body | {"stream": stream,
+                                                                   "temperature": 0})
+            assert response.status_code == status, response.text
+            error = response.json()["error"]
+            assert error["code"] == code
+            if code.startswith("guard_"):
+                assert f"runtime guard '{name}' tripped" in error["message"]
+        snapshot = wait_settled(engine)
+    guard = code[len("guard_"):] if code.startswith("guard_") else None
+    assert snapshot.guard_trips == ({guard: 2} if guard else {})
+    assert_pools_whole(snapshot)
+    assert engine.inner.runtime.whole()
+
+
+def test_a_guard_trip_after_the_first_token_ends_the_stream_with_an_error_event(
+        tiny_chat_model):  # noqa: F811
+    """The incident with the count check off too (NoCountCheck): decode accepts the one
+    page sent, the prefill's first token goes out, and the first decode step's tag check
+    fails the request. A whole answer is a 500; a stream, already a 200, ends with an
+    error event, no finish_reason and no [DONE]."""
     import json
 
-    inner = client.engine.inner
-    inner.step_delay_s = 0.02  # the first token is out before the request finishes
-    inner.fail_next.append(("ErrTag", "tag"))
-    try:
-        response = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 6,
-                                                        "stream": True, "temperature": 0})
-    finally:
-        inner.step_delay_s = 0.0
+    engine = protocol_engine(tiny_chat_model, **SMALL | dict(
+        prefill_pool_tokens=32, bugs={"PoolBelowContext", "FinishedNotRejected",
+                                      "NoCountCheck"}))
+    body = {"prompt": "x" * 40, "max_tokens": 4, "temperature": 0}
+    with TestClient(create_app(engine)) as client:
+        whole = client.post("/v1/completions", json=body)
+        assert (whole.status_code, whole.json()["error"]["code"]) == (500, "guard_tag")
+        response = client.post("/v1/completions", json=body | {"stream": True})
+        snapshot = wait_settled(engine)
     assert response.status_code == 200
     events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
-    assert "[DONE]" not in events
-    last = json.loads(events[-1])
-    assert last["error"]["code"] == "guard_tag"
-    chunks = [json.loads(event) for event in events[:-1]]
-    assert chunks and all(c["choices"][0]["finish_reason"] is None for c in chunks)
+    assert "[DONE]" not in events and len(events) == 2  # the first token, then the error
+    assert json.loads(events[-1])["error"]["code"] == "guard_tag"
+    first = json.loads(events[0])["choices"][0]
+    assert first["finish_reason"] is None and len(first["text"]) == 1
+    assert snapshot.guard_trips == {"tag": 2} and snapshot.outcomes == {"ErrTag": 2}
+    assert_pools_whole(snapshot)
 
 
 def test_overloaded_is_a_503_with_retry_after(tiny_chat_model):  # noqa: F811
-    engine = standin(tiny_chat_model, num_pages=16, queue_max=0, retry_after_s=2.0)
-    with TestClient(create_app(engine)) as overloaded:
+    """The admission queue (max_queued=1) is full: one request waits in the inbox of an
+    engine not started yet, so nothing drains it while the server answers."""
+    engine = protocol_engine(tiny_chat_model, max_queued=1, retry_after_s=2.0)
+    waiting = GenerationRequest((5, 6, 7), SamplingParams(max_tokens=2))
+    events = []
+    with TestClient(create_app(engine, start_engine=False)) as overloaded:
+        engine.submit(waiting, events.append)
         response = overloaded.post("/v1/chat/completions", json=CHAT)
         assert response.status_code == 503
         assert response.headers["Retry-After"] == "2"
         assert response.json()["error"]["code"] == "overloaded"
         assert engine.snapshot().rejects == {"capacity": 1}
-    assert engine.submitted == []
+        assert len(engine.submitted) == 1
+        engine.start()
+        wait_until(lambda: events and isinstance(events[-1], Finished), what="the waiting one")
+    assert events[-1].outcome == "Ok"
+    assert_pools_whole(engine.snapshot())
 
 
 def test_n_choices_partly_refused_abort_the_ones_submitted(tiny_chat_model):  # noqa: F811
-    engine = standin(tiny_chat_model, num_pages=16, queue_max=1, step_delay_s=0.05)
-    with TestClient(create_app(engine)) as client_:
+    engine = protocol_engine(tiny_chat_model, max_queued=1)
+    with TestClient(create_app(engine, start_engine=False)) as client_:
         response = client_.post("/v1/chat/completions", json=CHAT | {"n": 3})
         assert response.status_code == 503
         assert len(engine.submitted) == 1 and dict(engine.aborts) == {engine.submitted[0]: 1}
-        engine.inner.step_delay_s = 0
-        from tests.api_cases import wait_until
-        wait_until(lambda: engine.snapshot().running == 0 and engine.snapshot().queued == 0)
-        assert_pools_whole(engine.snapshot())
+        engine.start()
+        wait_until(lambda: engine.snapshot().outcomes == {"Gone": 1})
+        wait_settled(engine)
 
 
 @pytest.mark.parametrize("extreme", [{"temperature": 1e-300}, {"top_p": 5e-324},
@@ -204,7 +251,7 @@ def test_extreme_sampling_values_found_by_schemathesis_are_served(client, extrem
     fp32): the edge serves them as greedy / top-token-only instead of a 500."""
     response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3} | extreme)
     assert response.status_code == 200, response.text
-    assert client.engine.inner.last_error is None
+    assert client.engine.inner.error is None
 
 
 def test_the_openapi_schema_documents_400_not_422(client):
@@ -212,3 +259,64 @@ def test_the_openapi_schema_documents_400_not_422(client):
     for path in ("/v1/completions", "/v1/chat/completions"):
         responses = schema["paths"][path]["post"]["responses"]
         assert "422" not in responses and {"200", "400", "503"} <= set(responses)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_aborted_by_a_stopping_server_is_a_503_or_an_error_event(
+        tiny_chat_model, stream):  # noqa: F811
+    """Gone, end to end: the server stops with no drain time while a request decodes; the
+    engine aborts it through the protocol and the client is told, never sent a success."""
+    import json
+    import threading
+
+    engine = protocol_engine(tiny_chat_model, step_delay_s=0.02)
+    app = create_app(engine)
+
+    def stop_once_running() -> None:
+        def accepted() -> bool:  # decode has the KV: the first token is out
+            recent = engine.snapshot().recent
+            return bool(recent) and any(action.startswith("Accept")
+                                        for _at, action in recent[-1].timeline)
+        wait_until(accepted, what="the request to decode")
+        app.state.lifetime.stop(drain_s=0)
+
+    with TestClient(app) as client:
+        stopper = threading.Thread(target=stop_once_running)
+        stopper.start()
+        response = client.post("/v1/completions", json={
+            "prompt": "stop", "max_tokens": 300, "temperature": 0, "stream": stream})
+        stopper.join(30)
+    snapshot = engine.snapshot()
+    assert snapshot.outcomes == {"Gone": 1}
+    assert_pools_whole(snapshot)
+    if not stream:
+        assert (response.status_code, response.json()["error"]["code"]) == (
+            503, "request_aborted")
+        return
+    assert response.status_code == 200
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert "[DONE]" not in events
+    assert json.loads(events[-1])["error"]["code"] == "request_aborted"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_engine_loop_is_a_500_decode_failed_not_a_hang(tiny_chat_model):  # noqa: F811
+    """ErrDecode, end to end: the engine's loop dies (a bug in a step, put there by the
+    test); every live request is failed with the error, and the client gets a 500."""
+    engine = protocol_engine(tiny_chat_model)
+    runtime = engine.inner.runtime
+    idle_step = runtime.step
+
+    def broken_step():
+        if runtime.live:
+            raise RuntimeError("a bug in a step")
+        return idle_step()
+    runtime.step = broken_step
+    with TestClient(create_app(engine)) as client:
+        response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        assert response.status_code == 500
+        error = response.json()["error"]
+        assert error["code"] == "decode_failed" and "a bug in a step" in error["message"]
+        late = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        assert (late.status_code, late.json()["error"]["code"]) == (503, "engine_stopped")
+    assert isinstance(engine.inner.error, RuntimeError)

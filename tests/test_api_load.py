@@ -14,8 +14,8 @@ import time
 import httpx
 
 from api.serve.app import create_app
-from tests.api_cases import (LiveServer, assert_pools_whole, standin, tiny_chat_model,  # noqa: F401
-                             wait_until)
+from tests.api_cases import (LiveServer, protocol_engine, tiny_chat_model,  # noqa: F401
+                             wait_settled)
 
 CLIENTS = 32
 LEAVING_SHARE = 0.3
@@ -75,7 +75,7 @@ def test_32_streaming_clients_some_leaving_leave_every_pool_whole(tiny_chat_mode
     seed = int(os.environ.get("KVPROOF_LOAD_SEED", random.randrange(1 << 32)))
     print(f"load test seed={seed} (replay: KVPROOF_LOAD_SEED={seed})")
     rng = random.Random(seed)
-    engine = standin(tiny_chat_model, num_pages=96, max_batch=16)
+    engine = protocol_engine(tiny_chat_model, max_batch=16)
     with LiveServer(create_app(engine)) as server:
         started = time.monotonic()
 
@@ -90,10 +90,7 @@ def test_32_streaming_clients_some_leaving_leave_every_pool_whole(tiny_chat_mode
         for result in results:
             if "events" in result:
                 check_stream(result["events"])
-        wait_until(lambda: engine.snapshot().running == 0 and engine.snapshot().queued == 0,
-                   what="the engine to settle")
-        snapshot = engine.snapshot()
-        assert_pools_whole(snapshot)
+        snapshot = wait_settled(engine)
         ended = {r.request_id: r.outcome for r in snapshot.recent}
         assert set(engine.submitted) <= set(ended) and set(ended.values()) <= {"Ok", "Gone"}
         assert all(count == 1 for count in engine.aborts.values())

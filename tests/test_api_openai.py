@@ -8,12 +8,12 @@ import openai
 import pytest
 
 from api.serve.app import create_app
-from tests.api_cases import LiveServer, assert_pools_whole, standin, tiny_chat_model  # noqa: F401
+from tests.api_cases import LiveServer, protocol_engine, tiny_chat_model, wait_settled  # noqa: F401
 
 
 @pytest.fixture(scope="module")
 def served(tiny_chat_model):  # noqa: F811
-    engine = standin(tiny_chat_model, num_pages=64)
+    engine = protocol_engine(tiny_chat_model)
     with LiveServer(create_app(engine)) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
                                timeout=30)
@@ -113,4 +113,4 @@ def test_an_over_long_prompt_gets_context_length_exceeded(served):
     assert raised.value.status_code == 400
     assert raised.value.code == "context_length_exceeded"
     assert raised.value.param == "messages"
-    assert_pools_whole(engine.snapshot())
+    assert wait_settled(engine).rejects["too long"] == 1

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis import checks
 
 from api.serve.app import create_app
-from tests.api_cases import LiveServer, assert_pools_whole, standin, tiny_chat_model  # noqa: F401
+from tests.api_cases import LiveServer, protocol_engine, tiny_chat_model, wait_settled  # noqa: F401
 
 MAX_EXAMPLES = int(__import__("os").environ.get("KVPROOF_SCHEMA_EXAMPLES", "25"))
 CHECKS = [checks.not_a_server_error, checks.status_code_conformance,
@@ -21,7 +21,7 @@ TOKENS_MAX = 8  # generated max_tokens above this are clipped: a test bound, not
 
 @pytest.fixture(scope="module")
 def live(tiny_chat_model):  # noqa: F811
-    engine = standin(tiny_chat_model, num_pages=512, max_batch=64)
+    engine = protocol_engine(tiny_chat_model)
     with LiveServer(create_app(engine)) as server:
         yield server, engine
     # After the run (a teardown, so that it follows every generated case whatever order
@@ -29,7 +29,7 @@ def live(tiny_chat_model):  # noqa: F811
     # pool is whole again.
     assert len(engine.submitted) >= 10
     assert engine.snapshot().outcomes.get("Ok", 0) >= 10
-    assert_pools_whole(engine.inner.snapshot())
+    wait_settled(engine)
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,15 @@
                   [--dtype float32|bfloat16|float16] [--drain-s S]
                   [--disaggregated --prefill-workers N --decode-workers M]
 
-The engine is whatever `build_engine(loaded_model, config)` returns (the contract in
-engine/service.py); its startup capacity check is its own, and a failure there is printed
-as one line with exit status 2, like every other bad input. `--engine-factory
-MODULE:FUNCTION` names another factory with the same signature (the tests serve their
-stand-in engine through it).
+The engine is what engine.serving's `build_engine(loaded_model, config)` returns (the
+contract is engine/service.py): one prefill and one decode worker driven by the protocol
+core. Its startup capacity check is its own, and a failure there is printed as one line
+with exit status 2, like every other bad input. `--engine-factory MODULE:FUNCTION` names
+another factory with the same signature (and the module's `EngineConfig`, if it has one).
+
+`--disaggregated` is what the engine always is (a prefill worker and a decode worker, KV
+moved between their pools by a transport); `--prefill-workers 1 --decode-workers 1` is
+the one shape it has, and any other count is refused with exit status 2.
 
 Startup prints the URL and a curl line. SIGTERM (or Ctrl-C) stops taking requests, lets live
 ones finish for up to --drain-s seconds, aborts the rest through the protocol
@@ -26,15 +30,11 @@ import threading
 
 from api.clikit import EXIT_OK, EXIT_USAGE, positive_int
 
-# Where the protocol-driven engine's build_engine may land: engine/service.py names the
-# function, not its module; the first of these that has it is used.
-DEFAULT_FACTORIES = ("engine:build_engine", "engine.workers:build_engine",
-                     "engine.serving:build_engine", "engine.engine:build_engine")
-DEFAULT_FACTORY = "default"
+DEFAULT_FACTORY = "engine.serving:build_engine"
 EXAMPLES = [
     "kvproof serve                                   # the default model on 127.0.0.1:8000",
     "kvproof serve --model path/to/model.gguf --port 8080 --device cuda --dtype bfloat16",
-    "kvproof serve --disaggregated --prefill-workers 2 --decode-workers 2",
+    "kvproof serve --disaggregated --prefill-workers 1 --decode-workers 1   # the one shape",
 ]
 
 
@@ -51,12 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM, let live requests finish for up to S seconds "
                              "before aborting them (default 10)")
     parser.add_argument("--disaggregated", action="store_true",
-                        help="separate prefill and decode workers (if the engine has them)")
+                        help="separate prefill and decode workers (the engine's one shape: "
+                             "one of each)")
     parser.add_argument("--prefill-workers", type=positive_int, default=None, metavar="N")
     parser.add_argument("--decode-workers", type=positive_int, default=None, metavar="M")
     parser.add_argument("--engine-factory", default=DEFAULT_FACTORY, metavar="MODULE:FUNCTION",
-                        help="the engine's build function (default: the first of "
-                             f"{', '.join(DEFAULT_FACTORIES)} that exists)")
+                        help=f"the engine's build function (default: {DEFAULT_FACTORY})")
 
 
 class Refusal(Exception):
@@ -99,13 +99,6 @@ def _build(args: argparse.Namespace):
 
 def _factory(spec: str):
     """(build function, its config type or None) from MODULE:FUNCTION."""
-    if spec == DEFAULT_FACTORY:
-        for candidate in DEFAULT_FACTORIES:
-            found = _find(candidate)
-            if found is not None:
-                return found
-        raise Refusal("the protocol-driven engine is not built yet (no build_engine in "
-                      f"{', '.join(DEFAULT_FACTORIES)}); nothing to serve")
     try:
         found = _find(spec)
     except ImportError as error:
@@ -128,8 +121,9 @@ def _find(spec: str):
 
 
 def _engine_config(config_type, args: argparse.Namespace):
-    """The engine's config with the options it has. Without a config type (a stand-in) the
-    options go as a dict; an option the config has no field for is refused, never dropped."""
+    """The engine's config with the options it has. Without a config type (a factory whose
+    module has no EngineConfig: bench/api_bench.py's null engine) the options go as a dict;
+    an option the config has no field for is refused, never dropped."""
     wanted = {}
     if args.disaggregated:
         wanted = dict(disaggregated=True, prefill_workers=args.prefill_workers or 1,
