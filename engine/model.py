@@ -35,7 +35,6 @@ import kernels
 from engine.config import ModelConfig
 from engine.weights import Checkpoint
 
-VECTOR_PATH = True
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -90,7 +89,7 @@ class Projection:
                 return torch.mm(x, self.weight)
             assert residual is None or self.bias is None, "a residual, or a bias, not both"
             return torch.addmm(base, x, self.weight)
-        if x.shape[0] == 1 and VECTOR_PATH:
+        if x.shape[0] == 1:
             base = residual[0] if residual is not None else self.bias
             if base is None:
                 return torch.mv(self.weight, x[0])[None]
