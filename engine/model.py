@@ -35,6 +35,7 @@ import kernels
 from engine.config import ModelConfig
 from engine.weights import Checkpoint
 
+FEW_ROWS = 64  # decode batches; prefill chunks keep x @ W^T
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -69,9 +70,10 @@ class Projection:
     In fp32 the weight is kept transposed, [in, out] contiguous, and applied with mm: for
     a few rows (decode batches) oneDNN's fp32 path runs x @ W^T 2-2.5x slower than
     x @ W_t on this CPU (measured: 8 x 576 by 576 x 3072, 754 us vs 326 us). Other dtypes
-    keep torch's [out, in] layout: bf16 (AMX) is as fast either way, and a single row
-    (decode at batch 1) goes through matrix-vector products, which read [out, in] rows
-    contiguously and are faster in bf16 than oneDNN's one-row matmul."""
+    keep torch's [out, in] layout: a single row (decode at batch 1) goes through
+    matrix-vector products, which read [out, in] rows contiguously and are faster in bf16
+    than oneDNN's one-row matmul, and a few rows (decode batches) as W @ x^T, transposed
+    back (bf16 at batch 8: 30% less matmul time on this CPU, 15% more decode tokens/s)."""
     weight: torch.Tensor  # [out, in], or [in, out] when transposed
     bias: torch.Tensor | None
     transposed: bool
@@ -95,6 +97,11 @@ class Projection:
                 return torch.mv(self.weight, x[0])[None]
             assert residual is None or self.bias is None, "a residual, or a bias, not both"
             return torch.addmv(base, self.weight, x[0])[None]
+        if x.shape[0] <= FEW_ROWS and self.bias is None:
+            # (W @ x^T)^T: measured 15% more bf16 decode tokens/s at batch 8 than x @ W^T
+            if residual is None:
+                return torch.mm(self.weight, x.t()).t().contiguous()
+            return torch.addmm(residual.t(), self.weight, x.t()).t().contiguous()
         if residual is None:
             return F.linear(x, self.weight, self.bias)
         assert self.bias is None, "a residual, or a bias, not both"
