@@ -18,6 +18,12 @@ queue: a request is admitted once its page table has come back), one chunked pre
 transport delivers (LandWrite, then the copy and the tag), one decode step over the
 continuous batch (Finish with the observed tag verdict), releases, timers.
 
+Where the parts live: this module holds the configuration, the one path into the core
+(`take`), the client's side (`arrive`, `abort`), the command handlers and what a server
+or a test looks at; `Runtime` also has the loop and its data-path steps (engine/loop.py),
+the delivery of messages and the admission queue (engine/delivery.py), and streams tokens
+through engine/streaming.py (`Live`, the held-back text at a possible stop string).
+
 Reservation sizing. The core's request has one page count, `prompt_pages`: decode
 reserves that many pages, the prefill admits that many source pages and must write every
 one of them, and decode's count check compares the pages written with the pages reserved.
@@ -32,30 +38,30 @@ a prefill pool sized for prompt + max_tokens and tail pages sent needlessly (REA
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
-from engine.generate import Request, Sequence, held_back, pages_needed, stop_reason
+from engine.delivery import GONE_DECODE, GONE_PREFILL, RELEASE, Delivery
+from engine.eventlog import LOG_FORMAT
+from engine.generate import Request, pages_needed
+from engine.loop import Loop
 from engine.model import LlamaModel
 from engine.pool import PoolConfig
-from engine.sampling import sample
-from engine.service import (Finished, GenerationRequest, PoolSnapshot, RequestSnapshot,
-                            TokenOut)
-from engine.eventlog import LOG_FORMAT
+from engine.service import Finished, GenerationRequest, PoolSnapshot, RequestSnapshot
+from engine.streaming import Live
 from engine.transport import InProcessTransport, PageWrite
-from engine.workers import DecodeWorker, PrefillWorker, kv_rows
+from engine.workers import DecodeWorker, PrefillWorker
 from spec import codec, core
 from spec import commands as cmd
 from spec.core import Refusal
 from spec.model import Model, ProtocolConfig
 from spec.store import Store
 
+__all__ = ["Live", "Runtime", "RuntimeConfig"]
+
 RECENT_KEPT = 64  # finished requests kept for snapshots
-# The runtime's own wants besides messages: post the computed pages, send Done, release.
-GONE_PREFILL, GONE_DECODE = "client gone@prefill", "client gone@decode"
-SEND, DONE, RELEASE = "send pages", "done", "release"
 
 
 @dataclass(frozen=True)
@@ -89,30 +95,7 @@ class RuntimeConfig:
                               self.bugs)
 
 
-@dataclass(eq=False)
-class Live:
-    """The shell's side of one request: what the protocol state does not hold."""
-
-    request_id: int
-    request: GenerationRequest
-    on_event: Callable
-    pages: int  # the core's prompt_pages (see the module header)
-    started_s: float
-    wants: set = field(default_factory=set)
-    first: tuple | None = None  # (token, logits row, generator) from the prefill
-    sequence: Sequence | None = None  # at decode
-    tags_ok: bool = True
-    count_sent: int = 0
-    outcome: str | None = None
-    finish_reason: str | None = None
-    guard: str | None = None
-    text: str = ""  # streamed so far
-    held: list = field(default_factory=list)  # tokens not streamed yet (see _emit)
-    completion_tokens: int = 0
-    timeline: list = field(default_factory=list)
-
-
-class Runtime:
+class Runtime(Loop, Delivery):
     """Single-threaded: call `arrive`, `abort` and `step` from one thread (the threaded
     engine in engine/serving.py does)."""
 
@@ -291,251 +274,6 @@ class Runtime:
         if live is not None:
             self.recent.append(live)
             del self.recent[:-RECENT_KEPT]
-
-    # -- tokens out ---------------------------------------------------------------------
-
-    def _emit(self, live: Live, token: int, logits: torch.Tensor, final: bool) -> None:
-        """Stream `token`, or hold it back while the text ends with what may become a stop
-        string (or half a character): a client never sees text a stop string later cuts."""
-        live.completion_tokens += 1
-        logprob, top = None, ()
-        k = live.request.logprobs
-        if k is not None:
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            logprob = float(logprobs[token])
-            if k:
-                values, ids = logprobs.topk(k)
-                top = tuple(zip(ids.tolist(), values.tolist()))
-        live.held.append((token, logprob, top))
-        text = self._text(live.sequence)
-        if not final and (text.endswith("\ufffd")
-                          or held_back(text, live.request.sampling.stop)):
-            return
-        self._flush(live, text)
-
-    def _text(self, sequence: Sequence) -> str:
-        if sequence.text is not None:  # cut before a stop string
-            return sequence.text
-        return self.tokenizer.decode(sequence.output_ids) if self.tokenizer else ""
-
-    def _flush(self, live: Live, text: str) -> None:
-        """Send the held tokens; the last carries the text they add."""
-        delta = ""
-        if text.startswith(live.text):
-            delta, live.text = text[len(live.text):], text
-        held, live.held = live.held, []
-        for index, (token, logprob, top) in enumerate(held):
-            last = index == len(held) - 1
-            live.on_event(TokenOut(live.request_id, token, delta if last else "", logprob, top))
-
-    def _next_token(self, live: Live, token: int, logits: torch.Tensor) -> None:
-        """Append a sampled token as the Generator does (an end-of-sequence token is not
-        output), stream it, and end decoding when the request stops."""
-        sequence = live.sequence
-        before = len(sequence.output_ids)
-        reason = stop_reason(self.tokenizer, sequence, token)
-        if reason is None or reason == "length":
-            sequence.output_ids.append(token)
-        if len(sequence.output_ids) > before:
-            self._emit(live, token, logits, final=reason is not None)
-        elif reason is not None and live.held:
-            self._flush(live, self._text(sequence))
-        if reason is not None:
-            self._end_decoding(live, reason)
-
-    def _keep_read_kv(self, live: Live) -> None:
-        if self.config.keep_kv:
-            self.read_kv[live.request_id] = kv_rows(self.decode.pool, live.sequence.pages,
-                                                    len(live.request.prompt_ids))
-
-    def leaked(self, r: int) -> bool:
-        """The leak oracle (needs keep_kv): decode read prompt KV other than what the
-        request's own prefill computed, compared bit for bit over the computed tokens."""
-        own, read = self.prompt_kv[r], self.read_kv[r]
-        return not torch.equal(read[:own.shape[0]], own)
-
-    def _end_decoding(self, live: Live, reason: str) -> None:
-        live.finish_reason = reason
-        self._keep_read_kv(live)
-        tags_ok = live.tags_ok and self.decode.tags_current(live.sequence)
-        self.take(live.request_id, core.Finish(live.request_id, tags_ok))
-
-    # -- the loop -----------------------------------------------------------------------
-
-    def step(self) -> bool:
-        """One iteration; False when there was nothing to do."""
-        busy = self._deliver()
-        busy |= self._admit()
-        busy |= self._prefill_step()
-        busy |= self._land()
-        busy |= self._decode_step()
-        busy |= self._timers()
-        return busy
-
-    def _deliver(self) -> bool:
-        busy = False
-        for r in sorted(self.live):
-            live = self.live.get(r)
-            if live is None or not live.wants:
-                continue
-            for what in sorted(live.wants):
-                if r not in self.store.rows:
-                    break
-                busy |= self._try(live, what)
-        return busy
-
-    def _try(self, live: Live, what: str) -> bool:
-        """Take the action that consumes a message now, if the core enables one."""
-        r, m, view = live.request_id, self.core_model, self._view(live.request_id)
-        row = self._row(r)
-        if what == RELEASE:
-            done = core.is_enabled(m, view, r, core.Release) and self.take(r, core.Release(r))
-            return self._settle(live, what, done or row[core.DST] != core.CLOSING)
-        if what == SEND:
-            return self._send_pages(live, view)
-        if what == DONE:
-            done = core.is_enabled(m, view, r, core.SendDone) and self.take(r, core.SendDone(r))
-            if done:
-                live.count_sent = row[core.SENT]
-            return self._settle(live, what, done or row[core.PST] != core.RUNNING)
-        message, worker = {GONE_PREFILL: (core.CLIENT_GONE, "prefill"),
-                           GONE_DECODE: (core.CLIENT_GONE, "decode")}.get(what, (what, None))
-        action = core.consumer(m, view, r, message, worker)
-        if action is None:
-            return self._settle(live, what, not self._still_pending(row, what))
-        if action is core.Reserve:
-            pages = self.store.allocate("decode", 0, core.allocation_need(m, view, action, r))
-            if pages is None:
-                return False  # decode waits for pages; the bootstrap stays queued
-            event = core.Reserve(r, pages)
-        elif action is core.Accept:
-            event = core.Accept(r, self.decode.checksums_ok(r))
-        else:
-            event = action(r)
-        return self._settle(live, what, self.take(r, event) is not None)
-
-    def _send_pages(self, live: Live, view) -> bool:
-        """Post one write per computed source page, as long as the core allows SendPage
-        (it waits for decode's page table when the prefill admitted before it came:
-        AdmitBeforeReserve); then wait to send Done."""
-        r, m = live.request_id, self.core_model
-        posted = False
-        while core.is_enabled(m, view, r, core.SendPage):
-            posted |= self.take(r, core.SendPage(r)) is not None
-        row = self.store.rows.get(r)
-        if row is None or row[core.PST] != core.RUNNING:
-            live.wants.discard(SEND)
-        elif row[core.SENT] == len(row[core.SRC]):
-            live.wants.discard(SEND)
-            live.wants.add(DONE)
-        return posted
-
-    @staticmethod
-    def _still_pending(row: tuple, what: str) -> bool:
-        """Whether a message nothing can consume yet may still be consumed later."""
-        if what == core.BOOTSTRAP:
-            return bool(row[core.BOOT])
-        if what == core.FINAL_WORD_MSG:
-            return row[core.FW] != core.NO_MSG
-        if what == core.CANCEL_MSG:
-            return bool(row[core.CANCEL])
-        if what == GONE_PREFILL:
-            return row[core.PST] in (core.QUEUED, core.RUNNING)
-        return row[core.DST] == core.D_NONE and bool(row[core.BOOT])  # GONE_DECODE
-
-    def _settle(self, live: Live, what: str, finished: bool) -> bool:
-        if finished:
-            live.wants.discard(what)
-        return bool(finished)
-
-    def _admit(self) -> bool:
-        """The prefill's admission queue, in order: Reject what the core says must be
-        rejected, admit what has its page table and fits; a request waiting for its table
-        does not block those behind it, one waiting for pages does."""
-        busy = False
-        m = self.core_model
-        for r in list(self.prefill.queue):
-            if r not in self.store.rows or self._row(r)[core.PST] != core.QUEUED:
-                self.prefill.queue.remove(r)
-                continue
-            view = self._view(r)
-            if core.is_enabled(m, view, r, core.Reject):
-                self.prefill.queue.remove(r)
-                busy |= self.take(r, core.Reject(r)) is not None
-                continue
-            need = core.allocation_need(m, view, core.Admit, r)
-            if type(need) is str:
-                continue
-            if len(self.prefill.computing) >= self.config.max_batch:
-                break
-            pages = self.store.allocate("prefill", 0, need)
-            if pages is None:
-                break
-            self.prefill.queue.remove(r)
-            busy |= self.take(r, core.Admit(r, pages)) is not None
-        return busy
-
-    def _prefill_step(self) -> bool:
-        if not self.prefill.computing:
-            return False
-        for sequence, token, logits in self.prefill.step():
-            r = sequence.request.request_id
-            live = self.live[r]
-            live.first = (token, logits, sequence.generator)
-            if self.config.keep_kv:
-                self.prompt_kv[r] = kv_rows(self.prefill.pool, sequence.pages,
-                                            len(sequence.prompt_ids))
-            live.wants.add(SEND)
-        return True
-
-    def _land(self) -> bool:
-        writes = self.transport.ready()
-        for write in writes:
-            self._land_one(write)
-        return bool(writes)
-
-    def land_only(self, predicate) -> int:
-        """Tests and fuzzers: land exactly the in-flight writes matching `predicate` now,
-        whatever the transport's own order (how the zoo's interleavings are built)."""
-        writes = self.transport.ready_only(predicate)
-        for write in writes:
-            self._land_one(write)
-        return len(writes)
-
-    def _land_one(self, write: PageWrite) -> None:
-        r = write.request
-        if r not in self.store.rows:
-            self.transport.drop(write)
-            return
-        out = self.take(r, core.LandWrite(r, write.decode_page))
-        if out is None:
-            self.transport.drop(write)
-            return
-        self.transport.land(write)
-        (page, value), = out.decode
-        self.decode.landed(r, page, write.checksum, value[core.TAG])
-
-    def _decode_step(self) -> bool:
-        results = self.decode.step()
-        for sequence, ok, logits in results:
-            live = self.live[sequence.request.request_id]
-            if not ok:
-                live.tags_ok = False
-                live.finish_reason = None
-                self._keep_read_kv(live)
-                self.take(live.request_id, core.Finish(live.request_id, False))
-                continue
-            token = sample(logits[None], [sequence.request.sampling], [sequence.generator])[0]
-            self._next_token(live, token, logits)
-        return bool(results)
-
-    def _timers(self) -> bool:
-        now = self.clock()
-        due = [r for r, at in self.timers.items() if at <= now]
-        for r in due:
-            del self.timers[r]
-            self.take(r, core.Timeout(r))
-        return bool(due)
 
     # -- what a server or a test looks at --------------------------------------------------
 

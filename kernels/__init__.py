@@ -23,7 +23,7 @@ from kernels.tags import FRESH_TAG, pack_tag, unpack_tag
 
 __all__ = ["FRESH_TAG", "pack_tag", "unpack_tag", "backend", "paged_decode_attention",
            "paged_prefill_attention", "write_kv", "page_checksum", "pack_pages",
-           "unpack_pages"]
+           "unpack_pages", "decode_plan", "kv_slots", "write_kv_at"]
 
 BACKEND_ENV = "KVPROOF_KERNELS"
 _BACKENDS = ("triton", "torch")
@@ -44,12 +44,24 @@ def _triton(name: str):
 
 
 def paged_decode_attention(q, kv, layer, block_table, context_lens, expected_tags, tags,
-                           scale, *, check_tags=True, num_splits=None):
-    """(out [batch, q_heads, dim] in q.dtype, tag_ok bool [batch]); see attention.py."""
-    module = _triton("attention") if backend(q) == "triton" else _attention_ref
-    return module.paged_decode_attention(q, kv, layer, block_table, context_lens,
-                                         expected_tags, tags, scale, check_tags=check_tags,
-                                         num_splits=num_splits)
+                           scale, *, check_tags=True, num_splits=None, plan=None):
+    """(out [batch, q_heads, dim] in q.dtype, tag_ok bool [batch]); see attention.py.
+    `plan` (decode_plan, once per step) only serves the torch path; Triton ignores it."""
+    if backend(q) == "triton":
+        return _triton("attention").paged_decode_attention(
+            q, kv, layer, block_table, context_lens, expected_tags, tags, scale,
+            check_tags=check_tags, num_splits=num_splits)
+    return _attention_ref.paged_decode_attention(
+        q, kv, layer, block_table, context_lens, expected_tags, tags, scale,
+        check_tags=check_tags, num_splits=num_splits, plan=plan)
+
+
+def decode_plan(kv, block_table, context_lens, expected_tags):
+    """What every layer of one decode step shares on the torch path (attention.DecodePlan);
+    None where the Triton kernel runs (it needs none)."""
+    if backend(kv) == "triton":
+        return None
+    return _attention_ref.decode_plan(kv, block_table, context_lens, expected_tags)
 
 
 def paged_prefill_attention(q, kv, layer, block_table_row, start_pos, scale):
@@ -62,6 +74,17 @@ def write_kv(kv, layer, slots, k, v):
     """Store k, v [tokens, kv_heads, dim] at slots (page * page_tokens + offset). One
     torch index_put_ on every device (attention.write_kv says why)."""
     _attention_ref.write_kv(kv, layer, slots, k, v)
+
+
+def kv_slots(kv, slots):
+    """(page, offset) of each slot, for write_kv_at; once per step."""
+    return _attention_ref.kv_slots(kv, slots)
+
+
+def write_kv_at(kv, layer, at, keys_values):
+    """Store keys_values [tokens, K|V, kv_heads, dim] at kv_slots' (page, offset) pairs:
+    what a model step does in every layer, K and V in one index_put_, on every device."""
+    _attention_ref.write_kv_at(kv, layer, at, keys_values)
 
 
 def page_checksum(kv, pages):

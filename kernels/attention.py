@@ -17,34 +17,92 @@ dereferenced: its tokens are left out, and with the check on it is reported as a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 _NEG_INF = float("-inf")
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """What every layer of one decode step shares, computed once per step on the torch
+    path: the same block table, context lengths and expected tags go to all layers, and
+    on a CPU each torch call saved per layer is saved num_layers times.
+    - gather_rows [layers, batch * 2 * kv_heads * pages]: for each layer, the rows of
+      kv.view(-1, page_tokens * dim) holding each sequence's K|V tiles, in the order
+      [batch, K|V, kv_head, page] (one index_select then gives per-head K and V);
+    - attn_mask: bool [batch, 1, 1, tokens] (inside the context, on a page of the pool),
+      or None for a single sequence whose pages all exist (keys cut to its context);
+    - read_ids, read_expected: the page of every read slot (inside the context, a valid
+      id) and the tag expected there, flattened: the tag check per layer is one gather and
+      one comparison; ids_ok [batch] is False where a read slot names no page of the pool."""
+    page_ids: torch.Tensor  # int64 [batch, pages], clamped into the pool
+    id_valid: torch.Tensor  # bool [batch, pages]
+    gather_rows: torch.Tensor
+    attn_mask: torch.Tensor | None
+    context_tokens: int  # keys kept per sequence: the longest context
+    read_ids: torch.Tensor
+    read_expected: torch.Tensor
+    ids_ok: torch.Tensor
+    all_ids_ok: bool
+
+
+def decode_plan(kv, block_table, context_lens, expected_tags) -> DecodePlan:
+    """The per-step part of paged_decode_attention (see DecodePlan)."""
+    num_pages, num_layers, _, num_kv_heads, page_tokens, _ = kv.shape
+    batch, pages = block_table.shape
+    page_ids, id_valid = clamp_page_ids(block_table, num_pages)
+    tiles_per_page = 2 * num_kv_heads  # K|V x kv_head tiles of one page in one layer
+    within = torch.arange(tiles_per_page, device=kv.device).view(1, 2, num_kv_heads, 1)
+    assert kv.is_contiguous(), "the pool must be contiguous (rows of one tile each)"
+    layer_0 = (page_ids[:, None, None, :] * (num_layers * tiles_per_page) + within).reshape(-1)
+    layers = torch.arange(num_layers, device=kv.device)[:, None] * tiles_per_page
+    gather_rows = layer_0[None, :] + layers
+    slot_read = page_slots_read(context_lens, page_tokens, pages)
+    ids_ok = ~(slot_read & ~id_valid).any(dim=1)
+    read = slot_read & id_valid
+    lengths = context_lens.tolist()
+    all_ids_ok = bool(ids_ok.all())
+    if batch == 1 and all_ids_ok and lengths[0] > 0:
+        attn_mask, context_tokens = None, lengths[0]
+    else:
+        attn_mask = _token_mask(context_lens, id_valid, page_tokens)[:, None, None, :]
+        context_tokens = pages * page_tokens
+    return DecodePlan(page_ids, id_valid, gather_rows, attn_mask, context_tokens,
+                      page_ids[read], expected_tags[read], ids_ok, all_ids_ok)
+
+
 def paged_decode_attention(q, kv, layer, block_table, context_lens, expected_tags, tags,
-                           scale, *, check_tags=True, num_splits=None):
+                           scale, *, check_tags=True, num_splits=None, plan=None):
     """See notes/kernel_contract.md; num_splits changes nothing here (it only schedules
     the Triton kernel) but is validated the same way. The CPU engine's path: the same
-    result as paged_decode_attention_plain in about a third of the torch calls (one
-    gather straight into [batch, K|V, kv_heads, tokens, dim], torch's fused attention)."""
+    result as paged_decode_attention_plain in a few torch calls per layer (one gather
+    straight into [batch, K|V, kv_heads, tokens, dim], torch's fused attention, a tag
+    check of one gather and one comparison), given the step's `plan` (decode_plan; made
+    here when the caller has none)."""
     check_decode_args(q, kv, layer, block_table, context_lens, expected_tags, tags, num_splits)
-    page_tokens = kv.shape[4]
-    page_ids, id_valid = clamp_page_ids(block_table, kv.shape[0])
-    keys, values = gather_pages_by_head(kv, layer, page_ids)
-    token_valid = _token_mask(context_lens, id_valid, page_tokens)  # [batch, tokens]
+    if plan is None:
+        plan = decode_plan(kv, block_table, context_lens, expected_tags)
+    batch, pages = block_table.shape
+    _, _, _, num_kv_heads, page_tokens, head_dim = kv.shape
+    tiles = kv.view(-1, page_tokens * head_dim).index_select(0, plan.gather_rows[layer])
+    tiles = tiles.view(batch, 2, num_kv_heads, pages * page_tokens, head_dim)
+    keys = tiles[:, 0, :, :plan.context_tokens]
+    values = tiles[:, 1, :, :plan.context_tokens]
     out = torch.nn.functional.scaled_dot_product_attention(
-        q[:, :, None, :], keys.to(q.dtype), values.to(q.dtype),
-        attn_mask=token_valid[:, None, None, :], scale=scale, enable_gqa=True)[:, :, 0, :]
-    tag_ok = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
-    if check_tags:
-        page_starts = _page_starts(block_table.shape[1], page_tokens, q.device)
-        slot_read = page_starts < context_lens[:, None]
-        tag_matches = (tags[page_ids] == expected_tags) & id_valid
-        tag_ok = (slot_read <= tag_matches).all(dim=1)  # every read slot's tag matches
-        # where, not a multiply: NaN or inf in a foreign page must not survive as NaN.
-        out = torch.where(tag_ok[:, None, None], out, 0.0)
-    return out, tag_ok
+        q[:, :, None, :], keys.to(q.dtype), values.to(q.dtype), attn_mask=plan.attn_mask,
+        scale=scale, enable_gqa=True)[:, :, 0, :]
+    tag_ok = torch.ones(batch, dtype=torch.bool, device=q.device)
+    if not check_tags:
+        return out, tag_ok
+    if plan.all_ids_ok and torch.equal(tags.index_select(0, plan.read_ids), plan.read_expected):
+        return out, tag_ok  # every page read carries the tag its table expects
+    slot_read = page_slots_read(context_lens, page_tokens, pages)
+    tag_matches = (tags[plan.page_ids] == expected_tags) & plan.id_valid
+    tag_ok = (slot_read <= tag_matches).all(dim=1)  # every read slot's tag matches
+    # where, not a multiply: NaN or inf in a foreign page must not survive as NaN.
+    return torch.where(tag_ok[:, None, None], out, 0.0), tag_ok
 
 
 def paged_decode_attention_plain(q, kv, layer, block_table, context_lens, expected_tags,
@@ -113,12 +171,24 @@ def write_kv(kv, layer, slots, k, v):
     """kv[slot's page, layer, K|V, :, slot's offset, :] = k, v for every slot (one
     index_put_, on any device: a decode step writes one token per sequence, far too little
     for a kernel of its own to matter)."""
-    page_tokens = kv.shape[4]
     assert slots.dim() == 1 and k.shape == v.shape and k.shape[0] == slots.shape[0]
-    assert k.shape[1:] == (kv.shape[3], kv.shape[5]), "k, v must be [tokens, kv_heads, dim]"
-    by_token = kv[:, layer].permute(0, 3, 1, 2, 4)  # view [pages, token, K|V, kv_heads, dim]
+    write_kv_at(kv, layer, kv_slots(kv, slots), torch.stack((k, v), dim=1))
+
+
+def kv_slots(kv, slots):
+    """(page, offset) int64 [tokens] of each slot: where write_kv_at stores its tokens in
+    every layer (computed once per step, not once per layer)."""
     slots = slots.long()
-    by_token[slots // page_tokens, slots % page_tokens] = torch.stack((k, v), dim=1).to(kv.dtype)
+    return slots // kv.shape[4], slots % kv.shape[4]
+
+
+def write_kv_at(kv, layer, at, keys_values):
+    """kv[page, layer, K|V, :, offset, :] = keys_values [tokens, K|V, kv_heads, dim] for
+    the (page, offset) pairs `at` (kv_slots): one index_put_ for K and V together."""
+    pages, offsets = at
+    assert keys_values.shape == (pages.shape[0], 2, kv.shape[3], kv.shape[5]), \
+        "keys_values must be [tokens, K|V, kv_heads, dim]"
+    kv[pages, layer, :, :, offsets] = keys_values.to(kv.dtype)
 
 
 def check_decode_args(q, kv, layer, block_table, context_lens, expected_tags, tags, num_splits):
@@ -154,19 +224,6 @@ def gather_pages(kv, layer, page_ids):
     tiles = kv[page_ids, layer].float()  # [batch, pages, K|V, kv_heads, page_tokens, dim]
     tiles = tiles.permute(2, 0, 3, 1, 4, 5).reshape(2, batch, num_kv_heads, -1, head_dim)
     return tiles[0], tiles[1]
-
-
-_PAGE_STARTS: dict = {}
-
-
-def _page_starts(max_pages, page_tokens, device):
-    """[1, max_pages]: the first position of each block-table slot (cached: the decode
-    path runs once per layer per step, and each saved torch call counts on a CPU)."""
-    key = (max_pages, page_tokens, str(device))
-    if key not in _PAGE_STARTS:
-        _PAGE_STARTS[key] = torch.arange(0, max_pages * page_tokens, page_tokens,
-                                         device=device)[None, :]
-    return _PAGE_STARTS[key]
 
 
 def gather_pages_by_head(kv, layer, page_ids):

@@ -1,0 +1,132 @@
+"""Delivery: the messages between the runtime's workers, each taken when the core allows.
+
+Theory of operation. A message in flight between the prefill and decode workers
+(bootstrap, page table, final word, cancel, client gone) and the runtime's own pending
+moves (post the computed pages, send Done, release) are a request's "wants". Every loop
+iteration `_deliver` offers each want, in request order, to `_try`: it asks the core
+which action consumes that message now (`core.consumer`, or the named action's guard),
+and takes it through `Runtime.take`, with what the action needs (free pages for a
+Reserve, the observed checksum verdict for an Accept). A want that the core cannot
+consume yet stays; one that can never be consumed any more is dropped (`_still_pending`).
+The prefill's admission queue (`_admit`) is the same idea for Admit and Reject.
+
+`Delivery` is a part of `engine.runtime.Runtime` (a mixin): it uses the runtime's store,
+core model, workers, `live` requests and `take`, and decides nothing itself.
+"""
+
+from __future__ import annotations
+
+from engine.streaming import Live
+from spec import core
+
+# The runtime's own wants besides messages: post the computed pages, send Done, release.
+GONE_PREFILL, GONE_DECODE = "client gone@prefill", "client gone@decode"
+SEND, DONE, RELEASE = "send pages", "done", "release"
+
+
+class Delivery:
+    """Wants and admission, for `engine.runtime.Runtime`."""
+
+    def _deliver(self) -> bool:
+        busy = False
+        for r in sorted(self.live):
+            live = self.live.get(r)
+            if live is None or not live.wants:
+                continue
+            for what in sorted(live.wants):
+                if r not in self.store.rows:
+                    break
+                busy |= self._try(live, what)
+        return busy
+
+    def _try(self, live: Live, what: str) -> bool:
+        """Take the action that consumes a message now, if the core enables one."""
+        r, m, view = live.request_id, self.core_model, self._view(live.request_id)
+        row = self._row(r)
+        if what == RELEASE:
+            done = core.is_enabled(m, view, r, core.Release) and self.take(r, core.Release(r))
+            return self._settle(live, what, done or row[core.DST] != core.CLOSING)
+        if what == SEND:
+            return self._send_pages(live, view)
+        if what == DONE:
+            done = core.is_enabled(m, view, r, core.SendDone) and self.take(r, core.SendDone(r))
+            if done:
+                live.count_sent = row[core.SENT]
+            return self._settle(live, what, done or row[core.PST] != core.RUNNING)
+        message, worker = {GONE_PREFILL: (core.CLIENT_GONE, "prefill"),
+                           GONE_DECODE: (core.CLIENT_GONE, "decode")}.get(what, (what, None))
+        action = core.consumer(m, view, r, message, worker)
+        if action is None:
+            return self._settle(live, what, not self._still_pending(row, what))
+        if action is core.Reserve:
+            pages = self.store.allocate("decode", 0, core.allocation_need(m, view, action, r))
+            if pages is None:
+                return False  # decode waits for pages; the bootstrap stays queued
+            event = core.Reserve(r, pages)
+        elif action is core.Accept:
+            event = core.Accept(r, self.decode.checksums_ok(r))
+        else:
+            event = action(r)
+        return self._settle(live, what, self.take(r, event) is not None)
+
+    def _send_pages(self, live: Live, view) -> bool:
+        """Post one write per computed source page, as long as the core allows SendPage
+        (it waits for decode's page table when the prefill admitted before it came:
+        AdmitBeforeReserve); then wait to send Done."""
+        r, m = live.request_id, self.core_model
+        posted = False
+        while core.is_enabled(m, view, r, core.SendPage):
+            posted |= self.take(r, core.SendPage(r)) is not None
+        row = self.store.rows.get(r)
+        if row is None or row[core.PST] != core.RUNNING:
+            live.wants.discard(SEND)
+        elif row[core.SENT] == len(row[core.SRC]):
+            live.wants.discard(SEND)
+            live.wants.add(DONE)
+        return posted
+
+    @staticmethod
+    def _still_pending(row: tuple, what: str) -> bool:
+        """Whether a message nothing can consume yet may still be consumed later."""
+        if what == core.BOOTSTRAP:
+            return bool(row[core.BOOT])
+        if what == core.FINAL_WORD_MSG:
+            return row[core.FW] != core.NO_MSG
+        if what == core.CANCEL_MSG:
+            return bool(row[core.CANCEL])
+        if what == GONE_PREFILL:
+            return row[core.PST] in (core.QUEUED, core.RUNNING)
+        return row[core.DST] == core.D_NONE and bool(row[core.BOOT])  # GONE_DECODE
+
+    def _settle(self, live: Live, what: str, finished: bool) -> bool:
+        if finished:
+            live.wants.discard(what)
+        return bool(finished)
+
+    def _admit(self) -> bool:
+        """The prefill's admission queue, in order: Reject what the core says must be
+        rejected, admit what has its page table and fits; a request waiting for its table
+        does not block those behind it, one waiting for pages does."""
+        busy = False
+        m = self.core_model
+        for r in list(self.prefill.queue):
+            if r not in self.store.rows or self._row(r)[core.PST] != core.QUEUED:
+                self.prefill.queue.remove(r)
+                continue
+            view = self._view(r)
+            if core.is_enabled(m, view, r, core.Reject):
+                self.prefill.queue.remove(r)
+                busy |= self.take(r, core.Reject(r)) is not None
+                continue
+            need = core.allocation_need(m, view, core.Admit, r)
+            if type(need) is str:
+                continue
+            if len(self.prefill.computing) >= self.config.max_batch:
+                break
+            pages = self.store.allocate("prefill", 0, need)
+            if pages is None:
+                break
+            self.prefill.queue.remove(r)
+            busy |= self.take(r, core.Admit(r, pages)) is not None
+        return busy
+

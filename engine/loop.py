@@ -1,0 +1,127 @@
+"""The runtime's loop: one iteration of the protocol-driven engine, and its data-path steps.
+
+Theory of operation. `step()` runs, in this order: deliver the messages in flight
+(engine/delivery.py), admit at the prefill, one chunked prefill step (a completed prompt
+wants its pages sent), the page writes the transport delivers (LandWrite, then the copy
+and the tag), one decode step over the continuous batch (a token per request, streamed
+by engine/streaming.py; Finish with the observed tag verdict when a request stops or
+fails its tag check), and the timers that are due. Each protocol move goes through
+`Runtime.take`; the steps here only observe the data path and report it.
+
+`Loop` is a part of `engine.runtime.Runtime` (a mixin): it uses the runtime's workers,
+transport, store, `live` requests, `take` and `_deliver` / `_admit`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.delivery import SEND
+from engine.sampling import sample
+from engine.streaming import Live, next_token
+from engine.transport import PageWrite
+from engine.workers import kv_rows
+from spec import core
+
+
+class Loop:
+    """`step()` and what it runs, for `engine.runtime.Runtime`."""
+
+    def step(self) -> bool:
+        """One iteration; False when there was nothing to do."""
+        busy = self._deliver()
+        busy |= self._admit()
+        busy |= self._prefill_step()
+        busy |= self._land()
+        busy |= self._decode_step()
+        busy |= self._timers()
+        return busy
+
+    def _prefill_step(self) -> bool:
+        if not self.prefill.computing:
+            return False
+        for sequence, token, logits in self.prefill.step():
+            r = sequence.request.request_id
+            live = self.live[r]
+            live.first = (token, logits, sequence.generator)
+            if self.config.keep_kv:
+                self.prompt_kv[r] = kv_rows(self.prefill.pool, sequence.pages,
+                                            len(sequence.prompt_ids))
+            live.wants.add(SEND)
+        return True
+
+    def _land(self) -> bool:
+        writes = self.transport.ready()
+        for write in writes:
+            self._land_one(write)
+        return bool(writes)
+
+    def land_only(self, predicate) -> int:
+        """Tests and fuzzers: land exactly the in-flight writes matching `predicate` now,
+        whatever the transport's own order (how the zoo's interleavings are built)."""
+        writes = self.transport.ready_only(predicate)
+        for write in writes:
+            self._land_one(write)
+        return len(writes)
+
+    def _land_one(self, write: PageWrite) -> None:
+        r = write.request
+        if r not in self.store.rows:
+            self.transport.drop(write)
+            return
+        out = self.take(r, core.LandWrite(r, write.decode_page))
+        if out is None:
+            self.transport.drop(write)
+            return
+        self.transport.land(write)
+        (page, value), = out.decode
+        self.decode.landed(r, page, write.checksum, value[core.TAG])
+
+    def _decode_step(self) -> bool:
+        results = self.decode.step()
+        for sequence, ok, logits in results:
+            live = self.live[sequence.request.request_id]
+            if not ok:
+                live.tags_ok = False
+                live.finish_reason = None
+                self._keep_read_kv(live)
+                self.take(live.request_id, core.Finish(live.request_id, False))
+                continue
+            token = sample(logits[None], [sequence.request.sampling], [sequence.generator])[0]
+            self._next_token(live, token, logits)
+        return bool(results)
+
+    def _timers(self) -> bool:
+        now = self.clock()
+        due = [r for r, at in self.timers.items() if at <= now]
+        for r in due:
+            del self.timers[r]
+            self.take(r, core.Timeout(r))
+        return bool(due)
+
+
+    # -- a request's tokens and its end ---------------------------------------------------
+
+    def _next_token(self, live: Live, token: int, logits: torch.Tensor) -> None:
+        """Append and stream a sampled token; end decoding when the request stops."""
+        reason = next_token(live, token, logits, self.tokenizer)
+        if reason is not None:
+            self._end_decoding(live, reason)
+
+    def _keep_read_kv(self, live: Live) -> None:
+        if self.config.keep_kv:
+            self.read_kv[live.request_id] = kv_rows(self.decode.pool, live.sequence.pages,
+                                                    len(live.request.prompt_ids))
+
+    def leaked(self, r: int) -> bool:
+        """The leak oracle (needs keep_kv): decode read prompt KV other than what the
+        request's own prefill computed, compared bit for bit over the computed tokens."""
+        own, read = self.prompt_kv[r], self.read_kv[r]
+        return not torch.equal(read[:own.shape[0]], own)
+
+    def _end_decoding(self, live: Live, reason: str) -> None:
+        live.finish_reason = reason
+        self._keep_read_kv(live)
+        tags_ok = live.tags_ok and self.decode.tags_current(live.sequence)
+        self.take(live.request_id, core.Finish(live.request_id, tags_ok))
+
