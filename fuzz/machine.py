@@ -236,16 +236,12 @@ class FuzzMachine(RuleBasedStateMachine):
 
     @rule(choice=st.integers(0, 2**64 - 1))
     def step(self, choice: int) -> None:
-        """Take one enabled event, the action picked by this example's swarm weights (a
-        target that raises while listing its moves has crashed too)."""
-        self._guarded(self._step, choice)
-
-    def _step(self, choice: int) -> None:
+        """Take one enabled event, the action picked by this example's swarm weights."""
         weight = self.weight
         enabled = self._ready_moves()
         offered = [(a, weight[a]) for a in enabled if weight[a]]
         if not offered:  # only delayed moves are left: time jumps to them
-            enabled = self.target.enabled()
+            enabled = self._enabled()
             offered = [(a, weight[a]) for a in enabled if weight[a]]
         if not offered:
             self._drain()  # only switched-off actions (or nothing) could move the system on
@@ -262,7 +258,7 @@ class FuzzMachine(RuleBasedStateMachine):
 
     def _ready_moves(self) -> dict[str, list]:
         """The enabled moves whose delivery delay has passed (every one, without latency)."""
-        enabled = self.target.enabled()
+        enabled = self._enabled()
         if not self.setup.latency_steps_max:
             return enabled
         now, ready_at, ready = len(self.target.trace()), self.ready_at, {}
@@ -308,7 +304,7 @@ class FuzzMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         if self.setup is not None and not self.failed:
-            self._guarded(self._drain)
+            self._drain()
 
     def _drain(self) -> None:
         """Run every request to its end, faults off: arrivals still due and the protocol's
@@ -317,12 +313,12 @@ class FuzzMachine(RuleBasedStateMachine):
         # Seeded from the setup and the position, so that Hypothesis's replays agree.
         rng = random.Random(self.setup.seed * 1_000_003 + len(target.trace()))
         for _ in range(self.profile.drain_steps_max):
-            if oracles.at_rest(target) and "Arrive" not in target.enabled():
+            if self._guarded(oracles.at_rest, target) and "Arrive" not in self._enabled():
                 return
             # What is delayed waits, unless only delayed moves are left: then time jumps.
             enabled = self._ready_moves()
             if not any(a in DRAINED for a in enabled):
-                enabled = target.enabled()
+                enabled = self._enabled()
             # A fair action is owed by the protocol: "off" keeps a timer out of the rules,
             # not out of the drain.
             fair = [(a, weight[a] or 1) for a in enabled if a in DRAINED]
@@ -344,17 +340,19 @@ class FuzzMachine(RuleBasedStateMachine):
         raise AssertionError(f"the drain did not reach rest in {self.profile.drain_steps_max} "
                              "steps: the protocol has a cycle")
 
-    def _guarded(self, fn: Callable, *args, move: core.Event | None = None, **kwargs) -> None:
+    def _guarded(self, fn: Callable, *args, move: core.Event | None = None, **kwargs):
         """Call into the target; an exception it raises is a crashed shell, a finding
         (sim/crash.py): a FuzzFailure whose violation is the crash, with every event up to
         and including the one being taken, so that it is shrunk, saved and replayed like
         any other failure."""
         try:
-            fn(*args, **kwargs)
-        except FuzzFailure:
-            raise
+            return fn(*args, **kwargs)
         except Exception as error:  # noqa: BLE001
             self._crashed(error, move)
+
+    def _enabled(self) -> dict[str, list]:
+        """The target's moves now (a target that raises listing them has crashed too)."""
+        return self._guarded(self.target.enabled)
 
     def _crashed(self, error: Exception, move: core.Event | None) -> None:
         trace = self.target.trace()
