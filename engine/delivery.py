@@ -7,7 +7,7 @@ iteration `_deliver` offers each want, in request order, to `_try`: it asks the 
 which action consumes that message now (`core.consumer`, or the named action's guard),
 and takes it through `Runtime.take`, with what the action needs (free pages for a
 Reserve, the observed checksum verdict for an Accept). A want that the core cannot
-consume yet stays; one that can never be consumed any more is dropped (`_still_pending`).
+consume yet stays; one that can never be consumed any more is dropped (`core.message_pending`).
 The prefill's admission queue (`_admit`) is the same idea for Admit and Reject.
 
 `Delivery` is a part of `engine.runtime.Runtime` (a mixin): it uses the runtime's store,
@@ -57,7 +57,7 @@ class Delivery:
                            GONE_DECODE: (core.CLIENT_GONE, "decode")}.get(what, (what, None))
         action = core.consumer(m, view, r, message, worker)
         if action is None:
-            return self._settle(live, what, not self._still_pending(row, what))
+            return self._settle(live, what, not core.message_pending(row, message, worker))
         if action is core.Reserve:
             pages = self.store.allocate("decode", 0, core.allocation_need(m, view, action, r))
             if pages is None:
@@ -84,19 +84,6 @@ class Delivery:
             live.wants.discard(SEND)
             live.wants.add(DONE)
         return posted
-
-    @staticmethod
-    def _still_pending(row: tuple, what: str) -> bool:
-        """Whether a message nothing can consume yet may still be consumed later."""
-        if what == core.BOOTSTRAP:
-            return bool(row[core.BOOT])
-        if what == core.FINAL_WORD_MSG:
-            return row[core.FW] != core.NO_MSG
-        if what == core.CANCEL_MSG:
-            return bool(row[core.CANCEL])
-        if what == GONE_PREFILL:
-            return row[core.PST] in (core.QUEUED, core.RUNNING)
-        return row[core.DST] == core.D_NONE and bool(row[core.BOOT])  # GONE_DECODE
 
     def _settle(self, live: Live, what: str, finished: bool) -> bool:
         if finished:

@@ -935,6 +935,25 @@ def message_in_flight(row: tuple) -> bool:
     return bool(row[BOOT] or row[FW] != NO_MSG or row[CANCEL])
 
 
+def message_pending(row: tuple, message: str, worker: str | None = None) -> bool:
+    """Whether `message` of this request may still be taken off the wire, so that a shell
+    keeps it for `consumer` to name its action later: a bootstrap, a final word or a cancel
+    while it is in flight (message_in_flight asks the three at once, on hot paths); a
+    client-gone notice while its worker still has the request to let go of (the prefill:
+    queued or running; decode: nothing reserved yet and the bootstrap on its way)."""
+    if message == BOOTSTRAP:
+        return bool(row[BOOT])
+    if message == FINAL_WORD_MSG:
+        return row[FW] != NO_MSG
+    if message == CANCEL_MSG:
+        return bool(row[CANCEL])
+    if message == CLIENT_GONE and worker == "prefill":
+        return row[PST] == QUEUED or row[PST] == RUNNING
+    if message == CLIENT_GONE and worker == "decode":
+        return row[DST] == D_NONE and bool(row[BOOT])
+    raise ProtocolMisuse(f"no message {message!r} to {worker or 'a worker'} in the protocol")
+
+
 def settled(row: tuple) -> bool:
     """Nothing can happen to this request any more, not even a fault: its client has its
     answer, prefill and decode are done with it, and no message of it is in flight. (Its

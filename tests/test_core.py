@@ -201,3 +201,21 @@ def test_decode_crash_tombstones_what_decode_knew_and_frees_its_pool_keeping_gen
     assert core.settled(s.requests[0])
     assert "DecodeCrashes = FALSE" in apply(DEFAULT, initial_state(DEFAULT),
                                             core.DecodeCrash()).reason
+
+
+def test_message_pending_names_where_each_message_waits_in_a_row():
+    row = core.EMPTY_ROW
+    for message, field, value in ((core.BOOTSTRAP, core.BOOT, 1),
+                                  (core.FINAL_WORD_MSG, core.FW, core.MSG_DONE),
+                                  (core.CANCEL_MSG, core.CANCEL, 1)):
+        assert not core.message_pending(row, message)
+        assert core.message_pending(core._row(row, field, value), message)
+    running = core._row(row, core.PST, core.RUNNING)
+    assert core.message_pending(running, core.CLIENT_GONE, "prefill")
+    assert not core.message_pending(row, core.CLIENT_GONE, "prefill")
+    booted = core._row(row, core.BOOT, 1)
+    assert core.message_pending(booted, core.CLIENT_GONE, "decode")
+    assert not core.message_pending(core._row(booted, core.DST, core.D_WAITING),
+                                    core.CLIENT_GONE, "decode")
+    with pytest.raises(core.ProtocolMisuse):
+        core.message_pending(row, core.CLIENT_GONE)
