@@ -7,7 +7,7 @@ with RMSNorm, rotary position embeddings on the two halves of every head, groupe
 attention (several query heads share one KV head) and, for Qwen2, a bias on q, k and v.
 The K and V of every token go into the pool (engine/pool.py) at the slot its sequence's
 block table names, and attention reads them back from there through the kernels package
-(`write_kv`, `paged_prefill_attention`, `paged_decode_attention`): the model never holds
+(`write_kv_at`, `paged_prefill_attention`, `paged_decode_attention`): the model never holds
 a KV cache of its own, which is what lets pages move between workers and lets the decode
 kernel check every page's ownership tag on every read.
 
