@@ -2,12 +2,15 @@
 
     python bench/engine_workers_bench.py                  # default model, batch 8, 32 tokens
     python bench/engine_workers_bench.py --batch 1 --batch 8 --new-tokens 64
+    python bench/engine_workers_bench.py --workers 2x2 --workers 1x4   # more workers too
 
 Same model, prompts, dtype and greedy decoding on both; the two alternate repeat by repeat
 so a neighbour's load hits both alike (read the ratio, not the absolute figures). Prints,
 per batch: wall-clock tokens/s (all output tokens over the whole run, prefill included),
 the median per-step decode time of each, whether both produced the same tokens, and the
-protocol engine's events per request and KV bytes moved.
+protocol engine's events per request and KV bytes moved. Each `--workers PxD` adds the
+protocol engine with P prefill and D decode workers (one process, one loop: the batch is
+split over the decode workers, so on a CPU this shows what the split costs, not a gain).
 """
 
 from __future__ import annotations
@@ -47,9 +50,11 @@ def run_generator(model, batch_prompts, params):
     return time.perf_counter() - started, [list(c.output_ids) for c in done]
 
 
-def run_runtime(model, batch_prompts, params):
+def run_runtime(model, batch_prompts, params, workers=(1, 1)):
     runtime = Runtime(model, RuntimeConfig(prefill_pages=512, decode_pages=512,
-                                           page_tokens=PAGE_TOKENS, context_tokens=4096))
+                                           page_tokens=PAGE_TOKENS, context_tokens=4096,
+                                           prefill_workers=workers[0],
+                                           decode_workers=workers[1]))
     outputs: dict[int, list] = {}
 
     def on_event(event):
@@ -64,12 +69,24 @@ def run_runtime(model, batch_prompts, params):
     return elapsed, [outputs[r] for r in range(len(batch_prompts))], runtime
 
 
+def workers_of(text: str) -> tuple[int, int]:
+    try:
+        p, d = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected PxD, e.g. 2x2, got {text!r}") from None
+    if p < 1 or d < 1:
+        raise argparse.ArgumentTypeError(f"each count must be at least 1, got {text!r}")
+    return p, d
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--batch", type=int, action="append")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", type=workers_of, action="append", default=[],
+                        metavar="PxD", help="also run P prefill and D decode workers")
     args = parser.parse_args()
     loaded = load_model(args.model)
     model = loaded.model
@@ -78,7 +95,7 @@ def main() -> None:
     for batch in args.batch or [8]:
         batch_prompts = prompts(batch, model.config.vocab_size)
         tokens = batch * args.new_tokens
-        times = {"generator": [], "protocol": []}
+        times = {"generator": [], "protocol": [], **{w: [] for w in args.workers}}
         same = True
         for _ in range(args.repeats):
             elapsed, reference = run_generator(model, batch_prompts, params)
@@ -86,12 +103,20 @@ def main() -> None:
             elapsed, outputs, runtime = run_runtime(model, batch_prompts, params)
             times["protocol"].append(elapsed)
             same &= outputs == reference
+            for workers in args.workers:
+                elapsed, outputs, _ = run_runtime(model, batch_prompts, params, workers)
+                times[workers].append(elapsed)
+                same &= outputs == reference
         g, p = (statistics.median(times[k]) for k in ("generator", "protocol"))
         print(f"batch {batch}, {args.new_tokens} new tokens, prompts {PROMPT_TOKENS}.."
               f"{PROMPT_TOKENS + 3 * (batch - 1)} tokens, median of {args.repeats}:")
         print(f"  Generator        {tokens / g:8.1f} tokens/s  ({g:.2f} s)")
         print(f"  protocol engine  {tokens / p:8.1f} tokens/s  ({p:.2f} s)  "
               f"ratio {g / p:.2f}")
+        for workers in args.workers:
+            w = statistics.median(times[workers])
+            print(f"  {workers[0]}x{workers[1]} workers    {tokens / w:8.1f} tokens/s  "
+                  f"({w:.2f} s)  ratio {g / w:.2f}")
         print(f"  same tokens: {same}; protocol events {len(runtime.log)} "
               f"({len(runtime.log) / batch:.0f} per request), "
               f"{runtime.transport.writes_landed} page writes, "

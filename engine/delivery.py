@@ -59,12 +59,13 @@ class Delivery:
         if action is None:
             return self._settle(live, what, not core.message_pending(row, message, worker))
         if action is core.Reserve:
-            pages = self.store.allocate("decode", 0, core.allocation_need(m, view, action, r))
+            pages = self.store.allocate("decode", self.placed[r][1],
+                                        core.allocation_need(m, view, action, r))
             if pages is None:
                 return False  # decode waits for pages; the bootstrap stays queued
             event = core.Reserve(r, pages)
         elif action is core.Accept:
-            event = core.Accept(r, self.decode.checksums_ok(r))
+            event = core.Accept(r, self.decode_of(r).checksums_ok(r))
         else:
             event = action(r)
         return self._settle(live, what, self.take(r, event) is not None)
@@ -91,29 +92,35 @@ class Delivery:
         return bool(finished)
 
     def _admit(self) -> bool:
-        """The prefill's admission queue, in order: Reject what the core says must be
+        busy = False
+        for k, worker in enumerate(self.prefills):
+            busy |= self._admit_at(k, worker)
+        return busy
+
+    def _admit_at(self, k: int, worker) -> bool:
+        """A prefill worker's admission queue, in order: Reject what the core says must be
         rejected, admit what has its page table and fits; a request waiting for its table
         does not block those behind it, one waiting for pages does."""
         busy = False
         m = self.core_model
-        for r in list(self.prefill.queue):
+        for r in list(worker.queue):
             if r not in self.store.rows or self._row(r)[core.PST] != core.QUEUED:
-                self.prefill.queue.remove(r)
+                worker.queue.remove(r)
                 continue
             view = self._view(r)
             if core.is_enabled(m, view, r, core.Reject):
-                self.prefill.queue.remove(r)
+                worker.queue.remove(r)
                 busy |= self.take(r, core.Reject(r)) is not None
                 continue
             need = core.allocation_need(m, view, core.Admit, r)
             if type(need) is str:
                 continue
-            if len(self.prefill.computing) >= self.config.max_batch:
+            if len(worker.computing) >= self.config.max_batch:
                 break
-            pages = self.store.allocate("prefill", 0, need)
+            pages = self.store.allocate("prefill", k, need)
             if pages is None:
                 break
-            self.prefill.queue.remove(r)
+            worker.queue.remove(r)
             busy |= self.take(r, core.Admit(r, pages)) is not None
         return busy
 

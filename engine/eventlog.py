@@ -1,9 +1,10 @@
 """The engine's event log, and its replay through the core.
 
 A log is ndjson: a header line (format, the deployment's protocol configuration: pool and
-context sizes in pages, bug switches), then one record per event the core accepted, in
-spec/codec.py's format (the simulator's and the fuzzer's records, with the engine's time
-"t" beside them), then an end record. `replay` folds the records through a fresh
+context sizes in pages, bug switches, how many prefill and decode workers), then one record
+per event the core accepted, in spec/codec.py's format (the simulator's and the fuzzer's
+records, with the engine's time "t" beside them, and an Arrive's placement "p" and "d"),
+then an end record. `replay` folds the records through a fresh
 spec.store.Store: every event must be accepted again and the store's oracles must stay
 quiet, which shows the engine changed no protocol state behind the core's back.
 """
@@ -54,7 +55,8 @@ def model_of(header: dict) -> Model:
 
 def replay(header: dict, records: list[dict]) -> Store:
     """The store after folding every record through the core; LogError on a refusal."""
-    store = Store(model_of(header), 1, 1)
+    workers = header.get("prefill_workers", 1), header.get("decode_workers", 1)
+    store = Store(model_of(header), *workers)
     for k, record in enumerate(records, start=2):
         try:
             event = codec.decode(record)
@@ -62,7 +64,11 @@ def replay(header: dict, records: list[dict]) -> Store:
             raise LogError(f"line {k}: {error}") from None
         r = event.request
         if type(event) is core.Arrive:
-            store.arrive(r, 0, 0)
+            p, d = record.get("p", 0), record.get("d", 0)
+            if not (0 <= p < workers[0] and 0 <= d < workers[1]):
+                raise LogError(f"line {k}: placement ({p}, {d}) names a worker the header "
+                               f"does not have ({workers[0]} prefill, {workers[1]} decode)")
+            store.arrive(r, p, d)
         out = store.take(r, event)
         if type(out) is Refusal:
             raise LogError(f"line {k}: the core refuses {out}: not a run of the protocol")
@@ -75,7 +81,12 @@ def core_trace(header: dict, records: list[dict]) -> tuple[Model, list]:
     """The run as a behaviour of the spec's finite model: (Model with one request per
     request of the log, [(event or None, core State), ...]) by core.apply from the initial
     state, for ITF output and validation (`kvproof validate`, the TLA+ evaluator). The
-    engine numbers requests 0, 1, ... in arrival order, which are the model's requests."""
+    engine numbers requests 0, 1, ... in arrival order, which are the model's requests.
+    The spec has one prefill and one decode worker: a log of more is refused."""
+    if header.get("prefill_workers", 1) != 1 or header.get("decode_workers", 1) != 1:
+        raise LogError("the spec's model has one prefill and one decode worker; this run had "
+                       f"{header.get('prefill_workers')} and {header.get('decode_workers')} "
+                       "(replay it through the store instead)")
     events = []
     for k, record in enumerate(records, start=2):
         try:

@@ -1,11 +1,12 @@
 """The runtime's loop: one iteration of the protocol-driven engine, and its data-path steps.
 
 Theory of operation. `step()` runs, in this order: deliver the messages in flight
-(engine/delivery.py), admit at the prefill, one chunked prefill step (a completed prompt
-wants its pages sent), the page writes the transport delivers (LandWrite, then the copy
-and the tag), one decode step over the continuous batch (a token per request, streamed
-by engine/streaming.py; Finish with the observed tag verdict when a request stops or
-fails its tag check), and the timers that are due. Each protocol move goes through
+(engine/delivery.py), admit at every prefill worker, one chunked prefill step per prefill
+worker (a completed prompt wants its pages sent), the page writes the transport delivers
+(LandWrite, then the copy and the tag), one decode step per decode worker over its
+continuous batch (a token per request, streamed by engine/streaming.py; Finish with the
+observed tag verdict when a request stops or fails its tag check), and the timers that
+are due. Each protocol move goes through
 `Runtime.take`; the steps here only observe the data path and report it.
 
 `Loop` is a part of `engine.runtime.Runtime` (a mixin): it uses the runtime's workers,
@@ -38,17 +39,22 @@ class Loop:
         return busy
 
     def _prefill_step(self) -> bool:
-        if not self.prefill.computing:
-            return False
-        for sequence, token, logits in self.prefill.step():
+        busy = False
+        for worker in self.prefills:
+            if worker.computing:
+                busy = True
+                self._prefill_on(worker)
+        return busy
+
+    def _prefill_on(self, worker) -> None:
+        for sequence, token, logits in worker.step():
             r = sequence.request.request_id
             live = self.live[r]
             live.first = (token, logits, sequence.generator)
             if self.config.keep_kv:
-                self.prompt_kv[r] = kv_rows(self.prefill.pool, sequence.pages,
+                self.prompt_kv[r] = kv_rows(worker.pool, sequence.pages,
                                             len(sequence.prompt_ids))
             live.wants.add(SEND)
-        return True
 
     def _land(self) -> bool:
         writes = self.transport.ready()
@@ -75,10 +81,16 @@ class Loop:
             return
         self.transport.land(write)
         (page, value), = out.decode
-        self.decode.landed(r, page, write.checksum, value[core.TAG])
+        self.decodes[write.decode].landed(r, page, write.checksum, value[core.TAG])
 
     def _decode_step(self) -> bool:
-        results = self.decode.step()
+        busy = False
+        for worker in self.decodes:
+            busy |= self._decode_on(worker)
+        return busy
+
+    def _decode_on(self, worker) -> bool:
+        results = worker.step()
         for sequence, ok, logits in results:
             live = self.live[sequence.request.request_id]
             if not ok:
@@ -110,7 +122,8 @@ class Loop:
 
     def _keep_read_kv(self, live: Live) -> None:
         if self.config.keep_kv:
-            self.read_kv[live.request_id] = kv_rows(self.decode.pool, live.sequence.pages,
+            pool = self.decode_of(live.request_id).pool
+            self.read_kv[live.request_id] = kv_rows(pool, live.sequence.pages,
                                                     len(live.request.prompt_ids))
 
     def leaked(self, r: int) -> bool:
@@ -122,6 +135,6 @@ class Loop:
     def _end_decoding(self, live: Live, reason: str) -> None:
         live.finish_reason = reason
         self._keep_read_kv(live)
-        tags_ok = live.tags_ok and self.decode.tags_current(live.sequence)
+        tags_ok = live.tags_ok and self.decode_of(live.request_id).tags_current(live.sequence)
         self.take(live.request_id, core.Finish(live.request_id, tags_ok))
 

@@ -1,5 +1,6 @@
-"""The protocol-driven engine loop: one prefill worker, one decode worker, one transport,
-and every protocol step decided by the core through one spec.store.Store.
+"""The protocol-driven engine loop: N prefill workers, M decode workers (one of each by
+default), one transport between their pools, and every protocol step decided by the core
+through one spec.store.Store.
 
 Theory of operation. The runtime is a shell in DESIGN.md's sense: it turns what happens
 (a request arrives, a bootstrap reaches decode, a prompt is computed, a write lands, a
@@ -17,6 +18,12 @@ queue: a request is admitted once its page table has come back), one chunked pre
 (completed prompts post their page writes: one SendPage per page), the writes the
 transport delivers (LandWrite, then the copy and the tag), one decode step over the
 continuous batch (Finish with the observed tag verdict), releases, timers.
+
+Workers. The store keeps each worker's pool and decides every event on the view of the
+request's own pair (spec/store.py), as it does for the simulator's clusters; the runtime
+places each arriving request on a pair (`place`: the prefill with the fewest requests
+queued or computing, the decode whose live requests need the fewest pages) and from then on every command of that request goes to the workers of its pair.
+All workers run in this one loop, in turn; the pools, batches and transport are theirs.
 
 Where the parts live: this module holds the configuration, the one path into the core
 (`take`), the client's side (`arrive`, `abort`), the command handlers and what a server
@@ -78,10 +85,12 @@ class RuntimeConfig:
     lands_per_step: int = 1 << 30
     log_records_max: int = 100_000  # in-memory event log bound, in records (0: no log)
     keep_kv: bool = False  # tests and fuzzers: keep each request's prompt KV (the leak oracle)
+    prefill_workers: int = 1  # each with a pool of prefill_pages
+    decode_workers: int = 1  # each with a pool of decode_pages
 
     def __post_init__(self) -> None:
         for name in ("prefill_pages", "decode_pages", "page_tokens", "context_tokens",
-                     "max_batch", "prefill_chunk_tokens"):
+                     "max_batch", "prefill_chunk_tokens", "prefill_workers", "decode_workers"):
             assert getattr(self, name) > 0, f"{name} must be positive"
         assert self.transfer_timeout_s > 0
         object.__setattr__(self, "bugs", frozenset(self.bugs))
@@ -104,14 +113,18 @@ class Runtime(Loop, Delivery):
         self.model, self.config, self.tokenizer, self.clock = model, config, tokenizer, clock
         self.core_model = Model.for_shell(config.protocol(), config.context_pages,
                                           name="engine", crashes=False, decode_crashes=False)
-        self.store = Store(self.core_model, 1, 1)
+        self.store = Store(self.core_model, config.prefill_workers, config.decode_workers)
         pool = PoolConfig.for_model(model.config, 1, config.page_tokens, model.dtype,
                                     model.device)
-        self.prefill = PrefillWorker(model, _sized(pool, config.prefill_pages),
-                                     config.prefill_chunk_tokens)
-        self.decode = DecodeWorker(model, _sized(pool, config.decode_pages), config.max_batch)
-        self.transport = InProcessTransport(self.prefill.pool, self.decode.pool,
+        self.prefills = [PrefillWorker(model, _sized(pool, config.prefill_pages),
+                                       config.prefill_chunk_tokens, name=f"prefill-{k}")
+                         for k in range(config.prefill_workers)]
+        self.decodes = [DecodeWorker(model, _sized(pool, config.decode_pages), config.max_batch,
+                                     name=f"decode-{k}") for k in range(config.decode_workers)]
+        self.transport = InProcessTransport([w.pool for w in self.prefills],
+                                            [w.pool for w in self.decodes],
                                             config.lands_per_step, config.transport_seed)
+        self.placed: dict[int, tuple[int, int]] = {}  # live request -> (prefill, decode)
         self.live: dict[int, Live] = {}
         self.timers: dict[int, float] = {}
         self.recent: list[Live] = []
@@ -145,7 +158,10 @@ class Runtime(Loop, Delivery):
             return None
         now = self.clock() - self.started
         if self.config.log_records_max and len(self.log) < self.config.log_records_max:
-            self.log.append({"t": round(now, 6), **codec.encode(event)})
+            record = {"t": round(now, 6), **codec.encode(event)}
+            if type(event) is core.Arrive:
+                record["p"], record["d"] = self.placed[r]
+            self.log.append(record)
         live = self.live.get(r)
         if live is not None:
             live.timeline.append((now, event.label()))
@@ -164,6 +180,38 @@ class Runtime(Loop, Delivery):
     def _row(self, r: int) -> tuple:
         return self.store.rows[r]
 
+    # -- workers -----------------------------------------------------------------------
+
+    @property
+    def prefill(self) -> PrefillWorker:
+        """The prefill worker of a one-prefill deployment (tests, benches)."""
+        assert len(self.prefills) == 1, "several prefill workers: use prefill_of(r)"
+        return self.prefills[0]
+
+    @property
+    def decode(self) -> DecodeWorker:
+        """The decode worker of a one-decode deployment (tests, benches)."""
+        assert len(self.decodes) == 1, "several decode workers: use decode_of(r)"
+        return self.decodes[0]
+
+    def prefill_of(self, r: int) -> PrefillWorker:
+        return self.prefills[self.placed[r][0]]
+
+    def decode_of(self, r: int) -> DecodeWorker:
+        return self.decodes[self.placed[r][1]]
+
+    def place(self) -> tuple[int, int]:
+        """The router: the prefill with the fewest requests queued or computing, and the
+        decode whose live requests need the fewest pages (reserved already or still to
+        come; ties: the lower index). A policy, not a protocol step: whatever it picks,
+        the core decides every event on that pair's view."""
+        p = min(range(len(self.prefills)),
+                key=lambda k: len(self.prefills[k].queue) + len(self.prefills[k].computing))
+        demand = [0] * len(self.decodes)
+        for r, (_, d) in self.placed.items():
+            demand[d] += self.live[r].pages
+        return p, min(range(len(self.decodes)), key=lambda k: demand[k])
+
     # -- the client's side -----------------------------------------------------------------
 
     def arrive(self, request: GenerationRequest, on_event: Callable,
@@ -173,10 +221,12 @@ class Runtime(Loop, Delivery):
         self.next_id = r + 1
         n = pages_needed(len(request.prompt_ids), request.sampling.max_tokens,
                          self.config.page_tokens)
+        p, d = self.placed[r] = self.place()
         self.live[r] = Live(r, request, on_event, n, self.clock())
-        self.store.arrive(r, 0, 0)
+        self.store.arrive(r, p, d)
         if self.take(r, core.Arrive(r, n)) is None:
             self.store.withdraw(r)
+            del self.placed[r]
             self._finished(self.live.pop(r), "ErrTooLong", detail="the core refused Arrive")
         return r
 
@@ -203,17 +253,19 @@ class Runtime(Loop, Delivery):
             self._want(r, message)
 
     def _queue(self, c: cmd.Queue) -> None:
-        self.prefill.queue.append(c.request)
+        self.prefill_of(c.request).queue.append(c.request)
 
     def _compute(self, c: cmd.Compute) -> None:
         r = c.request
         live = self.live[r]
         request = Request(r, live.request.prompt_ids, live.request.sampling)
-        self.prefill.start(request, self._row(r)[core.SRC])
+        self.prefill_of(r).start(request, self._row(r)[core.SRC])
 
     def _post(self, c: cmd.Post) -> None:
         r, source, page, tag = c.write
-        self.transport.post(PageWrite(r, source, page, tag, self.prefill.checksum(source)))
+        p, d = self.placed[r]
+        self.transport.post(PageWrite(r, source, page, tag, self.prefills[p].checksum(source),
+                                      p, d))
 
     def _arm_timer(self, c: cmd.ArmTimer) -> None:
         self.timers[c.request] = self.clock() + self.config.transfer_timeout_s
@@ -226,18 +278,18 @@ class Runtime(Loop, Delivery):
         live = self.live[r]
         token, logits, generator = live.first
         request = Request(r, live.request.prompt_ids, live.request.sampling)
-        live.sequence = self.decode.start(request, self._row(r)[core.TABLE], generator)
+        live.sequence = self.decode_of(r).start(request, self._row(r)[core.TABLE], generator)
         self._next_token(live, token, logits)
 
     def _stop_decoding(self, c: cmd.StopDecoding) -> None:
-        self.decode.stop(c.request)
+        self.decode_of(c.request).stop(c.request)
 
     def _pages_freed(self, c: cmd.FreePages) -> None:
         """Source pages came back (Done, an abort, or SourceReuse's early free): nothing
         may compute into them for this request any more. Freed decode pages need nothing:
         waiting bootstraps retry their Reserve on the next step."""
         if c.pool == "prefill":
-            self.prefill.stop(c.request)
+            self.prefill_of(c.request).stop(c.request)
 
     def _answer(self, c: cmd.Answer) -> None:
         live = self.live[c.request]
@@ -269,8 +321,9 @@ class Runtime(Loop, Delivery):
         self.store.forget(r)
         live = self.live.pop(r, None)
         self.timers.pop(r, None)
-        self.prefill.stop(r)
-        self.decode.stop(r)
+        p, d = self.placed.pop(r)
+        self.prefills[p].stop(r)
+        self.decodes[d].stop(r)
         if live is not None:
             self.recent.append(live)
             del self.recent[:-RECENT_KEPT]
@@ -287,13 +340,21 @@ class Runtime(Loop, Delivery):
                    and self._row(r)[core.PST] == core.QUEUED)
 
     def pool_snapshots(self) -> tuple[PoolSnapshot, ...]:
-        store = self.store
-        tombs = sum(1 for row in store.rows.values() if row[core.DST] == core.TOMB)
-        p, d = self.config.prefill_pages, self.config.decode_pages
-        p_free, d_free = len(store.prefill_free[0]), len(store.decode_free[0])
-        in_flight = self.transport.in_flight
-        return (PoolSnapshot(self.prefill.name, p, p_free, p - p_free, 0, in_flight),
-                PoolSnapshot(self.decode.name, d, d_free, d - d_free, tombs, in_flight))
+        """Every worker's pool: prefill workers first, then decode workers, by index."""
+        store, transport = self.store, self.transport
+        tombs = [0] * len(self.decodes)
+        for r, row in store.rows.items():
+            if row[core.DST] == core.TOMB:
+                tombs[store.placement[r][1]] += 1
+        out = []
+        for kind, workers, pages in (("prefill", self.prefills, self.config.prefill_pages),
+                                     ("decode", self.decodes, self.config.decode_pages)):
+            for k, worker in enumerate(workers):
+                free = store.free_pages(kind, k)
+                out.append(PoolSnapshot(worker.name, pages, free, pages - free,
+                                        tombs[k] if kind == "decode" else 0,
+                                        transport.in_flight_at(kind, k)))
+        return tuple(out)
 
     def request_snapshots(self) -> tuple[RequestSnapshot, ...]:
         everyone = self.recent + [self.live[r] for r in sorted(self.live)]
@@ -301,17 +362,19 @@ class Runtime(Loop, Delivery):
                      for x in everyone[-RECENT_KEPT:])
 
     def whole(self) -> bool:
-        """Every page of both pools free and no write in flight: the state after a drain."""
+        """Every page of every pool free and no write in flight: the state after a drain."""
         store = self.store
-        return (len(store.prefill_free[0]) == self.config.prefill_pages
-                and len(store.decode_free[0]) == self.config.decode_pages
+        return (all(len(free) == self.config.prefill_pages for free in store.prefill_free)
+                and all(len(free) == self.config.decode_pages for free in store.decode_free)
                 and not self.transport.in_flight and not store.rows)
 
     def log_header(self) -> dict:
         protocol = self.config.protocol()
         return {"format": LOG_FORMAT, "context_pages": protocol.context_pages,
                 "prefill_pages": protocol.prefill_pages, "decode_pages": protocol.decode_pages,
-                "bugs": sorted(protocol.bugs), "max_prompt_pages": self.config.context_pages}
+                "bugs": sorted(protocol.bugs), "max_prompt_pages": self.config.context_pages,
+                "prefill_workers": self.config.prefill_workers,
+                "decode_workers": self.config.decode_workers}
 
 
 def _sized(pool: PoolConfig, pages: int) -> PoolConfig:

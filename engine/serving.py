@@ -57,21 +57,17 @@ class EngineConfig:
     step_delay_s: float = 0.0
     bugs: frozenset = frozenset()  # bug switches (spec/model.py): tests of the zoo only
     transport_seed: int | None = None
-    disaggregated: bool = True  # always: one prefill and one decode worker
-    prefill_workers: int = 1
-    decode_workers: int = 1
+    disaggregated: bool = True  # always: prefill and decode workers with pools of their own
+    prefill_workers: int = 1  # each with a pool of prefill_pool_tokens
+    decode_workers: int = 1  # each with a pool of decode_pool_tokens
 
     def __post_init__(self) -> None:
         for name in ("page_tokens", "prefill_pool_tokens", "decode_pool_tokens", "max_batch",
-                     "prefill_chunk_tokens", "max_queued"):
+                     "prefill_chunk_tokens", "max_queued", "prefill_workers", "decode_workers"):
             assert getattr(self, name) > 0, f"{name} must be positive"
         assert self.context_length is None or self.context_length > 0
         assert self.step_delay_s >= 0 and self.idle_wait_s > 0
         object.__setattr__(self, "bugs", frozenset(self.bugs))
-        if self.prefill_workers != 1 or self.decode_workers != 1:
-            raise NotImplementedError("one prefill and one decode worker per process "
-                                      f"(asked for {self.prefill_workers} and "
-                                      f"{self.decode_workers})")
 
 
 def advertised_context(config: EngineConfig, model_context: int) -> tuple[int, int, int]:
@@ -82,7 +78,9 @@ def advertised_context(config: EngineConfig, model_context: int) -> tuple[int, i
     context = config.context_length or model_context
     if "PoolBelowContext" in config.bugs:
         return context, prefill_pages, decode_pages
-    for node, pages in (("prefill-0", prefill_pages), ("decode-0", decode_pages)):
+    nodes = [(f"prefill-{k}", prefill_pages) for k in range(config.prefill_workers)]
+    nodes += [(f"decode-{k}", decode_pages) for k in range(config.decode_workers)]
+    for node, pages in nodes:
         if context > pages * pt:
             if not config.lower_context_to_fit:
                 raise CapacityError(node, pages * pt, context)
@@ -105,7 +103,8 @@ def build_engine(loaded_model, config: EngineConfig | dict | None = None) -> "Th
         context_tokens=context, max_batch=config.max_batch,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
         transfer_timeout_s=config.transfer_timeout_s, bugs=config.bugs,
-        transport_seed=config.transport_seed), tokenizer=loaded_model.tokenizer)
+        transport_seed=config.transport_seed, prefill_workers=config.prefill_workers,
+        decode_workers=config.decode_workers), tokenizer=loaded_model.tokenizer)
     name = getattr(loaded_model, "path", None)
     return ThreadedEngine(runtime, config, model_name=name.stem if name else "model")
 
@@ -198,7 +197,8 @@ class ThreadedEngine:
         rt = self.runtime
         counts = {k: dict(v) for k, v in rt.counts.items()}
         return Snapshot(pools=rt.pool_snapshots(), queued=rt.queued(),
-                        running=len(rt.decode.running) + len(rt.prefill.computing),
+                        running=sum(len(w.running) for w in rt.decodes)
+                        + sum(len(w.computing) for w in rt.prefills),
                         recent=rt.request_snapshots(), guard_trips=counts["guard_trips"],
                         refusals=counts["refusals"], rejects=counts["rejects"],
                         outcomes=counts["outcomes"], transfers=rt.transport.writes_landed,

@@ -11,8 +11,9 @@ The transport never decides anything: `ready()` says which writes have reached t
 side; the runtime hands each to the core (LandWrite), and only when the core accepts does
 `land` copy the bytes. A write the core refuses (flushed by a crash) is dropped.
 
-`InProcessTransport` moves pages between two KVPools of one process with real tensor
-copies (pack -> unpack). Ordering: by default writes land in posting order, at most
+`InProcessTransport` moves pages between the KVPools of one process (every prefill
+worker's and every decode worker's; a write names its pair) with real tensor copies
+(pack -> unpack). Ordering: by default writes land in posting order, at most
 `lands_per_step` per step; with `seed` the order among in-flight writes is shuffled
 (reproducibly); `paused` holds every write on the wire, which tests use to build the
 interleavings of the bug zoo. A torch.distributed or NIXL transport implements the same
@@ -37,6 +38,8 @@ class PageWrite:
     decode_page: int
     tag: int  # the generation decode reserved the page at (the core's write tag)
     checksum: int  # the source page's checksum at post time
+    prefill: int = 0  # the prefill worker whose pool holds source_page
+    decode: int = 0  # the decode worker whose pool holds decode_page
 
 
 class Transport(Protocol):
@@ -57,8 +60,8 @@ class Transport(Protocol):
 
 @dataclass
 class InProcessTransport:
-    source: KVPool
-    target: KVPool
+    sources: list[KVPool]  # the prefill workers' pools, by worker index
+    targets: list[KVPool]  # the decode workers' pools, by worker index
     lands_per_step: int = 1 << 30  # writes that reach decode per `ready()` call, at most
     seed: int | None = None  # None: posting order; else a reproducible shuffle
     paused: bool = False  # tests: hold every write on the wire
@@ -99,8 +102,8 @@ class InProcessTransport:
 
     def land(self, write: PageWrite) -> int:
         self._arrived.remove(write)
-        buffer = self.source.pack([write.source_page])  # the source's bytes *now*
-        self.target.unpack(buffer, [write.decode_page])
+        buffer = self.sources[write.prefill].pack([write.source_page])  # its bytes *now*
+        self.targets[write.decode].unpack(buffer, [write.decode_page])
         moved = buffer.numel() * buffer.element_size()
         self.bytes_landed += moved
         self.writes_landed += 1
@@ -115,6 +118,11 @@ class InProcessTransport:
     @property
     def in_flight(self) -> int:
         return len(self._wire) + len(self._arrived)
+
+    def in_flight_at(self, pool: str, worker: int) -> int:
+        """Writes in flight out of prefill worker `worker`'s pool or into decode's."""
+        return sum(1 for w in self._wire + self._arrived
+                   if (w.prefill if pool == "prefill" else w.decode) == worker)
 
     def writes_of(self, request: int) -> list[PageWrite]:
         return [w for w in self._wire + self._arrived if w.request == request]

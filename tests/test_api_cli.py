@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import httpx
+import pytest
 
 from api.cli import main
 from tests.api_cases import make_tiny_chat_model, tiny_chat_model, wait_until  # noqa: F401
@@ -72,25 +73,27 @@ def run_cli(capsys, *arguments: str) -> tuple[int, str]:
     return code, captured.err + captured.out
 
 
-def test_disaggregated_with_one_worker_each_is_the_engine_and_other_counts_exit_2(
+def test_disaggregated_worker_counts_build_that_many_pools_and_bad_counts_exit_2(
         capsys, tiny_chat_model):  # noqa: F811
     from api.serve.command import _build, add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    _app, engine = _build(parser.parse_args([
-        "--model", str(tiny_chat_model.path), "--disaggregated", "--prefill-workers", "1",
-        "--decode-workers", "1"]))
-    assert (engine.config.disaggregated, engine.config.prefill_workers,
-            engine.config.decode_workers) == (True, 1, 1)
-    assert [pool.worker for pool in engine.snapshot().pools] == ["prefill-0", "decode-0"]
-    for prefill, decode in (("2", "2"), ("1", "3"), ("4", "1")):
-        code, output = run_cli(capsys, "--model", str(tiny_chat_model.path), "--disaggregated",
-                               "--prefill-workers", prefill, "--decode-workers", decode)
-        assert code == 2
-        assert output == ("kvproof serve: not supported yet by this engine: one prefill and "
-                          f"one decode worker per process (asked for {prefill} and "
-                          f"{decode})\n")
+    for prefill, decode in ((None, None), (1, 1), (2, 3), (3, 1)):
+        counts = [] if prefill is None else ["--prefill-workers", str(prefill),
+                                             "--decode-workers", str(decode)]
+        _app, engine = _build(parser.parse_args([
+            "--model", str(tiny_chat_model.path), "--disaggregated", *counts]))
+        prefill, decode = prefill or 1, decode or 1
+        assert (engine.config.disaggregated, engine.config.prefill_workers,
+                engine.config.decode_workers) == (True, prefill, decode)
+        assert [pool.worker for pool in engine.snapshot().pools] == (
+            [f"prefill-{k}" for k in range(prefill)] + [f"decode-{k}" for k in range(decode)])
+    for count in ("0", "-1", "two"):
+        with pytest.raises(SystemExit) as stopped:  # argparse's usage error
+            main(["serve", "--disaggregated", "--decode-workers", count])
+        assert stopped.value.code == 2
+        assert "argument --decode-workers:" in capsys.readouterr().err
 
 
 def test_worker_counts_need_disaggregated(capsys):

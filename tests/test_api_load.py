@@ -12,6 +12,7 @@ import random
 import time
 
 import httpx
+import pytest
 
 from api.serve.app import create_app
 from tests.api_cases import (LiveServer, protocol_engine, tiny_chat_model,  # noqa: F401
@@ -71,11 +72,14 @@ def check_stream(events: list[str]) -> None:
     assert finishes[-1] in ("stop", "length") and set(finishes[:-1]) <= {None}
 
 
-def test_32_streaming_clients_some_leaving_leave_every_pool_whole(tiny_chat_model):  # noqa: F811
+@pytest.mark.parametrize("prefill_workers,decode_workers", [(1, 1), (2, 3)])
+def test_32_streaming_clients_some_leaving_leave_every_pool_whole(
+        tiny_chat_model, prefill_workers, decode_workers):  # noqa: F811
     seed = int(os.environ.get("KVPROOF_LOAD_SEED", random.randrange(1 << 32)))
     print(f"load test seed={seed} (replay: KVPROOF_LOAD_SEED={seed})")
     rng = random.Random(seed)
-    engine = protocol_engine(tiny_chat_model, max_batch=16)
+    engine = protocol_engine(tiny_chat_model, max_batch=16, prefill_workers=prefill_workers,
+                             decode_workers=decode_workers)
     with LiveServer(create_app(engine)) as server:
         started = time.monotonic()
 
@@ -100,6 +104,9 @@ def test_32_streaming_clients_some_leaving_leave_every_pool_whole(tiny_chat_mode
         assert stayed <= sum(snapshot.outcomes.values()) == len(engine.submitted) <= CLIENTS
         assert snapshot.outcomes.get("Ok", 0) >= stayed
         text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert [p.worker for p in snapshot.pools] == (
+        [f"prefill-{k}" for k in range(prefill_workers)]
+        + [f"decode-{k}" for k in range(decode_workers)])
     for pool in snapshot.pools:
         assert metric(text, "kvproof_pool_pages", worker=pool.worker, state="free") == pool.pages
         assert metric(text, "kvproof_pool_pages", worker=pool.worker, state="held") == 0

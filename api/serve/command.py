@@ -5,14 +5,15 @@
                   [--disaggregated --prefill-workers N --decode-workers M]
 
 The engine is what engine.serving's `build_engine(loaded_model, config)` returns (the
-contract is engine/service.py): one prefill and one decode worker driven by the protocol
-core. Its startup capacity check is its own, and a failure there is printed as one line
+contract is engine/service.py): prefill and decode workers driven by the protocol core. Its startup capacity check is its own, and a failure there is printed as one line
 with exit status 2, like every other bad input. `--engine-factory MODULE:FUNCTION` names
 another factory with the same signature (and the module's `EngineConfig`, if it has one).
 
-`--disaggregated` is what the engine always is (a prefill worker and a decode worker, KV
-moved between their pools by a transport); `--prefill-workers 1 --decode-workers 1` is
-the one shape it has, and any other count is refused with exit status 2.
+`--disaggregated` is what the engine always is (prefill workers and decode workers, KV
+moved between their pools by a transport); `--prefill-workers N --decode-workers M` sets
+how many of each (default one of each), in this process, each with a pool of its own; the
+router places every request on one prefill and one decode worker. Each worker's pool must
+hold the advertised context (the startup capacity check).
 
 Startup prints the URL and a curl line. SIGTERM (or Ctrl-C) stops taking requests, lets live
 ones finish for up to --drain-s seconds, aborts the rest through the protocol
@@ -34,7 +35,7 @@ DEFAULT_FACTORY = "engine.serving:build_engine"
 EXAMPLES = [
     "kvproof serve                                   # the default model on 127.0.0.1:8000",
     "kvproof serve --model path/to/model.gguf --port 8080 --device cuda --dtype bfloat16",
-    "kvproof serve --disaggregated --prefill-workers 1 --decode-workers 1   # the one shape",
+    "kvproof serve --disaggregated --prefill-workers 2 --decode-workers 3",
 ]
 
 
@@ -51,10 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM, let live requests finish for up to S seconds "
                              "before aborting them (default 10)")
     parser.add_argument("--disaggregated", action="store_true",
-                        help="separate prefill and decode workers (the engine's one shape: "
-                             "one of each)")
-    parser.add_argument("--prefill-workers", type=positive_int, default=None, metavar="N")
-    parser.add_argument("--decode-workers", type=positive_int, default=None, metavar="M")
+                        help="separate prefill and decode workers, KV moved between their "
+                             "pools (what the engine always is; one of each by default)")
+    parser.add_argument("--prefill-workers", type=positive_int, default=None, metavar="N",
+                        help="prefill workers, each with its own KV pool (needs "
+                             "--disaggregated; default 1)")
+    parser.add_argument("--decode-workers", type=positive_int, default=None, metavar="M",
+                        help="decode workers, each with its own KV pool (needs "
+                             "--disaggregated; default 1)")
     parser.add_argument("--engine-factory", default=DEFAULT_FACTORY, metavar="MODULE:FUNCTION",
                         help=f"the engine's build function (default: {DEFAULT_FACTORY})")
 

@@ -1,0 +1,187 @@
+"""The protocol-driven engine with several prefill and decode workers in one process: the
+router places every request on one pair, the store decides every event on that pair's
+view, and a write only ever moves bytes from the request's own prefill pool into its own
+decode pool.
+
+What is pinned, on a tiny random Llama in fp32 (the helpers are test_engine_workers.py's):
+the engine's tokens equal the single-process Generator's on 2 x 3 workers with every
+worker used; every write lands in its request's pair; the log (with each Arrive's
+placement) replays through a fresh store to the same pools; the spec's one-pair model
+refuses such a log by name; an abort at every phase brings every pool back; the incident
+entry is caught by the count check on its pair while requests on both pairs finish with
+the Generator's tokens; the threaded engine and its snapshot name every worker's pool.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from engine.eventlog import LogError, core_trace, read_log, replay, write_log  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from engine.service import Finished, GenerationRequest  # noqa: E402
+from engine.serving import CapacityError, EngineConfig, build_engine  # noqa: E402
+from test_engine_workers import (PAGE, Client, assert_whole, loaded,  # noqa: E402
+                                 mixed_requests, model, prompt, reference, run, runtime)
+
+assert model  # the module-scoped fixture, shared with test_engine_workers.py
+
+
+def landings(rt) -> list[tuple[int, int, int]]:
+    """Record (request, prefill worker, decode worker) of every write as it lands."""
+    seen: list[tuple[int, int, int]] = []
+    land = rt.transport.land
+
+    def recording(write):
+        seen.append((write.request, write.prefill, write.decode))
+        return land(write)
+
+    rt.transport.land = recording
+    return seen
+
+
+def test_two_by_three_workers_give_the_generators_tokens_and_use_every_worker(model, tmp_path):
+    requests = mixed_requests()
+    expected = reference(model, requests)
+    rt = runtime(model, prefill_workers=2, decode_workers=3, max_batch=3, prefill_pages=24,
+                 decode_pages=20, transport_seed=3, lands_per_step=2)
+    seen = landings(rt)
+    client = Client()
+    for prompt_ids, sampling in requests:
+        rt.arrive(GenerationRequest(prompt_ids, sampling), client)
+    placed = dict(rt.placed)
+    run(rt)
+    for r, completion in enumerate(expected):
+        assert client.tokens(r) == list(completion.output_ids), r
+        assert client.finished(r).outcome == "Ok"
+    assert_whole(rt)
+    assert {p for p, _ in placed.values()} == {0, 1}
+    assert {d for _, d in placed.values()} == {0, 1, 2}
+    # Every write went from the request's own prefill pool into its own decode pool, and
+    # each decode pool took exactly the pages of the requests placed on it.
+    assert seen and all((p, d) == placed[r] for r, p, d in seen)
+    pages = Counter()
+    for r, (prompt_ids, sampling) in enumerate(requests):
+        pages[placed[r][1]] += -(-(len(prompt_ids) + sampling.max_tokens - 1) // PAGE)
+    assert Counter(d for _, _, d in seen) == pages
+    assert [s.worker for s in rt.pool_snapshots()] == [
+        "prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2"]
+    path = tmp_path / "cluster.log"
+    write_log(path, rt.log_header(), rt.log)
+    header, records = read_log(path)
+    assert (header["prefill_workers"], header["decode_workers"]) == (2, 3)
+    assert {(x["p"], x["d"]) for x in records if x["a"] == "Arrive"} == set(placed.values())
+    store = replay(header, records)
+    assert store.rows == {} and store.violation_total == 0
+    assert store.decode_pools == rt.store.decode_pools
+    assert store.prefill_pools == rt.store.prefill_pools
+    with pytest.raises(LogError, match="one prefill and one decode worker"):
+        core_trace(header, records)
+    # A placement the header has no worker for is bad input, named.
+    arrive = next(k for k, x in enumerate(records) if x["a"] == "Arrive")
+    records[arrive] = {**records[arrive], "d": 3}
+    with pytest.raises(LogError, match=r"placement \(\d, 3\) names a worker"):
+        replay(header, records)
+
+
+def test_the_router_spreads_requests_and_a_busy_decode_pool_gets_no_more(model):
+    rt = runtime(model, prefill_workers=2, decode_workers=2, decode_pages=8)
+    rt.transport.paused = True  # nothing finishes: the reservations stay
+    client = Client()
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    first = rt.arrive(GenerationRequest(prompt(1, 20), params), client)  # 6 pages
+    second = rt.arrive(GenerationRequest(prompt(2, 4), params), client)  # 2 pages
+    assert rt.placed[first] == (0, 0)
+    # The first request's reservation is still to come; decode-0 counts its 6 pages anyway.
+    assert rt.placed[second] == (1, 1)
+    for _ in range(5):
+        rt.step()
+    third = rt.arrive(GenerationRequest(prompt(3, 4), params), client)
+    assert rt.placed[third][1] == 1  # decode-1's live requests need 2 pages, decode-0's 6
+    assert [s.held for s in rt.pool_snapshots()[2:]] == [6, 2]  # both reserved by now
+    rt.transport.paused = False
+    run(rt)
+    assert all(client.finished(r).outcome == "Ok" for r in (first, second, third))
+    assert_whole(rt)
+
+
+def test_an_abort_at_every_phase_on_two_pairs_returns_every_page(model):
+    for steps in range(0, 10):
+        rt = runtime(model, prefill_workers=2, decode_workers=2, prefill_chunk_tokens=4)
+        client = Client()
+        params = SamplingParams(max_tokens=5, ignore_eos=True)
+        victims = [rt.arrive(GenerationRequest(prompt(s, 10), params), client) for s in (3, 4)]
+        others = [rt.arrive(GenerationRequest(prompt(s, 7), params), client) for s in (5, 6)]
+        assert {rt.placed[r] for r in victims} == {(0, 0), (1, 1)}
+        for _ in range(steps):
+            rt.step()
+        for r in victims:
+            rt.abort(r)
+        run(rt)
+        assert_whole(rt)
+        for r in others:
+            assert client.finished(r).outcome == "Ok" and len(client.tokens(r)) == 5
+
+
+def test_the_incident_on_one_pair_fails_only_that_request(model):
+    """The incident's switches on a 2 x 2 deployment: the over-long prompt (14 pages,
+    prefill pools of 12) is admitted as a one-page placeholder on its pair; the count check
+    fails it there, and requests on both pairs finish with the Generator's tokens."""
+    rt = runtime(model, prefill_workers=2, decode_workers=2, prefill_pages=12,
+                 decode_pages=20, context_tokens=64,
+                 bugs={"PoolBelowContext", "FinishedNotRejected"})
+    client = Client()
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for seed, length in enumerate([30, 30, 14]):
+        rt.arrive(GenerationRequest(prompt(10 + seed, length), params), client)
+    run(rt)
+    long = rt.arrive(GenerationRequest(prompt(20, 52), params), client)
+    others = {rt.arrive(GenerationRequest(prompt(s, 10), params), client): s for s in (21, 22)}
+    assert len({rt.placed[r][1] for r in [long, *others]}) == 2  # both decode workers
+    run(rt)
+    end = client.finished(long)
+    assert (end.outcome, end.guard, end.completion_tokens) == ("ErrTransfer", "count", 0)
+    for r, seed in others.items():
+        expected = reference(model, [(prompt(seed, 10), params)])
+        assert client.finished(r).outcome == "Ok"
+        assert client.tokens(r) == list(expected[0].output_ids)
+    assert_whole(rt)
+
+
+def test_the_threaded_engine_serves_on_every_worker_and_checks_every_pool(model):
+    config = EngineConfig(context_length=64, page_tokens=PAGE, prefill_pool_tokens=128,
+                          decode_pool_tokens=96, prefill_workers=2, decode_workers=2)
+    engine = build_engine(loaded(model), config)
+    client, ended = Client(), threading.Semaphore(0)
+
+    def on_event(event):
+        client(event)
+        if isinstance(event, Finished):
+            ended.release()
+    engine.start()
+    try:
+        ids = [engine.submit(GenerationRequest(prompt(s, 9), SamplingParams(
+            max_tokens=3, ignore_eos=True)), on_event) for s in range(6)]
+        assert all(ended.acquire(timeout=30) for _ in ids)
+        assert all(client.finished(r).outcome == "Ok" for r in ids)
+    finally:
+        engine.stop()
+    assert engine.error is None
+    snapshot = engine.snapshot()
+    assert [p.worker for p in snapshot.pools] == ["prefill-0", "prefill-1", "decode-0",
+                                                  "decode-1"]
+    assert all(p.free == p.pages and p.writes_in_flight == 0 for p in snapshot.pools)
+    assert engine.runtime.whole()
+    with pytest.raises(CapacityError, match="decode-0's KV pool holds 32 tokens"):
+        build_engine(loaded(model), EngineConfig(context_length=64, page_tokens=PAGE,
+                                          decode_pool_tokens=32, decode_workers=3))
+
+
+def test_worker_counts_must_be_positive():
+    with pytest.raises(AssertionError, match="decode_workers must be positive"):
+        EngineConfig(decode_workers=0)
