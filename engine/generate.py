@@ -20,9 +20,10 @@ driven workers can call them on their own:
   up is sealed at the end of the step.
 Finished sequences give their pages back at once; they are not zeroed (tags guard them).
 
-Hook for GPUs: `decode_step` builds its inputs as small tensors every step and reads the
-sampled tokens back to the host; capturing `LlamaModel.decode` in a CUDA graph needs
-fixed-size input buffers (pad the batch to a bucket) and is the next step there.
+GPUs: with `GeneratorConfig(cuda_graphs=True)` the pool gets one more page, a scratch page
+never allocated, and `decode_step` hands batches that fit to `engine.graphs.DecodeGraphs`:
+padded to a bucket, replayed from a CUDA graph on CUDA, run eagerly on the same static
+buffers elsewhere (what the CPU tests check).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
+from engine.graphs import DecodeGraphs
 from engine.model import DecodeBatch, LlamaModel, PrefillChunk
 from engine.pool import FreeList, KVPool, PoolConfig
 from engine.sampling import SamplingParams, sample
@@ -51,9 +53,12 @@ class GeneratorConfig:
     checksums: bool = True
     shuffle_pages_seed: int | None = None  # None: pages handed out in order
     keep_logits: bool = False  # tests: keep every sampled position's logits
+    cuda_graphs: bool = False  # decode through engine/graphs.py (captured on CUDA only)
+    graph_max_pages: int = 128  # block table width of the graphs; wider batches run eagerly
 
     def __post_init__(self) -> None:
-        for name in ("num_pages", "page_tokens", "max_batch", "prefill_chunk_tokens"):
+        for name in ("num_pages", "page_tokens", "max_batch", "prefill_chunk_tokens",
+                     "graph_max_pages"):
             assert getattr(self, name) > 0, f"{name} must be positive"
 
 
@@ -138,11 +143,16 @@ def prefill_step(model: LlamaModel, pool: KVPool, sequences: list[Sequence],
 
 
 def decode_step(model: LlamaModel, pool: KVPool, sequences: list[Sequence],
-                check_tags: bool = True):
-    """One token for each sequence: (logits [batch, vocab], tag_ok bool [batch])."""
+                check_tags: bool = True, graphs: DecodeGraphs | None = None):
+    """One token for each sequence: (logits [batch, vocab], tag_ok bool [batch]); through
+    `graphs` (padded, static buffers, replayed on CUDA) when the batch fits them."""
     page_tokens = pool.page_tokens
     positions = [sequence.num_tokens - 1 for sequence in sequences]
     pages_read = -(-(max(positions) + 1) // page_tokens)
+    use_graphs = graphs is not None and graphs.fits(len(sequences), pages_read)
+    if use_graphs:
+        assert graphs.check_tags == check_tags, "the graphs were made for the other check"
+        pages_read = graphs.max_pages  # every table as wide as the static buffers
     device = model.device
     slots = [s.pages[p // page_tokens] * page_tokens + p % page_tokens
              for s, p in zip(sequences, positions)]
@@ -154,6 +164,8 @@ def decode_step(model: LlamaModel, pool: KVPool, sequences: list[Sequence],
         context_lengths=torch.tensor(positions, dtype=torch.int32, device=device) + 1,
         expected_tags=_padded_rows([s.tag_tensor for s in sequences], pages_read,
                                    kernels.FRESH_TAG))
+    if use_graphs:
+        return graphs.decode(batch)
     return model.decode(pool, batch, check_tags=check_tags)
 
 
@@ -223,9 +235,18 @@ class Generator:
     def __init__(self, model: LlamaModel, config: GeneratorConfig = GeneratorConfig(),
                  tokenizer=None):
         self.model, self.config, self.tokenizer = model, config, tokenizer
-        self.pool = KVPool(PoolConfig.for_model(model.config, config.num_pages,
+        # With graphs, page num_pages is the scratch page padding rows write: in the pool,
+        # never in the free list.
+        pool_pages = config.num_pages + (1 if config.cuda_graphs else 0)
+        self.pool = KVPool(PoolConfig.for_model(model.config, pool_pages,
                                                 config.page_tokens, model.dtype, model.device))
         self.free_pages = FreeList(config.num_pages, config.shuffle_pages_seed)
+        self.graphs = None
+        if config.cuda_graphs:
+            self.graphs = DecodeGraphs(
+                model, self.pool, scratch_page=config.num_pages, max_batch=config.max_batch,
+                max_pages=min(config.graph_max_pages, config.num_pages),
+                check_tags=config.check_tags, capture=self.pool.kv.is_cuda)
         self._page_generation = [0] * config.num_pages
         self.stats = RunStats()
 
@@ -302,7 +323,8 @@ class Generator:
     def _decode(self, running: list, done: dict) -> None:
         begun = time.perf_counter()
         batch = list(running)
-        logits, tag_ok = decode_step(self.model, self.pool, batch, self.config.check_tags)
+        logits, tag_ok = decode_step(self.model, self.pool, batch, self.config.check_tags,
+                                     self.graphs)
         if self.config.checksums:
             filled = [s.pages[(s.num_tokens - 1) // self.config.page_tokens] for s in batch
                       if s.num_tokens % self.config.page_tokens == 0]

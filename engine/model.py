@@ -175,10 +175,16 @@ class LlamaModel:
         return self._logits(hidden)
 
     @torch.inference_mode()
-    def decode(self, pool, batch: DecodeBatch, check_tags: bool = True):
+    def decode(self, pool, batch: DecodeBatch, check_tags: bool = True,
+               positions_reserved: bool = False):
         """(logits fp32 [batch, vocab], tag_ok bool [batch]). A sequence whose pages fail
         the tag check in any layer has tag_ok False; its logits are meaningless (the
-        kernel zeroed its attention) and the caller must fail it."""
+        kernel zeroed its attention) and the caller must fail it.
+
+        positions_reserved: the caller promises every position is below a length it
+        passed to `reserve_positions`, so the rotary table is indexed without asking the
+        device for the largest position (a host sync, which a CUDA graph cannot hold;
+        engine/graphs.py)."""
         tag_ok_by_layer = []
         plan = kernels.decode_plan(pool.kv, batch.block_table, batch.context_lengths,
                                    batch.expected_tags)
@@ -191,15 +197,24 @@ class LlamaModel:
             tag_ok_by_layer.append(tag_ok)
             return out
 
-        hidden = self._forward(pool, batch.token_ids, batch.positions, batch.slots, attend)
+        hidden = self._forward(pool, batch.token_ids, batch.positions, batch.slots, attend,
+                               positions_reserved)
         return self._logits(hidden), torch.stack(tag_ok_by_layer).all(dim=0)
 
-    def _forward(self, pool, token_ids, positions, slots, attend) -> torch.Tensor:
+    def reserve_positions(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Grow the rotary table to at least `length` positions now; returns the (cos,
+        signed sin) tables decode(positions_reserved=True) indexes from here on, until a
+        longer prompt grows the table again (a captured graph keeps these alive)."""
+        self._rope.reserve(length)
+        return self._rope.cos, self._rope.sin
+
+    def _forward(self, pool, token_ids, positions, slots, attend,
+                 positions_reserved: bool = False) -> torch.Tensor:
         """Final hidden states [tokens, hidden]; `attend(layer, q)` does the attention."""
         config = self.config
         q_heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         eps = config.rms_norm_eps
-        cos, signed_sin = self._rope.at(positions)  # [tokens, 1, head_dim]
+        cos, signed_sin = self._rope.at(positions, positions_reserved)  # [tokens, 1, head_dim]
         write_at = kernels.kv_slots(pool.kv, slots)
         hidden = F.embedding(token_ids, self.embed)
         tokens = hidden.shape[0]
@@ -239,12 +254,19 @@ class RotaryTable:
         self.device, self.dtype = device, dtype
         self.cos = self.sin = torch.empty(0, config.head_dim, device=device, dtype=dtype)
 
-    def at(self, positions: torch.Tensor):
-        """(cos, signed sin) [tokens, 1, head_dim] for these positions (rotate_in_place)."""
-        needed = int(positions.max()) + 1
-        if needed > self.cos.shape[0]:
-            self._grow(max(needed, 2 * self.cos.shape[0], 256))
-        return self.cos[positions][:, None], self.sin[positions][:, None]
+    def at(self, positions: torch.Tensor, reserved: bool = False):
+        """(cos, signed sin) [tokens, 1, head_dim] for these positions (rotate_in_place).
+        Unless `reserved` (the caller made sure, with `reserve`, that the table covers
+        them), the largest position is read back to grow the table if needed."""
+        if not reserved:
+            self.reserve(int(positions.max()) + 1)
+        return (self.cos.index_select(0, positions)[:, None],
+                self.sin.index_select(0, positions)[:, None])
+
+    def reserve(self, length: int) -> None:
+        """At least `length` positions in the table."""
+        if length > self.cos.shape[0]:
+            self._grow(max(length, 2 * self.cos.shape[0], 256))
 
     def _grow(self, length: int) -> None:
         angles = torch.outer(torch.arange(length, device=self.device, dtype=torch.float32),
