@@ -3,6 +3,7 @@
     python bench/engine_bench.py                      # default model, fp32 and bf16, CPU
     python bench/engine_bench.py --device cuda --dtype bfloat16
     python bench/engine_bench.py --quick              # fewer repeats, batch 64 left out
+    python bench/engine_bench.py --device cuda --no-cuda-graphs   # eager decode on CUDA
 
 Prints, per dtype: decode tokens/s at batch 1, 8 and 64; time to first token for a
 128-token and a 2,048-token prompt; peak memory; the cost of the page-tag check and of
@@ -20,6 +21,16 @@ keeps freed memory and shows no rise), which loads the model, then samples its r
 memory every 5 ms through the run: the peak, and the peak's rise over the loaded model
 (the engine's rise includes its whole preallocated 512-page KV pool, transformers' its
 growing cache). On CUDA: torch's peak allocation, in-process.
+
+CUDA graphs (engine/graphs.py): on by default with --device cuda, off elsewhere;
+--cuda-graphs on a CPU runs the same padded static-buffer decode eagerly (its cost, not a
+speed-up). Memory-bandwidth line, per decode batch: the bytes one decode step must read
+(every weight the step multiplies by, the embedding rows of the batch, and the K and V of
+every sequence's context at the run's mean context length, plus the K and V it writes)
+over a bandwidth gives the step time no engine can beat, hence an ideal tok/s; the line
+prints the engine's (and transformers') fraction of it. The bandwidth is the issue's
+stated 4.2 TB/s for the H200 on CUDA, measured on a CPU (a 256 MiB copy, read + write
+bytes over the median time), or --bandwidth-gbs; the line says which.
 """
 
 from __future__ import annotations
@@ -58,10 +69,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
     parser.add_argument("--quick", action="store_true", help="2 repeats, no batch 64")
     parser.add_argument("--no-transformers", action="store_true", help="the engine alone")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="decode rows only: no TTFT, peak memory or guard costs")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="decode through engine/graphs.py (default: on for CUDA)")
+    parser.add_argument("--bandwidth-gbs", type=float, default=None,
+                        help="memory bandwidth for the ideal tok/s (default: 4200 on CUDA, "
+                             "measured on a CPU)")
     parser.add_argument("--peak-child", choices=["engine", "transformers"],
                         help=argparse.SUPPRESS)  # internal: one side's peak memory, as JSON
     args = parser.parse_args()
     args.dtype = args.dtype or ["float32", "bfloat16"]
+    if args.cuda_graphs is None:
+        args.cuda_graphs = args.device.startswith("cuda")
     args.batch = args.batch or ([1, 8] if args.quick else [1, 8, 64])
     if args.quick:
         args.repeats = min(args.repeats, 2)
@@ -119,8 +139,8 @@ class EngineSide:
     name = "engine"
     POOL_PAGES = 512  # 64 requests of 64 + 32 tokens, or one 2,048-token prompt, at 16/page
 
-    def __init__(self, loaded, device: str):
-        self.loaded, self.device = loaded, device
+    def __init__(self, loaded, device: str, cuda_graphs: bool = False):
+        self.loaded, self.device, self.cuda_graphs = loaded, device, cuda_graphs
         self._generators = {}
 
     def generator(self, **options) -> Generator:
@@ -128,7 +148,8 @@ class EngineSide:
         as in a server, and pages are not zeroed between runs."""
         key = tuple(sorted(options.items()))
         if key not in self._generators:
-            config = GeneratorConfig(num_pages=self.POOL_PAGES, max_batch=64, **options)
+            config = GeneratorConfig(num_pages=self.POOL_PAGES, max_batch=64,
+                                     cuda_graphs=self.cuda_graphs, **options)
             self._generators[key] = Generator(self.loaded.model, config, self.loaded.tokenizer)
         return self._generators[key]
 
@@ -216,12 +237,13 @@ def print_row(label: str, values: dict, unit: str, higher_is_better: bool) -> No
 
 def bench_dtype(args, dtype: str, engine_loaded_fp32_path: Path, transformers_model) -> None:
     loaded = load_model(engine_loaded_fp32_path, device=args.device, dtype=dtype)
-    engine = EngineSide(loaded, args.device)
+    engine = EngineSide(loaded, args.device, args.cuda_graphs)
     sides = [engine]
     if transformers_model is not None:
         sides.append(TransformersSide(transformers_model.to(DTYPES[dtype]), args.device))
     print(f"\n{dtype} on {args.device} ({torch.get_num_threads()} threads), "
-          f"{args.new_tokens} new tokens per request, prompts of {PROMPT_TOKENS_DECODE} tokens:")
+          f"{args.new_tokens} new tokens per request, prompts of {PROMPT_TOKENS_DECODE} tokens, "
+          f"CUDA graphs {'on' if args.cuda_graphs else 'off'}:")
     warm = prompts_of(PROMPT_TOKENS_DECODE, 2)
     for side in sides:
         side.decode_tokens_per_s(warm, 4)
@@ -231,12 +253,73 @@ def bench_dtype(args, dtype: str, engine_loaded_fp32_path: Path, transformers_mo
         rates = alternate(sides, lambda s: s.decode_tokens_per_s(prompts, args.new_tokens),
                           repeats)
         print_row(f"decode batch {batch}", rates, "tok/s", True)
+        bandwidth_row(loaded.model, batch, args, rates)
+    if args.decode_only:
+        return
     for length in (128, 2048):
         prompt = prompts_of(length, 1)[0]
         ttft = alternate(sides, lambda s: s.first_token_s(prompt) * 1000, args.repeats)
         print_row(f"TTFT, {length}-token prompt", ttft, "ms", False)
     peak_memory_rows(args, dtype, [side.name for side in sides])
     guard_costs(args, engine)
+
+
+def weight_bytes_per_step(model, batch: int) -> int:
+    """Bytes of weights one decode step reads: every projection and norm once (the output
+    projection included, tied or not), and the embedding rows of the batch's tokens."""
+    def size(tensor) -> int:
+        return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+    total = size(model.final_norm) + size(model.output.weight) + size(model.output.bias)
+    for layer in model.layers:
+        total += size(layer.attention_norm) + size(layer.mlp_norm)
+        for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            total += size(projection.weight) + size(projection.bias)
+    return total + batch * size(model.embed[0])
+
+
+def kv_bytes_per_step(model, batch: int, context_tokens: float) -> float:
+    """K and V bytes one decode step reads (the context of every sequence, every layer)
+    and writes (one token per sequence)."""
+    config = model.config
+    token_bytes = (config.num_layers * 2 * config.num_kv_heads * config.head_dim
+                   * torch.empty(0, dtype=model.dtype).element_size())
+    return batch * (context_tokens + 1) * token_bytes
+
+
+_BANDWIDTH = {}
+
+
+def memory_bandwidth(args) -> tuple[float, str]:
+    """(bytes/s, how it was found): --bandwidth-gbs, else 4.2 TB/s on CUDA (the issue's
+    H200 figure), else measured once on this CPU."""
+    if args.bandwidth_gbs:
+        return args.bandwidth_gbs * 1e9, "given (--bandwidth-gbs)"
+    if args.device.startswith("cuda"):
+        return 4.2e12, "stated: 4.2 TB/s, the issue's H200 figure"
+    if "cpu" not in _BANDWIDTH:
+        source = torch.ones(2**28 // 4)  # 256 MiB of fp32
+        target = torch.empty_like(source)
+        samples = []
+        for _ in range(5):
+            started = time.perf_counter()
+            target.copy_(source)
+            samples.append(time.perf_counter() - started)
+        _BANDWIDTH["cpu"] = 2 * source.numel() * 4 / median_s(samples)
+    return _BANDWIDTH["cpu"], "measured: a 256 MiB copy on this CPU, read + write"
+
+
+def bandwidth_row(model, batch: int, args, rates: dict) -> None:
+    """The ideal tok/s at the memory-bandwidth limit and each side's fraction of it."""
+    context = PROMPT_TOKENS_DECODE + args.new_tokens / 2  # mean over the decode steps
+    weights = weight_bytes_per_step(model, batch)
+    kv = kv_bytes_per_step(model, batch, context)
+    bandwidth, source = memory_bandwidth(args)
+    ideal = batch * bandwidth / (weights + kv)
+    fractions = "  ".join(f"{name} {rate / ideal * 100:5.1f}%" for name, rate in rates.items())
+    print(f"    bandwidth limit: weights {weights / 2**20:.1f} MiB + KV {kv / 2**20:.2f} MiB "
+          f"per step (mean context {context:.0f}) at {bandwidth / 1e9:.0f} GB/s ({source}) "
+          f"-> ideal {ideal:,.0f} tok/s; {fractions} of it", flush=True)
 
 
 def peak_memory_rows(args, dtype: str, side_names: list[str]) -> None:
@@ -247,7 +330,8 @@ def peak_memory_rows(args, dtype: str, side_names: list[str]) -> None:
     for name in side_names:
         command = [sys.executable, __file__, "--peak-child", name, "--dtype", dtype,
                    "--device", args.device, "--batch", str(batch),
-                   "--new-tokens", str(args.new_tokens)]
+                   "--new-tokens", str(args.new_tokens),
+                   "--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs"]
         if args.threads:
             command += ["--threads", str(args.threads)]
         child = subprocess.run(command, capture_output=True, text=True)
@@ -269,7 +353,7 @@ def peak_child(args) -> int:
     with torch.inference_mode():
         if args.peak_child == "engine":
             side = EngineSide(load_model(default_model_path(), device=args.device, dtype=dtype),
-                              args.device)
+                              args.device, args.cuda_graphs)
         else:
             model, _ = load_transformers(args.device)
             side = TransformersSide(model.to(DTYPES[dtype]), args.device)

@@ -146,27 +146,32 @@ def decode_step(model: LlamaModel, pool: KVPool, sequences: list[Sequence],
                 check_tags: bool = True, graphs: DecodeGraphs | None = None):
     """One token for each sequence: (logits [batch, vocab], tag_ok bool [batch]); through
     `graphs` (padded, static buffers, replayed on CUDA) when the batch fits them."""
+    pages_read = -(-max(sequence.num_tokens for sequence in sequences) // pool.page_tokens)
+    if graphs is not None and graphs.fits(len(sequences), pages_read):
+        assert graphs.check_tags == check_tags, "the graphs were made for the other check"
+        return graphs.decode(decode_batch(model, pool, sequences, graphs.max_pages))
+    batch = decode_batch(model, pool, sequences, pages_read)
+    return model.decode(pool, batch, check_tags=check_tags)
+
+
+def decode_batch(model: LlamaModel, pool: KVPool, sequences: list[Sequence],
+                 table_pages: int) -> DecodeBatch:
+    """The decode inputs of these sequences, block tables `table_pages` wide (at least
+    the pages any of them reads)."""
     page_tokens = pool.page_tokens
     positions = [sequence.num_tokens - 1 for sequence in sequences]
-    pages_read = -(-(max(positions) + 1) // page_tokens)
-    use_graphs = graphs is not None and graphs.fits(len(sequences), pages_read)
-    if use_graphs:
-        assert graphs.check_tags == check_tags, "the graphs were made for the other check"
-        pages_read = graphs.max_pages  # every table as wide as the static buffers
+    assert -(-(max(positions) + 1) // page_tokens) <= table_pages
     device = model.device
     slots = [s.pages[p // page_tokens] * page_tokens + p % page_tokens
              for s, p in zip(sequences, positions)]
-    batch = DecodeBatch(
+    return DecodeBatch(
         token_ids=torch.tensor([s.output_ids[-1] for s in sequences], device=device),
         positions=torch.tensor(positions, device=device),
         slots=torch.tensor(slots, device=device),
-        block_table=_padded_rows([s.page_tensor for s in sequences], pages_read, -1),
+        block_table=_padded_rows([s.page_tensor for s in sequences], table_pages, -1),
         context_lengths=torch.tensor(positions, dtype=torch.int32, device=device) + 1,
-        expected_tags=_padded_rows([s.tag_tensor for s in sequences], pages_read,
+        expected_tags=_padded_rows([s.tag_tensor for s in sequences], table_pages,
                                    kernels.FRESH_TAG))
-    if use_graphs:
-        return graphs.decode(batch)
-    return model.decode(pool, batch, check_tags=check_tags)
 
 
 def _padded_rows(rows: list[torch.Tensor], width: int, fill: int) -> torch.Tensor:

@@ -25,7 +25,8 @@ LOGITS_ATOL = 1e-5  # fp32; a wrong page or position moves logits by ~1e-1
 
 
 def tiny_model(head_dim: int = 16, num_heads: int = 4, num_kv_heads: int = 2,
-               num_layers: int = 2, seed: int = 0) -> LlamaModel:
+               num_layers: int = 2, seed: int = 0, device: str = "cpu",
+               dtype: torch.dtype = torch.float32) -> LlamaModel:
     """A random Llama (GQA, untied output) built straight from tensors."""
     config = ModelConfig(architecture="llama", hidden_size=64, num_layers=num_layers,
                          num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -46,7 +47,8 @@ def tiny_model(head_dim: int = 16, num_heads: int = 4, num_kv_heads: int = 2,
             ("v", random(kv_out, hidden)), ("o", random(hidden, q_out)),
             ("gate", random(96, hidden)), ("up", random(96, hidden)),
             ("down", random(hidden, 96)))})
-    return LlamaModel(Checkpoint(config, tensors, source=None, gguf_metadata=None))
+    return LlamaModel(Checkpoint(config, tensors, source=None, gguf_metadata=None), device,
+                      dtype)
 
 
 def running_batch(model: LlamaModel, graph_max_pages: int = 8):
