@@ -1,8 +1,9 @@
 """Shared by the CUDA test files (tests/test_*_cuda.py). Under pytest they skip without a
 CUDA device, or with TRITON_INTERPRET=1 (tests/conftest.py's default: the kernels would
-run interpreted, not compiled); bench/device_check.sh exports TRITON_INTERPRET=0. A GPU
-machine may lack pytest, so each file also runs with plain python: every test_* function
-of the module in turn (none takes a fixture), a PASS or FAIL line each."""
+run interpreted, not compiled); bench/device_check.sh exports TRITON_INTERPRET=0 and
+KVPROOF_REQUIRE_CUDA=1 (no skips). A GPU machine may lack pytest, so each file also runs
+with plain python: every test_* function of the module in turn (none takes a fixture), a
+PASS or FAIL line each."""
 
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ import torch
 
 
 def cuda_skip_reason() -> str | None:
-    """Why the CUDA tests cannot run here, or None."""
+    """Why the CUDA tests cannot run here, or None. KVPROOF_REQUIRE_CUDA=1 (the device
+    script's) turns every skip into a run, so a GPU run that cannot run them fails
+    instead of reporting skips as a pass."""
+    if os.environ.get("KVPROOF_REQUIRE_CUDA") == "1":
+        return None
     if not torch.cuda.is_available():
         return "needs a CUDA device"
     if os.environ.get("TRITON_INTERPRET", "0") == "1":

@@ -15,7 +15,7 @@ import sys
 import torch
 
 import kernels
-import test_engine_graphs as cpu_cases  # the CPU tests' builders (module: not re-collected)
+import graph_cases as cases
 from cuda_cases import cuda_skip_reason, run_as_script
 from engine.generate import Generator, GeneratorConfig, Request, decode_batch
 from engine.sampling import SamplingParams
@@ -32,8 +32,8 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1}  # logits of order 1
 
 
 def cuda_model(dtype=torch.float32):
-    """The CPU tests' tiny model with head dim 64 (the Triton kernel's smallest), on CUDA."""
-    return cpu_cases.tiny_model(head_dim=64, num_heads=4, num_kv_heads=2, device="cuda",
+    """The graph tests' tiny model with head dim 64 (the Triton kernel's smallest), on CUDA."""
+    return cases.tiny_model(head_dim=64, num_heads=4, num_kv_heads=2, device="cuda",
                                 dtype=dtype)
 
 
@@ -42,22 +42,22 @@ def test_captured_replay_equals_the_eager_cuda_decode():
     same pool state gives the same logits and verdicts; only the batch's written pages and
     the scratch page change."""
     for dtype, tolerance in TOLERANCE.items():
-        generator, sequences = cpu_cases.running_batch(cuda_model(dtype))
+        generator, sequences = cases.running_batch(cuda_model(dtype))
         assert generator.graphs.captured
         tags_before = generator.pool.tags.clone()
-        logits, tag_ok, padded_logits, padded_tag_ok, kv_before = cpu_cases.decode_both_ways(
+        logits, tag_ok, padded_logits, padded_tag_ok, kv_before = cases.decode_both_ways(
             generator, sequences)
         torch.testing.assert_close(padded_logits, logits, rtol=0, atol=tolerance)
         assert tag_ok.tolist() == padded_tag_ok.tolist() == [True] * 5
-        changed = cpu_cases.pages_changed(kv_before, generator.pool.kv)
-        assert changed == cpu_cases.written_pages(sequences) | {generator.graphs.scratch_page}
+        changed = cases.pages_changed(kv_before, generator.pool.kv)
+        assert changed == cases.written_pages(sequences) | {generator.graphs.scratch_page}
         assert torch.equal(generator.pool.tags, tags_before)
 
 
 def test_a_tag_mismatch_fails_only_its_own_sequence_in_the_replay():
-    generator, sequences = cpu_cases.running_batch(cuda_model())
+    generator, sequences = cases.running_batch(cuda_model())
     generator.pool.set_tags([sequences[2].pages[1]], [kernels.pack_tag(99, 1)])
-    logits, tag_ok, padded_logits, padded_tag_ok, _ = cpu_cases.decode_both_ways(
+    logits, tag_ok, padded_logits, padded_tag_ok, _ = cases.decode_both_ways(
         generator, sequences)
     assert tag_ok.tolist() == padded_tag_ok.tolist() == [True, True, False, True, True]
     others = [0, 1, 3, 4]
@@ -88,7 +88,7 @@ def test_replays_follow_new_inputs_through_a_whole_run():
 def test_filling_and_replaying_issue_no_synchronizing_call():
     """torch's sync debug mode set to error around DecodeGraphs.decode (inputs already on
     the device): the copies into the static buffers, the replay and the output clones."""
-    generator, sequences = cpu_cases.running_batch(cuda_model())
+    generator, sequences = cases.running_batch(cuda_model())
     graphs = generator.graphs
     batch = decode_batch(generator.model, generator.pool, sequences, graphs.max_pages)
     torch.cuda.synchronize()

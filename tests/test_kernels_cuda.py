@@ -38,7 +38,7 @@ def test_decode_kernel_matches_the_reference_with_a_reallocated_page():
     outputs within tolerance of the plain reference, sequence 1 alone failing."""
     for dtype in TOLERANCE:
         for group, head_dim in SHAPES:
-            for num_splits in (1, 3, None):
+            for num_splits in (1, 3):
                 case = make_decode_case([5, 33, 1, 45, 200], q_heads=2 * group, kv_heads=2,
                                         head_dim=head_dim, page_tokens=16, dtype=dtype)
                 make_foreign(case, 1, 0)
@@ -57,7 +57,7 @@ def test_decode_kernel_matches_the_reference_with_a_reallocated_page():
 def test_prefill_kernel_matches_the_reference():
     for dtype in TOLERANCE:
         for group, head_dim in SHAPES:
-            for new_tokens in (7, 70):
+            for new_tokens in (7, 70) if head_dim == 64 else (70,):  # one and two blocks
                 case = make_decode_case([90], q_heads=2 * group, kv_heads=2, head_dim=head_dim,
                                         page_tokens=16, dtype=dtype)
                 q = torch.randn(new_tokens, 2 * group, head_dim,
