@@ -108,6 +108,7 @@ class DecodeGraphs:
         """(logits fp32 [batch, vocab], tag_ok bool [batch]) of a batch whose block table
         is `max_pages` wide, through the smallest bucket that holds it."""
         size = batch.token_ids.shape[0]
+        assert 1 <= size <= self.buckets[-1], f"batch {size} larger than the largest bucket"
         assert batch.block_table.shape == (size, self.max_pages), "tables must be max_pages wide"
         bucket = self.bucket(size)
         self._fill(bucket, batch)
