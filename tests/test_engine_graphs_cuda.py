@@ -28,7 +28,11 @@ if pytest is not None:
     pytestmark = pytest.mark.skipif(cuda_skip_reason() is not None,
                                     reason=str(cuda_skip_reason()))
 
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1}  # logits of order 1
+# Logits of order 1-5. fp32 is the tight check; in bf16 the logits themselves are rounded
+# to ~0.016 near 3 and the padded batch's matmuls may take other cuBLAS kernels than the
+# unpadded one's, so bf16 only shows the replay runs and agrees to a few ulps (a wrong
+# page or position moves bf16 logits by far more).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.25}
 
 
 def cuda_model(dtype=torch.float32):
