@@ -150,7 +150,15 @@ class EngineSide:
         if key not in self._generators:
             config = GeneratorConfig(num_pages=self.POOL_PAGES, max_batch=64,
                                      cuda_graphs=self.cuda_graphs, **options)
-            self._generators[key] = Generator(self.loaded.model, config, self.loaded.tokenizer)
+            started = time.perf_counter()
+            generator = Generator(self.loaded.model, config, self.loaded.tokenizer)
+            if generator.graphs is not None:
+                graphs = generator.graphs
+                print(f"  (decode graphs, options {dict(options)}: buckets {graphs.buckets}, "
+                      f"tables {graphs.max_pages} pages, "
+                      f"{'captured' if graphs.captured else 'eager, not captured'}, "
+                      f"{time.perf_counter() - started:.2f} s)", flush=True)
+            self._generators[key] = generator
         return self._generators[key]
 
     def decode_tokens_per_s(self, prompts, new_tokens: int, **options) -> float:
