@@ -80,9 +80,9 @@ BENCH=(python bench/engine_bench.py --device cuda --dtype bfloat16 --batch 1 --b
 step environment 15 environment
 step install_model 30 install_model
 step kernels_cuda 50 cuda_tests tests/test_kernels_cuda.py
-step graphs_cuda 40 cuda_tests tests/test_engine_graphs_cuda.py
-step bench_graphs_on 110 "${BENCH[@]}" --cuda-graphs
-step bench_graphs_off 55 "${BENCH[@]}" --no-cuda-graphs --no-transformers
+step graphs_cuda 55 cuda_tests tests/test_engine_graphs_cuda.py
+step bench_graphs_on 100 "${BENCH[@]}" --cuda-graphs
+step bench_graphs_off 50 "${BENCH[@]}" --no-cuda-graphs --no-transformers
 
 echo
 echo "==================== summary ===================="

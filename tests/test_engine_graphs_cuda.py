@@ -80,8 +80,8 @@ def test_replays_follow_new_inputs_through_a_whole_run():
     runs = {}
     for graphs in (False, True):
         generator = Generator(model, GeneratorConfig(
-            num_pages=40, page_tokens=16, max_batch=4, prefill_chunk_tokens=9,
-            shuffle_pages_seed=2, keep_logits=True, cuda_graphs=graphs, graph_max_pages=1))
+            num_pages=40, page_tokens=cases.PAGE_TOKENS, max_batch=4, prefill_chunk_tokens=9,
+            shuffle_pages_seed=2, keep_logits=True, cuda_graphs=graphs, graph_max_pages=4))
         runs[graphs] = generator.run([Request(i, p, sampling) for i, p in enumerate(prompts)])
     for plain, replayed in zip(runs[False], runs[True]):
         assert plain.output_ids == replayed.output_ids
