@@ -118,23 +118,31 @@ def prefill_step(model: LlamaModel, pool: KVPool, sequences: list[Sequence],
                  token_budget: int) -> list[tuple[Sequence, torch.Tensor]]:
     """Run the next prompt chunk of each sequence, in order, until `token_budget` tokens;
     returns (sequence, last-token logits) for the sequences whose prompt is now complete."""
-    chunks, chunk_owners = [], []
+    plan = plan_chunks(sequences, token_budget, model.device, pool.page_tokens)
+    logits = model.prefill(pool, [chunk for _, chunk in plan])
+    for sequence, chunk in plan:
+        sequence.prefilled_tokens = chunk.start_position + len(chunk.token_ids)
+    return [(sequence, logits[i]) for i, (sequence, _) in enumerate(plan)
+            if sequence.prefilled_tokens == len(sequence.prompt_ids)]
+
+
+def plan_chunks(sequences: list[Sequence], token_budget: int, device,
+                page_tokens: int) -> list[tuple[Sequence, PrefillChunk]]:
+    """The next prompt chunk of each sequence, in order, until `token_budget` tokens. Nothing
+    changes until the caller advances `prefilled_tokens` (so a failed step can be retried)."""
+    plan = []
     for sequence in sequences:
         if token_budget == 0:
             break
         start = sequence.prefilled_tokens
         take = min(token_budget, len(sequence.prompt_ids) - start)
         token_budget -= take
-        positions = torch.arange(start, start + take, device=model.device)
-        chunks.append(PrefillChunk(
-            token_ids=torch.tensor(sequence.prompt_ids[start:start + take], device=model.device),
-            start_position=start, slots=slots_for(sequence, positions, pool.page_tokens),
-            block_table_row=sequence.page_tensor))
-        chunk_owners.append(sequence)
-        sequence.prefilled_tokens = start + take
-    logits = model.prefill(pool, chunks)
-    return [(sequence, logits[i]) for i, sequence in enumerate(chunk_owners)
-            if sequence.prefilled_tokens == len(sequence.prompt_ids)]
+        positions = torch.arange(start, start + take, device=device)
+        plan.append((sequence, PrefillChunk(
+            token_ids=torch.tensor(sequence.prompt_ids[start:start + take], device=device),
+            start_position=start, slots=slots_for(sequence, positions, page_tokens),
+            block_table_row=sequence.page_tensor)))
+    return plan
 
 
 def decode_step(model: LlamaModel, pool: KVPool, sequences: list[Sequence],

@@ -2,7 +2,7 @@
 
 Theory of operation. `step()` runs, in this order: deliver the messages in flight
 (engine/delivery.py), admit at the prefill, one chunked prefill step (a completed prompt
-wants its pages sent), the page writes the transport delivers (LandWrite, then the copy
+wants its pages sent; a request whose own compute failed is the core's PrefillFail), the page writes the transport delivers (LandWrite, then the copy
 and the tag), one decode step over the continuous batch (a token per request, streamed
 by engine/streaming.py; Finish with the observed tag verdict when a request stops or
 fails its tag check), and the timers that are due. Each protocol move goes through
@@ -20,7 +20,7 @@ from engine.delivery import SEND
 from engine.sampling import sample
 from engine.streaming import Live, next_token
 from engine.transport import PageWrite
-from engine.workers import kv_rows
+from engine.workers import PrefillFault, kv_rows
 from spec import core
 
 
@@ -40,7 +40,10 @@ class Loop:
     def _prefill_step(self) -> bool:
         if not self.prefill.computing:
             return False
-        for sequence, token, logits in self.prefill.step():
+        completed, faults = self.prefill.step()
+        for fault in faults:
+            self._prefill_failed(fault)
+        for sequence, token, logits in completed:
             r = sequence.request.request_id
             live = self.live[r]
             live.first = (token, logits, sequence.generator)
@@ -49,6 +52,16 @@ class Loop:
                                             len(sequence.prompt_ids))
             live.wants.add(SEND)
         return True
+
+    def _prefill_failed(self, fault: PrefillFault) -> None:
+        """The request's own prefill compute failed (the worker took it out of its batch
+        and zeroed its source pages): the core decides what follows (PrefillFail: the
+        client's ErrPrefill, the Abort final word to decode, the source pages back). When
+        it refuses (a cancel or a client abort got there first), the prefill stops on that
+        message instead (PrefillAbort), as it would have."""
+        r = fault.sequence.request.request_id
+        self.live[r].detail = fault.detail
+        self.take(r, core.PrefillFail(r))
 
     def _land(self) -> bool:
         writes = self.transport.ready()

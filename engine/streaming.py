@@ -40,6 +40,7 @@ class Live:
     outcome: str | None = None
     finish_reason: str | None = None
     guard: str | None = None
+    detail: str = ""  # what the data path saw, for the client's error (a failed prefill)
     text: str = ""  # streamed so far
     held: list = field(default_factory=list)  # tokens not streamed yet (see emit)
     completion_tokens: int = 0
