@@ -354,7 +354,10 @@ def test_a_failing_prefill_is_a_500_prefill_failed_and_the_others_are_served(
             assert client.post("/v1/completions", json=fine | {"stream": stream}
                                ).status_code == 200
         # Two choices: "ab" streams its first token while the 31-token prompt is still
-        # computing, four tokens a step; the chunk holding its '#' (the last) fails.
+        # computing, four tokens a step; the chunk holding its '#' (the last, 8 steps on)
+        # fails. Whether "ab" has ended by then (the random model may pick its end token
+        # early; the server may hand the choices to the loop a step apart) decides only
+        # its own outcome: Ok, or Gone when the error ends the stream.
         response = client.post("/v1/completions", json={
             "prompt": ["ab", "x" * 30 + "#"], "max_tokens": 8, "temperature": 0,
             "stream": True})
@@ -365,7 +368,8 @@ def test_a_failing_prefill_is_a_500_prefill_failed_and_the_others_are_served(
         assert json.loads(events[-1])["error"]["code"] == "prefill_failed"
         snapshot = wait_settled(engine)
         text = client.get("/metrics").text
-    assert snapshot.outcomes == {"ErrPrefill": 3, "Ok": 2, "Gone": 1}
+    assert snapshot.outcomes in ({"ErrPrefill": 3, "Ok": 2, "Gone": 1},
+                                 {"ErrPrefill": 3, "Ok": 3})
     assert metric(text, "kvproof_outcomes_total", outcome="ErrPrefill") == 3
     assert metric(text, "kvproof_http_responses_total", endpoint="/v1/completions",
                   status="500") == 2
