@@ -125,18 +125,12 @@ def _byte_of(character: str) -> int:
 
 
 def default_tokenizer():
-    from engine.load import DEFAULT_MODEL_INSTALL, DefaultModelMissing, default_model_path
-    from engine.tokenizer import tokenizer_from_gguf_metadata
-    from engine.weights import _read_gguf
+    from engine.load import DEFAULT_MODEL_INSTALL, DefaultModelMissing, load_tokenizer
 
     try:
-        path = default_model_path()
+        return load_tokenizer()
     except DefaultModelMissing:
         pytest.skip(f"the default model is not installed: {DEFAULT_MODEL_INSTALL}")
-    reader = _read_gguf(path)
-    metadata = {name: field.contents() for name, field in reader.fields.items()
-                if name.startswith("tokenizer.")}
-    return tokenizer_from_gguf_metadata(metadata, path)
 
 
 def streamed(tokenizer, ids: list[int], stops: tuple[str, ...] = ()):
