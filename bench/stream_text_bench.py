@@ -1,8 +1,9 @@
 """The stream's text handling per token, for one long completion: decoding the whole output
-at every token (engine.streaming.emit_whole_text, the rule before) next to the incremental
-text (engine.streaming.emit). No model runs: the completion's token ids are the default
-model's tokenizer's encoding of a long mixed text (English, accents, CJK, emoji), fed to
-the stream one at a time as a decode step would.
+at every token (engine.streaming.emit_whole_text and, with stop strings,
+engine.generate.hits_stop_whole_text: the rules before) next to the incremental text
+(engine.streaming.emit, engine.generate's stop check). No model runs: the completion's
+token ids are the default model's tokenizer's encoding of a long mixed text (English,
+accents, CJK, emoji), fed to the stream one at a time as a decode step would.
 
     python bench/stream_text_bench.py                 # 2,000 tokens, 3 repeats
     python bench/stream_text_bench.py --tokens 500 --stop "\\n\\n"
@@ -22,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import streaming  # noqa: E402
+from engine import generate, streaming  # noqa: E402
 from engine.generate import Request, SamplingParams, Sequence  # noqa: E402
 from engine.load import load_tokenizer  # noqa: E402
 from engine.service import GenerationRequest  # noqa: E402
@@ -45,7 +46,10 @@ def stream_once(tokenizer, ids: list[int], stop: tuple[str, ...], emit) -> tuple
     live = streaming.Live(0, GenerationRequest((1,), sampling), events.append, 1, 0.0)
     live.sequence = Sequence(Request(0, (1,), sampling), [], None, None, None)
     times = []
-    saved, streaming.emit = streaming.emit, emit
+    saved = streaming.emit, generate._hits_stop
+    streaming.emit = emit
+    if emit is streaming.emit_whole_text:
+        generate._hits_stop = generate.hits_stop_whole_text
     try:
         for token in ids:
             started = time.perf_counter()
@@ -54,7 +58,7 @@ def stream_once(tokenizer, ids: list[int], stop: tuple[str, ...], emit) -> tuple
             if reason is not None:
                 break
     finally:
-        streaming.emit = saved
+        streaming.emit, generate._hits_stop = saved
     return times, [(e.token_id, e.text) for e in events]
 
 

@@ -37,6 +37,7 @@ import kernels
 from engine.model import DecodeBatch, LlamaModel, PrefillChunk
 from engine.pool import FreeList, KVPool, PoolConfig
 from engine.sampling import SamplingParams, sample
+from engine.tokenizer import IncrementalText
 
 FINISH_REASONS = ("stop", "length", "tag_mismatch", "rejected")
 
@@ -92,6 +93,7 @@ class Sequence:
     text: str | None = None
     finish_reason: str | None = None
     first_token_s: float | None = None
+    decoded: IncrementalText | None = None  # the output's text so far (stop strings, streams)
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
@@ -192,7 +194,26 @@ def stop_reason(tokenizer, sequence: Sequence, token: int) -> str | None:
 
 def _hits_stop(tokenizer, sequence: Sequence, token: int) -> bool:
     """True when the text with `token` contains a stop string; the text is kept cut
-    just before it (the stop string itself is not part of the completion)."""
+    just before it (the stop string itself is not part of the completion). The text is
+    decoded incrementally, and only what `token` can have completed is searched: a stop
+    string inside the whole characters decoded before would have ended the sequence."""
+    decoded = incremental_text(sequence, tokenizer)
+    before = len(decoded.update(sequence.output_ids))
+    text = decoded.peek(sequence.output_ids, token)
+    cuts = [text.find(stop, max(0, before - len(stop) + 1))
+            for stop in sequence.request.sampling.stop]
+    cuts = [cut for cut in cuts if cut >= 0]
+    if not cuts:
+        return False
+    sequence.output_ids.append(token)
+    sequence.text = text[:min(cuts)]
+    return True
+
+
+def hits_stop_whole_text(tokenizer, sequence: Sequence, token: int) -> bool:
+    """`_hits_stop` by its definition: the whole output decoded and searched at every token
+    (quadratic in its length); the reference tests and bench/stream_text_bench.py hold the
+    incremental one against."""
     text = tokenizer.decode(sequence.output_ids + [token])
     cuts = [text.find(stop) for stop in sequence.request.sampling.stop]
     cuts = [cut for cut in cuts if cut >= 0]
@@ -201,6 +222,13 @@ def _hits_stop(tokenizer, sequence: Sequence, token: int) -> bool:
     sequence.output_ids.append(token)
     sequence.text = text[:min(cuts)]
     return True
+
+
+def incremental_text(sequence: Sequence, tokenizer) -> IncrementalText:
+    """The sequence's output text, decoded incrementally (made at its first use)."""
+    if sequence.decoded is None:
+        sequence.decoded = IncrementalText(tokenizer)
+    return sequence.decoded
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:

@@ -9,15 +9,11 @@ string (the text is cut before it and the held tokens go out with no text of the
 beyond the cut) or shows that it cannot, and the held tokens go out together, the last
 one carrying the text they add. So a client never sees text that a stop string later cuts.
 
-Text is decoded incrementally (`IncrementalText`), not the whole output at every token
-(quadratic in the completion's length): two offsets into the output ids, `prefix_offset`
-and `read_offset`; each token decodes only the window from `prefix_offset` on and the
-window's first part up to `read_offset`, and the text the window adds beyond that part is
-new. The window starts a few tokens before the new ones because a token's text can depend
-on the token before it (a leading space, a character whose bytes span two tokens). New
-text is taken only when it does not end with U+FFFD (half a character); then both offsets
-move on. The held-back decision is the same as decoding everything: the text so far ends
-with half a character exactly when the window does.
+The text is decoded incrementally (engine/tokenizer.py's `IncrementalText`, kept on the
+`Sequence` and shared with the stop-string check), not the whole output at every token,
+which is quadratic in the completion's length; whether the text ends with half a character
+is the same question either way. `emit_whole_text` is the rule by its definition, the
+reference the incremental one is tested and benched against.
 
 `Live` is the runtime's side of one request: what the protocol state does not hold.
 """
@@ -29,47 +25,9 @@ from typing import Callable
 
 import torch
 
-from engine.generate import Sequence, held_back, stop_reason
+from engine.generate import Sequence, held_back, incremental_text, stop_reason
+from engine.tokenizer import INCOMPLETE
 from engine.service import GenerationRequest, TokenOut
-
-
-INCOMPLETE = "\ufffd"  # what a decoder shows for bytes that are not a whole character
-
-
-@dataclass
-class IncrementalText:
-    """The decoded text of a growing list of token ids, one decode of a short window per
-    token. `text` is the text of ids[:read_offset], whole characters; `incomplete` says
-    the ids after it end in half a character (their text is not taken yet)."""
-
-    tokenizer: object  # engine.tokenizer.Tokenizer (decode)
-    text: str = ""
-    prefix_offset: int = 0
-    read_offset: int = 0
-    incomplete: bool = False
-
-    def update(self, ids: list[int]) -> str:
-        """The text of `ids` (the same list, grown since the last call) as far as it is
-        whole characters."""
-        prefix, window = self._window(ids)
-        self.incomplete = window.endswith(INCOMPLETE)
-        if len(window) > len(prefix) and not self.incomplete:
-            self.text += window[len(prefix):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
-        return self.text
-
-    def final(self, ids: list[int]) -> str:
-        """The whole text of `ids`, half a character at the end included (as U+FFFD)."""
-        prefix, window = self._window(ids)
-        return self.text + window[len(prefix):]
-
-    def _window(self, ids: list[int]) -> tuple[str, str]:
-        decode = self.tokenizer.decode
-        prefix = decode(ids[self.prefix_offset:self.read_offset])
-        window = decode(ids[self.prefix_offset:])
-        if not window.startswith(prefix):  # a decoder that rewrites text it showed: the
-            return self.text, decode(ids)  # whole text once (no tokenizer here does this)
-        return prefix, window
 
 
 @dataclass(eq=False)
@@ -91,7 +49,6 @@ class Live:
     guard: str | None = None
     detail: str = ""  # what the data path saw, for the client's error (a failed prefill)
     text: str = ""  # streamed so far
-    decoded: IncrementalText | None = None  # the output's text (with a tokenizer)
     held: list = field(default_factory=list)  # tokens not streamed yet (see emit)
     completion_tokens: int = 0
     timeline: list = field(default_factory=list)
@@ -117,8 +74,8 @@ def emit(live: Live, token: int, logits: torch.Tensor, final: bool, tokenizer) -
     string (or half a character): a client never sees text a stop string later cuts."""
     _hold(live, token, logits)
     text = text_of(live, tokenizer, final)
-    incomplete = live.decoded is not None and live.decoded.incomplete
-    _flush_unless_held(live, text, incomplete, final)
+    decoded = live.sequence.decoded
+    _flush_unless_held(live, text, decoded is not None and decoded.incomplete, final)
 
 
 def emit_whole_text(live: Live, token: int, logits: torch.Tensor, final: bool,
@@ -160,10 +117,9 @@ def text_of(live: Live, tokenizer, final: bool = True) -> str:
         return sequence.text
     if tokenizer is None:
         return ""
-    if live.decoded is None:
-        live.decoded = IncrementalText(tokenizer)
-    text = live.decoded.update(sequence.output_ids)
-    return live.decoded.final(sequence.output_ids) if final else text
+    decoded = incremental_text(sequence, tokenizer)
+    text = decoded.update(sequence.output_ids)
+    return decoded.whole if final else text
 
 
 def flush(live: Live, text: str) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine import streaming  # noqa: E402
+from engine import generate, streaming  # noqa: E402
 from engine.generate import Request, SamplingParams, Sequence, held_back  # noqa: E402
 from engine.serving import EngineConfig, build_engine  # noqa: E402
 from engine.service import Finished, GenerationRequest, TokenOut  # noqa: E402
@@ -176,6 +176,7 @@ def check_random_streams(tokenizer, label: str) -> None:
         events, reason = streamed(tokenizer, ids, stops)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(streaming, "emit", streaming.emit_whole_text)
+            patch.setattr(generate, "_hits_stop", generate.hits_stop_whole_text)
             expected, expected_reason = streamed(tokenizer, ids, stops)
         context = f"sequence {index}, ids {ids}, stops {stops}, seed {STREAM_SEED}"
         assert (events, reason) == (expected, expected_reason), context
