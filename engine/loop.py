@@ -2,10 +2,11 @@
 
 Theory of operation. `step()` runs, in this order: deliver the messages in flight
 (engine/delivery.py), admit at the prefill, one chunked prefill step (a completed prompt
-wants its pages sent; a request whose own compute failed is the core's PrefillFail), the page writes the transport delivers (LandWrite, then the copy
-and the tag), one decode step over the continuous batch (a token per request, streamed
-by engine/streaming.py; Finish with the observed tag verdict when a request stops or
-fails its tag check), and the timers that are due. Each protocol move goes through
+wants its pages sent; a request whose own compute failed is the core's PrefillFail), the
+page writes the transport delivers (LandWrite, then the copy and the tag), one decode
+step over the continuous batch (a token per request, streamed by engine/streaming.py;
+Finish with the observed tag verdict when a request stops or fails its tag check), and
+the timers that are due. Each protocol move goes through
 `Runtime.take`; the steps here only observe the data path and report it.
 
 `Loop` is a part of `engine.runtime.Runtime` (a mixin): it uses the runtime's workers,

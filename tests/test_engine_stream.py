@@ -85,7 +85,7 @@ PIECES = ("a", "b", " ", "\n", "é", "ï", "Ü", "ñ", "中", "文", "日本語"
 
 def byte_tokenizer():
     """A byte-level BPE over the 256 single-byte tokens plus merges that cut multi-byte
-    characters at different places (C3|A9 whole, E4 B8|AD, F0 9F|98|80), and an end token
+    characters at different places (C3 A9 whole, E4 B8|AD, F0 9F 98|80), and an end token
     that decodes to nothing: characters split across tokens every way."""
     from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers
 
