@@ -39,6 +39,7 @@ from engine.graphs import DecodeGraphs
 from engine.model import DecodeBatch, LlamaModel, PrefillChunk
 from engine.pool import FreeList, KVPool, PoolConfig
 from engine.sampling import SamplingParams, sample
+from engine.tokenizer import IncrementalText
 
 FINISH_REASONS = ("stop", "length", "tag_mismatch", "rejected")
 
@@ -97,6 +98,7 @@ class Sequence:
     text: str | None = None
     finish_reason: str | None = None
     first_token_s: float | None = None
+    decoded: IncrementalText | None = None  # the output's text so far (stop strings, streams)
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
@@ -123,23 +125,31 @@ def prefill_step(model: LlamaModel, pool: KVPool, sequences: list[Sequence],
                  token_budget: int) -> list[tuple[Sequence, torch.Tensor]]:
     """Run the next prompt chunk of each sequence, in order, until `token_budget` tokens;
     returns (sequence, last-token logits) for the sequences whose prompt is now complete."""
-    chunks, chunk_owners = [], []
+    plan = plan_chunks(sequences, token_budget, model.device, pool.page_tokens)
+    logits = model.prefill(pool, [chunk for _, chunk in plan])
+    for sequence, chunk in plan:
+        sequence.prefilled_tokens = chunk.start_position + len(chunk.token_ids)
+    return [(sequence, logits[i]) for i, (sequence, _) in enumerate(plan)
+            if sequence.prefilled_tokens == len(sequence.prompt_ids)]
+
+
+def plan_chunks(sequences: list[Sequence], token_budget: int, device,
+                page_tokens: int) -> list[tuple[Sequence, PrefillChunk]]:
+    """The next prompt chunk of each sequence, in order, until `token_budget` tokens. Nothing
+    changes until the caller advances `prefilled_tokens` (so a failed step can be retried)."""
+    plan = []
     for sequence in sequences:
         if token_budget == 0:
             break
         start = sequence.prefilled_tokens
         take = min(token_budget, len(sequence.prompt_ids) - start)
         token_budget -= take
-        positions = torch.arange(start, start + take, device=model.device)
-        chunks.append(PrefillChunk(
-            token_ids=torch.tensor(sequence.prompt_ids[start:start + take], device=model.device),
-            start_position=start, slots=slots_for(sequence, positions, pool.page_tokens),
-            block_table_row=sequence.page_tensor))
-        chunk_owners.append(sequence)
-        sequence.prefilled_tokens = start + take
-    logits = model.prefill(pool, chunks)
-    return [(sequence, logits[i]) for i, sequence in enumerate(chunk_owners)
-            if sequence.prefilled_tokens == len(sequence.prompt_ids)]
+        positions = torch.arange(start, start + take, device=device)
+        plan.append((sequence, PrefillChunk(
+            token_ids=torch.tensor(sequence.prompt_ids[start:start + take], device=device),
+            start_position=start, slots=slots_for(sequence, positions, page_tokens),
+            block_table_row=sequence.page_tensor)))
+    return plan
 
 
 def decode_step(model: LlamaModel, pool: KVPool, sequences: list[Sequence],
@@ -201,7 +211,26 @@ def stop_reason(tokenizer, sequence: Sequence, token: int) -> str | None:
 
 def _hits_stop(tokenizer, sequence: Sequence, token: int) -> bool:
     """True when the text with `token` contains a stop string; the text is kept cut
-    just before it (the stop string itself is not part of the completion)."""
+    just before it (the stop string itself is not part of the completion). The text is
+    decoded incrementally, and only what `token` can have completed is searched: a stop
+    string inside the whole characters decoded before would have ended the sequence."""
+    decoded = incremental_text(sequence, tokenizer)
+    before = len(decoded.update(sequence.output_ids))
+    text = decoded.peek(sequence.output_ids, token)
+    cuts = [text.find(stop, max(0, before - len(stop) + 1))
+            for stop in sequence.request.sampling.stop]
+    cuts = [cut for cut in cuts if cut >= 0]
+    if not cuts:
+        return False
+    sequence.output_ids.append(token)
+    sequence.text = text[:min(cuts)]
+    return True
+
+
+def hits_stop_whole_text(tokenizer, sequence: Sequence, token: int) -> bool:
+    """`_hits_stop` by its definition: the whole output decoded and searched at every token
+    (quadratic in its length); the reference tests and bench/stream_text_bench.py hold the
+    incremental one against."""
     text = tokenizer.decode(sequence.output_ids + [token])
     cuts = [text.find(stop) for stop in sequence.request.sampling.stop]
     cuts = [cut for cut in cuts if cut >= 0]
@@ -210,6 +239,13 @@ def _hits_stop(tokenizer, sequence: Sequence, token: int) -> bool:
     sequence.output_ids.append(token)
     sequence.text = text[:min(cuts)]
     return True
+
+
+def incremental_text(sequence: Sequence, tokenizer) -> IncrementalText:
+    """The sequence's output text, decoded incrementally (made at its first use)."""
+    if sequence.decoded is None:
+        sequence.decoded = IncrementalText(tokenizer)
+    return sequence.decoded
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:

@@ -65,3 +65,18 @@ def load_model(path: str | Path | None = None, device: str = "cpu",
         tokenizer = tokenizer_from_hf_folder(path)
     model = LlamaModel(checkpoint, device=device, dtype=DTYPES[dtype])
     return LoadedModel(model, tokenizer, path, time.perf_counter() - started)
+
+
+def load_tokenizer(path: str | Path | None = None):
+    """Only the tokenizer of a GGUF file or an HF folder (default: the default model's), its
+    weights left unread: for tests and benches of text handling."""
+    from engine.tokenizer import tokenizer_from_gguf_metadata, tokenizer_from_hf_folder
+    from engine.weights import _read_gguf
+
+    path = Path(path) if path is not None else default_model_path()
+    if path.is_dir():
+        return tokenizer_from_hf_folder(path)
+    reader = _read_gguf(path)
+    metadata = {name: field.contents() for name, field in reader.fields.items()
+                if name.startswith("tokenizer.")}
+    return tokenizer_from_gguf_metadata(metadata, path)

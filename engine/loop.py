@@ -2,11 +2,12 @@
 
 Theory of operation. `step()` runs, in this order: deliver the messages in flight
 (engine/delivery.py), admit at every prefill worker, one chunked prefill step per prefill
-worker (a completed prompt wants its pages sent), the page writes the transport delivers
-(LandWrite, then the copy and the tag), one decode step per decode worker over its
-continuous batch (a token per request, streamed by engine/streaming.py; Finish with the
-observed tag verdict when a request stops or fails its tag check), and the timers that
-are due. Each protocol move goes through
+worker (a completed prompt wants its pages sent; a request whose own compute failed is the
+core's PrefillFail), the page writes the transport delivers (LandWrite, then the copy and
+the tag), one decode step per decode worker over its continuous batch (a token per
+request, streamed by engine/streaming.py; Finish with the observed tag verdict when a
+request stops or fails its tag check), and the timers that are due. Each protocol move
+goes through
 `Runtime.take`; the steps here only observe the data path and report it.
 
 `Loop` is a part of `engine.runtime.Runtime` (a mixin): it uses the runtime's workers,
@@ -21,7 +22,7 @@ from engine.delivery import SEND
 from engine.sampling import sample
 from engine.streaming import Live, next_token
 from engine.transport import PageWrite
-from engine.workers import kv_rows
+from engine.workers import PrefillFault, kv_rows
 from spec import core
 
 
@@ -47,7 +48,10 @@ class Loop:
         return busy
 
     def _prefill_on(self, worker) -> None:
-        for sequence, token, logits in worker.step():
+        completed, faults = worker.step()
+        for fault in faults:
+            self._prefill_failed(fault)
+        for sequence, token, logits in completed:
             r = sequence.request.request_id
             live = self.live[r]
             live.first = (token, logits, sequence.generator)
@@ -55,6 +59,16 @@ class Loop:
                 self.prompt_kv[r] = kv_rows(worker.pool, sequence.pages,
                                             len(sequence.prompt_ids))
             live.wants.add(SEND)
+
+    def _prefill_failed(self, fault: PrefillFault) -> None:
+        """The request's own prefill compute failed (the worker took it out of its batch
+        and zeroed its source pages): the core decides what follows (PrefillFail: the
+        client's ErrPrefill, the Abort final word to decode, the source pages back). When
+        it refuses (a cancel or a client abort got there first), the prefill stops on that
+        message instead (PrefillAbort), as it would have."""
+        r = fault.sequence.request.request_id
+        self.live[r].detail = fault.detail
+        self.take(r, core.PrefillFail(r))
 
     def _land(self) -> bool:
         writes = self.transport.ready()

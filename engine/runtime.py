@@ -314,6 +314,7 @@ class Runtime(Loop, Delivery):
         reason = live.finish_reason if outcome == "Ok" else None
         if not detail and live.guard:
             detail = f"the {live.guard} guard tripped"
+        detail = detail or live.detail
         live.on_event(Finished(live.request_id, outcome, reason, live.guard,
                                len(live.request.prompt_ids), live.completion_tokens, detail))
 

@@ -9,6 +9,12 @@ string (the text is cut before it and the held tokens go out with no text of the
 beyond the cut) or shows that it cannot, and the held tokens go out together, the last
 one carrying the text they add. So a client never sees text that a stop string later cuts.
 
+The text is decoded incrementally (engine/tokenizer.py's `IncrementalText`, kept on the
+`Sequence` and shared with the stop-string check), not the whole output at every token,
+which is quadratic in the completion's length; whether the text ends with half a character
+is the same question either way. `emit_whole_text` is the rule by its definition, the
+reference the incremental one is tested and benched against.
+
 `Live` is the runtime's side of one request: what the protocol state does not hold.
 """
 
@@ -19,7 +25,8 @@ from typing import Callable
 
 import torch
 
-from engine.generate import Sequence, held_back, stop_reason
+from engine.generate import Sequence, held_back, incremental_text, stop_reason
+from engine.tokenizer import INCOMPLETE
 from engine.service import GenerationRequest, TokenOut
 
 
@@ -40,6 +47,7 @@ class Live:
     outcome: str | None = None
     finish_reason: str | None = None
     guard: str | None = None
+    detail: str = ""  # what the data path saw, for the client's error (a failed prefill)
     text: str = ""  # streamed so far
     held: list = field(default_factory=list)  # tokens not streamed yet (see emit)
     completion_tokens: int = 0
@@ -57,13 +65,33 @@ def next_token(live: Live, token: int, logits: torch.Tensor, tokenizer) -> str |
     if len(sequence.output_ids) > before:
         emit(live, token, logits, reason is not None, tokenizer)
     elif reason is not None and live.held:
-        flush(live, text_of(sequence, tokenizer))
+        flush(live, text_of(live, tokenizer))
     return reason
 
 
 def emit(live: Live, token: int, logits: torch.Tensor, final: bool, tokenizer) -> None:
     """Stream `token`, or hold it back while the text ends with what may become a stop
     string (or half a character): a client never sees text a stop string later cuts."""
+    _hold(live, token, logits)
+    text = text_of(live, tokenizer, final)
+    decoded = live.sequence.decoded
+    _flush_unless_held(live, text, decoded is not None and decoded.incomplete, final)
+
+
+def emit_whole_text(live: Live, token: int, logits: torch.Tensor, final: bool,
+                    tokenizer) -> None:
+    """`emit` by its definition: the whole output decoded at every token (quadratic in its
+    length). The reference that tests/test_engine_stream.py and bench/stream_text_bench.py
+    hold the incremental `emit` against."""
+    _hold(live, token, logits)
+    sequence = live.sequence
+    text = sequence.text
+    if text is None:
+        text = tokenizer.decode(sequence.output_ids) if tokenizer else ""
+    _flush_unless_held(live, text, text.endswith(INCOMPLETE), final)
+
+
+def _hold(live: Live, token: int, logits: torch.Tensor) -> None:
     live.completion_tokens += 1
     logprob, top = None, ()
     k = live.request.logprobs
@@ -74,17 +102,24 @@ def emit(live: Live, token: int, logits: torch.Tensor, final: bool, tokenizer) -
             values, ids = logprobs.topk(k)
             top = tuple(zip(ids.tolist(), values.tolist()))
     live.held.append((token, logprob, top))
-    text = text_of(live.sequence, tokenizer)
-    if not final and (text.endswith("\ufffd")
-                      or held_back(text, live.request.sampling.stop)):
+
+
+def _flush_unless_held(live: Live, text: str, incomplete: bool, final: bool) -> None:
+    if not final and (incomplete or held_back(text, live.request.sampling.stop)):
         return
     flush(live, text)
 
 
-def text_of(sequence: Sequence, tokenizer) -> str:
+def text_of(live: Live, tokenizer, final: bool = True) -> str:
+    """The output's text so far (whole characters unless `final`), incrementally."""
+    sequence = live.sequence
     if sequence.text is not None:  # cut before a stop string
         return sequence.text
-    return tokenizer.decode(sequence.output_ids) if tokenizer else ""
+    if tokenizer is None:
+        return ""
+    decoded = incremental_text(sequence, tokenizer)
+    text = decoded.update(sequence.output_ids)
+    return decoded.whole if final else text
 
 
 def flush(live: Live, text: str) -> None:

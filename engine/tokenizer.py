@@ -25,6 +25,7 @@ from pathlib import Path
 from engine.config import ModelFileError
 
 _CONTROL, _USER_DEFINED = 3, 4  # GGUF token types matched whole in text
+INCOMPLETE = "\ufffd"  # what a decoder shows for bytes that are not a whole character
 
 
 @dataclass(frozen=True)
@@ -164,3 +165,62 @@ def _as_id_set(value) -> set[int]:
     if value is None:
         return set()
     return set(value) if isinstance(value, list) else {int(value)}
+
+
+@dataclass
+class IncrementalText:
+    """The decoded text of a growing list of token ids (the same list, only appended to),
+    one decode of a short window per new token instead of the whole list (quadratic).
+
+    Two offsets into the ids: the text of ids[:read_offset] is `text`, whole characters;
+    each update decodes the window ids[prefix_offset:] and its first part, up to
+    read_offset, and what the window adds beyond that part is new. The window starts
+    before the new ids because a token's text can depend on the ones before it (a leading
+    space, a character whose bytes span tokens). New text is taken only when it does not
+    end with U+FFFD (half a character); then prefix_offset moves to the old read_offset
+    and read_offset to the end. Until then it is `tail`, and `incomplete` says so: the
+    whole text ends with half a character exactly when the window does."""
+
+    tokenizer: Tokenizer
+    text: str = ""
+    tail: str = ""
+    incomplete: bool = False
+    prefix_offset: int = 0
+    read_offset: int = 0
+    seen: int = 0  # len(ids) at the last update
+    prefix: str = ""  # the text of ids[prefix_offset:read_offset]
+
+    @property
+    def whole(self) -> str:
+        """The whole text, half a character at the end included (as U+FFFD)."""
+        return self.text + self.tail
+
+    def update(self, ids: list[int]) -> str:
+        """`text` for `ids` (the list seen before, appended to)."""
+        if len(ids) == self.seen:
+            return self.text
+        self.seen = len(ids)
+        self.tail = self._new_text(ids)
+        self.incomplete = self.tail.endswith(INCOMPLETE)
+        if self.tail and not self.incomplete:
+            self.text += self.tail
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+            self.prefix = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset])
+            self.tail = ""
+        return self.text
+
+    def peek(self, ids: list[int], token: int) -> str:
+        """The whole text of ids + [token], taking nothing (`ids` as of the last update)."""
+        assert len(ids) == self.seen, "update before peeking"
+        return self.text + self._new_text(ids, token)
+
+    def _new_text(self, ids: list[int], token: int | None = None) -> str:
+        """The text after `text` of ids (+ token): what the window adds to `prefix`."""
+        extra = [] if token is None else [token]
+        window = self.tokenizer.decode(ids[self.prefix_offset:] + extra)
+        if window.startswith(self.prefix):
+            return window[len(self.prefix):]
+        # A decoder that rewrites text it showed already (none that kvproof loads does):
+        # the whole text, decoded once.
+        whole = self.tokenizer.decode(ids + extra)
+        return whole[len(self.text):] if whole.startswith(self.text) else ""

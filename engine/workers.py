@@ -21,12 +21,31 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
-from engine.generate import Request, Sequence, decode_step, prefill_step
+from engine.generate import Request, Sequence, decode_step, plan_chunks
 from engine.model import LlamaModel
 from engine.pool import KVPool, PoolConfig
 from engine.sampling import sample
 
 TAG_OWNER = 0  # see the module header: the tag is the core's generation
+
+# What a prefill's model step may raise for the requests it computes (out of memory, a
+# kernel or CUDA error: torch raises RuntimeError or a subclass). The request whose chunk
+# raised fails with PrefillFail; anything else raised is a bug and ends the loop, and so
+# do the RuntimeError subclasses that only code raises (NotImplementedError, RecursionError).
+COMPUTE_FAULTS = (RuntimeError,)
+CODE_BUGS = (NotImplementedError, RecursionError)
+
+
+@dataclass(frozen=True)
+class PrefillFault:
+    """A request whose own prefill compute failed, and how (the client's error detail)."""
+
+    sequence: Sequence
+    detail: str
+
+
+def _described(error: BaseException) -> str:
+    return f"the prefill's model step raised {type(error).__name__}: {error}"
 
 
 def page_tag(generation: int) -> int:
@@ -66,19 +85,72 @@ class PrefillWorker:
         if request_id in self.queue:
             self.queue.remove(request_id)
 
-    def step(self) -> list[tuple[Sequence, int, torch.Tensor]]:
-        """One chunked prefill step; (sequence, first token, its logits) per completed
-        prompt, whose source pages are sealed (checksummed) before anything sends them."""
+    def step(self) -> tuple[list[tuple[Sequence, int, torch.Tensor]], list[PrefillFault]]:
+        """One chunked prefill step: (sequence, first token, its logits) per completed
+        prompt, whose source pages are sealed (checksummed) before anything sends them, and
+        the sequences whose own compute failed (see `compute`), out of `computing` now."""
         if not self.computing:
-            return []
-        completed = prefill_step(self.model, self.pool, self.computing, self.chunk_tokens)
-        out = []
-        for sequence, logits in completed:
+            return [], []
+        plan = plan_chunks(self.computing, self.chunk_tokens, self.model.device,
+                           self.pool.page_tokens)
+        computed, faults = self.compute(plan)
+        for fault in faults:
+            self.computing.remove(fault.sequence)
+            self.scrub(fault.sequence)
+        completed = []
+        for sequence, chunk, logits in computed:
+            sequence.prefilled_tokens = chunk.start_position + len(chunk.token_ids)
+            if sequence.prefilled_tokens < len(sequence.prompt_ids):
+                continue
             self.computing.remove(sequence)
             self.pool.seal(sequence.pages)
             token = sample(logits[None], [sequence.request.sampling], [sequence.generator])[0]
-            out.append((sequence, token, logits))
-        return out
+            completed.append((sequence, token, logits))
+        return completed, faults
+
+    def compute(self, plan: list) -> tuple[list, list[PrefillFault]]:
+        """The plan's chunks in one model step: ((sequence, chunk, logits) per chunk that
+        computed cleanly, a PrefillFault per chunk that did not). A step that raises one of
+        COMPUTE_FAULTS is retried chunk by chunk (at most once each), so that a fault that
+        one request's chunk causes fails that request alone; a chunk whose logits or
+        freshly written K/V hold a non-finite value fails its own request."""
+        try:
+            logits = self.model.prefill(self.pool, [chunk for _, chunk in plan])
+        except COMPUTE_FAULTS as error:
+            if isinstance(error, CODE_BUGS):
+                raise
+            if len(plan) == 1:
+                return [], [PrefillFault(plan[0][0], _described(error))]
+            computed, faults = [], []
+            for one in plan:
+                done, failed = self.compute([one])
+                computed += done
+                faults += failed
+            return computed, faults
+        finite = self.finite(plan, logits)
+        computed = [(s, chunk, logits[i]) for i, (s, chunk) in enumerate(plan) if finite[i]]
+        faults = [PrefillFault(s, "the prefill computed non-finite logits or K/V")
+                  for i, (s, _) in enumerate(plan) if not finite[i]]
+        return computed, faults
+
+    def finite(self, plan: list, logits: torch.Tensor) -> list[bool]:
+        """Per chunk: its last token's logits and the K/V it just wrote, every layer, are
+        finite (one gather of the step's slots; a NaN in a layer that no logit reads, the
+        last layer's K/V, is caught too)."""
+        slots = torch.cat([chunk.slots for _, chunk in plan]).long()
+        page_tokens = self.pool.page_tokens
+        written = self.pool.kv[slots // page_tokens, :, :, :, slots % page_tokens]
+        tokens_ok = torch.isfinite(written).flatten(1).all(dim=1)
+        bounds = torch.tensor([len(chunk.token_ids) for _, chunk in plan]).cumsum(0)
+        chunks_ok = torch.stack([part.all() for part in
+                                 torch.tensor_split(tokens_ok, bounds[:-1].tolist())])
+        return (chunks_ok & torch.isfinite(logits).all(dim=1)).tolist()
+
+    def scrub(self, sequence: Sequence) -> None:
+        """Zero a failed request's source pages before the core frees them: what its step
+        wrote is garbage and may be non-finite, and a NaN that attention masks out still
+        poisons it (0 x NaN), for whoever reuses the page and for decode's tail pages."""
+        self.pool.kv[sequence.page_tensor.long()] = 0
 
     def checksum(self, page: int) -> int:
         return int(self.pool.checksums[page].item())

@@ -58,3 +58,40 @@ def reference_logits(hf_model, prompt_ids, output_ids) -> torch.Tensor:
     tokens = torch.tensor([list(prompt_ids) + list(output_ids)])
     logits = hf_model(tokens).logits[0]
     return logits[len(prompt_ids) - 1:len(prompt_ids) - 1 + len(output_ids)]
+
+
+class FaultyPrefill:
+    """A model whose prefill step fails for the chunks holding `marker` (a token id only the
+    victim's prompt has), the way a real step fails for one request: "raise" raises
+    torch.OutOfMemoryError for the whole step that computes such a chunk (batched with
+    others or not); "nan_logits" makes that chunk's logits NaN; "nan_kv" writes NaN into
+    the last layer's K/V at that chunk's slots, which no logit of the step reads. Everything
+    else is the wrapped model's. `failed_batches`: the chunk count of every failed step."""
+
+    MODES = ("raise", "nan_logits", "nan_kv")
+
+    def __init__(self, model, marker: int, mode: str):
+        assert mode in self.MODES, mode
+        self.model, self.marker, self.mode = model, marker, mode
+        self.failed_batches: list[int] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def prefill(self, pool, chunks, all_logits: bool = False):
+        hit = [i for i, chunk in enumerate(chunks) if bool((chunk.token_ids == self.marker).any())]
+        if hit and self.mode == "raise":
+            self.failed_batches.append(len(chunks))
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+        logits = self.model.prefill(pool, chunks, all_logits)
+        if hit:
+            self.failed_batches.append(len(chunks))
+        with torch.inference_mode():  # the logits are an inference tensor
+            for i in hit:
+                if self.mode == "nan_logits":
+                    logits[i] = float("nan")
+                else:
+                    slots = chunks[i].slots.long()
+                    page_tokens = pool.kv.shape[4]
+                    pool.kv[slots // page_tokens, -1, :, :, slots % page_tokens] = float("nan")
+        return logits

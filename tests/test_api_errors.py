@@ -320,3 +320,62 @@ def test_a_dead_engine_loop_is_a_500_decode_failed_not_a_hang(tiny_chat_model): 
         late = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
         assert (late.status_code, late.json()["error"]["code"]) == (503, "engine_stopped")
     assert isinstance(engine.inner.error, RuntimeError)
+
+
+def test_a_failing_prefill_is_a_500_prefill_failed_and_the_others_are_served(
+        tiny_chat_model):  # noqa: F811
+    """ErrPrefill, end to end: the prefill's model step runs out of memory for every chunk
+    holding '#' (tests/engine_cases.py's FaultyPrefill; the engine isolates the request by
+    retrying its batch chunk by chunk), and the core's PrefillFail answers that request
+    alone. A whole answer and a stream that fails before its first token are a 500
+    prefill_failed; a stream whose other choice already sent tokens ends with the error
+    event (no [DONE]); the requests next to it get 200; /metrics counts the outcome."""
+    import json
+
+    from tests.api_cases import VOCAB
+    from tests.engine_cases import FaultyPrefill
+    from tests.test_api_load import metric
+
+    engine = protocol_engine(tiny_chat_model, **SMALL | dict(prefill_chunk_tokens=4))
+    runtime = engine.inner.runtime
+    faulty = FaultyPrefill(runtime.model, VOCAB.index("#"), "raise")
+    runtime.prefill.model = faulty
+    failing = {"prompt": "ab#", "max_tokens": 4, "temperature": 0}
+    fine = {"prompt": "hello", "max_tokens": 4, "temperature": 0}
+    with TestClient(create_app(engine)) as client:
+        for stream in (False, True):
+            response = client.post("/v1/completions", json=failing | {"stream": stream})
+            assert response.status_code == 500, response.text
+            error = response.json()["error"]
+            assert (error["type"], error["code"], error["param"]) == (
+                "server_error", "prefill_failed", None)
+            assert "OutOfMemoryError: CUDA out of memory" in error["message"]
+            assert "[outcome ErrPrefill]" in error["message"]
+            assert client.post("/v1/completions", json=fine | {"stream": stream}
+                               ).status_code == 200
+        # Two choices: "ab" streams its first token while the 31-token prompt is still
+        # computing, four tokens a step; the chunk holding its '#' (the last, 8 steps on)
+        # fails. Whether "ab" has ended by then (the random model may pick its end token
+        # early; the server may hand the choices to the loop a step apart) decides only
+        # its own outcome: Ok, or Gone when the error ends the stream.
+        response = client.post("/v1/completions", json={
+            "prompt": ["ab", "x" * 30 + "#"], "max_tokens": 8, "temperature": 0,
+            "stream": True})
+        assert response.status_code == 200
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert "[DONE]" not in events and len(events) >= 2
+        assert json.loads(events[0])["choices"][0]["index"] == 0
+        assert json.loads(events[-1])["error"]["code"] == "prefill_failed"
+        snapshot = wait_settled(engine)
+        text = client.get("/metrics").text
+    assert snapshot.outcomes in ({"ErrPrefill": 3, "Ok": 2, "Gone": 1},
+                                 {"ErrPrefill": 3, "Ok": 3})
+    assert metric(text, "kvproof_outcomes_total", outcome="ErrPrefill") == 3
+    assert metric(text, "kvproof_http_responses_total", endpoint="/v1/completions",
+                  status="500") == 2
+    assert metric(text, "kvproof_http_responses_total", endpoint="/v1/completions",
+                  status="200") == 3
+    assert snapshot.guard_trips == {}
+    assert len(faulty.failed_batches) >= 3
+    assert_pools_whole(snapshot)
+    assert runtime.whole() and engine.inner.error is None

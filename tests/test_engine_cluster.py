@@ -26,8 +26,10 @@ from engine.eventlog import LogError, core_trace, read_log, replay, write_log  #
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.service import Finished, GenerationRequest  # noqa: E402
 from engine.serving import CapacityError, EngineConfig, build_engine  # noqa: E402
-from test_engine_workers import (PAGE, Client, assert_whole, loaded,  # noqa: E402
-                                 mixed_requests, model, prompt, reference, run, runtime)
+from engine_cases import FaultyPrefill  # noqa: E402
+from test_engine_workers import (MARK, PAGE, Client, assert_whole, loaded,  # noqa: E402
+                                 mixed_requests, model, prompt, reference, run, runtime,
+                                 unmarked, victim_prompt)
 
 assert model  # the module-scoped fixture, shared with test_engine_workers.py
 
@@ -151,6 +153,30 @@ def test_the_incident_on_one_pair_fails_only_that_request(model):
         assert client.finished(r).outcome == "Ok"
         assert client.tokens(r) == list(expected[0].output_ids)
     assert_whole(rt)
+
+
+def test_a_prefill_worker_whose_step_fails_fails_its_own_request_alone(model):
+    """Out of memory in prefill-0's step for one request's chunk: the core's PrefillFail
+    ends that request (ErrPrefill) on its pair; the requests on both pairs, prefill-0's
+    other one included, finish with the Generator's tokens, and every pool comes back."""
+    rt = runtime(model, prefill_workers=2, decode_workers=2, max_batch=3)
+    faulty = rt.prefills[0].model = FaultyPrefill(model, MARK, "raise")
+    client = Client()
+    greedy = SamplingParams(max_tokens=5, ignore_eos=True)
+    victim = rt.arrive(GenerationRequest(victim_prompt(), greedy), client)
+    others = [unmarked(70 + k, 6 + k) for k in range(3)]
+    ids = [rt.arrive(GenerationRequest(ids, greedy), client) for ids in others]
+    assert rt.placed[victim][0] == 0 and {rt.placed[r][0] for r in ids} == {0, 1}
+    run(rt)
+    end = client.finished(victim)
+    assert (end.outcome, client.tokens(victim)) == ("ErrPrefill", [])
+    assert faulty.failed_batches  # the injected fault really fired
+    expected = reference(model, [(ids_, greedy) for ids_ in others])
+    for r, completion in zip(ids, expected):
+        assert client.finished(r).outcome == "Ok"
+        assert client.tokens(r) == list(completion.output_ids)
+    assert_whole(rt)
+    assert [x["a"] for x in rt.log if x["request"] == victim].count("PrefillFail") == 1
 
 
 def test_the_threaded_engine_serves_on_every_worker_and_checks_every_pool(model):

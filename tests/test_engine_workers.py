@@ -31,7 +31,7 @@ from engine.service import (ContextTooLong, Finished, GenerationRequest, Overloa
 from engine.serving import CapacityError, EngineConfig, build_engine  # noqa: E402
 from engine.weights import load_checkpoint  # noqa: E402
 from engine.workers import kv_rows  # noqa: E402
-from engine_cases import make_hf_model  # noqa: E402
+from engine_cases import FaultyPrefill, make_hf_model  # noqa: E402
 from spec import core  # noqa: E402
 
 PAGE = 4  # tokens per page: small, so prompts span several pages
@@ -589,3 +589,121 @@ def test_a_dying_loop_fails_every_live_request_instead_of_leaving_it_hanging(mod
     assert isinstance(engine.error, RuntimeError)
     end = client.finished(r)
     assert end.outcome == "ErrDecode" and "a bug in a step" in end.detail
+
+
+# -- a prefill that fails on its own: PrefillFail, decided by the core ----------------------
+
+MARK = 210  # a token id only the victim's prompt holds (FaultyPrefill fails its chunks)
+
+
+def unmarked(seed: int, length: int) -> tuple[int, ...]:
+    return tuple(token if token != MARK else 0 for token in prompt(seed, length))
+
+
+def victim_prompt() -> tuple[int, ...]:
+    """14 tokens, the mark at position 10: the first chunk (8 tokens) computes cleanly, the
+    second fails, batched with the next request's first chunk."""
+    ids = list(unmarked(60, 14))
+    ids[10] = MARK
+    return tuple(ids)
+
+
+@pytest.mark.parametrize("mode", FaultyPrefill.MODES)
+def test_a_failing_prefill_step_fails_its_request_alone_through_the_core(model, mode,
+                                                                          tmp_path):
+    """One request's prefill step raises out of memory (batched with another request's
+    chunk: the step is retried chunk by chunk) or computes NaN logits or NaN K/V in a layer
+    no logit reads. The core takes PrefillFail: the client gets ErrPrefill; a request
+    decoding, one computing beside it, one queued behind it, and one arriving later onto
+    its freed (scrubbed) source pages all finish with the Generator's tokens; every page
+    comes back and the log replays through a fresh core."""
+    rt = runtime(model, max_batch=3)
+    faulty = FaultyPrefill(model, MARK, mode)
+    rt.prefill.model = faulty
+    client = Client()
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.8, top_k=20, seed=3)
+    others = {"decoding": (unmarked(61, 5), SamplingParams(max_tokens=12, ignore_eos=True)),
+              "computing": (unmarked(62, 12), greedy), "sampled": (unmarked(63, 9), sampled),
+              "queued": (unmarked(64, 6), greedy), "later": (unmarked(65, 7), greedy)}
+    ids = {"decoding": rt.arrive(GenerationRequest(*others["decoding"]), client)}
+    step_until(rt, lambda: row(rt, ids["decoding"])[core.DST] == core.DECODING)
+    victim = rt.arrive(GenerationRequest(victim_prompt(), greedy), client)
+    for name in ("computing", "sampled", "queued"):
+        ids[name] = rt.arrive(GenerationRequest(*others[name]), client)
+    rt.step()
+    assert phase(rt, victim) == "computing" and phase(rt, ids["queued"]) == "queued, reserved"
+    step_until(rt, lambda: client.finished(victim) is not None)
+    assert phase(rt, ids["decoding"]) == "decoding"
+    # The worker zeroed the victim's source pages: no NaN stays in a pool for a masked-out
+    # slot of the page's next owner to read (0 x NaN is NaN).
+    assert bool(torch.isfinite(rt.prefill.pool.kv).all())
+    run(rt)
+    ids["later"] = rt.arrive(GenerationRequest(*others["later"]), client)
+    run(rt)
+
+    end = client.finished(victim)
+    assert (end.outcome, end.guard, end.completion_tokens) == ("ErrPrefill", None, 0)
+    assert client.tokens(victim) == []
+    expected_detail = ("OutOfMemoryError: CUDA out of memory" if mode == "raise"
+                       else "non-finite logits or K/V")
+    assert expected_detail in end.detail
+    assert faulty.failed_batches == ([2, 1] if mode == "raise" else [2])
+    expected = reference(model, list(others.values()))
+    for (name, r), completion in zip(ids.items(), expected):
+        assert client.finished(r).outcome == "Ok", name
+        assert client.tokens(r) == list(completion.output_ids), name
+    assert_whole(rt)
+    assert bool(torch.isfinite(rt.decode.pool.kv).all())
+    assert rt.counts["outcomes"] == {"ErrPrefill": 1, "Ok": 5}
+    victim_actions = [record["a"] for record in rt.log if record["request"] == victim]
+    assert victim_actions == ["Arrive", "Reserve", "Admit", "PrefillFail", "Notice", "Release"]
+    path = tmp_path / "engine.log"
+    write_log(path, rt.log_header(), rt.log)
+    store = replay(*read_log(path))
+    assert store.rows == {} and store.violation_total == 0
+    assert store.decode_pools == rt.store.decode_pools
+    assert store.prefill_pools == rt.store.prefill_pools
+
+
+def test_a_prefill_fail_after_a_client_abort_is_refused_and_the_prefill_stops_on_the_abort(
+        model):
+    rt = runtime(model)
+    rt.prefill.model = FaultyPrefill(model, MARK, "raise")
+    client = Client()
+    victim = rt.arrive(GenerationRequest(victim_prompt(), SamplingParams(max_tokens=4)), client)
+    step_until(rt, lambda: phase(rt, victim) == "computing")
+    rt.abort(victim)  # the client-gone message is in flight when the step fails
+    original = rt._deliver
+    rt._deliver = lambda: False  # hold messages for one step: the fault comes first
+    rt.step()
+    rt._deliver = original
+    assert rt.counts["refusals"] == {"the client is not waiting": 1}
+    run(rt)
+    assert client.finished(victim).outcome == "Gone"
+    assert_whole(rt)
+    actions = [record["a"] for record in rt.log]
+    assert "PrefillFail" not in actions and "PrefillAbort" in actions
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("bug", [ValueError, NotImplementedError])
+def test_a_bug_in_the_prefill_step_still_ends_the_loop(model, bug):
+    """Only what a model step raises for its requests (COMPUTE_FAULTS) is a request's
+    failure; a bug (a ValueError inside the step, or a NotImplementedError, which is a
+    RuntimeError that only code raises) ends the loop as before: every live request
+    ErrDecode, the error kept."""
+    engine = build_engine(loaded(model), EngineConfig(
+        context_length=64, page_tokens=PAGE, prefill_pool_tokens=128, decode_pool_tokens=128))
+    client = Client()
+
+    class Buggy(FaultyPrefill):
+        def prefill(self, pool, chunks, all_logits=False):
+            raise bug("a bug in the prefill step")
+    engine.runtime.prefill.model = Buggy(model, MARK, "raise")
+    r = engine.submit(GenerationRequest(prompt(1, 5), SamplingParams(max_tokens=3)), client)
+    engine.start()
+    engine._thread.join(10)
+    assert type(engine.error) is bug
+    end = client.finished(r)
+    assert end.outcome == "ErrDecode" and "a bug in the prefill step" in end.detail
