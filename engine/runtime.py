@@ -22,7 +22,7 @@ continuous batch (Finish with the observed tag verdict), releases, timers.
 Workers. The store keeps each worker's pool and decides every event on the view of the
 request's own pair (spec/store.py), as it does for the simulator's clusters; the runtime
 places each arriving request on a pair (`place`: the prefill with the fewest requests
-queued or computing, the decode whose live requests need the fewest pages) and from then on every command of that request goes to the workers of its pair.
+queued or computing, the decode whose live requests need the fewest pages, ties in turn) and from then on every command of that request goes to the workers of its pair.
 All workers run in this one loop, in turn; the pools, batches and transport are theirs.
 
 Where the parts live: this module holds the configuration, the one path into the core
@@ -125,6 +125,7 @@ class Runtime(Loop, Delivery):
                                             [w.pool for w in self.decodes],
                                             config.lands_per_step, config.transport_seed)
         self.placed: dict[int, tuple[int, int]] = {}  # live request -> (prefill, decode)
+        self._turn = 0  # the router's tie-break
         self.live: dict[int, Live] = {}
         self.timers: dict[int, float] = {}
         self.recent: list[Live] = []
@@ -203,14 +204,18 @@ class Runtime(Loop, Delivery):
     def place(self) -> tuple[int, int]:
         """The router: the prefill with the fewest requests queued or computing, and the
         decode whose live requests need the fewest pages (reserved already or still to
-        come; ties: the lower index). A policy, not a protocol step: whatever it picks,
-        the core decides every event on that pair's view."""
-        p = min(range(len(self.prefills)),
-                key=lambda k: len(self.prefills[k].queue) + len(self.prefills[k].computing))
-        demand = [0] * len(self.decodes)
+        come); ties go round in turn, so that requests one after another spread too. A
+        policy, not a protocol step: whatever it picks, the core decides every event on
+        that pair's view."""
+        turn, self._turn = self._turn, self._turn + 1
+        prefills, decodes = len(self.prefills), len(self.decodes)
+        p = min(range(prefills), key=lambda k: (
+            len(self.prefills[k].queue) + len(self.prefills[k].computing),
+            (k - turn) % prefills))
+        demand = [0] * decodes
         for r, (_, d) in self.placed.items():
             demand[d] += self.live[r].pages
-        return p, min(range(len(self.decodes)), key=lambda k: demand[k])
+        return p, min(range(decodes), key=lambda k: (demand[k], (k - turn) % decodes))
 
     # -- the client's side -----------------------------------------------------------------
 

@@ -110,6 +110,14 @@ def test_the_router_spreads_requests_and_a_busy_decode_pool_gets_no_more(model):
     run(rt)
     assert all(client.finished(r).outcome == "Ok" for r in (first, second, third))
     assert_whole(rt)
+    # One request after another (each done before the next comes): ties go round in turn.
+    serial = []
+    for k in range(4):
+        r = rt.arrive(GenerationRequest(prompt(4 + k, 4), params), client)
+        serial.append(rt.placed[r])
+        run(rt)
+        assert client.finished(r).outcome == "Ok"
+    assert serial == [(1, 1), (0, 0), (1, 1), (0, 0)]
 
 
 def test_an_abort_at_every_phase_on_two_pairs_returns_every_page(model):
