@@ -44,8 +44,10 @@ class LoadedModel:
 
 
 def load_model(path: str | Path | None = None, device: str = "cpu",
-               dtype: str = "float32") -> LoadedModel:
-    """Model and tokenizer from a GGUF file or an HF folder (default: the default model)."""
+               dtype: str = "float32", pack_weights: bool = True) -> LoadedModel:
+    """Model and tokenizer from a GGUF file or an HF folder (default: the default model).
+    pack_weights: fp32 on a CPU keeps a packed copy of the weights for decode batches
+    (engine.model.LlamaModel; the weights' size again in memory)."""
     import torch
 
     from engine.model import DTYPES, LlamaModel
@@ -63,7 +65,8 @@ def load_model(path: str | Path | None = None, device: str = "cpu",
         tokenizer = tokenizer_from_gguf_metadata(checkpoint.gguf_metadata, path)
     else:
         tokenizer = tokenizer_from_hf_folder(path)
-    model = LlamaModel(checkpoint, device=device, dtype=DTYPES[dtype])
+    model = LlamaModel(checkpoint, device=device, dtype=DTYPES[dtype],
+                       pack_weights=pack_weights)
     return LoadedModel(model, tokenizer, path, time.perf_counter() - started)
 
 

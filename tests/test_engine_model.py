@@ -15,7 +15,7 @@ import kernels  # noqa: E402
 from engine.config import ModelConfig, ModelFileError  # noqa: E402
 from engine.generate import Generator, GeneratorConfig, Request, decode_step  # noqa: E402
 from engine.load import load_model  # noqa: E402
-from engine.model import LlamaModel, PrefillChunk  # noqa: E402
+from engine.model import LlamaModel, PrefillChunk, can_pack  # noqa: E402
 from engine.pool import KVPool, PoolConfig  # noqa: E402
 from engine.sampling import SamplingParams, sample  # noqa: E402
 from engine.weights import load_checkpoint, unpermute_rope_rows  # noqa: E402
@@ -252,3 +252,58 @@ def test_cli_reports_a_bad_model_in_one_line_and_exits_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "nope.gguf" in err and err.startswith("kvproof generate:")
 
+
+
+# -- fp32 decode batches through MKL's packed GEMM -----------------------------------------
+
+@pytest.mark.skipif(not can_pack(), reason="this torch has no MKL packed GEMM")
+def test_packed_projections_equal_mm_for_every_row_count_and_serve_2_to_16_rows():
+    """Projection with the packed copy (decode batches of 2..PACKED_ROWS rows) gives what
+    mm on the transposed weight gives, with a bias, a residual or neither, for every row
+    count from 1 to 40; the packed op runs exactly for 2..PACKED_ROWS rows."""
+    from unittest import mock
+
+    from engine.model import PACKED_ROWS, Projection
+
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(96, 64, generator=generator)
+    bias = torch.randn(96, generator=generator)
+    real = torch.ops.mkl._mkl_linear
+    rows_packed: list[int] = []
+
+    def spy(x, *rest):
+        rows_packed.append(x.shape[0])
+        return real(x, *rest)
+    with mock.patch.object(torch.ops.mkl, "_mkl_linear", spy):
+        for with_bias in (False, True):
+            packed = Projection.of(weight, bias if with_bias else None, pack=True)
+            plain = Projection.of(weight, bias if with_bias else None, pack=False)
+            assert packed.packed is not None and plain.packed is None
+            for rows in range(1, 41):
+                x = torch.randn(rows, 64, generator=generator)
+                torch.testing.assert_close(packed(x), plain(x), atol=1e-5, rtol=1e-5)
+                if not with_bias:
+                    residual = torch.randn(rows, 96, generator=generator)
+                    torch.testing.assert_close(packed(x, residual), plain(x, residual),
+                                               atol=1e-5, rtol=1e-5)
+    assert sorted(set(rows_packed)) == list(range(2, PACKED_ROWS + 1))
+
+
+def test_a_model_with_packed_weights_decodes_what_one_without_decodes(tmp_path):
+    """The whole path, packed (fp32 on a CPU: the default) or not: the Generator over a
+    batch of mixed prompts (decode batches of 6 rows down to 1) samples the same tokens,
+    and every sampled position's logits agree within the tolerance above."""
+    make_hf_model("qwen2", tmp_path)  # qkv bias and tied embeddings: every packed form
+    checkpoint = load_checkpoint(tmp_path)
+    runs = []
+    for pack in (True, False):
+        model = LlamaModel(checkpoint, pack_weights=pack)
+        assert (model.output.packed is not None) == (pack and can_pack())
+        generator = Generator(model, GeneratorConfig(num_pages=64, page_tokens=4,
+                                                     keep_logits=True))
+        runs.append(generator.run([Request(i, p, SamplingParams(max_tokens=6 + i,
+                                                                ignore_eos=True))
+                                   for i, p in enumerate(prompts(7))]))
+    for packed, plain in zip(*runs):
+        assert packed.output_ids == plain.output_ids
+        torch.testing.assert_close(packed.logits, plain.logits, atol=LOGITS_ATOL, rtol=0)
