@@ -217,14 +217,8 @@ def _hits_stop(tokenizer, sequence: Sequence, token: int) -> bool:
     decoded = incremental_text(sequence, tokenizer)
     before = len(decoded.update(sequence.output_ids))
     text = decoded.peek(sequence.output_ids, token)
-    cuts = [text.find(stop, max(0, before - len(stop) + 1))
-            for stop in sequence.request.sampling.stop]
-    cuts = [cut for cut in cuts if cut >= 0]
-    if not cuts:
-        return False
-    sequence.output_ids.append(token)
-    sequence.text = text[:min(cuts)]
-    return True
+    return _cut(sequence, token, text, [text.find(stop, max(0, before - len(stop) + 1))
+                                        for stop in sequence.request.sampling.stop])
 
 
 def hits_stop_whole_text(tokenizer, sequence: Sequence, token: int) -> bool:
@@ -232,8 +226,14 @@ def hits_stop_whole_text(tokenizer, sequence: Sequence, token: int) -> bool:
     (quadratic in its length); the reference tests and bench/stream_text_bench.py hold the
     incremental one against."""
     text = tokenizer.decode(sequence.output_ids + [token])
-    cuts = [text.find(stop) for stop in sequence.request.sampling.stop]
-    cuts = [cut for cut in cuts if cut >= 0]
+    return _cut(sequence, token, text, [text.find(stop)
+                                        for stop in sequence.request.sampling.stop])
+
+
+def _cut(sequence: Sequence, token: int, text: str, found: list[int]) -> bool:
+    """With a stop string found (an index >= 0), the token ends the sequence and its text
+    is cut before the earliest one."""
+    cuts = [cut for cut in found if cut >= 0]
     if not cuts:
         return False
     sequence.output_ids.append(token)

@@ -27,6 +27,17 @@ def cuda_skip_reason() -> str | None:
     return None
 
 
+def skip_marks() -> list:
+    """A CUDA test module's `pytestmark`: skip for cuda_skip_reason() under pytest; no
+    marks where pytest is not installed (the module then runs as a script)."""
+    try:
+        import pytest
+    except ImportError:
+        return []
+    reason = cuda_skip_reason()
+    return [pytest.mark.skipif(reason is not None, reason=str(reason))]
+
+
 def run_as_script(namespace: dict) -> int:
     """Run every test_* function in `namespace`; exit status 1 if any failed."""
     reason = cuda_skip_reason()

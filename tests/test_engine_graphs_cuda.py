@@ -16,17 +16,11 @@ import torch
 
 import kernels
 import graph_cases as cases
-from cuda_cases import cuda_skip_reason, run_as_script
+from cuda_cases import run_as_script, skip_marks
 from engine.generate import Generator, GeneratorConfig, Request, decode_batch
 from engine.sampling import SamplingParams
 
-try:
-    import pytest
-except ImportError:  # plain python on a machine without pytest (cuda_cases.py)
-    pytest = None
-if pytest is not None:
-    pytestmark = pytest.mark.skipif(cuda_skip_reason() is not None,
-                                    reason=str(cuda_skip_reason()))
+pytestmark = skip_marks()
 
 # Logits of order 1-5. fp32 is the tight check; in bf16 the logits themselves are rounded
 # to ~0.016 near 3 and the padded batch's matmuls may take other cuBLAS kernels than the

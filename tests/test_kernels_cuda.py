@@ -14,17 +14,11 @@ import sys
 import torch
 
 import kernels
-from cuda_cases import cuda_skip_reason, run_as_script
+from cuda_cases import run_as_script, skip_marks
 from kernel_cases import make_decode_case, make_foreign
 from kernels import attention, checksum, pack
 
-try:
-    import pytest
-except ImportError:  # plain python on a machine without pytest (cuda_cases.py)
-    pytest = None
-if pytest is not None:
-    pytestmark = pytest.mark.skipif(cuda_skip_reason() is not None,
-                                    reason=str(cuda_skip_reason()))
+pytestmark = skip_marks()
 
 # fp16 arithmetic is covered by the interpreter tests; every variant here is a compile
 # (about a second each), and bench/device_check.sh gives this file 50 s.
