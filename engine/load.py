@@ -44,10 +44,11 @@ class LoadedModel:
 
 
 def load_model(path: str | Path | None = None, device: str = "cpu",
-               dtype: str = "float32", pack_weights: bool = True) -> LoadedModel:
+               dtype: str = "float32", pack_weights: bool | None = None) -> LoadedModel:
     """Model and tokenizer from a GGUF file or an HF folder (default: the default model).
     pack_weights: fp32 on a CPU keeps a packed copy of the weights for decode batches
-    (engine.model.LlamaModel; the weights' size again in memory)."""
+    (engine.model.LlamaModel; the weights' size again in memory; None: for weights of
+    64 MiB and more)."""
     import torch
 
     from engine.model import DTYPES, LlamaModel
