@@ -59,7 +59,7 @@ class Delivery:
         if action is None:
             return self._settle(live, what, not core.message_pending(row, message, worker))
         if action is core.Reserve:
-            pages = self.store.allocate("decode", self.placed[r][1],
+            pages = self.store.allocate("decode", self.store.placement[r][1],
                                         core.allocation_need(m, view, action, r))
             if pages is None:
                 return False  # decode waits for pages; the bootstrap stays queued

@@ -22,8 +22,10 @@ continuous batch (Finish with the observed tag verdict), releases, timers.
 Workers. The store keeps each worker's pool and decides every event on the view of the
 request's own pair (spec/store.py), as it does for the simulator's clusters; the runtime
 places each arriving request on a pair (`place`: the prefill with the fewest requests
-queued or computing, the decode whose live requests need the fewest pages, ties in turn) and from then on every command of that request goes to the workers of its pair.
-All workers run in this one loop, in turn; the pools, batches and transport are theirs.
+queued or computing, the decode whose live requests need the fewest pages, ties in turn;
+the placement is the store's own, `Store.placement`) and from then on every command of
+that request goes to the workers of its pair. All workers run in this one loop, in turn;
+the pools, batches and transport are theirs.
 
 Where the parts live: this module holds the configuration, the one path into the core
 (`take`), the client's side (`arrive`, `abort`), the command handlers and what a server
@@ -124,7 +126,6 @@ class Runtime(Loop, Delivery):
         self.transport = InProcessTransport([w.pool for w in self.prefills],
                                             [w.pool for w in self.decodes],
                                             config.lands_per_step, config.transport_seed)
-        self.placed: dict[int, tuple[int, int]] = {}  # live request -> (prefill, decode)
         self._turn = 0  # the router's tie-break
         self.live: dict[int, Live] = {}
         self.timers: dict[int, float] = {}
@@ -161,7 +162,7 @@ class Runtime(Loop, Delivery):
         if self.config.log_records_max and len(self.log) < self.config.log_records_max:
             record = {"t": round(now, 6), **codec.encode(event)}
             if type(event) is core.Arrive:
-                record["p"], record["d"] = self.placed[r]
+                record["p"], record["d"] = self.store.placement[r]
             self.log.append(record)
         live = self.live.get(r)
         if live is not None:
@@ -196,10 +197,10 @@ class Runtime(Loop, Delivery):
         return self.decodes[0]
 
     def prefill_of(self, r: int) -> PrefillWorker:
-        return self.prefills[self.placed[r][0]]
+        return self.prefills[self.store.placement[r][0]]
 
     def decode_of(self, r: int) -> DecodeWorker:
-        return self.decodes[self.placed[r][1]]
+        return self.decodes[self.store.placement[r][1]]
 
     def place(self) -> tuple[int, int]:
         """The router: the prefill with the fewest requests queued or computing, and the
@@ -213,7 +214,7 @@ class Runtime(Loop, Delivery):
             len(self.prefills[k].queue) + len(self.prefills[k].computing),
             (k - turn) % prefills))
         demand = [0] * decodes
-        for r, (_, d) in self.placed.items():
+        for r, (_, d) in self.store.placement.items():
             demand[d] += self.live[r].pages
         return p, min(range(decodes), key=lambda k: (demand[k], (k - turn) % decodes))
 
@@ -226,12 +227,11 @@ class Runtime(Loop, Delivery):
         self.next_id = r + 1
         n = pages_needed(len(request.prompt_ids), request.sampling.max_tokens,
                          self.config.page_tokens)
-        p, d = self.placed[r] = self.place()
+        p, d = self.place()
         self.live[r] = Live(r, request, on_event, n, self.clock())
         self.store.arrive(r, p, d)
         if self.take(r, core.Arrive(r, n)) is None:
             self.store.withdraw(r)
-            del self.placed[r]
             self._finished(self.live.pop(r), "ErrTooLong", detail="the core refused Arrive")
         return r
 
@@ -268,7 +268,7 @@ class Runtime(Loop, Delivery):
 
     def _post(self, c: cmd.Post) -> None:
         r, source, page, tag = c.write
-        p, d = self.placed[r]
+        p, d = self.store.placement[r]
         self.transport.post(PageWrite(r, source, page, tag, self.prefills[p].checksum(source),
                                       p, d))
 
@@ -324,10 +324,10 @@ class Runtime(Loop, Delivery):
                                len(live.request.prompt_ids), live.completion_tokens, detail))
 
     def _forget(self, r: int) -> None:
+        p, d = self.store.placement[r]
         self.store.forget(r)
         live = self.live.pop(r, None)
         self.timers.pop(r, None)
-        p, d = self.placed.pop(r)
         self.prefills[p].stop(r)
         self.decodes[d].stop(r)
         if live is not None:

@@ -56,7 +56,7 @@ def test_two_by_three_workers_give_the_generators_tokens_and_use_every_worker(mo
     client = Client()
     for prompt_ids, sampling in requests:
         rt.arrive(GenerationRequest(prompt_ids, sampling), client)
-    placed = dict(rt.placed)
+    placed = dict(rt.store.placement)
     run(rt)
     for r, completion in enumerate(expected):
         assert client.tokens(r) == list(completion.output_ids), r
@@ -98,13 +98,13 @@ def test_the_router_spreads_requests_and_a_busy_decode_pool_gets_no_more(model):
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     first = rt.arrive(GenerationRequest(prompt(1, 20), params), client)  # 6 pages
     second = rt.arrive(GenerationRequest(prompt(2, 4), params), client)  # 2 pages
-    assert rt.placed[first] == (0, 0)
+    assert rt.store.placement[first] == (0, 0)
     # The first request's reservation is still to come; decode-0 counts its 6 pages anyway.
-    assert rt.placed[second] == (1, 1)
+    assert rt.store.placement[second] == (1, 1)
     for _ in range(5):
         rt.step()
     third = rt.arrive(GenerationRequest(prompt(3, 4), params), client)
-    assert rt.placed[third][1] == 1  # decode-1's live requests need 2 pages, decode-0's 6
+    assert rt.store.placement[third][1] == 1  # decode-1's live requests need 2 pages, decode-0's 6
     assert [s.held for s in rt.pool_snapshots()[2:]] == [6, 2]  # both reserved by now
     rt.transport.paused = False
     run(rt)
@@ -114,7 +114,7 @@ def test_the_router_spreads_requests_and_a_busy_decode_pool_gets_no_more(model):
     serial = []
     for k in range(4):
         r = rt.arrive(GenerationRequest(prompt(4 + k, 4), params), client)
-        serial.append(rt.placed[r])
+        serial.append(rt.store.placement[r])
         run(rt)
         assert client.finished(r).outcome == "Ok"
     assert serial == [(1, 1), (0, 0), (1, 1), (0, 0)]
@@ -127,7 +127,7 @@ def test_an_abort_at_every_phase_on_two_pairs_returns_every_page(model):
         params = SamplingParams(max_tokens=5, ignore_eos=True)
         victims = [rt.arrive(GenerationRequest(prompt(s, 10), params), client) for s in (3, 4)]
         others = [rt.arrive(GenerationRequest(prompt(s, 7), params), client) for s in (5, 6)]
-        assert {rt.placed[r] for r in victims} == {(0, 0), (1, 1)}
+        assert {rt.store.placement[r] for r in victims} == {(0, 0), (1, 1)}
         for _ in range(steps):
             rt.step()
         for r in victims:
@@ -152,7 +152,7 @@ def test_the_incident_on_one_pair_fails_only_that_request(model):
     run(rt)
     long = rt.arrive(GenerationRequest(prompt(20, 52), params), client)
     others = {rt.arrive(GenerationRequest(prompt(s, 10), params), client): s for s in (21, 22)}
-    assert len({rt.placed[r][1] for r in [long, *others]}) == 2  # both decode workers
+    assert len({rt.store.placement[r][1] for r in [long, *others]}) == 2  # both decode workers
     run(rt)
     end = client.finished(long)
     assert (end.outcome, end.guard, end.completion_tokens) == ("ErrTransfer", "count", 0)
@@ -174,7 +174,7 @@ def test_a_prefill_worker_whose_step_fails_fails_its_own_request_alone(model):
     victim = rt.arrive(GenerationRequest(victim_prompt(), greedy), client)
     others = [unmarked(70 + k, 6 + k) for k in range(3)]
     ids = [rt.arrive(GenerationRequest(ids, greedy), client) for ids in others]
-    assert rt.placed[victim][0] == 0 and {rt.placed[r][0] for r in ids} == {0, 1}
+    assert rt.store.placement[victim][0] == 0 and {rt.store.placement[r][0] for r in ids} == {0, 1}
     run(rt)
     end = client.finished(victim)
     assert (end.outcome, client.tokens(victim)) == ("ErrPrefill", [])
