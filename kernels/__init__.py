@@ -72,18 +72,19 @@ def paged_prefill_attention(q, kv, layer, block_table_row, start_pos, scale):
 
 def write_kv(kv, layer, slots, k, v):
     """Store k, v [tokens, kv_heads, dim] at slots (page * page_tokens + offset). One
-    torch index_put_ on every device (attention.write_kv says why)."""
+    torch index_copy_ on every device (attention.write_kv says why)."""
     _attention_ref.write_kv(kv, layer, slots, k, v)
 
 
 def kv_slots(kv, slots):
-    """(page, offset) of each slot, for write_kv_at; once per step."""
+    """Where each slot's K and V rows lie in every layer (attention.KVSlots), for
+    write_kv_at; once per step."""
     return _attention_ref.kv_slots(kv, slots)
 
 
 def write_kv_at(kv, layer, at, keys_values):
-    """Store keys_values [tokens, K|V, kv_heads, dim] at kv_slots' (page, offset) pairs:
-    what a model step does in every layer, K and V in one index_put_, on every device."""
+    """Store keys_values [tokens, K|V, kv_heads, dim] at kv_slots' rows: what a model
+    step does in every layer, K and V in one index_copy_, on every device."""
     _attention_ref.write_kv_at(kv, layer, at, keys_values)
 
 

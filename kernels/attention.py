@@ -32,14 +32,24 @@ class DecodePlan:
     - gather_rows [layers, batch * 2 * kv_heads * pages]: for each layer, the rows of
       kv.view(-1, page_tokens * dim) holding each sequence's K|V tiles, in the order
       [batch, K|V, kv_head, page] (one index_select then gives per-head K and V);
-    - attn_mask: bool [batch, 1, 1, tokens] (inside the context, on a page of the pool),
-      or None for a single sequence whose pages all exist (keys cut to its context);
+    - stale_rows: int64, the rows of the gathered [batch, K|V, kv_head, tokens, dim]
+      copy (viewed as [-1, dim]) that hold tokens no sequence may read (past its
+      context, or on a page outside the pool): pages are never zeroed, so they hold
+      whatever an earlier owner left, inf and NaN included, and a masked score does not
+      keep a NaN out of torch's fused attention (NaN + -inf is NaN, 0 * inf is NaN).
+      They are zeroed in the copy before attention (one index_fill_: 13 us a layer at
+      batch 8, where a broadcast masked_fill_ took 90); None when there are none;
+    - attn_mask: the additive mask [batch, 1, 1, tokens] in kv's dtype, 0 where a token
+      is read and -inf where it is stale (0 everywhere for a sequence with no context:
+      it attends over zeroed tokens, so its output is zeros), or None when nothing is
+      stale (a single sequence whose pages all exist: keys cut to its context);
     - read_ids, read_expected: the page of every read slot (inside the context, a valid
       id) and the tag expected there, flattened: the tag check per layer is one gather and
       one comparison; ids_ok [batch] is False where a read slot names no page of the pool."""
     page_ids: torch.Tensor  # int64 [batch, pages], clamped into the pool
     id_valid: torch.Tensor  # bool [batch, pages]
     gather_rows: torch.Tensor
+    stale_rows: torch.Tensor | None
     attn_mask: torch.Tensor | None
     context_tokens: int  # keys kept per sequence: the longest context
     read_ids: torch.Tensor
@@ -65,11 +75,20 @@ def decode_plan(kv, block_table, context_lens, expected_tags) -> DecodePlan:
     lengths = context_lens.tolist()
     all_ids_ok = bool(ids_ok.all())
     if batch == 1 and all_ids_ok and lengths[0] > 0:
-        attn_mask, context_tokens = None, lengths[0]
+        stale_rows, attn_mask, context_tokens = None, None, lengths[0]
     else:
-        attn_mask = _token_mask(context_lens, id_valid, page_tokens)[:, None, None, :]
+        token_read = _token_mask(context_lens, id_valid, page_tokens)
+        stale = (~token_read)[:, None, None, :].expand(batch, 2, num_kv_heads, -1)
+        stale_rows = stale.reshape(-1).nonzero().view(-1)
+        if stale_rows.numel() == 0:
+            stale_rows = None
+        # additive, not bool: torch's fused attention turns a bool mask into this one
+        # with two calls in every layer
+        attn_mask = torch.zeros(token_read.shape, dtype=kv.dtype, device=kv.device)
+        attn_mask.masked_fill_(~token_read & token_read.any(dim=1, keepdim=True), _NEG_INF)
+        attn_mask = attn_mask[:, None, None, :]
         context_tokens = pages * page_tokens
-    return DecodePlan(page_ids, id_valid, gather_rows, attn_mask, context_tokens,
+    return DecodePlan(page_ids, id_valid, gather_rows, stale_rows, attn_mask, context_tokens,
                       page_ids[read], expected_tags[read], ids_ok, all_ids_ok)
 
 
@@ -86,18 +105,28 @@ def paged_decode_attention(q, kv, layer, block_table, context_lens, expected_tag
         plan = decode_plan(kv, block_table, context_lens, expected_tags)
     batch, pages = block_table.shape
     _, _, _, num_kv_heads, page_tokens, head_dim = kv.shape
+    # each torch call below is paid num_layers times a step, in caches the weights just
+    # went through: no call that the common case does not need (a slice that keeps every
+    # token, a cast to the dtype the tensor has)
     tiles = kv.view(-1, page_tokens * head_dim).index_select(0, plan.gather_rows[layer])
-    tiles = tiles.view(batch, 2, num_kv_heads, pages * page_tokens, head_dim)
-    keys = tiles[:, 0, :, :plan.context_tokens]
-    values = tiles[:, 1, :, :plan.context_tokens]
+    if plan.stale_rows is not None:  # no earlier owner's inf or NaN gets in
+        tiles.view(-1, head_dim).index_fill_(0, plan.stale_rows, 0)
+    keys, values = tiles.view(batch, 2, num_kv_heads, pages * page_tokens, head_dim).unbind(1)
+    if plan.context_tokens < pages * page_tokens:
+        keys, values = keys[:, :, :plan.context_tokens], values[:, :, :plan.context_tokens]
+    attn_mask = plan.attn_mask
+    if keys.dtype != q.dtype:
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+    if attn_mask is not None and attn_mask.dtype != q.dtype:
+        attn_mask = attn_mask.to(q.dtype)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q[:, :, None, :], keys.to(q.dtype), values.to(q.dtype), attn_mask=plan.attn_mask,
-        scale=scale, enable_gqa=True)[:, :, 0, :]
-    tag_ok = torch.ones(batch, dtype=torch.bool, device=q.device)
+        q.unsqueeze(2), keys, values, attn_mask=attn_mask, scale=scale,
+        enable_gqa=True).squeeze(2)
     if not check_tags:
-        return out, tag_ok
+        return out, torch.ones(batch, dtype=torch.bool, device=q.device)
     if plan.all_ids_ok and torch.equal(tags.index_select(0, plan.read_ids), plan.read_expected):
-        return out, tag_ok  # every page read carries the tag its table expects
+        # every page read carries the tag its table expects
+        return out, torch.ones(batch, dtype=torch.bool, device=q.device)
     slot_read = page_slots_read(context_lens, page_tokens, pages)
     tag_matches = (tags[plan.page_ids] == expected_tags) & plan.id_valid
     tag_ok = (slot_read <= tag_matches).all(dim=1)  # every read slot's tag matches
@@ -119,6 +148,10 @@ def paged_decode_attention_plain(q, kv, layer, block_table, context_lens, expect
         tag_ok = ~(slot_read & ~tag_matches).any(dim=1)
     keys, values = gather_pages(kv, layer, page_ids)  # [batch, kv_heads, tokens, dim]
     token_valid = _token_mask(context_lens, id_valid, page_tokens)  # [batch, tokens]
+    # a token that is not read is not used either: a masked score keeps no inf or NaN of
+    # an earlier owner out of the weighted sum (0 * inf is NaN)
+    keys = keys.masked_fill(~token_valid[:, None, :, None], 0)
+    values = values.masked_fill(~token_valid[:, None, :, None], 0)
     out = _attend(q.float()[:, :, None, :], keys, values, token_valid[:, None, :], scale)
     out = out[:, :, 0, :]
     if check_tags:
@@ -169,26 +202,41 @@ def paged_prefill_attention_plain(q, kv, layer, block_table_row, start_pos, scal
 
 def write_kv(kv, layer, slots, k, v):
     """kv[slot's page, layer, K|V, :, slot's offset, :] = k, v for every slot (one
-    index_put_, on any device: a decode step writes one token per sequence, far too little
+    index_copy_, on any device: a decode step writes one token per sequence, far too little
     for a kernel of its own to matter)."""
     assert slots.dim() == 1 and k.shape == v.shape and k.shape[0] == slots.shape[0]
     write_kv_at(kv, layer, kv_slots(kv, slots), torch.stack((k, v), dim=1))
 
 
+@dataclass(frozen=True)
+class KVSlots:
+    """Where one step's tokens go in every layer, computed once per step (kv_slots):
+    rows[t, K|V, head] is the row of kv.view(-1, head_dim) that token t's K or V of that
+    head occupies in layer 0, and layer l adds l * layer_rows."""
+    rows: torch.Tensor  # int64 [tokens, 2, kv_heads]
+    layer_rows: int
+
+
 def kv_slots(kv, slots):
-    """(page, offset) int64 [tokens] of each slot: where write_kv_at stores its tokens in
-    every layer (computed once per step, not once per layer)."""
+    """KVSlots of slots (page * page_tokens + offset) [tokens] in this pool."""
+    _, num_layers, _, num_kv_heads, page_tokens, _ = kv.shape
+    assert kv.is_contiguous(), "the pool must be contiguous (rows of one head_dim each)"
     slots = slots.long()
-    return slots // kv.shape[4], slots % kv.shape[4]
+    pages, offsets = slots // page_tokens, slots % page_tokens
+    tiles = torch.arange(2 * num_kv_heads, device=kv.device).view(1, 2, num_kv_heads)
+    page_tiles = pages[:, None, None] * (num_layers * 2 * num_kv_heads) + tiles
+    return KVSlots(page_tiles * page_tokens + offsets[:, None, None],
+                   2 * num_kv_heads * page_tokens)
 
 
 def write_kv_at(kv, layer, at, keys_values):
-    """kv[page, layer, K|V, :, offset, :] = keys_values [tokens, K|V, kv_heads, dim] for
-    the (page, offset) pairs `at` (kv_slots): one index_put_ for K and V together."""
-    pages, offsets = at
-    assert keys_values.shape == (pages.shape[0], 2, kv.shape[3], kv.shape[5]), \
+    """kv[page, layer, K|V, :, offset, :] = keys_values [tokens, K|V, kv_heads, dim] at the
+    KVSlots `at`: one index_copy_ of K and V together into the pool's rows."""
+    assert keys_values.shape == (*at.rows.shape, kv.shape[5]), \
         "keys_values must be [tokens, K|V, kv_heads, dim]"
-    kv[pages, layer, :, :, offsets] = keys_values.to(kv.dtype)
+    rows = at.rows.view(-1) + layer * at.layer_rows
+    kv.view(-1, kv.shape[5]).index_copy_(0, rows, keys_values.reshape(-1, kv.shape[5])
+                                         .to(kv.dtype))
 
 
 def check_decode_args(q, kv, layer, block_table, context_lens, expected_tags, tags, num_splits):

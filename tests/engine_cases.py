@@ -42,10 +42,15 @@ def make_hf_model(name: str, folder, seed: int = 0):
         model = LlamaForCausalLM(LlamaConfig(**TINY, **extra))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**TINY, **extra))
-    with torch.no_grad():  # random biases: transformers initialises them to zero
+    with torch.no_grad():
+        # random biases and norm weights: transformers initialises them to zero and one,
+        # values under which a bias or a norm weight applied twice, or not at all, or to
+        # the wrong layer, changes nothing
         for parameter_name, parameter in model.named_parameters():
             if parameter_name.endswith("bias"):
                 parameter.normal_(0, 0.5)
+            elif parameter_name.endswith("norm.weight"):
+                parameter.uniform_(0.5, 1.5)
     model.eval()
     model.save_pretrained(folder)
     return model

@@ -307,3 +307,53 @@ def test_a_model_with_packed_weights_decodes_what_one_without_decodes(tmp_path):
     for packed, plain in zip(*runs):
         assert packed.output_ids == plain.output_ids
         torch.testing.assert_close(packed.logits, plain.logits, atol=LOGITS_ATOL, rtol=0)
+
+
+# -- bf16 / fp16 on a CPU: feature-major steps ---------------------------------------------
+
+# Half-precision tolerance on these tiny models' logits (order 1): the engine and
+# transformers (fp32) differ by a few roundings of the logits, up to 8e-3 in bf16 and
+# 1e-3 in fp16 here; a wrong page, position, norm weight or rope frequency moves them
+# by ~1e-1.
+HALF_ATOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_feature_major_steps_match_the_row_path_and_transformers(tiny, dtype,
+                                                                               tmp_path):
+    """In bf16 and fp16 on a CPU, steps of 2..FEW_ROWS tokens (decode batches, prefill
+    chunks) run feature-major (_forward_columns): the same tokens and logits as the row
+    path, and transformers' fp32 logits within the dtype's rounding, under continuous
+    batching, 5-token chunks and shuffled pages."""
+    from unittest import mock
+
+    name, hf_model, _ = tiny
+    hf_model.save_pretrained(tmp_path)
+    model = LlamaModel(load_checkpoint(tmp_path), dtype=dtype)
+    column_steps = []
+    forward_columns = model._forward_columns
+
+    def spy(pool, token_ids, *rest):
+        column_steps.append(token_ids.shape[0])
+        return forward_columns(pool, token_ids, *rest)
+    runs = {}
+    for path in ("columns", "rows"):
+        with mock.patch.object(model, "_forward_columns", spy), \
+                mock.patch.object(model, "columns", model.columns if path == "columns"
+                                  else (lambda tokens: False)):
+            generator = Generator(model, GeneratorConfig(
+                num_pages=64, page_tokens=4, max_batch=4, prefill_chunk_tokens=5,
+                shuffle_pages_seed=1, keep_logits=True))
+            runs[path] = generator.run([Request(i, p, SamplingParams(max_tokens=7))
+                                        for i, p in enumerate(prompts(0))])
+        if path == "columns":
+            assert set(column_steps) >= {2, 3, 4, 5}, column_steps  # decode and prefill
+            column_steps.clear()
+    assert column_steps == []  # the row path never went feature-major
+    for columns, rows in zip(runs["columns"], runs["rows"]):
+        assert columns.output_ids == rows.output_ids
+        torch.testing.assert_close(torch.stack(columns.logits), torch.stack(rows.logits),
+                                   rtol=0, atol=HALF_ATOL[dtype])
+        expected = reference_logits(hf_model, columns.prompt_ids, columns.output_ids)
+        torch.testing.assert_close(torch.stack(columns.logits), expected, rtol=0,
+                                   atol=HALF_ATOL[dtype])

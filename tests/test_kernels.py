@@ -75,6 +75,31 @@ def test_a_page_past_the_context_is_not_checked_and_a_bad_page_id_is_a_mismatch(
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_finite_bytes_the_decode_does_not_read_change_nothing(dtype):
+    """Pages are never zeroed: past a sequence's context in its last page, and in the
+    pages its padded block-table row stands for, lie whatever earlier owners left,
+    possibly inf or NaN (an fp16 overflow). Masked out, they must change nothing: not
+    the reference (which gathers them and masks), not the plain definition."""
+    case = make_decode_case([5, 13, 2], page_tokens=4, dtype=dtype, seed=3)
+    before, _ = attention.paged_decode_attention(*case.args())
+    rows = case.block_table.long()
+    for b, n in enumerate(case.context_lens.tolist()):
+        last = rows[b, (n - 1) // 4]
+        case.kv[last, :, 0, :, n % 4 or 4:] = float("nan")  # the tail past the context
+        case.kv[last, :, 1, :, n % 4 or 4:] = float("inf")
+    unowned = set(range(case.kv.shape[0])) - set(rows[rows >= 0].tolist())
+    assert 0 in unowned, "page 0 (where -1 entries point once clamped) should be spare"
+    for page in unowned:
+        case.kv[page] = float("nan")
+    for decode in (attention.paged_decode_attention, attention.paged_decode_attention_plain):
+        out, tag_ok = decode(*case.args())
+        assert tag_ok.tolist() == [True] * 3
+        assert bool(out.isfinite().all()), f"{decode.__name__}: stale bytes leaked in"
+        torch.testing.assert_close(out, before, rtol=0, atol=1e-5 if dtype == torch.float32
+                                   else 2e-2)
+
+
 # --- prefill attention -------------------------------------------------------------------
 
 @pytest.mark.parametrize("start_pos,new_tokens", [(0, 7), (5, 6), (8, 1)])
