@@ -273,14 +273,14 @@ def bench_dtype(args, dtype: str, engine_loaded_fp32_path: Path, transformers_mo
 
 
 def weight_bytes_per_step(model, batch: int) -> int:
-    """Bytes of weights one decode step reads: every projection and norm once (the output
-    projection included, tied or not), and the embedding rows of the batch's tokens."""
+    """Bytes of weights one decode step reads: every projection once (the output
+    projection included, tied or not; the layers' norm weights are folded into them),
+    the final norm, and the embedding rows of the batch's tokens."""
     def size(tensor) -> int:
         return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
     total = size(model.final_norm) + size(model.output.weight) + size(model.output.bias)
     for layer in model.layers:
-        total += size(layer.attention_norm) + size(layer.mlp_norm)
         for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
             total += size(projection.weight) + size(projection.bias)
     return total + batch * size(model.embed[0])

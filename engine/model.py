@@ -89,6 +89,9 @@ class Projection:
     bias: torch.Tensor | None
     transposed: bool
     packed: torch.Tensor | None = None  # fp32 on a CPU: MKL's packed form (PACKED_ROWS)
+    # the [out, in] view MKL's op is handed with the packed form (it reads the packed
+    # one): made once, a .t() call per projection per step less (9 us each in a step)
+    packed_origin: torch.Tensor | None = None
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -98,7 +101,9 @@ class Projection:
             if pack and weight.device.type == "cpu" and can_pack():
                 packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(),
                                                                   PACKED_ROWS)
-            return cls(weight.t().contiguous(), bias, True, packed)
+            transposed = weight.t().contiguous()
+            return cls(transposed, bias, True, packed,
+                       transposed.t() if packed is not None else None)
         return cls(weight.contiguous(), bias, False)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,7 +111,7 @@ class Projection:
         if self.packed is not None and 2 <= rows <= PACKED_ROWS:
             # The weight argument is what MKL's op falls back to for another row count;
             # the count passed is always x's, so it reads the packed form.
-            out = torch.ops.mkl._mkl_linear(x, self.packed, self.weight.t(), None, rows)
+            out = torch.ops.mkl._mkl_linear(x, self.packed, self.packed_origin, None, rows)
             base = residual if residual is not None else self.bias
             return out if base is None else out.add_(base)
         if self.transposed:
@@ -146,10 +151,12 @@ class Projection:
 
 @dataclass(frozen=True)
 class Layer:
-    attention_norm: torch.Tensor
+    """One decoder layer. Its two RMSNorm weights are folded into the projections that
+    read the normalised state, qkv and gate_up (W[:, j] * g[j], in fp32 before the cast
+    to the model's dtype: one rounding, as W alone has), so its norms are the
+    normalisation alone, a torch call less each, 60 a step on the default model."""
     qkv: Projection  # out: (q_heads + 2 kv_heads) * head_dim
     o: Projection
-    mlp_norm: torch.Tensor
     gate_up: Projection  # out: 2 * intermediate
     down: Projection
 
@@ -188,10 +195,8 @@ class LlamaModel:
         self.final_norm = put(tensors["final_norm"])
         self.layers = [self._layer(tensors, i, put, pack_weights)
                        for i in range(config.num_layers)]
-        # feature-major steps (_forward_columns) scale rows of h^T by the norm weights:
-        # [hidden, 1] views made once, not two view calls per layer per step
-        self._norm_columns = [(layer.attention_norm[:, None], layer.mlp_norm[:, None])
-                              for layer in self.layers]
+        # the final norm's weight stays apart (the output matrix may be the embedding);
+        # feature-major steps (_forward_columns) scale h^T by it as a [hidden, 1] column
         self._final_norm_column = self.final_norm[:, None]
         self._eps = torch.tensor(config.rms_norm_eps, dtype=torch.float32, device=self.device)
         self.attention_scale = 1.0 / math.sqrt(config.head_dim)
@@ -203,15 +208,20 @@ class LlamaModel:
         def get(name: str) -> torch.Tensor:
             return tensors[f"layers.{i}.{name}"]
 
+        def normed_input(names: list[str], norm: str) -> torch.Tensor:
+            """The fused projection of `names`, its input columns scaled by the norm's
+            weight (Layer)."""
+            fused = torch.cat([get(name).float() for name in names])
+            return put(fused * get(norm).float())
+
         bias = None
         if f"layers.{i}.q_bias" in tensors:
             bias = put(torch.cat([get("q_bias"), get("k_bias"), get("v_bias")]))
-        return Layer(attention_norm=put(get("attention_norm")),
-                     qkv=Projection.of(put(torch.cat([get("q"), get("k"), get("v")])), bias,
-                                       pack),
-                     o=Projection.of(put(get("o")), None, pack), mlp_norm=put(get("mlp_norm")),
-                     gate_up=Projection.of(put(torch.cat([get("gate"), get("up")])), None,
-                                           pack),
+        qkv = normed_input(["q", "k", "v"], "attention_norm")
+        return Layer(qkv=Projection.of(qkv, bias, pack),
+                     o=Projection.of(put(get("o")), None, pack),
+                     gate_up=Projection.of(normed_input(["gate", "up"], "mlp_norm"),
+                                           None, pack),
                      down=Projection.of(put(get("down")), None, pack))
 
     @torch.inference_mode()
@@ -287,23 +297,22 @@ class LlamaModel:
                                          positions_reserved)
         config = self.config
         q_heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        eps = config.rms_norm_eps
         cos, signed_sin = self._rope.at(positions, positions_reserved)  # [tokens, 1, head_dim]
         write_at = kernels.kv_slots(pool.kv, slots)
         hidden = F.embedding(token_ids, self.embed)
         tokens = hidden.shape[0]
         for index, layer in enumerate(self.layers):
-            normed = F.rms_norm(hidden, (config.hidden_size,), layer.attention_norm, eps)
+            normed = self._row_norm(hidden)
             qkv = layer.qkv(normed).view(tokens, q_heads + 2 * kv_heads, head_dim)
             rotate_in_place(qkv[:, :q_heads + kv_heads], cos, signed_sin)
             keys_values = qkv[:, q_heads:].view(tokens, 2, kv_heads, head_dim)
             kernels.write_kv_at(pool.kv, index, write_at, keys_values)
             attended = attend(index, qkv[:, :q_heads]).reshape(tokens, q_heads * head_dim)
             hidden = layer.o(attended, residual=hidden)
-            normed = F.rms_norm(hidden, (config.hidden_size,), layer.mlp_norm, eps)
+            normed = self._row_norm(hidden)
             gate, up = layer.gate_up(normed).chunk(2, dim=-1)
             hidden = layer.down(F.silu(gate).mul_(up), residual=hidden)
-        return F.rms_norm(hidden, (config.hidden_size,), self.final_norm, eps)
+        return self._row_norm(hidden, self.final_norm)
 
     def _forward_columns(self, pool, token_ids, positions, slots, attend,
                          positions_reserved: bool) -> torch.Tensor:
@@ -313,8 +322,8 @@ class LlamaModel:
         what the next call takes, where the row layout paid a transposing copy after
         every projection. Every torch call here is paid 30 times a step in caches that
         the weights just streamed through (an add costs 10 us there, 2 us in a loop), so
-        the layout saves calls too: RMSNorm is six plain calls (_norm_columns) where
-        F.rms_norm runs eight inside, rotary, the KV write and the attention take views.
+        the layout saves calls too: a norm is four plain calls (_norm) where F.rms_norm
+        runs eight inside; rotary, the KV write and the attention take views.
         Returns the final hidden states as rows [tokens, hidden] (a transposed view)."""
         config = self.config
         q_heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -324,8 +333,7 @@ class LlamaModel:
         hidden_t = F.embedding(token_ids, self.embed).t().contiguous()
         tokens = hidden_t.shape[1]
         for index, layer in enumerate(self.layers):
-            attention_norm, mlp_norm = self._norm_columns[index]
-            qkv = layer.qkv.columns(self._norm(hidden_t, attention_norm))
+            qkv = layer.qkv.columns(self._norm(hidden_t))
             qkv = qkv.view(q_heads + 2 * kv_heads, head_dim, tokens)
             rotate_in_place(qkv[:q_heads + kv_heads], cos, signed_sin, dim=1)
             keys_values = qkv[q_heads:].permute(2, 0, 1).unflatten(1, (2, kv_heads))
@@ -333,18 +341,28 @@ class LlamaModel:
             attended = attend(index, qkv[:q_heads].permute(2, 0, 1).contiguous())
             hidden_t = layer.o.columns(attended.reshape(tokens, q_heads * head_dim).t(),
                                        residual_t=hidden_t)
-            gate, up = layer.gate_up.columns(self._norm(hidden_t, mlp_norm)).chunk(2, dim=0)
+            gate, up = layer.gate_up.columns(self._norm(hidden_t)).chunk(2, dim=0)
             hidden_t = layer.down.columns(F.silu(gate).mul_(up), residual_t=hidden_t)
         return self._norm(hidden_t, self._final_norm_column).t()
 
-    def _norm(self, hidden_t: torch.Tensor, weight_column: torch.Tensor) -> torch.Tensor:
-        """RMSNorm of h^T [hidden, tokens] over its features, rounded as transformers
-        rounds it: h * rsqrt(mean(h^2) + eps) in fp32, cast to the model's dtype, times
-        the weight."""
-        norms = torch.linalg.vector_norm(hidden_t, dim=0, keepdim=True, dtype=torch.float32)
+    def _norm(self, hidden: torch.Tensor, weight: torch.Tensor | None = None,
+              dim: int = 0) -> torch.Tensor:
+        """RMSNorm over the features of h^T [hidden, tokens] (dim 0, weight a [hidden, 1]
+        column) or of h [tokens, hidden] (dim -1), rounded as transformers rounds it:
+        h * rsqrt(mean(h^2) + eps) in fp32, cast to the model's dtype, times the weight
+        (None inside a layer: Layer says why). Five plain calls at most; F.rms_norm
+        makes eight inside on a CPU."""
+        norms = torch.linalg.vector_norm(hidden, dim=dim, keepdim=True, dtype=torch.float32)
         scale = torch.rsqrt(torch.addcmul(self._eps, norms, norms,
-                                          value=1.0 / hidden_t.shape[0]))
-        return (hidden_t * scale).to(self.dtype).mul_(weight_column)
+                                          value=1.0 / hidden.shape[dim]))
+        normed = (hidden * scale).to(self.dtype)
+        return normed if weight is None else normed.mul_(weight)
+
+    def _row_norm(self, hidden: torch.Tensor, weight: torch.Tensor | None = None):
+        """RMSNorm of rows: _norm on a CPU, torch's fused kernel elsewhere."""
+        if self.device.type == "cpu":
+            return self._norm(hidden, weight, dim=-1)
+        return F.rms_norm(hidden, (self.config.hidden_size,), weight, self.config.rms_norm_eps)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.columns(hidden.shape[0]):
