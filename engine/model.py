@@ -355,7 +355,9 @@ class LlamaModel:
         norms = torch.linalg.vector_norm(hidden, dim=dim, keepdim=True, dtype=torch.float32)
         scale = torch.rsqrt(torch.addcmul(self._eps, norms, norms,
                                           value=1.0 / hidden.shape[dim]))
-        normed = (hidden * scale).to(self.dtype)
+        normed = hidden * scale  # fp32
+        if normed.dtype != self.dtype:
+            normed = normed.to(self.dtype)
         return normed if weight is None else normed.mul_(weight)
 
     def _row_norm(self, hidden: torch.Tensor, weight: torch.Tensor | None = None):

@@ -56,6 +56,8 @@ class DecodePlan:
     read_expected: torch.Tensor
     ids_ok: torch.Tensor
     all_ids_ok: bool
+    all_passed: torch.Tensor  # bool [batch], all True: the verdict when every check passed
+    tiles: torch.Tensor  # kv.view(-1, page_tokens * dim), what gather_rows index, made once
 
 
 def decode_plan(kv, block_table, context_lens, expected_tags) -> DecodePlan:
@@ -89,7 +91,9 @@ def decode_plan(kv, block_table, context_lens, expected_tags) -> DecodePlan:
         attn_mask = attn_mask[:, None, None, :]
         context_tokens = pages * page_tokens
     return DecodePlan(page_ids, id_valid, gather_rows, stale_rows, attn_mask, context_tokens,
-                      page_ids[read], expected_tags[read], ids_ok, all_ids_ok)
+                      page_ids[read], expected_tags[read], ids_ok, all_ids_ok,
+                      torch.ones(batch, dtype=torch.bool, device=kv.device),
+                      kv.view(-1, page_tokens * kv.shape[5]))
 
 
 def paged_decode_attention(q, kv, layer, block_table, context_lens, expected_tags, tags,
@@ -108,7 +112,8 @@ def paged_decode_attention(q, kv, layer, block_table, context_lens, expected_tag
     # each torch call below is paid num_layers times a step, in caches the weights just
     # went through: no call that the common case does not need (a slice that keeps every
     # token, a cast to the dtype the tensor has)
-    tiles = kv.view(-1, page_tokens * head_dim).index_select(0, plan.gather_rows[layer])
+    assert plan.tiles.data_ptr() == kv.data_ptr(), "a plan made for another pool"
+    tiles = plan.tiles.index_select(0, plan.gather_rows[layer])
     if plan.stale_rows is not None:  # no earlier owner's inf or NaN gets in
         tiles.view(-1, head_dim).index_fill_(0, plan.stale_rows, 0)
     keys, values = tiles.view(batch, 2, num_kv_heads, pages * page_tokens, head_dim).unbind(1)
@@ -123,10 +128,9 @@ def paged_decode_attention(q, kv, layer, block_table, context_lens, expected_tag
         q.unsqueeze(2), keys, values, attn_mask=attn_mask, scale=scale,
         enable_gqa=True).squeeze(2)
     if not check_tags:
-        return out, torch.ones(batch, dtype=torch.bool, device=q.device)
+        return out, plan.all_passed
     if plan.all_ids_ok and torch.equal(tags.index_select(0, plan.read_ids), plan.read_expected):
-        # every page read carries the tag its table expects
-        return out, torch.ones(batch, dtype=torch.bool, device=q.device)
+        return out, plan.all_passed  # every page read carries the tag its table expects
     slot_read = page_slots_read(context_lens, page_tokens, pages)
     tag_matches = (tags[plan.page_ids] == expected_tags) & plan.id_valid
     tag_ok = (slot_read <= tag_matches).all(dim=1)  # every read slot's tag matches
@@ -210,11 +214,12 @@ def write_kv(kv, layer, slots, k, v):
 
 @dataclass(frozen=True)
 class KVSlots:
-    """Where one step's tokens go in every layer, computed once per step (kv_slots):
-    rows[t, K|V, head] is the row of kv.view(-1, head_dim) that token t's K or V of that
-    head occupies in layer 0, and layer l adds l * layer_rows."""
-    rows: torch.Tensor  # int64 [tokens, 2, kv_heads]
-    layer_rows: int
+    """Where one step's tokens go, computed once per step (kv_slots): rows[layer] lists,
+    in [token, K|V, head] order, the rows of kv.view(-1, head_dim) that the tokens' K and
+    V vectors occupy in that layer."""
+    rows: torch.Tensor  # int64 [layers, tokens * 2 * kv_heads]
+    shape: tuple  # (tokens, 2, kv_heads): what write_kv_at's keys_values must be
+    target: torch.Tensor  # kv.view(-1, head_dim), made once
 
 
 def kv_slots(kv, slots):
@@ -225,18 +230,22 @@ def kv_slots(kv, slots):
     pages, offsets = slots // page_tokens, slots % page_tokens
     tiles = torch.arange(2 * num_kv_heads, device=kv.device).view(1, 2, num_kv_heads)
     page_tiles = pages[:, None, None] * (num_layers * 2 * num_kv_heads) + tiles
-    return KVSlots(page_tiles * page_tokens + offsets[:, None, None],
-                   2 * num_kv_heads * page_tokens)
+    layer_0 = (page_tiles * page_tokens + offsets[:, None, None]).view(-1)
+    layers = torch.arange(num_layers, device=kv.device)[:, None] * (2 * num_kv_heads
+                                                                    * page_tokens)
+    return KVSlots(layer_0[None, :] + layers, (slots.shape[0], 2, num_kv_heads),
+                   kv.view(-1, kv.shape[5]))
 
 
 def write_kv_at(kv, layer, at, keys_values):
     """kv[page, layer, K|V, :, offset, :] = keys_values [tokens, K|V, kv_heads, dim] at the
     KVSlots `at`: one index_copy_ of K and V together into the pool's rows."""
-    assert keys_values.shape == (*at.rows.shape, kv.shape[5]), \
+    assert keys_values.shape == (*at.shape, kv.shape[5]), \
         "keys_values must be [tokens, K|V, kv_heads, dim]"
-    rows = at.rows.view(-1) + layer * at.layer_rows
-    kv.view(-1, kv.shape[5]).index_copy_(0, rows, keys_values.reshape(-1, kv.shape[5])
-                                         .to(kv.dtype))
+    if keys_values.dtype != kv.dtype:
+        keys_values = keys_values.to(kv.dtype)
+    assert at.target.data_ptr() == kv.data_ptr(), "KVSlots of another pool"
+    at.target.index_copy_(0, at.rows[layer], keys_values.reshape(-1, kv.shape[5]))
 
 
 def check_decode_args(q, kv, layer, block_table, context_lens, expected_tags, tags, num_splits):
