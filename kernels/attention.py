@@ -79,17 +79,22 @@ def decode_plan(kv, block_table, context_lens, expected_tags) -> DecodePlan:
     if batch == 1 and all_ids_ok and lengths[0] > 0:
         stale_rows, attn_mask, context_tokens = None, None, lengths[0]
     else:
+        # keys past the longest context are read by no sequence: attention leaves them
+        # out (keys cut there), and only the stale tokens before it need zeroing
+        context_tokens = max(max(lengths), 1)
         token_read = _token_mask(context_lens, id_valid, page_tokens)
-        stale = (~token_read)[:, None, None, :].expand(batch, 2, num_kv_heads, -1)
+        stale = ~token_read
+        stale[:, context_tokens:] = False
+        stale = stale[:, None, None, :].expand(batch, 2, num_kv_heads, -1)
         stale_rows = stale.reshape(-1).nonzero().view(-1)
         if stale_rows.numel() == 0:
             stale_rows = None
         # additive, not bool: torch's fused attention turns a bool mask into this one
         # with two calls in every layer
+        token_read = token_read[:, :context_tokens]
         attn_mask = torch.zeros(token_read.shape, dtype=kv.dtype, device=kv.device)
         attn_mask.masked_fill_(~token_read & token_read.any(dim=1, keepdim=True), _NEG_INF)
         attn_mask = attn_mask[:, None, None, :]
-        context_tokens = pages * page_tokens
     return DecodePlan(page_ids, id_valid, gather_rows, stale_rows, attn_mask, context_tokens,
                       page_ids[read], expected_tags[read], ids_ok, all_ids_ok,
                       torch.ones(batch, dtype=torch.bool, device=kv.device),
