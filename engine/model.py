@@ -35,7 +35,7 @@ import kernels
 from engine.config import ModelConfig
 from engine.weights import Checkpoint
 
-FEW_ROWS = 64  # decode batches; prefill chunks keep x @ W^T
+FEW_ROWS = 64  # bf16/fp16 CPU steps up to this many tokens run feature-major
 # fp32 on a CPU: MKL's packed GEMM, with the weight packed for this many rows, runs the
 # 2..PACKED_ROWS-row products of decode batches 1.2-1.5x faster than mm (576 x 3072,
 # weights streamed from memory: 464 vs 698 us at 8 rows); at 1 row and above 32 rows it
@@ -80,11 +80,11 @@ class Projection:
     a few rows (decode batches) oneDNN's fp32 path runs x @ W^T 2-2.5x slower than
     x @ W_t on this CPU (measured: 8 x 576 by 576 x 3072, 754 us vs 326 us). On a CPU
     with MKL it also keeps the weight in MKL's packed form, which serves 2..PACKED_ROWS
-    rows (see PACKED_ROWS). Other dtypes
-    keep torch's [out, in] layout: a single row (decode at batch 1) goes through
-    matrix-vector products, which read [out, in] rows contiguously and are faster in bf16
-    than oneDNN's one-row matmul, and a few rows (decode batches) as W @ x^T, transposed
-    back (bf16 at batch 8: 30% less matmul time on this CPU, 15% more decode tokens/s)."""
+    rows (see PACKED_ROWS). Other dtypes keep torch's [out, in] layout: a single row
+    (decode at batch 1) goes through matrix-vector products, which read [out, in] rows
+    contiguously and are faster in bf16 than oneDNN's one-row matmul; on a CPU, steps of
+    2..FEW_ROWS rows never come here but to `columns` (W @ x^T, feature-major: the model
+    keeps those steps' hidden state transposed, LlamaModel._forward_columns)."""
     weight: torch.Tensor  # [out, in], or [in, out] when transposed
     bias: torch.Tensor | None
     transposed: bool
@@ -126,11 +126,6 @@ class Projection:
                 return torch.mv(self.weight, x[0])[None]
             assert residual is None or self.bias is None, "a residual, or a bias, not both"
             return torch.addmv(base, self.weight, x[0])[None]
-        if x.shape[0] <= FEW_ROWS and self.bias is None:
-            # (W @ x^T)^T: measured 15% more bf16 decode tokens/s at batch 8 than x @ W^T
-            if residual is None:
-                return torch.mm(self.weight, x.t()).t().contiguous()
-            return torch.addmm(residual.t(), self.weight, x.t()).t().contiguous()
         if residual is None:
             return F.linear(x, self.weight, self.bias)
         assert self.bias is None, "a residual, or a bias, not both"
