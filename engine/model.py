@@ -131,17 +131,17 @@ class Projection:
         assert self.bias is None, "a residual, or a bias, not both"
         return torch.addmm(residual, x, self.weight.t())
 
-
     def columns(self, x_t: torch.Tensor, residual_t: torch.Tensor | None = None) -> torch.Tensor:
         """W @ x^T (+ bias, or + residual^T) for x^T [in, tokens]: [out, tokens], the
-        feature-major form of __call__ (LlamaModel._forward_columns)."""
-        weight = self.weight.t() if self.transposed else self.weight
+        feature-major form of __call__ (LlamaModel._forward_columns: bf16/fp16 only, whose
+        weights keep [out, in])."""
+        assert not self.transposed, "feature-major steps take [out, in] weights"
         if residual_t is not None:
             assert self.bias is None, "a residual, or a bias, not both"
-            return torch.addmm(residual_t, weight, x_t)
+            return torch.addmm(residual_t, self.weight, x_t)
         if self.bias is not None:
-            return torch.addmm(self.bias[:, None], weight, x_t)
-        return torch.mm(weight, x_t)
+            return torch.addmm(self.bias[:, None], self.weight, x_t)
+        return torch.mm(self.weight, x_t)
 
 
 @dataclass(frozen=True)

@@ -227,7 +227,6 @@ class KVSlots:
     in [token, K|V, head] order, the rows of kv.view(-1, head_dim) that the tokens' K and
     V vectors occupy in that layer."""
     rows: torch.Tensor  # int64 [layers, tokens * 2 * kv_heads]
-    shape: tuple  # (tokens, 2, kv_heads): what write_kv_at's keys_values must be
     target: torch.Tensor  # kv.view(-1, head_dim), made once
 
 
@@ -242,19 +241,19 @@ def kv_slots(kv, slots):
     layer_0 = (page_tiles * page_tokens + offsets[:, None, None]).view(-1)
     layers = torch.arange(num_layers, device=kv.device)[:, None] * (2 * num_kv_heads
                                                                     * page_tokens)
-    return KVSlots(layer_0[None, :] + layers, (slots.shape[0], 2, num_kv_heads),
-                   kv.view(-1, kv.shape[5]))
+    return KVSlots(layer_0[None, :] + layers, kv.view(-1, kv.shape[5]))
 
 
 def write_kv_at(kv, layer, at, keys_values):
     """kv[page, layer, K|V, :, offset, :] = keys_values [tokens, K|V, kv_heads, dim] at the
     KVSlots `at`: one index_copy_ of K and V together into the pool's rows."""
-    assert keys_values.shape == (*at.shape, kv.shape[5]), \
-        "keys_values must be [tokens, K|V, kv_heads, dim]"
+    num_kv_heads, head_dim = kv.shape[3], kv.shape[5]
+    assert keys_values.shape == (at.rows.shape[1] // (2 * num_kv_heads), 2, num_kv_heads,
+                                 head_dim), "keys_values must be [tokens, K|V, kv_heads, dim]"
     if keys_values.dtype != kv.dtype:
         keys_values = keys_values.to(kv.dtype)
     assert at.target.data_ptr() == kv.data_ptr(), "KVSlots of another pool"
-    at.target.index_copy_(0, at.rows[layer], keys_values.reshape(-1, kv.shape[5]))
+    at.target.index_copy_(0, at.rows[layer], keys_values.reshape(-1, head_dim))
 
 
 def check_decode_args(q, kv, layer, block_table, context_lens, expected_tags, tags, num_splits):

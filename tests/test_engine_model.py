@@ -253,7 +253,6 @@ def test_cli_reports_a_bad_model_in_one_line_and_exits_2(tmp_path, capsys):
     assert err.count("\n") == 0 and "nope.gguf" in err and err.startswith("kvproof generate:")
 
 
-
 # -- fp32 decode batches through MKL's packed GEMM -----------------------------------------
 
 @pytest.mark.skipif(not can_pack(), reason="this torch has no MKL packed GEMM")
