@@ -1,6 +1,6 @@
 """The paged KV pool of one worker: page tensor, ownership tags, page checksums.
 
-Layout (notes/kernel_contract.md): kv[page, layer, K|V, kv_head, token, head_dim], page
+Layout (kernels/README.md, "Layout"): kv[page, layer, K|V, kv_head, token, head_dim], page
 major, so one page (every layer, K and V) is one contiguous span of bytes: a transfer
 writes a page with one copy, a checksum reads one span, pack/unpack gathers rows. Every
 page has an int64 ownership tag, (owner request << 32) | generation, on the same device:

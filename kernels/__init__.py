@@ -1,7 +1,7 @@
 """kvproof kernels: tag-checked paged attention, page checksums, page pack/unpack.
 
 The one place that picks an implementation. Every public function takes the same
-arguments on every path (notes/kernel_contract.md) and runs either
+arguments on every path (the contract: kernels/README.md) and runs either
 - the Triton kernel (`*_triton.py`), for CUDA tensors, or
 - the torch reference (`attention.py`, `checksum.py`, `pack.py`), for everything else;
 KVPROOF_KERNELS=triton|torch forces one (tests run the Triton kernels on the CPU that way,

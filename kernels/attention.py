@@ -103,12 +103,12 @@ def decode_plan(kv, block_table, context_lens, expected_tags) -> DecodePlan:
 
 def paged_decode_attention(q, kv, layer, block_table, context_lens, expected_tags, tags,
                            scale, *, check_tags=True, num_splits=None, plan=None):
-    """See notes/kernel_contract.md; num_splits changes nothing here (it only schedules
-    the Triton kernel) but is validated the same way. The CPU engine's path: the same
-    result as paged_decode_attention_plain in a few torch calls per layer (one gather
-    straight into [batch, K|V, kv_heads, tokens, dim], torch's fused attention, a tag
-    check of one gather and one comparison), given the step's `plan` (decode_plan; made
-    here when the caller has none)."""
+    """See kernels/README.md, "Decode attention"; num_splits changes nothing here (it
+    only schedules the Triton kernel) but is validated the same way. The CPU engine's
+    path: the same result as paged_decode_attention_plain in a few torch calls per layer
+    (one gather straight into [batch, K|V, kv_heads, tokens, dim], torch's fused
+    attention, a tag check of one gather and one comparison), given the step's `plan`
+    (decode_plan; made here when the caller has none)."""
     check_decode_args(q, kv, layer, block_table, context_lens, expected_tags, tags, num_splits)
     if plan is None:
         plan = decode_plan(kv, block_table, context_lens, expected_tags)

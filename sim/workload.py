@@ -13,8 +13,8 @@ Arrival times become seconds from the first request; they must not go backwards.
 error names the file and line. `sim/workloads/azure-format-sample.csv` is a small sample
 in the Azure layout (synthetic values, the public column names).
 
-The simulator's request source lives in sim/run.py; `TraceWorkload.arrivals()` is what it
-calls instead of its Poisson/bursty/closed generators (see /work/notes/cli_needs.md).
+A scenario with `arrival = "trace"` and a `trace_file` (sim/scenario.py) takes its
+requests from here instead of the Poisson/bursty/closed generators (sim/run.py).
 """
 
 from __future__ import annotations
