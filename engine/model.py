@@ -193,7 +193,6 @@ class LlamaModel:
         # the final norm's weight stays apart (the output matrix may be the embedding);
         # feature-major steps (_forward_columns) scale h^T by it as a [hidden, 1] column
         self._final_norm_column = self.final_norm[:, None]
-        self._eps = torch.tensor(config.rms_norm_eps, dtype=torch.float32, device=self.device)
         self.attention_scale = 1.0 / math.sqrt(config.head_dim)
         self._rope = RotaryTable(config, tensors.get("rope_frequency_divisors"), self.device,
                                  dtype)
@@ -292,21 +291,19 @@ class LlamaModel:
                                          positions_reserved)
         config = self.config
         q_heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        cos, signed_sin = self._rope.at(positions, positions_reserved)  # [tokens, 1, head_dim]
+        cos, signed_sin = self._rope.at(positions, positions_reserved)  # [tokens, head_dim]
         write_at = kernels.kv_slots(pool.kv, slots)
         hidden = F.embedding(token_ids, self.embed)
         tokens = hidden.shape[0]
         for index, layer in enumerate(self.layers):
             normed = self._row_norm(hidden)
             qkv = layer.qkv(normed).view(tokens, q_heads + 2 * kv_heads, head_dim)
-            rotate_in_place(qkv[:, :q_heads + kv_heads], cos, signed_sin)
-            keys_values = qkv[:, q_heads:].view(tokens, 2, kv_heads, head_dim)
-            kernels.write_kv_at(pool.kv, index, write_at, keys_values)
+            kernels.rotary_write_kv(pool.kv, index, write_at, qkv, q_heads, cos, signed_sin)
             attended = attend(index, qkv[:, :q_heads]).reshape(tokens, q_heads * head_dim)
             hidden = layer.o(attended, residual=hidden)
             normed = self._row_norm(hidden)
             gate, up = layer.gate_up(normed).chunk(2, dim=-1)
-            hidden = layer.down(F.silu(gate).mul_(up), residual=hidden)
+            hidden = layer.down(kernels.silu_mul(gate, up), residual=hidden)
         return self._row_norm(hidden, self.final_norm)
 
     def _forward_columns(self, pool, token_ids, positions, slots, attend,
@@ -322,22 +319,19 @@ class LlamaModel:
         Returns the final hidden states as rows [tokens, hidden] (a transposed view)."""
         config = self.config
         q_heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        cos, signed_sin = self._rope.at(positions, positions_reserved)  # [tokens, 1, head_dim]
-        cos, signed_sin = cos[:, 0].t(), signed_sin[:, 0].t()  # [head_dim, tokens]
+        cos, signed_sin = self._rope.at(positions, positions_reserved)  # [tokens, head_dim]
         write_at = kernels.kv_slots(pool.kv, slots)
         hidden_t = F.embedding(token_ids, self.embed).t().contiguous()
         tokens = hidden_t.shape[1]
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv.columns(self._norm(hidden_t))
-            qkv = qkv.view(q_heads + 2 * kv_heads, head_dim, tokens)
-            rotate_in_place(qkv[:q_heads + kv_heads], cos, signed_sin, dim=1)
-            keys_values = qkv[q_heads:].permute(2, 0, 1).unflatten(1, (2, kv_heads))
-            kernels.write_kv_at(pool.kv, index, write_at, keys_values)
-            attended = attend(index, qkv[:q_heads].permute(2, 0, 1).contiguous())
+            heads = qkv.view(q_heads + 2 * kv_heads, head_dim, tokens).permute(2, 0, 1)
+            kernels.rotary_write_kv(pool.kv, index, write_at, heads, q_heads, cos, signed_sin)
+            attended = attend(index, heads[:, :q_heads].contiguous())
             hidden_t = layer.o.columns(attended.reshape(tokens, q_heads * head_dim).t(),
                                        residual_t=hidden_t)
             gate, up = layer.gate_up.columns(self._norm(hidden_t)).chunk(2, dim=0)
-            hidden_t = layer.down.columns(F.silu(gate).mul_(up), residual_t=hidden_t)
+            hidden_t = layer.down.columns(kernels.silu_mul(gate, up), residual_t=hidden_t)
         return self._norm(hidden_t, self._final_norm_column).t()
 
     def _norm(self, hidden: torch.Tensor, weight: torch.Tensor | None = None,
@@ -345,14 +339,9 @@ class LlamaModel:
         """RMSNorm over the features of h^T [hidden, tokens] (dim 0, weight a [hidden, 1]
         column) or of h [tokens, hidden] (dim -1), rounded as transformers rounds it:
         h * rsqrt(mean(h^2) + eps) in fp32, cast to the model's dtype, times the weight
-        (None inside a layer: Layer says why). Five plain calls at most; F.rms_norm
-        makes eight inside on a CPU."""
-        norms = torch.linalg.vector_norm(hidden, dim=dim, keepdim=True, dtype=torch.float32)
-        scale = torch.rsqrt(torch.addcmul(self._eps, norms, norms,
-                                          value=1.0 / hidden.shape[dim]))
-        normed = hidden * scale  # fp32
-        if normed.dtype != self.dtype:
-            normed = normed.to(self.dtype)
+        (None inside a layer: Layer says why): kernels.rms_norm, one C call on a CPU,
+        where F.rms_norm makes eight torch calls inside."""
+        normed = kernels.rms_norm(hidden, self.config.rms_norm_eps, dim)
         return normed if weight is None else normed.mul_(weight)
 
     def _row_norm(self, hidden: torch.Tensor, weight: torch.Tensor | None = None):
@@ -370,17 +359,6 @@ class LlamaModel:
         return self.output(hidden).float()
 
 
-def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                    dim: int = -1) -> None:
-    """Rotary embedding on the two halves of each head (along `dim`: the last one for
-    rows, 1 for the [heads, head_dim, tokens] view of a feature-major step), written back
-    into x (a view of the qkv projection): (a, b) -> (a cos - b sin, b cos + a sin), with
-    cos laid out as [.., cos_i | cos_i] and signed_sin as [.., -sin_i | sin_i], so that it
-    is x * cos + roll(x, half) * signed_sin: three torch calls."""
-    swapped = x.roll(x.shape[dim] // 2, dims=dim)  # (b, a)
-    torch.addcmul(x * cos, swapped, signed_sin, out=x)
-
-
 class RotaryTable:
     """cos and sin of position * frequency for every position up to the largest seen,
     grown by doubling. Computed in fp32 (as transformers does) and stored in the model's
@@ -392,13 +370,13 @@ class RotaryTable:
         self.cos = self.sin = torch.empty(0, config.head_dim, device=device, dtype=dtype)
 
     def at(self, positions: torch.Tensor, reserved: bool = False):
-        """(cos, signed sin) [tokens, 1, head_dim] for these positions (rotate_in_place).
+        """(cos, signed sin) [tokens, head_dim] for these positions (kernels'
+        rotary_write_kv).
         Unless `reserved` (the caller made sure, with `reserve`, that the table covers
         them), the largest position is read back to grow the table if needed."""
         if not reserved:
             self.reserve(int(positions.max()) + 1)
-        return (self.cos.index_select(0, positions)[:, None],
-                self.sin.index_select(0, positions)[:, None])
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
 
     def reserve(self, length: int) -> None:
         """At least `length` positions in the table."""

@@ -356,3 +356,35 @@ def test_half_precision_feature_major_steps_match_the_row_path_and_transformers(
         expected = reference_logits(hf_model, columns.prompt_ids, columns.output_ids)
         torch.testing.assert_close(torch.stack(columns.logits), expected, rtol=0,
                                    atol=HALF_ATOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_c_kernels_and_the_torch_references_decode_alike(tiny, dtype, tmp_path,
+                                                             monkeypatch):
+    """The CPU engine's C kernels (norm, SiLU * up, rotary + KV write, tag check) against
+    the torch references in a whole run: the same tokens, logits within the dtype's
+    rounding, in both layouts (bf16 batches run feature-major), and the C path taken."""
+    if not kernels.layer_native.available():
+        pytest.skip(f"the C kernels did not build: {kernels.native.why_not('layer')}")
+    from unittest import mock
+
+    name, hf_model, _ = tiny
+    hf_model.save_pretrained(tmp_path)
+    model = LlamaModel(load_checkpoint(tmp_path), dtype=dtype)
+    runs, calls = {}, []
+    for path in ("native", "torch"):
+        monkeypatch.setenv(kernels.BACKEND_ENV, path)
+        rotary = kernels._layer_native.rotary_write_kv
+        with mock.patch.object(kernels._layer_native, "rotary_write_kv",
+                               lambda *args: calls.append(path) or rotary(*args)):
+            generator = Generator(model, GeneratorConfig(
+                num_pages=64, page_tokens=4, max_batch=4, prefill_chunk_tokens=5,
+                shuffle_pages_seed=1, keep_logits=True))
+            runs[path] = generator.run([Request(i, p, SamplingParams(max_tokens=7))
+                                        for i, p in enumerate(prompts(0))])
+    assert calls and set(calls) == {"native"}
+    atol = LOGITS_ATOL if dtype == torch.float32 else HALF_ATOL[dtype]
+    for native_run, torch_run in zip(runs["native"], runs["torch"]):
+        assert native_run.output_ids == torch_run.output_ids
+        torch.testing.assert_close(torch.stack(native_run.logits),
+                                   torch.stack(torch_run.logits), rtol=0, atol=atol)
