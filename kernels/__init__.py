@@ -5,7 +5,7 @@ arguments on every path (the contract: kernels/README.md) and runs one of
 - the Triton kernel (`*_triton.py`), for CUDA tensors;
 - the C kernel (`*_native.c`, built at first use by native.py), for CPU tensors where the
   machine's C compiler built it: a layer's norm, SiLU * up, rotary + KV write, and the
-  decode tag check (the CPU engine's per-layer small steps);
+  decode tag check (the CPU engine's per-layer small steps), and the page checksum;
 - the torch reference (`attention.py`, `layer.py`, `checksum.py`, `pack.py`) otherwise,
   and for every function that has no kernel on the chosen path.
 KVPROOF_KERNELS=triton|native|torch forces one (tests run the Triton kernels on the CPU
@@ -144,8 +144,13 @@ def rotary_write_kv(kv, layer, at, heads, q_heads, cos, signed_sin):
 
 
 def page_checksum(kv, pages):
-    """int64 [len(pages)] digests of the listed pages; see checksum.py."""
-    module = _triton("checksum") if backend(kv) == "triton" else _checksum_ref
+    """int64 [len(pages)] digests of the listed pages; see checksum.py. (On a CPU the C
+    digest serves calls of every size: one pass over the bytes, where the reference
+    makes three and two copies.)"""
+    path = backend(kv)
+    if path == "native":
+        return _layer_native.page_checksum(kv, pages)
+    module = _triton("checksum") if path == "triton" else _checksum_ref
     return module.page_checksum(kv, pages)
 
 

@@ -1,6 +1,7 @@
 """Page checksum, torch reference: a Fletcher-style digest over 16-bit units, mod 2**31-1.
 
-Definition (the Triton kernel in checksum_triton.py computes the same bits). Read a page's
+Definition (the Triton kernel in checksum_triton.py and the C one in layer_native.c
+compute the same bits). Read a page's
 bytes (all layers, K and V) as N little-endian 16-bit units h_0 .. h_{N-1}, each in
 [0, 65536). With p = 2**31 - 1 (prime):
 

@@ -272,3 +272,46 @@ int kvproof_tags_match(const int64_t *tags, int64_t num_pages, const int64_t *id
     }
     return match;
 }
+
+/* Page digests (kernels/checksum.py has the definition and its guarantees): a page's bytes
+   as N 16-bit units h_j, A = sum h_j mod p, B = sum (N - j) h_j mod p = N A - sum j h_j,
+   p = 2^31 - 1, digest (B << 32) | A. One pass over each page, in blocks of 256 units
+   whose sums fit 32 bits (sum h < 2^24, sum c h_c < 255 * 65535 * 256 < 2^32), so the
+   inner loop is plain vectorizable integer arithmetic; the torch reference gathers the
+   pages and widens every unit to int32 first (three passes and two copies). */
+#define CHECKSUM_MODULUS 2147483647ull
+#define CHECKSUM_BLOCK 256
+
+static uint64_t page_digest(const uint16_t *restrict units, int64_t count) {
+    uint64_t sum = 0, weighted = 0; /* sum h mod p, sum j h_j mod p */
+    for (int64_t start = 0; start < count; start += CHECKSUM_BLOCK) {
+        int64_t length = count - start < CHECKSUM_BLOCK ? count - start : CHECKSUM_BLOCK;
+        const uint16_t *block = units + start;
+        uint32_t block_sum = 0, block_weighted = 0;
+        for (int64_t c = 0; c < length; c++) {
+            block_sum += block[c];
+            block_weighted += (uint32_t)c * block[c];
+        }
+        sum += block_sum;
+        /* sum over the block of (start + c) h_c = start * block_sum + block_weighted */
+        weighted = (weighted + ((uint64_t)start % CHECKSUM_MODULUS) * block_sum +
+                    block_weighted) % CHECKSUM_MODULUS;
+    }
+    sum %= CHECKSUM_MODULUS;
+    uint64_t by_count = ((uint64_t)count % CHECKSUM_MODULUS) * sum % CHECKSUM_MODULUS;
+    uint64_t b = (by_count + CHECKSUM_MODULUS - weighted) % CHECKSUM_MODULUS;
+    return (b << 32) | sum;
+}
+
+/* digests[i] = the digest of page pages[i] of a pool of num_pages pages of page_bytes
+   bytes each (even); -1 (nothing written) for a page id outside the pool. */
+int kvproof_page_checksum(const void *pool, int64_t num_pages, int64_t page_bytes,
+                          const int64_t *pages, int64_t count, int64_t *digests) {
+    if (page_bytes % 2 != 0 || page_bytes / 2 >= (int64_t)CHECKSUM_MODULUS) return -1;
+    for (int64_t i = 0; i < count; i++)
+        if (pages[i] < 0 || pages[i] >= num_pages) return -1;
+    for (int64_t i = 0; i < count; i++)
+        digests[i] = (int64_t)page_digest(
+            (const uint16_t *)((const char *)pool + pages[i] * page_bytes), page_bytes / 2);
+    return 0;
+}

@@ -1,5 +1,5 @@
-"""A decoder layer's elementwise steps and the decode tag check in C (layer_native.c), for
-the CPU engine: the wrappers own the C functions' memory contract (CPU tensors of one
+"""A decoder layer's elementwise steps, the decode tag check and the page checksum in C
+(layer_native.c), for the CPU engine: the wrappers own the C functions' memory contract (CPU tensors of one
 float dtype, shapes asserted, strides passed in elements, outputs allocated here; pool
 rows and page ids are bounds-checked in C before anything is written). Tested against
 kernels/layer.py and kernels/attention.py, the torch references."""
@@ -21,6 +21,7 @@ _SIGNATURES = {
     "kvproof_rotary_write_kv": [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR,
                                 _I64, _PTR, _I64, _PTR, ctypes.c_int],
     "kvproof_tags_match": [_PTR, _I64, _PTR, _PTR, _I64],
+    "kvproof_page_checksum": [_PTR, _I64, _I64, _PTR, _I64, _PTR],
 }
 _functions: dict = {}
 
@@ -109,3 +110,17 @@ def tags_match(tags: torch.Tensor, ids: torch.Tensor, expected: torch.Tensor) ->
                                             expected.data_ptr(), ids.numel())
     assert status >= 0, "a page id outside the pool (a plan bug)"
     return status == 1
+
+
+def page_checksum(kv: torch.Tensor, pages) -> torch.Tensor:
+    """kernels/checksum.page_checksum in one pass over each page's bytes."""
+    assert kv.device.type == "cpu" and kv.is_contiguous(), "a contiguous CPU pool"
+    index = torch.as_tensor(pages).to(torch.int64).contiguous()
+    assert index.dim() == 1
+    digests = torch.empty(index.shape[0], dtype=torch.int64)
+    page_bytes = kv[0].numel() * kv.element_size() if kv.shape[0] else 0
+    status = _function("kvproof_page_checksum")(
+        kv.data_ptr(), kv.shape[0], page_bytes, index.data_ptr(), index.shape[0],
+        digests.data_ptr())
+    assert status == 0, "a page outside the pool, or a page of odd bytes (a caller bug)"
+    return digests

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import kernels  # noqa: E402
-from kernels import attention, layer, layer_native, native  # noqa: E402
+from kernels import attention, checksum, layer, layer_native, native  # noqa: E402
 
 HAVE_COMPILER = shutil.which("cc") is not None
 needs_native = pytest.mark.skipif(not HAVE_COMPILER, reason="no C compiler (cc) on PATH")
@@ -207,3 +207,26 @@ def test_tags_match_is_the_reference_check():
     assert layer_native.tags_match(tags, ids[:0], ids[:0])
     with pytest.raises(AssertionError, match="outside the pool"):
         layer_native.tags_match(tags, torch.tensor([4]), torch.tensor([8]))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_page_checksum_is_the_reference_digest_bit_for_bit(dtype):
+    """Pages of 1,536 units (6 blocks of 256), 21 (a partial block) and 737,280 (the
+    default model's fp32 page), with repeats and any order."""
+    generator = torch.Generator().manual_seed(5)
+    for shape in ((9, 2, 2, 3, 4, 16), (4, 7, 3), (3, 30, 2, 3, 16, 64)):
+        kv = (torch.randn(shape, generator=generator) * 100).to(dtype)
+        kv.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -0.0])
+        pages = torch.tensor([shape[0] - 1, 0, shape[0] - 1, 1])
+        assert torch.equal(layer_native.page_checksum(kv, pages),
+                           checksum.page_checksum(kv, pages))
+
+
+@needs_native
+def test_page_checksum_refuses_a_page_outside_the_pool():
+    kv = torch.zeros(4, 8)
+    with pytest.raises(AssertionError, match="outside the pool"):
+        layer_native.page_checksum(kv, [1, 4])
+    with pytest.raises(AssertionError, match="outside the pool"):
+        layer_native.page_checksum(kv, [-1])
