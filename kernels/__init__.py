@@ -76,14 +76,15 @@ def paged_decode_attention(q, kv, layer, block_table, context_lens, expected_tag
                            scale, *, check_tags=True, num_splits=None, plan=None):
     """(out [batch, q_heads, dim] in q.dtype, tag_ok bool [batch]); see attention.py.
     `plan` (decode_plan, once per step) only serves the torch path; Triton ignores it."""
-    if backend(q) == "triton":
+    path = backend(q)
+    if path == "triton":
         return _triton("attention").paged_decode_attention(
             q, kv, layer, block_table, context_lens, expected_tags, tags, scale,
             check_tags=check_tags, num_splits=num_splits)
     return _attention_ref.paged_decode_attention(
         q, kv, layer, block_table, context_lens, expected_tags, tags, scale,
         check_tags=check_tags, num_splits=num_splits, plan=plan,
-        tags_match=_layer_native.tags_match if backend(q) == "native" else None)
+        tags_match=_layer_native.tags_match if path == "native" else None)
 
 
 def decode_plan(kv, block_table, context_lens, expected_tags):
