@@ -84,7 +84,7 @@ def paged_decode_attention(q, kv, layer, block_table, context_lens, expected_tag
     return _attention_ref.paged_decode_attention(
         q, kv, layer, block_table, context_lens, expected_tags, tags, scale,
         check_tags=check_tags, num_splits=num_splits, plan=plan,
-        tags_match=_layer_native.tags_match if path == "native" else None)
+        tags_match=_layer_native.tags_match if path == "native" else _attention_ref.tags_equal)
 
 
 def decode_plan(kv, block_table, context_lens, expected_tags):

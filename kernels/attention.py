@@ -101,16 +101,22 @@ def decode_plan(kv, block_table, context_lens, expected_tags) -> DecodePlan:
                       kv.view(-1, page_tokens * kv.shape[5]))
 
 
+def tags_equal(tags, ids, expected) -> bool:
+    """Whether tags[ids] == expected everywhere (ids inside the pool): the decode step's
+    common-case tag check (layer_native.tags_match is the same in one C call)."""
+    return torch.equal(tags.index_select(0, ids), expected)
+
+
 def paged_decode_attention(q, kv, layer, block_table, context_lens, expected_tags, tags,
                            scale, *, check_tags=True, num_splits=None, plan=None,
-                           tags_match=None):
+                           tags_match=tags_equal):
     """See kernels/README.md, "Decode attention"; num_splits changes nothing here (it
     only schedules the Triton kernel) but is validated the same way. The CPU engine's
     path: the same result as paged_decode_attention_plain in a few torch calls per layer
     (one gather straight into [batch, K|V, kv_heads, tokens, dim], torch's fused
     attention, a tag check of one gather and one comparison), given the step's `plan`
-    (decode_plan; made here when the caller has none). tags_match(tags, ids, expected),
-    when given, is the common case's check (kernels/__init__ passes the C one: a call a
+    (decode_plan; made here when the caller has none). tags_match(tags, ids, expected) is
+    the common case's check (kernels/__init__ passes the C one where it runs: a call a
     layer where torch makes two)."""
     check_decode_args(q, kv, layer, block_table, context_lens, expected_tags, tags, num_splits)
     if plan is None:
@@ -141,9 +147,7 @@ def paged_decode_attention(q, kv, layer, block_table, context_lens, expected_tag
         attn_mask=attn_mask, scale=scale).view(batch, num_q_heads, head_dim)
     if not check_tags:
         return out, plan.all_passed
-    if plan.all_ids_ok and (
-            tags_match(tags, plan.read_ids, plan.read_expected) if tags_match is not None
-            else torch.equal(tags.index_select(0, plan.read_ids), plan.read_expected)):
+    if plan.all_ids_ok and tags_match(tags, plan.read_ids, plan.read_expected):
         return out, plan.all_passed  # every page read carries the tag its table expects
     slot_read = page_slots_read(context_lens, page_tokens, pages)
     tag_matches = (tags[plan.page_ids] == expected_tags) & plan.id_valid

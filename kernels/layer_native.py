@@ -1,8 +1,9 @@
-"""A decoder layer's elementwise steps, the decode tag check and the page checksum in C
-(layer_native.c), for the CPU engine: the wrappers own the C functions' memory contract (CPU tensors of one
-float dtype, shapes asserted, strides passed in elements, outputs allocated here; pool
-rows and page ids are bounds-checked in C before anything is written). Tested against
-kernels/layer.py and kernels/attention.py, the torch references."""
+"""A decoder layer's small steps, the decode tag check and the page checksum in C
+(layer_native.c), for the CPU engine: the wrappers own the C functions' memory contract
+(CPU tensors of one float dtype, shapes asserted, strides passed in elements, outputs
+allocated here; pool rows and page ids are bounds-checked in C before anything is
+written). Tested against the torch references (kernels/layer.py, attention.py,
+checksum.py)."""
 
 from __future__ import annotations
 
@@ -43,18 +44,14 @@ def rms_norm(hidden: torch.Tensor, eps: float, dim: int) -> torch.Tensor:
     contiguous in hidden's shape. The C loops take the engine's two layouts (features or
     tokens contiguous, x and y alike); anything else is made contiguous first."""
     assert hidden.dim() == 2 and hidden.device.type == "cpu" and hidden.dtype in DTYPE_CODES
-    features_axis = dim % 2
-    token_axis = 1 - features_axis
-    unit_axis = 1  # the result is contiguous: its last axis has stride 1
-    if hidden.stride(unit_axis) != 1:
+    if hidden.stride(1) != 1:  # the result's layout: rows of axis 1, contiguous
         hidden = hidden.contiguous()
     normed = torch.empty(hidden.shape, dtype=hidden.dtype)
-    feature_major = unit_axis == token_axis
-    other_axis = 1 - unit_axis
+    feature_major = dim % 2 == 0  # axis 1 holds the tokens: h^T [features, tokens]
+    features, tokens = hidden.shape if feature_major else hidden.shape[::-1]
     status = _function("kvproof_rms_norm")(
-        hidden.data_ptr(), hidden.stride(other_axis), normed.data_ptr(),
-        normed.stride(other_axis), hidden.shape[token_axis], hidden.shape[features_axis],
-        int(feature_major), eps, DTYPE_CODES[hidden.dtype])
+        hidden.data_ptr(), hidden.stride(0), normed.data_ptr(), normed.stride(0), tokens,
+        features, int(feature_major), eps, DTYPE_CODES[hidden.dtype])
     assert status == 0, "the C norm refused its arguments (a wrapper bug)"
     return normed
 
@@ -88,7 +85,8 @@ def rotary_write_kv(kv, layer: int, at, heads: torch.Tensor, q_heads: int,
     assert kv.dim() == 6 and kv.shape[3] == kv_heads and kv.shape[5] == head_dim
     assert heads.dtype == kv.dtype == cos.dtype == signed_sin.dtype
     assert heads.dtype in DTYPE_CODES and kv.device.type == heads.device.type == "cpu"
-    assert kv.is_contiguous() and at.target.data_ptr() == kv.data_ptr(), "KVSlots of another pool"
+    assert kv.is_contiguous(), "the pool must be contiguous"
+    assert at.target.data_ptr() == kv.data_ptr(), "KVSlots of another pool"
     assert cos.shape == signed_sin.shape == (tokens, head_dim)
     assert cos.stride() == signed_sin.stride() and cos.stride(1) == 1
     rows = at.rows[layer]

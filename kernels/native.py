@@ -93,7 +93,8 @@ def _build(source: Path, compiler: str) -> Path:
                                 capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if result.returncode != 0:
             last_lines = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
-            raise RuntimeError(f"{Path(compiler).name} exited {result.returncode}: {last_lines}")
+            raise RuntimeError(f"{Path(compiler).name} exited {result.returncode}: "
+                               f"{last_lines}")
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):

@@ -202,8 +202,10 @@ def test_rotary_write_kv_refuses_a_row_outside_the_pool_and_writes_nothing():
 def test_tags_match_is_the_reference_check():
     tags = torch.tensor([5, 6, 7, 8], dtype=torch.int64)
     ids = torch.tensor([3, 0, 3], dtype=torch.int64)
-    assert layer_native.tags_match(tags, ids, torch.tensor([8, 5, 8]))
-    assert not layer_native.tags_match(tags, ids, torch.tensor([8, 5, 9]))
+    for expected, match in (([8, 5, 8], True), ([8, 5, 9], False), ([9, 5, 8], False)):
+        expected = torch.tensor(expected)
+        assert layer_native.tags_match(tags, ids, expected) is match
+        assert attention.tags_equal(tags, ids, expected) is match
     assert layer_native.tags_match(tags, ids[:0], ids[:0])
     with pytest.raises(AssertionError, match="outside the pool"):
         layer_native.tags_match(tags, torch.tensor([4]), torch.tensor([8]))
