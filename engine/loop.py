@@ -48,7 +48,9 @@ class Loop:
         return busy
 
     def _prefill_on(self, worker) -> None:
+        before = {s.request.request_id: s.prefilled_tokens for s in worker.computing}
         completed, faults = worker.step()
+        self._renew_progress(worker, before, completed)
         for fault in faults:
             self._prefill_failed(fault)
         for sequence, token, logits in completed:
@@ -59,6 +61,18 @@ class Loop:
                 self.prompt_kv[r] = kv_rows(worker.pool, sequence.pages,
                                             len(sequence.prompt_ids))
             live.wants.add(SEND)
+
+    def _renew_progress(self, worker, before: dict, completed: list) -> None:
+        """A prefill step renews the lease of every request whose chunk it computed and,
+        when it computed anything, of every request queued at this worker (its queue
+        moves); a step that computed nothing renews nothing."""
+        advanced = [s.request.request_id for s, _, _ in completed]
+        advanced += [s.request.request_id for s in worker.computing
+                     if s.prefilled_tokens > before.get(s.request.request_id, 0)]
+        if not advanced:
+            return
+        for r in advanced + list(worker.queue):
+            self.renew(r)
 
     def _prefill_failed(self, fault: PrefillFault) -> None:
         """The request's own prefill compute failed (the worker took it out of its batch

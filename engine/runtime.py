@@ -33,6 +33,17 @@ or a test looks at; `Runtime` also has the loop and its data-path steps (engine/
 the delivery of messages and the admission queue (engine/delivery.py), and streams tokens
 through engine/streaming.py (`Live`, the held-back text at a possible stop string).
 
+Timers. Decode's transfer deadline is a lease, not a stopwatch (spec: LeaseLapsed). ArmTimer
+(at Reserve) starts it; every sign of progress from the request's prefill renews it: the
+prefill admitted it, computed one of its chunks, posted or landed one of its pages; while it
+is queued at its prefill, any progress of that worker renews it (the worker is alive and its
+queue moves; how long it may wait there is admission's bound, not a timer's). It lapses
+after `lease_s` of silence, or `transfer_timeout_s` after Admit at the latest; then decode
+times out, cancels, and waits for the prefill's final word before it releases. A fitting,
+fault-free request is never failed by it, provided a prefill step takes well under
+`lease_s` (the startup check in engine/serving.py verifies that). StopwatchTimeout is the old
+deadline (transfer_timeout_s from reservation, never renewed): the zoo's switch.
+
 Reservation sizing. The core's request has one page count, `prompt_pages`: decode
 reserves that many pages, the prefill admits that many source pages and must write every
 one of them, and decode's count check compares the pages written with the pages reserved.
@@ -81,7 +92,12 @@ class RuntimeConfig:
     context_tokens: int = 2048  # what the engine advertises (ContextTooLong above it)
     max_batch: int = 64
     prefill_chunk_tokens: int = 512
-    transfer_timeout_s: float = 30.0
+    # Decode's transfer deadline is a lease (see "Timers" above): it lapses after lease_s
+    # without progress from the request's prefill, and at the latest transfer_timeout_s
+    # after the prefill admitted it (a backstop for a prefill that renews but never ends).
+    # Queueing counts against neither: admission bounds it (engine/serving.py).
+    lease_s: float = 10.0
+    transfer_timeout_s: float = 300.0
     bugs: frozenset = frozenset()
     transport_seed: int | None = None
     lands_per_step: int = 1 << 30
@@ -94,7 +110,7 @@ class RuntimeConfig:
         for name in ("prefill_pages", "decode_pages", "page_tokens", "context_tokens",
                      "max_batch", "prefill_chunk_tokens", "prefill_workers", "decode_workers"):
             assert getattr(self, name) > 0, f"{name} must be positive"
-        assert self.transfer_timeout_s > 0
+        assert self.transfer_timeout_s > 0 and self.lease_s > 0
         object.__setattr__(self, "bugs", frozenset(self.bugs))
 
     @property
@@ -128,7 +144,8 @@ class Runtime(Loop, Delivery):
                                             config.lands_per_step, config.transport_seed)
         self._turn = 0  # the router's tie-break
         self.live: dict[int, Live] = {}
-        self.timers: dict[int, float] = {}
+        self.timers: dict[int, float] = {}  # request -> when its lease lapses
+        self.admitted_at: dict[int, float] = {}  # request -> when its prefill admitted it
         self.recent: list[Live] = []
         self.log: list[dict] = []
         # The leak oracle's evidence (config.keep_kv): per request, the prompt KV its prefill
@@ -171,6 +188,10 @@ class Runtime(Loop, Delivery):
             self.on_commit(event, out)
         for command in out.commands:
             self._handlers[type(command)](command)
+        if type(event) in _PROGRESS:
+            if type(event) is core.Admit:
+                self.admitted_at[r] = self.clock()
+            self.renew(r)
         row = self.store.rows.get(r)
         if row is not None and core.settled(row):
             self._forget(r)
@@ -273,7 +294,22 @@ class Runtime(Loop, Delivery):
                                       p, d))
 
     def _arm_timer(self, c: cmd.ArmTimer) -> None:
-        self.timers[c.request] = self.clock() + self.config.transfer_timeout_s
+        stopwatch = "StopwatchTimeout" in self.config.bugs
+        self.timers[c.request] = self.clock() + (
+            self.config.transfer_timeout_s if stopwatch else self.config.lease_s)
+
+    def renew(self, r: int) -> None:
+        """Progress from r's prefill: its lease runs lease_s from now, but never past
+        transfer_timeout_s after its Admit. In one process the renewal is a call; between
+        processes it is a message from the prefill like any other."""
+        if r not in self.timers or "StopwatchTimeout" in self.config.bugs:
+            return
+        now = self.clock()
+        lapse = now + self.config.lease_s
+        admitted = self.admitted_at.get(r)
+        if admitted is not None:
+            lapse = min(lapse, admitted + self.config.transfer_timeout_s)
+        self.timers[r] = lapse
 
     def _cancel_timer(self, c: cmd.CancelTimer) -> None:
         self.timers.pop(c.request, None)
@@ -328,6 +364,7 @@ class Runtime(Loop, Delivery):
         self.store.forget(r)
         live = self.live.pop(r, None)
         self.timers.pop(r, None)
+        self.admitted_at.pop(r, None)
         self.prefills[p].stop(r)
         self.decodes[d].stop(r)
         if live is not None:
@@ -344,6 +381,11 @@ class Runtime(Loop, Delivery):
         """Requests admitted by the router and not yet computing at the prefill."""
         return sum(1 for r in self.live if r in self.store.rows
                    and self._row(r)[core.PST] == core.QUEUED)
+
+    def queued_tokens(self) -> int:
+        """Their prompt tokens: what admission bounds (engine/serving.py)."""
+        return sum(len(live.request.prompt_ids) for r, live in self.live.items()
+                   if r in self.store.rows and self._row(r)[core.PST] == core.QUEUED)
 
     def pool_snapshots(self) -> tuple[PoolSnapshot, ...]:
         """Every worker's pool: prefill workers first, then decode workers, by index."""
@@ -381,6 +423,11 @@ class Runtime(Loop, Delivery):
                 "bugs": sorted(protocol.bugs), "max_prompt_pages": self.config.context_pages,
                 "prefill_workers": self.config.prefill_workers,
                 "decode_workers": self.config.decode_workers}
+
+
+# The prefill's protocol steps that are progress on a request and renew its lease (a chunk
+# computed is the other kind: engine/loop.py renews for it).
+_PROGRESS = frozenset({core.Admit, core.SendPage, core.LandWrite, core.SendDone})
 
 
 def _sized(pool: PoolConfig, pages: int) -> PoolConfig:

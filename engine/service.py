@@ -106,6 +106,7 @@ class Snapshot:
     queued: int
     running: int
     recent: tuple[RequestSnapshot, ...]  # newest last, bounded
+    queued_tokens: int = 0  # prompt tokens of the queued requests (admission bounds them)
     guard_trips: dict = field(default_factory=dict)  # guard -> count
     refusals: dict = field(default_factory=dict)  # core refusal reason -> count
     rejects: dict = field(default_factory=dict)  # reject reason (too long, capacity) -> count

@@ -6,6 +6,23 @@ engine refuses to start with an exception naming the node and both numbers; with
 `lower_context_to_fit` it advertises what the smallest pool holds instead. The
 PoolBelowContext switch is this check turned off (for the bug zoo's tests only).
 
+The startup check covers time as well as pages. A request's transfer deadline is a lease
+(engine/runtime.py, "Timers"): a prefill step that takes longer than the lease would fail a
+healthy request, and a prompt at the advertised context must prefill within the transfer
+timeout. So `build_engine` measures, on the loaded model, one prefill chunk at the start of
+the context and one at its end (`measure_prefill`: garbage KV in free pages, which are never
+zeroed anyway), models the chunks between as linear in position (attention grows with it),
+and refuses to start (TimingError) when the longest chunk, or the whole prefill of the
+advertised context, exceeds what its timers allow with TIMING_MARGIN to spare for load; with
+`lower_context_to_fit` it advertises the longest context that passes instead. An operator can
+tell it the figure (`context_prefill_s`) instead of measuring. The verdict is kept
+(`ThreadedEngine.timing`) for the banner and /v1/models.
+
+Admission refuses up front (Overloaded: 503 with Retry-After): beyond `max_queued` requests,
+or beyond `max_queued_tokens` prompt tokens, waiting at the prefill workers (queued and not
+yet computing), so that what is admitted starts within a bound instead of failing later for
+having waited.
+
 `ThreadedEngine` runs `Runtime.step()` on one background thread. `submit` and `abort` may
 be called from any thread: they refuse what must be refused before anything is allocated
 (ContextTooLong, Overloaded, EngineStopped) and put the rest in an inbox the loop drains,
@@ -21,12 +38,76 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 
+import torch
+
+from engine.generate import Request, Sequence, plan_chunks
 from engine.runtime import Runtime, RuntimeConfig
+from engine.sampling import SamplingParams
 from engine.service import (ContextTooLong, EngineStopped, Finished, GenerationRequest,
                             Overloaded, Snapshot)
 
 POOL_TOKENS_DEFAULT = 16384
 IDLE_PUBLISH_S = 0.1  # how stale an idle engine's snapshot may get, at most
+# Timers must allow this many times the measured prefill time: the loop runs every worker in
+# turn (a request's chunks wait for the others' steps) and a loaded machine runs slower.
+TIMING_MARGIN = 2.0
+
+
+class TimingError(RuntimeError):
+    """Prefilling the advertised context takes longer than the engine's timers allow: the
+    engine refuses to start rather than fail healthy requests later."""
+
+
+@dataclass(frozen=True)
+class PrefillTiming:
+    """The startup check's figures: how long prefilling `context_tokens` takes here (in
+    chunks of `chunk_tokens`), measured or told, and the limits it was held to."""
+
+    context_tokens: int
+    chunk_tokens: int
+    first_chunk_s: float
+    last_chunk_s: float
+    measured: bool
+    lease_s: float
+    transfer_timeout_s: float
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.context_tokens // self.chunk_tokens)
+
+    @property
+    def prefill_s(self) -> float:
+        """The whole prompt, chunk times linear in position from the first to the last."""
+        return self.chunks * (self.first_chunk_s + self.last_chunk_s) / 2
+
+    def at(self, context_tokens: int) -> "PrefillTiming":
+        """The same machine at a shorter context: the last chunk's cost scales with its
+        position (linear), never below the first's."""
+        ratio = max(0.0, (context_tokens - self.chunk_tokens)
+                    / max(1, self.context_tokens - self.chunk_tokens))
+        last = self.first_chunk_s + (self.last_chunk_s - self.first_chunk_s) * min(1.0, ratio)
+        return replace(self, context_tokens=context_tokens, last_chunk_s=last)
+
+    def problem(self, prefill_workers: int = 1) -> str | None:
+        """Why these timers fail healthy requests at this context, or None."""
+        step_s = self.last_chunk_s * prefill_workers * TIMING_MARGIN
+        if step_s > self.lease_s:
+            return (f"a prefill step at the end of the context takes {self.last_chunk_s:.2f} s "
+                    f"(x{prefill_workers} prefill workers x{TIMING_MARGIN:g} margin = "
+                    f"{step_s:.2f} s), longer than the lease of {self.lease_s:g} s "
+                    "(--lease-s)")
+        if self.prefill_s * TIMING_MARGIN > self.transfer_timeout_s:
+            return (f"prefilling {self.context_tokens} tokens takes {self.prefill_s:.1f} s "
+                    f"(x{TIMING_MARGIN:g} margin = {self.prefill_s * TIMING_MARGIN:.1f} s), "
+                    f"longer than the transfer timeout of {self.transfer_timeout_s:g} s "
+                    "(--transfer-timeout-s)")
+        return None
+
+    def describe(self) -> str:
+        how = "measured" if self.measured else "as told"
+        return (f"prefill of {self.context_tokens} tokens ~{self.prefill_s:.1f} s ({how}; "
+                f"last chunk {self.last_chunk_s:.2f} s), within lease {self.lease_s:g} s and "
+                f"transfer timeout {self.transfer_timeout_s:g} s")
 
 
 class CapacityError(RuntimeError):
@@ -49,8 +130,13 @@ class EngineConfig:
     max_batch: int = 64
     prefill_chunk_tokens: int = 512
     max_queued: int = 256  # requests admitted by submit and not yet computing
+    max_queued_tokens: int = 65536  # their prompt tokens, all prefill workers together
     retry_after_s: float = 1.0
-    transfer_timeout_s: float = 30.0
+    lease_s: float = 10.0  # decode's lease: the longest silence from a request's prefill
+    transfer_timeout_s: float = 300.0  # a request's transfer from its Admit, at most
+    # The startup timing check: None measures; a figure (seconds to prefill the advertised
+    # context here) is taken as told; 0 skips the check (tests of tiny models only).
+    context_prefill_s: float | None = None
     idle_wait_s: float = 0.005  # how long the loop sleeps when there is nothing to do
     # Tests only: the loop sleeps this long after every step that did work, so that a test
     # can catch a request queued, mid-prefill or mid-stream (0: never).
@@ -63,8 +149,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("page_tokens", "prefill_pool_tokens", "decode_pool_tokens", "max_batch",
-                     "prefill_chunk_tokens", "max_queued", "prefill_workers", "decode_workers"):
+                     "prefill_chunk_tokens", "max_queued", "max_queued_tokens",
+                     "prefill_workers", "decode_workers", "lease_s", "transfer_timeout_s"):
             assert getattr(self, name) > 0, f"{name} must be positive"
+        assert self.context_prefill_s is None or self.context_prefill_s >= 0
         assert self.context_length is None or self.context_length > 0
         assert self.step_delay_s >= 0 and self.idle_wait_s > 0
         object.__setattr__(self, "bugs", frozenset(self.bugs))
@@ -101,12 +189,81 @@ def build_engine(loaded_model, config: EngineConfig | dict | None = None) -> "Th
     runtime = Runtime(model, RuntimeConfig(
         prefill_pages=prefill_pages, decode_pages=decode_pages, page_tokens=config.page_tokens,
         context_tokens=context, max_batch=config.max_batch,
-        prefill_chunk_tokens=config.prefill_chunk_tokens,
+        prefill_chunk_tokens=config.prefill_chunk_tokens, lease_s=config.lease_s,
         transfer_timeout_s=config.transfer_timeout_s, bugs=config.bugs,
         transport_seed=config.transport_seed, prefill_workers=config.prefill_workers,
         decode_workers=config.decode_workers), tokenizer=loaded_model.tokenizer)
+    timing = checked_timing(runtime, config, context)
+    if timing is not None and timing.context_tokens < context:
+        lowered = replace(runtime.config, context_tokens=timing.context_tokens)
+        runtime = None  # its pools go before the new ones are made
+        runtime = Runtime(model, lowered, tokenizer=loaded_model.tokenizer)
     name = getattr(loaded_model, "path", None)
-    return ThreadedEngine(runtime, config, model_name=name.stem if name else "model")
+    engine = ThreadedEngine(runtime, config, model_name=name.stem if name else "model")
+    engine.timing = timing
+    return engine
+
+
+def measure_prefill(runtime: Runtime, context_tokens: int) -> tuple[float, float]:
+    """Seconds for one prefill chunk at the start of the context and one ending at
+    `context_tokens`, on prefill worker 0's model and pool (the pool is free at startup;
+    what the chunks write is garbage in free pages, as every freed page holds). Each is
+    the faster of two runs, after a warm-up."""
+    worker = runtime.prefills[0]
+    chunk = min(runtime.config.prefill_chunk_tokens, context_tokens)
+    pages = list(range(-(-context_tokens // worker.pool.page_tokens)))
+    device = worker.model.device
+    request = Request(0, (1,) * context_tokens, SamplingParams(max_tokens=1))
+    sequence = Sequence(request=request, pages=pages,
+                        page_tensor=torch.tensor(pages, dtype=torch.int32, device=device),
+                        tag_tensor=torch.empty(0, dtype=torch.int64), generator=None)
+
+    def one(start: int) -> float:
+        sequence.prefilled_tokens = start
+        plan = plan_chunks([sequence], chunk, device, worker.pool.page_tokens)
+        began = time.perf_counter()
+        with torch.inference_mode():
+            worker.model.prefill(worker.pool, [c for _, c in plan])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - began
+
+    one(0)
+    first = min(one(0), one(0))
+    last = min(one(context_tokens - chunk), one(context_tokens - chunk))
+    return first, max(first, last)
+
+
+def checked_timing(runtime: Runtime, config: EngineConfig,
+                   context: int) -> PrefillTiming | None:
+    """The startup timing check (module header): the timing the engine will advertise, at
+    `context` or, with lower_context_to_fit, at the longest context that passes;
+    TimingError otherwise. None when told to skip it (context_prefill_s = 0)."""
+    chunk = min(config.prefill_chunk_tokens, context)
+    if config.context_prefill_s == 0:
+        return None
+    if config.context_prefill_s is None:
+        first, last = measure_prefill(runtime, context)
+        timing = PrefillTiming(context, chunk, first, last, True, config.lease_s,
+                               config.transfer_timeout_s)
+    else:  # told the whole: chunks linear in position from ~0 (a lower bound for the last)
+        chunks = -(-context // chunk)
+        last = 2 * config.context_prefill_s / (chunks + 1)
+        timing = PrefillTiming(context, chunk, last / chunks, last, False, config.lease_s,
+                               config.transfer_timeout_s)
+    problem = timing.problem(config.prefill_workers)
+    if problem is None:
+        return timing
+    if not config.lower_context_to_fit:
+        raise TimingError(f"{problem}; raise the timer, shorten --prefill-chunk-tokens, or "
+                          "pass --lower-context-to-fit to advertise what fits")
+    fits = context
+    while fits > config.page_tokens and timing.at(fits).problem(config.prefill_workers):
+        fits -= config.page_tokens
+    lowered = timing.at(fits)
+    if lowered.problem(config.prefill_workers):
+        raise TimingError(f"{lowered.problem(config.prefill_workers)}, even at {fits} tokens")
+    return lowered
 
 
 @dataclass(eq=False)
@@ -129,6 +286,8 @@ class ThreadedEngine:
         self._idle = True
         self._abort_all = False
         self._in_transit = 0  # drained from the inbox since the last publish
+        self._queued_tokens = 0  # prompt tokens in the inbox or in transit, likewise
+        self.timing: PrefillTiming | None = None  # the startup timing check's verdict
         self._refused: Counter = Counter()  # submit's refusals by reject reason
         self._published = self._publish()
         self.error: BaseException | None = None  # what killed the loop, if anything
@@ -152,12 +311,14 @@ class ThreadedEngine:
             if self._stopping:
                 raise EngineStopped("the engine is stopping")
             queued = len(self._inbox) + self._in_transit + self._published.queued
-            if queued >= self.config.max_queued:
+            tokens = self._queued_tokens + self._published.queued_tokens + prompt
+            if queued >= self.config.max_queued or tokens > self.config.max_queued_tokens:
                 self._refused["capacity"] += 1
                 raise Overloaded(queued, self.config.retry_after_s)
             r = self._next_id
             self._next_id += 1
             self._inbox.append((r, request, on_event))
+            self._queued_tokens += prompt
         self._wake.set()
         return r
 
@@ -197,6 +358,7 @@ class ThreadedEngine:
         rt = self.runtime
         counts = {k: dict(v) for k, v in rt.counts.items()}
         return Snapshot(pools=rt.pool_snapshots(), queued=rt.queued(),
+                        queued_tokens=rt.queued_tokens(),
                         running=sum(len(w.running) for w in rt.decodes)
                         + sum(len(w.computing) for w in rt.prefills),
                         recent=rt.request_snapshots(), guard_trips=counts["guard_trips"],
@@ -225,6 +387,7 @@ class ThreadedEngine:
                     published, idle, published_s = self._publish(), self.runtime.idle, now
                     with self._lock:
                         self._published, self._idle, self._in_transit = published, idle, 0
+                        self._queued_tokens = 0
                 if busy and self.config.step_delay_s:
                     time.sleep(self.config.step_delay_s)
                 if not busy:

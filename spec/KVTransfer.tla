@@ -52,11 +52,14 @@ CONSTANTS
     DecodePages,     \* size of the decode KV pool, in pages
     Crashes,         \* whether the prefill worker may crash and restart (BOOLEAN)
     DecodeCrashes,   \* whether the decode worker may crash and restart (BOOLEAN)
+    EarlyTimeouts,   \* whether a decode timer may fire while the prefill is still at work
+                     \*   on the request (BOOLEAN; see Timeout)
     Bugs             \* the bug switches that are on (a set of strings)
 
 BugNames == {"FinishedNotRejected", "NoCountCheck", "EagerRelease", "SourceReuse",
              "NoAbortNotice", "NoTimeout", "PoolBelowContext", "NoGenBump",
-             "NoChecksum", "NoTombstone", "NoCancel", "AdmitBeforeReserve"}
+             "NoChecksum", "NoTombstone", "NoCancel", "AdmitBeforeReserve",
+             "StopwatchTimeout"}
 
 ASSUME /\ NoReq \notin Requests
        /\ Bugs \subseteq BugNames
@@ -66,6 +69,7 @@ ASSUME /\ NoReq \notin Requests
        /\ DecodePages \in Nat \ {0}
        /\ Crashes \in BOOLEAN
        /\ DecodeCrashes \in BOOLEAN
+       /\ EarlyTimeouts \in BOOLEAN
 
 PPages == 1..PrefillPages
 DPages == 1..DecodePages
@@ -474,9 +478,31 @@ DecodeAbort(r) ==
                    gen, content, powner, pdata, writes, ptable, fwCount, announced,
                    landed>>
 
+(* Decode's transfer deadline is a lease: every sign of progress from the prefill on the   *)
+(* request (admitted, a chunk computed, a page posted; while it is queued, the prefill's   *)
+(* progress on the requests ahead of it) renews it, and it lapses only after a silence of *)
+(* lease_s. In an untimed spec a renewal cannot hold a timer back, so what the lease      *)
+(* changes is *when* the timer may fire: only once the prefill has gone silent on the      *)
+(* request, that is, it no longer works on it (it ended or crashed) and neither its final  *)
+(* word nor a write of the request is on the way. That is the synchrony assumption a      *)
+(* lease rests on (a working prefill renews within lease_s), the environment's, not a     *)
+(* guard decode evaluates: decode only sees its clock (spec/tlaplus/locality.py keeps     *)
+(* LeaseLapsed out of decode's reads). EarlyTimeouts drops the assumption (a lease shorter *)
+(* than a chunk, a paused process, a renewal late on the wire): the timer may then fire    *)
+(* whenever decode waits, safety must still hold, and ErrTimeout is a fault outcome. The  *)
+(* StopwatchTimeout switch is the deadline that runs from reservation whatever the        *)
+(* prefill does: it fires while the prefill is queued or computing, and                  *)
+(* FittingRequestsSucceed, where timers are timely, catches it.                           *)
+PrefillSilent(r) == /\ pst[r] \notin {"Queued", "Running"}
+                    /\ fwMsg[r] = "None"
+                    /\ WritesOf(r) = {}
+
+LeaseLapsed(r) == EarlyTimeouts \/ "StopwatchTimeout" \in Bugs \/ PrefillSilent(r)
+
 Timeout(r) ==
     /\ "NoTimeout" \notin Bugs
     /\ dst[r] = "Waiting"
+    /\ LeaseLapsed(r)
     /\ dst' = [dst EXCEPT ![r] = "Closing"]
     /\ cancel' = IF "NoCancel" \in Bugs THEN cancel ELSE [cancel EXCEPT ![r] = TRUE]
     /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTimeout")]
@@ -586,7 +612,10 @@ NoStuckRequest == AtRest => \A r \in Requests : Ended(r)
 QuietButTimers == /\ ~ENABLED (\E r \in Requests : ProtocolStep(r))
                   /\ ~ENABLED (\E w \in writes : LandWrite(w))
 
-FaultOutcomes == {"Gone", "ErrPrefill", "ErrDecode", "ErrTimeout"}
+(* A timeout is a fault's outcome only where timers may fire early: with timely timers a  *)
+(* fitting request that times out was failed by the protocol.                             *)
+FaultOutcomes == {"Gone", "ErrPrefill", "ErrDecode"}
+                 \cup (IF EarlyTimeouts THEN {"ErrTimeout"} ELSE {})
 
 Fits(r) == prompt[r] <= Min(Advertised, Min(PrefillPages, DecodePages))
 

@@ -563,12 +563,29 @@ def decode_abort(m: Model, s: State, r: int) -> Change | str:
     return _one(r, _row(row, DST, CLOSING, *(() if row[DFW] else _cancel(m))))
 
 
+def lease_lapsed(m: Model, s: State, r: int) -> bool:
+    """The environment's synchrony assumption under which decode's lease lapses (the spec's
+    LeaseLapsed): a working prefill renews it, so it lapses only once the prefill has gone
+    silent on the request (it no longer works on it, and neither its final word nor a write
+    of the request is on the way), unless timers may fire early (a shell's clock: its lease
+    is what keeps them timely) or the deadline is a stopwatch (StopwatchTimeout). Not a guard
+    decode evaluates: it only sees its clock (locality.py keeps this out of its reads)."""
+    if m.early_timeouts or "StopwatchTimeout" in m.bugs:
+        return True
+    row = s.requests[r]
+    if row[PST] == QUEUED or row[PST] == RUNNING or row[FW] != NO_MSG:
+        return False
+    return not any(w[0] == r for w in s.writes)
+
+
 def timeout(m: Model, s: State, r: int) -> Change | str:
     if "NoTimeout" in m.bugs:
         return "decode has no transfer timeout (NoTimeout)"
     row = s.requests[r]
     if row[DST] != D_WAITING:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not Waiting"
+    if not lease_lapsed(m, s, r):
+        return "the lease has not lapsed: the prefill is still at work on the request"
     return _one(r, _row(row, DST, CLOSING, *_cancel(m),
                         CLIENT, _client_error(row, ERR_TIMEOUT)))
 

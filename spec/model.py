@@ -76,6 +76,12 @@ BUG_SWITCHES: dict[str, tuple[str, str, str]] = {
         "deadlock until timeouts fail requests that fit",
         "pool-pressure hangs of the same family: SGLang #30033, #6857",
     ),
+    "StopwatchTimeout": (
+        "transfer deadline as a lease renewed by the prefill's progress",
+        "decode's transfer deadline runs from reservation, so it counts the prefill's queue "
+        "and compute and fails healthy requests that fit",
+        "tokenspeed #1427, SGLang's bootstrap deadline, kvproof serve before the lease",
+    ),
 }
 
 ALL_BUGS = frozenset(BUG_SWITCHES)
@@ -85,7 +91,8 @@ ALL_BUGS = frozenset(BUG_SWITCHES)
 # Requests (the model values) and Bugs (a set of strings) are the two others.
 TLA_CONSTANTS = {"max_prompt_pages": "MaxPromptPages", "context_pages": "ContextPages",
                  "prefill_pages": "PrefillPages", "decode_pages": "DecodePages",
-                 "crashes": "Crashes", "decode_crashes": "DecodeCrashes"}
+                 "crashes": "Crashes", "decode_crashes": "DecodeCrashes",
+                 "early_timeouts": "EarlyTimeouts"}
 
 
 class ModelError(ValueError):
@@ -143,6 +150,10 @@ class Model:
     bugs: frozenset[str] = field(default_factory=frozenset)
     crashes: bool = False  # whether the prefill worker may crash and restart
     decode_crashes: bool = False  # whether the decode worker may crash and restart
+    # Whether a decode timer may fire while the prefill is still at work on the request
+    # (the spec's EarlyTimeouts): True keeps safety checked under any timing; False checks
+    # that timely timers (a lease) never fail a request that fits.
+    early_timeouts: bool = True
     name: str = "custom"
     request_names: tuple[str, ...] = ()
 
@@ -153,7 +164,8 @@ class Model:
             _positive(label, getattr(self, label))
         if self.request_names and len(self.request_names) != self.requests:
             raise ModelError("request_names must name every request")
-        for label, value in (("crashes", self.crashes), ("decode_crashes", self.decode_crashes)):
+        for label, value in (("crashes", self.crashes), ("decode_crashes", self.decode_crashes),
+                             ("early_timeouts", self.early_timeouts)):
             if not isinstance(value, bool):
                 raise ModelError(f"{label} must be TRUE or FALSE, got {value!r}")
         object.__setattr__(self, "bugs", frozenset(self.bugs))
@@ -189,18 +201,21 @@ class Model:
     @classmethod
     def from_tla_constants(cls, constants: dict, name: str = "custom") -> "Model":
         """The inverse of tla_constants; a missing constant is a ModelError naming it.
-        DecodeCrashes may be absent (files written before decode crashes existed)."""
+        DecodeCrashes and EarlyTimeouts may be absent (files written before decode crashes
+        and timely timers existed: FALSE and TRUE, what those files meant)."""
+        optional = {"DecodeCrashes", "EarlyTimeouts"}
         try:
             names = tuple(str(n) for n in constants["Requests"])
             fields = {field: constants[constant] for field, constant in TLA_CONSTANTS.items()
-                      if constant != "DecodeCrashes"}
+                      if constant not in optional}
             bugs = frozenset(constants["Bugs"])
         except KeyError as error:
             raise ModelError(f"constant {error.args[0]} is missing") from None
         except TypeError as error:
             raise ModelError(f"malformed constants: {error}") from None
         return cls(requests=len(names), request_names=names, bugs=bugs, name=name,
-                   decode_crashes=constants.get("DecodeCrashes", False), **fields)
+                   decode_crashes=constants.get("DecodeCrashes", False),
+                   early_timeouts=constants.get("EarlyTimeouts", True), **fields)
 
     def with_bugs(self, bugs: frozenset[str] | set[str], name: str | None = None) -> "Model":
         return replace(self, bugs=frozenset(bugs), name=name or self.name)
@@ -213,5 +228,6 @@ class Model:
             f"context {self.context_pages} (advertised {self.advertised_context_pages}), "
             f"prefill pool {self.prefill_pages}, decode pool {self.decode_pages} pages"
             f"{', prefill crashes' if self.crashes else ''}"
-            f"{', decode crashes' if self.decode_crashes else ''}; bugs: {bugs}"
+            f"{', decode crashes' if self.decode_crashes else ''}"
+            f"{'' if self.early_timeouts else ', timely timers'}; bugs: {bugs}"
         )

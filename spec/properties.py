@@ -160,6 +160,8 @@ def NoStuckRequest(m: Model, s: State) -> bool:
 
 
 _FAULT_OUTCOMES = (GONE, ERR_PREFILL, ERR_DECODE, ERR_TIMEOUT)
+# With timely timers (EarlyTimeouts = FALSE) a timeout is no fault's outcome.
+_FAULT_OUTCOMES_TIMELY = (GONE, ERR_PREFILL, ERR_DECODE)
 
 
 def FittingRequestsSucceed(m: Model, s: State) -> bool:
@@ -170,12 +172,13 @@ def FittingRequestsSucceed(m: Model, s: State) -> bool:
     excuse: a timer that is the designed recovery from a fault (decode learns of a prefill
     crash by timing out; the crashed request's pages may hold others back until then)."""
     fits = min(m.advertised_context_pages, m.prefill_pages, m.decode_pages)
+    faults = _FAULT_OUTCOMES if m.early_timeouts else _FAULT_OUTCOMES_TIMELY
     for row in s.requests:  # a timer that recovers from a fault is the one excuse
-        if row[CLIENT] in _FAULT_OUTCOMES and row[DST] == D_WAITING:
+        if row[CLIENT] in faults and row[DST] == D_WAITING:
             return True
     for row in s.requests:
         client = row[CLIENT]
-        if client != IDLE and client != OK and client not in _FAULT_OUTCOMES \
+        if client != IDLE and client != OK and client not in faults \
                 and row[PROMPT] <= fits:
             return False
     return True

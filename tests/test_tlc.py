@@ -203,6 +203,7 @@ TLC_FIGURES = {
     "bug-NoTombstone": (788968, 27),
     "bug-PoolBelowContext": (857953, 27),
     "bug-SourceReuse": ('SourceHeld', 4),
+    "bug-StopwatchTimeout": ('FittingRequestsSucceed', 6),
     "crash": (1267726, 27),
     "decode-crash": (322726, 23),
     "default": (772008, 27),
@@ -213,6 +214,8 @@ TLC_FIGURES = {
     "solo": (963, 14),
     "solo-crash": (1252, 14),
     "solo-decode-crash": (2095, 14),
+    "timely": (290130, 27),
+    "timely-crash": (533392, 27),
     "wide": (964, 14),
     "zoo-dead-prefill": ('NoLeakAtRest', 3),
     "zoo-eager-release": ('NoWriteIntoForeign', 6),
@@ -224,6 +227,7 @@ TLC_FIGURES = {
     "zoo-silent-prefill-abort": ('NoLeakAtRest', 3),
     "zoo-source-reuse": ('SourceHeld', 4),
     "zoo-source-reuse-unverified": ('Isolation', 11),
+    "zoo-stopwatch-timeout": ('FittingRequestsSucceed', 6),
 }
 
 

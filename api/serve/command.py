@@ -32,6 +32,20 @@ import threading
 from api.clikit import EXIT_OK, EXIT_USAGE, positive_int
 
 DEFAULT_FACTORY = "engine.serving:build_engine"
+# Options that go to the engine's config under their own names, when given.
+TIMER_OPTIONS = ("lease_s", "transfer_timeout_s", "context_prefill_s", "lower_context_to_fit",
+                 "max_queued", "max_queued_tokens")
+
+
+def positive_seconds(text: str) -> float:
+    """A duration in seconds, > 0 and finite."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 EXAMPLES = [
     "kvproof serve                                   # the default model on 127.0.0.1:8000",
     "kvproof serve --model path/to/model.gguf --port 8080 --device cuda --dtype bfloat16",
@@ -60,6 +74,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-workers", type=positive_int, default=None, metavar="M",
                         help="decode workers, each with its own KV pool (needs "
                              "--disaggregated; default 1)")
+    timers = parser.add_argument_group(
+        "timers and admission", "decode's transfer deadline is a lease that the prefill's "
+        "progress renews (admitted, a chunk computed, a page posted); queueing counts "
+        "against no timer, admission bounds it instead (503 with Retry-After at once). At "
+        "startup the engine measures how long prefilling the advertised context takes here "
+        "and refuses to start when its timers would not allow it")
+    timers.add_argument("--lease-s", type=positive_seconds, default=None, metavar="S",
+                        help="the longest silence decode tolerates from a request's prefill "
+                             "(default 10)")
+    timers.add_argument("--transfer-timeout-s", type=positive_seconds, default=None,
+                        metavar="S", help="a request's transfer from its prefill's start, at "
+                                          "most (default 300)")
+    timers.add_argument("--context-prefill-s", type=positive_seconds, default=None,
+                        metavar="S", help="how long prefilling the advertised context takes "
+                                          "here, instead of measuring it at startup")
+    timers.add_argument("--lower-context-to-fit", action="store_true",
+                        help="advertise the longest context the pools and timers allow, "
+                             "instead of refusing to start")
+    timers.add_argument("--max-queued", type=positive_int, default=None, metavar="N",
+                        help="requests waiting for a prefill, at most (default 256)")
+    timers.add_argument("--max-queued-tokens", type=positive_int, default=None, metavar="N",
+                        help="their prompt tokens, at most (default 65536)")
     parser.add_argument("--engine-factory", default=DEFAULT_FACTORY, metavar="MODULE:FUNCTION",
                         help=f"the engine's build function (default: {DEFAULT_FACTORY})")
 
@@ -133,14 +169,20 @@ def _engine_config(config_type, args: argparse.Namespace):
     if args.disaggregated:
         wanted = dict(disaggregated=True, prefill_workers=args.prefill_workers or 1,
                       decode_workers=args.decode_workers or 1)
+    for option in TIMER_OPTIONS:
+        value = getattr(args, option, None)
+        if value not in (None, False):
+            wanted[option] = value
     if config_type is None:
         return wanted
     fields = {f.name for f in dataclasses.fields(config_type)} if dataclasses.is_dataclass(
         config_type) else set()
     missing = sorted(set(wanted) - fields)
     if missing:
-        raise Refusal(f"--disaggregated is not supported yet by this engine (its config has "
-                      f"no {', '.join(missing)})")
+        flags = sorted({"--disaggregated" if name not in TIMER_OPTIONS else
+                        "--" + name.replace("_", "-") for name in missing})
+        raise Refusal(f"{', '.join(flags)}: not supported yet by this engine (its config "
+                      f"has no {', '.join(missing)})")
     try:
         return config_type(**wanted)
     except NotImplementedError as error:
@@ -184,6 +226,9 @@ def _serve(app, engine, listener: socket.socket, drain_s: float) -> None:
     url = f"http://{host}:{port}"
     print(f"kvproof serve: {engine.model_name} at {url} (context {engine.context_length} "
           f"tokens); dashboard {url}/ ; metrics {url}/metrics", flush=True)
+    timing = getattr(engine, "timing", None)
+    if timing is not None:
+        print(f"  context verified: {timing.describe()}", flush=True)
     print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
           f"'{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
           f"\"max_tokens\": 32}}'", flush=True)

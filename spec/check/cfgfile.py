@@ -225,6 +225,7 @@ def cfg_for(model: Model, invariants: tuple[str, ...], properties: tuple[str, ..
              f"    PrefillPages = {model.prefill_pages}", f"    DecodePages = {model.decode_pages}",
              f"    Crashes = {'TRUE' if model.crashes else 'FALSE'}",
              f"    DecodeCrashes = {'TRUE' if model.decode_crashes else 'FALSE'}",
+             f"    EarlyTimeouts = {'TRUE' if model.early_timeouts else 'FALSE'}",
              f"    Bugs = {{{bugs}}}",
              "SPECIFICATION FairSpec", "INVARIANTS", *[f"    {n}" for n in invariants]]
     if properties:

@@ -30,7 +30,8 @@ def describe_model(m: Model) -> str:
             f"(advertised {m.advertised_context_pages}), prefill pool "
             f"{pages(m.prefill_pages)}, decode pool {pages(m.decode_pages)}"
             f"{', prefill crashes' if m.crashes else ''}"
-            f"{', decode crashes' if m.decode_crashes else ''}; bugs: {bugs}")
+            f"{', decode crashes' if m.decode_crashes else ''}"
+            f"{'' if m.early_timeouts else ', timely timers'}; bugs: {bugs}")
 
 
 def format_trace(m: Model, violation: Violation, full: bool = False, shortest: bool = True) -> str:

@@ -51,6 +51,15 @@ BASES: dict[str, dict[str, int]] = {
                               prefill_pages=2, decode_pages=3, decode_crashes=True),
     "decode-crash": dict(requests=2, max_prompt_pages=2, context_pages=2, prefill_pages=1,
                          decode_pages=2, crashes=True, decode_crashes=True),
+    # The default model with timely timers (EarlyTimeouts = FALSE): decode's lease lapses
+    # only once the prefill has gone silent on the request, so no request that fits may be
+    # failed by a timer (FittingRequestsSucceed without the timeout excuse).
+    "timely": dict(requests=2, max_prompt_pages=3, context_pages=3, prefill_pages=2,
+                   decode_pages=3, early_timeouts=False),
+    # The same with prefill crashes: the lease lapses after a crash, and the timeout with
+    # its cancel is still the way back.
+    "timely-crash": dict(requests=2, max_prompt_pages=3, context_pages=3, prefill_pages=2,
+                         decode_pages=3, crashes=True, early_timeouts=False),
     # Three requests for the benchmark and scheduled runs.
     "large": dict(requests=3, max_prompt_pages=2, context_pages=2, prefill_pages=1,
                   decode_pages=2),
@@ -67,6 +76,10 @@ BASE_NOTES = {
                          "moment.",
     "decode-crash": "Two requests, pools of 1 and 2 pages, both workers may crash and restart.",
     "large": "Three requests, pools of 1 and 2 pages: the larger model (bench/, scheduled runs).",
+    "timely": "The default model with timely timers: decode's lease lapses only once the "
+              "prefill has gone silent on the request, so no request that fits may time out.",
+    "timely-crash": "The timely model, and the prefill may crash and restart empty at any "
+                    "moment: the lapsed lease and the cancel bring every page back.",
 }
 
 
@@ -124,6 +137,11 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("dead-prefill", frozenset({"NoTimeout"}), "NoLeakAtRest", 3, base="solo-crash",
           story="vLLM #35943 as it happens in the field: the prefill dies mid-request, "
                 "nobody tells decode, and without a timeout decode holds its pages forever."),
+    Entry("stopwatch-timeout", frozenset({"StopwatchTimeout"}), "FittingRequestsSucceed", 6,
+          base="timely",
+          story="tokenspeed #1427, SGLang's bootstrap deadline and kvproof serve before the "
+                "lease: decode's deadline runs from reservation, counts the prefill's queue "
+                "and compute, and fails a healthy request that fits."),
     Entry("no-cancel", frozenset({"NoCancel"}), "NoLeakAtRest", 4, base="solo-crash",
           story="Decode times out without telling the prefill; the prefill crashes, and the "
                 "restarted prefill, never asked, never sends the final word decode waits for."),
@@ -177,6 +195,10 @@ ALONE: tuple[Alone, ...] = (
                                 "holds pages for, and each ends with a final word)",
           exposed_by="no-cancel"),
     Alone("AdmitBeforeReserve", breaks="FittingRequestsSucceed", length=4),
+    Alone("StopwatchTimeout", masked_by="nothing to mask: the default model's timers may "
+                                        "fire early already (EarlyTimeouts), which safety "
+                                        "tolerates and FittingRequestsSucceed excuses",
+          exposed_by="stopwatch-timeout"),
 )
 assert {a.switch for a in ALONE} == set(BUG_SWITCHES)
 
@@ -215,12 +237,19 @@ def _entry_file(entry: Entry) -> str:
     return "incident.cfg" if entry.name == "incident" else f"zoo-{entry.name}.cfg"
 
 
+# The model each bug-X.cfg puts switch X on, where it is not the default model: a
+# stopwatch deadline changes nothing where timers may fire early anyway.
+SWITCH_BASES = {"StopwatchTimeout": "timely"}
+
+
 def generated_cfgs() -> dict[str, str]:
     files = {f"{base}.cfg": cfg_text(base, frozenset(), None, BASE_NOTES[base]) for base in BASES}
     for switch, (guard, what, seen) in BUG_SWITCHES.items():
+        base = SWITCH_BASES.get(switch, "default")
+        on = "" if base == "default" else f" on the {base} model"
         files[f"bug-{switch}.cfg"] = cfg_text(
-            "default", frozenset({switch}), None,
-            f"Bug switch {switch} alone ({seen}): {what}. Removes the guard: {guard}.")
+            base, frozenset({switch}), None,
+            f"Bug switch {switch} alone{on} ({seen}): {what}. Removes the guard: {guard}.")
     for name, base, bugs, _, story in HOLDS:
         files[f"{name}.cfg"] = cfg_text(base, bugs, None, story)
     for entry in ENTRIES:

@@ -71,6 +71,17 @@ GRANTS = {
     (DECODE, "client"): "the serving edge's client-gone notice (DecodeAbort), and its "
                         "first-answer rule (ClientError)",
 }
+# Operators (spec) and helpers (core) that state the environment's timing assumption under
+# which a timer fires, not a guard its worker evaluates: a timer fires when time has passed,
+# and what it may assume about the other side in that time is the synchrony assumption a
+# lease rests on. Their reads are the environment's; the rule skips them, and the table says
+# so. Every other read of a timer's guard is checked like any worker's.
+ASSUMPTIONS = {
+    "LeaseLapsed": "decode's lease lapses only after the prefill's silence (a working "
+                   "prefill renews it within lease_s): the environment's assumption, decode "
+                   "sees only its clock",
+}
+CORE_ASSUMPTIONS = {"lease_lapsed": "LeaseLapsed"}
 # How each owner is described in the table.
 MEANING = {
     "writes": "its send queue: writes posted whose completion has not come back",
@@ -169,6 +180,8 @@ class _Walker:
                     reads.add(op)
                 return
             go(args)
+            if op in ASSUMPTIONS:
+                return  # the environment's timing assumption: not the worker's read
             if op in self.defs and op not in stack:
                 self.visit(self.defs[op].definiens, reads, writes, keep, stack + (op,),
                            unchanged)
@@ -293,7 +306,8 @@ def core_reads(source: str | None = None) -> dict[str, set]:
             elif isinstance(node, ast.Attribute) and node.attr in VIEW_PARTS:
                 out.update(VIEW_PARTS[node.attr])
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
-                    and node.func.id in functions and node.func.id not in seen:
+                    and node.func.id in functions and node.func.id not in seen \
+                    and node.func.id not in CORE_ASSUMPTIONS:
                 out |= reads(node.func.id, seen + (node.func.id,))
         return out
 
@@ -318,8 +332,15 @@ README = SPEC_PATH.parent / "README.md"
 BEGIN, END = "<!-- locality:begin -->", "<!-- locality:end -->"
 
 
+def assumptions_table() -> str:
+    lines = ["| assumption (not read by the worker) | why |", "|---|---|"]
+    lines += [f"| `{name}` | {why} |" for name, why in ASSUMPTIONS.items()]
+    return "\n".join(lines)
+
+
 def render(text: str | None = None) -> str:
-    return owners_table() + "\n\n" + actions_table(analyse(text))
+    return (owners_table() + "\n\n" + actions_table(analyse(text)) + "\n\n"
+            + assumptions_table())
 
 
 def readme_section() -> str:
