@@ -26,8 +26,10 @@ from spec.properties import (ALL_INVARIANTS, LIVENESS, QUIET_INVARIANTS, REST_IN
 # `kvproof check` without --model: the default model, then the models with crashes. The
 # default model with both kinds of crash has 8,133,422 states (about 9 minutes here), so
 # the crash models are checked as they are: crash (the default model's constants, prefill
-# crashes) and decode-crash (two smaller pools, both workers crash). One exit status.
-HEADLINE_MODELS = ("default", "crash", "decode-crash")
+# crashes) and decode-crash (two smaller pools, both workers crash). Then timely: the
+# default model with timely timers (decode's lease), where no request that fits may be
+# failed by a timer. One exit status.
+HEADLINE_MODELS = ("default", "crash", "decode-crash", "timely")
 
 
 @dataclass

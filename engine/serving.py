@@ -210,6 +210,8 @@ def measure_prefill(runtime: Runtime, context_tokens: int) -> tuple[float, float
     what the chunks write is garbage in free pages, as every freed page holds). Each is
     the faster of two runs, after a warm-up."""
     worker = runtime.prefills[0]
+    # A pool below the context (only with PoolBelowContext) is measured as far as it holds.
+    context_tokens = min(context_tokens, worker.pool.config.num_pages * worker.pool.page_tokens)
     chunk = min(runtime.config.prefill_chunk_tokens, context_tokens)
     pages = list(range(-(-context_tokens // worker.pool.page_tokens)))
     device = worker.model.device

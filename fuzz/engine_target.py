@@ -40,7 +40,9 @@ from fuzz.target import (Delay, Observation, Open, PoolView, Target, TargetRefus
 
 PAGE_TOKENS = 2
 STEPS_PER_WAIT_MAX = 40  # engine steps one Wait may take before it must commit an event
-TIMEOUT_STEPS = (30, 8)  # the transfer timeout, in engine steps (the clock is the step count)
+# The lease and the transfer timeout, in engine steps (the clock is the step count): the
+# runtime's own timers; early timeouts are the fuzzer's Timeout moves.
+TIMEOUT_STEPS = (30, 8)
 STALLS_STEPS = (1, 3, 10, 30)
 _REQUEST_FAULTS = (core.Abort, core.PrefillFail, core.Timeout)
 _MODEL_CACHE: dict = {}
@@ -94,7 +96,8 @@ class EngineTarget(Target):
             prefill_pages=model.prefill_pages, decode_pages=model.decode_pages,
             page_tokens=PAGE_TOKENS, context_tokens=model.context_pages * PAGE_TOKENS,
             max_batch=8, prefill_chunk_tokens=8 * PAGE_TOKENS,
-            transfer_timeout_s=float(self.timeout_steps), bugs=model.bugs,
+            lease_s=float(self.timeout_steps), transfer_timeout_s=float(self.timeout_steps),
+            bugs=model.bugs,
             transport_seed=seed, lands_per_step=1, keep_kv=True)
         self.rt = Runtime(tiny_model(), config, clock=lambda: self.clock)
         self.rt.store.settled_rows = {}

@@ -24,19 +24,21 @@ def test_default_model_holds_every_property_and_pins_exact_counts(capsys):
     the models with crashes, with one exit status."""
     code, out, err = run_cli(capsys)
     assert code == 0, out + err
-    assert "checking default, crash, decode-crash in turn" in out
-    assert out.count("No error has been found") == 3
+    assert "checking default, crash, decode-crash, timely in turn" in out
+    assert out.count("No error has been found") == 4
     # TLC reports the same three figures for default.cfg (2,385,281 generated counts TLC's
     # duplicates: spec/check/tlccount.py).
-    default, crash, decode_crash = out.split("=== ")[1:]
+    default, crash, decode_crash, timely = out.split("=== ")[1:]
     assert "2109163 states generated, 772008 distinct states found, 0 states left on queue" \
         in default
     assert "depth of the complete state graph search is 27" in default
     assert "1267726 distinct states found" in crash
     assert "322726 distinct states found" in decode_crash
+    assert "290130 distinct states found" in timely
     assert "liveness (EveryRequestEnds, PagesComeBack)" in out
-    assert out.count("Witness: a client is answered Ok after 8 steps") == 3
-    assert out.rstrip().endswith("kvproof check: default holds, crash holds, decode-crash holds.")
+    assert out.count("Witness: a client is answered Ok after 8 steps") == 4
+    assert out.rstrip().endswith(
+        "kvproof check: default holds, crash holds, decode-crash holds, timely holds.")
     assert "Progress:" in err
 
 
@@ -45,8 +47,8 @@ def test_without_model_a_bug_fails_the_headline_check_with_one_status(capsys, tm
     cex = tmp_path / "cex.itf.json"
     code, out, _ = run_cli(capsys, "--bug", "SourceReuse", "--itf", str(cex), "--quiet")
     assert code == 1
-    assert out.count("Error: SourceHeld is violated (invariant); counterexample of 4 steps.") == 3
-    assert out.rstrip().endswith("default FAILS, crash FAILS, decode-crash FAILS.")
+    assert out.count("Error: SourceHeld is violated (invariant); counterexample of 4 steps.") == 4
+    assert out.rstrip().endswith("default FAILS, crash FAILS, decode-crash FAILS, timely FAILS.")
     assert json.loads(cex.read_text())["#meta"]["description"].startswith(
         "counterexample to SourceHeld on model default:")
 

@@ -34,6 +34,9 @@ STATES = {
     "zoo-late-write-looks-current": 1035873, "zoo-lost-tombstone": 617,
     "zoo-no-cancel": 676, "zoo-no-timeout": 171412, "zoo-rejected-decodes": 496789,
     "zoo-silent-prefill-abort": 433, "zoo-source-reuse-unverified": 508107,
+    # Timely timers: on default's constants no timer fires without a crash (so it is
+    # bug-NoTimeout's graph); StopwatchTimeout brings back default's early timers.
+    "timely": 145074, "timely-crash": 266707, "bug-StopwatchTimeout": 386013,
 }
 
 

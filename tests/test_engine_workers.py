@@ -72,7 +72,7 @@ class Client:
 
 def runtime(model, **overrides) -> Runtime:
     settings = dict(prefill_pages=64, decode_pages=64, page_tokens=PAGE, context_tokens=128,
-                    prefill_chunk_tokens=8, transfer_timeout_s=1e9, keep_kv=True)
+                    prefill_chunk_tokens=8, transfer_timeout_s=1e9, lease_s=1e9, keep_kv=True)
     settings.update(overrides)
     return Runtime(model, RuntimeConfig(**settings))
 

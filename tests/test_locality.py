@@ -179,3 +179,23 @@ def test_decodes_count_of_landed_writes_is_what_stops_an_early_final_word(
                                                        "OkIsClean"), liveness=False)
     found = result.violation and (result.violation.property, result.violation.length)
     assert found == breaks
+
+
+def test_a_timer_rests_on_its_timing_assumption_and_nothing_else_may():
+    """Timeout's LeaseLapsed reads the prefill's state: that is the environment's synchrony
+    assumption (a working prefill renews decode's lease), not decode's read. Inlined into
+    Timeout it is flagged as decode reading the prefill's state; used by a protocol action
+    it is flagged as an assumption only a timer may rest on."""
+    text = SPEC_PATH.read_text()
+    assert "    /\\ LeaseLapsed(r)\n" in text
+    inlined = text.replace("    /\\ LeaseLapsed(r)\n", "    /\\ PrefillSilent(r)\n")
+    assert locality.violations(inlined) == [
+        "Timeout (decode) reads pst: pst is the prefill's",
+        "Timeout (decode) reads writes: writes is the prefill's"]
+    old = "    /\\ dst' = [dst EXCEPT ![r] = \"Released\"]"
+    misused = text.replace(old, "    /\\ LeaseLapsed(r)\n" + old)
+    assert locality.violations(misused) == [
+        "Release (decode) uses the timing assumption LeaseLapsed, which only a timer may "
+        "rest on"]
+    assert "lease_lapsed" in locality.CORE_ASSUMPTIONS
+    assert "pst" not in locality.core_reads()["Timeout"]

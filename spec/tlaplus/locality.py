@@ -122,6 +122,7 @@ class _Walker:
     def __init__(self, module) -> None:
         self.defs = {}
         self.variables: list[str] = []
+        self.assumed: set[str] = set()  # ASSUMPTIONS met by the last access()
         for unit in module.units or []:
             kind = type(unit).__name__
             if kind == "Variables":
@@ -131,6 +132,7 @@ class _Walker:
 
     def access(self, name: str) -> Access:
         body = self.defs[name].definiens
+        self.assumed = set()
         out = Access()
         items = ([i.expression for i in body.arguments]
                  if type(body).__name__ == "VerticalList" and body.operator == "/\\" else [body])
@@ -181,6 +183,7 @@ class _Walker:
                 return
             go(args)
             if op in ASSUMPTIONS:
+                self.assumed.add(op)
                 return  # the environment's timing assumption: not the worker's read
             if op in self.defs and op not in stack:
                 self.visit(self.defs[op].definiens, reads, writes, keep, stack + (op,),
@@ -238,6 +241,9 @@ def analyse(text: str | None = None) -> list[Row]:
         if row.checked:
             bad = tuple(f"{name} ({info.worker}) reads {v}: {why_not(info.worker, v)}"
                         for v in sorted(access.reads) if not may_read(info.worker, v))
+            bad += tuple(f"{name} ({info.worker}) uses the timing assumption {a}, which only "
+                         "a timer may rest on" for a in sorted(walker.assumed)
+                         if info.kind != "timer")
             row = Row(name, info.worker, info.kind, access, bad)
         rows.append(row)
     return rows
