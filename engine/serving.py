@@ -19,9 +19,10 @@ tell it the figure (`context_prefill_s`) instead of measuring. The verdict is ke
 (`ThreadedEngine.timing`) for the banner and /v1/models.
 
 Admission refuses up front (Overloaded: 503 with Retry-After): beyond `max_queued` requests,
-or beyond `max_queued_tokens` prompt tokens, waiting at the prefill workers (queued and not
-yet computing), so that what is admitted starts within a bound instead of failing later for
-having waited.
+or beyond `queued_tokens_max` prompt tokens, waiting at the prefill workers (queued and not
+yet computing): `max_queued_tokens`, lowered to what the prefill workers compute in
+`queue_wait_s_max` at the rate the startup check measured. So what is admitted starts within
+about that bound, instead of failing later for having waited (no timer counts the wait).
 
 `ThreadedEngine` runs `Runtime.step()` on one background thread. `submit` and `abort` may
 be called from any thread: they refuse what must be refused before anything is allocated
@@ -103,6 +104,11 @@ class PrefillTiming:
                     "(--transfer-timeout-s)")
         return None
 
+    @property
+    def tokens_per_s(self) -> float:
+        """One worker's prefill rate over the whole context."""
+        return self.context_tokens / self.prefill_s if self.prefill_s > 0 else float("inf")
+
     def describe(self) -> str:
         how = "measured" if self.measured else "as told"
         return (f"prefill of {self.context_tokens} tokens ~{self.prefill_s:.1f} s ({how}; "
@@ -131,9 +137,12 @@ class EngineConfig:
     prefill_chunk_tokens: int = 512
     max_queued: int = 256  # requests admitted by submit and not yet computing
     max_queued_tokens: int = 65536  # their prompt tokens, all prefill workers together
+    # ... and no more than the prefill workers compute in this long, at the rate the
+    # startup check measured: what is admitted starts within about this bound.
+    queue_wait_s_max: float = 30.0
     retry_after_s: float = 1.0
-    lease_s: float = 10.0  # decode's lease: the longest silence from a request's prefill
-    transfer_timeout_s: float = 300.0  # a request's transfer from its Admit, at most
+    lease_s: float = 30.0  # decode's lease: the longest silence from a request's prefill
+    transfer_timeout_s: float = 600.0  # a request's transfer from its Admit, at most
     # The startup timing check: None measures; a figure (seconds to prefill the advertised
     # context here) is taken as told; 0 skips the check (tests of tiny models only).
     context_prefill_s: float | None = None
@@ -150,7 +159,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("page_tokens", "prefill_pool_tokens", "decode_pool_tokens", "max_batch",
                      "prefill_chunk_tokens", "max_queued", "max_queued_tokens",
-                     "prefill_workers", "decode_workers", "lease_s", "transfer_timeout_s"):
+                     "prefill_workers", "decode_workers", "lease_s", "transfer_timeout_s",
+                     "queue_wait_s_max"):
             assert getattr(self, name) > 0, f"{name} must be positive"
         assert self.context_prefill_s is None or self.context_prefill_s >= 0
         assert self.context_length is None or self.context_length > 0
@@ -201,14 +211,18 @@ def build_engine(loaded_model, config: EngineConfig | dict | None = None) -> "Th
     name = getattr(loaded_model, "path", None)
     engine = ThreadedEngine(runtime, config, model_name=name.stem if name else "model")
     engine.timing = timing
+    if timing is not None:
+        rate = timing.tokens_per_s * config.prefill_workers
+        engine.queued_tokens_max = max(1, min(config.max_queued_tokens,
+                                              int(rate * config.queue_wait_s_max)))
     return engine
 
 
 def measure_prefill(runtime: Runtime, context_tokens: int) -> tuple[float, float]:
     """Seconds for one prefill chunk at the start of the context and one ending at
     `context_tokens`, on prefill worker 0's model and pool (the pool is free at startup;
-    what the chunks write is garbage in free pages, as every freed page holds). Each is
-    the faster of two runs, after a warm-up."""
+    what the chunks write is garbage in free pages, as every freed page holds), after a
+    one-page warm-up: about two chunks' time added to startup."""
     worker = runtime.prefills[0]
     # A pool below the context (only with PoolBelowContext) is measured as far as it holds.
     context_tokens = min(context_tokens, worker.pool.config.num_pages * worker.pool.page_tokens)
@@ -230,9 +244,12 @@ def measure_prefill(runtime: Runtime, context_tokens: int) -> tuple[float, float
             torch.cuda.synchronize()
         return time.perf_counter() - began
 
-    one(0)
-    first = min(one(0), one(0))
-    last = min(one(context_tokens - chunk), one(context_tokens - chunk))
+    sequence.prefilled_tokens = 0  # a warm-up chunk of one page (first-use costs)
+    with torch.inference_mode():
+        worker.model.prefill(worker.pool, [c for _, c in plan_chunks(
+            [sequence], worker.pool.page_tokens, device, worker.pool.page_tokens)])
+    first = one(0)
+    last = one(context_tokens - chunk)
     return first, max(first, last)
 
 
@@ -290,6 +307,9 @@ class ThreadedEngine:
         self._in_transit = 0  # drained from the inbox since the last publish
         self._queued_tokens = 0  # prompt tokens in the inbox or in transit, likewise
         self.timing: PrefillTiming | None = None  # the startup timing check's verdict
+        # What admission lets wait, in prompt tokens (build_engine lowers it to what the
+        # prefill workers compute in queue_wait_s_max at the measured rate).
+        self.queued_tokens_max = self.config.max_queued_tokens
         self._refused: Counter = Counter()  # submit's refusals by reject reason
         self._published = self._publish()
         self.error: BaseException | None = None  # what killed the loop, if anything
@@ -314,7 +334,7 @@ class ThreadedEngine:
                 raise EngineStopped("the engine is stopping")
             queued = len(self._inbox) + self._in_transit + self._published.queued
             tokens = self._queued_tokens + self._published.queued_tokens + prompt
-            if queued >= self.config.max_queued or tokens > self.config.max_queued_tokens:
+            if queued >= self.config.max_queued or tokens > self.queued_tokens_max:
                 self._refused["capacity"] += 1
                 raise Overloaded(queued, self.config.retry_after_s)
             r = self._next_id

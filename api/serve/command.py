@@ -34,7 +34,7 @@ from api.clikit import EXIT_OK, EXIT_USAGE, positive_int
 DEFAULT_FACTORY = "engine.serving:build_engine"
 # Options that go to the engine's config under their own names, when given.
 TIMER_OPTIONS = ("lease_s", "transfer_timeout_s", "context_prefill_s", "lower_context_to_fit",
-                 "max_queued", "max_queued_tokens")
+                 "max_queued", "max_queued_tokens", "queue_wait_s_max")
 
 
 def positive_seconds(text: str) -> float:
@@ -82,10 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and refuses to start when its timers would not allow it")
     timers.add_argument("--lease-s", type=positive_seconds, default=None, metavar="S",
                         help="the longest silence decode tolerates from a request's prefill "
-                             "(default 10)")
+                             "(default 30)")
     timers.add_argument("--transfer-timeout-s", type=positive_seconds, default=None,
                         metavar="S", help="a request's transfer from its prefill's start, at "
-                                          "most (default 300)")
+                                          "most (default 600)")
     timers.add_argument("--context-prefill-s", type=positive_seconds, default=None,
                         metavar="S", help="how long prefilling the advertised context takes "
                                           "here, instead of measuring it at startup")
@@ -96,6 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests waiting for a prefill, at most (default 256)")
     timers.add_argument("--max-queued-tokens", type=positive_int, default=None, metavar="N",
                         help="their prompt tokens, at most (default 65536)")
+    timers.add_argument("--queue-wait-s-max", type=positive_seconds, default=None,
+                        metavar="S", help="admit no more prompt tokens than the prefill "
+                                          "computes in S seconds at the measured rate "
+                                          "(default 30)")
     parser.add_argument("--engine-factory", default=DEFAULT_FACTORY, metavar="MODULE:FUNCTION",
                         help=f"the engine's build function (default: {DEFAULT_FACTORY})")
 
@@ -228,7 +232,10 @@ def _serve(app, engine, listener: socket.socket, drain_s: float) -> None:
           f"tokens); dashboard {url}/ ; metrics {url}/metrics", flush=True)
     timing = getattr(engine, "timing", None)
     if timing is not None:
-        print(f"  context verified: {timing.describe()}", flush=True)
+        print(f"  context verified: {timing.describe()}; admission: up to "
+              f"{engine.config.max_queued} requests and {engine.queued_tokens_max} prompt "
+              f"tokens waiting (about {engine.config.queue_wait_s_max:g} s of prefill), "
+              "beyond that 503 at once", flush=True)
     print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
           f"'{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
           f"\"max_tokens\": 32}}'", flush=True)
