@@ -1,6 +1,10 @@
 """The dashboard at / and the JSON it polls: the state endpoint mirrors engine.snapshot();
 in headless Chromium (Debian's `chromium`, driven over the DevTools protocol) the page loads,
-shows each worker's pool, and updates after a request. Bounded: PAGE_S_MAX per wait."""
+shows each worker's pool, and updates after a request. For an operator: its first paint
+already shows the state (the state endpoint held back), requests turned away are counted on
+it, requests are named as the protocol names them, a client's cancel, a success and an error
+are drawn apart, timelines wrap to their last step, and a chart keeps pool occupancy,
+throughput and TTFT over time. Bounded: PAGE_S_MAX per wait."""
 
 from __future__ import annotations
 
@@ -15,7 +19,10 @@ import httpx
 import pytest
 
 from api.serve.app import create_app
-from tests.api_cases import LiveServer, protocol_engine, tiny_chat_model, wait_until  # noqa: F401
+from engine.sampling import SamplingParams
+from engine.service import Finished, GenerationRequest
+from tests.api_cases import (LiveServer, protocol_engine, tiny_chat_model,  # noqa: F401
+                             wait_settled, wait_until)
 
 PAGE_S_MAX = 20.0
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -136,4 +143,129 @@ def test_the_page_shows_the_pools_and_updates_after_a_request(live, browser, tmp
     (tmp_path / "dashboard.png").write_bytes(base64.b64decode(shot))
     if os.environ.get("KVPROOF_DASHBOARD_PNG"):  # for a person to look at after the run
         with open(os.environ["KVPROOF_DASHBOARD_PNG"], "wb") as picture:
+            picture.write(base64.b64decode(shot))
+
+
+# The page's operator view, read back as the test compares it: counts by name per panel,
+# each request row's name, outcome kind, computed colour and whether its last step is in
+# view, and the chart's points per series.
+OPERATOR_VIEW = """JSON.stringify({
+  polls: Number(document.body.dataset.polls || 0),
+  status: document.getElementById('status').textContent,
+  pools: document.querySelectorAll('#pools tbody tr').length,
+  counts: Object.fromEntries(['rejects', 'responses', 'refusals'].map(id => [id,
+    Object.fromEntries([...document.querySelectorAll('#' + id + ' [data-count]')].map(
+      e => [e.dataset.name, Number(e.dataset.count)]))])),
+  rows: [...document.querySelectorAll('#recent tbody tr')].map(r => {
+    const steps = r.querySelectorAll('.step');
+    const last = steps[steps.length - 1];
+    return {id: Number(r.dataset.requestId), name: r.children[0].textContent,
+            outcome: r.children[1].textContent, kind: r.dataset.kind,
+            color: getComputedStyle(r.children[1]).color,
+            lastStep: last ? last.textContent : '',
+            lastInView: !!last && last.getBoundingClientRect().right <= window.innerWidth};
+  }),
+  chart: Object.fromEntries([...document.querySelectorAll('#chart [data-series]')].map(
+    e => [e.dataset.series, Number(e.dataset.points)]))})"""
+# A prefill pool (32 tokens) below the context (PoolBelowContext): a 40-token prompt is
+# rejected by the prefill (ErrTooLong, an error the engine really gives); two requests fill
+# the admission queue while the engine is not started, so every HTTP request then is a 503.
+OPERATOR = dict(context_length=64, page_tokens=4, prefill_pool_tokens=32,
+                decode_pool_tokens=64, bugs={"PoolBelowContext"}, max_queued=2)
+CAPACITY_REJECTS = 3
+WIDTH_PX = 800
+
+
+@pytest.fixture
+def operator(tiny_chat_model):  # noqa: F811
+    engine = protocol_engine(tiny_chat_model, **OPERATOR)
+    app = create_app(engine, start_engine=False)
+    with LiveServer(app) as server:
+        yield server, engine, app
+
+
+def protocol_name(timeline) -> str:
+    """The request's name as the protocol's own trace labels write it: Arrive(r2, 7)."""
+    first = timeline[0][1]
+    assert first.startswith("Arrive(")
+    return first[len("Arrive("):].split(",")[0]
+
+
+def test_the_first_paint_shows_the_state_before_any_poll(operator, browser, tmp_path):
+    """The state endpoint is held back (DevTools' Fetch domain pauses it): whatever the
+    page shows at its load event came with the page itself."""
+    server, engine, _app = operator
+    browser.call("Fetch.enable", patterns=[{"urlPattern": "*/v1/kvproof/state*"}])
+    browser.call("Emulation.setDeviceMetricsOverride", width=WIDTH_PX, height=700,
+                 deviceScaleFactor=1, mobile=False)
+    browser.call("Page.navigate", url=f"{server.url}/")
+    wait_until(lambda: browser.evaluate("document.readyState") == "complete", PAGE_S_MAX,
+               "the page's load event")
+    view = json.loads(browser.evaluate(OPERATOR_VIEW))
+    shot = browser.call("Page.captureScreenshot", format="png")["data"]
+    (tmp_path / "first-paint.png").write_bytes(base64.b64decode(shot))
+    browser.call("Fetch.disable")
+    assert view["polls"] == 0
+    assert view["status"].startswith("serving") and "loading" not in view["status"]
+    assert view["pools"] == len(engine.snapshot().pools) == 2
+    assert view["counts"]["rejects"] == {}
+
+
+def test_the_page_shows_an_operator_what_was_turned_away_and_how_requests_ended(
+        operator, browser, tmp_path):
+    server, engine, app = operator
+    browser.call("Emulation.setDeviceMetricsOverride", width=WIDTH_PX, height=900,
+                 deviceScaleFactor=1, mobile=False)
+    browser.call("Page.navigate", url=f"{server.url}/?poll_ms=100")
+    events = {"waiting": [], "cancelled": []}
+    waiting = GenerationRequest((5, 6, 7), SamplingParams(max_tokens=2))
+    engine.submit(waiting, events["waiting"].append)
+    cancelled = engine.submit(waiting, events["cancelled"].append)
+    engine.abort(cancelled)  # the client goes away before the engine even starts
+    chat = {"messages": [{"role": "user", "content": "op"}], "max_tokens": 3}
+    for _ in range(CAPACITY_REJECTS):
+        assert httpx.post(f"{server.url}/v1/chat/completions", json=chat,
+                          timeout=30).status_code == 503
+    app.state.lifetime.start()
+    wait_until(lambda: all(e and isinstance(e[-1], Finished) for e in events.values()),
+               PAGE_S_MAX, "the two queued requests to end")
+    assert [e[-1].outcome for e in events.values()] == ["Ok", "Gone"]
+    too_long = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                          json={"prompt": "x" * 40, "max_tokens": 4})
+    assert too_long.status_code == 400
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=chat,
+                      timeout=30).status_code == 200
+    snapshot = wait_settled(engine)
+    assert snapshot.rejects == {"capacity": CAPACITY_REJECTS, "too long": 1}
+    assert snapshot.outcomes == {"Ok": 2, "Gone": 1, "ErrTooLong": 1}
+
+    def view() -> dict:
+        value = browser.evaluate(OPERATOR_VIEW)
+        return json.loads(value) if value else {"rows": [], "chart": {}}
+
+    wait_until(lambda: len(view()["rows"]) == len(snapshot.recent) and min(
+        view()["chart"].values() or [0]) >= 1 and view()["chart"]["occupancy"] >= 4,
+        PAGE_S_MAX, "the page to show every request and a few samples")
+    shown = view()
+    assert shown["counts"]["rejects"] == snapshot.rejects
+    assert shown["counts"]["responses"] == {"503": CAPACITY_REJECTS, "400": 1, "200": 1}
+    assert shown["counts"]["refusals"] == engine.snapshot().refusals
+    server_names = {r.request_id: protocol_name(r.timeline) for r in snapshot.recent}
+    assert {row["id"]: row["name"] for row in shown["rows"]} == server_names
+    assert sorted(server_names.values()) == ["r1", "r2", "r3", "r4"]
+    kinds = {row["outcome"]: (row["kind"], row["color"]) for row in shown["rows"]}
+    assert {outcome: kind for outcome, (kind, _) in kinds.items()} == {
+        "Ok": "ok", "Gone": "gone", "ErrTooLong": "error"}
+    assert len({kinds[o][1] for o in ("Ok", "Gone", "ErrTooLong")}) == 3  # three colours
+    assert kinds["ErrTooLong"][1] == "rgb(187, 0, 0)"  # the page's red for errors
+    assert all(row["lastInView"] and row["lastStep"].endswith(")") for row in shown["rows"])
+    ok = next(r for r in snapshot.recent if r.outcome == "Ok" and len(r.timeline) > 12)
+    last = next(row for row in shown["rows"] if row["id"] == ok.request_id)["lastStep"]
+    assert last.endswith(ok.timeline[-1][1])  # the end of a long timeline, in view
+    assert shown["chart"]["throughput"] >= 3 and shown["chart"]["ttft"] >= 1
+    shot = browser.call("Page.captureScreenshot", format="png")["data"]
+    (tmp_path / "operator.png").write_bytes(base64.b64decode(shot))
+    if os.environ.get("KVPROOF_DASHBOARD_PNG"):  # for a person to look at after the run
+        with open(os.environ["KVPROOF_DASHBOARD_PNG"].replace(".png", "-operator.png"),
+                  "wb") as picture:
             picture.write(base64.b64decode(shot))
