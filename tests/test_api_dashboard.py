@@ -302,3 +302,10 @@ def test_the_page_shows_an_operator_what_was_turned_away_and_how_requests_ended(
         with open(os.environ["KVPROOF_DASHBOARD_PNG"].replace(".png", "-operator.png"),
                   "wb") as picture:
             picture.write(base64.b64decode(shot))
+    # A core refusal needs a fault racing an abort (tests/test_engine_workers.py makes one):
+    # the page is given one in a real state, drawn in the same turn as it is read back.
+    state = httpx.get(f"{server.url}/v1/kvproof/state", timeout=10).json()
+    refusals = {"the client is not waiting": 2}
+    drawn = json.loads(browser.evaluate(
+        f"draw({json.dumps(state | {'refusals': refusals})}), {OPERATOR_VIEW}"))
+    assert drawn["counts"]["refusals"] == refusals

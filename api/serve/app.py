@@ -5,8 +5,8 @@
     GET  /v1/models             the one model served
     GET  /health                200 while serving, 503 once stopping
     GET  /metrics               Prometheus text (api/serve/metrics.py)
-    GET  /v1/kvproof/state      engine.snapshot() as JSON (+ answers by status, TTFT): the dashboard
-    GET  /                      the dashboard (static HTML + JS, the state embedded, then polled)
+    GET  /v1/kvproof/state      engine.snapshot() as JSON, for the dashboard
+    GET  /                      the dashboard (static HTML + JS, polls the state)
 
 The app owns the engine's lifetime: the lifespan starts it, and `EngineLifetime.stop`
 (SIGTERM in `kvproof serve`, or the lifespan's end) stops it once. Errors of every kind
