@@ -1,6 +1,10 @@
 """The dashboard at / and the JSON it polls: the state endpoint mirrors engine.snapshot();
 in headless Chromium (Debian's `chromium`, driven over the DevTools protocol) the page loads,
-shows each worker's pool, and updates after a request. Bounded: PAGE_S_MAX per wait."""
+shows each worker's pool, and updates after a request. For an operator: its first paint
+already shows the state (the state endpoint held back), requests turned away are counted on
+it, requests are named as the protocol names them, a client's cancel, a success and an error
+are drawn apart, timelines wrap to their last step, and a chart keeps pool occupancy,
+throughput and TTFT over time. Bounded: PAGE_S_MAX per wait."""
 
 from __future__ import annotations
 
@@ -14,11 +18,21 @@ import subprocess
 import httpx
 import pytest
 
-from api.serve.app import create_app
-from tests.api_cases import LiveServer, protocol_engine, tiny_chat_model, wait_until  # noqa: F401
+from api.serve.app import INITIAL_STATE, create_app, dashboard_html
+from engine.sampling import SamplingParams
+from engine.service import Finished, GenerationRequest
+from tests.api_cases import (LiveServer, protocol_engine, tiny_chat_model,  # noqa: F401
+                             wait_settled, wait_until)
 
 PAGE_S_MAX = 20.0
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def protocol_name(timeline) -> str:
+    """The request's name as the protocol's own trace labels write it: Arrive(r2, 7)."""
+    first = timeline[0][1]
+    assert first.startswith("Arrive(")
+    return first[len("Arrive("):].split(",")[0]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +53,11 @@ def test_the_state_endpoint_mirrors_the_snapshot(live):
     assert [r["request_id"] for r in state["recent"]] == [r.request_id for r in snapshot.recent]
     assert state["recent"][-1]["timeline"] == [list(step) for step in snapshot.recent[-1].timeline]
     assert state["outcomes"] == snapshot.outcomes
+    assert [r["name"] for r in state["recent"]] == [protocol_name(r.timeline)
+                                                    for r in snapshot.recent]
+    assert state["http"]["responses"] == {"200": 1}
+    assert state["http"]["time_to_first_token_count"] == 1
+    assert 0 < state["http"]["time_to_first_token_s_sum"] < 30
 
 
 def test_the_page_is_served_as_html_that_polls_the_state(live):
@@ -46,6 +65,16 @@ def test_the_page_is_served_as_html_that_polls_the_state(live):
     page = httpx.get(f"{server.url}/", timeout=10)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert 'fetch("/v1/kvproof/state"' in page.text and 'id="pools"' in page.text
+    embedded = page.text.split(INITIAL_STATE.replace("null</script>", ""))[1]
+    state = json.loads(embedded.split("</script>")[0])
+    assert state["model"] == _engine.model_name and state["pools"][0]["worker"] == "prefill-0"
+
+
+def test_the_embedded_state_cannot_end_its_script_element():
+    page = dashboard_html({"model": "</script><script>alert(1)</script>"})
+    assert "alert" in page and "</script><script>alert" not in page
+    embedded = page.split(INITIAL_STATE.replace("null</script>", ""))[1].split("</script>")[0]
+    assert json.loads(embedded) == {"model": "</script><script>alert(1)</script>"}
 
 
 class DevTools:
@@ -69,11 +98,12 @@ class DevTools:
                          returnByValue=True)["result"].get("value")
 
 
-@pytest.fixture
-def browser(tmp_path):
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """One headless Chromium for the module's tests (each navigates its one page)."""
     if CHROMIUM is None:
         pytest.skip("chromium is not installed (apt-get install -y chromium)")
-    profile = tmp_path / "profile"
+    profile = tmp_path_factory.mktemp("chromium") / "profile"
     process = subprocess.Popen(
         [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
          "--remote-debugging-port=0", f"--user-data-dir={profile}", "about:blank"],
@@ -99,6 +129,14 @@ def browser(tmp_path):
             process.wait(timeout=10)
 
 
+def open_page(browser: DevTools, url: str) -> None:
+    """Navigate and wait for the new document's load event (not the last page's: the
+    browser is shared, so each test opens its own URL)."""
+    browser.call("Page.navigate", url=url)
+    wait_until(lambda: browser.evaluate("location.href + ' ' + document.readyState")
+               == url + " complete", PAGE_S_MAX, f"{url} to load")
+
+
 PAGE_STATE = """JSON.stringify({
   polls: Number(document.body.dataset.polls || 0),
   pools: [...document.querySelectorAll('#pools tbody tr')].map(
@@ -110,8 +148,7 @@ PAGE_STATE = """JSON.stringify({
 
 def test_the_page_shows_the_pools_and_updates_after_a_request(live, browser, tmp_path):
     server, engine = live
-    browser.call("Page.enable")
-    browser.call("Page.navigate", url=f"{server.url}/")
+    open_page(browser, f"{server.url}/?poll_ms=100")
 
     def page_state() -> dict:
         value = browser.evaluate(PAGE_STATE)
@@ -137,3 +174,138 @@ def test_the_page_shows_the_pools_and_updates_after_a_request(live, browser, tmp
     if os.environ.get("KVPROOF_DASHBOARD_PNG"):  # for a person to look at after the run
         with open(os.environ["KVPROOF_DASHBOARD_PNG"], "wb") as picture:
             picture.write(base64.b64decode(shot))
+
+
+# The page's operator view, read back as the test compares it: counts by name per panel,
+# each request row's name, outcome kind, computed colour and whether its last step is in
+# view, and the chart's points per series.
+OPERATOR_VIEW = """JSON.stringify({
+  polls: Number(document.body.dataset.polls || 0),
+  status: document.getElementById('status').textContent,
+  scrollsSideways: document.documentElement.scrollWidth > document.documentElement.clientWidth,
+  pools: document.querySelectorAll('#pools tbody tr').length,
+  counts: Object.fromEntries(['rejects', 'responses', 'refusals'].map(id => [id,
+    Object.fromEntries([...document.querySelectorAll('#' + id + ' [data-count]')].map(
+      e => [e.dataset.name, Number(e.dataset.count)]))])),
+  rows: [...document.querySelectorAll('#recent tbody tr')].map(r => {
+    const steps = [...r.querySelectorAll('.step')];
+    const last = steps[steps.length - 1];
+    return {id: Number(r.dataset.requestId), name: r.children[0].textContent,
+            outcome: r.children[1].textContent, kind: r.dataset.kind,
+            color: getComputedStyle(r.children[1]).color,
+            lastStep: last ? last.textContent : '',
+            inView: steps.length > 0 && steps.every(
+              s => s.getBoundingClientRect().right <= document.documentElement.clientWidth)};
+  }),
+  chart: Object.fromEntries([...document.querySelectorAll('#chart [data-series]')].map(
+    e => [e.dataset.series, Number(e.dataset.points)]))})"""
+# A prefill pool (32 tokens) below the context (PoolBelowContext): a 40-token prompt is
+# rejected by the prefill (ErrTooLong, an error the engine really gives); two requests fill
+# the admission queue while the engine is not started, so every HTTP request then is a 503.
+OPERATOR = dict(context_length=64, page_tokens=4, prefill_pool_tokens=32,
+                decode_pool_tokens=64, bugs={"PoolBelowContext"}, max_queued=2)
+CAPACITY_REJECTS = 3
+WIDTH_PX = 800
+
+
+@pytest.fixture
+def operator(tiny_chat_model):  # noqa: F811
+    engine = protocol_engine(tiny_chat_model, **OPERATOR)
+    app = create_app(engine, start_engine=False)
+    with LiveServer(app) as server:
+        yield server, engine, app
+
+
+def test_the_first_paint_shows_the_state_before_any_poll(live, browser, tmp_path):
+    """The state endpoint is held back (DevTools' Fetch domain pauses it): whatever the
+    page shows at its load event came with the page itself."""
+    server, engine = live
+    browser.call("Fetch.enable", patterns=[{"urlPattern": "*/v1/kvproof/state*"}])
+    browser.call("Emulation.setDeviceMetricsOverride", width=WIDTH_PX, height=700,
+                 deviceScaleFactor=1, mobile=False)
+    try:
+        open_page(browser, f"{server.url}/?poll_ms=1000")
+        view = json.loads(browser.evaluate(OPERATOR_VIEW))
+        shot = browser.call("Page.captureScreenshot", format="png")["data"]
+        (tmp_path / "first-paint.png").write_bytes(base64.b64decode(shot))
+    finally:
+        browser.call("Fetch.disable")
+    assert view["polls"] == 0
+    assert view["status"].startswith("serving") and "loading" not in view["status"]
+    assert view["pools"] == len(engine.snapshot().pools) == 2
+    assert view["counts"]["rejects"] == {}
+
+
+def test_the_page_shows_an_operator_what_was_turned_away_and_how_requests_ended(
+        operator, browser, tmp_path):
+    server, engine, app = operator
+    browser.call("Emulation.setDeviceMetricsOverride", width=WIDTH_PX, height=900,
+                 deviceScaleFactor=1, mobile=False)
+    open_page(browser, f"{server.url}/?poll_ms=100")
+    events = {"waiting": [], "cancelled": []}
+    waiting = GenerationRequest((5, 6, 7), SamplingParams(max_tokens=2))
+    engine.submit(waiting, events["waiting"].append)
+    cancelled = engine.submit(waiting, events["cancelled"].append)
+    engine.abort(cancelled)  # the client goes away before the engine even starts
+    chat = {"messages": [{"role": "user", "content": "op"}], "max_tokens": 3}
+    for _ in range(CAPACITY_REJECTS):
+        assert httpx.post(f"{server.url}/v1/chat/completions", json=chat,
+                          timeout=30).status_code == 503
+    app.state.lifetime.start()
+    wait_until(lambda: all(e and isinstance(e[-1], Finished) for e in events.values()),
+               PAGE_S_MAX, "the two queued requests to end")
+    assert [e[-1].outcome for e in events.values()] == ["Ok", "Gone"]
+    too_long = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                          json={"prompt": "x" * 40, "max_tokens": 4})
+    assert too_long.status_code == 400
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=chat,
+                      timeout=30).status_code == 200
+    snapshot = wait_settled(engine)
+    assert snapshot.rejects == {"capacity": CAPACITY_REJECTS, "too long": 1}
+    assert snapshot.outcomes == {"Ok": 2, "Gone": 1, "ErrTooLong": 1}
+
+    def view() -> dict:
+        value = browser.evaluate(OPERATOR_VIEW)
+        return json.loads(value) if value else {"rows": [], "chart": {}}
+
+    answers = {"503": CAPACITY_REJECTS, "400": 1, "200": 1}
+
+    def settled(shown: dict) -> bool:  # a poll after the last answer, and a few samples
+        return (shown["counts"]["responses"] == answers and len(shown["rows"]) == 4
+                and "live" not in [row["outcome"] for row in shown["rows"]]
+                and shown["chart"].get("ttft", 0) >= 1 and shown["chart"]["occupancy"] >= 4)
+
+    wait_until(lambda: settled(view()), PAGE_S_MAX, "the page to show the settled state")
+    shown = view()
+    assert shown["counts"]["rejects"] == snapshot.rejects
+    assert shown["counts"]["refusals"] == engine.snapshot().refusals
+    server_names = {r.request_id: protocol_name(r.timeline) for r in snapshot.recent}
+    assert {row["id"]: row["name"] for row in shown["rows"]} == server_names
+    assert sorted(server_names.values()) == ["r1", "r2", "r3", "r4"]
+    kinds = {row["outcome"]: (row["kind"], row["color"]) for row in shown["rows"]}
+    assert {outcome: kind for outcome, (kind, _) in kinds.items()} == {
+        "Ok": "ok", "Gone": "gone", "ErrTooLong": "error"}
+    assert len({kinds[o][1] for o in ("Ok", "Gone", "ErrTooLong")}) == 3  # three colours
+    assert kinds["ErrTooLong"][1] == "rgb(187, 0, 0)"  # the page's red for errors
+    assert all(row["inView"] and row["lastStep"].endswith(")") for row in shown["rows"])
+    assert not shown["scrollsSideways"]
+    ok = next(r for r in snapshot.recent if r.outcome == "Ok" and len(r.timeline) > 12)
+    last = next(row for row in shown["rows"] if row["id"] == ok.request_id)["lastStep"]
+    assert last.endswith(ok.timeline[-1][1])  # the end of a long timeline, in view
+    assert shown["chart"]["throughput"] >= 3 and shown["chart"]["ttft"] >= 1
+    page = browser.call("Page.getLayoutMetrics")["cssContentSize"]
+    shot = browser.call("Page.captureScreenshot", format="png", captureBeyondViewport=True,
+                        clip={"x": 0, "y": 0, "width": WIDTH_PX, "height": page["height"],
+                              "scale": 1})["data"]  # the whole page
+    (tmp_path / "operator.png").write_bytes(base64.b64decode(shot))
+    if os.environ.get("KVPROOF_DASHBOARD_PNG"):  # for a person to look at after the run
+        with open(os.environ["KVPROOF_DASHBOARD_PNG"].replace(".png", "-operator.png"),
+                  "wb") as picture:
+            picture.write(base64.b64decode(shot))
+    # A core refusal needs a fault racing an abort (tests/test_engine_workers.py makes one):
+    # the page is given one in a real state, drawn in the same turn as it is read back.
+    state = httpx.get(f"{server.url}/v1/kvproof/state", timeout=10).json()
+    refusals = {"the client is not waiting": 2}
+    drawn = json.loads(browser.evaluate(
+        f"draw({json.dumps(state | {'refusals': refusals})}), {OPERATOR_VIEW}"))
+    assert drawn["counts"]["refusals"] == refusals

@@ -17,6 +17,7 @@ replaced by a 400 naming the field.
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -36,6 +37,7 @@ from api.serve.schemas import (CHAT_MAX_TOKENS_DEFAULT, COMPLETION_MAX_TOKENS_DE
 from api.serve.wire import ChatWire, CompletionWire
 
 DASHBOARD = Path(__file__).with_name("dashboard.html")
+INITIAL_STATE = '<script id="initial-state" type="application/json">null</script>'
 MODEL_ALIASES = ("default",)  # besides the engine's own model name
 ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 404, 500, 503, 504)}
 # A stream's events as Schemathesis and OpenAPI 3.2 read them: each event an object whose
@@ -284,16 +286,44 @@ def _add_info_routes(app: FastAPI, engine, lifetime: EngineLifetime,
 
     @app.get("/v1/kvproof/state")
     async def state():
-        return state_json(engine, lifetime)
+        return state_json(engine, lifetime, metrics)
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def dashboard():
-        return HTMLResponse(DASHBOARD.read_text())
+        return HTMLResponse(dashboard_html(state_json(engine, lifetime, metrics)))
 
 
-def state_json(engine, lifetime: EngineLifetime) -> dict:
-    """engine.snapshot() as JSON, with what the dashboard shows beside it."""
+def state_json(engine, lifetime: EngineLifetime, metrics: ServerMetrics) -> dict:
+    """engine.snapshot() as JSON, with what the dashboard shows beside it: each recent
+    request's name as the protocol's trace labels write it (spec/core.py RequestEvent.label
+    without a model: r1 is request 0), and the server's own counts (answers by status, the
+    time to first token's sum and count) that it charts."""
     snapshot = dataclasses.asdict(engine.snapshot())
+    for request in snapshot["recent"]:
+        request["name"] = f"r{request['request_id'] + 1}"
     return {"model": engine.model_name, "context_length": engine.context_length,
             "uptime_s": round(time.time() - lifetime.started_s, 3),
-            "stopping": lifetime.stopping} | snapshot
+            "stopping": lifetime.stopping, "http": _http_counts(metrics)} | snapshot
+
+
+def _http_counts(metrics: ServerMetrics) -> dict:
+    responses: dict[str, int] = {}
+    for family in metrics.responses.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                status = sample.labels["status"]
+                responses[status] = responses.get(status, 0) + int(sample.value)
+    ttft = {sample.name.rsplit("_", 1)[1]: sample.value
+            for family in metrics.time_to_first_token.collect() for sample in family.samples
+            if sample.name.endswith(("_sum", "_count"))}
+    return {"responses": responses, "time_to_first_token_s_sum": ttft["sum"],
+            "time_to_first_token_count": int(ttft["count"])}
+
+
+def dashboard_html(state: dict) -> str:
+    """The page with the state it draws first embedded, so that its first paint shows the
+    server rather than "loading…" (`<` escaped: the JSON cannot end the script element)."""
+    page = DASHBOARD.read_text()
+    assert page.count(INITIAL_STATE) == 1, "the dashboard's initial-state element"
+    return page.replace(INITIAL_STATE, INITIAL_STATE.replace(
+        "null", json.dumps(state).replace("<", "\\u003c")))
