@@ -77,28 +77,29 @@ def client(tiny_chat_model):  # noqa: F811
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 MALFORMED = [  # (endpoint, body, the field the 400 must name)
     ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
-    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "n": 99}, "n"),
-    ("/v1/completions", {"prompt": "x", "stop": ["a", ""]}, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a", ""]}, "stop.1"),
     ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("/v1/completions", {"prompt": "x", "logprobs": 9}, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
-    ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
     ("/v1/completions", {"prompt": []}, "prompt"),
-    ("/v1/completions", {"prompt": [[]]}, "prompt"),
+    ("/v1/completions", {"prompt": [[]]}, "prompt.0"),
+    ("/v1/completions", {"prompt": [1, -1]}, "prompt.1"),
+    ("/v1/completions", {"prompt": {"text": "x"}}, "prompt"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 10_000]}, "prompt"),
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
     ("/v1/completions", {"prompt": "x", "seed": 1 << 70}, "seed"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    # Strict types: nothing is coerced (these were served as True and 3).
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "3"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "n": 2.0}, "n"),
+    ("/v1/chat/completions", CHAT | {"logprobs": 1}, "logprobs"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ("/v1/chat/completions", CHAT | {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", CHAT | {"max_completion_tokens": -3}, "max_completion_tokens"),
-    ("/v1/chat/completions", CHAT | {"tools": [{"type": "function"}]}, "tools"),
-    ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_object"}},
-     "response_format.type"),
     ("/v1/chat/completions", CHAT | {"stream_options": {"include_usage": "often"}},
      "stream_options.include_usage"),
 ]
@@ -111,6 +112,70 @@ def test_a_malformed_body_is_a_400_naming_the_field(client, endpoint, body, fiel
     error = response.json()["error"]
     assert (error["type"], error["param"]) == ("invalid_request_error", field)
     assert error["message"].startswith(field)
+
+
+NOT_SERVED = [  # (endpoint, body): a field OpenAI defines at a value this server does not serve
+    ("/v1/completions", {"prompt": "x", "echo": True}),
+    ("/v1/completions", {"prompt": "x", "best_of": 2}),
+    ("/v1/completions", {"prompt": "x", "suffix": "end"}),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": -1}),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}),
+    ("/v1/chat/completions", CHAT | {"tools": [{"type": "function"}]}),
+    ("/v1/chat/completions", CHAT | {"tool_choice": "auto"}),
+    ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_object"}}),
+]
+
+
+@pytest.mark.parametrize("endpoint,body", NOT_SERVED)
+def test_an_unsupported_feature_is_named_as_such(client, endpoint, body):
+    """Not validator wording ("List should have at most 0 items after validation"): the
+    feature, named, with the value that is accepted."""
+    field = next(key for key in body if key not in ("prompt", "messages", "max_tokens"))
+    response = client.post(endpoint, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error", field, "unsupported_parameter")
+    assert error["message"].startswith(f"not supported by this server: {field} (only ")
+
+
+@pytest.mark.parametrize("endpoint,body", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "presence_penalty": 0,
+                         "frequency_penalty": 0.0, "logit_bias": {}, "echo": False,
+                         "best_of": 1, "suffix": "", "user": "u1"}),
+    ("/v1/chat/completions", CHAT | {"tools": [], "tool_choice": "none", "logit_bias": None,
+                                     "response_format": {"type": "text"}}),
+])
+def test_the_neutral_values_of_unsupported_features_are_served(client, endpoint, body):
+    assert client.post(endpoint, json=body).status_code == 200
+
+
+@pytest.mark.parametrize("endpoint,body,field", [
+    ("/v1/completions", {"prompt": "x", "temprature": 0}, "temprature"),
+    ("/v1/chat/completions", CHAT | {"max_token": 3}, "max_token"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "colour": 1}]},
+     "messages.0.colour"),
+])
+def test_an_unknown_field_is_refused_in_openais_words(client, endpoint, body, field):
+    """OpenAI answers an argument it does not know with a 400 "Unrecognized request
+    argument supplied: X"; ignoring it (as before) served a request that asked for
+    something else (a typo like `temprature` sampled at temperature 1)."""
+    response = client.post(endpoint, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error == {"message": f"Unrecognized request argument supplied: {field}",
+                     "type": "invalid_request_error", "param": field,
+                     "code": "unknown_parameter"}
+
+
+def test_top_p_zero_is_served_as_the_smallest_nucleus(client):
+    """top_p=0 (OpenAI accepts it) keeps only the most likely token: greedy."""
+    body = {"prompt": "The cat", "max_tokens": 6, "seed": 3}
+    greedy = client.post("/v1/completions", json=body | {"temperature": 0})
+    nucleus = client.post("/v1/completions", json=body | {"temperature": 1.5, "top_p": 0})
+    assert (greedy.status_code, nucleus.status_code) == (200, 200), nucleus.text
+    assert nucleus.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
 
 
 def test_bodies_that_are_not_json_objects_are_400s(client):

@@ -34,8 +34,7 @@ class Answer:
 OUTCOME_ANSWERS: dict[str, Answer] = {
     "Ok": Answer(200, "", None, ""),
     "Gone": Answer(503, "server_error", "request_aborted",
-                   "the request was aborted before it finished (client gone or server "
-                   "stopping)"),
+                   "the request was aborted before it finished"),
     "ErrTooLong": Answer(400, "invalid_request_error", "context_length_exceeded",
                          "the prompt does not fit the context of every worker"),
     "ErrPrefill": Answer(500, "server_error", "prefill_failed",
@@ -51,6 +50,13 @@ OUTCOME_ANSWERS: dict[str, Answer] = {
 }
 assert tuple(OUTCOME_ANSWERS) == OUTCOMES, "one answer for every outcome, in the contract's order"
 assert [o for o, a in OUTCOME_ANSWERS.items() if a.status == 200] == ["Ok"]
+
+# A Gone the server did not ask for. The core has one abort (the client's: its CLIENT_GONE),
+# and the engine's drain uses it for whatever is still live when the server stops, so the
+# engine's detail says "the client went away". The edge knows better: it sends an abort only
+# for a client that left, and that client reads nothing; a Gone that reaches a client who is
+# still there was the server stopping.
+SERVER_STOPPING = "the server is stopping: it aborted the request before it finished"
 
 REFUSAL_ANSWERS: dict[type, Answer] = {
     ContextTooLong: Answer(400, "invalid_request_error", "context_length_exceeded", ""),
@@ -74,11 +80,16 @@ class ApiError(Exception):
                           "code": self.code}}
 
 
-def outcome_error(finished: Finished) -> ApiError | None:
-    """None for a success, else the error the client gets for this Finished."""
+def outcome_error(finished: Finished, aborted_here: bool = True) -> ApiError | None:
+    """None for a success, else the error the client gets for this Finished.
+    `aborted_here`: the edge sent this request's abort (its client left); a Gone it did
+    not send is the server stopping (SERVER_STOPPING)."""
     answer = OUTCOME_ANSWERS[finished.outcome]
     if answer.status == 200 and finished.guard is None:
         return None
+    if finished.outcome == "Gone" and finished.guard is None and not aborted_here:
+        return ApiError(answer.status, f"{SERVER_STOPPING} [outcome Gone]", answer.type,
+                        answer.code)
     code, message = answer.code, answer.message or "the request did not finish cleanly"
     if finished.guard is not None:
         code = f"guard_{finished.guard}"

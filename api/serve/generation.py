@@ -113,7 +113,7 @@ async def _gather(choices: Choices, timings: Timings) -> bool:
             choice.tokens.append(event)
             timings.token(choice)
         else:
-            error = outcome_error(event)
+            error = outcome_error(event, choice.aborted)
             if error is not None:
                 raise error
     return True
@@ -142,9 +142,9 @@ async def first_event(request, choices: Choices):
     if first is None:
         choices.abort_unfinished()
         return None
-    _choice, event = first
+    choice, event = first
     if isinstance(event, Finished):
-        error = outcome_error(event)
+        error = outcome_error(event, choice.aborted)
         if error is not None:
             choices.abort_unfinished()
             raise error
@@ -170,7 +170,7 @@ async def stream(choices: Choices, plan: Plan, wire, timings: Timings, first):
                 chunk = wire.chunk(choice.index, [event], None, offsets[choice.index], is_first)
                 offsets[choice.index] += len(event.text)
             else:
-                error = outcome_error(event)
+                error = outcome_error(event, choice.aborted)
                 if error is not None:
                     yield sse(error.body())
                     return
