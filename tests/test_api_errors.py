@@ -187,6 +187,41 @@ def test_bodies_that_are_not_json_objects_are_400s(client):
     assert client.post("/v1/completions", content=b"{bad").status_code == 400
 
 
+def test_a_json_body_sent_as_another_media_type_is_a_415(client):
+    """FastAPI parses a body as JSON only when its Content-Type says so, and so does this
+    server (a browser sends text/plain and forms across sites without a CORS preflight);
+    the answer says what to send instead of "Input should be a valid dictionary"."""
+    for media in ("text/plain", "application/x-www-form-urlencoded"):
+        response = client.post("/v1/completions", content=b'{"prompt": "x"}',
+                               headers={"Content-Type": f"{media}; charset=utf-8"})
+        assert response.status_code == 415, response.text
+        error = response.json()["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error",
+                                                  "unsupported_media_type")
+        assert error["message"] == ("the body must be JSON sent with Content-Type: "
+                                    f"application/json (got {media})")
+
+
+def test_deeply_nested_json_is_a_400_with_a_code(client):
+    response = client.post("/v1/completions", content=b"[" * 100_000 + b"]" * 100_000,
+                           headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_json")
+    assert error["message"] == "the body could not be parsed as JSON (nested too deeply?)"
+
+
+def test_an_undeclared_method_is_a_405_with_allow(client):
+    """RFC 9110: a 405 lists the methods the resource takes (the handler used to drop it)."""
+    for method, path, allowed in (("TRACE", "/v1/completions", "POST"),
+                                  ("GET", "/v1/chat/completions", "POST"),
+                                  ("DELETE", "/health", "GET")):
+        response = client.request(method, path)
+        assert response.status_code == 405
+        assert response.headers["Allow"] == allowed
+        assert response.json()["error"]["code"] == "method_not_allowed"
+
+
 def test_unknown_routes_methods_and_models_are_openai_errors(client):
     assert client.get("/v1/nothing").json()["error"]["code"] == "not_found"
     assert client.get("/v1/completions").status_code == 405
@@ -355,13 +390,17 @@ def test_a_request_aborted_by_a_stopping_server_is_a_503_or_an_error_event(
     assert snapshot.outcomes == {"Gone": 1}
     assert_pools_whole(snapshot)
     if not stream:
-        assert (response.status_code, response.json()["error"]["code"]) == (
-            503, "request_aborted")
-        return
-    assert response.status_code == 200
-    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
-    assert "[DONE]" not in events
-    assert json.loads(events[-1])["error"]["code"] == "request_aborted"
+        assert response.status_code == 503
+        error = response.json()["error"]
+    else:
+        assert response.status_code == 200
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert "[DONE]" not in events
+        error = json.loads(events[-1])["error"]
+    # The server stopped it, and says so: not "client gone ... (the client went away)".
+    assert (error["type"], error["code"]) == ("server_error", "request_aborted")
+    assert error["message"] == ("the server is stopping: it aborted the request before it "
+                                "finished [outcome Gone]")
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
