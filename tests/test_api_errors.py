@@ -90,11 +90,14 @@ MALFORMED = [  # (endpoint, body, the field the 400 must name)
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 10_000]}, "prompt"),
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
-    ("/v1/completions", {"prompt": "x", "seed": 1 << 70}, "seed"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 512}, "max_tokens"),
+    ("/v1/chat/completions", CHAT | {"max_completion_tokens": 2, "max_tokens": 600},
+     "max_tokens"),
     # Strict types: nothing is coerced (these were served as True and 3).
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "3"}, "max_tokens"),
-    ("/v1/completions", {"prompt": "x", "n": 2.0}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 2.5}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": True}, "n"),
     ("/v1/chat/completions", CHAT | {"logprobs": 1}, "logprobs"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
@@ -344,7 +347,7 @@ def test_n_choices_partly_refused_abort_the_ones_submitted(tiny_chat_model):  # 
         wait_settled(engine)
 
 
-@pytest.mark.parametrize("extreme", [{"temperature": 1e-300}, {"top_p": 5e-324},
+@pytest.mark.parametrize("extreme", [{"temperature": 1e-300}, {"top_p": 5e-324}, {"seed": 1 << 70},
                                      {"temperature": 2.0, "top_p": 1e-30}])
 def test_extreme_sampling_values_found_by_schemathesis_are_served(client, extreme):
     """engine/sampling.py raises on these (logits / 1e-300 overflow; top_p 5e-324 is 0 in

@@ -234,6 +234,7 @@ def _add_generation_routes(app: FastAPI, engine, metrics: ServerMetrics,
     async def completions(body: CompletionRequest, request: Request):
         received_s = time.perf_counter()
         model = _model_name(engine, body.model)
+        _check_token_limits(engine, body)
         prompts = await tokenizing.run(_prompts_ids, engine, body.prompts())
         plan = generation.Plan(
             prompts=prompts, n=body.n, logprobs=body.logprobs, stream=body.stream,
@@ -250,6 +251,7 @@ def _add_generation_routes(app: FastAPI, engine, metrics: ServerMetrics,
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         received_s = time.perf_counter()
         model = _model_name(engine, body.model)
+        _check_token_limits(engine, body)
         prompt = await tokenizing.run(_chat_ids, engine, body)
         max_tokens = body.token_limit() or max(
             1, min(CHAT_MAX_TOKENS_DEFAULT, engine.context_length - len(prompt)))
@@ -262,6 +264,18 @@ def _add_generation_routes(app: FastAPI, engine, metrics: ServerMetrics,
                 top_p=body.top_p, seed=body.seed, stop=body.stop_strings()))
         wire = ChatWire(model, engine.tokenizer, logprobs)
         return await _serve(request, engine, plan, wire, metrics, received_s)
+
+
+def _check_token_limits(engine, body) -> None:
+    """max_tokens (and max_completion_tokens) below the context, as the published schema
+    says, whichever of the two is used: a prompt is at least one token."""
+    limit = engine.context_length - 1
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = getattr(body, name, None)
+        if value is not None and value > limit:
+            raise ApiError(400, f"{name}: at most {limit} (the context is "
+                           f"{engine.context_length} tokens, a prompt at least 1)", param=name,
+                           code="context_length_exceeded")
 
 
 async def _serve(request: Request, engine, plan, wire, metrics, received_s: float):

@@ -61,13 +61,12 @@ class Plan:
 def sampling_for(n_prompts: int, n: int, *, max_tokens: int, temperature: float, top_p: float,
                  seed: int | None, stop: tuple[str, ...]) -> tuple[SamplingParams, ...]:
     """One SamplingParams per choice. Choices of one request differ by their seed (seed + i,
-    kept in int64); without a seed each choice draws a fresh one, as OpenAI's sampling is
-    unseeded."""
+    folded into int64: any integer is a seed); without a seed each choice draws a fresh
+    one, as OpenAI's sampling is unseeded."""
     def seed_of(index: int) -> int:
         if seed is None:
             return random.randrange(INT64_MAX)
-        value = seed + index
-        return value - (1 << 64) if value > INT64_MAX else value
+        return (seed + index + (1 << 63)) % (1 << 64) - (1 << 63)
 
     if temperature < GREEDY_BELOW_TEMPERATURE:
         temperature = 0.0

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 N_MAX = 8  # choices per prompt (a request has at most PROMPTS_MAX x N_MAX choices)
 STOP_MAX = 4
@@ -34,7 +34,6 @@ PROMPTS_MAX = 16
 MAX_TOKENS_MAX = 1 << 20  # beyond any context; the engine's own check says the real limit
 COMPLETION_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
 CHAT_MAX_TOKENS_DEFAULT = 256  # OpenAI has none; ours keeps a page reservation bounded
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 # field -> the neutral values accepted, as the client reads them (one table: the schema's
 # descriptions and the 400's wording both come from it).
@@ -49,6 +48,18 @@ NOT_SERVED = {
 def _not_served(default, field: str, **constraints):
     return Field(default, description=f"not supported by this server: only "
                  f"{NOT_SERVED[field]} is accepted", **constraints)
+
+
+def _integral(value):
+    """JSON Schema counts 3.0 as an integer, so this server does too (and only that: "3",
+    3.5 and true stay refused by the strict type)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Int(**bounds):  # noqa: N802 - a type
+    """An integer field type with its bounds (before the validator, or the published schema
+    loses them)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 
 
 Text = Annotated[str, Field(min_length=1)]
@@ -67,12 +78,12 @@ class _Sampling(_Strict):
     """What both endpoints share."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=N_MAX)
+    n: Int(ge=1, le=N_MAX) = 1
     stop: Stop = None
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    seed: Int() | None = Field(None, description="any integer (folded into 64 bits)")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, ge=0.0, le=1.0, description="0 keeps only the most likely token")
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_MAX)
+    max_tokens: Int(ge=1, le=MAX_TOKENS_MAX) | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -90,7 +101,7 @@ class _Sampling(_Strict):
 # The largest token id depends on the model: the app writes it into its published schema
 # (api/serve/app.py) where this marker stands.
 TOKEN_ID_MARKER = "x-kvproof-token-id"
-TokenIds = Annotated[list[Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARKER: True})]],
+TokenIds = Annotated[list[Int(ge=0, json_schema_extra={TOKEN_ID_MARKER: True})],
                      Field(min_length=1)]
 Prompt = (Text | Annotated[list[Text], Field(min_length=1, max_length=PROMPTS_MAX)] | TokenIds
           | Annotated[list[TokenIds], Field(min_length=1, max_length=PROMPTS_MAX)])
@@ -98,10 +109,17 @@ Prompt = (Text | Annotated[list[Text], Field(min_length=1, max_length=PROMPTS_MA
 
 class CompletionRequest(_Sampling):
     prompt: Prompt = Field(..., description="text, texts, token ids, or lists of token ids")
-    logprobs: int | None = Field(None, ge=0, le=LOGPROBS_MAX)
-    echo: Literal[False] = _not_served(False, "echo")
-    best_of: int | None = _not_served(None, "best_of", ge=1, le=1)
+    logprobs: Int(ge=0, le=LOGPROBS_MAX) | None = None
+    echo: bool = _not_served(False, "echo", json_schema_extra={"const": False})
+    best_of: Int(ge=1, le=1) | None = _not_served(None, "best_of")
     suffix: str | None = _not_served(None, "suffix", max_length=0)
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:  # a bool, not Literal[False]: that takes 0
+        if value:
+            raise ValueError("echo is not served")
+        return value
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text or token ids."""
@@ -140,9 +158,9 @@ class ChatCompletionRequest(_Sampling):
         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
 
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=256)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_MAX)
+    max_completion_tokens: Int(ge=1, le=MAX_TOKENS_MAX) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS_MAX)
+    top_logprobs: Int(ge=0, le=TOP_LOGPROBS_MAX) | None = None
     tools: list[Any] | None = _not_served(None, "tools", max_length=0)
     tool_choice: Literal["none"] | None = _not_served(None, "tool_choice")
     response_format: ResponseFormat | None = _not_served(None, "response_format")
