@@ -351,7 +351,8 @@ def test_n_choices_partly_refused_abort_the_ones_submitted(tiny_chat_model):  # 
                                      {"temperature": 2.0, "top_p": 1e-30}])
 def test_extreme_sampling_values_found_by_schemathesis_are_served(client, extreme):
     """engine/sampling.py raises on these (logits / 1e-300 overflow; top_p 5e-324 is 0 in
-    fp32): the edge serves them as greedy / top-token-only instead of a 500."""
+    fp32): the edge serves them as greedy / top-token-only instead of a 500. A seed past
+    int64 is a JSON integer like any other: folded into 64 bits, not refused."""
     response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3} | extreme)
     assert response.status_code == 200, response.text
     assert client.engine.inner.error is None

@@ -136,3 +136,32 @@ def test_metrics_label_answers_by_route_template_not_by_path(live):
                   status="404") == 2
     assert metric(text, "kvproof_http_responses_total", endpoint="unmatched",
                   status="404") == 2
+
+
+def test_tokenizing_is_bounded_and_refuses_one_more_with_a_503():
+    """At most `waiting_max` requests tokenize or wait for a thread; the next is refused at
+    once (503, Retry-After), the ones within the bound finish."""
+    import asyncio
+
+    from api.serve.errors import ApiError
+    from api.serve.intake import Tokenizing
+
+    release = threading.Event()
+
+    async def scenario():
+        tokenizing = Tokenizing(threads_max=1, waiting_max=2)
+        try:
+            held = [asyncio.ensure_future(tokenizing.run(release.wait, 10)) for _ in range(2)]
+            await asyncio.sleep(0.05)
+            with pytest.raises(ApiError) as refused:
+                await tokenizing.run(len, "x")
+            release.set()
+            return refused.value, await asyncio.wait_for(asyncio.gather(*held), 10)
+        finally:
+            release.set()
+            tokenizing.close()
+
+    refused, held = asyncio.run(scenario())
+    assert (refused.status, refused.code, refused.headers) == (503, "overloaded",
+                                                               {"Retry-After": "1"})
+    assert held == [True, True]

@@ -1,4 +1,5 @@
-"""What a request body must pass before anything parses it: a size bound.
+"""What a request passes before it reaches the engine: a size bound on its body, checked
+before anything parses it, then tokenizing on a bounded pool of threads.
 
 `BodyLimit` is ASGI middleware in front of the whole app. A request whose Content-Length
 is over `request_body_bytes_max` is refused with a 413 before one byte of its body is
@@ -13,6 +14,10 @@ is how a handler notices `http.disconnect` (api/serve/bridge.py).
 The bound fits every request the server can serve with room to spare: a prompt that fills
 an 8,192-token context is at most ~800 KB of JSON (16-character tokens, every character
 escaped), and 16 prompts of 8,192 token ids are ~1 MB.
+
+`Tokenizing` runs the chat template and the tokenizer off the event loop (a long prompt
+took the loop for 14 s, and /health with it), on TOKENIZE_THREADS_MAX threads, with at
+most TOKENIZE_WAITING_MAX requests tokenizing or waiting: one more is a 503.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@
 
 Label values are the engine's own names (worker names, guard names from GUARDS, the core's
 outcome and refusal wording), so a metric, a trace line and a dashboard row read alike.
+An HTTP answer's endpoint is its route's template (`endpoint_label`), and every path no
+route serves shares one label: the set of series is fixed by the app, not by its clients.
 """
 
 from __future__ import annotations
