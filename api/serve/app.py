@@ -30,13 +30,13 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.serve import generation
-from api.serve.errors import ApiError
+from api.serve.errors import ApiError, framework_error, not_json, validation_error
 from api.serve.intake import REQUEST_BODY_BYTES_MAX, BodyLimit, Tokenizing
 from api.serve.metrics import ServerMetrics, endpoint_label
 from api.serve.schemas import (CHAT_MAX_TOKENS_DEFAULT, COMPLETION_MAX_TOKENS_DEFAULT,
                                ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                CompletionResponse, ErrorResponse, Health, ModelCard, ModelList,
-                               MAX_TOKENS_MAX, NOT_SERVED, TOKEN_ID_MARKER)
+                               MAX_TOKENS_MAX, TOKEN_ID_MARKER)
 from api.serve.wire import ChatWire, CompletionWire
 
 DASHBOARD = Path(__file__).with_name("dashboard.html")
@@ -145,79 +145,13 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def malformed(request: Request, error: RequestValidationError):
-        return answer(request, _not_json(request) or validation_error(error.errors()))
+        return answer(request, not_json(request.headers.get("content-type"))
+                      or validation_error(error.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
-        status = error.status_code
-        message = HTTP_ERROR_MESSAGES.get(status, str(error.detail))
-        # error.headers carries what the status needs, e.g. the Allow of a 405 (RFC 9110).
-        return answer(request, ApiError(status, message, "invalid_request_error",
-                                        HTTP_ERROR_CODES.get(status), headers=error.headers))
-
-
-HTTP_ERROR_CODES = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}
-# FastAPI's 400 comes from a body its JSON parser gave up on with something other than a
-# syntax error: in practice, nesting deeper than Python's recursion limit.
-HTTP_ERROR_MESSAGES = {400: "the body could not be parsed as JSON (nested too deeply?)"}
-
-
-def _not_json(request: Request) -> ApiError | None:
-    """A 415 for a body sent with a Content-Type that is not JSON. FastAPI parses a body
-    as JSON only when it says it is JSON; this server follows it rather than guessing,
-    because a browser sends text/plain (and forms) across sites without asking the server
-    first (no CORS preflight), and a JSON-looking text/plain body would let any web page
-    run generations on a local server."""
-    content_type = request.headers.get("content-type")
-    if content_type is None:
-        return None
-    media = content_type.split(";", 1)[0].strip().lower()
-    if media == "application/json" or media.endswith("+json"):
-        return None
-    return ApiError(415, f"the body must be JSON sent with Content-Type: application/json "
-                    f"(got {media or 'an empty Content-Type'})", code="unsupported_media_type")
-
-
-def validation_error(errors) -> ApiError:
-    """A 400 naming the bad field (OpenAI's `param`), in place of FastAPI's 422. For a field
-    of several accepted shapes (a prompt: text, texts, token ids...) pydantic reports every
-    shape it tried; the error worth reading is the one of the shape that matched and broke
-    a bound, not "Input should be a valid string" from the first shape tried."""
-    first = errors[0] if errors else {"loc": (), "msg": "malformed request", "type": ""}
-    if first.get("type") == "json_invalid":
-        return ApiError(400, f"the body is not valid JSON: {first.get('msg')}",
-                        code="invalid_json")
-    fields = _fields(first)
-    if not fields:
-        return ApiError(400, f"the body must be a JSON object: {first.get('msg')}",
-                        code="invalid_body")
-    same_field = [error for error in errors if _fields(error)[:1] == fields[:1]]
-    broken_bound = next((e for e in same_field if not e.get("type", "").endswith("_type")), None)
-    chosen = broken_bound or first
-    param = ".".join(_fields(chosen))
-    if chosen.get("type") == "extra_forbidden":  # OpenAI's wording for a field it does not know
-        return ApiError(400, f"Unrecognized request argument supplied: {param}", param=param,
-                        code="unknown_parameter")
-    if fields[0] in NOT_SERVED:
-        return ApiError(400, f"not supported by this server: {fields[0]} (only "
-                        f"{NOT_SERVED[fields[0]]} is accepted)", param=fields[0],
-                        code="unsupported_parameter")
-    message = chosen.get("msg", "invalid value")
-    if broken_bound is None and len(same_field) > 1:
-        message = "the value has none of the accepted types"
-    return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
-
-
-def _fields(error) -> list[str]:
-    """The error's location as field names and list indexes, without "body" and without
-    the union members pydantic puts in it ('list[constrained-str]', 'str')."""
-    return [str(part) for part in error.get("loc", ())
-            if part != "body" and not _is_type_tag(str(part))]
-
-
-def _is_type_tag(part: str) -> bool:
-    return part in ("str", "int", "float", "bool") or "[" in part or part.startswith(
-        ("function-", "constrained-"))
+        return answer(request, framework_error(error.status_code, str(error.detail),
+                                               error.headers))
 
 
 def _model_name(engine, requested: str | None) -> str:
