@@ -187,7 +187,10 @@ def test_bodies_that_are_not_json_objects_are_400s(client):
                                headers={"Content-Type": "application/json"})
         assert response.status_code == 400, (content, response.text)
         assert response.json()["error"]["type"] == "invalid_request_error"
-    assert client.post("/v1/completions", content=b"{bad").status_code == 400
+    no_type = client.post("/v1/completions", content=b'{"prompt": "x"}')
+    assert (no_type.status_code, no_type.json()["error"]["message"]) == (
+        415, "the body must be JSON sent with Content-Type: application/json "
+             "(got no Content-Type)")
 
 
 def test_a_json_body_sent_as_another_media_type_is_a_415(client):

@@ -129,18 +129,18 @@ def framework_error(status: int, detail: str, headers: dict | None) -> ApiError:
 
 
 def not_json(content_type: str | None) -> ApiError | None:
-    """A 415 for a body sent with a Content-Type that is not JSON. FastAPI parses a body
-    as JSON only when it says it is JSON; this server follows it rather than guessing,
-    because a browser sends text/plain (and forms) across sites without asking the server
-    first (no CORS preflight), and a JSON-looking text/plain body would let any web page
-    run generations on a local server."""
-    if content_type is None:
-        return None
-    media = content_type.split(";", 1)[0].strip().lower()
+    """A 415 for a body that failed validation and was not sent as JSON (no Content-Type,
+    text/plain, a form: `curl -d` without `-H`). FastAPI parses a body as JSON only when
+    it says it is JSON; this server follows it rather than guessing, because a browser
+    sends text/plain (and forms) across sites without asking the server first (no CORS
+    preflight), and a JSON-looking text/plain body would let any web page run generations
+    on a local server. The answer says what to send, not "Input should be a valid
+    dictionary" about a body that is one."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
     if media == "application/json" or media.endswith("+json"):
         return None
     return ApiError(415, f"the body must be JSON sent with Content-Type: application/json "
-                    f"(got {media or 'an empty Content-Type'})", code="unsupported_media_type")
+                    f"(got {media or 'no Content-Type'})", code="unsupported_media_type")
 
 
 def validation_error(errors) -> ApiError:
