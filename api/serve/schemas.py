@@ -31,7 +31,9 @@ STOP_MAX = 4
 LOGPROBS_MAX = 5  # completions: top alternatives per token
 TOP_LOGPROBS_MAX = 20  # chat
 PROMPTS_MAX = 16
-MAX_TOKENS_MAX = 1 << 20  # beyond any context; the engine's own check says the real limit
+# Beyond any context: the app writes the context's own bound over it in the published
+# schema and checks that bound (api/serve/app.py), the engine checks prompt + max_tokens.
+MAX_TOKENS_MAX = 1 << 20
 COMPLETION_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
 CHAT_MAX_TOKENS_DEFAULT = 256  # OpenAI has none; ours keeps a page reservation bounded
 
@@ -41,7 +43,7 @@ NOT_SERVED = {
     "presence_penalty": "0", "frequency_penalty": "0", "logit_bias": "null or {}",
     "echo": "false", "best_of": "null or 1", "suffix": "null or \"\"",
     "tools": "null or []", "tool_choice": "null or \"none\"",
-    "response_format": '{"type": "text"}',
+    "response_format": 'null or {"type": "text"}',
 }
 
 
