@@ -101,7 +101,7 @@ def _content_length(scope) -> int | None:
     return None
 
 
-TOKENIZE_THREADS_MAX = 2  # tokenizing is CPU work beside the engine's: two threads, not a core each
+TOKENIZE_THREADS_MAX = 2  # tokenizing is CPU work beside the engine's: two threads at most
 TOKENIZE_WAITING_MAX = 64  # requests tokenizing or waiting for a thread; beyond: a 503
 
 
