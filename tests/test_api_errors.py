@@ -77,28 +77,32 @@ def client(tiny_chat_model):  # noqa: F811
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 MALFORMED = [  # (endpoint, body, the field the 400 must name)
     ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
-    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "n": 99}, "n"),
-    ("/v1/completions", {"prompt": "x", "stop": ["a", ""]}, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a", ""]}, "stop.1"),
     ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("/v1/completions", {"prompt": "x", "logprobs": 9}, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
-    ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
     ("/v1/completions", {"prompt": []}, "prompt"),
-    ("/v1/completions", {"prompt": [[]]}, "prompt"),
+    ("/v1/completions", {"prompt": [[]]}, "prompt.0"),
+    ("/v1/completions", {"prompt": [1, -1]}, "prompt.1"),
+    ("/v1/completions", {"prompt": {"text": "x"}}, "prompt"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 10_000]}, "prompt"),
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
-    ("/v1/completions", {"prompt": "x", "seed": 1 << 70}, "seed"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 512}, "max_tokens"),
+    ("/v1/chat/completions", CHAT | {"max_completion_tokens": 2, "max_tokens": 600},
+     "max_tokens"),
+    # Strict types: nothing is coerced (these were served as True and 3).
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "3"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "n": 2.5}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": True}, "n"),
+    ("/v1/chat/completions", CHAT | {"logprobs": 1}, "logprobs"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ("/v1/chat/completions", CHAT | {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", CHAT | {"max_completion_tokens": -3}, "max_completion_tokens"),
-    ("/v1/chat/completions", CHAT | {"tools": [{"type": "function"}]}, "tools"),
-    ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_object"}},
-     "response_format.type"),
     ("/v1/chat/completions", CHAT | {"stream_options": {"include_usage": "often"}},
      "stream_options.include_usage"),
 ]
@@ -113,13 +117,115 @@ def test_a_malformed_body_is_a_400_naming_the_field(client, endpoint, body, fiel
     assert error["message"].startswith(field)
 
 
+NOT_SERVED = [  # (endpoint, body): a field OpenAI defines at a value this server does not serve
+    ("/v1/completions", {"prompt": "x", "echo": True}),
+    ("/v1/completions", {"prompt": "x", "best_of": 2}),
+    ("/v1/completions", {"prompt": "x", "suffix": "end"}),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": -1}),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}),
+    ("/v1/chat/completions", CHAT | {"tools": [{"type": "function"}]}),
+    ("/v1/chat/completions", CHAT | {"tool_choice": "auto"}),
+    ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_object"}}),
+]
+
+
+@pytest.mark.parametrize("endpoint,body", NOT_SERVED)
+def test_an_unsupported_feature_is_named_as_such(client, endpoint, body):
+    """Not validator wording ("List should have at most 0 items after validation"): the
+    feature, named, with the value that is accepted."""
+    field = next(key for key in body if key not in ("prompt", "messages", "max_tokens"))
+    response = client.post(endpoint, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error", field, "unsupported_parameter")
+    assert error["message"].startswith(f"not supported by this server: {field} (only ")
+
+
+@pytest.mark.parametrize("endpoint,body", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "presence_penalty": 0,
+                         "frequency_penalty": 0.0, "logit_bias": {}, "echo": False,
+                         "best_of": 1, "suffix": "", "user": "u1"}),
+    ("/v1/chat/completions", CHAT | {"tools": [], "tool_choice": "none", "logit_bias": None,
+                                     "response_format": {"type": "text"}}),
+])
+def test_the_neutral_values_of_unsupported_features_are_served(client, endpoint, body):
+    assert client.post(endpoint, json=body).status_code == 200
+
+
+@pytest.mark.parametrize("endpoint,body,field", [
+    ("/v1/completions", {"prompt": "x", "temprature": 0}, "temprature"),
+    ("/v1/chat/completions", CHAT | {"max_token": 3}, "max_token"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "colour": 1}]},
+     "messages.0.colour"),
+])
+def test_an_unknown_field_is_refused_in_openais_words(client, endpoint, body, field):
+    """OpenAI answers an argument it does not know with a 400 "Unrecognized request
+    argument supplied: X"; ignoring it (as before) served a request that asked for
+    something else (a typo like `temprature` sampled at temperature 1)."""
+    response = client.post(endpoint, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error == {"message": f"Unrecognized request argument supplied: {field}",
+                     "type": "invalid_request_error", "param": field,
+                     "code": "unknown_parameter"}
+
+
+def test_top_p_zero_is_served_as_the_smallest_nucleus(client):
+    """top_p=0 (OpenAI accepts it) keeps only the most likely token: greedy."""
+    body = {"prompt": "The cat", "max_tokens": 6, "seed": 3}
+    greedy = client.post("/v1/completions", json=body | {"temperature": 0})
+    nucleus = client.post("/v1/completions", json=body | {"temperature": 1.5, "top_p": 0})
+    assert (greedy.status_code, nucleus.status_code) == (200, 200), nucleus.text
+    assert nucleus.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+
+
 def test_bodies_that_are_not_json_objects_are_400s(client):
     for content in (b"{bad", b"[1, 2]", b""):
         response = client.post("/v1/completions", content=content,
                                headers={"Content-Type": "application/json"})
         assert response.status_code == 400, (content, response.text)
         assert response.json()["error"]["type"] == "invalid_request_error"
-    assert client.post("/v1/completions", content=b"{bad").status_code == 400
+    no_type = client.post("/v1/completions", content=b'{"prompt": "x"}')
+    assert (no_type.status_code, no_type.json()["error"]["message"]) == (
+        415, "the body must be JSON sent with Content-Type: application/json "
+             "(got no Content-Type)")
+
+
+def test_a_json_body_sent_as_another_media_type_is_a_415(client):
+    """FastAPI parses a body as JSON only when its Content-Type says so, and so does this
+    server (a browser sends text/plain and forms across sites without a CORS preflight);
+    the answer says what to send instead of "Input should be a valid dictionary"."""
+    for media in ("text/plain", "application/x-www-form-urlencoded"):
+        response = client.post("/v1/completions", content=b'{"prompt": "x"}',
+                               headers={"Content-Type": f"{media}; charset=utf-8"})
+        assert response.status_code == 415, response.text
+        error = response.json()["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error",
+                                                  "unsupported_media_type")
+        assert error["message"] == ("the body must be JSON sent with Content-Type: "
+                                    f"application/json (got {media})")
+
+
+def test_deeply_nested_json_is_a_400_with_a_code(client):
+    response = client.post("/v1/completions", content=b"[" * 100_000 + b"]" * 100_000,
+                           headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_json")
+    assert error["message"] == "the body could not be parsed as JSON (nested too deeply?)"
+
+
+def test_an_undeclared_method_is_a_405_with_allow(client):
+    """RFC 9110: a 405 lists the methods the resource takes (the handler used to drop it)."""
+    for method, path, allowed in (("TRACE", "/v1/completions", "POST"),
+                                  ("GET", "/v1/chat/completions", "POST"),
+                                  ("DELETE", "/health", "GET")):
+        response = client.request(method, path)
+        assert response.status_code == 405
+        assert response.headers["Allow"] == allowed
+        assert response.json()["error"]["code"] == "method_not_allowed"
 
 
 def test_unknown_routes_methods_and_models_are_openai_errors(client):
@@ -246,11 +352,12 @@ def test_n_choices_partly_refused_abort_the_ones_submitted(tiny_chat_model):  # 
         wait_settled(engine)
 
 
-@pytest.mark.parametrize("extreme", [{"temperature": 1e-300}, {"top_p": 5e-324},
+@pytest.mark.parametrize("extreme", [{"temperature": 1e-300}, {"top_p": 5e-324}, {"seed": 1 << 70},
                                      {"temperature": 2.0, "top_p": 1e-30}])
 def test_extreme_sampling_values_found_by_schemathesis_are_served(client, extreme):
     """engine/sampling.py raises on these (logits / 1e-300 overflow; top_p 5e-324 is 0 in
-    fp32): the edge serves them as greedy / top-token-only instead of a 500."""
+    fp32): the edge serves them as greedy / top-token-only instead of a 500. A seed past
+    int64 is a JSON integer like any other: folded into 64 bits, not refused."""
     response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3} | extreme)
     assert response.status_code == 200, response.text
     assert client.engine.inner.error is None
@@ -292,13 +399,17 @@ def test_a_request_aborted_by_a_stopping_server_is_a_503_or_an_error_event(
     assert snapshot.outcomes == {"Gone": 1}
     assert_pools_whole(snapshot)
     if not stream:
-        assert (response.status_code, response.json()["error"]["code"]) == (
-            503, "request_aborted")
-        return
-    assert response.status_code == 200
-    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
-    assert "[DONE]" not in events
-    assert json.loads(events[-1])["error"]["code"] == "request_aborted"
+        assert response.status_code == 503
+        error = response.json()["error"]
+    else:
+        assert response.status_code == 200
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert "[DONE]" not in events
+        error = json.loads(events[-1])["error"]
+    # The server stopped it, and says so: not "client gone ... (the client went away)".
+    assert (error["type"], error["code"]) == ("server_error", "request_aborted")
+    assert error["message"] == ("the server is stopping: it aborted the request before it "
+                                "finished [outcome Gone]")
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")

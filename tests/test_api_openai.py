@@ -114,3 +114,39 @@ def test_an_over_long_prompt_gets_context_length_exceeded(served):
     assert raised.value.code == "context_length_exceeded"
     assert raised.value.param == "messages"
     assert wait_settled(engine).rejects["too long"] == 1
+
+
+def test_models_retrieve_returns_the_model_and_a_404_for_any_other(served):
+    _server, engine, client = served
+    model = client.models.retrieve(engine.model_name)
+    assert (model.id, model.object, model.owned_by) == (engine.model_name, "model", "kvproof")
+    assert client.models.retrieve("default").id == engine.model_name
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.models.retrieve("gpt-9")
+    assert (raised.value.code, raised.value.param, raised.value.type) == (
+        "model_not_found", "model", "invalid_request_error")
+
+
+def test_the_clients_errors_name_the_parameter(served):
+    """OpenAI's conventions as the client reads them (error.code, error.param): a feature
+    not served, an argument not known, a value of the wrong type."""
+    _server, _engine, client = served
+    chat = dict(model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    cases = [
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+         "tools", "unsupported_parameter", "not supported by this server: tools"),
+        (dict(presence_penalty=0.5), "presence_penalty", "unsupported_parameter",
+         "not supported by this server: presence_penalty"),
+        (dict(extra_body={"temprature": 0}), "temprature", "unknown_parameter",
+         "Unrecognized request argument supplied: temprature"),
+        (dict(extra_body={"stream": "yes"}), "stream", "invalid_value",
+         "stream: Input should be a valid boolean"),
+    ]
+    for arguments, param, code, message in cases:
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(**chat | arguments)
+        assert (raised.value.param, raised.value.code) == (param, code)
+        assert raised.value.body["message"].startswith(message)
+    reply = client.chat.completions.create(**chat, presence_penalty=0, frequency_penalty=0,
+                                           logit_bias={}, top_p=0)
+    assert reply.choices[0].finish_reason in ("stop", "length")

@@ -3,6 +3,7 @@
     POST /v1/completions        text or token-id prompts; n, stop, seed, logprobs, stream
     POST /v1/chat/completions   messages through the model's chat template; the same options
     GET  /v1/models             the one model served
+    GET  /v1/models/{model_id}  that model (404 for any other id)
     GET  /health                200 while serving, 503 once stopping
     GET  /metrics               Prometheus text (api/serve/metrics.py)
     GET  /v1/kvproof/state      engine.snapshot() as JSON, for the dashboard
@@ -11,7 +12,8 @@
 The app owns the engine's lifetime: the lifespan starts it, and `EngineLifetime.stop`
 (SIGTERM in `kvproof serve`, or the lifespan's end) stops it once. Errors of every kind
 leave as OpenAI error bodies (api/serve/errors.py); FastAPI's 422 for a malformed body is
-replaced by a 400 naming the field.
+replaced by a 400 naming the field. A body passes api/serve/intake.py before it is parsed
+(a size bound: 413), and prompts are tokenized there, off the event loop.
 """
 
 from __future__ import annotations
@@ -29,17 +31,20 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.serve import generation
-from api.serve.errors import ApiError
-from api.serve.metrics import ServerMetrics
+from api.serve.errors import ApiError, framework_error, not_json, validation_error
+from api.serve.intake import REQUEST_BODY_BYTES_MAX, BodyLimit, Tokenizing
+from api.serve.metrics import ServerMetrics, endpoint_label
 from api.serve.schemas import (CHAT_MAX_TOKENS_DEFAULT, COMPLETION_MAX_TOKENS_DEFAULT,
                                ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                               CompletionResponse, ErrorResponse, Health, ModelList)
+                               CompletionResponse, ErrorResponse, Health, ModelCard, ModelList,
+                               MAX_TOKENS_MAX, TOKEN_ID_MARKER)
 from api.serve.wire import ChatWire, CompletionWire
 
 DASHBOARD = Path(__file__).with_name("dashboard.html")
 INITIAL_STATE = '<script id="initial-state" type="application/json">null</script>'
 MODEL_ALIASES = ("default",)  # besides the engine's own model name
-ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 404, 500, 503, 504)}
+ERROR_RESPONSES = {status: {"model": ErrorResponse}
+                   for status in (400, 404, 413, 415, 500, 503, 504)}
 # A stream's events as Schemathesis and OpenAPI 3.2 read them: each event an object whose
 # `data` is one JSON chunk (chat.completion.chunk / text_completion / an error) or [DONE].
 SSE_EVENT = {"type": "object", "required": ["data"],
@@ -68,9 +73,11 @@ class EngineLifetime:
         self.engine.stop(drain_s)
 
 
-def create_app(engine, *, drain_s: float = 0.0, start_engine: bool = True) -> FastAPI:
+def create_app(engine, *, drain_s: float = 0.0, start_engine: bool = True,
+               request_body_bytes_max: int = REQUEST_BODY_BYTES_MAX) -> FastAPI:
     lifetime = EngineLifetime(engine)
     metrics = ServerMetrics(engine)
+    tokenizing = Tokenizing()
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -78,20 +85,25 @@ def create_app(engine, *, drain_s: float = 0.0, start_engine: bool = True) -> Fa
             lifetime.start()
         yield
         lifetime.stop(drain_s)
+        tokenizing.close()
 
     app = FastAPI(title="kvproof", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible serving over the kvproof engine")
     app.state.engine, app.state.lifetime, app.state.metrics = engine, lifetime, metrics
     _add_error_handlers(app, metrics)
-    _add_generation_routes(app, engine, metrics)
+    _add_generation_routes(app, engine, metrics, tokenizing)
     _add_info_routes(app, engine, lifetime, metrics)
-    app.openapi = lambda: _openapi_without_422(app)
+    app.add_middleware(BodyLimit, body_bytes_max=request_body_bytes_max, on_refused=lambda scope:
+                       metrics.responses.labels(endpoint_label(scope, app.routes), "413").inc())
+    app.openapi = lambda: _openapi_without_422(app, engine)
     return app
 
 
-def _openapi_without_422(app: FastAPI) -> dict:
+def _openapi_without_422(app: FastAPI, engine) -> dict:
     """FastAPI documents a 422 for every body it validates; this server answers those with
-    a 400 (documented on each operation), so the 422 entries would be false."""
+    a 400 (documented on each operation), so the 422 entries would be false. The bounds
+    that depend on the model (the largest token id, max_tokens below the context) are
+    written in, so that a body the schema calls valid is one this server can take."""
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
 
@@ -100,13 +112,33 @@ def _openapi_without_422(app: FastAPI) -> dict:
         for path in schema["paths"].values():
             for operation in path.values():
                 operation.get("responses", {}).pop("422", None)
+        _write_model_bounds(schema, _vocabulary(engine) - 1, engine.context_length - 1)
         app.openapi_schema = schema
     return app.openapi_schema
 
 
+def _write_model_bounds(node, token_id_max: int, max_tokens_max: int) -> None:
+    if isinstance(node, list):
+        for item in node:
+            _write_model_bounds(item, token_id_max, max_tokens_max)
+        return
+    if not isinstance(node, dict):
+        return
+    if node.pop(TOKEN_ID_MARKER, False):
+        node["maximum"] = token_id_max
+    if node.get("maximum") == MAX_TOKENS_MAX:
+        node["maximum"] = max_tokens_max
+    for value in node.values():
+        _write_model_bounds(value, token_id_max, max_tokens_max)
+
+
+def _vocabulary(engine) -> int:
+    return engine.tokenizer.backend.get_vocab_size()
+
+
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     def answer(request: Request, error: ApiError) -> JSONResponse:
-        metrics.responses.labels(request.url.path, str(error.status)).inc()
+        metrics.responses.labels(endpoint_label(request.scope), str(error.status)).inc()
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(ApiError)
@@ -115,34 +147,13 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def malformed(request: Request, error: RequestValidationError):
-        return answer(request, validation_error(error.errors()))
+        return answer(request, not_json(request.headers.get("content-type"))
+                      or validation_error(error.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
-        return answer(request, ApiError(error.status_code, str(error.detail),
-                                        "invalid_request_error", code))
-
-
-def validation_error(errors) -> ApiError:
-    """A 400 naming the first bad field (OpenAI's `param`), in place of FastAPI's 422."""
-    first = errors[0] if errors else {"loc": (), "msg": "malformed request", "type": ""}
-    if first.get("type") == "json_invalid":
-        return ApiError(400, f"the body is not valid JSON: {first.get('msg')}",
-                        code="invalid_json")
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    fields = [part for part in loc if not _is_type_tag(part)]
-    param = ".".join(fields) or None
-    message = first.get("msg", "invalid value")
-    if param is None:
-        return ApiError(400, f"the body must be a JSON object: {message}", code="invalid_body")
-    return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
-
-
-def _is_type_tag(part: str) -> bool:
-    """pydantic puts the union member it tried in the location ('list[int]', 'str')."""
-    return part in ("str", "int", "float", "bool") or "[" in part or part.startswith(
-        "function-")
+        return answer(request, framework_error(error.status_code, str(error.detail),
+                                               error.headers))
 
 
 def _model_name(engine, requested: str | None) -> str:
@@ -152,13 +163,15 @@ def _model_name(engine, requested: str | None) -> str:
     return engine.model_name
 
 
-def _add_generation_routes(app: FastAPI, engine, metrics: ServerMetrics) -> None:
+def _add_generation_routes(app: FastAPI, engine, metrics: ServerMetrics,
+                           tokenizing: Tokenizing) -> None:
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
         received_s = time.perf_counter()
         model = _model_name(engine, body.model)
-        prompts = tuple(_prompt_ids(engine, prompt) for prompt in body.prompts())
+        _check_token_limits(engine, body)
+        prompts = await tokenizing.run(_prompts_ids, engine, body.prompts())
         plan = generation.Plan(
             prompts=prompts, n=body.n, logprobs=body.logprobs, stream=body.stream,
             include_usage=body.include_usage(), prompt_param="prompt",
@@ -174,7 +187,8 @@ def _add_generation_routes(app: FastAPI, engine, metrics: ServerMetrics) -> None
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         received_s = time.perf_counter()
         model = _model_name(engine, body.model)
-        prompt = _chat_ids(engine, body)
+        _check_token_limits(engine, body)
+        prompt = await tokenizing.run(_chat_ids, engine, body)
         max_tokens = body.token_limit() or max(
             1, min(CHAT_MAX_TOKENS_DEFAULT, engine.context_length - len(prompt)))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -188,8 +202,20 @@ def _add_generation_routes(app: FastAPI, engine, metrics: ServerMetrics) -> None
         return await _serve(request, engine, plan, wire, metrics, received_s)
 
 
+def _check_token_limits(engine, body) -> None:
+    """max_tokens (and max_completion_tokens) below the context, as the published schema
+    says, whichever of the two is used: a prompt is at least one token."""
+    limit = engine.context_length - 1
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = getattr(body, name, None)
+        if value is not None and value > limit:
+            raise ApiError(400, f"{name}: at most {limit} (the context is "
+                           f"{engine.context_length} tokens, a prompt at least 1)", param=name,
+                           code="context_length_exceeded")
+
+
 async def _serve(request: Request, engine, plan, wire, metrics, received_s: float):
-    path = request.url.path
+    path = endpoint_label(request.scope)
     choices = generation.submit_all(engine, plan)
     timings = generation.Timings(metrics, received_s)
     if not plan.stream:
@@ -233,11 +259,16 @@ def _encode(param: str, encode, text: str) -> list[int]:
                        code="invalid_value") from None
 
 
+def _prompts_ids(engine, prompts) -> tuple[tuple[int, ...], ...]:
+    """Every prompt's token ids (on a tokenizing thread)."""
+    return tuple(_prompt_ids(engine, prompt) for prompt in prompts)
+
+
 def _prompt_ids(engine, prompt) -> tuple[int, ...]:
     if isinstance(prompt, str):
         ids = _encode("prompt", engine.tokenizer.encode, prompt)
     else:
-        vocabulary = engine.tokenizer.backend.get_vocab_size()
+        vocabulary = _vocabulary(engine)
         bad = [token for token in prompt if not 0 <= token < vocabulary]
         if bad:
             raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary "
@@ -250,6 +281,7 @@ def _prompt_ids(engine, prompt) -> tuple[int, ...]:
 
 
 def _chat_ids(engine, body: ChatCompletionRequest) -> tuple[int, ...]:
+    """The chat's token ids through the model's template (on a tokenizing thread)."""
     from engine.config import ModelFileError
 
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -267,11 +299,19 @@ def _chat_ids(engine, body: ChatCompletionRequest) -> tuple[int, ...]:
 
 def _add_info_routes(app: FastAPI, engine, lifetime: EngineLifetime,
                      metrics: ServerMetrics) -> None:
+    def card() -> dict:
+        return {"id": engine.model_name, "object": "model", "created": int(lifetime.started_s),
+                "owned_by": "kvproof", "context_length": engine.context_length}
+
     @app.get("/v1/models", response_model=ModelList)
     async def models():
-        return {"object": "list", "data": [{
-            "id": engine.model_name, "object": "model", "created": int(lifetime.started_s),
-            "owned_by": "kvproof", "context_length": engine.context_length}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard,
+             responses={404: {"model": ErrorResponse}})
+    async def model(model_id: str):
+        _model_name(engine, model_id)  # a 404 for any other id
+        return card()
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health():

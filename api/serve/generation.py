@@ -61,13 +61,12 @@ class Plan:
 def sampling_for(n_prompts: int, n: int, *, max_tokens: int, temperature: float, top_p: float,
                  seed: int | None, stop: tuple[str, ...]) -> tuple[SamplingParams, ...]:
     """One SamplingParams per choice. Choices of one request differ by their seed (seed + i,
-    kept in int64); without a seed each choice draws a fresh one, as OpenAI's sampling is
-    unseeded."""
+    folded into int64: any integer is a seed); without a seed each choice draws a fresh
+    one, as OpenAI's sampling is unseeded."""
     def seed_of(index: int) -> int:
         if seed is None:
             return random.randrange(INT64_MAX)
-        value = seed + index
-        return value - (1 << 64) if value > INT64_MAX else value
+        return (seed + index + (1 << 63)) % (1 << 64) - (1 << 63)
 
     if temperature < GREEDY_BELOW_TEMPERATURE:
         temperature = 0.0
@@ -113,7 +112,7 @@ async def _gather(choices: Choices, timings: Timings) -> bool:
             choice.tokens.append(event)
             timings.token(choice)
         else:
-            error = outcome_error(event)
+            error = outcome_error(event, choice.aborted)
             if error is not None:
                 raise error
     return True
@@ -142,9 +141,9 @@ async def first_event(request, choices: Choices):
     if first is None:
         choices.abort_unfinished()
         return None
-    _choice, event = first
+    choice, event = first
     if isinstance(event, Finished):
-        error = outcome_error(event)
+        error = outcome_error(event, choice.aborted)
         if error is not None:
             choices.abort_unfinished()
             raise error
@@ -170,7 +169,7 @@ async def stream(choices: Choices, plan: Plan, wire, timings: Timings, first):
                 chunk = wire.chunk(choice.index, [event], None, offsets[choice.index], is_first)
                 offsets[choice.index] += len(event.text)
             else:
-                error = outcome_error(event)
+                error = outcome_error(event, choice.aborted)
                 if error is not None:
                     yield sse(error.body())
                     return

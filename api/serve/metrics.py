@@ -9,6 +9,8 @@
 
 Label values are the engine's own names (worker names, guard names from GUARDS, the core's
 outcome and refusal wording), so a metric, a trace line and a dashboard row read alike.
+An HTTP answer's endpoint is its route's template (`endpoint_label`), and every path no
+route serves shares one label: the set of series is fixed by the app, not by its clients.
 """
 
 from __future__ import annotations
@@ -83,3 +85,18 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+UNMATCHED_ENDPOINT = "unmatched"  # every path no route serves: one series, not one a path
+
+
+def endpoint_label(scope, routes=()) -> str:
+    """The route template that serves the request ("/v1/models/{model_id}"), never the raw
+    path: a client must not be able to make a time series per URL it invents. The router
+    puts the route in the scope; before routing (the body limit) `routes` are matched."""
+    route = scope.get("route")
+    if route is None:
+        from starlette.routing import Match
+
+        route = next((r for r in routes if r.matches(scope)[0] != Match.NONE), None)
+    return getattr(route, "path_format", None) or getattr(route, "path", UNMATCHED_ENDPOINT)

@@ -1,0 +1,136 @@
+"""What a request passes before it reaches the engine: a size bound on its body, checked
+before anything parses it, then tokenizing on a bounded pool of threads.
+
+`BodyLimit` is ASGI middleware in front of the whole app. A request whose Content-Length
+is over `request_body_bytes_max` is refused with a 413 before one byte of its body is
+read; a body without a length (chunked) is read up to the bound and refused the moment it
+passes it. Only then does the app see the body, replayed from memory, so that no parser,
+validator or tokenizer ever spends time on a body it would refuse for its size (a 10 MB
+prompt used to take 43 s to refuse, and blocked the event loop meanwhile).
+
+Once the body is replayed, the client's receive channel is passed through as it is: that
+is how a handler notices `http.disconnect` (api/serve/bridge.py).
+
+The bound fits every request the server can serve with room to spare: a prompt that fills
+an 8,192-token context is at most ~800 KB of JSON (16-character tokens, every character
+escaped), and 16 prompts of 8,192 token ids are ~1 MB.
+
+`Tokenizing` runs the chat template and the tokenizer off the event loop (a long prompt
+took the loop for 14 s, and /health with it), on TOKENIZE_THREADS_MAX threads, with at
+most TOKENIZE_WAITING_MAX requests tokenizing or waiting: one more is a 503.
+"""
+
+from __future__ import annotations
+
+import json
+
+from api.serve.errors import ApiError
+
+REQUEST_BODY_BYTES_MAX = 4 * 1024 * 1024
+
+
+class BodyTooLarge(Exception):
+    """The body is over the bound (the client's error: a 413)."""
+
+
+class BodyLimit:
+    """Refuses bodies over `body_bytes_max` with a 413 (an OpenAI error body); `on_refused`
+    is told the scope of each refused request (for the metrics)."""
+
+    def __init__(self, app, body_bytes_max: int, on_refused=None):
+        assert body_bytes_max >= 0, body_bytes_max
+        self.app, self.body_bytes_max, self.on_refused = app, body_bytes_max, on_refused
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        try:
+            body = await self._read(scope, receive)
+        except BodyTooLarge:
+            return await self._refuse(scope, send)
+        if body is None:
+            return None  # the client left while sending its body: nobody to answer
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return await self.app(scope, replay, send)
+
+    async def _read(self, scope, receive) -> bytes | None:
+        declared = _content_length(scope)
+        if declared is not None and declared > self.body_bytes_max:
+            raise BodyTooLarge
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.body_bytes_max:
+                raise BodyTooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _refuse(self, scope, send) -> None:
+        if self.on_refused is not None:
+            self.on_refused(scope)
+        error = ApiError(413, f"the request body is over this server's limit of "
+                         f"{self.body_bytes_max} bytes", code="request_too_large")
+        body = json.dumps(error.body()).encode()
+        # The rest of the body is never read: the connection cannot carry another request.
+        await send({"type": "http.response.start", "status": 413, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _content_length(scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the server's HTTP parser refuses it before us
+    return None
+
+
+TOKENIZE_THREADS_MAX = 2  # tokenizing is CPU work beside the engine's: two threads at most
+TOKENIZE_WAITING_MAX = 64  # requests tokenizing or waiting for a thread; beyond: a 503
+
+
+class Tokenizing:
+    """Tokenizing (chat template + encode) on a bounded pool of threads, off the event
+    loop: a long prompt costs its own request time, never /health's or another stream's.
+    At most `waiting_max` requests tokenize or wait for a thread; one more is refused
+    with a 503 and Retry-After, like a full admission queue."""
+
+    def __init__(self, threads_max: int = TOKENIZE_THREADS_MAX,
+                 waiting_max: int = TOKENIZE_WAITING_MAX):
+        from concurrent.futures import ThreadPoolExecutor
+
+        assert threads_max >= 1 and waiting_max >= threads_max, (threads_max, waiting_max)
+        self.pool = ThreadPoolExecutor(threads_max, thread_name_prefix="kvproof-tokenize")
+        self.waiting_max, self.waiting = waiting_max, 0
+
+    async def run(self, tokenize, *args):
+        """tokenize(*args) on a pool thread; what it raises (an ApiError) propagates."""
+        import asyncio
+
+        if self.waiting >= self.waiting_max:
+            raise ApiError(503, f"{self.waiting} requests are being tokenized (the limit)",
+                           "server_error", "overloaded", headers={"Retry-After": "1"})
+        self.waiting += 1  # only the event loop's thread counts: no lock needed
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, tokenize, *args)
+        finally:
+            self.waiting -= 1
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
