@@ -256,8 +256,11 @@ class Runtime(Loop, Delivery):
             self._finished(self.live.pop(r), "ErrTooLong", detail="the core refused Arrive")
         return r
 
-    def abort(self, r: int) -> None:
+    def abort(self, r: int, why: str = "the client went away") -> None:
+        """The serving edge gives up on r: a client that left, or (`why`) a server that is
+        stopping; for the protocol both are the client gone (Abort)."""
         if r in self.store.rows and self._row(r)[core.CLIENT] == core.WAITING:
+            self.live[r].detail = why
             self.take(r, core.Abort(r))
 
     # -- commands ----------------------------------------------------------------------
@@ -274,7 +277,8 @@ class Runtime(Loop, Delivery):
         elif message == core.CLIENT_GONE:
             self._want(r, GONE_PREFILL)
             self._want(r, GONE_DECODE)
-            self._finished(self.live[r], "Gone", detail="the client went away")
+            live = self.live[r]
+            self._finished(live, "Gone", detail=live.detail or "the client went away")
         else:
             self._want(r, message)
 

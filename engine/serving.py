@@ -399,7 +399,7 @@ class ThreadedEngine:
                 busy = self._drain_inbox()
                 if self._abort_all:
                     for r in list(self.runtime.live):
-                        self.runtime.abort(r)
+                        self.runtime.abort(r, "the server is stopping")
                 busy |= self.runtime.step()
                 # A snapshot costs a walk over the recent requests: idle turns (every
                 # idle_wait_s) publish only every IDLE_PUBLISH_S, enough for what an idle
