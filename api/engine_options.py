@@ -89,7 +89,10 @@ def set_threads(threads: int | None) -> int:
 def default_threads(load_average: float | None = None) -> int:
     """max(1, min(usable cores, idle cores)): the rule of this module's header."""
     if load_average is None:
-        load_average = os.getloadavg()[0]
+        try:
+            load_average = os.getloadavg()[0]
+        except OSError:  # not on this platform: take the machine as idle
+            load_average = 0.0
     idle = math.floor((os.cpu_count() or 1) - load_average + 0.5)
     return max(1, min(usable_cores(), idle))
 

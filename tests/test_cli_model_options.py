@@ -57,7 +57,9 @@ BAD_ARGUMENTS = [  # (subcommand and arguments, fragment of the one line)
     ("serve --port http", "argument --port: expected a whole number, got 'http'"),
     ("serve --host 999.999.1.1", "--host 999.999.1.1: not an address of this machine"),
     ("serve --port {port_in_use}", "cannot listen on 127.0.0.1:{port_in_use}: Address "
-                                   "already in use"),
+                                   "already in use\n"),
+    ("serve --host 10.255.1.1", "cannot listen on 10.255.1.1:8000: Cannot assign requested "
+                                "address\n"),
     ("serve --device tpu", "device 'tpu': expected cpu, cuda or cuda:N"),
     ("serve --dtype int8", "argument --dtype: invalid choice: 'int8'"),
     ("serve --threads 0", "argument --threads: must be at least 1, got 0"),

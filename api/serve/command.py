@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import os
 import socket
 import sys
 import threading
@@ -177,9 +178,10 @@ def _engine_config(config_type, args: argparse.Namespace):
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port and listening (IPv4 or IPv6, as the host resolves)."""
+    """A socket bound to host:port and listening (IPv4 or IPv6, as the host resolves; ""
+    is every interface)."""
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                     flags=socket.AI_PASSIVE)[0][0]
     except (socket.gaierror, UnicodeError) as error:
         reason = error.strerror if isinstance(error, socket.gaierror) else str(error)
@@ -187,8 +189,9 @@ def _listen(host: str, port: int) -> socket.socket:
                       f"resolve ({reason})") from None
     try:
         return socket.create_server((host, port), family=family, reuse_port=False)
-    except OSError as error:
-        raise Refusal(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    except OSError as error:  # its strerror also names the address: say it once
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        raise Refusal(f"cannot listen on {host}:{port}: {reason}") from None
 
 
 def _serve(app, engine, listener: socket.socket, drain_s: float, threads: int) -> None:
