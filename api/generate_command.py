@@ -16,7 +16,7 @@ import argparse
 import sys
 
 from api import engine_options
-from api.clikit import EXIT_OK, EXIT_USAGE, UsageError
+from api.clikit import EXIT_OK, EXIT_USAGE, UsageError, non_negative_float
 
 EXIT_CODES = """exit status:
   0  every prompt was completed (its finish reason is printed after it)
@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="+", metavar="PROMPT")
     engine_options.add_arguments(parser)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0,
+                        help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)

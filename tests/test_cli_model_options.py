@@ -74,6 +74,8 @@ BAD_ARGUMENTS = [  # (subcommand and arguments, fragment of the one line)
     ("generate --device cpu:1 hello", "device 'cpu:1': expected cpu, cuda or cuda:N"),
     ("generate --dtype int8 hello", "argument --dtype: invalid choice: 'int8'"),
     ("generate --threads -2 hello", "argument --threads: must be at least 1, got -2"),
+    ("generate --temperature inf hello", "argument --temperature: expected a finite number"),
+    ("generate --max-tokens 0 hello", "max_tokens"),
     ("generate --model {models}/missing hello", "missing: no such file or folder"),
     ("generate --model {models}/empty hello", "empty: no config.json"),
     ("sim one-pair --slo-ttft-ms -5", "argument --slo-ttft-ms: must be above 0, got -5"),
