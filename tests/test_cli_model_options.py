@@ -213,9 +213,10 @@ def test_usable_cores_count_hyperthreads_once_and_obey_a_cgroup_quota(tmp_path):
     assert cgroup_cpu_quota(v1) is None
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("300000\n")
     assert cgroup_cpu_quota(v1) == 3
-    siblings = {open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read()
-                for cpu in os.sched_getaffinity(0)}
-    assert usable_cores(cgroup_root=tmp_path / "none") == len(siblings)
+    topology = "/sys/devices/system/cpu/cpu{}/topology/thread_siblings_list"
+    if all(os.path.exists(topology.format(cpu)) for cpu in os.sched_getaffinity(0)):
+        siblings = {open(topology.format(cpu)).read() for cpu in os.sched_getaffinity(0)}
+        assert usable_cores(cgroup_root=tmp_path / "none") == len(siblings)
 
 
 def test_the_dtype_choices_are_the_engines():
