@@ -11,8 +11,9 @@ threads. A problem is a UsageError: one line, exit status 2.
 
 Threads. Every parallel torch call waits for all of its threads, so a thread whose core
 another process holds makes the whole call wait a scheduler time slice: on a busy 2-core
-machine the default model decoded at 0.3-1.9 tok/s with torch's default of 2 threads and
-at 14-15 tok/s with 1. Without --threads (and without OMP_NUM_THREADS, which torch
+machine (load average 9-10) the default model decoded at 0.9 tok/s with torch's default
+of 2 threads and at 3.7 tok/s with 1, and prefilled at 5 against 31-37 tok/s
+(bench/threads_bench.py). Without --threads (and without OMP_NUM_THREADS, which torch
 honours and so do we) the count is
 
     max(1, min(usable cores, idle cores))
