@@ -55,14 +55,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    empty = [str(number) for number, prompt in enumerate(args.prompts, 1) if prompt == ""]
+    if empty:  # before torch is imported: the quickest refusal
+        raise UsageError(f"prompt {', '.join(empty)} is empty; give the text to complete")
     from engine.config import ModelFileError
     from engine.generate import Generator, GeneratorConfig, Request, pages_needed
     from engine.load import load_model
     from engine.sampling import SamplingParams
 
-    empty = [str(number) for number, prompt in enumerate(args.prompts, 1) if prompt == ""]
-    if empty:
-        raise UsageError(f"prompt {', '.join(empty)} is empty; give the text to complete")
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                               stop=tuple(args.stop))
