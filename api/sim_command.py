@@ -20,7 +20,7 @@ import tomllib
 from pathlib import Path
 
 from api.clikit import (EXIT_CRASH, EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, FUZZ_FAILURE, ITF_TRACE,
-                        UsageError, add_subcommand, plural, positive_int, sniff,
+                        UsageError, add_subcommand, plural, positive_float, positive_int, sniff,
                         writable_file, writable_folder, wrong_kind)
 from sim.fold import LogError
 from sim.scenario import ScenarioError, load_scenario, scenario_from_dict, scenario_names
@@ -71,9 +71,11 @@ def add_parser(commands) -> None:
     sim.add_argument("--ray", metavar="ADDRESS",
                      help="with --sweep: run the points on a Ray cluster (ADDRESS: local, "
                           "auto, HOST:PORT); needs the ray package")
-    sim.add_argument("--slo-ttft-ms", type=float, default=SLO_TTFT_MS_DEFAULT, metavar="MS",
+    sim.add_argument("--slo-ttft-ms", type=positive_float, default=SLO_TTFT_MS_DEFAULT,
+                     metavar="MS",
                      help=f"TTFT target for SLO attainment (default {SLO_TTFT_MS_DEFAULT:g})")
-    sim.add_argument("--slo-tpot-ms", type=float, default=SLO_TPOT_MS_DEFAULT, metavar="MS",
+    sim.add_argument("--slo-tpot-ms", type=positive_float, default=SLO_TPOT_MS_DEFAULT,
+                     metavar="MS",
                      help=f"time-per-output-token target (default {SLO_TPOT_MS_DEFAULT:g})")
     sim.add_argument("--log", metavar="FILE", help="write the event log (ndjson) to FILE")
     sim.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")

@@ -43,22 +43,46 @@ class LoadedModel:
     load_s: float
 
 
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def check_target(device: str, dtype: str) -> None:
+    """Refuse a device or dtype the engine cannot load onto, before anything is read:
+    ModelFileError, one line. The engine runs on "cpu", "cuda" or "cuda:N" (a device this
+    torch sees), in one of engine.model.DTYPES."""
+    import torch
+
+    from engine.model import DTYPES
+
+    if dtype not in DTYPES:
+        raise ModelFileError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in DEVICE_TYPES or (
+            parsed.type == "cpu" and parsed.index not in (None, 0)):
+        raise ModelFileError(f"device {device!r}: expected cpu, cuda or cuda:N")
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ModelFileError(f"device {device!r}: this torch build sees no CUDA device")
+        if parsed.index is not None and parsed.index >= count:
+            raise ModelFileError(f"device {device!r}: this machine has {count} CUDA "
+                                 f"device{'s' if count > 1 else ''} (cuda:0..cuda:{count - 1})")
+
+
 def load_model(path: str | Path | None = None, device: str = "cpu",
                dtype: str = "float32", pack_weights: bool | None = None) -> LoadedModel:
     """Model and tokenizer from a GGUF file or an HF folder (default: the default model).
     pack_weights: fp32 on a CPU keeps a packed copy of the weights for decode batches
     (engine.model.LlamaModel; the weights' size again in memory; None: for weights of
     64 MiB and more)."""
-    import torch
-
     from engine.model import DTYPES, LlamaModel
     from engine.tokenizer import tokenizer_from_gguf_metadata, tokenizer_from_hf_folder
     from engine.weights import load_checkpoint
 
-    if dtype not in DTYPES:
-        raise ModelFileError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelFileError(f"device {device!r}: this torch build sees no CUDA device")
+    check_target(device, dtype)
     started = time.perf_counter()
     path = Path(path) if path is not None else default_model_path()
     checkpoint = load_checkpoint(path)

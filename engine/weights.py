@@ -68,15 +68,38 @@ class Checkpoint:
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
     """A GGUF file or an HF folder (config.json + *.safetensors); ModelFileError otherwise."""
+    path = check_model_path(path)
+    return _load_hf_folder(path) if path.is_dir() else _load_gguf(path)
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def check_model_path(path: str | Path) -> Path:
+    """The path, when it can be a checkpoint: a file that starts like a GGUF file, or a
+    folder with a config.json and *.safetensors files. Reads nothing else (a command checks
+    this before a load of many seconds); ModelFileError otherwise."""
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"{path}: no such file or folder")
     if path.is_dir():
-        return _load_hf_folder(path)
+        if not (path / "config.json").is_file():
+            raise ModelFileError(f"{path}: no config.json (not an HF model folder)")
+        if not any(path.glob("*.safetensors")):
+            raise ModelFileError(f"{path}: no *.safetensors files")
+        return path
     if path.suffix.lower() != ".gguf":
         raise ModelFileError(f"{path}: expected a .gguf file or a folder with config.json "
                              "and *.safetensors")
-    return _load_gguf(path)
+    try:
+        with path.open("rb") as opened:
+            magic = opened.read(len(GGUF_MAGIC))
+    except OSError as error:
+        raise ModelFileError(f"{path}: cannot read it ({error.strerror})") from None
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(f"{path}: not a GGUF file (it does not start with "
+                             f"{GGUF_MAGIC.decode()})")
+    return path
 
 
 def expected_names(config: ModelConfig) -> set[str]:
@@ -114,16 +137,12 @@ def _load_hf_folder(folder: Path) -> Checkpoint:
     from safetensors import SafetensorError, safe_open
 
     config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise ModelFileError(f"{folder}: no config.json (not an HF model folder)")
     try:
         config = ModelConfig.from_hf_config(json.loads(config_file.read_text()))
     except (json.JSONDecodeError, KeyError, AssertionError) as error:
         raise ModelFileError(f"{config_file}: unusable config ({type(error).__name__}: "
                              f"{error})") from None
     files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelFileError(f"{folder}: no *.safetensors files")
     tensors = {}
     for file in files:
         try:

