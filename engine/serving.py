@@ -305,7 +305,7 @@ class ThreadedEngine:
         self._idle = True
         self._abort_all = False
         self._in_transit = 0  # drained from the inbox since the last publish
-        self._queued_tokens = 0  # prompt tokens in the inbox or in transit, likewise
+        self._transit_tokens = 0  # their prompt tokens, likewise
         self.timing: PrefillTiming | None = None  # the startup timing check's verdict
         # What admission lets wait, in prompt tokens (build_engine lowers it to what the
         # prefill workers compute in queue_wait_s_max at the measured rate).
@@ -333,14 +333,16 @@ class ThreadedEngine:
             if self._stopping:
                 raise EngineStopped("the engine is stopping")
             queued = len(self._inbox) + self._in_transit + self._published.queued
-            tokens = self._queued_tokens + self._published.queued_tokens + prompt
-            if queued >= self.config.max_queued or tokens > self.queued_tokens_max:
+            waiting = (sum(len(request.prompt_ids) for _, request, _ in self._inbox)
+                       + self._transit_tokens + self._published.queued_tokens)
+            # A prompt alone above the token bound still starts at once on an empty queue.
+            if queued >= self.config.max_queued or (
+                    waiting and waiting + prompt > self.queued_tokens_max):
                 self._refused["capacity"] += 1
                 raise Overloaded(queued, self.config.retry_after_s)
             r = self._next_id
             self._next_id += 1
             self._inbox.append((r, request, on_event))
-            self._queued_tokens += prompt
         self._wake.set()
         return r
 
@@ -409,7 +411,7 @@ class ThreadedEngine:
                     published, idle, published_s = self._publish(), self.runtime.idle, now
                     with self._lock:
                         self._published, self._idle, self._in_transit = published, idle, 0
-                        self._queued_tokens = 0
+                        self._transit_tokens = 0
                 if busy and self.config.step_delay_s:
                     time.sleep(self.config.step_delay_s)
                 if not busy:
@@ -442,6 +444,7 @@ class ThreadedEngine:
             arrivals, self._inbox = list(self._inbox), deque()
             aborts, self._aborts = list(self._aborts), deque()
             self._in_transit += len(arrivals)
+            self._transit_tokens += sum(len(request.prompt_ids) for _, request, _ in arrivals)
         for r, request, on_event in arrivals:
             self.runtime.arrive(request, on_event, request_id=r)
         for r in aborts:

@@ -214,3 +214,15 @@ def test_a_told_prefill_time_is_checked_and_the_context_lowered_only_when_asked(
     assert not engine.timing.measured
     assert engine.timing.problem() is None
     assert engine.timing.at(engine.context_length + PAGE).problem() is not None
+
+
+def test_a_prompt_above_the_token_bound_starts_on_an_empty_queue(loaded):
+    """The bound keeps a queue short; it never makes a fitting prompt unservable."""
+    engine = build_engine(loaded, EngineConfig(**SMALL, max_queued_tokens=50,
+                                               context_prefill_s=0))
+    submit = lambda n: engine.submit(GenerationRequest(tuple(range(1, n + 1)),  # noqa: E731
+                                                       SamplingParams(max_tokens=1)),
+                                     lambda e: None)
+    submit(100)
+    with pytest.raises(Overloaded):
+        submit(1)

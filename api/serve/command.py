@@ -54,6 +54,10 @@ EXIT_CODES = """exit status:
   2  bad input or an engine that cannot serve it (an option's value, an address that cannot
      be listened on, a model that cannot be used, a failed startup capacity or timing
      check): one line, before the model loads wherever it can be known then"""
+# Connections the kernel holds for accept (uvicorn's own default; the kernel caps it at
+# net.core.somaxconn). Python's default (128) drops a burst's SYNs beyond it, and each
+# dropped client retries 1, 3, 7 s later: a 503 that should be immediate took seconds.
+LISTEN_BACKLOG = 2048
 # Options that go to the engine's config under their own names, when given.
 TIMER_OPTIONS = ("lease_s", "transfer_timeout_s", "context_prefill_s", "lower_context_to_fit",
                  "max_queued", "max_queued_tokens", "queue_wait_s_max")
@@ -225,7 +229,8 @@ def _listen(host: str, port: int) -> socket.socket:
         raise Refusal(f"--host {host}: not an address of this machine or a name it can "
                       f"resolve ({reason})") from None
     try:
-        return socket.create_server((host, port), family=family, reuse_port=False)
+        return socket.create_server((host, port), family=family, reuse_port=False,
+                                    backlog=LISTEN_BACKLOG)
     except OSError as error:  # its strerror also names the address: say it once
         reason = os.strerror(error.errno) if error.errno else str(error)
         raise Refusal(f"cannot listen on {host}:{port}: {reason}") from None
