@@ -19,10 +19,11 @@ tell it the figure (`context_prefill_s`) instead of measuring. The verdict is ke
 (`ThreadedEngine.timing`) for the banner and /v1/models.
 
 Admission refuses up front (Overloaded: 503 with Retry-After): beyond `max_queued` requests,
-or beyond `queued_tokens_max` prompt tokens, waiting at the prefill workers (queued and not
-yet computing): `max_queued_tokens`, lowered to what the prefill workers compute in
+or once `queued_tokens_max` prompt tokens wait at the prefill workers ahead of it (queued
+and not yet computing): `max_queued_tokens`, lowered to what the prefill workers compute in
 `queue_wait_s_max` at the rate the startup check measured. So what is admitted starts within
-about that bound, instead of failing later for having waited (no timer counts the wait).
+about that bound (plus one prompt's worth), instead of failing later for having waited (no
+timer counts the wait); a prompt that fits always starts on an empty queue.
 
 `ThreadedEngine` runs `Runtime.step()` on one background thread. `submit` and `abort` may
 be called from any thread: they refuse what must be refused before anything is allocated
@@ -335,9 +336,9 @@ class ThreadedEngine:
             queued = len(self._inbox) + self._in_transit + self._published.queued
             waiting = (sum(len(request.prompt_ids) for _, request, _ in self._inbox)
                        + self._transit_tokens + self._published.queued_tokens)
-            # A prompt alone above the token bound still starts at once on an empty queue.
-            if queued >= self.config.max_queued or (
-                    waiting and waiting + prompt > self.queued_tokens_max):
+            # What bounds a request's wait to start is the prompt tokens ahead of it, not
+            # its own: on an empty queue any prompt that fits starts at once.
+            if queued >= self.config.max_queued or waiting >= self.queued_tokens_max:
                 self._refused["capacity"] += 1
                 raise Overloaded(queued, self.config.retry_after_s)
             r = self._next_id

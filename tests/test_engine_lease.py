@@ -186,9 +186,9 @@ def test_admission_refuses_beyond_the_queued_tokens_at_once(loaded):
                                                        SamplingParams(max_tokens=1)),
                                      lambda e: None)
     submit(30)
-    submit(20)
+    submit(20)  # 30 tokens ahead: admitted
     with pytest.raises(Overloaded):
-        submit(1)
+        submit(1)  # 50 ahead: the bound
     assert engine.snapshot().rejects == {"capacity": 1}
 
 
