@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from api.clikit import (EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, ITF_TRACE, FUZZ_FAILURE,
-                        UsageError, plural, sniff, writable_file, wrong_kind)
+                        UsageError, plural, readable_file, sniff, writable_file, wrong_kind)
 from spec.check.cfgfile import CfgError, load, model_description, model_names
 from spec.check.report import describe_model, format_coverage, format_summary, format_trace
 from spec.model import BUG_SWITCHES, ModelError
@@ -452,8 +452,7 @@ def _trace_and_model(args: argparse.Namespace):
     from spec.tlaplus.itf import model_from_meta
     from spec.tlaplus.validate import TraceError, load_trace
 
-    if not Path(args.trace).is_file():
-        raise UsageError(f"{args.trace}: no such file")
+    readable_file(args.trace, args.trace)
     kind = sniff(args.trace)
     if kind not in (ITF_TRACE, FUZZ_FAILURE, None):  # None: load_trace says what is wrong
         raise wrong_kind(args.trace, kind, "an ITF trace")
@@ -470,6 +469,7 @@ def _trace_and_model(args: argparse.Namespace):
                          f"--replay {args.trace}")
     if args.model:
         _, model = load(args.model)
+        _same_constants(args.trace, meta, model)
     elif isinstance(meta.get("model"), dict):
         try:
             model = model_from_meta(meta["model"])
@@ -480,6 +480,27 @@ def _trace_and_model(args: argparse.Namespace):
         raise TraceError(f"{args.trace} does not say which model it belongs to; "
                          "pass --model NAME|FILE")
     return trace, _with_bug_flags(model, args.bug)
+
+
+def _same_constants(path: str, meta: dict, model) -> None:
+    """A trace that records its model is validated against that model's constants: another
+    model's initial state differs, so every step would be reported as illegal (exit 1, a
+    violation) when the mistake is the model named. Bug switches may differ: validating a
+    buggy run against the guarded protocol is what the command is for."""
+    from spec.tlaplus.itf import model_from_meta
+
+    recorded = meta.get("model")
+    if not isinstance(recorded, dict):
+        return  # Apalache and other tools record no model: --model is the only word on it
+    try:
+        theirs = model_from_meta(recorded)
+    except (KeyError, TypeError, ModelError):
+        return
+    ours = {k: v for k, v in model.tla_constants().items() if k != "Bugs"}
+    if {k: v for k, v in theirs.tla_constants().items() if k != "Bugs"} != ours:
+        raise UsageError(f"{path} is a behaviour of {theirs.describe()}; --model "
+                         f"{model.name} has other constants: drop --model to use the recorded "
+                         "one")
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

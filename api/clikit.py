@@ -162,6 +162,25 @@ def wrong_kind(path: str, kind: str | None, wanted: str) -> UsageError:
                       + WHAT_TO_DO[kind].format(path=path))
 
 
+def readable_file(path: str | Path, label: str) -> None:
+    """Refuse, saying what it really is, a path a subcommand would read that is no file with
+    content: a folder (whatever its name ends with), nothing at all, a device or pipe, an
+    empty file. `label` starts the message (`--replay run.ndjson`, or the path itself)."""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"{label}: is a folder, not a file")
+    if not target.exists():
+        raise UsageError(f"{label}: no such file")
+    if not target.is_file():
+        raise UsageError(f"{label}: is not a regular file (a device, pipe or socket)")
+    try:
+        empty = target.stat().st_size == 0
+    except OSError as error:
+        raise UsageError(f"{label}: cannot read it ({_reason(error)})") from None
+    if empty:
+        raise UsageError(f"{label}: is empty (0 bytes)")
+
+
 def writable_file(path: str, flag: str) -> None:
     """Fail before a run, not after it, when its output cannot be written. The file is
     opened for real (permission bits say little to root, or on a read-only mount) and left

@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from api.clikit import (FUZZ_FAILURE, UsageError, plural, positive_int, sniff,
+from api.clikit import (FUZZ_FAILURE, UsageError, plural, positive_int, readable_file, sniff,
                         writable_file, wrong_kind)
 from spec.model import BUG_SWITCHES
 from spec.properties import REST_INVARIANTS, STATE_INVARIANTS
@@ -315,8 +315,7 @@ def _replay(args: argparse.Namespace) -> int:
     if given:
         raise UsageError("--replay takes the target, model, switches and properties from the "
                          f"file; it combines with no other option (drop {', '.join(given)})")
-    if not Path(args.replay).is_file():
-        raise UsageError(f"--replay {args.replay}: no such file")
+    readable_file(args.replay, f"--replay {args.replay}")
     kind = sniff(args.replay)
     if kind is not None and kind != FUZZ_FAILURE:
         raise wrong_kind(args.replay, kind, "a saved fuzz failure")

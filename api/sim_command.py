@@ -20,7 +20,7 @@ import tomllib
 from pathlib import Path
 
 from api.clikit import (EXIT_CRASH, EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, FUZZ_FAILURE, ITF_TRACE,
-                        UsageError, add_subcommand, plural, positive_int, sniff,
+                        UsageError, add_subcommand, plural, positive_int, readable_file, sniff,
                         writable_file, writable_folder, wrong_kind)
 from sim.fold import LogError
 from sim.scenario import ScenarioError, load_scenario, scenario_from_dict, scenario_names
@@ -191,8 +191,7 @@ def _preflight_replay(args: argparse.Namespace) -> None:
         drop = ", ".join(changing) or "the scenario"
         raise UsageError("--replay rebuilds the run its log records; it takes no scenario and "
                          f"no option that changes a run (drop {drop})")
-    if not Path(args.replay).is_file():
-        raise UsageError(f"--replay {args.replay}: no such file")
+    readable_file(args.replay, f"--replay {args.replay}")
     kind = sniff(args.replay)
     if kind in (ITF_TRACE, FUZZ_FAILURE):
         raise wrong_kind(args.replay, kind, "a simulator log")

@@ -202,6 +202,8 @@ def load(path: str | Path) -> SavedFailure:
         fuzz, model = meta["fuzz"], model_from_meta(meta["model"])
     except (OSError, json.JSONDecodeError) as error:
         raise ReplayError(f"cannot read {path}: {error}") from None
+    except UnicodeDecodeError as error:
+        raise ReplayError(f"{path}: not a text file (byte {error.start} is not UTF-8)") from None
     except (KeyError, TypeError, ModelError) as error:
         raise ReplayError(f"{path} is not a kvproof fuzz failure ({error!r})") from None
     if not isinstance(fuzz, dict) or fuzz.get("format") != FORMAT:
