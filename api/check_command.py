@@ -19,8 +19,8 @@ from api.clikit import (EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, ITF_TRACE, FUZZ_FAI
 from spec.check.cfgfile import CfgError, load, model_description, model_names
 from spec.check.report import describe_model, format_coverage, format_summary, format_trace
 from spec.model import BUG_SWITCHES, ModelError
-from spec.properties import (ALL_INVARIANTS, LIVENESS, QUIET_INVARIANTS, REST_INVARIANTS,
-                             STATE_INVARIANTS, STEP_PROPERTIES)
+from spec.properties import (ALL_INVARIANTS, LIVENESS, PROPERTY_NAMES, QUIET_INVARIANTS,
+                             REST_INVARIANTS, STATE_INVARIANTS, STEP_PROPERTIES, checked_by)
 
 
 # `kvproof check` without --model: the default model, then the models with crashes. The
@@ -50,28 +50,34 @@ def _with_bug_flags(model, bugs: list[str]):
 
 def _properties(cfg, requested: list[str]) -> tuple[tuple[str, ...], bool]:
     """The invariants to check and whether liveness is checked, from the cfg or the flags."""
-    known = set(ALL_INVARIANTS) | set(STEP_PROPERTIES)
     if requested:
-        unknown = [n for n in requested if n not in known]
-        if unknown:
-            raise UsageError(f"unknown invariant(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(sorted(known))}")
-        return tuple(dict.fromkeys(requested)), False
+        unknown_properties(requested)
+        return checked_by(requested), any(n in LIVENESS for n in requested)
+    known = set(ALL_INVARIANTS) | set(STEP_PROPERTIES)
     names = list(cfg.invariants)
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise CfgError(f"{cfg.path}: invariant(s) {unknown} are not known to the Python "
-                       f"checker; known: {sorted(known)}")
+        raise CfgError(f"{cfg.path}: invariant(s) {', '.join(unknown)} are not known to the "
+                       f"Python checker; known: {', '.join(sorted(known))}")
     for prop in cfg.properties:
         if prop in STEP_PROPERTIES:  # an action property: checked on every edge
             names.append(prop)
             continue
         if prop not in LIVENESS:
             raise CfgError(f"{cfg.path}: property {prop} is not known; known: "
-                           f"{sorted(LIVENESS) + sorted(STEP_PROPERTIES)}")
+                           f"{', '.join(sorted(LIVENESS) + sorted(STEP_PROPERTIES))}")
         if LIVENESS[prop] not in names:
             names.append(LIVENESS[prop])
     return tuple(names), any(prop in LIVENESS for prop in cfg.properties)
+
+
+def unknown_properties(requested: list[str]) -> None:
+    """Refuse a --property name that is not in --list-properties (one list for every
+    subcommand: spec/properties.py's PROPERTY_NAMES)."""
+    unknown = [n for n in requested if n not in PROPERTY_NAMES]
+    if unknown:
+        raise UsageError(f"unknown propert{'y' if len(unknown) == 1 else 'ies'} "
+                         f"{', '.join(unknown)}; see --list-properties")
 
 
 def tlc_lists(cfg, invariants: tuple[str, ...], liveness: bool):
@@ -248,7 +254,8 @@ def _exhaust(args: argparse.Namespace, plan: Plan, summaries: list | None = None
         return EXIT_USAGE
     print(describe_model(plan.model))
     print(f"Checking {', '.join(plan.invariants)}"
-          + (f"; liveness ({', '.join(LIVENESS)}) by acyclicity + rest invariants"
+          + (f"; liveness ({', '.join(p for p, i in LIVENESS.items() if i in plan.invariants)})"
+             " by acyclicity + rest invariants"
              if plan.liveness else "") + (" with symmetry over requests" if plan.symmetry else "")
           + (f"; {args.workers} workers" if args.workers > 1 else ""), flush=True)
     try:

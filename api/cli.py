@@ -214,6 +214,11 @@ def build_parser() -> Parser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    options = [o for action in parser._actions for o in action.option_strings]
+    if argv and argv[0].startswith("-") and not any(o.startswith(argv[0]) for o in options):
+        # argparse would put it aside and then say that a SUBCOMMAND is missing
+        parser.unknown_options(argv[:1])
     try:
         args, extras = parser.parse_known_args(argv)
         if extras:

@@ -21,7 +21,7 @@ from pathlib import Path
 from api.clikit import (FUZZ_FAILURE, UsageError, plural, positive_int, readable_file, sniff,
                         writable_file, wrong_kind)
 from spec.model import BUG_SWITCHES
-from spec.properties import REST_INVARIANTS, STATE_INVARIANTS
+from spec.properties import checked_by
 
 from fuzz.profiles import PROFILES, default_profile_name
 from fuzz.target import TARGET_MODULES, load_targets
@@ -104,8 +104,9 @@ def _listing(args: argparse.Namespace) -> int | None:
         return list_properties()
     if args.list_targets:
         for name, cls in sorted(load_targets().items()):
-            doc = (cls.__doc__ or "").strip().split("\n")[0]
-            print(f"{name:<8}{doc}")
+            # A target's own docstring, or else its module's, whose first line says what it is
+            doc = cls.__doc__ or sys.modules[cls.__module__].__doc__ or ""
+            print(f"{name:<8}{(doc.strip().splitlines() or [''])[0]}")
         return EXIT_OK
     return None
 
@@ -131,15 +132,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _campaign(args: argparse.Namespace):
+    from api.check_command import unknown_properties
     from fuzz.runner import Campaign, random_seed
 
     unknown = [b for b in args.bug if b not in BUG_SWITCHES]
     if unknown:
-        raise UsageError(f"unknown bug switch(es) {unknown}; see kvproof check --list-bugs")
-    known = set(STATE_INVARIANTS) | set(REST_INVARIANTS)
-    bad = [p for p in args.property if p not in known]
-    if bad:
-        raise UsageError(f"unknown propert(y/ies) {bad}; known: {sorted(known)}")
+        raise UsageError(f"unknown bug switch(es) {', '.join(unknown)}; see --list-bugs")
+    unknown_properties(args.property)
     if (args.jobs > 1 or args.ray) and not (args.zoo or args.runs > 1):
         raise UsageError("--jobs and --ray spread the cells of --zoo or the campaigns of "
                          "--runs K; a single campaign runs in one process")
@@ -165,10 +164,10 @@ def _campaign(args: argparse.Namespace):
     profile = args.profile or default_profile_name()
     if profile not in PROFILES:
         raise UsageError(f"unknown profile {profile!r} (from KVPROOF_FUZZ_PROFILE); "
-                         f"known: {sorted(PROFILES)}")
+                         f"known: {', '.join(sorted(PROFILES))}")
     examples = args.examples or (SECONDS_BATCH_EXAMPLES if args.seconds else
                                  ZOO_EXAMPLES_DEFAULT if args.zoo else EXAMPLES_DEFAULT)
-    return Campaign(bugs=frozenset(args.bug), properties=tuple(args.property) or None,
+    return Campaign(bugs=frozenset(args.bug), properties=checked_by(args.property) or None,
                     profile=PROFILES[profile],
                     seed=args.seed if args.seed is not None else random_seed(),
                     examples=examples, seconds=args.seconds,
@@ -179,7 +178,8 @@ def _targets(args: argparse.Namespace) -> list[str]:
     known = load_targets()
     unknown = [t for t in args.target if t not in known]
     if unknown:
-        raise UsageError(f"unknown target(s) {unknown}; known: {sorted(known)}")
+        raise UsageError(f"unknown target(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(sorted(known))}")
     if args.target:
         return list(dict.fromkeys(args.target))
     if args.zoo:

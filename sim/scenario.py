@@ -156,7 +156,8 @@ class Scenario(_Strict):
     def _known_bugs(self) -> "Scenario":
         unknown = sorted(set(self.bugs) - ALL_BUGS)
         if unknown:
-            raise ValueError(f"unknown bug switch(es) {unknown}; known: {sorted(ALL_BUGS)}")
+            raise ValueError(f"unknown bug switch(es) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(ALL_BUGS))}")
         return self
 
     def with_options(self, **changes) -> "Scenario":

@@ -50,6 +50,20 @@ class ModelValueName:
     name: str
 
 
+def as_written(value) -> str:
+    """A parsed constant value as a .cfg file spells it (`two`, `{r1, r2}`, `"x"`, `TRUE`),
+    for messages: the reader wrote that, not a Python repr."""
+    if isinstance(value, ModelValueName):
+        return value.name
+    if isinstance(value, bool):
+        return "TRUE" if value else "FALSE"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, frozenset):
+        return "{" + ", ".join(sorted(as_written(v) for v in value)) + "}"
+    return str(value)
+
+
 @dataclass
 class CfgFile:
     path: str
@@ -163,14 +177,16 @@ def _int_constant(cfg: CfgFile, name: str) -> int:
         raise CfgError(f"{cfg.path}: constant {name} is not set")
     value = cfg.constants[name]
     if not isinstance(value, int) or isinstance(value, bool):
-        raise CfgError(f"{cfg.path}: constant {name} must be an integer, got {value!r}")
+        raise CfgError(f"{cfg.path}: constant {name} must be an integer, got "
+                       f"{as_written(value)}")
     return value
 
 
 def model_from_cfg(cfg: CfgFile, name: str) -> Model:
     """The Model of a KVTransfer .cfg file."""
     if cfg.unsupported:
-        raise CfgError(f"{cfg.path}: not supported by the Python checker: {cfg.unsupported}")
+        raise CfgError(f"{cfg.path}: not supported by the Python checker: "
+                       f"{'; '.join(cfg.unsupported)}")
     unknown = sorted(set(cfg.constants) - set(CONSTANT_FIELDS))
     if unknown:
         raise CfgError(f"{cfg.path}: unknown constant(s) {', '.join(unknown)}; KVTransfer.tla "
@@ -194,7 +210,8 @@ def model_from_cfg(cfg: CfgFile, name: str) -> Model:
             raise CfgError(f"{cfg.path}: constant {constant} is not set")
         flags[key] = cfg.constants[constant]
         if not isinstance(flags[key], bool):
-            raise CfgError(f"{cfg.path}: {constant} must be TRUE or FALSE, got {flags[key]!r}")
+            raise CfgError(f"{cfg.path}: {constant} must be TRUE or FALSE, got "
+                           f"{as_written(flags[key])}")
     try:
         return Model(
             requests=len(names),

@@ -1,0 +1,164 @@
+"""Bad inputs a new user still tripped over (issue 30, the command-line side): each gets one
+line on stderr that says what the input really is, and exit status 2; every name a
+`--list-*` prints is accepted; a run interrupted with Ctrl-C says "no verdict" and keeps
+what it saved.
+
+Commands run in this process (main()), except where the process itself is the subject
+(a SIGINT).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from api.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    """Exit status, stdout and stderr of `kvproof ARGV`; argparse's exits included."""
+    try:
+        code = main(list(argv))
+    except SystemExit as stop:
+        code = stop.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    """Paths that are not what a subcommand reads: folders (one named like a model), an
+    empty file, binary files, and a counterexample of a two-request model."""
+    folder = tmp_path_factory.mktemp("inputs30")
+    made = {"folder": folder / "folder", "cfg_folder": folder / "x.cfg",
+            "empty": folder / "empty.json", "empty_cfg": folder / "empty.cfg",
+            "binary_json": folder / "binary.json", "binary": folder / "binary.ndjson",
+            "cex": folder / "cex.itf.json", "two": folder / "two.cfg"}
+    made["folder"].mkdir()
+    made["cfg_folder"].mkdir()
+    made["empty"].write_bytes(b"")
+    made["empty_cfg"].write_bytes(b"")
+    made["binary_json"].write_bytes(b'\xff\xfe{"states": []}\n')
+    made["binary"].write_bytes(bytes(range(256)))
+    solo = (ROOT / "spec" / "models" / "solo.cfg").read_text()
+    made["two"].write_text(solo.replace("Crashes = FALSE", "Crashes = two", 1))
+    assert main(["check", "--model", "bug-EagerRelease", "--quiet",
+                 "--itf", str(made["cex"])]) == 1
+    return made
+
+
+# (argv with {file} placeholders, what the one line must say)
+BAD_INPUTS = [
+    # not UTF-8: a UnicodeDecodeError traceback (exit 1) before
+    (["validate", "{binary_json}"], "{binary_json}: not a text file (byte 0 is not UTF-8)"),
+    (["fuzz", "--replay", "{binary_json}"], "not a text file (byte 0 is not UTF-8)"),
+    # what a path really is: "no such file" for each of these before
+    (["check", "--model", "{folder}"], "{folder}: is a folder"),
+    (["check", "--model", "{cfg_folder}"], "{cfg_folder}: is a folder"),
+    (["check", "--model", "{empty_cfg}"], "{empty_cfg}: is empty"),
+    (["conformance", "--model", "{cfg_folder}"], "is a folder"),
+    (["validate", "{folder}"], "{folder}: is a folder"),
+    (["validate", "{cfg_folder}"], "is a folder"),
+    (["validate", "{empty}"], "{empty}: is empty"),
+    (["validate", "{cex}", "--model", "{cfg_folder}"], "is a folder"),
+    (["sim", "--replay", "{folder}"], "--replay {folder}: is a folder"),
+    (["sim", "--replay", "{empty}"], "is empty"),
+    (["sim", "--replay", "{binary}"], "not a text file"),
+    (["fuzz", "--replay", "{cfg_folder}"], "--replay {cfg_folder}: is a folder"),
+    (["fuzz", "--replay", "{empty}"], "is empty"),
+    # another model than the trace's: exit 1 ("state 0 is not the initial state") before
+    (["validate", "{cex}", "--model", "solo"],
+     "is a behaviour of model bug-EagerRelease: 2 requests"),
+    # plain names, not Python reprs
+    (["check", "--model", "{two}"], "Crashes must be TRUE or FALSE, got two"),
+    (["fuzz", "--target", "nosuch"], "unknown target(s) nosuch; known: core, engine, sim"),
+    (["fuzz", "--bug", "nosuch"], "unknown bug switch(es) nosuch;"),
+    (["check", "--property", "nosuch"], "unknown property nosuch; see --list-properties"),
+    (["fuzz", "--property", "nosuch"], "unknown property nosuch; see --list-properties"),
+    # the top level: "the following arguments are required: SUBCOMMAND" before
+    (["--frobnicate"], "kvproof: unknown option --frobnicate"),
+    (["--frobnicate", "check"], "kvproof: unknown option --frobnicate"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUTS,
+                         ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_2(capsys, files, argv, message):
+    values = {k: str(v) for k, v in files.items()}
+    code, out, err = run(capsys, *[a.format(**values) for a in argv])
+    assert code == 2, out + err
+    assert "Traceback" not in out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert message.format(**values) in lines[0]
+    assert "['" not in lines[0] and "Name(" not in lines[0], lines[0]
+
+
+def test_the_top_level_still_takes_its_own_options_abbreviated(capsys):
+    code, out, _ = run(capsys, "--vers")
+    assert code == 0 and out.startswith("kvproof")
+
+
+def _listed_properties(capsys, command: str) -> list[str]:
+    code, out, _ = run(capsys, command, "--list-properties")
+    assert code == 0
+    return [line.split()[0] for line in out.splitlines()]
+
+
+def test_every_listed_property_is_accepted_and_checked_by_check(capsys):
+    names = _listed_properties(capsys, "check")
+    assert len(names) == 17
+    for name in names:
+        code, out, err = run(capsys, "check", "--model", "solo", "--quiet", "--property", name)
+        assert code == 0, (name, err)
+        checking = next(line for line in out.splitlines() if line.startswith("Checking"))
+        assert name in checking, checking  # a liveness name is shown beside its invariant
+
+
+def test_a_liveness_property_by_name_finds_its_violation(capsys):
+    """EveryRequestEnds is decided by NoStuckRequest; without a timeout and without the
+    abort notice a request waits forever."""
+    code, out, _ = run(capsys, "check", "--model", "default", "--bug", "NoTimeout", "--bug",
+                       "NoAbortNotice", "--quiet", "--property", "EveryRequestEnds")
+    assert code == 1
+    assert "Error: NoStuckRequest is violated (rest)" in out
+    assert "--property EveryRequestEnds" in out  # in the reproduce command
+
+
+def test_every_listed_property_is_accepted_and_checked_by_fuzz(capsys):
+    names = _listed_properties(capsys, "fuzz")
+    assert names == _listed_properties(capsys, "check")
+    for name in names:
+        code, out, err = run(capsys, "fuzz", "--seed", "1", "--examples", "1", "--quiet",
+                             "--property", name)
+        assert code == 0, (name, err)
+        header = out.splitlines()[0]
+        checked = header.split("properties: ")[1].split(", ")
+        expected = {"EveryRequestEnds": "NoStuckRequest", "PagesComeBack": "NoLeakAtRest"}
+        assert checked == [expected.get(name, name)], header
+
+
+def test_a_model_path_reads_from_any_working_folder(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "check", "--model", "spec/models/solo.cfg", "--quiet")
+    assert code == 0, err
+    assert out.startswith("model solo:")
+    code, _, err = run(capsys, "check", "--model", "spec/models/nosuch.cfg")
+    assert code == 2 and "spec/models/nosuch.cfg: no such file" in err
+
+
+def test_fuzz_list_targets_describes_every_target(capsys):
+    code, out, _ = run(capsys, "fuzz", "--list-targets")
+    assert code == 0
+    rows = {line.split()[0]: line.split(None, 1)[1:] for line in out.splitlines()}
+    assert set(rows) == {"core", "engine", "sim"}
+    assert all(description and description[0].strip() for description in rows.values()), out
