@@ -53,6 +53,14 @@ def files(tmp_path_factory) -> dict[str, Path]:
     made["two"].write_text(solo.replace("Crashes = FALSE", "Crashes = two", 1))
     assert main(["check", "--model", "bug-EagerRelease", "--quiet",
                  "--itf", str(made["cex"])]) == 1
+    log = folder / "run.ndjson"
+    assert main(["sim", "one-pair", "--requests", "5", "--quiet", "--log", str(log)]) == 0
+    lines = log.read_text().splitlines(keepends=True)
+    times = [json.loads(line)["t"] for line in lines[1:]]
+    later = next(k for k, t in enumerate(times, start=1) if t > times[0])
+    lines[1], lines[later] = lines[later], lines[1]  # line 2 now later than line 3
+    made["backwards"] = folder / "backwards.ndjson"
+    made["backwards"].write_text("".join(lines))
     return made
 
 
@@ -78,6 +86,12 @@ BAD_INPUTS = [
     # another model than the trace's: exit 1 ("state 0 is not the initial state") before
     (["validate", "{cex}", "--model", "solo"],
      "is a behaviour of model bug-EagerRelease: 2 requests"),
+    # silently accepted before: the sweep won over --set / --seed; the fold went back in time
+    (["sim", "one-pair", "--sweep", "cluster.decode_workers=1,2", "--set",
+      "cluster.decode_workers=3"], "--sweep cluster.decode_workers and --set "
+     "cluster.decode_workers=3 both set cluster.decode_workers"),
+    (["sim", "one-pair", "--sweep", "seed=1,2", "--seed", "3"], "--seed both set seed"),
+    (["sim", "--replay", "{backwards}"], "{backwards} line 3: time goes backwards"),
     # plain names, not Python reprs
     (["check", "--model", "{two}"], "Crashes must be TRUE or FALSE, got two"),
     (["fuzz", "--target", "nosuch"], "unknown target(s) nosuch; known: core, engine, sim"),
