@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from api.clikit import (EXIT_USAGE, Parser, UsageError, add_subcommand, positive_int,
-                        quietly_closed_stdout)
+from api.clikit import (EXIT_INTERRUPTED, EXIT_USAGE, Parser, UsageError, add_subcommand,
+                        interrupts_kept, positive_int, quietly_closed_stdout)
 from api import check_command
 
 
@@ -219,11 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0].startswith("-") and not any(o.startswith(argv[0]) for o in options):
         # argparse would put it aside and then say that a SUBCOMMAND is missing
         parser.unknown_options(argv[:1])
+    args = None
     try:
         args, extras = parser.parse_known_args(argv)
         if extras:
             parser.subcommands[args.command].unknown_options(extras)
-        code = args.func(args)
+        with interrupts_kept():
+            code = args.func(args)
         sys.stdout.flush()  # a reader that went away is seen here, not at interpreter exit
         return code
     except UsageError as error:
@@ -231,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except BrokenPipeError:
         return quietly_closed_stdout()
+    except KeyboardInterrupt:
+        # A long run (fuzz, a sweep, conformance) stopped by Ctrl-C: what it saved is kept
+        # (each subcommand writes its files whole), and there is no verdict to report.
+        print(f"kvproof {getattr(args, 'command', '')}: interrupted; no verdict",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ EXIT_CRASH = 3
 # What a shell reports for a process ended by SIGPIPE (`kvproof check | head`): the reader
 # went away, which is neither a verdict nor bad input.
 EXIT_BROKEN_PIPE = 128 + 13
+# Ctrl-C (SIGINT), as a shell reports it: the run stopped before its verdict.
+EXIT_INTERRUPTED = 128 + 2
 
 EXIT_CODES = """exit status:
   0  every property holds (nothing violated, nothing leaked)
@@ -215,6 +217,33 @@ def writable_folder(path: str, flag: str) -> None:
 
 def _reason(error: OSError) -> str:
     return (error.strerror or str(error)).lower()
+
+
+class interrupts_kept:
+    """While in this block, a Ctrl-C that Python would drop is delivered again.
+
+    Python reports an exception raised inside a garbage-collector callback or a __del__ as
+    "Exception ignored" and carries on; a KeyboardInterrupt that lands there (Hypothesis
+    times the collector with a callback, so a fuzz run is often inside one) is lost, and the
+    run goes on for its whole budget. The hook sees the lost interrupt and raises it again
+    in the main thread, a moment later, outside the callback."""
+
+    def __enter__(self):
+        self.previous = sys.unraisablehook
+        sys.unraisablehook = self._hook
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.unraisablehook = self.previous
+
+    def _hook(self, unraisable) -> None:
+        if not issubclass(unraisable.exc_type, KeyboardInterrupt):
+            self.previous(unraisable)
+            return
+        import _thread
+        import threading
+
+        threading.Timer(0.01, _thread.interrupt_main).start()
 
 
 def quietly_closed_stdout() -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from api.clikit import (FUZZ_FAILURE, UsageError, plural, positive_int, readable_file, sniff,
                         writable_file, wrong_kind)

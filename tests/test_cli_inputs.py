@@ -10,7 +10,6 @@ Commands run in this process (main()), except where the process itself is the su
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -176,3 +175,55 @@ def test_fuzz_list_targets_describes_every_target(capsys):
     rows = {line.split()[0]: line.split(None, 1)[1:] for line in out.splitlines()}
     assert set(rows) == {"core", "engine", "sim"}
     assert all(description and description[0].strip() for description in rows.values()), out
+
+
+def _interrupted(tmp_path: Path, argv: list[str], started) -> tuple[int, str, str]:
+    """Run `kvproof ARGV` in a process, send it SIGINT (Ctrl-C) once `started(out)` says its
+    run is under way, and return its exit status, stdout and stderr. Bounded: 60 s to start,
+    60 s to stop; the process is killed if it does neither."""
+    out_path = tmp_path / "stdout"
+    with open(out_path, "w") as out, subprocess.Popen(
+            [sys.executable, "-m", "api.cli", *argv], cwd=ROOT, stdout=out,
+            stderr=subprocess.PIPE, text=True,
+            # a shell's background job inherits SIGINT ignored; Ctrl-C must reach this one
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as process:
+        try:
+            deadline = time.monotonic() + 60
+            while not started(out_path.read_text()) and time.monotonic() < deadline:
+                assert process.poll() is None, process.stderr.read()
+                time.sleep(0.1)
+            assert started(out_path.read_text()), "the run did not start within 60 s"
+            process.send_signal(signal.SIGINT)
+            _, err = process.communicate(timeout=60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+    return process.returncode, out_path.read_text(), err
+
+
+def test_ctrl_c_stops_sim_with_no_verdict_and_a_log_that_replays(capsys, tmp_path):
+    log = tmp_path / "run.ndjson"
+
+    def started(_: str) -> bool:
+        return log.exists() and log.stat().st_size > 20_000  # the header and some events
+
+    code, _, err = _interrupted(tmp_path, ["sim", "default", "--requests", "2000000",
+                                           "--quiet", "--log", str(log)], started)
+    assert code == 130, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines() == [
+        f"kvproof sim: interrupted; no verdict; the events so far are in {log}, which says "
+        f"the run was cut short: kvproof sim --replay {log}"]
+    records = [json.loads(line) for line in log.read_text().splitlines()]  # every line whole
+    assert records[-1]["a"] == "RunEnd" and records[-1]["interrupted"] is True
+    code, out, err = run(capsys, "sim", "--replay", str(log))
+    assert code == 130, err
+    assert "was interrupted after" in out and "events: no verdict" in out
+
+
+def test_ctrl_c_stops_fuzz_with_no_verdict(tmp_path):
+    code, out, err = _interrupted(tmp_path, ["fuzz", "--seconds", "60", "--seed", "1"],
+                                  lambda out: out.startswith("kvproof fuzz: target core"))
+    assert code == 130, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "kvproof fuzz: interrupted; no verdict"
