@@ -219,12 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0].startswith("-") and not any(o.startswith(argv[0]) for o in options):
         # argparse would put it aside and then say that a SUBCOMMAND is missing
         parser.unknown_options(argv[:1])
-    args = None
+    args, interrupts = None, interrupts_kept()
     try:
         args, extras = parser.parse_known_args(argv)
         if extras:
             parser.subcommands[args.command].unknown_options(extras)
-        with interrupts_kept():
+        with interrupts:
             code = args.func(args)
         sys.stdout.flush()  # a reader that went away is seen here, not at interpreter exit
         return code
@@ -233,12 +233,19 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except BrokenPipeError:
         return quietly_closed_stdout()
+    except Exception:
+        if not interrupts.seen:
+            raise
+        return _interrupted(args)  # an error a library made of the interrupt on its way out
     except KeyboardInterrupt:
-        # A long run (fuzz, a sweep, conformance) stopped by Ctrl-C: what it saved is kept
-        # (each subcommand writes its files whole), and there is no verdict to report.
-        print(f"kvproof {getattr(args, 'command', '')}: interrupted; no verdict",
-              file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return _interrupted(args)
+
+
+def _interrupted(args) -> int:
+    """A long run (fuzz, a sweep, conformance) stopped by Ctrl-C: what it saved is kept
+    (each subcommand writes its files whole), and there is no verdict to report."""
+    print(f"kvproof {getattr(args, 'command', '')}: interrupted; no verdict", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -220,21 +220,40 @@ def _reason(error: OSError) -> str:
 
 
 class interrupts_kept:
-    """While in this block, a Ctrl-C that Python would drop is delivered again.
+    """While in this block, a Ctrl-C is never lost, and `seen` says whether one came.
 
     Python reports an exception raised inside a garbage-collector callback or a __del__ as
     "Exception ignored" and carries on; a KeyboardInterrupt that lands there (Hypothesis
     times the collector with a callback, so a fuzz run is often inside one) is lost, and the
     run goes on for its whole budget. The hook sees the lost interrupt and raises it again
-    in the main thread, a moment later, outside the callback."""
+    in the main thread, a moment later, outside the callback. A library can also turn the
+    interrupt into another error on its way out (Hypothesis asserts on its own state when
+    one lands while it sets a test up): `seen` lets the caller still call it an interrupt."""
+
+    seen = False
 
     def __enter__(self):
+        import signal
+        import threading
+
         self.previous = sys.unraisablehook
         sys.unraisablehook = self._hook
+        self.handler = None
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self.handler = signal.signal(signal.SIGINT, self._interrupt)
         return self
 
     def __exit__(self, *exc) -> None:
+        import signal
+
         sys.unraisablehook = self.previous
+        if self.handler is not None:
+            signal.signal(signal.SIGINT, self.handler)
+
+    def _interrupt(self, signum, frame) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
 
     def _hook(self, unraisable) -> None:
         if not issubclass(unraisable.exc_type, KeyboardInterrupt):
