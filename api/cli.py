@@ -150,6 +150,7 @@ def _add_conformance(commands) -> None:
 
 
 def _add_fuzz(commands) -> None:
+    from api.clikit import MISSED_EXIT_LINE
     from api.fuzz_command import EXAMPLES, EXTRA, add_arguments, run
 
     fuzz = add_subcommand(
@@ -158,7 +159,7 @@ def _add_fuzz(commands) -> None:
         "state machines: arrivals, aborts, timeouts, crashes, message reorderings, in "
         "interleavings a scenario would rarely reach; check every property and oracle after "
         "each step; shrink a failure to a minimal event sequence and save it.",
-        EXAMPLES, EXTRA, crash=True)
+        EXAMPLES, EXTRA, crash=True, more_codes=MISSED_EXIT_LINE)
     add_arguments(fuzz)
     fuzz.set_defaults(func=run)
 

@@ -34,6 +34,12 @@ EXIT_CODES = """exit status:
   0  every property holds (nothing violated, nothing leaked)
   1  a property is violated (the output names it and how to reproduce it)
   2  bad input (an unknown name, an unreadable or malformed file, a bad option value)"""
+# `kvproof fuzz --zoo`: an entry the fuzzer must catch went uncaught within its budget. A
+# finding about the fuzzer's reach (nothing was violated), so neither 0 nor 1.
+EXIT_MISSED = 4
+MISSED_EXIT_LINE = """
+  4  (--zoo) a zoo entry was MISSED: a bug the fuzzer must catch went uncaught within the
+     budget (nothing was violated; a larger --examples or --seconds, or another --seed)"""
 CRASH_EXIT_LINE = """
   3  the shell crashed: an exception inside the run (the output names its type, message and
      innermost frame, the seed, the command that reproduces it and the saved events)"""
@@ -62,21 +68,24 @@ class Parser(argparse.ArgumentParser):
         self.error(f"unexpected argument {first!r}")
 
 
-def help_epilog(examples: list[str], extra: str = "", crash: bool = False) -> str:
+def help_epilog(examples: list[str], extra: str = "", crash: bool = False,
+                more_codes: str = "") -> str:
     """The end of a subcommand's --help: examples, then the exit codes (with `crash`, also
-    the one for a crashed shell: the subcommands that run one, sim and fuzz)."""
+    the one for a crashed shell: the subcommands that run one, sim and fuzz; then
+    `more_codes`, a subcommand's own)."""
     lines = ["examples:"] + [f"  {example}" for example in examples]
     return ("\n".join(lines) + "\n\n" + (extra + "\n\n" if extra else "") + EXIT_CODES
-            + (CRASH_EXIT_LINE if crash else ""))
+            + (CRASH_EXIT_LINE if crash else "") + more_codes)
 
 
 def add_subcommand(commands, name: str, summary: str, description: str,
-                   examples: list[str], extra: str = "", crash: bool = False) -> Parser:
+                   examples: list[str], extra: str = "", crash: bool = False,
+                   more_codes: str = "") -> Parser:
     import textwrap
 
     return commands.add_parser(
         name, help=summary, description=textwrap.fill(description, 88),
-        epilog=help_epilog(examples, extra, crash),
+        epilog=help_epilog(examples, extra, crash, more_codes),
         formatter_class=argparse.RawDescriptionHelpFormatter)
 
 

@@ -227,3 +227,35 @@ def test_ctrl_c_stops_fuzz_with_no_verdict(tmp_path):
     assert code == 130, err
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] == "kvproof fuzz: interrupted; no verdict"
+
+
+def test_a_zoo_counts_its_budget_apart_from_shrinking_and_a_miss_has_its_own_code(capsys):
+    """--zoo --examples 30 took minutes (20 s of shrinking per catching cell, uncounted),
+    the header said "per cell 30 examples" while the totals counted the shrinking examples
+    too, and a missed entry exited 1, "a property is violated", though nothing was."""
+    code, out, _ = run(capsys, "fuzz", "--zoo", "--target", "core", "--examples", "1",
+                       "--seed", "1", "--quiet")
+    lines = out.splitlines()
+    assert lines[0].startswith("kvproof fuzz --zoo: targets core; seed 1; per cell 1 example "
+                               "searching, then shrinking a failure at most 2 s + cutting it "
+                               "down at most 2 s;")
+    cells = [line for line in lines if line.split("  ")[0].strip() and "  " in line
+             and not line.startswith(("entry", "core:", "kvproof"))]
+    totals = next(line for line in lines if line.startswith("core: "))
+    assert totals.startswith(f"core: {len(cells)} examples searched in ")  # 1 per cell
+    caught = sum("caught after" in line for line in cells)
+    assert f"; shrinking {caught} failure" in totals
+    for line in cells:
+        if "caught after" in line:
+            assert float(line.split("(shrunk in ")[1].split(" s)")[0]) < 10, line
+    assert code == 4, out
+    assert "MISSED (not caught within the budget; nothing was violated): incident on core" in out
+    assert "FAILED" not in out
+
+
+def test_fuzz_help_documents_the_missed_exit_code(capsys):
+    code, out, _ = run(capsys, "fuzz", "--help")
+    assert code == 0
+    codes = out[out.index("exit status:"):]
+    assert "\n  4  (--zoo) a zoo entry was MISSED" in codes
+    assert "\n  1  a property is violated" in codes and "\n  3  the shell crashed" in codes
