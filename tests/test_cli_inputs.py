@@ -40,12 +40,14 @@ def files(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("inputs30")
     made = {"folder": folder / "folder", "cfg_folder": folder / "x.cfg",
             "empty": folder / "empty.json", "empty_cfg": folder / "empty.cfg",
+            "empty_toml": folder / "empty.toml",
             "binary_json": folder / "binary.json", "binary": folder / "binary.ndjson",
             "cex": folder / "cex.itf.json", "two": folder / "two.cfg"}
     made["folder"].mkdir()
     made["cfg_folder"].mkdir()
     made["empty"].write_bytes(b"")
     made["empty_cfg"].write_bytes(b"")
+    made["empty_toml"].write_bytes(b"\n")
     made["binary_json"].write_bytes(b'\xff\xfe{"states": []}\n')
     made["binary"].write_bytes(bytes(range(256)))
     solo = (ROOT / "spec" / "models" / "solo.cfg").read_text()
@@ -78,6 +80,8 @@ BAD_INPUTS = [
     (["validate", "{empty}"], "{empty}: is empty"),
     (["validate", "{cex}", "--model", "{cfg_folder}"], "is a folder"),
     (["sim", "--replay", "{folder}"], "--replay {folder}: is a folder"),
+    (["sim", "{folder}"], "{folder}: is a folder"),  # and "no scenario" before
+    (["sim", "{empty_toml}"], "{empty_toml}: is empty"),  # ran every default silently before
     (["sim", "--replay", "{empty}"], "is empty"),
     (["sim", "--replay", "{binary}"], "not a text file"),
     (["fuzz", "--replay", "{cfg_folder}"], "--replay {cfg_folder}: is a folder"),
