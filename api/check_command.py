@@ -14,13 +14,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from api.clikit import (EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, ITF_TRACE, FUZZ_FAILURE,
-                        UsageError, plural, sniff, writable_file, wrong_kind)
+from api.clikit import (EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, ITF_TRACE,
+                        FUZZ_FAILURE, UsageError, plural, readable_file, sniff, writable_file,
+                        wrong_kind)
 from spec.check.cfgfile import CfgError, load, model_description, model_names
 from spec.check.report import describe_model, format_coverage, format_summary, format_trace
 from spec.model import BUG_SWITCHES, ModelError
-from spec.properties import (ALL_INVARIANTS, LIVENESS, QUIET_INVARIANTS, REST_INVARIANTS,
-                             STATE_INVARIANTS, STEP_PROPERTIES)
+from spec.properties import (ALL_INVARIANTS, LIVENESS, PROPERTY_NAMES, QUIET_INVARIANTS,
+                             REST_INVARIANTS, STATE_INVARIANTS, STEP_PROPERTIES, checked_by)
 
 
 # `kvproof check` without --model: the default model, then the models with crashes. The
@@ -52,28 +53,34 @@ def _with_bug_flags(model, bugs: list[str]):
 
 def _properties(cfg, requested: list[str]) -> tuple[tuple[str, ...], bool]:
     """The invariants to check and whether liveness is checked, from the cfg or the flags."""
-    known = set(ALL_INVARIANTS) | set(STEP_PROPERTIES)
     if requested:
-        unknown = [n for n in requested if n not in known]
-        if unknown:
-            raise UsageError(f"unknown invariant(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(sorted(known))}")
-        return tuple(dict.fromkeys(requested)), False
+        unknown_properties(requested)
+        return checked_by(requested), any(n in LIVENESS for n in requested)
+    known = set(ALL_INVARIANTS) | set(STEP_PROPERTIES)
     names = list(cfg.invariants)
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise CfgError(f"{cfg.path}: invariant(s) {unknown} are not known to the Python "
-                       f"checker; known: {sorted(known)}")
+        raise CfgError(f"{cfg.path}: invariant(s) {', '.join(unknown)} are not known to the "
+                       f"Python checker; known: {', '.join(sorted(known))}")
     for prop in cfg.properties:
         if prop in STEP_PROPERTIES:  # an action property: checked on every edge
             names.append(prop)
             continue
         if prop not in LIVENESS:
             raise CfgError(f"{cfg.path}: property {prop} is not known; known: "
-                           f"{sorted(LIVENESS) + sorted(STEP_PROPERTIES)}")
+                           f"{', '.join(sorted(LIVENESS) + sorted(STEP_PROPERTIES))}")
         if LIVENESS[prop] not in names:
             names.append(LIVENESS[prop])
     return tuple(names), any(prop in LIVENESS for prop in cfg.properties)
+
+
+def unknown_properties(requested: list[str]) -> None:
+    """Refuse a --property name that is not in --list-properties (one list for every
+    subcommand: spec/properties.py's PROPERTY_NAMES)."""
+    unknown = [n for n in requested if n not in PROPERTY_NAMES]
+    if unknown:
+        raise UsageError(f"unknown propert{'y' if len(unknown) == 1 else 'ies'} "
+                         f"{', '.join(unknown)}; see --list-properties")
 
 
 def tlc_lists(cfg, invariants: tuple[str, ...], liveness: bool):
@@ -250,7 +257,8 @@ def _exhaust(args: argparse.Namespace, plan: Plan, summaries: list | None = None
         return EXIT_USAGE
     print(describe_model(plan.model))
     print(f"Checking {', '.join(plan.invariants)}"
-          + (f"; liveness ({', '.join(LIVENESS)}) by acyclicity + rest invariants"
+          + (f"; liveness ({', '.join(p for p, i in LIVENESS.items() if i in plan.invariants)})"
+             " by acyclicity + rest invariants"
              if plan.liveness else "") + (" with symmetry over requests" if plan.symmetry else "")
           + (f"; {args.workers} workers" if args.workers > 1 else ""), flush=True)
     try:
@@ -260,7 +268,7 @@ def _exhaust(args: argparse.Namespace, plan: Plan, summaries: list | None = None
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("kvproof check: interrupted; no verdict", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     if result.violation is None and result.ok_unreachable:
         print(f"Error: no behaviour of model {plan.model.name} ends with a client answered Ok: "
               "every request fails or waits, so every property holds vacuously.")
@@ -454,8 +462,7 @@ def _trace_and_model(args: argparse.Namespace):
     from spec.tlaplus.itf import model_from_meta
     from spec.tlaplus.validate import TraceError, load_trace
 
-    if not Path(args.trace).is_file():
-        raise UsageError(f"{args.trace}: no such file")
+    readable_file(args.trace, args.trace)
     kind = sniff(args.trace)
     if kind not in (ITF_TRACE, FUZZ_FAILURE, None):  # None: load_trace says what is wrong
         raise wrong_kind(args.trace, kind, "an ITF trace")
@@ -472,6 +479,7 @@ def _trace_and_model(args: argparse.Namespace):
                          f"--replay {args.trace}")
     if args.model:
         _, model = load(args.model)
+        _same_constants(args.trace, meta, model)
     elif isinstance(meta.get("model"), dict):
         try:
             model = model_from_meta(meta["model"])
@@ -482,6 +490,27 @@ def _trace_and_model(args: argparse.Namespace):
         raise TraceError(f"{args.trace} does not say which model it belongs to; "
                          "pass --model NAME|FILE")
     return trace, _with_bug_flags(model, args.bug)
+
+
+def _same_constants(path: str, meta: dict, model) -> None:
+    """A trace that records its model is validated against that model's constants: another
+    model's initial state differs, so every step would be reported as illegal (exit 1, a
+    violation) when the mistake is the model named. Bug switches may differ: validating a
+    buggy run against the guarded protocol is what the command is for."""
+    from spec.tlaplus.itf import model_from_meta
+
+    recorded = meta.get("model")
+    if not isinstance(recorded, dict):
+        return  # Apalache and other tools record no model: --model is the only word on it
+    try:
+        theirs = model_from_meta(recorded)
+    except (KeyError, TypeError, ModelError):
+        return
+    ours = {k: v for k, v in model.tla_constants().items() if k != "Bugs"}
+    if {k: v for k, v in theirs.tla_constants().items() if k != "Bugs"} != ours:
+        raise UsageError(f"{path} is a behaviour of {theirs.describe()}; --model "
+                         f"{model.name} has other constants: drop --model to use the recorded "
+                         "one")
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

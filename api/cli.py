@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from api.clikit import (EXIT_USAGE, Parser, UsageError, add_subcommand, positive_int,
-                        quietly_closed_stdout)
+from api.clikit import (EXIT_INTERRUPTED, EXIT_USAGE, Parser, UsageError, add_subcommand,
+                        interrupts_kept, positive_int, quietly_closed_stdout)
 from api import check_command
 
 
@@ -152,6 +152,7 @@ def _add_conformance(commands) -> None:
 
 
 def _add_fuzz(commands) -> None:
+    from api.clikit import MISSED_EXIT_LINE
     from api.fuzz_command import EXAMPLES, EXTRA, add_arguments, run
 
     fuzz = add_subcommand(
@@ -160,7 +161,7 @@ def _add_fuzz(commands) -> None:
         "state machines: arrivals, aborts, timeouts, crashes, message reorderings, in "
         "interleavings a scenario would rarely reach; check every property and oracle after "
         "each step; shrink a failure to a minimal event sequence and save it.",
-        EXAMPLES, EXTRA, crash=True)
+        EXAMPLES, EXTRA, crash=True, more_codes=MISSED_EXIT_LINE)
     add_arguments(fuzz)
     fuzz.set_defaults(func=run)
 
@@ -214,11 +215,18 @@ def build_parser() -> Parser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    options = [o for action in parser._actions for o in action.option_strings]
+    if argv and argv[0].startswith("-") and not any(o.startswith(argv[0]) for o in options):
+        # argparse would put it aside and then say that a SUBCOMMAND is missing
+        parser.unknown_options(argv[:1])
+    args, interrupts = None, interrupts_kept()
     try:
         args, extras = parser.parse_known_args(argv)
         if extras:
             parser.subcommands[args.command].unknown_options(extras)
-        code = args.func(args)
+        with interrupts:
+            code = args.func(args)
         sys.stdout.flush()  # a reader that went away is seen here, not at interpreter exit
         return code
     except UsageError as error:
@@ -226,6 +234,19 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except BrokenPipeError:
         return quietly_closed_stdout()
+    except Exception:
+        if not interrupts.seen:
+            raise
+        return _interrupted(args)  # an error a library made of the interrupt on its way out
+    except KeyboardInterrupt:
+        return _interrupted(args)
+
+
+def _interrupted(args) -> int:
+    """A long run (fuzz, a sweep, conformance) stopped by Ctrl-C: what it saved is kept
+    (each subcommand writes its files whole), and there is no verdict to report."""
+    print(f"kvproof {getattr(args, 'command', '')}: interrupted; no verdict", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -27,11 +27,19 @@ EXIT_CRASH = 3
 # What a shell reports for a process ended by SIGPIPE (`kvproof check | head`): the reader
 # went away, which is neither a verdict nor bad input.
 EXIT_BROKEN_PIPE = 128 + 13
+# Ctrl-C (SIGINT), as a shell reports it: the run stopped before its verdict.
+EXIT_INTERRUPTED = 128 + 2
 
 EXIT_CODES = """exit status:
   0  every property holds (nothing violated, nothing leaked)
   1  a property is violated (the output names it and how to reproduce it)
   2  bad input (an unknown name, an unreadable or malformed file, a bad option value)"""
+# `kvproof fuzz --zoo`: an entry the fuzzer must catch went uncaught within its budget. A
+# finding about the fuzzer's reach (nothing was violated), so neither 0 nor 1.
+EXIT_MISSED = 4
+MISSED_EXIT_LINE = """
+  4  (--zoo) a zoo entry was MISSED: a bug the fuzzer must catch went uncaught within the
+     budget (nothing was violated; a larger --examples or --seconds, or another --seed)"""
 CRASH_EXIT_LINE = """
   3  the shell crashed: an exception inside the run (the output names its type, message and
      innermost frame, the seed, the command that reproduces it and the saved events)"""
@@ -61,23 +69,24 @@ class Parser(argparse.ArgumentParser):
 
 
 def help_epilog(examples: list[str], extra: str = "", crash: bool = False,
-                exit_codes: str = EXIT_CODES) -> str:
+                exit_codes: str = EXIT_CODES, more_codes: str = "") -> str:
     """The end of a subcommand's --help: examples, then the exit codes (with `crash`, also
-    the one for a crashed shell: the subcommands that run one, sim and fuzz). A subcommand
-    that gives no verdict on the protocol (generate, serve) passes its own `exit_codes`."""
+    the one for a crashed shell: the subcommands that run one, sim and fuzz; then
+    `more_codes`, a subcommand's own). A subcommand that gives no verdict on the protocol
+    (generate, serve) passes its own `exit_codes`."""
     lines = ["examples:"] + [f"  {example}" for example in examples]
     return ("\n".join(lines) + "\n\n" + (extra + "\n\n" if extra else "") + exit_codes
-            + (CRASH_EXIT_LINE if crash else ""))
+            + (CRASH_EXIT_LINE if crash else "") + more_codes)
 
 
 def add_subcommand(commands, name: str, summary: str, description: str,
                    examples: list[str], extra: str = "", crash: bool = False,
-                   exit_codes: str = EXIT_CODES) -> Parser:
+                   exit_codes: str = EXIT_CODES, more_codes: str = "") -> Parser:
     import textwrap
 
     return commands.add_parser(
         name, help=summary, description=textwrap.fill(description, 88),
-        epilog=help_epilog(examples, extra, crash, exit_codes),
+        epilog=help_epilog(examples, extra, crash, exit_codes, more_codes),
         formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
@@ -196,6 +205,25 @@ def wrong_kind(path: str, kind: str | None, wanted: str) -> UsageError:
                       + WHAT_TO_DO[kind].format(path=path))
 
 
+def readable_file(path: str | Path, label: str) -> None:
+    """Refuse, saying what it really is, a path a subcommand would read that is no file with
+    content: a folder (whatever its name ends with), nothing at all, a device or pipe, an
+    empty file. `label` starts the message (`--replay run.ndjson`, or the path itself)."""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"{label}: is a folder, not a file")
+    if not target.exists():
+        raise UsageError(f"{label}: no such file")
+    if not target.is_file():
+        raise UsageError(f"{label}: is not a regular file (a device, pipe or socket)")
+    try:
+        empty = target.stat().st_size == 0
+    except OSError as error:
+        raise UsageError(f"{label}: cannot read it ({_reason(error)})") from None
+    if empty:
+        raise UsageError(f"{label}: is empty (0 bytes)")
+
+
 def writable_file(path: str, flag: str) -> None:
     """Fail before a run, not after it, when its output cannot be written. The file is
     opened for real (permission bits say little to root, or on a read-only mount) and left
@@ -230,6 +258,52 @@ def writable_folder(path: str, flag: str) -> None:
 
 def _reason(error: OSError) -> str:
     return (error.strerror or str(error)).lower()
+
+
+class interrupts_kept:
+    """While in this block, a Ctrl-C is never lost, and `seen` says whether one came.
+
+    Python reports an exception raised inside a garbage-collector callback or a __del__ as
+    "Exception ignored" and carries on; a KeyboardInterrupt that lands there (Hypothesis
+    times the collector with a callback, so a fuzz run is often inside one) is lost, and the
+    run goes on for its whole budget. The hook sees the lost interrupt and raises it again
+    in the main thread, a moment later, outside the callback. A library can also turn the
+    interrupt into another error on its way out (Hypothesis asserts on its own state when
+    one lands while it sets a test up): `seen` lets the caller still call it an interrupt."""
+
+    seen = False
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self.previous = sys.unraisablehook
+        sys.unraisablehook = self._hook
+        self.handler = None
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self.handler = signal.signal(signal.SIGINT, self._interrupt)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        sys.unraisablehook = self.previous
+        if self.handler is not None:
+            signal.signal(signal.SIGINT, self.handler)
+
+    def _interrupt(self, signum, frame) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def _hook(self, unraisable) -> None:
+        if not issubclass(unraisable.exc_type, KeyboardInterrupt):
+            self.previous(unraisable)
+            return
+        import _thread
+        import threading
+
+        threading.Timer(0.01, _thread.interrupt_main).start()
 
 
 def quietly_closed_stdout() -> int:

@@ -8,7 +8,8 @@
 Exit status: 0 when nothing is violated (for --zoo: every entry caught and no false alarm),
 1 when something is (for --replay: the saved violation reproduces), 2 for bad input, 3 when
 the target itself crashed (sim/crash.py): an exception, reported with its innermost frame,
-the seed, the reproduce command and the saved events, and replayed like a violation.
+the seed, the reproduce command and the saved events, and replayed like a violation; 4
+when a --zoo entry that must be caught was missed within the budget (nothing violated).
 Every run prints its seed; a run given no seed draws one.
 """
 
@@ -16,21 +17,26 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from api.clikit import (FUZZ_FAILURE, UsageError, plural, positive_int, sniff,
+from api.clikit import (FUZZ_FAILURE, UsageError, plural, positive_int, readable_file, sniff,
                         writable_file, wrong_kind)
 from spec.model import BUG_SWITCHES
-from spec.properties import REST_INVARIANTS, STATE_INVARIANTS
+from spec.properties import checked_by
 
 from fuzz.profiles import PROFILES, default_profile_name
 from fuzz.target import TARGET_MODULES, load_targets
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
-from api.clikit import EXIT_CRASH  # noqa: E402
+from api.clikit import EXIT_CRASH, EXIT_MISSED  # noqa: E402
 from sim.crash import SHELL_CRASH  # noqa: E402
 EXAMPLES_DEFAULT = 200
 ZOO_EXAMPLES_DEFAULT = 1000
+# Time for Hypothesis to shrink one failure, and then to cut it down further (fuzz/replay.py
+# minimize). A zoo cell only needs to show the catch (a sequence a person reads comes from a
+# single campaign), and a zoo has a dozen catching cells per target: 20 s each made a
+# 30-example zoo take minutes.
+SHRINK_SECONDS_DEFAULT, MINIMIZE_SECONDS_DEFAULT = 20.0, 10.0
+ZOO_SHRINK_SECONDS_DEFAULT, ZOO_MINIMIZE_SECONDS_DEFAULT = 2.0, 2.0
 # A time budget runs batches this big, seeds seed, seed+1, ...; it is checked between them.
 SECONDS_BATCH_EXAMPLES = 50
 
@@ -69,8 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default=None, choices=sorted(PROFILES),
                         help="model sizes and steps per example (default: "
                              "$KVPROOF_FUZZ_PROFILE or 'default')")
-    parser.add_argument("--shrink-seconds", type=float, default=20.0, metavar="S",
-                        help="time Hypothesis may spend shrinking a failure (0: none)")
+    parser.add_argument("--shrink-seconds", type=float, default=None, metavar="S",
+                        help="time Hypothesis may spend shrinking a failure (0: none; "
+                             f"default {SHRINK_SECONDS_DEFAULT:g}, {ZOO_SHRINK_SECONDS_DEFAULT:g}"
+                             " per cell with --zoo); not part of the --examples budget, "
+                             "reported apart")
     parser.add_argument("--itf", "--out", dest="out", default=None, metavar="FILE",
                         help="where to save a failure, an ITF trace with the events (default: "
                              "kvproof-fuzz-<target>-seed<N>.itf.json; --out is the old "
@@ -104,8 +113,9 @@ def _listing(args: argparse.Namespace) -> int | None:
         return list_properties()
     if args.list_targets:
         for name, cls in sorted(load_targets().items()):
-            doc = (cls.__doc__ or "").strip().split("\n")[0]
-            print(f"{name:<8}{doc}")
+            # A target's own docstring, or else its module's, whose first line says what it is
+            doc = cls.__doc__ or sys.modules[cls.__module__].__doc__ or ""
+            print(f"{name:<8}{(doc.strip().splitlines() or [''])[0]}")
         return EXIT_OK
     return None
 
@@ -131,15 +141,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _campaign(args: argparse.Namespace):
+    from api.check_command import unknown_properties
     from fuzz.runner import Campaign, random_seed
 
     unknown = [b for b in args.bug if b not in BUG_SWITCHES]
     if unknown:
-        raise UsageError(f"unknown bug switch(es) {unknown}; see kvproof check --list-bugs")
-    known = set(STATE_INVARIANTS) | set(REST_INVARIANTS)
-    bad = [p for p in args.property if p not in known]
-    if bad:
-        raise UsageError(f"unknown propert(y/ies) {bad}; known: {sorted(known)}")
+        raise UsageError(f"unknown bug switch(es) {', '.join(unknown)}; see --list-bugs")
+    unknown_properties(args.property)
     if (args.jobs > 1 or args.ray) and not (args.zoo or args.runs > 1):
         raise UsageError("--jobs and --ray spread the cells of --zoo or the campaigns of "
                          "--runs K; a single campaign runs in one process")
@@ -160,26 +168,30 @@ def _campaign(args: argparse.Namespace):
         raise UsageError(f"--seconds must be positive, got {args.seconds}")
     if args.seed is not None and args.seed < 0:
         raise UsageError(f"--seed must be a non-negative integer, got {args.seed}")
-    if not args.shrink_seconds >= 0:
-        raise UsageError(f"--shrink-seconds must be >= 0, got {args.shrink_seconds}")
+    if args.shrink_seconds is not None and not args.shrink_seconds >= 0:
+        raise UsageError(f"--shrink-seconds must be >= 0, got {args.shrink_seconds:g}")
+    shrink_s = (args.shrink_seconds if args.shrink_seconds is not None else
+                ZOO_SHRINK_SECONDS_DEFAULT if args.zoo else SHRINK_SECONDS_DEFAULT)
+    minimize_s = ZOO_MINIMIZE_SECONDS_DEFAULT if args.zoo else MINIMIZE_SECONDS_DEFAULT
     profile = args.profile or default_profile_name()
     if profile not in PROFILES:
         raise UsageError(f"unknown profile {profile!r} (from KVPROOF_FUZZ_PROFILE); "
-                         f"known: {sorted(PROFILES)}")
+                         f"known: {', '.join(sorted(PROFILES))}")
     examples = args.examples or (SECONDS_BATCH_EXAMPLES if args.seconds else
                                  ZOO_EXAMPLES_DEFAULT if args.zoo else EXAMPLES_DEFAULT)
-    return Campaign(bugs=frozenset(args.bug), properties=tuple(args.property) or None,
+    return Campaign(bugs=frozenset(args.bug), properties=checked_by(args.property) or None,
                     profile=PROFILES[profile],
                     seed=args.seed if args.seed is not None else random_seed(),
                     examples=examples, seconds=args.seconds,
-                    shrink_seconds=args.shrink_seconds)
+                    shrink_seconds=shrink_s, minimize_seconds=minimize_s)
 
 
 def _targets(args: argparse.Namespace) -> list[str]:
     known = load_targets()
     unknown = [t for t in args.target if t not in known]
     if unknown:
-        raise UsageError(f"unknown target(s) {unknown}; known: {sorted(known)}")
+        raise UsageError(f"unknown target(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(sorted(known))}")
     if args.target:
         return list(dict.fromkeys(args.target))
     if args.zoo:
@@ -197,10 +209,13 @@ def _fuzz(args: argparse.Namespace, base, target: str) -> int:
         return _fuzz_runs(args, campaign)
     print(f"kvproof fuzz: {campaign.describe()}", flush=True)
     outcome = run_campaign(campaign, progress=None if args.quiet else _progress)
-    print(f"{plural(outcome.examples, 'example')}, "
-          f"{plural(outcome.steps + outcome.drain_steps, 'step')} "
-          f"({outcome.steps} by the rules, {outcome.drain_steps} by the drain) in "
-          f"{outcome.seconds:.1f} s: {outcome.examples_per_second:.1f} examples/s, "
+    searched = outcome.searched_examples
+    print(f"{plural(searched, 'example')} in {outcome.searched_seconds:.1f} s "
+          f"({searched / max(outcome.searched_seconds, 1e-9):.1f} examples/s)"
+          + (f", then {plural(outcome.examples - searched, 'example')} shrinking the "
+             f"failure, {outcome.shrunk_seconds:.1f} s" if outcome.caught else "")
+          + f"; {plural(outcome.steps + outcome.drain_steps, 'step')} in all "
+          f"({outcome.steps:,} by the rules, {outcome.drain_steps:,} by the drain), "
           f"{outcome.steps_per_second:,.0f} steps/s")
     if not outcome.caught:
         print(f"No violation (seed {campaign.seed}).")
@@ -283,7 +298,7 @@ def _zoo(targets: list[str], base, args: argparse.Namespace) -> int:
 
     budget = f"{base.seconds:g} s" if base.seconds else plural(base.examples, "example")
     print(f"kvproof fuzz --zoo: targets {', '.join(targets)}; seed {base.seed}; per cell "
-          f"{budget}; profile {base.profile.name}"
+          f"{budget} searching, then {base.shrink_budget()}; profile {base.profile.name}"
           + (f"; Ray at {args.ray}" if args.ray else f"; {jobs} processes" if jobs > 1 else ""),
           flush=True)
     mapper = partial(parallel_map, jobs=jobs, ray_address=args.ray)
@@ -297,9 +312,18 @@ def _zoo(targets: list[str], base, args: argparse.Namespace) -> int:
     print(format_matrix(cells))
     bad = [c for c in cells if not c.ok]
     if bad:
-        print("FAILED: " + "; ".join(f"{c.row.name} on {c.target}: {format_cell(c)}"
-                                     for c in bad))
-        return EXIT_CRASH if any(c.crashed for c in bad) else EXIT_VIOLATION
+        wrong = [c for c in bad if not c.missed]  # a crash or a false alarm
+        if wrong:
+            print("FAILED: " + "; ".join(f"{c.row.name} on {c.target}: {format_cell(c)}"
+                                         for c in wrong))
+        missed = [c for c in bad if c.missed]
+        if missed:
+            print("MISSED (not caught within the budget; nothing was violated): "
+                  + "; ".join(f"{c.row.name} on {c.target}" for c in missed)
+                  + ". A larger --examples or --seconds, or another --seed, may catch them.")
+        if any(c.crashed for c in bad):
+            return EXIT_CRASH
+        return EXIT_VIOLATION if wrong else EXIT_MISSED
     print("Every zoo entry caught on every target; no false alarm.")
     return EXIT_OK
 
@@ -315,8 +339,7 @@ def _replay(args: argparse.Namespace) -> int:
     if given:
         raise UsageError("--replay takes the target, model, switches and properties from the "
                          f"file; it combines with no other option (drop {', '.join(given)})")
-    if not Path(args.replay).is_file():
-        raise UsageError(f"--replay {args.replay}: no such file")
+    readable_file(args.replay, f"--replay {args.replay}")
     kind = sniff(args.replay)
     if kind is not None and kind != FUZZ_FAILURE:
         raise wrong_kind(args.replay, kind, "a saved fuzz failure")

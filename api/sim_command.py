@@ -17,11 +17,11 @@ import argparse
 import shlex
 import sys
 import tomllib
-from pathlib import Path
 
-from api.clikit import (EXIT_CRASH, EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, FUZZ_FAILURE, ITF_TRACE,
-                        UsageError, add_subcommand, plural, positive_float, positive_int, sniff,
-                        writable_file, writable_folder, wrong_kind)
+from api.clikit import (EXIT_CRASH, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EXIT_VIOLATION,
+                        FUZZ_FAILURE, ITF_TRACE, UsageError, add_subcommand, plural,
+                        positive_float, positive_int, readable_file, sniff, writable_file,
+                        writable_folder, wrong_kind)
 from sim.fold import LogError
 from sim.scenario import ScenarioError, load_scenario, scenario_from_dict, scenario_names
 
@@ -193,8 +193,7 @@ def _preflight_replay(args: argparse.Namespace) -> None:
         drop = ", ".join(changing) or "the scenario"
         raise UsageError("--replay rebuilds the run its log records; it takes no scenario and "
                          f"no option that changes a run (drop {drop})")
-    if not Path(args.replay).is_file():
-        raise UsageError(f"--replay {args.replay}: no such file")
+    readable_file(args.replay, f"--replay {args.replay}")
     kind = sniff(args.replay)
     if kind in (ITF_TRACE, FUZZ_FAILURE):
         raise wrong_kind(args.replay, kind, "a simulator log")
@@ -228,6 +227,11 @@ def cmd_sim(args: argparse.Namespace) -> int:
     except (ScenarioError, LogError, UsageError) as error:
         print(f"kvproof sim: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        kept = (f"; the events so far are in {args.log}, which says the run was cut short: "
+                f"kvproof sim --replay {shlex.quote(args.log)}" if args.log else "")
+        print(f"kvproof sim: interrupted; no verdict{kept}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     _report(args, result, metrics)
     return _verdict(args, result)
 
@@ -378,6 +382,10 @@ def _verdict(args: argparse.Namespace, result: dict) -> int:
     if result.get("crash"):
         return _crash_verdict(args, result)
     bad = result["violations"] or result["summary"]["leaked_responses"]
+    if result.get("interrupted") and not bad:
+        print(f"the run that wrote {args.replay} was interrupted after "
+              f"{plural(result['events'], 'event')}: no verdict (nothing violated so far)")
+        return EXIT_INTERRUPTED
     if result["stopped"]:
         print(f"STOPPED at the first violation: {_stopped_text(result)}")
     if bad and not args.replay:

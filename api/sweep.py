@@ -35,6 +35,7 @@ def _points(args: argparse.Namespace) -> tuple[str, list[tuple[str, dict]]]:
     from api.sim_command import _assign, _parse_assignment, build_scenario, scenario_data
 
     field, values = _parse_assignment(args.sweep, "--sweep")
+    _refuse_a_second_value(args, field)
     texts = [v.strip() for v in values.split(",") if v.strip()]
     if len(texts) < 2:
         raise UsageError(f"--sweep {args.sweep}: give at least two values, comma-separated")
@@ -45,6 +46,31 @@ def _points(args: argparse.Namespace) -> tuple[str, list[tuple[str, dict]]]:
         _assign(data, field, text)
         points.append((text, build_scenario(args, data).model_dump(mode="json")))
     return field, points
+
+
+# The options that set a scenario field themselves, with the field each one sets.
+FIELD_FLAGS = {"--seed": ("seed", "seed"), "--requests": ("requests", "requests"),
+               "--bug": ("bug", "bugs"), "--guards-on": ("guards_on", "bugs"),
+               "--on-violation": ("on_violation", "oracles.on_violation")}
+
+
+def _refuse_a_second_value(args: argparse.Namespace, field: str) -> None:
+    """A swept field given a value too (by --set, or an option that sets it) would leave it
+    to the order of the overrides which one wins: refuse it, naming both."""
+    from api.sim_command import _parse_assignment
+
+    def overlaps(other: str) -> bool:
+        return other == field or other.startswith(field + ".") or field.startswith(other + ".")
+
+    for assignment in args.set:
+        other = _parse_assignment(assignment, "--set")[0]
+        if overlaps(other):
+            raise UsageError(f"--sweep {field} and --set {assignment} both set {other}: "
+                             "which value holds would be ambiguous; drop one")
+    for flag, (name, other) in FIELD_FLAGS.items():
+        if getattr(args, name) not in (None, False, []) and overlaps(other):
+            raise UsageError(f"--sweep {field} and {flag} both set {other}: which value "
+                             "holds would be ambiguous; drop one")
 
 
 def _row(value: str, result: dict) -> tuple:

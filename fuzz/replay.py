@@ -202,13 +202,16 @@ def load(path: str | Path) -> SavedFailure:
         fuzz, model = meta["fuzz"], model_from_meta(meta["model"])
     except (OSError, json.JSONDecodeError) as error:
         raise ReplayError(f"cannot read {path}: {error}") from None
+    except UnicodeDecodeError as error:
+        raise ReplayError(f"{path}: not a text file (byte {error.start} is not UTF-8)") from None
     except (KeyError, TypeError, ModelError) as error:
-        raise ReplayError(f"{path} is not a kvproof fuzz failure ({error!r})") from None
+        missing = f"no {error}" if isinstance(error, KeyError) else str(error)
+        raise ReplayError(f"{path} is not a kvproof fuzz failure ({missing})") from None
     if not isinstance(fuzz, dict) or fuzz.get("format") != FORMAT:
         raise ReplayError(f"{path}: unknown format {fuzz.get('format')!r}; expected {FORMAT}")
     if fuzz.get("target") not in load_targets():
         raise ReplayError(f"{path}: unknown target {fuzz.get('target')!r}; "
-                          f"known: {sorted(load_targets())}")
+                          f"known: {', '.join(sorted(load_targets()))}")
     props = fuzz.get("properties")
     events = [decode_event(e) for e in fuzz.get("events", [])]
     return SavedFailure(fuzz["target"], model, tuple(props) if props is not None else None,

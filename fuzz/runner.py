@@ -59,8 +59,16 @@ class Campaign:
                   else f"{self.examples} examples")
         bugs = ", ".join(sorted(self.bugs)) or "none"
         props = ", ".join(self.properties) if self.properties else "all"
-        return (f"target {self.target}, seed {self.seed}, {budget}, profile "
-                f"{self.profile.name}; bugs: {bugs}; properties: {props}")
+        return (f"target {self.target}, seed {self.seed}, {budget}, then "
+                f"{self.shrink_budget()}; profile {self.profile.name}; bugs: {bugs}; "
+                f"properties: {props}")
+
+    def shrink_budget(self) -> str:
+        """What a failure found may cost on top of the budget, as the headers print it."""
+        if not self.shrink_seconds:
+            return f"no shrinking (cutting a failure down at most {self.minimize_seconds:g} s)"
+        return (f"shrinking a failure at most {self.shrink_seconds:g} s + cutting it down "
+                f"at most {self.minimize_seconds:g} s")
 
 
 @dataclass
@@ -72,6 +80,7 @@ class Outcome:
     seconds: float = 0.0
     examples_to_catch: int = 0      # 0: nothing caught
     seconds_to_catch: float = 0.0
+    minimize_seconds: float = 0.0   # cutting the shrunk failure down (not in `seconds`)
     batch_seed: int | None = None   # the seed of the batch that failed
     batch_examples: int = 0
     failure: FuzzFailure | None = None           # as Hypothesis shrank it
@@ -81,6 +90,22 @@ class Outcome:
     @property
     def caught(self) -> bool:
         return self.failure is not None
+
+    @property
+    def searched_examples(self) -> int:
+        """The examples that looked for a failure: up to the first one caught, or all;
+        the rest were Hypothesis shrinking it, and are not part of the --examples budget."""
+        return self.examples_to_catch if self.caught else self.examples
+
+    @property
+    def searched_seconds(self) -> float:
+        return self.seconds_to_catch if self.caught else self.seconds
+
+    @property
+    def shrunk_seconds(self) -> float:
+        """Time spent on a failure once caught: Hypothesis shrinking it, then cutting it down."""
+        return (self.seconds - self.seconds_to_catch + self.minimize_seconds
+                if self.caught else 0.0)
 
     @property
     def examples_per_second(self) -> float:
@@ -141,7 +166,9 @@ def run_campaign(c: Campaign, progress: Callable[[str], None] | None = None) -> 
         if progress is not None:
             progress(f"shrunk to {len(outcome.failure.trace)} events; cutting the sequence "
                      f"down (at most {c.minimize_seconds:g} s) ...")
+        cut_start = time.perf_counter()
         _minimize(c, outcome)
+        outcome.minimize_seconds = time.perf_counter() - cut_start
     return outcome
 
 

@@ -90,6 +90,13 @@ class Cell:
         return self.outcome.caught and self.outcome.replayed.property == SHELL_CRASH
 
     @property
+    def missed(self) -> bool:
+        """An entry the fuzzer must catch went uncaught in its budget: a finding about the
+        fuzzer's reach, not a violation (nothing was violated)."""
+        return (not self.outcome.caught and self.row.must_fail
+                and (self.row.name, self.target) not in OUT_OF_REACH)
+
+    @property
     def ok(self) -> bool:
         """Caught when it must be; clean when it must be; anything, out of the target's
         reach (OUT_OF_REACH); never a crashed target."""
@@ -157,7 +164,7 @@ def format_cell(cell: Cell) -> str:
     verdict = "caught" if cell.row.must_fail else "FALSE ALARM"
     return (f"{verdict} after {o.examples_to_catch} example"
             f"{'s' if o.examples_to_catch != 1 else ''}, {o.seconds_to_catch:.1f} s; "
-            f"{found}{same} in {len(o.minimal)} events")
+            f"{found}{same} in {len(o.minimal)} events (shrunk in {o.shrunk_seconds:.1f} s)")
 
 
 def format_matrix(cells: list[Cell]) -> str:
@@ -176,11 +183,22 @@ def format_matrix(cells: list[Cell]) -> str:
         lines.append("engine: the data-path entries and none only (fuzz/zoo.py ENGINE_ROWS "
                      "says why; '-' is not run)")
     for target in targets:
-        mine = [c.outcome for c in cells if c.target == target]
-        examples = sum(o.examples for o in mine)
-        seconds = sum(o.seconds for o in mine)
-        steps = sum(o.steps + o.drain_steps for o in mine)
-        lines.append(f"{target}: {examples:,} examples, {steps:,} steps in {seconds:.1f} s: "
-                     f"{examples / max(seconds, 1e-9):.1f} examples/s, "
-                     f"{steps / max(seconds, 1e-9):,.0f} steps/s")
+        lines.append(format_totals(target, [c.outcome for c in cells if c.target == target]))
     return "\n".join(lines)
+
+
+def format_totals(target: str, outcomes: list[Outcome]) -> str:
+    """One target's totals, counted as the budget is: the examples that searched (each
+    cell's up to its first failure, which is what --examples bounds), then the shrinking
+    of the failures found, apart (its examples and its time are bounded by the shrink
+    budget, not by --examples)."""
+    searched = sum(o.searched_examples for o in outcomes)
+    search_s = sum(o.searched_seconds for o in outcomes)
+    shrunk = sum(o.examples - o.searched_examples for o in outcomes)
+    shrink_s = sum(o.shrunk_seconds for o in outcomes)
+    caught = sum(o.caught for o in outcomes)
+    steps = sum(o.steps + o.drain_steps for o in outcomes)
+    return (f"{target}: {searched:,} examples searched in {search_s:.1f} s "
+            f"({searched / max(search_s, 1e-9):.1f}/s); shrinking {caught} failure"
+            f"{'s' if caught != 1 else ''}: {shrunk:,} examples more in {shrink_s:.1f} s; "
+            f"{steps:,} steps in all")

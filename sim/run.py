@@ -962,6 +962,14 @@ def simulate(sc: Scenario, *, log_path: str | None = None,
             sim.run()
         except StopSimulation as stop:
             stopped = str(stop)
+        except KeyboardInterrupt:
+            # Ctrl-C: the log keeps every event committed so far and ends with a record that
+            # says the run was cut short, so it replays (to "no verdict"), never as complete.
+            if log:
+                log.write(encode({"t": sim.env.now, "a": RUN_END, "drained": False,
+                                  "stopped": None, "crashed": None,
+                                  "interrupted": True}) + "\n")
+            raise
         except Exception as error:  # noqa: BLE001  the shell crashed: a finding (sim/crash.py)
             crashed = {**shell_crash.describe(error), "t": sim.env.now, "events": sim.folder.events}
         drained = crashed is None and (sim.finished.triggered or sim.at_rest)
@@ -978,5 +986,7 @@ def simulate(sc: Scenario, *, log_path: str | None = None,
 def replay_result(path: str) -> tuple[dict, Folder]:
     """The result of the run that wrote log `path`, rebuilt from the log alone."""
     folder, end = replay(path)
-    return result_of(folder.scenario, folder, {}, end.get("stopped"),
-                     end.get("drained", False), crashed=end.get("crashed")), folder
+    result = result_of(folder.scenario, folder, {}, end.get("stopped"),
+                       end.get("drained", False), crashed=end.get("crashed"))
+    result["interrupted"] = bool(end.get("interrupted"))
+    return result, folder

@@ -156,7 +156,8 @@ class Scenario(_Strict):
     def _known_bugs(self) -> "Scenario":
         unknown = sorted(set(self.bugs) - ALL_BUGS)
         if unknown:
-            raise ValueError(f"unknown bug switch(es) {unknown}; known: {sorted(ALL_BUGS)}")
+            raise ValueError(f"unknown bug switch(es) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(ALL_BUGS))}")
         return self
 
     def with_options(self, **changes) -> "Scenario":
@@ -174,6 +175,8 @@ def scenario_names() -> list[str]:
 def load_scenario(name_or_path: str) -> Scenario:
     """A shipped scenario by name, or a TOML file by path."""
     path = Path(name_or_path)
+    if path.is_dir():
+        raise ScenarioError(f"{name_or_path}: is a folder, not a scenario (TOML) file")
     if not path.suffix:
         path = SCENARIO_DIR / f"{name_or_path}.toml"
     if not path.is_file():
@@ -183,6 +186,10 @@ def load_scenario(name_or_path: str) -> Scenario:
         data = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise ScenarioError(f"{path}: not valid TOML: {error}") from None
+    if not path.read_text().strip():
+        # every field has a default, so an empty file would run as a scenario nobody wrote
+        raise ScenarioError(f"{path}: is empty: it sets no field, so it would silently run "
+                            "every default")
     return scenario_from_dict(data, where=str(path))
 
 

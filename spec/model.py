@@ -119,7 +119,8 @@ class ProtocolConfig:
     def __post_init__(self) -> None:
         unknown = set(self.bugs) - ALL_BUGS
         if unknown:
-            raise ModelError(f"unknown bug switch(es) {sorted(unknown)}; known: {sorted(ALL_BUGS)}")
+            raise ModelError(f"unknown bug switch(es) {', '.join(sorted(unknown))}; known: "
+                             f"{', '.join(sorted(ALL_BUGS))}")
         for label in ("context_pages", "prefill_pages", "decode_pages"):
             _positive(label, getattr(self, label))
         object.__setattr__(self, "bugs", frozenset(self.bugs))

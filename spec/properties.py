@@ -288,3 +288,16 @@ STEP_PROPERTIES: dict[str, Step] = {
 }
 # The temporal properties of the spec, and the rest invariants that decide them here.
 LIVENESS = {"EveryRequestEnds": "NoStuckRequest", "PagesComeBack": "NoLeakAtRest"}
+
+# Every name a user can ask to check (`--property NAME`), in the order they are listed. The
+# checker and the fuzzer both read this one list, so a listed name is never refused.
+PROPERTY_NAMES = ALL_INVARIANTS + tuple(STEP_PROPERTIES) + tuple(LIVENESS)
+
+
+def checked_by(names) -> tuple[str, ...]:
+    """The invariants and step properties that check the named properties: each one itself,
+    a liveness property the rest invariant that decides it (whoever explores a state graph
+    also checks it for cycles). An unknown name is our caller's bug: it checks them first."""
+    unknown = [n for n in names if n not in PROPERTY_NAMES]
+    assert not unknown, f"not properties: {unknown}"
+    return tuple(dict.fromkeys(LIVENESS.get(n, n) for n in names))

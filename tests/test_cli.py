@@ -109,7 +109,7 @@ def test_list_bugs_names_every_switch(capsys):
 @pytest.mark.parametrize("args, message", [
     (("--model", "nope"), "no model 'nope'"),
     (("--model", "solo", "--bug", "Bogus"), "unknown bug switch"),
-    (("--model", "solo", "--invariant", "Bogus"), "unknown invariant"),
+    (("--model", "solo", "--invariant", "Bogus"), "unknown property Bogus"),
 ])
 def test_bad_input_is_a_clear_error_with_exit_2(capsys, args, message):
     code, _, err = run_cli(capsys, *args)

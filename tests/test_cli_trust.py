@@ -78,7 +78,7 @@ BAD_INPUTS = [
     (["check", "--model", "{twice}"], "constant DecodePages is assigned twice"),
     (["check", "--model", "{zero_pages}"], "DecodePages must be an integer >= 1"),
     (["check", "--bug", "Bogus"], "unknown bug switch(es) Bogus"),
-    (["check", "--property", "Bogus"], "unknown invariant(s) Bogus"),
+    (["check", "--property", "Bogus"], "unknown property Bogus"),
     (["check", "--max-states", "0"], "--max-states: must be at least 1"),
     (["check", "--max-states", "-5"], "--max-states: must be at least 1"),
     (["check", "--workers", "0"], "--workers: must be at least 1"),
@@ -100,7 +100,7 @@ BAD_INPUTS = [
     # sim
     (["sim", "nope"], "no scenario 'nope'"),
     (["sim"], "name a scenario"),
-    (["sim", "{top_level_toml}"], "unknown bug switch(es) ['Bogus']"),
+    (["sim", "{top_level_toml}"], "unknown bug switch(es) Bogus; known:"),
     (["sim", "one-pair", "--bug", "Bogus"], "unknown bug switch(es) Bogus"),
     (["sim", "one-pair", "--plot", "{a_file}"], "--plot {a_file}: is a file"),
     (["sim", "one-pair", "--plot", "/proc/kvproof/plots"], "cannot write there"),

@@ -16,6 +16,7 @@ from pathlib import Path
 from spec.model import Model, ModelError, TLA_CONSTANTS
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+SOURCE_ROOT = MODELS_DIR.parent.parent
 SECTIONS = {
     "CONSTANT": "CONSTANTS", "CONSTANTS": "CONSTANTS", "INIT": "INIT", "NEXT": "NEXT",
     "SPECIFICATION": "SPECIFICATION", "INVARIANT": "INVARIANTS", "INVARIANTS": "INVARIANTS",
@@ -47,6 +48,20 @@ class CfgError(ValueError):
 @dataclass(frozen=True)
 class ModelValueName:
     name: str
+
+
+def as_written(value) -> str:
+    """A parsed constant value as a .cfg file spells it (`two`, `{r1, r2}`, `"x"`, `TRUE`),
+    for messages: the reader wrote that, not a Python repr."""
+    if isinstance(value, ModelValueName):
+        return value.name
+    if isinstance(value, bool):
+        return "TRUE" if value else "FALSE"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, frozenset):
+        return "{" + ", ".join(sorted(as_written(v) for v in value)) + "}"
+    return str(value)
 
 
 @dataclass
@@ -162,14 +177,16 @@ def _int_constant(cfg: CfgFile, name: str) -> int:
         raise CfgError(f"{cfg.path}: constant {name} is not set")
     value = cfg.constants[name]
     if not isinstance(value, int) or isinstance(value, bool):
-        raise CfgError(f"{cfg.path}: constant {name} must be an integer, got {value!r}")
+        raise CfgError(f"{cfg.path}: constant {name} must be an integer, got "
+                       f"{as_written(value)}")
     return value
 
 
 def model_from_cfg(cfg: CfgFile, name: str) -> Model:
     """The Model of a KVTransfer .cfg file."""
     if cfg.unsupported:
-        raise CfgError(f"{cfg.path}: not supported by the Python checker: {cfg.unsupported}")
+        raise CfgError(f"{cfg.path}: not supported by the Python checker: "
+                       f"{'; '.join(cfg.unsupported)}")
     unknown = sorted(set(cfg.constants) - set(CONSTANT_FIELDS))
     if unknown:
         raise CfgError(f"{cfg.path}: unknown constant(s) {', '.join(unknown)}; KVTransfer.tla "
@@ -193,7 +210,8 @@ def model_from_cfg(cfg: CfgFile, name: str) -> Model:
             raise CfgError(f"{cfg.path}: constant {constant} is not set")
         flags[key] = cfg.constants[constant]
         if not isinstance(flags[key], bool):
-            raise CfgError(f"{cfg.path}: {constant} must be TRUE or FALSE, got {flags[key]!r}")
+            raise CfgError(f"{cfg.path}: {constant} must be TRUE or FALSE, got "
+                           f"{as_written(flags[key])}")
     try:
         return Model(
             requests=len(names),
@@ -250,26 +268,36 @@ def model_description(name_or_path: str) -> str:
 
 
 def resolve(name_or_path: str) -> Path:
-    """A model name (a .cfg in spec/) or a path to a .cfg file."""
+    """A model name (a .cfg in spec/models) or a path to a .cfg file: from the working folder,
+    or else from the source tree's root, so that `spec/models/large.cfg` reads from anywhere."""
     candidate = Path(name_or_path)
-    if candidate.suffix == ".cfg" and candidate.is_file():
+    if candidate.suffix == ".cfg" and candidate.exists():
         return candidate
     in_spec = MODELS_DIR / f"{name_or_path}.cfg"
     if in_spec.exists():
         return in_spec
     if candidate.suffix == ".cfg" or "/" in name_or_path:
-        raise CfgError(f"{name_or_path}: no such file")
+        from_root = SOURCE_ROOT / candidate
+        if not candidate.is_absolute() and not candidate.exists() and from_root.exists():
+            return from_root
+        return candidate
     raise CfgError(f"no model {name_or_path!r}: not a .cfg file, and not one of "
                    f"{', '.join(model_names())}")
 
 
 def load(name_or_path: str) -> tuple[CfgFile, Model]:
     path = resolve(name_or_path)
+    if path.is_dir():
+        raise CfgError(f"{name_or_path}: is a folder, not a .cfg file")
+    if not path.exists():
+        raise CfgError(f"{name_or_path}: no such file")
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as error:
         raise CfgError(f"cannot read {path}: {error.strerror or error}") from None
     except UnicodeDecodeError as error:
         raise CfgError(f"{path}: not a text file (byte {error.start} is not UTF-8)") from None
+    if not text.strip():
+        raise CfgError(f"{name_or_path}: is empty ({len(text.encode())} bytes)")
     cfg = parse_cfg(text, str(path))
     return cfg, model_from_cfg(cfg, path.stem)

@@ -72,6 +72,8 @@ def load_trace(path: str | Path) -> dict:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise TraceError(f"cannot read {path}: {error}") from error
+    except UnicodeDecodeError as error:
+        raise TraceError(f"{path}: not a text file (byte {error.start} is not UTF-8)") from None
     states = data.get("states") if isinstance(data, dict) else None
     if not isinstance(states, list) or not states:
         raise TraceError(f"{path}: not an ITF trace (no 'states' list)")
