@@ -1,0 +1,98 @@
+"""Decode's transfer timer in the simulator is a lease (sim/lease.py): a healthy prefill
+behind a long queue is never timed out, and a crashed one is, within about the lease."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim.run import Simulation
+from sim.scenario import Scenario, ScenarioError, scenario_from_dict
+
+# One prefill worker computes 64-token prompts at 80 tokens/s: 0.8 s each, in chunks of
+# 16 tokens (0.2 s), longer than the lease. A burst of 20 requests is reserved at once (the
+# decode pool holds them all), so the last waits ~15 s behind the others: 15 backstops and
+# 30 leases of queueing.
+LEASE_S, BACKSTOP_S, COMPUTE_S, CHUNK_S = 0.5, 1.0, 0.8, 0.2
+BURST = 20
+
+
+def _slow_prefill(requests: int = BURST, **faults) -> Scenario:
+    return Scenario(faults=faults,
+        name="slow-prefill", requests=requests,
+        cluster=dict(prefill_workers=1, decode_workers=1, page_tokens=16,
+                     prefill_pool_tokens=16 * 8, decode_pool_tokens=16 * 4 * requests,
+                     context_tokens=16 * 8),
+        workload=dict(prompt=dict(distribution="fixed", median_tokens=64),
+                      output=dict(distribution="fixed", median_tokens=4)),
+        compute=dict(prefill_tokens_per_s=64 / COMPUTE_S, prefill_chunk_tokens=16),
+        timeouts=dict(lease_s=LEASE_S, transfer_timeout_s=BACKSTOP_S))
+
+
+def _watched(sc: Scenario) -> tuple[Simulation, dict]:
+    """A simulation and, per action, the times of its events by request."""
+    times: dict[str, dict[int, list[float]]] = {}
+
+    def seen(event, change) -> None:
+        times.setdefault(event.action, {}).setdefault(event.request, []).append(sim.env.now)
+
+    sim = Simulation(sc, on_commit=seen)
+    return sim, times
+
+
+def _burst(sim: Simulation) -> None:
+    """Every request of the scenario arrives now; the run goes on until nothing is left."""
+    for _ in range(sim.requests_total):
+        sim.new_request()
+    sim.env.run()
+
+
+def _every_page_back(sim: Simulation) -> None:
+    cluster = sim.cluster
+    assert sim.at_rest and not cluster.rows
+    assert all(len(free) == cluster.model.decode_pages for free in cluster.decode_free)
+    assert all(len(free) == cluster.model.prefill_pages for free in cluster.prefill_free)
+    assert not any(cluster.writes_into)
+
+
+def test_a_healthy_prefill_behind_a_long_queue_is_never_timed_out():
+    sc = _slow_prefill()
+    sim, times = _watched(sc)
+    schedules = []
+    schedule = sim._schedule_timer
+    sim._schedule_timer = lambda r, at: (schedules.append(r), schedule(r, at))
+    _burst(sim)
+    assert sim.folder.metrics.summary()["outcomes"] == {"Ok": BURST}
+    assert sim.cluster.violation_counts == {} and "Timeout" not in times
+    waited_s = max(times["Accept"][r][0] - times["Reserve"][r][0] for r in range(BURST))
+    assert waited_s > 15 * BACKSTOP_S and waited_s > 30 * LEASE_S
+    # Renewals schedule nothing: a timer is armed again about once a lease it waits.
+    assert len(schedules) <= BURST * (waited_s / LEASE_S + 2)
+    _every_page_back(sim)
+
+
+def test_a_crashed_prefill_s_requests_time_out_within_the_lease_and_every_page_comes_back():
+    # A crash rate makes the core's model one with prefill crashes; the crash loop that
+    # would draw them runs only in Simulation.run, so the one crash is the injected one.
+    sc = _slow_prefill(requests=6, prefill_crash_rate_per_s=1.0, prefill_restart_s=0.1)
+    sim, times = _watched(sc)
+    crash_at_s = 1.3  # request 0 computed, request 1 mid-compute, the rest queued
+    sim.later(crash_at_s, sim.crash, "prefill", 0)
+    _burst(sim)
+    assert sim.folder.metrics.summary()["outcomes"] == {"ErrPrefill": 6 - 1, "Ok": 1}
+    timed_out = times["Timeout"]
+    assert sorted(timed_out) == [1, 2, 3, 4, 5]
+    # Each lease ran from the prefill's last sign of life: the last chunk done before the
+    # crash (request 1's compute started at ~0.8 s and finished its second chunk 0.4 s on).
+    last_chunk_s = times["Admit"][1][0] + 2 * CHUNK_S
+    for r, (at,) in timed_out.items():
+        assert at == pytest.approx(last_chunk_s + LEASE_S), r
+        assert crash_at_s < at <= crash_at_s + LEASE_S
+    assert all(r in times["Release"] for r in timed_out)  # cancel, final word, release
+    assert sim.cluster.violation_counts == {}
+    _every_page_back(sim)
+
+
+def test_the_lease_is_validated():
+    with pytest.raises(ScenarioError, match="timeouts.lease_s"):
+        scenario_from_dict({"timeouts": {"lease_s": 0}})
+    assert Scenario().timeouts.lease_s == 1.0
