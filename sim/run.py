@@ -19,7 +19,8 @@ refusal is a real race. An accepted decision comes with the commands the shell c
   prompt/throughput seconds, then posts one write per page (SendPage), and each Post is
   carried by the NIC (bounded in-flight writes, bandwidth-serialised) and lands later
   (LandWrite); the prefill offers SendDone when its NIC reports the request's last write;
-- ArmTimer / CancelTimer: decode's transfer timeout; StartDecoding / StopDecoding:
+- ArmTimer / CancelTimer: decode's transfer timer, a lease that the prefill's progress
+  renews, with a backstop from the Admit (sim/lease.py); StartDecoding / StopDecoding:
   continuous batching, one step per batch, its time a function of batch size and context;
   the last token offers Finish;
 - ReleaseWhenReady, and a message that arrives before its action is enabled (a cancel
@@ -28,7 +29,7 @@ refusal is a real race. An accepted decision comes with the commands the shell c
 
 Faults (each switchable and rate-controlled by the scenario): client aborts at any moment,
 lost messages (retransmitted after retransmit_after_s), delayed messages, slow page writes,
-transfer timeouts, prefill failures, prefill and decode worker crashes with restart (each a
+transfer timeouts (a silent prefill, or a transfer past its backstop), prefill failures, prefill and decode worker crashes with restart (each a
 core event: PrefillCrash, DecodeCrash). Pool pressure comes from the workload against the pools.
 
 Determinism: one random stream per purpose, seeded from the scenario's seed; SimPy breaks
