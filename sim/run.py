@@ -426,8 +426,10 @@ class Simulation:
 
     def _schedule_timer(self, r: int, at: float) -> None:
         # The token is the timer's deadline in a list: a new timer is a new list (`is`).
+        # A deadline already past (the backstop of a request the prefill admitted before
+        # decode reserved, AdmitBeforeReserve) fires now.
         token = self.timers[r] = [at]
-        self.later(at - self.env.now, self._timer_fired, r, token)
+        self.later(max(at - self.env.now, 0.0), self._timer_fired, r, token)
 
     def _lease_due(self, r: int) -> float:
         """When r's transfer lease runs out, as decode knows it now (sim/lease.py). r waits

@@ -96,3 +96,16 @@ def test_the_lease_is_validated():
     with pytest.raises(ScenarioError, match="timeouts.lease_s"):
         scenario_from_dict({"timeouts": {"lease_s": 0}})
     assert Scenario().timeouts.lease_s == 1.0
+
+
+def test_a_backstop_already_past_at_reserve_fires_at_once():
+    # Found by the sim fuzz target: with AdmitBeforeReserve the prefill admits before decode
+    # reserves, and a backstop shorter than the bootstrap's trip (0.5 ms) has run out when
+    # the timer is armed; SimPy refused the negative delay and the shell crashed.
+    sc = _slow_prefill(requests=2).with_options(
+        bugs=("AdmitBeforeReserve",), timeouts=dict(lease_s=LEASE_S, transfer_timeout_s=1e-4))
+    sim, times = _watched(sc)
+    _burst(sim)
+    assert times["Timeout"][0] == times["Reserve"][0]  # admitted 0.5 ms before
+    assert times["Timeout"][1][0] == pytest.approx(times["Admit"][1][0] + 1e-4)
+    _every_page_back(sim)
