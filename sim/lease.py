@@ -18,7 +18,8 @@ bounds (scenario `timeouts`):
   restarted prefill bring the pages back.
 - `transfer_timeout_s`, the backstop: the longest a request's transfer may take once its
   prefill has admitted it (compute and writes), however busy the prefill looks. Queueing
-  before the Admit does not count.
+  does not count: neither before the Admit nor, between its compute and its first write,
+  for the NIC (the backstop stands still meanwhile, and is moved on by that wait).
 
 Renewals are cheap: a renewal stores a time, and no SimPy event is scheduled for it. A
 compute's chunks are not even stored: the last chunk boundary before now follows from when
@@ -45,8 +46,8 @@ class PrefillProgress:
 
 
 class Leases:
-    """Every live request's lease: [last renewal, admitted at], and each prefill worker's
-    progress."""
+    """Every live request's lease: [last renewal, backstop start (its Admit, moved on by its
+    wait for the NIC), NIC wait start or None], and each prefill worker's progress."""
 
     def __init__(self, lease_s: float, backstop_s: float, chunk_s: float, workers: int) -> None:
         assert lease_s > 0 and backstop_s > 0 and chunk_s > 0
@@ -54,14 +55,19 @@ class Leases:
         self.requests: dict[int, list[float]] = {}
         self.workers = [PrefillProgress() for _ in range(workers)]
 
-    def renew(self, r: int, p: int, now: float, admitted: bool = False) -> None:
-        """A sign of progress of r's prefill p, on r."""
+    def renew(self, r: int, p: int, now: float, admitted: bool = False,
+              posted: bool = False) -> None:
+        """A sign of progress of r's prefill p, on r: `admitted` its Admit, `posted` a
+        SendPage (the first ends r's wait for the NIC)."""
         lease = self.requests.get(r)
         if lease is None:
-            lease = self.requests[r] = [now, math.inf]
+            lease = self.requests[r] = [now, math.inf, None]
         lease[0] = now
         if admitted:
             lease[1] = now
+        elif posted and lease[2] is not None:
+            lease[1] += now - lease[2]
+            lease[2] = None
         self.workers[p].renewed_at = now
 
     def worker_progress(self, p: int, now: float) -> None:
@@ -76,8 +82,10 @@ class Leases:
         worker = self.workers[p]
         worker.computing = None
         worker.renewed_at = now
-        if r in self.requests:  # not if r settled meanwhile (a client abort)
-            self.requests[r][0] = now
+        lease = self.requests.get(r)
+        if lease is not None:  # not if r settled meanwhile (a client abort)
+            lease[0] = now
+            lease[2] = now  # it waits for the NIC until its first write is posted
 
     def crashed(self, p: int, now: float, waiting: list[int]) -> None:
         """Prefill p died: what it did until now counts, nothing after does. Its requests
@@ -115,14 +123,15 @@ class Leases:
     def due(self, r: int, p: int, now: float, waiting_at_worker: bool) -> float:
         """When r's lease runs out, as of now: `lease_s` after its last renewal, or
         `transfer_timeout_s` after its Admit, whichever comes first."""
-        return min(self.last_renewed(r, p, now, waiting_at_worker) + self.lease_s,
-                   self.requests[r][1] + self.backstop_s)
+        lease = self.requests[r]
+        backstop = math.inf if lease[2] is not None else lease[1] + self.backstop_s
+        return min(self.last_renewed(r, p, now, waiting_at_worker) + self.lease_s, backstop)
 
     def armed(self, r: int, now: float) -> None:
         """Decode armed r's timer (at Reserve): the lease runs from now."""
         lease = self.requests.get(r)
         if lease is None:
-            self.requests[r] = [now, math.inf]
+            self.requests[r] = [now, math.inf, None]
         else:  # the prefill admitted it before decode reserved (AdmitBeforeReserve)
             lease[0] = max(lease[0], now)
 

@@ -191,7 +191,7 @@ class Simulation:
         if self.log is not None:
             self.log.write(encode({"t": now, **codec.encode(event)}) + "\n")
         if type(event) in _PREFILL_PROGRESS:
-            self._renewed(r, type(event) is core.Admit)
+            self._renewed(r, type(event))
         if self.on_commit is not None:
             self.on_commit(event, out)
         self._after(r, out)
@@ -440,11 +440,13 @@ class Simulation:
     def _waiting_at_prefill(self, r: int, p: int) -> bool:
         return self.cluster.rows[r][PST] == QUEUED or r in self.nic_waiting[p]
 
-    def _renewed(self, r: int, admitted: bool) -> None:
+    def _renewed(self, r: int, kind: type) -> None:
         """A sign of progress of r's prefill: its lease is renewed (a stored time, no
         event); an Admit starts the backstop, which may come before the armed timer."""
         now = self.env.now
-        self.leases.renew(r, self.folder.last_placement[0], now, admitted)
+        admitted = kind is core.Admit
+        self.leases.renew(r, self.folder.last_placement[0], now, admitted,
+                          kind is core.SendPage)
         if admitted:
             token = self.timers.get(r)
             backstop = now + self.sc.timeouts.transfer_timeout_s

@@ -16,11 +16,12 @@ LEASE_S, BACKSTOP_S, COMPUTE_S, CHUNK_S = 0.5, 1.0, 0.8, 0.2
 BURST = 20
 
 
-def _slow_prefill(requests: int = BURST, **faults) -> Scenario:
+def _slow_prefill(requests: int = BURST, prefill_pool_pages: int = 8, **faults) -> Scenario:
     return Scenario(faults=faults,
         name="slow-prefill", requests=requests,
         cluster=dict(prefill_workers=1, decode_workers=1, page_tokens=16,
-                     prefill_pool_tokens=16 * 8, decode_pool_tokens=16 * 4 * requests,
+                     prefill_pool_tokens=16 * prefill_pool_pages,
+                     decode_pool_tokens=16 * 4 * requests,
                      context_tokens=16 * 8),
         workload=dict(prompt=dict(distribution="fixed", median_tokens=64),
                       output=dict(distribution="fixed", median_tokens=4)),
@@ -74,6 +75,23 @@ def test_a_healthy_prefill_behind_a_long_queue_is_never_timed_out():
     assert waited_s > 15 * BACKSTOP_S and waited_s > 30 * LEASE_S
     # Renewals schedule nothing: a timer is armed again about once a lease it waits.
     assert len(schedules) <= BURST * (waited_s / LEASE_S + 2)
+    _every_page_back(sim)
+
+
+def test_a_request_waiting_for_a_busy_nic_is_neither_silent_nor_past_its_backstop():
+    # Compute is quick (10 ms a prompt) and the NIC slow: one write at a time, 0.25 s a page,
+    # 1 s a request. The prefill pool holds every prompt, so the sixth request, computed at
+    # ~0.06 s, starts its writes ~5 s later: nine leases of waiting for the NIC, and three
+    # backstops past its Admit.
+    sc = _slow_prefill(requests=6, prefill_pool_pages=4 * 6).with_options(
+        compute=dict(prefill_tokens_per_s=64 / 0.01, prefill_chunk_tokens=16),
+        link=dict(bandwidth_bytes_per_s=16 * 40960 / 0.25, writes_in_flight_max=1),
+        timeouts=dict(lease_s=LEASE_S, transfer_timeout_s=1.5))
+    sim, times = _watched(sc)
+    _burst(sim)
+    assert sim.folder.metrics.summary()["outcomes"] == {"Ok": 6} and "Timeout" not in times
+    waited_s = times["SendPage"][5][0] - times["Admit"][5][0]
+    assert waited_s > 9 * LEASE_S and waited_s > 3 * 1.5
     _every_page_back(sim)
 
 
