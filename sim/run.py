@@ -29,8 +29,9 @@ refusal is a real race. An accepted decision comes with the commands the shell c
 
 Faults (each switchable and rate-controlled by the scenario): client aborts at any moment,
 lost messages (retransmitted after retransmit_after_s), delayed messages, slow page writes,
-transfer timeouts (a silent prefill, or a transfer past its backstop), prefill failures, prefill and decode worker crashes with restart (each a
-core event: PrefillCrash, DecodeCrash). Pool pressure comes from the workload against the pools.
+transfer timeouts (a silent prefill, or a transfer past its backstop), prefill failures,
+prefill and decode worker crashes with restart (each a core event: PrefillCrash,
+DecodeCrash). Pool pressure comes from the workload against the pools.
 
 Determinism: one random stream per purpose, seeded from the scenario's seed; SimPy breaks
 time ties by scheduling order; so a seed gives a byte-identical log.

@@ -115,8 +115,8 @@ class Link(_Strict):
 class Timeouts(_Strict):
     """Decode's transfer timer is a lease (sim/lease.py): it times a request out when its
     prefill has been silent for `lease_s`, or when its transfer has taken
-    `transfer_timeout_s` since the prefill admitted it; queueing before the Admit counts
-    towards neither while the prefill makes progress."""
+    `transfer_timeout_s` since the prefill admitted it; queueing (for admission, or for the
+    NIC after the compute) counts towards neither while the prefill makes progress."""
 
     lease_s: float = Field(1.0, gt=0)             # the longest silence of the request's prefill
     transfer_timeout_s: float = Field(5.0, gt=0)  # the backstop: Admit to the final word
