@@ -52,7 +52,7 @@ class Leases:
     def __init__(self, lease_s: float, backstop_s: float, chunk_s: float, workers: int) -> None:
         assert lease_s > 0 and backstop_s > 0 and chunk_s > 0
         self.lease_s, self.backstop_s, self.chunk_s = lease_s, backstop_s, chunk_s
-        self.requests: dict[int, list[float]] = {}
+        self.requests: dict[int, list] = {}  # r -> [float, float, float | None]
         self.workers = [PrefillProgress() for _ in range(workers)]
 
     def renew(self, r: int, p: int, now: float, admitted: bool = False,
