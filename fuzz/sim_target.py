@@ -103,7 +103,10 @@ def scenario_for(model: Model, seed: int) -> tuple[Scenario, Model, dict]:
         # 655 KB a page at 1 GB/s: about 0.66 ms a page.
         link=dict(message_latency_s=0.0005, bandwidth_bytes_per_s=1e9,
                   writes_in_flight_max=t["writes_in_flight_max"]),
-        timeouts=dict(transfer_timeout_s=t["transfer_timeout_s"], notice_delay_s=0.001),
+        # The lease as tight as the backstop: a timer fires no earlier than the stopwatch
+        # from Reserve did, and timeouts still race the transfer (sim/lease.py).
+        timeouts=dict(lease_s=t["transfer_timeout_s"], transfer_timeout_s=t["transfer_timeout_s"],
+                      notice_delay_s=0.001),
         faults=dict(message_delay_probability=t["message_delay_probability"],
                     message_delay_mean_s=t["message_delay_mean_s"],
                     message_loss_probability=t["message_loss_probability"],

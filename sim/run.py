@@ -19,7 +19,8 @@ refusal is a real race. An accepted decision comes with the commands the shell c
   prompt/throughput seconds, then posts one write per page (SendPage), and each Post is
   carried by the NIC (bounded in-flight writes, bandwidth-serialised) and lands later
   (LandWrite); the prefill offers SendDone when its NIC reports the request's last write;
-- ArmTimer / CancelTimer: decode's transfer timeout; StartDecoding / StopDecoding:
+- ArmTimer / CancelTimer: decode's transfer timer, a lease that the prefill's progress
+  renews, with a backstop from the Admit (sim/lease.py); StartDecoding / StopDecoding:
   continuous batching, one step per batch, its time a function of batch size and context;
   the last token offers Finish;
 - ReleaseWhenReady, and a message that arrives before its action is enabled (a cancel
@@ -28,8 +29,9 @@ refusal is a real race. An accepted decision comes with the commands the shell c
 
 Faults (each switchable and rate-controlled by the scenario): client aborts at any moment,
 lost messages (retransmitted after retransmit_after_s), delayed messages, slow page writes,
-transfer timeouts, prefill failures, prefill and decode worker crashes with restart (each a
-core event: PrefillCrash, DecodeCrash). Pool pressure comes from the workload against the pools.
+transfer timeouts (a silent prefill, or a transfer past its backstop), prefill failures,
+prefill and decode worker crashes with restart (each a core event: PrefillCrash,
+DecodeCrash). Pool pressure comes from the workload against the pools.
 
 Determinism: one random stream per purpose, seeded from the scenario's seed; SimPy breaks
 time ties by scheduling order; so a seed gives a byte-identical log.
@@ -53,8 +55,20 @@ from sim import crash as shell_crash, fault_hits as hits
 from sim.decode_batch import DecodeBatch
 from sim.prefill_queue import PrefillQueue
 from sim.fold import FIRST_TOKEN, RUN_END, Folder, encode, replay, write_header
+from sim.lease import Leases
 from sim.scenario import Lengths, Scenario
 from sim.workload import TraceRequest, load_workload  # noqa: F401  (TraceRequest: a type)
+
+
+# The events that are signs of progress of a request's prefill and renew its transfer lease
+# (sim/lease.py): the prefill's own actions on the request and its writes landing. A crash
+# is a sign of nothing.
+_PREFILL_PROGRESS = frozenset(info.event for info in core.ACTION_TABLE
+                              if info.worker in ("prefill", "network")
+                              and info.event is not core.PrefillCrash)
+# Simulated seconds within which a lease counts as run out when its timer fires (float
+# rounding must not re-arm a timer for a remainder the clock cannot represent).
+_LEASE_SLACK_S = 1e-9
 
 
 class StopSimulation(Exception):
@@ -121,6 +135,10 @@ class Simulation:
         self.decoding = {}  # request -> its sequence in a decode batch
         self.intents: dict[int, list[tuple[str, str]]] = {}
         self.timers: dict[int, object] = {}  # request -> its armed transfer timer's token
+        t = scenario.timeouts
+        self.leases = Leases(t.lease_s, t.transfer_timeout_s,
+                             scenario.compute.prefill_chunk_tokens
+                             / scenario.compute.prefill_tokens_per_s, c.prefill_workers)
         self.tables_received: set[int] = set()  # requests whose page table reached the prefill
         self._handlers = self._make_handlers()
         self.dirty: list[int] = []
@@ -173,6 +191,8 @@ class Simulation:
         self.folder.accept(now, r, out, event)
         if self.log is not None:
             self.log.write(encode({"t": now, **codec.encode(event)}) + "\n")
+        if type(event) in _PREFILL_PROGRESS:
+            self._renewed(r, type(event))
         if self.on_commit is not None:
             self.on_commit(event, out)
         self._after(r, out)
@@ -402,16 +422,49 @@ class Simulation:
 
     def _arm_timer(self, command: commands.ArmTimer, p: int, d: int) -> None:
         r = command.request
+        self.leases.armed(r, self.env.now)
+        self._schedule_timer(r, self._lease_due(r))
+
+    def _schedule_timer(self, r: int, at: float) -> None:
         # The token is the timer's deadline in a list: a new timer is a new list (`is`).
-        token = self.timers[r] = [self.env.now + self.sc.timeouts.transfer_timeout_s]
-        self.later(self.sc.timeouts.transfer_timeout_s, self._timer_fired, r, token)
+        # A deadline already past (the backstop of a request the prefill admitted before
+        # decode reserved, AdmitBeforeReserve) fires now.
+        token = self.timers[r] = [at]
+        self.later(max(at - self.env.now, 0.0), self._timer_fired, r, token)
+
+    def _lease_due(self, r: int) -> float:
+        """When r's transfer lease runs out, as decode knows it now (sim/lease.py). r waits
+        at its prefill while queued for admission or for the NIC to start its writes."""
+        p = self.cluster.placement[r][0]
+        return self.leases.due(r, p, self.env.now, self._waiting_at_prefill(r, p))
+
+    def _waiting_at_prefill(self, r: int, p: int) -> bool:
+        return self.cluster.rows[r][PST] == QUEUED or r in self.nic_waiting[p]
+
+    def _renewed(self, r: int, kind: type) -> None:
+        """A sign of progress of r's prefill: its lease is renewed (a stored time, no
+        event); an Admit starts the backstop, which may come before the armed timer."""
+        now = self.env.now
+        admitted = kind is core.Admit
+        self.leases.renew(r, self.folder.last_placement[0], now, admitted,
+                          kind is core.SendPage)
+        if admitted:
+            token = self.timers.get(r)
+            backstop = now + self.sc.timeouts.transfer_timeout_s
+            if token is not None and token[0] > backstop:
+                self._schedule_timer(r, backstop)
 
     def _timer_fired(self, r: int, token: object) -> None:
-        if self.timers.get(r) is token:
-            del self.timers[r]
-            hit = hits.writes_of_request(self.cluster, r)
-            if self.offer("Timeout", r):
-                self.fault_hits.fired("Timeout", hit)
+        if self.timers.get(r) is not token:
+            return  # cancelled, or armed again since
+        due = self._lease_due(r)
+        if due > self.env.now + _LEASE_SLACK_S:
+            self._schedule_timer(r, due)  # renewed meanwhile: wait for the remainder
+            return
+        del self.timers[r]
+        hit = hits.writes_of_request(self.cluster, r)
+        if self.offer("Timeout", r):
+            self.fault_hits.fired("Timeout", hit)
 
     def _cancel_timer(self, command: commands.CancelTimer, p: int, d: int) -> None:
         self.timers.pop(command.request, None)
@@ -446,6 +499,7 @@ class Simulation:
             table.pop(r, None)
         self.all_posted.discard(r)
         self.tables_received.discard(r)
+        self.leases.forget(r)
 
     def _answered(self, r: int) -> None:
         waiter = self.session_waiters.pop(r, None)
@@ -537,12 +591,14 @@ class Simulation:
         f = self.sc.faults
         if f.prefill_fail_probability and self.rng["faults"].random() < f.prefill_fail_probability:
             self.later(self.rng["faults"].uniform(0, compute_s), self._prefill_fail, r)
+        self.leases.compute_started(r, p, self.env.now, compute_s)
         self.later(compute_s, self._computed, p, r, self.prefill_epoch[p])
 
     def _computed(self, p: int, r: int, epoch: int) -> None:
         if epoch != self.prefill_epoch[p]:
             return  # the worker crashed meanwhile
         self.prefill_busy[p] = False
+        self.leases.compute_ended(r, p, self.env.now)
         if r in self.cluster.rows:
             self.nic_waiting[p].append(r)
             self.kick_nic(p)
@@ -612,10 +668,9 @@ class Simulation:
         self.nic_in_flight[p] += 1
         assert self.nic_in_flight[p] <= self.sc.link.writes_in_flight_max
         landing = start + transfer_s + self.sc.link.write_latency_s - now
-        if slowed:
-            timer = self.timers.get(r)
-            self.fault_hits.fired("SlowLink", timer is not None
-                                  and now + landing > timer[0])
+        if slowed:  # a hit: the write lands after the lease, as it stands, runs out
+            self.fault_hits.fired("SlowLink", r in self.timers
+                                  and now + landing > self._lease_due(r))
         self.later(landing, self._land, p, r, w[2], self.prefill_epoch[p])
 
     def _land(self, p: int, r: int, page: int, epoch: int) -> None:
@@ -659,6 +714,10 @@ class Simulation:
                               hits.decode_writes_in_flight(self.cluster, worker))
         record = {"t": self.env.now, "a": action, key: worker}
         placements = dict(self.cluster.placement)
+        # The requests that wait at a crashing prefill keep what its progress renewed so far.
+        waiting = ([r for r, (p, _) in placements.items() if p == worker
+                    and r in self.leases.requests and self._waiting_at_prefill(r, p)]
+                   if kind == "prefill" else [])
         self.depth += 1
         out = self.folder.apply(record)
         if type(out) is Refusal:
@@ -668,6 +727,7 @@ class Simulation:
                 self.log.write(encode(record) + "\n")
             self._checked()
             if kind == "prefill":
+                self.leases.crashed(worker, self.env.now, waiting)
                 self._restart_prefill(worker)
             else:
                 self._restart_decode(worker)

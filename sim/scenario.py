@@ -96,6 +96,9 @@ class Workload(_Strict):
 
 class Compute(_Strict):
     prefill_tokens_per_s: float = Field(20000.0, gt=0)
+    # A prompt is computed in one stretch of prompt/throughput seconds; each chunk of this
+    # many tokens computed on the way renews decode's transfer lease (sim/lease.py).
+    prefill_chunk_tokens: int = Field(8192, ge=1)
     decode_step_base_s: float = Field(0.010, ge=0)
     decode_step_per_request_s: float = Field(0.0002, ge=0)
     decode_step_per_context_token_s: float = Field(1e-8, ge=0)
@@ -110,7 +113,13 @@ class Link(_Strict):
 
 
 class Timeouts(_Strict):
-    transfer_timeout_s: float = Field(5.0, gt=0)
+    """Decode's transfer timer is a lease (sim/lease.py): it times a request out when its
+    prefill has been silent for `lease_s`, or when its transfer has taken
+    `transfer_timeout_s` since the prefill admitted it; queueing (for admission, or for the
+    NIC after the compute) counts towards neither while the prefill makes progress."""
+
+    lease_s: float = Field(1.0, gt=0)             # the longest silence of the request's prefill
+    transfer_timeout_s: float = Field(5.0, gt=0)  # the backstop: Admit to the final word
     notice_delay_s: float = Field(0.002, ge=0)  # how soon a worker notices a client is gone
 
 
