@@ -333,12 +333,8 @@ class ThreadedEngine:
                 raise ContextTooLong(prompt, max_tokens, self.context_length)
             if self._stopping:
                 raise EngineStopped("the engine is stopping")
-            queued = len(self._inbox) + self._in_transit + self._published.queued
-            waiting = (sum(len(request.prompt_ids) for _, request, _ in self._inbox)
-                       + self._transit_tokens + self._published.queued_tokens)
-            # What bounds a request's wait to start is the prompt tokens ahead of it, not
-            # its own: on an empty queue any prompt that fits starts at once.
-            if queued >= self.config.max_queued or waiting >= self.queued_tokens_max:
+            queued = self._at_capacity()
+            if queued is not None:
                 self._refused["capacity"] += 1
                 raise Overloaded(queued, self.config.retry_after_s)
             r = self._next_id
@@ -346,6 +342,27 @@ class ThreadedEngine:
             self._inbox.append((r, request, on_event))
         self._wake.set()
         return r
+
+    def full(self, pending: int = 0) -> bool:
+        """Whether submit would refuse a request for capacity now, with `pending` more on
+        their way to it: the HTTP admission gate asks before it reads a body, and refuses
+        when told True (counted with submit's capacity refusals)."""
+        with self._lock:
+            if self._at_capacity(pending) is None:
+                return False
+            self._refused["capacity"] += 1
+            return True
+
+    def _at_capacity(self, pending: int = 0) -> int | None:
+        """The requests queued (with `pending`) when admission must refuse one more, else
+        None. What bounds a request's wait to start is the prompt tokens ahead of it, not
+        its own: on an empty queue any prompt that fits starts at once. Under the lock."""
+        queued = len(self._inbox) + self._in_transit + self._published.queued + pending
+        waiting = (sum(len(request.prompt_ids) for _, request, _ in self._inbox)
+                   + self._transit_tokens + self._published.queued_tokens)
+        if queued >= self.config.max_queued or waiting >= self.queued_tokens_max:
+            return queued
+        return None
 
     def abort(self, request_id: int) -> None:
         with self._lock:

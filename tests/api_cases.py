@@ -126,6 +126,9 @@ class CountingEngine:
     def snapshot(self):
         return self.inner.snapshot()
 
+    def full(self, pending: int = 0) -> bool:
+        return self.inner.full(pending)
+
     def stop(self, drain_s: float = 0.0) -> None:
         self.inner.stop(drain_s)
 

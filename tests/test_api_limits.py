@@ -165,3 +165,25 @@ def test_tokenizing_is_bounded_and_refuses_one_more_with_a_503():
     assert (refused.status, refused.code, refused.headers) == (503, "overloaded",
                                                                {"Retry-After": "1"})
     assert held == [True, True]
+
+
+def test_a_full_engine_is_a_503_before_the_body_is_read(tiny_chat_model):  # noqa: F811
+    """The admission gate: with the engine at its bound (one request queued of one, the
+    engine not started so nothing leaves the queue) a generation request is refused with
+    503 + Retry-After from its headers alone: the 50 MB its Content-Length declares are
+    never sent. Other routes are not gated."""
+    from engine.sampling import SamplingParams
+    from engine.service import GenerationRequest
+
+    engine = protocol_engine(tiny_chat_model, max_queued=1, context_prefill_s=0)
+    engine.inner.submit(GenerationRequest((1, 2, 3), SamplingParams(max_tokens=1)),
+                        lambda event: None)
+    with LiveServer(create_app(engine, start_engine=False)) as server:
+        started = time.monotonic()
+        sock = raw_request(server.port, "Content-Length: 50000000\r\n", b'{"prompt": "')
+        with sock:
+            status, body = read_response(sock)
+        assert time.monotonic() - started < 2.0
+        assert status == 503 and body["error"]["code"] == "overloaded"
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    assert engine.inner.snapshot().rejects == {"capacity": 1}

@@ -32,7 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.serve import generation
 from api.serve.errors import ApiError, framework_error, not_json, validation_error
-from api.serve.intake import REQUEST_BODY_BYTES_MAX, BodyLimit, Tokenizing
+from api.serve.intake import (ADMITTED, REQUEST_BODY_BYTES_MAX, AdmissionGate, BodyLimit,
+                              Tokenizing)
 from api.serve.metrics import ServerMetrics, endpoint_label
 from api.serve.schemas import (CHAT_MAX_TOKENS_DEFAULT, COMPLETION_MAX_TOKENS_DEFAULT,
                                ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -95,6 +96,9 @@ def create_app(engine, *, drain_s: float = 0.0, start_engine: bool = True,
     _add_info_routes(app, engine, lifetime, metrics)
     app.add_middleware(BodyLimit, body_bytes_max=request_body_bytes_max, on_refused=lambda scope:
                        metrics.responses.labels(endpoint_label(scope, app.routes), "413").inc())
+    # Outermost: a request the engine cannot admit is answered before its body is read.
+    app.add_middleware(AdmissionGate, engine=engine, on_refused=lambda scope:
+                       metrics.responses.labels(endpoint_label(scope, app.routes), "503").inc())
     app.openapi = lambda: _openapi_without_422(app, engine)
     return app
 
@@ -216,7 +220,10 @@ def _check_token_limits(engine, body) -> None:
 
 async def _serve(request: Request, engine, plan, wire, metrics, received_s: float):
     path = endpoint_label(request.scope)
-    choices = generation.submit_all(engine, plan)
+    try:
+        choices = generation.submit_all(engine, plan)
+    finally:
+        request.scope.get(ADMITTED, lambda: None)()  # the gate counts it no more
     timings = generation.Timings(metrics, received_s)
     if not plan.stream:
         body = await generation.answer_whole(request, choices, plan, wire, timings)

@@ -91,6 +91,57 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+ADMITTED = "kvproof.admitted"  # the scope key of the gate's callback (see AdmissionGate)
+
+
+class AdmissionGate:
+    """Admission, answered before anything is read or parsed: a generation request that
+    the engine could not admit now gets its 503 (Retry-After) at once, instead of after its
+    body was read, validated and tokenized (in a burst those took seconds, and a 503
+    refused only at submit came that late). It counts the requests past the gate and not
+    yet submitted (`pending`); the app calls scope[ADMITTED]() once it has submitted one
+    (or given up on it), and the engine's `full(pending)` says whether one more fits.
+    Submit still decides: the gate only answers early what submit would refuse."""
+
+    def __init__(self, app, engine, on_refused=None):
+        self.app, self.engine, self.on_refused = app, engine, on_refused
+        self.pending = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        full = getattr(self.engine, "full", None)
+        if scope["type"] != "http" or scope.get("method") != "POST" or full is None \
+                or scope.get("path") not in GENERATION_PATHS:
+            return await self.app(scope, receive, send)
+        if full(self.pending):
+            return await self._refuse(scope, send)
+        self.pending += 1
+        counted = True
+
+        def admitted() -> None:
+            nonlocal counted
+            if counted:
+                counted = False
+                self.pending -= 1
+
+        scope[ADMITTED] = admitted
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            admitted()
+
+    async def _refuse(self, scope, send) -> None:
+        if self.on_refused is not None:
+            self.on_refused(scope)
+        error = ApiError(503, "the server is at its admission bound (queued requests or "
+                         "prompt tokens waiting); retry later", "server_error", "overloaded")
+        body = json.dumps(error.body()).encode()
+        await send({"type": "http.response.start", "status": 503, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"retry-after", b"1"), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
 def _content_length(scope) -> int | None:
     for name, value in scope.get("headers", ()):
         if name == b"content-length":
