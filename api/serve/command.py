@@ -58,6 +58,10 @@ EXIT_CODES = """exit status:
 # net.core.somaxconn). Python's default (128) drops a burst's SYNs beyond it, and each
 # dropped client retries 1, 3, 7 s later: a 503 that should be immediate took seconds.
 LISTEN_BACKLOG = 2048
+# How long a thread holding the GIL keeps it before another may run (Python's default is
+# 5 ms). The engine's loop thread holds it between torch calls; the event loop then waits
+# a whole interval per hand-over, and a burst's answers queue behind those waits.
+SWITCH_INTERVAL_S = 0.0005
 # Options that go to the engine's config under their own names, when given.
 TIMER_OPTIONS = ("lease_s", "transfer_timeout_s", "context_prefill_s", "lower_context_to_fit",
                  "max_queued", "max_queued_tokens", "queue_wait_s_max")
@@ -275,5 +279,6 @@ def _serve(app, engine, listener: socket.socket, drain_s: float, threads: int) -
           f"\"max_tokens\": 32}}'", flush=True)
     server = DrainingServer(uvicorn.Config(app, log_level="warning", lifespan="on",
                                            timeout_graceful_shutdown=drain_s + 5))
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     server.run(sockets=[listener])
     print("kvproof serve: stopped", flush=True)
