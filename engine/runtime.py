@@ -96,7 +96,7 @@ class RuntimeConfig:
     # without progress from the request's prefill, and at the latest transfer_timeout_s
     # after the prefill admitted it (a backstop for a prefill that renews but never ends).
     # Queueing counts against neither: admission bounds it (engine/serving.py).
-    lease_s: float = 30.0
+    lease_s: float = 60.0
     transfer_timeout_s: float = 600.0
     bugs: frozenset = frozenset()
     transport_seed: int | None = None

@@ -142,7 +142,7 @@ class EngineConfig:
     # startup check measured: what is admitted starts within about this bound.
     queue_wait_s_max: float = 30.0
     retry_after_s: float = 1.0
-    lease_s: float = 30.0  # decode's lease: the longest silence from a request's prefill
+    lease_s: float = 60.0  # decode's lease: the longest silence from a request's prefill
     transfer_timeout_s: float = 600.0  # a request's transfer from its Admit, at most
     # The startup timing check: None measures; a figure (seconds to prefill the advertised
     # context here) is taken as told; 0 skips the check (tests of tiny models only).

