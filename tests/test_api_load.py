@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from api.serve.app import create_app
-from tests.api_cases import (LiveServer, protocol_engine, tiny_chat_model,  # noqa: F401
-                             wait_settled)
+from tests.api_cases import (LiveServer, assert_pools_whole, protocol_engine,  # noqa: F401
+                             tiny_chat_model, wait_settled)
 
 CLIENTS = 32
 LEAVING_SHARE = 0.3
@@ -116,3 +116,52 @@ def test_32_streaming_clients_some_leaving_leave_every_pool_whole(
         assert metric(text, "kvproof_outcomes_total", outcome=outcome) == count
     streamed = sum("events" in r for r in results)
     assert metric(text, "kvproof_time_to_first_token_seconds_count") >= streamed
+
+
+BURST = 96
+BURST_QUEUED_MAX = 8
+# A prefill pool that holds one prompt at a time, computed in chunks of 8 tokens, 20 ms a
+# step: the eighth request admitted waits well over a second to start, its lease 0.5 s.
+BURST_ENGINE = dict(max_queued=BURST_QUEUED_MAX, step_delay_s=0.02, lease_s=0.5,
+                    context_prefill_s=0, context_length=96, page_tokens=4,
+                    prefill_pool_tokens=96, decode_pool_tokens=1024, prefill_chunk_tokens=8)
+
+
+def test_a_burst_beyond_the_admission_bound_gets_only_200s_and_immediate_503s(
+        tiny_chat_model):  # noqa: F811
+    """96 chat requests at once against an admission bound of 8 waiting, the engine slowed
+    (BURST_ENGINE) and its lease short (0.5 s, far below the burst's whole run): every
+    answer is a 200 or a 503 with Retry-After, none a 504 (an admitted request is never
+    failed for having waited), the 503s come back before the 200s do (median against
+    median) and within a bound, and every page comes back. FittingRequestsSucceed, watched
+    under load: nothing that fits was failed by a timer."""
+    engine = protocol_engine(tiny_chat_model, **BURST_ENGINE)
+
+    async def one(client, url, i):
+        body = {"messages": [{"role": "user", "content": f"count to {i}"}], "max_tokens": 4,
+                "temperature": 0}
+        sent = time.monotonic()
+        response = await client.post(f"{url}/v1/chat/completions", json=body)
+        return response.status_code, time.monotonic() - sent, response.headers
+
+    with LiveServer(create_app(engine)) as server:
+        async def burst():
+            async with httpx.AsyncClient(timeout=RUN_S_MAX,
+                                         limits=httpx.Limits(max_connections=BURST)) as client:
+                return await asyncio.wait_for(asyncio.gather(*(
+                    one(client, server.url, i) for i in range(BURST))), timeout=RUN_S_MAX)
+
+        results = asyncio.run(burst())
+        snapshot = wait_settled(engine)
+    statuses = [status for status, _, _ in results]
+    assert set(statuses) <= {200, 503}, sorted(statuses)
+    refused = [seconds for status, seconds, _ in results if status == 503]
+    served = [seconds for status, seconds, _ in results if status == 200]
+    assert refused and len(served) >= BURST_QUEUED_MAX
+    assert all(headers.get("retry-after") for status, _, headers in results if status == 503)
+    assert sorted(refused)[len(refused) // 2] < sorted(served)[len(served) // 2]
+    assert max(refused) < 10.0
+    assert snapshot.outcomes == {"Ok": len(served)}
+    assert "ErrTimeout" not in snapshot.outcomes
+    assert snapshot.rejects.get("capacity", 0) == len(refused)
+    assert_pools_whole(snapshot)
