@@ -343,15 +343,16 @@ class ThreadedEngine:
         self._wake.set()
         return r
 
-    def full(self, pending: int = 0) -> bool:
-        """Whether submit would refuse a request for capacity now, with `pending` more on
-        their way to it: the HTTP admission gate asks before it reads a body, and refuses
-        when told True (counted with submit's capacity refusals)."""
+    def full(self, pending: int = 0) -> float | None:
+        """None when submit would admit one more request now, with `pending` more on their
+        way to it; else the Retry-After, in seconds, for the refusal. The HTTP admission
+        gate asks before it reads a body and refuses when told a time (counted with
+        submit's capacity refusals)."""
         with self._lock:
             if self._at_capacity(pending) is None:
-                return False
+                return None
             self._refused["capacity"] += 1
-            return True
+            return self.config.retry_after_s
 
     def _at_capacity(self, pending: int = 0) -> int | None:
         """The requests queued (with `pending`) when admission must refuse one more, else

@@ -126,7 +126,7 @@ class CountingEngine:
     def snapshot(self):
         return self.inner.snapshot()
 
-    def full(self, pending: int = 0) -> bool:
+    def full(self, pending: int = 0) -> float | None:
         return self.inner.full(pending)
 
     def stop(self, drain_s: float = 0.0) -> None:

@@ -23,6 +23,7 @@ most TOKENIZE_WAITING_MAX requests tokenizing or waiting: one more is a 503.
 from __future__ import annotations
 
 import json
+import math
 
 from api.serve.errors import ApiError
 
@@ -113,8 +114,9 @@ class AdmissionGate:
         if scope["type"] != "http" or scope.get("method") != "POST" or full is None \
                 or scope.get("path") not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
-        if full(self.pending):
-            return await self._refuse(scope, send)
+        retry_after_s = full(self.pending)
+        if retry_after_s is not None:
+            return await self._refuse(scope, send, retry_after_s)
         self.pending += 1
         counted = True
 
@@ -130,15 +132,16 @@ class AdmissionGate:
         finally:
             admitted()
 
-    async def _refuse(self, scope, send) -> None:
+    async def _refuse(self, scope, send, retry_after_s: float) -> None:
         if self.on_refused is not None:
             self.on_refused(scope)
         error = ApiError(503, "the server is at its admission bound (queued requests or "
                          "prompt tokens waiting); retry later", "server_error", "overloaded")
         body = json.dumps(error.body()).encode()
+        retry = str(max(1, math.ceil(retry_after_s))).encode()  # as errors.py answers it
         await send({"type": "http.response.start", "status": 503, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"retry-after", b"1"), (b"connection", b"close")]})
+            (b"retry-after", retry), (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
 
 
