@@ -1,5 +1,5 @@
 """Independent runs — fuzz zoo cells, simulator sweep points — over local processes
-(`--jobs N`, concurrent.futures) or an existing Ray cluster (`--ray ADDRESS`).
+(`--jobs N`, spec/check/pool.py) or an existing Ray cluster (`--ray ADDRESS`).
 
 Each run is a pure function of its input (a campaign or a scenario with its seed), so where
 it runs changes nothing: results come back in input order and equal a serial run. No
@@ -13,11 +13,11 @@ in their PYTHONPATH); on a remote cluster kvproof must be installed on the nodes
 
 from __future__ import annotations
 
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable
 
 from api.clikit import UsageError
+from spec.check.pool import ordered_map
 
 SOURCE_ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -28,8 +28,7 @@ def parallel_map(fn: Callable, items: list, jobs: int = 1,
     if ray_address:
         return _ray_map(fn, items, ray_address)
     if jobs > 1 and len(items) > 1:
-        with ProcessPoolExecutor(min(jobs, len(items))) as pool:
-            return list(pool.map(fn, items))
+        return ordered_map(fn, items, jobs)
     return [fn(item) for item in items]
 
 

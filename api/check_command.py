@@ -14,8 +14,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from api.clikit import (EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, ITF_TRACE, FUZZ_FAILURE,
-                        UsageError, plural, sniff, writable_file, wrong_kind)
+from api.clikit import (EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, ITF_TRACE,
+                        FUZZ_FAILURE, UsageError, plural, sniff, writable_file, wrong_kind)
 from spec.check.cfgfile import CfgError, load, model_description, model_names
 from spec.check.report import describe_model, format_coverage, format_summary, format_trace
 from spec.model import BUG_SWITCHES, ModelError
@@ -258,7 +258,7 @@ def _exhaust(args: argparse.Namespace, plan: Plan, summaries: list | None = None
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("kvproof check: interrupted; no verdict", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     if result.violation is None and result.ok_unreachable:
         print(f"Error: no behaviour of model {plan.model.name} ends with a client answered Ok: "
               "every request fails or waits, so every property holds vacuously.")

@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from api.clikit import (EXIT_USAGE, Parser, UsageError, add_subcommand, positive_int,
-                        quietly_closed_stdout)
+from api.clikit import (EXIT_INTERRUPTED, EXIT_USAGE, Parser, UsageError, add_subcommand,
+                        positive_int, process_count, quietly_closed_stdout)
 from api import check_command
 
 
@@ -65,7 +65,7 @@ def _add_check(commands) -> None:
                        help="check only these properties (repeatable; default: the model's; "
                             "--invariant is the old spelling)")
     check.add_argument("--symmetry", action="store_true", help="reduce by symmetry over requests")
-    check.add_argument("--workers", type=positive_int, default=1, metavar="N",
+    check.add_argument("--workers", type=process_count, default=1, metavar="N",
                        help="expand states in N processes (same counts and counterexamples "
                             "as one)")
     check.add_argument("--continue", dest="keep_going", action="store_true",
@@ -214,6 +214,7 @@ def build_parser() -> Parser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    args = None
     try:
         args, extras = parser.parse_known_args(argv)
         if extras:
@@ -226,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except BrokenPipeError:
         return quietly_closed_stdout()
+    except KeyboardInterrupt:  # Ctrl-C: pools have stopped their workers (spec/check/pool.py)
+        command = f"kvproof {args.command}" if args is not None else "kvproof"
+        print(f"{command}: interrupted; no verdict", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -23,10 +23,10 @@ import time
 from array import array
 from dataclasses import dataclass
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor
 
 from spec import core
 from spec.check.checker import CheckResult, Checker, _Graph, answered_ok
+from spec.check.pool import process_pool
 from spec.check.symmetry import canonical
 from spec.check.tlccount import WAYS as TLC_WAYS
 from spec.properties import (QUIET_INVARIANTS, REST_INVARIANTS, STATE_INVARIANTS,
@@ -107,13 +107,10 @@ class ParallelChecker(Checker):
     def run(self) -> CheckResult:
         names = tuple(tuple(n for n, _ in checks) for checks in (
             self.state_checks, self.rest_checks, self.quiet_checks, self.step_checks))
-        pool = ProcessPoolExecutor(self.workers, initializer=_start_worker,
-                                   initargs=(self.m, self.symmetry, *names))
-        try:
+        # After a violation, chunks beyond it are still queued: the pool drops them.
+        with process_pool(self.workers, _start_worker,
+                          (self.m, self.symmetry, *names)) as pool:
             return self._search(pool)
-        finally:
-            # After a violation, chunks beyond it are still queued: drop them.
-            pool.shutdown(wait=True, cancel_futures=True)
 
     def _results(self, pool, queue: deque):
         """The expansion of every queued state, in queue order, as the queue grows: a
