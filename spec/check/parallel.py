@@ -19,13 +19,14 @@ coordinator reads results in that order too.
 
 from __future__ import annotations
 
+import pickle
 import time
 from array import array
-from dataclasses import dataclass
-from collections import deque
+from dataclasses import dataclass, field
+from collections import Counter, deque
 
 from spec import core
-from spec.check.checker import CheckResult, Checker, _Graph, answered_ok
+from spec.check.checker import CheckResult, Checker, _Graph, answered_ok, step_failures
 from spec.check.pool import process_pool
 from spec.check.symmetry import canonical
 from spec.check.tlccount import WAYS as TLC_WAYS
@@ -43,9 +44,9 @@ TASKS_IN_FLIGHT_PER_WORKER = 3
 _worker: dict = {}
 
 
-def _start_worker(m, symmetry: bool, state_names: tuple, rest_names: tuple,
-                  quiet_names: tuple = (), step_names: tuple = ()) -> None:
-    _worker.update(m=m, symmetry=symmetry, seen=set(),
+def _start_worker(m, symmetry: bool, keep_going: bool, state_names: tuple,
+                  rest_names: tuple, quiet_names: tuple = (), step_names: tuple = ()) -> None:
+    _worker.update(m=m, symmetry=symmetry, keep_going=keep_going, seen=set(),
                    state_checks=[(n, STATE_INVARIANTS[n]) for n in state_names],
                    rest_checks=[(n, REST_INVARIANTS[n]) for n in rest_names],
                    quiet_checks=[(n, QUIET_INVARIANTS[n]) for n in quiet_names],
@@ -56,44 +57,116 @@ def _failures(checks, m, s) -> tuple[str, ...]:
     return tuple(name for name, predicate in checks if not predicate(m, s))
 
 
-def _expand(states: list) -> list:
-    """Per state: whether a fair action is enabled and whether any is; its successors'
-    fingerprints and action names; the successors this worker has not sent before, as
-    (position, state, invariants it violates); and the rest invariants the state
-    violates when no fair action is enabled. Fingerprints go as an array and events only
-    with new states, because pickling is most of what parallel checking costs here."""
+@dataclass
+class _Task:
+    """One task's expansion, flat: a few arrays, not a tuple per state, because pickling
+    and unpickling is most of what parallel checking costs. States are in task order,
+    successors in the serial checker's order within each state, positions count the
+    successors of the whole task."""
+    successors: array = field(default_factory=lambda: array("I"))  # per state: how many
+    keys: array = field(default_factory=lambda: array("q"))         # per successor
+    actions: bytearray = field(default_factory=bytearray)           # index in ACTION_NAMES
+    enabled: bytearray = field(default_factory=bytearray)  # per state: FAIR | ANY
+    duplicates: array = field(default_factory=lambda: array("I"))   # per state, for TLC
+    # The successors this worker had not sent before, in order: their positions, and the
+    # list of them pickled (`sent`); the positions (among these) of those where a client
+    # has its Ok.
+    new: array = field(default_factory=lambda: array("I"))
+    new_from: array = field(default_factory=lambda: array("I"))  # the state, in the task
+    ok: array = field(default_factory=lambda: array("I"))
+    sent: bytes = b""
+    # Violations, sparse: state invariants by index in `new`, step properties by position,
+    # rest and quiet invariants by state; `broken` is every name among them.
+    failed: dict = field(default_factory=dict)
+    steps: dict = field(default_factory=dict)
+    rest: dict = field(default_factory=dict)
+    quiet: dict = field(default_factory=dict)
+    broken: set = field(default_factory=set)
+
+
+FAIR, ANY = 1, 2
+_ACTION_INDEX = {name: i for i, name in enumerate(core.ACTION_NAMES)}
+
+
+def _expand(segments: list) -> _Task:
+    """The expansion of the states of `segments` (each a pickled list of states and the
+    positions in it to expand)."""
+    task, sent = _Task(), []
+    for blob, positions in segments:
+        states = pickle.loads(blob)
+        for s in map(states.__getitem__, positions):
+            _expand_one(s, task, sent)
+    task.sent = pickle.dumps(sent, pickle.HIGHEST_PROTOCOL)
+    return task
+
+
+def _expand_one(s, task: _Task, sent: list) -> None:
     m, symmetry, seen = _worker["m"], _worker["symmetry"], _worker["seen"]
-    state_checks, rest_checks = _worker["state_checks"], _worker["rest_checks"]
-    quiet_checks, step_checks = _worker["quiet_checks"], _worker["step_checks"]
-    out = []
-    for s in states:
-        fair_enabled = step_enabled = any_enabled = False
-        keys, actions, new, steps, duplicates = array("q"), [], [], [], 0
-        for event, nxt in core.successors(m, s):
-            any_enabled = True
-            action = event.action
-            ways = TLC_WAYS.get(action)
-            if ways is not None:
-                duplicates += ways(m, s, event) - 1
-            if not step_enabled and action not in core.UNFAIR_ACTIONS:
-                fair_enabled = True
-                step_enabled = action not in core.TIMER_ACTIONS
-            broken = tuple(name for name, predicate in step_checks if not predicate(m, s, nxt))
+    state_checks, step_checks = _worker["state_checks"], _worker["step_checks"]
+    keep_going = _worker["keep_going"]
+    keys, actions, here = task.keys, task.actions, len(task.successors)
+    first = len(keys)
+    fair_enabled = step_enabled = any_enabled = False
+    duplicates = 0
+    for event, nxt in core.successors(m, s):
+        any_enabled = True
+        action = event.action
+        ways = TLC_WAYS.get(action)
+        if ways is not None:
+            duplicates += ways(m, s, event) - 1
+        if not step_enabled and action not in core.UNFAIR_ACTIONS:
+            fair_enabled = True
+            step_enabled = action not in core.TIMER_ACTIONS
+        if step_checks:
+            broken = step_failures(m, step_checks, s, nxt, keep_going)
             if broken:
-                steps.append((len(keys), broken))
-            if symmetry:
-                nxt = canonical(nxt)
-            key = hash(nxt)
-            if key not in seen:
-                seen.add(key)
-                new.append((len(keys), nxt, _failures(state_checks, m, nxt)))
-            keys.append(key)
-            actions.append(action)
-        rest = () if fair_enabled else _failures(rest_checks, m, s)
-        quiet = () if step_enabled else _failures(quiet_checks, m, s)
-        out.append((fair_enabled, any_enabled, keys, actions, new, rest, quiet, steps,
-                    duplicates))
-    return out
+                task.steps[len(keys)] = tuple(broken)
+                task.broken.update(broken)
+        if symmetry:
+            nxt = canonical(nxt)
+        key = hash(nxt)
+        if key not in seen:
+            seen.add(key)
+            if action == "Finish" and answered_ok(nxt):
+                task.ok.append(len(task.new))
+            failed = _failures(state_checks, m, nxt)
+            if failed:
+                task.failed[len(task.new)] = failed
+                task.broken.update(failed)
+            task.new.append(len(keys))
+            task.new_from.append(here)
+            sent.append(nxt)
+        keys.append(key)
+        actions.append(_ACTION_INDEX[action])
+    task.successors.append(len(keys) - first)
+    task.enabled.append(FAIR * fair_enabled | ANY * any_enabled)
+    task.duplicates.append(duplicates)
+    for kind, checks, applies in (("rest", "rest_checks", not fair_enabled),
+                                  ("quiet", "quiet_checks", not step_enabled)):
+        failed = _failures(_worker[checks], m, s) if applies else ()
+        if failed:
+            getattr(task, kind)[here] = failed
+            task.broken.update(failed)
+
+
+def _per_state(task: _Task):
+    """The task's results state by state, as ParallelChecker._take takes them."""
+    position, k = 0, 0
+    new, ok = task.new, set(task.ok)
+    for here, count in enumerate(task.successors):
+        end = position + count
+        news = []
+        while k < len(new) and new[k] < end:
+            news.append((new[k] - position, task.failed.get(k, ()), k in ok))
+            k += 1
+        steps = [(p - position, names) for p, names in task.steps.items()
+                 if position <= p < end]
+        yield (bool(task.enabled[here] & FAIR), bool(task.enabled[here] & ANY),
+               task.keys[position:end],
+               [core.ACTION_NAMES[a] for a in task.actions[position:end]], news,
+               task.rest.get(here, ()), task.quiet.get(here, ()), steps,
+               task.duplicates[here])
+        position = end
 
 
 class ParallelChecker(Checker):
@@ -109,21 +182,21 @@ class ParallelChecker(Checker):
             self.state_checks, self.rest_checks, self.quiet_checks, self.step_checks))
         # After a violation, chunks beyond it are still queued: the pool drops them.
         with process_pool(self.workers, _start_worker,
-                          (self.m, self.symmetry, *names)) as pool:
+                          (self.m, self.symmetry, self.keep_going, *names)) as pool:
             return self._search(pool)
 
-    def _results(self, pool, queue: deque):
-        """The expansion of every queued state, in queue order, as the queue grows: a
-        chunk is handed out when CHUNK_STATES states wait, or whatever waits when nothing
-        else is in flight (the end of the search, or a narrow level)."""
+    def _results(self, pool, search: "_Search"):
+        """The expansion of every queued state, in queue order, as the queue grows, one
+        task's results at a time: a task is handed out when CHUNK_STATES states wait, or
+        whatever waits when nothing else is in flight (the end of the search, or a narrow
+        level)."""
         in_flight: deque = deque()
         limit = TASKS_IN_FLIGHT_PER_WORKER * self.workers
-        while queue or in_flight:
-            while queue and len(in_flight) < limit and (
-                    len(queue) >= CHUNK_STATES or not in_flight):
-                take = min(CHUNK_STATES, len(queue))
-                in_flight.append(pool.submit(_expand, [queue.popleft() for _ in range(take)]))
-            yield from in_flight.popleft().result()
+        while search.waiting or in_flight:
+            while search.waiting and len(in_flight) < limit and (
+                    search.waiting >= CHUNK_STATES or not in_flight):
+                in_flight.append(pool.submit(_expand, search.chunk()))
+            yield in_flight.popleft().result()
 
     def _search(self, pool) -> CheckResult:
         m = self.m
@@ -137,18 +210,25 @@ class ParallelChecker(Checker):
         if failed:
             self._record(result, failed, "invariant", 0, search.parents)
         next_report = started + self.progress_every_s
-        if not self._stop(result):
-            for expanded in self._results(pool, search.states):
-                self._take(search, expanded, result)
-                if self.progress is not None and time.perf_counter() >= next_report:
-                    self.progress(len(search.parents), search.generated + search.tlc_duplicates,
-                                  search.depths[search.here], time.perf_counter() - started)
-                    next_report = time.perf_counter() + self.progress_every_s
-                if self.max_states is not None and len(search.parents) > self.max_states:
-                    raise RuntimeError(f"more than {self.max_states} distinct states; "
-                                       "raise --max-states or check a smaller model")
-                if self._stop(result):
-                    break
+        for task in ([] if self._stop(result) else self._results(pool, search)):
+            search.open_segment(task.sent)
+            if task.broken & self._checked():
+                for expanded in _per_state(task):
+                    self._take(search, expanded, result)
+                    if self._stop(result):
+                        break
+            else:
+                self._take_task(search, task, result)
+            search.close_segment()
+            if self._stop(result):
+                break
+            if self.progress is not None and time.perf_counter() >= next_report:
+                self.progress(len(search.parents), search.generated + search.tlc_duplicates,
+                              search.depths[search.here], time.perf_counter() - started)
+                next_report = time.perf_counter() + self.progress_every_s
+            if self.max_states is not None and len(search.parents) > self.max_states:
+                raise RuntimeError(f"more than {self.max_states} distinct states; "
+                                   "raise --max-states or check a smaller model")
         result.left_on_queue = search.queued
         result.distinct_states = len(search.parents)
         result.states_generated = search.generated + search.tlc_duplicates
@@ -161,6 +241,42 @@ class ParallelChecker(Checker):
         result.seconds = time.perf_counter() - started
         return result
 
+    def _checked(self) -> set[str]:
+        return {name for checks in (self.state_checks, self.rest_checks, self.quiet_checks,
+                                    self.step_checks) for name, _ in checks}
+
+    def _take_task(self, search: "_Search", task: _Task, result: CheckResult) -> None:
+        """A task that breaks no property still checked, all at once: what _take does
+        state by state (and the same numbering), in fewer steps of Python."""
+        first, names, index_of = search.here + 1, core.ACTION_NAMES, search.index_of
+        ok = set(task.ok) if search.witness is None else ()
+        for k, position in enumerate(task.new):
+            key = task.keys[position]
+            if key in index_of:
+                continue  # another worker sent it first
+            name = names[task.actions[position]]
+            j = search.add(key, first + task.new_from[k],
+                           _ACTIONS.setdefault(name, _Action(name)), k, name)
+            if k in ok and search.witness is None:
+                search.witness = j
+        count = len(task.successors)
+        search.here += count
+        search.queued -= count
+        search.generated += len(task.keys)
+        search.tlc_duplicates += sum(task.duplicates)
+        for action, times in Counter(task.actions).items():
+            name = names[action]
+            search.transitions[name] = search.transitions.get(name, 0) + times
+        result.rest_states += task.enabled.count(0) + task.enabled.count(ANY)
+        children = list(map(index_of.__getitem__, task.keys))
+        position = 0
+        for here, successors in enumerate(task.successors, first):
+            if here in children[position:position + successors]:
+                raise AssertionError(f"an action leaves state {here} unchanged")
+            position += successors
+        if search.graph is not None:
+            search.graph.add_many(children, task.successors)
+
     def _take(self, search: "_Search", expanded: tuple, result: CheckResult) -> None:
         """One expanded state's successors, in the serial checker's order and with its
         bookkeeping; stops where the serial checker would stop."""
@@ -169,7 +285,9 @@ class ParallelChecker(Checker):
         search.queued -= 1
         search.tlc_duplicates += duplicates
         here = search.here
-        sent = {position: (state, failed) for position, state, failed in new}
+        sent = {position: (search.offered + k, failed, ok)
+                for k, (position, failed, ok) in enumerate(new)}
+        search.offered += len(new)
         broken_steps = dict(steps)
         children: list[int] = []
         for position, key in enumerate(keys):
@@ -185,9 +303,9 @@ class ParallelChecker(Checker):
             search.transitions[name] = search.transitions.get(name, 0) + 1
             j = search.index_of.get(key)
             if j is None:
-                state, failed = sent[position]
-                j = search.add(key, here, _ACTIONS.setdefault(name, _Action(name)), state, name)
-                if search.witness is None and name == "Finish" and answered_ok(state):
+                item, failed, ok = sent[position]
+                j = search.add(key, here, _ACTIONS.setdefault(name, _Action(name)), item, name)
+                if search.witness is None and ok:
                     search.witness = j
                 failed = [f for f in failed if f in dict(self.state_checks)]
                 if failed:
@@ -240,23 +358,51 @@ class _Search:
         self.index_of: dict[int, int] = {key: 0}
         self.parents, self.depths = array("q", [-1]), array("H", [0])
         self.events: list = [None]
-        self.states: deque = deque([init])
+        # The states to expand, in queue order, never unpickled here: segments of a pickled
+        # list of states (the successors a task's worker had not sent before) and the
+        # positions in it of the states that were new to the search. A worker unpickles
+        # the segments of its task (spec/check/parallel.py's header says why).
+        self.segments: deque = deque([(pickle.dumps([init], pickle.HIGHEST_PROTOCOL), [0])])
+        self.waiting = 1     # states in `segments`
+        self.offered = 0     # states of the open segment's list taken so far
+        self._open: tuple | None = None
         self.graph = _Graph() if liveness else None
-        self.queued = 1      # states in `states` or in chunks not yet read back
+        self.queued = 1      # states in `segments` or in chunks not yet read back
         self.generated, self.here = 1, -1
         self.tlc_duplicates = 0  # TLC counts these successors again (spec/check/tlccount.py)
         self.counts: dict[str, int] = {}
         self.transitions: dict[str, int] = {}
         self.witness: int | None = None  # the first state found with a client answered Ok
 
-    def add(self, key: int, parent: int, event, state, action: str) -> int:
-        """A state seen for the first time; its index."""
+    def open_segment(self, sent: bytes) -> None:
+        """The pickled successors of the task whose results are taken next."""
+        self._open, self.offered = (sent, []), 0
+
+    def close_segment(self) -> None:
+        if self._open[1]:
+            self.segments.append(self._open)
+            self.waiting += len(self._open[1])
+        self._open = None
+
+    def chunk(self) -> list:
+        """The next task: whole segments, CHUNK_STATES states or a little more (a segment
+        is not cut: each cut would pickle its list twice), or whatever waits."""
+        segments, states = [], 0
+        while self.segments and states < CHUNK_STATES:
+            segments.append(self.segments.popleft())
+            states += len(segments[-1][1])
+        self.waiting -= states
+        return segments
+
+    def add(self, key: int, parent: int, event, item: int, action: str) -> int:
+        """A state seen for the first time, at position `item` of the open segment's
+        list; its index."""
         j = len(self.parents)
         self.index_of[key] = j
         self.parents.append(parent)
         self.events.append(event)
         self.depths.append(self.depths[parent] + 1)
-        self.states.append(state)
+        self._open[1].append(item)
         self.queued += 1
         self.counts[action] = self.counts.get(action, 0) + 1
         return j

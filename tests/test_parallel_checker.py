@@ -1,0 +1,41 @@
+"""`kvproof check --workers N` is the serial checker's search, only spread: every figure and
+every counterexample equal, whatever the chunking (spec/check/parallel.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from spec.check import parallel
+from spec.check.cfgfile import load
+from spec.check.checker import Checker
+from spec.check.parallel import ParallelChecker
+
+
+def figures(result, m) -> dict:
+    labels = lambda trace: [e.label(m) if e else "Init" for e, _ in trace]  # noqa: E731
+    return dict(
+        distinct=result.distinct_states, generated=result.states_generated,
+        transitions=result.transitions, depth=result.depth, left=result.left_on_queue,
+        rest=result.rest_states, edges=result.edges, liveness=result.liveness_checked,
+        counts=result.action_counts, per_action=result.action_transitions,
+        witness=labels(result.witness) if result.witness else None,
+        violations=[(v.property, v.kind, labels(v.trace)) for v in result.violations])
+
+
+@pytest.mark.parametrize("chunk_states", [3, 1024])
+@pytest.mark.parametrize("model, bugs, options", [
+    ("solo", (), {}),
+    ("solo", (), {"symmetry": True}),
+    ("solo-crash", (), {}),
+    ("solo", ("NoAbortNotice", "NoTimeout"), {"keep_going": True}),
+    ("solo", ("NoGenBump", "NoTombstone"), {}),
+    ("zoo-lost-tombstone", (), {"keep_going": True}),
+])
+def test_workers_give_every_figure_of_the_serial_checker(monkeypatch, chunk_states, model,
+                                                         bugs, options):
+    monkeypatch.setattr(parallel, "CHUNK_STATES", chunk_states)
+    _, m = load(model)
+    m = m.with_bugs(m.bugs | set(bugs)) if bugs else m
+    one = Checker(m, **options).run()
+    two = ParallelChecker(m, workers=2, **options).run()
+    assert figures(two, m) == figures(one, m)
