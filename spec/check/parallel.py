@@ -32,15 +32,18 @@ serial checker spends 2.8 s, and the workers 3.2 s between them (bench/check_ben
 
 from __future__ import annotations
 
+import fcntl
 import pickle
 import time
+from multiprocessing import Pipe
+from multiprocessing.connection import wait
 from array import array
 from dataclasses import dataclass, field
 from collections import Counter, deque
 
 from spec import core
 from spec.check.checker import CheckResult, Checker, _Graph, answered_ok, step_failures
-from spec.check.pool import process_pool
+from spec.check.pool import worker_processes
 from spec.check.symmetry import canonical
 from spec.check.tlccount import WAYS as TLC_WAYS
 from spec.properties import (QUIET_INVARIANTS, REST_INVARIANTS, STATE_INVARIANTS,
@@ -49,6 +52,8 @@ from spec.properties import (QUIET_INVARIANTS, REST_INVARIANTS, STATE_INVARIANTS
 # States per task: big enough that pickling a task costs little next to expanding it,
 # small enough that a level of a few thousand states still keeps every worker busy.
 CHUNK_STATES = 1024
+# The pieces in which a worker pickles the states it found: the unit a task can take.
+SEGMENT_STATES = 128
 # Tasks handed out and not yet read back, per worker: enough that a worker never waits for
 # the coordinator, few enough to bound the memory in flight. Results are read oldest first,
 # so while the coordinator waits for a slow one (its worker descheduled on a busy machine)
@@ -85,12 +90,12 @@ class _Task:
     enabled: bytearray = field(default_factory=bytearray)  # per state: FAIR | ANY
     duplicates: array = field(default_factory=lambda: array("I"))   # per state, for TLC
     # The successors this worker had not sent before, in order: their positions, and the
-    # list of them pickled (`sent`); the positions (among these) of those where a client
+    # list of them pickled in pieces of SEGMENT_STATES (`sent`); the positions (among these) of those where a client
     # has its Ok.
     new: array = field(default_factory=lambda: array("I"))
     new_from: array = field(default_factory=lambda: array("I"))  # the state, in the task
     ok: array = field(default_factory=lambda: array("I"))
-    sent: bytes = b""
+    sent: list = field(default_factory=list)
     # Violations, sparse: state invariants by index in `new`, step properties by position,
     # rest and quiet invariants by state; `broken` is every name among them.
     failed: dict = field(default_factory=dict)
@@ -112,7 +117,8 @@ def _expand(segments: list) -> _Task:
         states = pickle.loads(blob)
         for s in map(states.__getitem__, positions):
             _expand_one(s, task, sent)
-    task.sent = pickle.dumps(sent, pickle.HIGHEST_PROTOCOL)
+    task.sent = [pickle.dumps(sent[k:k + SEGMENT_STATES], pickle.HIGHEST_PROTOCOL)
+                 for k in range(0, len(sent), SEGMENT_STATES)]
     return task
 
 
@@ -165,6 +171,90 @@ def _expand_one(s, task: _Task, sent: list) -> None:
             task.broken.update(failed)
 
 
+def _work(tasks, results, start: tuple) -> None:
+    """A worker: expand each task read from `tasks`, answer on `results`; b"" stops it."""
+    _start_worker(*start)
+    while True:
+        data = tasks.recv_bytes()
+        if not data:
+            return
+        results.send_bytes(pickle.dumps(_expand(pickle.loads(data)), pickle.HIGHEST_PROTOCOL))
+
+
+# Linux's F_SETPIPE_SZ: a pipe that holds a worker's queued tasks (~100 kB each), so that
+# a worker reads its next task without waiting for the coordinator to be scheduled. At
+# most /proc/sys/fs/pipe-max-size (1 MiB by default).
+PIPE_BYTES = 1 << 20
+_SETPIPE_SZ, _GETPIPE_SZ = 1031, 1032
+
+
+class _Channel:
+    """A worker's two pipes: tasks in, results out."""
+
+    def __init__(self) -> None:
+        self.tasks_in, self.tasks_out = Pipe(duplex=False)
+        self.results_in, self.results_out = Pipe(duplex=False)
+        for end in (self.tasks_out, self.results_out):
+            try:
+                fcntl.fcntl(end.fileno(), _SETPIPE_SZ, PIPE_BYTES)
+            except OSError:
+                pass  # a smaller pipe only means more waiting
+        self.capacity = fcntl.fcntl(self.tasks_out.fileno(), _GETPIPE_SZ)
+        self.unread: deque = deque()  # (ticket, bytes) of the tasks without a result yet
+
+    def room_for(self, size: int) -> bool:
+        """Whether a task of `size` bytes can be sent without blocking: the pipe holds at
+        least the tasks not answered yet, and an idle worker reads whatever it is sent."""
+        return not self.unread or sum(s for _, s in self.unread) + size <= self.capacity
+
+
+class _Workers:
+    """The coordinator's end of the workers: tasks numbered in the order they are handed
+    out; results taken in that order, read from every worker as they come so that no
+    worker waits to write one. The coordinator never blocks on a write (room_for), so a
+    worker blocked writing a result is always read in the end."""
+
+    def __init__(self, channels: list[_Channel]) -> None:
+        self.channels = channels
+        self.ready: deque = deque()     # (ticket, bytes) waiting for room in a pipe
+        self.done: dict = {}            # ticket -> result bytes, read ahead of their turn
+        self.next_ticket = self.next_result = 0
+        self.in_flight = 0
+
+    def submit(self, segments: list) -> None:
+        self.ready.append((self.next_ticket, pickle.dumps(segments, pickle.HIGHEST_PROTOCOL)))
+        self.next_ticket += 1
+        self.in_flight += 1
+        self._send()
+
+    def _send(self) -> None:
+        while self.ready:
+            ticket, data = self.ready[0]
+            channel = min(self.channels, key=lambda c: len(c.unread))
+            if not channel.room_for(len(data)):
+                return
+            self.ready.popleft()
+            channel.tasks_out.send_bytes(data)
+            channel.unread.append((ticket, len(data)))
+
+    def oldest(self) -> _Task:
+        """The result of the oldest task not taken yet."""
+        while self.next_result not in self.done:
+            ends = {c.results_in: c for c in self.channels if c.unread}
+            for end in wait(list(ends)):
+                channel = ends[end]
+                self.done[channel.unread.popleft()[0]] = end.recv_bytes()
+            self._send()
+        self.in_flight -= 1
+        self.next_result += 1
+        return pickle.loads(self.done.pop(self.next_result - 1))
+
+    def stop(self) -> None:
+        """Tell every worker to end (each is waiting for a task: none is in flight)."""
+        for channel in self.channels:
+            channel.tasks_out.send_bytes(b"")
+
+
 def _per_state(task: _Task):
     """The task's results state by state, as ParallelChecker._take takes them."""
     position, k = 0, 0
@@ -196,25 +286,37 @@ class ParallelChecker(Checker):
     def run(self) -> CheckResult:
         names = tuple(tuple(n for n, _ in checks) for checks in (
             self.state_checks, self.rest_checks, self.quiet_checks, self.step_checks))
-        # After a violation, chunks beyond it are still queued: the pool drops them.
-        with process_pool(self.workers, _start_worker,
-                          (self.m, self.symmetry, self.keep_going, *names)) as pool:
-            return self._search(pool)
+        channels = [_Channel() for _ in range(self.workers)]
+        start = (self.m, self.symmetry, self.keep_going, *names)
+        with worker_processes(_work, [(c.tasks_in, c.results_out, start)
+                                      for c in channels]) as processes:
+            workers = _Workers(channels)
+            try:
+                return self._search(workers)
+            finally:
+                if workers.in_flight:  # after a violation: work nobody will read
+                    for process in processes:
+                        process.terminate()
+                else:
+                    workers.stop()
 
-    def _results(self, pool, search: "_Search"):
+    def _results(self, workers: "_Workers", search: "_Search"):
         """The expansion of every queued state, in queue order, as the queue grows, one
-        task's results at a time: a task is handed out when CHUNK_STATES states wait, or
-        whatever waits when nothing else is in flight (the end of the search, or a narrow
-        level)."""
-        in_flight: deque = deque()
+        task's results at a time: a task of CHUNK_STATES is handed out when that many
+        wait, and a smaller share of what waits while fewer than two tasks per worker are
+        in flight (a narrow level, the end of the search)."""
         limit = TASKS_IN_FLIGHT_PER_WORKER * self.workers
-        while search.waiting or in_flight:
-            while search.waiting and len(in_flight) < limit and (
-                    search.waiting >= CHUNK_STATES or not in_flight):
-                in_flight.append(pool.submit(_expand, search.chunk()))
-            yield in_flight.popleft().result()
+        while search.waiting or workers.in_flight:
+            while search.waiting and workers.in_flight < limit and (
+                    search.waiting >= CHUNK_STATES or workers.in_flight < 2 * self.workers):
+                # Share what waits among the workers rather than give it to one: in the
+                # middle of the search a task finds about as many new states as it
+                # expands, so one task's worth is often all there is.
+                share = max(SEGMENT_STATES, search.waiting // self.workers)
+                workers.submit(search.chunk(min(CHUNK_STATES, share)))
+            yield workers.oldest()
 
-    def _search(self, pool) -> CheckResult:
+    def _search(self, workers: "_Workers") -> CheckResult:
         m = self.m
         result = CheckResult(m, self.symmetry, invariants=self.invariant_names,
                              workers=self.workers)
@@ -226,7 +328,7 @@ class ParallelChecker(Checker):
         if failed:
             self._record(result, failed, "invariant", 0, search.parents)
         next_report = started + self.progress_every_s
-        for task in ([] if self._stop(result) else self._results(pool, search)):
+        for task in ([] if self._stop(result) else self._results(workers, search)):
             search.open_segment(task.sent)
             if task.broken & self._checked():
                 for expanded in _per_state(task):
@@ -375,13 +477,13 @@ class _Search:
         self.parents, self.depths = array("q", [-1]), array("H", [0])
         self.events: list = [None]
         # The states to expand, in queue order, never unpickled here: segments of a pickled
-        # list of states (the successors a task's worker had not sent before) and the
-        # positions in it of the states that were new to the search. A worker unpickles
-        # the segments of its task (spec/check/parallel.py's header says why).
+        # list of states (up to SEGMENT_STATES of the successors a task's worker had not
+        # sent before) and the positions in it of the states that were new to the search.
+        # A worker unpickles the segments of its task (the module's header says why).
         self.segments: deque = deque([(pickle.dumps([init], pickle.HIGHEST_PROTOCOL), [0])])
         self.waiting = 1     # states in `segments`
-        self.offered = 0     # states of the open segment's list taken so far
-        self._open: tuple | None = None
+        self.offered = 0     # states of the open task's lists taken so far
+        self._open: list = []
         self.graph = _Graph() if liveness else None
         self.queued = 1      # states in `segments` or in chunks not yet read back
         self.generated, self.here = 1, -1
@@ -390,21 +492,22 @@ class _Search:
         self.transitions: dict[str, int] = {}
         self.witness: int | None = None  # the first state found with a client answered Ok
 
-    def open_segment(self, sent: bytes) -> None:
+    def open_segment(self, sent: list) -> None:
         """The pickled successors of the task whose results are taken next."""
-        self._open, self.offered = (sent, []), 0
+        self._open, self.offered = [(blob, []) for blob in sent], 0
 
     def close_segment(self) -> None:
-        if self._open[1]:
-            self.segments.append(self._open)
-            self.waiting += len(self._open[1])
-        self._open = None
+        for segment in self._open:
+            if segment[1]:
+                self.segments.append(segment)
+                self.waiting += len(segment[1])
+        self._open = []
 
-    def chunk(self) -> list:
-        """The next task: whole segments, CHUNK_STATES states or a little more (a segment
-        is not cut: each cut would pickle its list twice), or whatever waits."""
+    def chunk(self, states_max: int) -> list:
+        """The next task: whole segments, up to `states_max` states or a little more (a
+        segment is not cut: each cut would unpickle its list twice)."""
         segments, states = [], 0
-        while self.segments and states < CHUNK_STATES:
+        while self.segments and states < states_max:
             segments.append(self.segments.popleft())
             states += len(segments[-1][1])
         self.waiting -= states
@@ -418,7 +521,7 @@ class _Search:
         self.parents.append(parent)
         self.events.append(event)
         self.depths.append(self.depths[parent] + 1)
-        self._open[1].append(item)
+        self._open[item // SEGMENT_STATES][1].append(item % SEGMENT_STATES)
         self.queued += 1
         self.counts[action] = self.counts.get(action, 0) + 1
         return j

@@ -69,6 +69,44 @@ def process_pool(workers: int, initializer: Callable | None = None,
     pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _run_quietly(target: Callable, args: tuple) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    target(*args)
+
+
+@contextmanager
+def worker_processes(target: Callable, args_per_worker: list[tuple],
+                     stop_s_max: float = 10.0) -> Iterator[list]:
+    """One process per element of `args_per_worker`, each running target(*args) and
+    ignoring SIGINT, for a caller that talks to its workers itself (the parallel checker:
+    one pipe each way per worker, no manager thread in between). On leaving the block the
+    processes are given `stop_s_max` to end (the caller has told them to), then
+    terminated; on leaving it by an exception, terminated at once."""
+    assert 1 <= len(args_per_worker) <= cpus_available()
+    context = multiprocessing.get_context("fork")
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        processes = [context.Process(target=_run_quietly, args=(target, args), daemon=True)
+                     for args in args_per_worker]
+        for process in processes:
+            process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    try:
+        yield processes
+    except BaseException:
+        for process in processes:
+            process.terminate()
+        raise
+    finally:
+        for process in processes:
+            process.join(stop_s_max)
+            if process.is_alive():
+                process.terminate()
+                process.join()
+
+
 def ordered_map(fn: Callable, items: list, workers: int) -> list:
     """[fn(item) for item in items] in `workers` processes, in order."""
     with process_pool(min(workers, len(items))) as pool:
