@@ -61,3 +61,23 @@ def test_the_coordinator_does_not_rebuild_the_states(monkeypatch):
     result = ParallelChecker(m, workers=2).run()
     assert result.distinct_states == 963
     assert built[0] < 100
+
+
+def test_a_worker_that_dies_ends_the_check_with_one_line_not_a_hang():
+    """A worker killed (for memory, say) must not leave the coordinator waiting forever on
+    a pipe whose other end it holds itself."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import os, sys\n"
+              "from spec.check import parallel\n"
+              "parallel._expand = lambda segments: os._exit(9)\n"
+              "from api.cli import main\n"
+              "sys.exit(main(['check', '--model', 'solo', '--workers', '2', '--quiet']))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "kvproof check: a checker worker process ended in the middle of the search (exit "
+        "status 9; killed for memory?): no verdict"]

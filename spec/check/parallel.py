@@ -171,14 +171,23 @@ def _expand_one(s, task: _Task, sent: list) -> None:
             task.broken.update(failed)
 
 
-def _work(tasks, results, start: tuple) -> None:
-    """A worker: expand each task read from `tasks`, answer on `results`; b"" stops it."""
+def _work(tasks, results, start: tuple, others: list) -> None:
+    """A worker: expand each task read from `tasks`, answer on `results`; b"" stops it.
+    It closes the ends of the pipes it inherited and does not use (`others`), so that its
+    exit, or the coordinator's, is an end of file on the other side rather than a wait
+    that never ends."""
+    for end in others:
+        end.close()
     _start_worker(*start)
-    while True:
-        data = tasks.recv_bytes()
-        if not data:
-            return
-        results.send_bytes(pickle.dumps(_expand(pickle.loads(data)), pickle.HIGHEST_PROTOCOL))
+    try:
+        while True:
+            data = tasks.recv_bytes()
+            if not data:
+                return
+            results.send_bytes(pickle.dumps(_expand(pickle.loads(data)),
+                                            pickle.HIGHEST_PROTOCOL))
+    except (EOFError, BrokenPipeError):
+        return  # the coordinator is gone: nobody to answer
 
 
 # Linux's F_SETPIPE_SZ: a pipe that holds a worker's queued tasks (~100 kB each), so that
@@ -202,6 +211,9 @@ class _Channel:
         self.capacity = fcntl.fcntl(self.tasks_out.fileno(), _GETPIPE_SZ)
         self.unread: deque = deque()  # (ticket, bytes) of the tasks without a result yet
 
+    def ends(self) -> tuple:
+        return self.tasks_in, self.tasks_out, self.results_in, self.results_out
+
     def room_for(self, size: int) -> bool:
         """Whether a task of `size` bytes can be sent without blocking: the pipe holds at
         least the tasks not answered yet, and an idle worker reads whatever it is sent."""
@@ -214,8 +226,8 @@ class _Workers:
     worker waits to write one. The coordinator never blocks on a write (room_for), so a
     worker blocked writing a result is always read in the end."""
 
-    def __init__(self, channels: list[_Channel]) -> None:
-        self.channels = channels
+    def __init__(self, channels: list[_Channel], processes: list) -> None:
+        self.channels, self.processes = channels, processes
         self.ready: deque = deque()     # (ticket, bytes) waiting for room in a pipe
         self.done: dict = {}            # ticket -> result bytes, read ahead of their turn
         self.next_ticket = self.next_result = 0
@@ -234,7 +246,10 @@ class _Workers:
             if not channel.room_for(len(data)):
                 return
             self.ready.popleft()
-            channel.tasks_out.send_bytes(data)
+            try:
+                channel.tasks_out.send_bytes(data)
+            except BrokenPipeError:
+                self._lost(channel)
             channel.unread.append((ticket, len(data)))
 
     def oldest(self) -> _Task:
@@ -243,11 +258,20 @@ class _Workers:
             ends = {c.results_in: c for c in self.channels if c.unread}
             for end in wait(list(ends)):
                 channel = ends[end]
-                self.done[channel.unread.popleft()[0]] = end.recv_bytes()
+                try:
+                    self.done[channel.unread.popleft()[0]] = end.recv_bytes()
+                except EOFError:
+                    self._lost(channel)
             self._send()
         self.in_flight -= 1
         self.next_result += 1
         return pickle.loads(self.done.pop(self.next_result - 1))
+
+    def _lost(self, channel: _Channel) -> None:
+        process = self.processes[self.channels.index(channel)]
+        process.join(1.0)
+        raise RuntimeError(f"a checker worker process ended in the middle of the search "
+                           f"(exit status {process.exitcode}; killed for memory?): no verdict")
 
     def stop(self) -> None:
         """Tell every worker to end (each is waiting for a task: none is in flight)."""
@@ -288,9 +312,14 @@ class ParallelChecker(Checker):
             self.state_checks, self.rest_checks, self.quiet_checks, self.step_checks))
         channels = [_Channel() for _ in range(self.workers)]
         start = (self.m, self.symmetry, self.keep_going, *names)
-        with worker_processes(_work, [(c.tasks_in, c.results_out, start)
+        ends = [end for c in channels for end in c.ends()]
+        with worker_processes(_work, [(c.tasks_in, c.results_out, start,
+                                       [e for e in ends if e not in (c.tasks_in, c.results_out)])
                                       for c in channels]) as processes:
-            workers = _Workers(channels)
+            for channel in channels:  # a worker's end: its exit is then seen here (EOF)
+                channel.tasks_in.close()
+                channel.results_out.close()
+            workers = _Workers(channels, processes)
             try:
                 return self._search(workers)
             finally:
