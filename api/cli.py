@@ -67,12 +67,13 @@ def _add_check(commands) -> None:
     check.add_argument("--symmetry", action="store_true", help="reduce by symmetry over requests")
     check.add_argument("--workers", type=process_count, default=1, metavar="N",
                        help="expand states in N processes, at most the CPUs (same counts and "
-                            "counterexamples as one). It pays only on idle cores: 2 processes "
-                            "take about 40%% more CPU in all than one (small model 2.7 -> "
-                            "3.8 s, default 33.5 -> 47.2 s), so 2 workers finish about 1.3x "
-                            "sooner with both cores free (small: 2.7 -> 2.0 s) and later "
-                            "when other work holds a core (default on a busy 2-core "
-                            "machine: 34 -> 40 s); bench/check_bench.py measures both")
+                            "counterexamples as one). It pays only on idle cores: 2 workers "
+                            "take about 40%% more CPU in all than one (small model 2.0 -> "
+                            "2.9 s, default 26.6 -> 36.6 s), so they finish about 1.4x "
+                            "sooner with both cores free (small: 2.1 -> 1.5 s) and later "
+                            "when another program keeps a core busy, since Linux then gives "
+                            "this command's processes together the one core left (default: "
+                            "27 -> 39 s); bench/check_bench.py measures both")
     check.add_argument("--continue", dest="keep_going", action="store_true",
                        help="do not stop at the first violation: report every violated "
                             "property, each with its shortest counterexample")

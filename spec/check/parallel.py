@@ -26,8 +26,13 @@ the states that were new to the search, and hands the bytes out again with the t
 expands them. Results come back flat (arrays of fingerprints and action numbers, and
 violations sparsely), and a task that breaks no property still checked is taken in one
 pass; only a task with a violation is taken state by state, to stop exactly where the
-serial checker stops. On the small model the coordinator now spends 0.3 s of CPU where the
-serial checker spends 2.8 s, and the workers 3.2 s between them (bench/check_bench.py).
+serial checker stops. The coordinator talks to each worker over its own pair of pipes,
+large enough to hold the tasks queued for it, so that a worker never waits for the
+coordinator to be scheduled, and it shares what waits among the workers. It also tells each
+worker the fingerprints the others found, so that few states are sent twice. On the small
+model the coordinator now spends 0.3 s of CPU where the serial checker spends 2.0 s, and
+the workers 2.6 s between them; with both cores free the check takes 1.5 s instead of 2.1
+(bench/check_bench.py).
 """
 
 from __future__ import annotations
