@@ -69,7 +69,7 @@ def _add_check(commands) -> None:
                        help="expand states in N processes, at most the CPUs (same counts and "
                             "counterexamples as one). It pays only on idle cores: 2 workers "
                             "take about 40%% more CPU in all than one (small model 2.0 -> "
-                            "2.9 s, default 26.6 -> 36.6 s), so they finish about 1.4x "
+                            "2.9 s, default 26.6 -> 37-39 s), so they finish about 1.4x "
                             "sooner with both cores free (small: 2.1 -> 1.5 s) and later "
                             "when another program keeps a core busy, since Linux then gives "
                             "this command's processes together the one core left (default: "
