@@ -59,12 +59,10 @@ from spec.properties import (QUIET_INVARIANTS, REST_INVARIANTS, STATE_INVARIANTS
 CHUNK_STATES = 1024
 # The pieces in which a worker pickles the states it found: the unit a task can take.
 SEGMENT_STATES = 128
-# Tasks handed out and not yet read back, per worker: enough that a worker never waits for
-# the coordinator, few enough to bound the memory in flight. Results are read oldest first,
-# so while the coordinator waits for a slow one (its worker descheduled on a busy machine)
-# the other workers live on their queued tasks: with 3 they ran dry for half the run under
-# a load of 8 on 2 cores. There is no barrier between BFS levels: a chunk goes out as soon
-# as the queue holds one.
+# Tasks handed out and not yet read back, per worker: enough that a worker finds its next
+# task in its pipe while the coordinator waits for an older result (results are read
+# oldest first), few enough to bound the memory in flight. There is no barrier between BFS
+# levels: a chunk goes out as soon as the queue holds one.
 TASKS_IN_FLIGHT_PER_WORKER = 8
 
 _worker: dict = {}
@@ -95,8 +93,8 @@ class _Task:
     enabled: bytearray = field(default_factory=bytearray)  # per state: FAIR | ANY
     duplicates: array = field(default_factory=lambda: array("I"))   # per state, for TLC
     # The successors this worker had not sent before, in order: their positions, and the
-    # list of them pickled in pieces of SEGMENT_STATES (`sent`); the positions (among these) of those where a client
-    # has its Ok.
+    # list of them pickled in pieces of SEGMENT_STATES (`sent`); the positions (among
+    # these) of those where a client has its Ok.
     new: array = field(default_factory=lambda: array("I"))
     new_from: array = field(default_factory=lambda: array("I"))  # the state, in the task
     ok: array = field(default_factory=lambda: array("I"))
@@ -336,9 +334,9 @@ class ParallelChecker(Checker):
         channels = [_Channel() for _ in range(self.workers)]
         start = (self.m, self.symmetry, self.keep_going, *names)
         ends = [end for c in channels for end in c.ends()]
-        with worker_processes(_work, [(c.tasks_in, c.results_out, start,
-                                       [e for e in ends if e not in (c.tasks_in, c.results_out)])
-                                      for c in channels]) as processes:
+        own = [(c.tasks_in, c.results_out) for c in channels]
+        with worker_processes(_work, [(*mine, start, [e for e in ends if e not in mine])
+                                      for mine in own]) as processes:
             for channel in channels:  # a worker's end: its exit is then seen here (EOF)
                 channel.tasks_in.close()
                 channel.results_out.close()
