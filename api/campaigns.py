@@ -1,5 +1,5 @@
 """Independent runs — fuzz zoo cells, simulator sweep points — over local processes
-(`--jobs N`, a multiprocessing pool) or an existing Ray cluster (`--ray ADDRESS`).
+(`--jobs N`, spec/check/pool.py) or an existing Ray cluster (`--ray ADDRESS`).
 
 Each run is a pure function of its input (a campaign or a scenario with its seed), so where
 it runs changes nothing: results come back in input order and equal a serial run. No
@@ -13,12 +13,11 @@ in their PYTHONPATH); on a remote cluster kvproof must be installed on the nodes
 
 from __future__ import annotations
 
-import multiprocessing
-import signal
 from pathlib import Path
 from typing import Callable
 
 from api.clikit import UsageError
+from spec.check.pool import ordered_map
 
 SOURCE_ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -29,16 +28,8 @@ def parallel_map(fn: Callable, items: list, jobs: int = 1,
     if ray_address:
         return _ray_map(fn, items, ray_address)
     if jobs > 1 and len(items) > 1:
-        # Ctrl-C reaches every process of the terminal's group. The workers leave it to this
-        # one, which stops them at once when leaving the block (Pool.__exit__ terminates):
-        # no half-run cell is worth waiting for, and no worker prints a traceback.
-        with multiprocessing.Pool(min(jobs, len(items)), initializer=_ignore_interrupts) as pool:
-            return pool.map(fn, items, chunksize=1)
+        return ordered_map(fn, items, jobs)
     return [fn(item) for item in items]
-
-
-def _ignore_interrupts() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def require_ray() -> None:

@@ -20,6 +20,8 @@ import os
 import sys
 from pathlib import Path
 
+from spec.check.pool import cpus_available
+
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
 # The shell crashed: an exception inside a simulator run or a fuzz target (sim/crash.py). A
 # finding, reported like a violation, but not a verdict on the protocol.
@@ -103,6 +105,19 @@ def _whole_number(text: str, low: int, bound: str) -> int:
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1 (a bound of 0 or below would silently mean nothing)."""
     return _whole_number(text, 1, "at least 1")
+
+
+def process_count(text: str) -> int:
+    """An argparse type for --workers and --jobs: from 1 to the CPUs this process may run on.
+    More is refused rather than clamped, as every other out-of-range value is: the work is
+    CPU-bound, so extra processes only cost memory (one per process, ~3,700 forked from
+    `--workers 100000` took 22 GB)."""
+    value = positive_int(text)
+    cpus = cpus_available()
+    if value > cpus:
+        raise argparse.ArgumentTypeError(f"at most {cpus} here (the CPUs this process may "
+                                         f"run on), got {value}")
+    return value
 
 
 def non_negative_int(text: str) -> int:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from api.clikit import (FUZZ_FAILURE, UsageError, plural, positive_int, readable_file, sniff,
-                        writable_file, wrong_kind)
+from api.clikit import (FUZZ_FAILURE, UsageError, plural, positive_int, process_count,
+                        readable_file, sniff, writable_file, wrong_kind)
 from spec.model import BUG_SWITCHES
 from spec.properties import checked_by
 
@@ -89,9 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=positive_int, default=1, metavar="K",
                         help="K independent campaigns, seeds N, N+1, ..., N+K-1 (with "
                              "--examples; spread them with --jobs or --ray)")
-    parser.add_argument("--jobs", type=positive_int, default=1, metavar="N",
-                        help="run zoo cells or --runs campaigns in N processes (the same "
-                             "results as one)")
+    parser.add_argument("--jobs", type=process_count, default=1, metavar="N",
+                        help="run zoo cells or --runs campaigns in N processes, at most the "
+                             "CPUs (the same results as one)")
     parser.add_argument("--ray", metavar="ADDRESS", default=None,
                         help="run zoo cells or --runs campaigns on a Ray cluster (ADDRESS: "
                              "local, auto, HOST:PORT); needs the ray package")

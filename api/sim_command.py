@@ -20,8 +20,8 @@ import tomllib
 
 from api.clikit import (EXIT_CRASH, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EXIT_VIOLATION,
                         FUZZ_FAILURE, ITF_TRACE, UsageError, add_subcommand, plural,
-                        positive_float, positive_int, readable_file, sniff, writable_file,
-                        writable_folder, wrong_kind)
+                        positive_float, positive_int, process_count, readable_file, sniff,
+                        writable_file, writable_folder, wrong_kind)
 from sim.fold import LogError
 from sim.scenario import ScenarioError, load_scenario, scenario_from_dict, scenario_names
 
@@ -66,8 +66,9 @@ def add_parser(commands) -> None:
     sim.add_argument("--sweep", metavar="FIELD=V1,V2,...",
                      help="run once per value of one field and print a table (and a plot "
                           "with --plot)")
-    sim.add_argument("--jobs", type=positive_int, default=1, metavar="N",
-                     help="with --sweep: run the points in N processes (same results as one)")
+    sim.add_argument("--jobs", type=process_count, default=1, metavar="N",
+                     help="with --sweep: run the points in N processes, at most the CPUs (same "
+                          "results as one)")
     sim.add_argument("--ray", metavar="ADDRESS",
                      help="with --sweep: run the points on a Ray cluster (ADDRESS: local, "
                           "auto, HOST:PORT); needs the ray package")

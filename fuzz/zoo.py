@@ -7,18 +7,18 @@ violations (a false alarm there is a fuzzer or oracle bug, or a protocol bug). C
 the registered targets. Every cell is a campaign with the same seed and budget, stopped at
 the first violation.
 
-Cells are independent runs, so `jobs > 1` runs them in a process pool (concurrent.futures):
+Cells are independent runs, so `jobs > 1` runs them in a process pool (spec/check/pool.py):
 each cell's campaign is the same, seed and budget included, so an example budget gives the
 same matrix as one process (a budget in seconds depends on speed either way).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Callable
 
+from spec.check.pool import ordered_map
 from spec.check.zoo import ALONE, ENTRIES
 
 from fuzz.runner import Campaign, Outcome, run_campaign
@@ -133,8 +133,7 @@ def run_zoo(targets: list[str], base: Campaign, rows: list[Row] | None = None,
     planned = list(_campaigns(targets, base, rows or zoo_rows()))
     if mapper is None and jobs > 1:
         def mapper(fn, items):
-            with ProcessPoolExecutor(jobs) as pool:
-                return list(pool.map(fn, items))
+            return ordered_map(fn, items, jobs)
     if mapper is not None:
         outcomes = mapper(run_portable, [c for _, c in planned])
         return [_told(Cell(row, c.target, o), progress)
