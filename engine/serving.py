@@ -53,6 +53,7 @@ IDLE_PUBLISH_S = 0.1  # how stale an idle engine's snapshot may get, at most
 # Timers must allow this many times the measured prefill time: the loop runs every worker in
 # turn (a request's chunks wait for the others' steps) and a loaded machine runs slower.
 TIMING_MARGIN = 2.0
+MEAN_WEIGHT = 0.1  # of each submit in the running mean prompt length (admission's estimate)
 
 
 class TimingError(RuntimeError):
@@ -307,6 +308,7 @@ class ThreadedEngine:
         self._abort_all = False
         self._in_transit = 0  # drained from the inbox since the last publish
         self._transit_tokens = 0  # their prompt tokens, likewise
+        self._mean_prompt_tokens = 0.0  # of recent submits (exponentially weighted)
         self.timing: PrefillTiming | None = None  # the startup timing check's verdict
         # What admission lets wait, in prompt tokens (build_engine lowers it to what the
         # prefill workers compute in queue_wait_s_max at the measured rate).
@@ -333,6 +335,7 @@ class ThreadedEngine:
                 raise ContextTooLong(prompt, max_tokens, self.context_length)
             if self._stopping:
                 raise EngineStopped("the engine is stopping")
+            self._mean_prompt_tokens += (prompt - self._mean_prompt_tokens) * MEAN_WEIGHT
             queued = self._at_capacity()
             if queued is not None:
                 self._refused["capacity"] += 1
@@ -357,10 +360,12 @@ class ThreadedEngine:
     def _at_capacity(self, pending: int = 0) -> int | None:
         """The requests queued (with `pending`) when admission must refuse one more, else
         None. What bounds a request's wait to start is the prompt tokens ahead of it, not
-        its own: on an empty queue any prompt that fits starts at once. Under the lock."""
+        its own: on an empty queue any prompt that fits starts at once. `pending` requests
+        (not tokenized yet) count as many prompts of the recent mean. Under the lock."""
         queued = len(self._inbox) + self._in_transit + self._published.queued + pending
         waiting = (sum(len(request.prompt_ids) for _, request, _ in self._inbox)
-                   + self._transit_tokens + self._published.queued_tokens)
+                   + self._transit_tokens + self._published.queued_tokens
+                   + int(pending * self._mean_prompt_tokens))
         if queued >= self.config.max_queued or waiting >= self.queued_tokens_max:
             return queued
         return None
