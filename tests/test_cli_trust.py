@@ -17,20 +17,11 @@ from pathlib import Path
 import pytest
 
 from api.cli import main
+from tests.cli_cases import run
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_UTF8 = b"CONSTANTS\n  Requests = {r1}\n  \xff\xfe\n"
 SOLO = (ROOT / "spec" / "models" / "solo.cfg").read_text()
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    """Exit status, stdout and stderr of `kvproof ARGV`; argparse's exits included."""
-    try:
-        code = main(list(argv))
-    except SystemExit as stop:
-        code = stop.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")

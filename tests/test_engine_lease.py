@@ -178,13 +178,19 @@ SMALL = dict(page_tokens=PAGE, prefill_pool_tokens=256, decode_pool_tokens=256,
              context_length=128, prefill_chunk_tokens=16)
 
 
+def unstarted(loaded, **config):
+    """An engine that is never started, so everything submitted stays queued, and its
+    submit of an n-token prompt."""
+    engine = build_engine(loaded, EngineConfig(**SMALL, context_prefill_s=0, **config))
+
+    def submit(n: int) -> int:
+        return engine.submit(GenerationRequest(tuple(range(1, n + 1)),
+                                               SamplingParams(max_tokens=1)), lambda e: None)
+    return engine, submit
+
+
 def test_admission_refuses_beyond_the_queued_tokens_at_once(loaded):
-    engine = build_engine(loaded, EngineConfig(**SMALL, max_queued_tokens=50,
-                                               context_prefill_s=0))
-    # Not started: nothing leaves the inbox, so everything submitted stays queued.
-    submit = lambda n: engine.submit(GenerationRequest(tuple(range(1, n + 1)),  # noqa: E731
-                                                       SamplingParams(max_tokens=1)),
-                                     lambda e: None)
+    engine, submit = unstarted(loaded, max_queued_tokens=50)
     submit(30)
     submit(20)  # 30 tokens ahead: admitted
     with pytest.raises(Overloaded):
@@ -218,11 +224,7 @@ def test_a_told_prefill_time_is_checked_and_the_context_lowered_only_when_asked(
 
 def test_a_prompt_above_the_token_bound_starts_on_an_empty_queue(loaded):
     """The bound keeps a queue short; it never makes a fitting prompt unservable."""
-    engine = build_engine(loaded, EngineConfig(**SMALL, max_queued_tokens=50,
-                                               context_prefill_s=0))
-    submit = lambda n: engine.submit(GenerationRequest(tuple(range(1, n + 1)),  # noqa: E731
-                                                       SamplingParams(max_tokens=1)),
-                                     lambda e: None)
+    _engine, submit = unstarted(loaded, max_queued_tokens=50)
     submit(100)
     with pytest.raises(Overloaded):
         submit(1)

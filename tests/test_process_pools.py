@@ -18,21 +18,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from api.cli import main
+from tests.cli_cases import run
 
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_S_MAX = 60.0  # a busy 2-core machine imports slowly; the wait ends as soon as it ran
 STOP_S_MAX = 20.0
 CPUS = len(os.sched_getaffinity(0))
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as stop:
-        code = stop.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize("argv", [
