@@ -276,8 +276,8 @@ def checked_timing(runtime: Runtime, config: EngineConfig,
     if problem is None:
         return timing
     if not config.lower_context_to_fit:
-        raise TimingError(f"{problem}; raise the timer, shorten --prefill-chunk-tokens, or "
-                          "pass --lower-context-to-fit to advertise what fits")
+        raise TimingError(f"{problem}; raise that timer, or pass --lower-context-to-fit "
+                          "to advertise what fits")
     fits = context
     while fits > config.page_tokens and timing.at(fits).problem(config.prefill_workers):
         fits -= config.page_tokens

@@ -116,6 +116,20 @@ def test_a_failed_capacity_check_is_printed_and_exits_2(capsys, tmp_path):
                       "holds\n")
 
 
+def test_a_failed_timing_check_is_printed_and_exits_2(capsys, tiny_chat_model):  # noqa: F811
+    """--lease-s reaches the engine, whose startup timing check refuses a lease no prefill
+    chunk can fit in (one line, naming the flag); --context-prefill-s is taken as told."""
+    code, output = run_cli(capsys, "--model", str(tiny_chat_model.path), "--lease-s", "1e-9")
+    assert code == 2 and output.count("\n") == 1, output
+    assert output.startswith("kvproof serve: the engine refused to start: a prefill step at "
+                             "the end of the context takes ")
+    assert "longer than the lease of 1e-09 s (--lease-s)" in output
+    code, output = run_cli(capsys, "--model", str(tiny_chat_model.path),
+                           "--context-prefill-s", "1000", "--transfer-timeout-s", "100",
+                           "--lease-s", "1000000")
+    assert code == 2 and "prefilling " in output and "(--transfer-timeout-s)" in output
+
+
 def test_a_missing_model_or_factory_exits_2(capsys, tmp_path):
     code, output = run_cli(capsys, "--model", str(tmp_path / "nothing"))
     assert code == 2 and output.startswith("kvproof serve: ") and output.count("\n") == 1
