@@ -273,7 +273,8 @@ def test_the_page_shows_an_operator_what_was_turned_away_and_how_requests_ended(
     def settled(shown: dict) -> bool:  # a poll after the last answer, and a few samples
         return (shown["counts"]["responses"] == answers and len(shown["rows"]) == 4
                 and "live" not in [row["outcome"] for row in shown["rows"]]
-                and shown["chart"].get("ttft", 0) >= 1 and shown["chart"]["occupancy"] >= 4)
+                and shown["chart"].get("ttft", 0) >= 1 and shown["chart"]["occupancy"] >= 4
+                and shown["chart"].get("throughput", 0) >= 3)
 
     wait_until(lambda: settled(view()), PAGE_S_MAX, "the page to show the settled state")
     shown = view()
