@@ -188,7 +188,7 @@ class Runtime(Loop, Delivery):
             self.on_commit(event, out)
         for command in out.commands:
             self._handlers[type(command)](command)
-        if type(event) in _PROGRESS:
+        if type(event) in core.LEASE_RENEWALS:  # a chunk computed renews too (loop.py)
             if type(event) is core.Admit:
                 self.admitted_at[r] = self.clock()
             self.renew(r)
@@ -427,11 +427,6 @@ class Runtime(Loop, Delivery):
                 "bugs": sorted(protocol.bugs), "max_prompt_pages": self.config.context_pages,
                 "prefill_workers": self.config.prefill_workers,
                 "decode_workers": self.config.decode_workers}
-
-
-# The prefill's protocol steps that are progress on a request and renew its lease (a chunk
-# computed is the other kind: engine/loop.py renews for it).
-_PROGRESS = frozenset({core.Admit, core.SendPage, core.LandWrite, core.SendDone})
 
 
 def _sized(pool: PoolConfig, pages: int) -> PoolConfig:

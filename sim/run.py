@@ -60,12 +60,6 @@ from sim.scenario import Lengths, Scenario
 from sim.workload import TraceRequest, load_workload  # noqa: F401  (TraceRequest: a type)
 
 
-# The events that are signs of progress of a request's prefill and renew its transfer lease
-# (sim/lease.py): the prefill's own actions on the request and its writes landing. A crash
-# is a sign of nothing.
-_PREFILL_PROGRESS = frozenset(info.event for info in core.ACTION_TABLE
-                              if info.worker in ("prefill", "network")
-                              and info.event is not core.PrefillCrash)
 # Simulated seconds within which a lease counts as run out when its timer fires (float
 # rounding must not re-arm a timer for a remainder the clock cannot represent).
 _LEASE_SLACK_S = 1e-9
@@ -191,7 +185,7 @@ class Simulation:
         self.folder.accept(now, r, out, event)
         if self.log is not None:
             self.log.write(encode({"t": now, **codec.encode(event)}) + "\n")
-        if type(event) in _PREFILL_PROGRESS:
+        if type(event) in core.LEASE_RENEWALS:
             self._renewed(r, type(event))
         if self.on_commit is not None:
             self.on_commit(event, out)

@@ -854,6 +854,12 @@ EVENT_TYPES = {info.event.__name__: info.event for info in ACTION_TABLE}
 UNFAIR_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE if not info.fair)
 FAULT_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE if info.kind == "fault")
 TIMER_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE if info.kind == "timer")
+# The events that are signs of progress of a request's prefill and renew decode's transfer
+# lease (LeaseLapsed in the spec; the shells' timers): the prefill's own actions on the
+# request and its writes landing. A crash is a sign of nothing.
+LEASE_RENEWALS = frozenset(info.event for info in ACTION_TABLE
+                           if info.worker in ("prefill", "network")
+                           and info.event is not PrefillCrash)
 # The actions that take something of a request off the wire between the workers (the
 # client-gone notice comes from the serving edge, not over that wire).
 WIRE = (BOOTSTRAP, FINAL_WORD_MSG, CANCEL_MSG, WRITE)

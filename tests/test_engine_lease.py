@@ -11,6 +11,8 @@ startup timing check are in engine/serving.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -254,7 +256,7 @@ def test_the_default_model_serves_a_prompt_at_its_verified_context_beside_stream
     chunk_s = probe.timing.last_chunk_s
     # A lease of 3 chunks: well under the whole prefill (8 chunks), above the 2x margin.
     del probe  # its pools; the second engine is told the figure instead of measuring
-    engine = build_engine(loaded, replace_config(config, lease_s=max(1.0, 3 * chunk_s),
+    engine = build_engine(loaded, replace(config, lease_s=max(1.0, 3 * chunk_s),
                                                  context_prefill_s=4.5 * chunk_s))
     assert engine.timing.problem() is None and engine.context_length == 2048
     assert engine.timing.prefill_s > engine.config.lease_s  # the old stopwatch would fail it
@@ -290,8 +292,3 @@ def test_the_default_model_serves_a_prompt_at_its_verified_context_beside_stream
 
 
 RUN_S_MAX = 300
-
-
-def replace_config(config: EngineConfig, **changes) -> EngineConfig:
-    from dataclasses import replace
-    return replace(config, **changes)
