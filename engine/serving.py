@@ -53,7 +53,6 @@ IDLE_PUBLISH_S = 0.1  # how stale an idle engine's snapshot may get, at most
 # Timers must allow this many times the measured prefill time: the loop runs every worker in
 # turn (a request's chunks wait for the others' steps) and a loaded machine runs slower.
 TIMING_MARGIN = 2.0
-MEAN_WEIGHT = 0.1  # of each submit in the running mean prompt length (admission's estimate)
 
 
 class TimingError(RuntimeError):
@@ -308,7 +307,6 @@ class ThreadedEngine:
         self._abort_all = False
         self._in_transit = 0  # drained from the inbox since the last publish
         self._transit_tokens = 0  # their prompt tokens, likewise
-        self._mean_prompt_tokens = 0.0  # of recent submits (exponentially weighted)
         self.timing: PrefillTiming | None = None  # the startup timing check's verdict
         # What admission lets wait, in prompt tokens (build_engine lowers it to what the
         # prefill workers compute in queue_wait_s_max at the measured rate).
@@ -335,7 +333,6 @@ class ThreadedEngine:
                 raise ContextTooLong(prompt, max_tokens, self.context_length)
             if self._stopping:
                 raise EngineStopped("the engine is stopping")
-            self._mean_prompt_tokens += (prompt - self._mean_prompt_tokens) * MEAN_WEIGHT
             queued = self._at_capacity()
             if queued is not None:
                 self._refused["capacity"] += 1
@@ -346,26 +343,25 @@ class ThreadedEngine:
         self._wake.set()
         return r
 
-    def full(self, pending: int = 0) -> float | None:
-        """None when submit would admit one more request now, with `pending` more on their
-        way to it; else the Retry-After, in seconds, for the refusal. The HTTP admission
-        gate asks before it reads a body and refuses when told a time (counted with
-        submit's capacity refusals)."""
+    def full(self, pending: int = 0, pending_tokens: int = 0) -> float | None:
+        """None when submit would admit one more request now, with `pending` more (of at
+        most `pending_tokens` prompt tokens in all) on their way to it; else the
+        Retry-After, in seconds, for the refusal. The HTTP admission gate asks before it
+        reads a body and refuses when told a time (counted with submit's capacity
+        refusals)."""
         with self._lock:
-            if self._at_capacity(pending) is None:
+            if self._at_capacity(pending, pending_tokens) is None:
                 return None
             self._refused["capacity"] += 1
             return self.config.retry_after_s
 
-    def _at_capacity(self, pending: int = 0) -> int | None:
+    def _at_capacity(self, pending: int = 0, pending_tokens: int = 0) -> int | None:
         """The requests queued (with `pending`) when admission must refuse one more, else
         None. What bounds a request's wait to start is the prompt tokens ahead of it, not
-        its own: on an empty queue any prompt that fits starts at once. `pending` requests
-        (not tokenized yet) count as many prompts of the recent mean. Under the lock."""
+        its own: on an empty queue any prompt that fits starts at once. Under the lock."""
         queued = len(self._inbox) + self._in_transit + self._published.queued + pending
         waiting = (sum(len(request.prompt_ids) for _, request, _ in self._inbox)
-                   + self._transit_tokens + self._published.queued_tokens
-                   + int(pending * self._mean_prompt_tokens))
+                   + self._transit_tokens + self._published.queued_tokens + pending_tokens)
         if queued >= self.config.max_queued or waiting >= self.queued_tokens_max:
             return queued
         return None

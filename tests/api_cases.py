@@ -126,8 +126,8 @@ class CountingEngine:
     def snapshot(self):
         return self.inner.snapshot()
 
-    def full(self, pending: int = 0) -> float | None:
-        return self.inner.full(pending)
+    def full(self, pending: int = 0, pending_tokens: int = 0) -> float | None:
+        return self.inner.full(pending, pending_tokens)
 
     def stop(self, drain_s: float = 0.0) -> None:
         self.inner.stop(drain_s)

@@ -187,3 +187,65 @@ def test_a_full_engine_is_a_503_before_the_body_is_read(tiny_chat_model):  # noq
         assert status == 503 and body["error"]["code"] == "overloaded"
         assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
     assert engine.inner.snapshot().rejects == {"capacity": 1}
+
+
+def test_the_gate_bounds_what_is_pending_on_a_cold_server():
+    """On a server that has served nothing yet, the gate still counts what its pending
+    requests will queue: each body's bytes at one token per byte (the bound for text),
+    a body of unknown length as the whole context. Once requests are submitted it learns
+    their tokens per byte; and past `pending_max` requests pending it refuses too. (The
+    estimate before, a mean of submitted prompts, was zero when cold: a first burst of 400
+    all passed the gate and was refused only after tokenizing, ~0.5 s late.)"""
+    import asyncio
+
+    from api.serve.intake import ADMITTED, AdmissionGate
+
+    class Engine:
+        context_length = 1000
+        asked: list = []
+
+        def full(self, pending, pending_tokens):
+            self.asked.append((pending, pending_tokens))
+            return 2.0 if pending_tokens >= 250 else None
+
+    async def scenario():
+        release = asyncio.Event()
+        admitted_calls = []
+
+        async def app(scope, receive, send):
+            admitted_calls.append(scope[ADMITTED])
+            await release.wait()
+
+        gate = AdmissionGate(app, Engine(), pending_max=4)
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        def scope(length):
+            headers = [] if length is None else [(b"content-length", str(length).encode())]
+            return {"type": "http", "method": "POST", "path": "/v1/completions",
+                    "headers": headers}
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        tasks = [asyncio.create_task(gate(scope(100), receive, send)) for _ in range(4)]
+        await asyncio.sleep(0.01)
+        assert Engine.asked == [(0, 0), (1, 100), (2, 200), (3, 300)]
+        assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [503]
+        assert gate.pending == 3 and gate.pending_tokens == 300
+        admitted_calls[0](25)  # submitted: 25 tokens for its 100 bytes
+        assert gate.pending == 2 and gate.tokens_per_byte == pytest.approx(1 - 0.75 * 0.1)
+        blind = asyncio.create_task(gate(scope(None), receive, send))
+        await asyncio.sleep(0.01)
+        assert gate.pending_tokens == 200 + 1000  # unknown length: the context
+        sent.clear()
+        gate.pending_max, asked = 3, len(Engine.asked)
+        await gate(scope(10), receive, send)  # 3 pending: refused without asking the engine
+        assert sent[0]["status"] == 503 and len(Engine.asked) == asked
+        release.set()
+        await asyncio.gather(*tasks, blind)
+        assert gate.pending == 0 and gate.pending_tokens == 0
+
+    asyncio.run(scenario())

@@ -97,8 +97,10 @@ def create_app(engine, *, drain_s: float = 0.0, start_engine: bool = True,
     app.add_middleware(BodyLimit, body_bytes_max=request_body_bytes_max, on_refused=lambda scope:
                        metrics.responses.labels(endpoint_label(scope, app.routes), "413").inc())
     # Outermost: a request the engine cannot admit is answered before its body is read.
-    app.add_middleware(AdmissionGate, engine=engine, on_refused=lambda scope:
-                       metrics.responses.labels(endpoint_label(scope, app.routes), "503").inc())
+    # Its paths are routes' own templates (GENERATION_PATHS): no route matching per refusal.
+    app.add_middleware(AdmissionGate, engine=engine, pending_max=tokenizing.waiting_max,
+                       on_refused=lambda scope:
+                       metrics.responses.labels(scope["path"], "503").inc())
     app.openapi = lambda: _openapi_without_422(app, engine)
     return app
 
@@ -220,10 +222,13 @@ def _check_token_limits(engine, body) -> None:
 
 async def _serve(request: Request, engine, plan, wire, metrics, received_s: float):
     path = endpoint_label(request.scope)
+    admitted = request.scope.get(ADMITTED, lambda queued_tokens=None: None)
     try:
         choices = generation.submit_all(engine, plan)
-    finally:
-        request.scope.get(ADMITTED, lambda: None)()  # the gate counts it no more
+    except BaseException:
+        admitted()  # the gate counts it no more
+        raise
+    admitted(plan.prompt_tokens() * plan.n)  # and learns what such a body queues
     timings = generation.Timings(metrics, received_s)
     if not plan.stream:
         body = await generation.answer_whole(request, choices, plan, wire, timings)
