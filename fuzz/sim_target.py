@@ -7,7 +7,9 @@ loss and retransmission, restart delays, continuous batching and transfer timers
 rules drive is the environment:
 
 - `Arrive`: a client sends a request now, with the prompt length the fuzzer picks;
-- `Abort`, `PrefillFail`: a client disconnects, a prefill fails on a request, now;
+- `Abort`, `PrefillFail`: a client disconnects, a prefill fails on a request, now; or the
+  client disconnects late in the last decode step of its answer (`MidStep`: a Wait never
+  stops inside a decode, whose steps commit nothing until the Finish);
 - `PrefillCrash`, `DecodeCrash`: a worker dies now and restarts after its restart delay;
 - `Timeout`: a request's transfer timer fires now, early (as if the timeout were this
   short); the simulator's own timer still fires at its time and the core refuses it then;
@@ -31,6 +33,10 @@ each worker's pool, report through `check`. Settled rows are kept (the cluster f
 in long runs). Observations are the simulator's own bookkeeping: a page is free when the
 allocator's free stack has it, a request holds what its row names, and a request's reads
 are taken from the pages' canaries when the simulator commits its Finish.
+
+The target is quiet (fuzz/oracles.py) when all the simulator has scheduled is transfer
+timers. And it audits the simulator's own counters against the core's state after every
+move (`_audit`; fuzz/README.md lists what, and when a refused landing has raced).
 """
 
 from __future__ import annotations
@@ -395,7 +401,12 @@ class SimTarget(Target):
         assert not self._unraced, "; ".join(self._unraced)
         assert 0 <= sim.timer_callbacks_pending <= sim.pending, (
             f"{sim.timer_callbacks_pending} transfer timers pending of {sim.pending} callbacks")
-        core_writes = Counter(p for p, _, _ in self._writes_by_worker())
+        writes = self._writes_by_worker()
+        core_writes = Counter(p for p, _, _ in writes)
+        for r, n in Counter(r for _, r, _ in writes).items():
+            assert sim.nic_pending.get(r, 0) >= n, (
+                f"the NIC counts {sim.nic_pending.get(r, 0)} writes of request {r + 1} "
+                f"pending; the core has {n} in flight")
         limit = self.scenario.link.writes_in_flight_max
         for p in range(self.workers):
             in_flight = sim.nic_in_flight[p]
