@@ -294,7 +294,7 @@ class FuzzMachine(RuleBasedStateMachine):
         return moves[index()]
 
     def _close(self, move: Open, digits: "Digits") -> core.Event:
-        if move.action == "Delay":
+        if move.action not in ("Arrive", "Admit", "Reserve"):  # Delay's stall, Abort's moment
             return move.close(move.options[digits.below(len(move.options))])
         if move.action == "Arrive":
             allowed = [n for n in move.options if n <= self.setup.prompt_pages_max]

@@ -149,9 +149,11 @@ def at_rest_in(moves_by_action) -> bool:
 
 def quiet(target: Target) -> bool:
     """Nothing but a transfer timer (or the environment) could move the protocol on, and
-    no traffic is held back on the wire."""
-    return not target.holding() and not any(
-        action not in FAIR_EXEMPT and action not in core.TIMER_ACTIONS
+    no traffic is held back on the wire. A target whose own components act in time (the
+    simulator's Wait) is quiet when all it still has scheduled is its transfer timers."""
+    return not target.holding() and all(
+        action in FAIR_EXEMPT or action in core.TIMER_ACTIONS
+        or (action == "Wait" and target.only_timers_pending())
         for action in target.enabled())
 
 

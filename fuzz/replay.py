@@ -32,7 +32,7 @@ from sim import crash as shell_crash
 
 from fuzz import oracles
 from fuzz.oracles import Checks
-from fuzz.target import MOVE_TYPES, AtWorker, TargetRefused, Violation, load_targets
+from fuzz.target import MOVE_TYPES, AtWorker, MidStep, TargetRefused, Violation, load_targets
 
 FORMAT = "kvproof-fuzz/2"  # /2: events in spec/codec.py's records
 
@@ -134,9 +134,12 @@ def _fails(target_name: str, m: Model, events: list[core.Event], checks: Checks,
 
 def encode_event(event: core.Event) -> dict:
     """A move as a record: a protocol event in spec/codec.py's form; the fuzzer's own moves
-    (Wait, Delay, a crash at a chosen worker) in the same form with their fields."""
+    (Wait, Delay, a crash at a chosen worker, an abort inside a decode step) in the same
+    form with their fields."""
     if type(event) is AtWorker:
         return {codec.ACTION_KEY: event.action, "worker": event.worker}
+    if type(event) is MidStep:
+        return {**codec.encode(core.Abort(event.request)), "at_permille": event.at_permille}
     if event.action in core.EVENT_TYPES:
         return codec.encode(event)
     out: dict = {codec.ACTION_KEY: event.action}
@@ -153,6 +156,13 @@ def decode_event(data: dict) -> core.Event:
         if type(data["worker"]) is not int or data["worker"] < 0:
             raise ReplayError(f"event {data!r}: worker must be a non-negative integer")
         return AtWorker(cls(), data["worker"])
+    if cls is core.Abort and "at_permille" in data:
+        moment = data["at_permille"]
+        if type(moment) is not int or not 1 <= moment <= 999 \
+                or type(data.get("request")) is not int:
+            raise ReplayError(f"event {data!r}: at_permille must be an integer in 1..999, "
+                              "request an integer")
+        return MidStep(data["request"], moment)
     if data[codec.ACTION_KEY] in core.EVENT_TYPES:
         try:
             return codec.decode(data)

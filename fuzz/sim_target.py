@@ -7,7 +7,9 @@ loss and retransmission, restart delays, continuous batching and transfer timers
 rules drive is the environment:
 
 - `Arrive`: a client sends a request now, with the prompt length the fuzzer picks;
-- `Abort`, `PrefillFail`: a client disconnects, a prefill fails on a request, now;
+- `Abort`, `PrefillFail`: a client disconnects, a prefill fails on a request, now; or the
+  client disconnects late in the last decode step of its answer (`MidStep`: a Wait never
+  stops inside a decode, whose steps commit nothing until the Finish);
 - `PrefillCrash`, `DecodeCrash`: a worker dies now and restarts after its restart delay;
 - `Timeout`: a request's transfer timer fires now, early (as if the timeout were this
   short); the simulator's own timer still fires at its time and the core refuses it then;
@@ -31,22 +33,28 @@ each worker's pool, report through `check`. Settled rows are kept (the cluster f
 in long runs). Observations are the simulator's own bookkeeping: a page is free when the
 allocator's free stack has it, a request holds what its row names, and a request's reads
 are taken from the pages' canaries when the simulator commits its Finish.
+
+The target is quiet (fuzz/oracles.py) when all the simulator has scheduled is transfer
+timers. And it audits the simulator's own counters against the core's state after every
+move (`_audit`; fuzz/README.md lists what, and when a refused landing has raced).
 """
 
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import replace
 
 from spec import core
 from spec.core import CLIENT_NAMES, DATA, OWNER, PST, RUNNING, SRC, TABLE
 from spec.model import Model
 from spec.properties import holds_decode_pages
+from sim.decode_batch import JOINED, WANTED
 from sim.run import Simulation
 from sim.scenario import Scenario
 
-from fuzz.target import (AtWorker, Delay, Observation, Open, PoolView, Target, TargetRefused,
-                         Violation, Wait, decoding_reads, listed, register)
+from fuzz.target import (AtWorker, Delay, MidStep, Observation, Open, PoolView, Target,
+                         TargetRefused, Violation, Wait, decoding_reads, listed, register)
 
 PAGE_TOKENS = 16
 # SimPy steps one Wait may take before it must have committed a protocol event: the
@@ -56,6 +64,12 @@ _REQUEST_FAULTS = (core.Abort, core.PrefillFail, core.Timeout)
 # The stalls a Delay may choose, in milliseconds: from a fraction of one page's transfer to
 # longer than most decodes (a late write must land while the page's next owner decodes).
 STALLS_MS = (1, 2, 5, 10, 20, 50, 200)
+# Where a client's Abort may land: now (0, the plain Abort), or in the last decode step of
+# its answer, this many thousandths of the way into it: halfway, or so late that decode's
+# notice that the client has gone (notice_delay_s, about a step) arrives after the step's
+# Finish. A Wait passes over the steps of a decode (they commit no protocol event until
+# the Finish), so "now" is never late in the answer's last step.
+MID_STEP_PERMILLE = (0, 500, 900, 990)
 
 # The simulator's timing and link faults, drawn per example from the target's seed: each
 # a list of choices, the first the plain one. Transfers take about a millisecond a page, so
@@ -126,6 +140,7 @@ class SimTarget(Target):
         self.model = model
         self.scenario, pair, self.timing = scenario_for(model, seed)
         self.sim = Simulation(self.scenario, model=pair, on_commit=self._committed)
+        self.sim.on_refusal = self._refused
         self.cluster = self.sim.cluster
         self.workers = self.timing["prefill_workers"]
         self.prefill_pages = pair.prefill_pages  # per worker
@@ -138,6 +153,13 @@ class SimTarget(Target):
         self._prompts = tuple(range(1, model.max_prompt_pages + 1))
         self._moves: dict | None = None
         self._state: core.State | None = None
+        # The audit of the simulator's own bookkeeping (`check`): writes a decode crash
+        # flushed while they were on a NIC, whose landing the core refuses (raced), and per
+        # prefill worker how many such writes its NIC may still carry; refusals nothing
+        # raced.
+        self._flushed: Counter = Counter()  # (prefill worker, request, decode page) -> how many
+        self._flushed_on_nic = [0] * self.workers
+        self._unraced: list[str] = []
 
     def pair_model(self) -> Model:
         return self._pair
@@ -168,6 +190,8 @@ class SimTarget(Target):
             for cls in _REQUEST_FAULTS:
                 event = cls(r)
                 if type(self.cluster.decide(r, event)) is not core.Refusal:
+                    if cls is core.Abort:
+                        event = Open("Abort", r, 0, MID_STEP_PERMILLE)
                     moves.setdefault(cls.__name__, []).append(event)
             row = self.cluster.rows[r]
             if (r in on_wire or core.message_in_flight(row)) \
@@ -181,6 +205,36 @@ class SimTarget(Target):
         if sim.env.peek() != float("inf"):
             moves["Wait"] = [Wait()]
         return moves
+
+    def _in_last_step(self, r: int) -> bool:
+        """Whether r's answer ends with the decode step under way (r joined the batch at
+        step JOINED and needs WANTED steps)."""
+        sequence, batch = self.sim.decoding.get(r), self.sim.batches[0]
+        return (sequence is not None and sequence[JOINED] is not None and batch.stepping
+                and batch.steps + 1 == sequence[JOINED] + max(1, sequence[WANTED]))
+
+    def _abort_in_last_step(self, event: MidStep) -> None:
+        """Time passes until r's last decode step is under way, then `at_permille`
+        thousandths of the way from then (or from now, if it is under way already) to the
+        step's end the client disconnects. If r's client had its answer first (r never
+        decoded, or stopped), the abort does not happen; if the simulator runs out of work
+        first, the client disconnects then."""
+        sim, r = self.sim, event.request
+        for _ in range(SIM_STEPS_PER_WAIT_MAX):
+            if self._in_last_step(r) or self._answered(r) or sim.env.peek() == float("inf"):
+                break
+            sim.env.step()
+        else:
+            raise AssertionError(f"the simulator ran {SIM_STEPS_PER_WAIT_MAX} steps before "
+                                 f"{event.label(self.model)}'s last decode step")
+        if self._in_last_step(r):
+            now, ends = sim.env.now, sim.batches[0].step_ends_s
+            self._run_until(now + (ends - now) * event.at_permille / 1000)
+        sim.offer_if_enabled("Abort", r)  # if its client still waits
+
+    def _answered(self, r: int) -> bool:
+        row = self.cluster.rows.get(r)
+        return row is None or row[core.CLIENT] != core.WAITING
 
     def step(self, event: core.Event) -> None:
         moves = self.enabled().get(event.action, ())
@@ -196,14 +250,65 @@ class SimTarget(Target):
             sim.new_request(prompt_pages=event.prompt_pages)
         elif cls is Delay:
             sim.hold(event.request, event.stall / 1000)
+        elif cls is MidStep:
+            self._abort_in_last_step(event)
         elif cls is AtWorker:
             kind = "prefill" if type(event.event) is core.PrefillCrash else "decode"
             self._committed_events.append(event.event)  # listed: the core accepts it
             SimTarget.events_committed += 1
             self._note(event.label(self.model))
-            sim.crash(kind, event.worker)
+            self._crash(kind, event.worker)
         else:
             sim.offer(event.action, event.request)
+
+    def _run_until(self, at: float) -> None:
+        """Simulated time passes until `at`: everything scheduled before then happens."""
+        env = self.sim.env
+        for _ in range(SIM_STEPS_PER_WAIT_MAX):
+            if env.peek() >= at:
+                if at > env.now:
+                    env.run(until=at)  # SimPy's stop comes before anything due at `at`
+                return
+            env.step()
+        raise AssertionError(f"the simulator ran {SIM_STEPS_PER_WAIT_MAX} steps in "
+                             f"{(at - env.now) * 1000:g} ms: a component is spinning")
+
+    def _crash(self, kind: str, worker: int) -> None:
+        """A worker crash, and what it flushed: a decode crash leaves the writes it flushed
+        on their NICs (the core refuses their landing: raced); a prefill's restarted NIC
+        carries nothing, whatever an earlier decode crash left on it."""
+        before = Counter(self._writes_by_worker())
+        self.sim.crash(kind, worker)
+        flushed = before - Counter(self._writes_by_worker())
+        if kind == "prefill":
+            self._flushed_on_nic[worker] = 0
+            for key in [key for key in self._flushed if key[0] == worker]:
+                del self._flushed[key]
+            return
+        self._flushed += flushed
+        for (p, _, _), n in flushed.items():
+            self._flushed_on_nic[p] += n
+
+    def _writes_by_worker(self) -> list[tuple[int, int, int]]:
+        """The core's writes in flight, as (prefill worker, request, decode page)."""
+        return [(self._placed(w[0]), w[0], w[2]) for w in self.cluster.writes_into[0]]
+
+    def _refused(self, refusal: core.Refusal) -> None:
+        """A refusal the simulator counted. A landing is refused because it raced exactly
+        when a decode crash flushed that write from the core while it was on the NIC; any
+        other refused landing means the simulator landed a write the core never had in
+        flight (twice, or one it never posted): a finding."""
+        event = refusal.event
+        if type(event) is not core.LandWrite:
+            return
+        key = (self._placed(event.request), event.request, event.page)
+        if self._flushed[key]:
+            self._flushed[key] -= 1
+            self._flushed_on_nic[key[0]] -= 1
+            return
+        self._unraced.append(f"at {self.sim.env.now * 1000:.3f} ms the core refused "
+                             f"{event.label(self.model)}, which no crash raced: "
+                             f"{refusal.reason}")
 
     def _wait(self) -> None:
         sim, events = self.sim, self.sim.folder.events
@@ -277,8 +382,48 @@ class SimTarget(Target):
             reads=dict(self._reads), decoding=decoding_reads(rows, c.decode_pools[0]))
 
     def check(self) -> list[Violation]:
-        """The simulator's own runtime oracles (spec/store.py), which watch every commit."""
+        """The simulator's own runtime oracles (spec/store.py), which watch every commit;
+        first the audit of the simulator's own bookkeeping, whose failure is a crashed
+        shell (an AssertionError: the fuzzer reports it as ShellCrash, whatever properties
+        the campaign checks)."""
+        self._audit()
         return [Violation(v.property, f"simulator oracle: {v.detail}") for v in self.cluster.violations]
+
+    def only_timers_pending(self) -> bool:
+        """Every callback the simulator still has scheduled is a transfer timer (live, or
+        superseded and about to do nothing): only a timer could move the protocol on."""
+        return self.sim.pending == self.sim.timer_callbacks_pending
+
+    def _audit(self) -> None:
+        """The simulator's counters against the core's state, each bound asserted
+        (TIGER_STYLE: a counter is paired with its assertion)."""
+        sim = self.sim
+        assert not self._unraced, "; ".join(self._unraced)
+        assert 0 <= sim.timer_callbacks_pending <= sim.pending, (
+            f"{sim.timer_callbacks_pending} transfer timers pending of {sim.pending} callbacks")
+        writes = self._writes_by_worker()
+        core_writes = Counter(p for p, _, _ in writes)
+        for r, n in Counter(r for _, r, _ in writes).items():
+            assert sim.nic_pending.get(r, 0) >= n, (
+                f"the NIC counts {sim.nic_pending.get(r, 0)} writes of request {r + 1} "
+                f"pending; the core has {n} in flight")
+        limit = self.scenario.link.writes_in_flight_max
+        for p in range(self.workers):
+            in_flight = sim.nic_in_flight[p]
+            on_nic = in_flight + len(sim.nic_posted[p])
+            assert 0 <= in_flight <= limit, (
+                f"prefill {p + 1}'s NIC has {in_flight} writes in flight (at most {limit})")
+            assert core_writes[p] <= on_nic <= core_writes[p] + self._flushed_on_nic[p], (
+                f"prefill {p + 1}'s NIC carries {on_nic} writes; the core has "
+                f"{core_writes[p]} of its requests in flight, and a decode crash flushed "
+                f"{self._flushed_on_nic[p]} more since the worker last restarted")
+        batch, rows = sim.batches[0], self.cluster.rows
+        assert 0 <= batch.size <= self.scenario.cluster.decode_batch_max, (
+            f"the decode batch holds {batch.size} sequences")
+        decoding = {r for r, row in rows.items() if row[core.DST] == core.DECODING}
+        assert set(sim.decoding) == decoding, (
+            f"the decode batch runs requests {sorted(sim.decoding)}; the core has "
+            f"{sorted(decoding)} decoding")
 
     def trace(self) -> list[core.Event]:
         return list(self._trace)

@@ -32,6 +32,8 @@ class Open:
     Admit / Reserve: `options` are the free pages in the order the pool freed them (least
     recently freed first, never-used pages first of all, ascending); pick `need` of them.
     Delay: `options` are the stalls allowed, in the target's time; `need` is 0.
+    Abort (the simulator, a decoding request): `options` are moments in the last decode step
+    of its answer, in thousandths of the way into it (0: now); `need` is 0.
     """
 
     action: str
@@ -44,6 +46,8 @@ class Open:
             return core.Arrive(self.request, choice)
         if self.action == "Delay":
             return Delay(self.request, choice)
+        if self.action == "Abort":
+            return core.Abort(self.request) if choice == 0 else MidStep(self.request, choice)
         cls = core.Admit if self.action == "Admit" else core.Reserve
         return cls(self.request, tuple(sorted(choice)))
 
@@ -51,11 +55,19 @@ class Open:
 def listed(event: core.Event, moves) -> bool:
     """Is `event` one of `moves` (a target's enabled moves of its action): the move itself,
     or an Open move of the same request whose options hold the argument the fuzzer chose
-    (Arrive's prompt pages, Delay's stall)?"""
+    (Arrive's prompt pages, Delay's stall, a MidStep's moment; a plain Abort is moment 0)?"""
     return any(event == move or (type(move) is Open and event.request == move.request
-                                 and (event.prompt_pages if type(event) is core.Arrive
-                                      else event.stall) in move.options)
+                                 and _argument(event) in move.options)
                for move in moves)
+
+
+def _argument(event: core.Event) -> int:
+    kind = type(event)
+    if kind is core.Arrive:
+        return event.prompt_pages
+    if kind is Delay:
+        return event.stall
+    return event.at_permille if kind is MidStep else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +87,26 @@ class Delay(core.RequestEvent):
     def label(self, m=None) -> str:
         name = m.request_names[self.request] if m else f"r{self.request + 1}"
         return f"Delay({name}, {self.stall})"
+
+
+@dataclass(frozen=True, slots=True)
+class MidStep(core.RequestEvent):
+    """The client disconnects inside the last decode step of its answer, `at_permille`
+    thousandths of the way from its start (from now, if it is under way already) to its
+    end, rather than at the last protocol event (a fault; the
+    simulator's). A real client goes away at any moment; one that goes away just before
+    its answer's last token races the Finish that step commits against decode's notice
+    that the client has gone. The core's event is Abort, so it is weighed as one."""
+
+    at_permille: int  # 1..999
+
+    @property
+    def action(self) -> str:
+        return "Abort"
+
+    def label(self, m=None) -> str:
+        name = m.request_names[self.request] if m else f"r{self.request + 1}"
+        return f"Abort({name}, {self.at_permille / 10:g}% into its last decode step)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +230,12 @@ class Target(abc.ABC):
     def holding(self) -> bool:
         """Whether a Delay holds traffic on the wire now: a protocol step is then only
         postponed, not missing (the quiet check must not mistake it for a stall)."""
+        return False
+
+    def only_timers_pending(self) -> bool:
+        """Whether everything the target would still do on its own (its `Wait`) is fire a
+        transfer timer: then the protocol is quiet although Wait is listed (a target
+        without Wait: never)."""
         return False
 
     def pair_model(self) -> Model:

@@ -27,7 +27,7 @@ REQUEST, WANTED, PROMPT_CONTEXT, JOINED, ORDER = range(5)
 
 class DecodeBatch:
     __slots__ = ("waiting", "finishing", "new", "size", "context_tokens", "steps",
-                 "stepping", "joins")
+                 "stepping", "joins", "step_ends_s")
 
     def __init__(self) -> None:
         self.waiting: deque = deque()   # sequences waiting for a place, in order
@@ -38,6 +38,7 @@ class DecodeBatch:
         self.steps = 0                  # steps completed
         self.stepping = False
         self.joins = 0
+        self.step_ends_s = 0.0          # when the step under way ends (set by its scheduler)
 
     @staticmethod
     def sequence(r: int, wanted: int, prompt_tokens: int) -> list:

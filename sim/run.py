@@ -91,6 +91,7 @@ class Simulation:
         # Called as on_commit(event, change) after the core accepts a request's event and
         # the change is committed, before anyone reacts (the fuzzer watches reads here).
         self.on_commit = on_commit
+        self.on_refusal = None  # called with every counted Refusal of take() (the fuzzer's audit)
         self.cluster = self.folder.cluster
         self.model = self.folder.model
         self.log = log
@@ -129,6 +130,7 @@ class Simulation:
         self.decoding = {}  # request -> its sequence in a decode batch
         self.intents: dict[int, list[tuple[str, str]]] = {}
         self.timers: dict[int, object] = {}  # request -> its armed transfer timer's token
+        self.timer_callbacks_pending = 0  # of `pending`: transfer timers, live or superseded
         t = scenario.timeouts
         self.leases = Leases(t.lease_s, t.transfer_timeout_s,
                              scenario.compute.prefill_chunk_tokens
@@ -179,6 +181,8 @@ class Simulation:
         if type(out) is Refusal:
             if _count_refusal:
                 self._refused(out)
+                if self.on_refusal is not None:
+                    self.on_refusal(out)
             return None
         self.depth += 1
         now = self.env.now
@@ -424,6 +428,7 @@ class Simulation:
         # A deadline already past (the backstop of a request the prefill admitted before
         # decode reserved, AdmitBeforeReserve) fires now.
         token = self.timers[r] = [at]
+        self.timer_callbacks_pending += 1
         self.later(max(at - self.env.now, 0.0), self._timer_fired, r, token)
 
     def _lease_due(self, r: int) -> float:
@@ -449,6 +454,7 @@ class Simulation:
                 self._schedule_timer(r, backstop)
 
     def _timer_fired(self, r: int, token: object) -> None:
+        self.timer_callbacks_pending -= 1
         if self.timers.get(r) is not token:
             return  # cancelled, or armed again since
         due = self._lease_due(r)
@@ -803,6 +809,7 @@ class Simulation:
         step_s = (c.decode_step_base_s + c.decode_step_per_request_s * batch.size
                   + c.decode_step_per_context_token_s * batch.context_tokens)
         batch.stepping = True
+        batch.step_ends_s = self.env.now + step_s
         self.later(step_s, self._stepped, d)
 
     def _stepped(self, d: int) -> None:
