@@ -44,19 +44,17 @@ import random
 import re
 import sys
 import time
-from collections import deque
 
 import simpy
 
 from spec import core
-from spec.core import PROMPT, PST, QUEUED, SRC, Refusal
+from spec.core import PST, QUEUED, Refusal
 from spec import codec, commands
 from sim import crash as shell_crash, fault_hits as hits
-from sim.decode_batch import DecodeBatch
-from sim.prefill_queue import PrefillQueue
-from sim.fold import FIRST_TOKEN, RUN_END, Folder, encode, replay, write_header
+from sim.fold import RUN_END, Folder, encode, replay, write_header
 from sim.lease import Leases
 from sim.scenario import Lengths, Scenario
+from sim.workers import SimDecode, SimPrefill
 from sim.workload import TraceRequest, load_workload  # noqa: F401  (TraceRequest: a type)
 
 
@@ -108,22 +106,12 @@ class Simulation:
         self.refusals: dict[str, int] = {}
         self.fault_hits = hits.FaultHits()  # how often each fault struck its target state
         self.violations_seen = 0
-        # Prefill workers.
-        self.prefill_queue = [PrefillQueue() for _ in range(c.prefill_workers)]
-        self.prefill_busy = [False] * c.prefill_workers
-        self.prefill_epoch = [0] * c.prefill_workers
-        self.prefill_down_until = [0.0] * c.prefill_workers
-        self.nic_in_flight = [0] * c.prefill_workers
-        self.nic_free_at = [0.0] * c.prefill_workers
-        self.nic_waiting = [deque() for _ in range(c.prefill_workers)]
-        self.nic_posted = [deque() for _ in range(c.prefill_workers)]  # writes awaiting a slot
+        # The workers (sim/workers.py), each with its own queue, epoch and NIC or batch.
+        self.prefills = [SimPrefill(self, k) for k in range(c.prefill_workers)]
+        self.decodes = [SimDecode(self, k) for k in range(c.decode_workers)]
         self.nic_pending: dict[int, int] = {}   # request -> its writes still in flight
         self.send_page_events: dict[int, core.SendPage] = {}
         self.all_posted: set[int] = set()       # requests whose every page is posted
-        # Decode workers.
-        self.decode_waiting = [deque() for _ in range(c.decode_workers)]
-        self.decode_down_until = [0.0] * c.decode_workers
-        self.batches = [DecodeBatch() for _ in range(c.decode_workers)]
         # Per live request (dropped when it settles).
         self.output = {}
         self.decoding = {}  # request -> its sequence in a decode batch
@@ -221,7 +209,7 @@ class Simulation:
         if cls is None:
             return False
         if cls is core.Reserve:
-            return self._reserve_or_wait(r)
+            return self.decodes[self.cluster.placement[r][1]].join(r)
         return bool(self.offer(cls.__name__, r))
 
     def _arrive(self, r: int, args: dict) -> core.Change | None:
@@ -305,6 +293,7 @@ class Simulation:
 
     def _fire(self, event) -> None:
         self.pending -= 1
+        assert self.pending >= 0, "a timer fired that was never scheduled"
         fn, args = event.value
         fn(*args)
 
@@ -375,8 +364,8 @@ class Simulation:
     def _make_handlers(self) -> dict:
         c = commands
         return {
-            c.Send: self._send_command, c.Queue: self._queue, c.Compute: self._start_compute,
-            c.Post: self._nic_send, c.ArmTimer: self._arm_timer,
+            c.Send: self._send_command, c.Queue: self._queue, c.Compute: self._compute,
+            c.Post: self._post_write, c.ArmTimer: self._arm_timer,
             c.CancelTimer: self._cancel_timer, c.StartDecoding: self._start_decoding,
             c.StopDecoding: self._stop_decoding, c.ReleaseWhenReady: self._release_when_ready,
             c.Answer: lambda command, p, d: self._answered(command.request),
@@ -404,15 +393,13 @@ class Simulation:
             self._answered(r)  # a closed-loop session moves on either way
 
     def _queue(self, command: commands.Queue, p: int, d: int) -> None:
-        r = command.request
-        ready = (r in self.tables_received or not core.admission_waits_for_table(self.model)
-                 or core.is_enabled(self.model, self.cluster.view(r), r, core.Reject))
-        self.prefill_queue[p].add(r, ready)
-        self.kick_prefill(p)
+        self.prefills[p].queue_request(command.request)
 
-    def _start_compute(self, command: commands.Compute, p: int, d: int) -> None:
-        r = command.request
-        self._compute(p, r, len(self.cluster.rows[r][SRC]))
+    def _compute(self, command: commands.Compute, p: int, d: int) -> None:
+        self.prefills[p].compute(command.request)
+
+    def _post_write(self, command: commands.Post, p: int, d: int) -> None:
+        self.prefills[p].post(command.write)
 
     def _arm_timer(self, command: commands.ArmTimer, p: int, d: int) -> None:
         r = command.request
@@ -433,7 +420,7 @@ class Simulation:
         return self.leases.due(r, p, self.env.now, self._waiting_at_prefill(r, p))
 
     def _waiting_at_prefill(self, r: int, p: int) -> bool:
-        return self.cluster.rows[r][PST] == QUEUED or r in self.nic_waiting[p]
+        return self.cluster.rows[r][PST] == QUEUED or r in self.prefills[p].nic_waiting
 
     def _renewed(self, r: int, kind: type) -> None:
         """A sign of progress of r's prefill: its lease is renewed (a stored time, no
@@ -464,29 +451,22 @@ class Simulation:
         self.timers.pop(command.request, None)
 
     def _start_decoding(self, command: commands.StartDecoding, p: int, d: int) -> None:
-        r = command.request
-        prompt = self.cluster.rows[r][PROMPT]
-        sequence = self.decoding[r] = DecodeBatch.sequence(r, self.output[r],
-                                                            prompt * self.page_tokens)
-        self.batches[d].add(sequence)
-        self.kick_decode(d)
+        self.decodes[d].start_decoding(command.request)
 
     def _stop_decoding(self, command: commands.StopDecoding, p: int, d: int) -> None:
-        sequence = self.decoding.pop(command.request, None)
-        if sequence is not None:
-            self.batches[d].stop(sequence)
+        self.decodes[d].stop_decoding(command.request)
 
     def _release_when_ready(self, command: commands.ReleaseWhenReady, p: int, d: int) -> None:
         self.want(command.request, "decode", "Release")
 
     def _pages_freed(self, command: commands.FreePages, p: int, d: int) -> None:
         if command.pool == "decode":
-            self.kick_decode_waiting(d)
+            self.decodes[d].kick_waiting()
         else:
-            self.kick_prefill(p)
+            self.prefills[p].kick()
 
     def _drop(self, r: int, p: int) -> None:
-        self.prefill_queue[p].forget(r)
+        self.prefills[p].queue.forget(r)
         for table in (self.output, self.decoding, self.intents, self.nic_pending,
                       self.send_page_events,
                       self.held_until, self.timers):
@@ -531,8 +511,8 @@ class Simulation:
     def _deliver(self, handler, r: int, worker: int, to_prefill: int) -> None:
         if self.held_until and self._held(r, self._deliver, handler, r, worker, to_prefill):
             return
-        back = (self.prefill_down_until[to_prefill] if to_prefill >= 0
-                else self.decode_down_until[worker])
+        back = (self.prefills[to_prefill].down_until if to_prefill >= 0
+                else self.decodes[worker].down_until)
         if back and back > self.env.now:  # 0.0: the worker never went down
             # A restarting worker gets its messages once it is back (the sender re-sends).
             self.later(back - self.env.now, self._deliver, handler, r, worker, to_prefill)
@@ -542,154 +522,32 @@ class Simulation:
 
     # -- prefill workers -----------------------------------------------------------------
 
-    def kick_prefill(self, p: int) -> None:
-        """Admit the first queued request whose page table has arrived (the bootstrap
-        queue: the prefill computes only once decode has reserved), or reject one the core
-        says must be rejected; one request at a time. Only ready requests are looked at
-        (sim/prefill_queue.py)."""
-        down_until = self.prefill_down_until[p]
-        if self.prefill_busy[p] or (down_until and down_until > self.env.now):
-            return
-        queue = self.prefill_queue[p]
-        passed = []  # ready, yet the core names no page count to admit with: look past them
-        try:
-            while (r := queue.first()) is not None:
-                row = self.cluster.rows.get(r)
-                if row is None or row[PST] != QUEUED:
-                    queue.take()  # aborted, crashed or settled meanwhile
-                    continue
-                if core.is_enabled(self.model, self.cluster.view(r), r, core.Reject):
-                    queue.take()
-                    self.offer("Reject", r)
-                    continue
-                need = core.pages_to_admit(self.model, row)
-                if type(need) is str:
-                    passed.append(queue.take())
-                    continue
-                pages = self.cluster.allocate("prefill", p, need)
-                if pages is None:
-                    return  # pool pressure: wait until pages come back
-                queue.take()
-                # Busy before the offer: the Admit's own reaction kicks this worker again
-                # (its pool changed), and must not admit the next request alongside.
-                self.prefill_busy[p] = True
-                if self.offer("Admit", r, pages=pages):
-                    return  # its Compute command started the computation
-                self.prefill_busy[p] = False
-        finally:
-            queue.put_back(passed)
-
-    def _compute(self, p: int, r: int, pages: int) -> None:
-        self.prefill_busy[p] = True
-        compute_s = pages * self.page_tokens / self.sc.compute.prefill_tokens_per_s
-        f = self.sc.faults
-        if f.prefill_fail_probability and self.rng["faults"].random() < f.prefill_fail_probability:
-            self.later(self.rng["faults"].uniform(0, compute_s), self._prefill_fail, r)
-        self.leases.compute_started(r, p, self.env.now, compute_s)
-        self.later(compute_s, self._computed, p, r, self.prefill_epoch[p])
-
-    def _computed(self, p: int, r: int, epoch: int) -> None:
-        if epoch != self.prefill_epoch[p]:
-            return  # the worker crashed meanwhile
-        self.prefill_busy[p] = False
-        self.leases.compute_ended(r, p, self.env.now)
-        if r in self.cluster.rows:
-            self.nic_waiting[p].append(r)
-            self.kick_nic(p)
-        self.kick_prefill(p)
-
-    def on_table(self, r: int, p: int) -> None:
-        """Decode's page table reached the prefill: the request may be admitted now."""
-        self.tables_received.add(r)
-        self.prefill_queue[p].table_arrived(r)
-        self.kick_prefill(p)
-
-    def kick_nic(self, p: int) -> None:
-        """Post writes while the NIC has room, requests in FIFO order."""
-        waiting = self.nic_waiting[p]
-        limit = self.sc.link.writes_in_flight_max
-        # Room counts the writes already posted and still waiting for a slot.
-        while waiting and self.nic_in_flight[p] + len(self.nic_posted[p]) < limit:
-            r = waiting[0]
-            if r not in self.cluster.rows or not self._post(p, r):
-                waiting.popleft()
-                self.all_posted.add(r)
-                self._done_if_landed(r)
-
     def _done_if_landed(self, r: int) -> None:
         """The prefill sends its final word once its NIC reports every write of r done."""
         if r in self.all_posted and not self.nic_pending.get(r):
             self.all_posted.discard(r)
             self.offer_if_enabled("SendDone", r)
 
-    def _post(self, p: int, r: int) -> bool:
+    def _post(self, r: int) -> bool:
         """SendPage, if the core enables it: its Post command puts the write on the NIC."""
         event = self.send_page_events.get(r)
         if event is None:  # one event per request: the same for each of its pages
             event = self.send_page_events[r] = core.SendPage(r)
         return self.take(event, _count_refusal=False) is not None  # if the core enables it
 
-    def _nic_send(self, command: commands.Post, p: int, d: int) -> None:
-        """The NIC takes a posted write. A SendPage may post any number of writes (one Post
-        command each): they queue at the NIC in posting order and start while it has a slot
-        (writes_in_flight_max), so the bound holds however many one decision posts."""
-        r = command.request
-        self.nic_pending[r] = self.nic_pending.get(r, 0) + 1
-        posted = self.nic_posted[p]
-        if not posted and self.nic_in_flight[p] < self.sc.link.writes_in_flight_max:
-            self._start_write(p, command.write)  # a free slot and no one ahead: now
-        else:
-            posted.append(command.write)
-            self._start_writes(p)
-
-    def _start_writes(self, p: int) -> None:
-        posted, limit = self.nic_posted[p], self.sc.link.writes_in_flight_max
-        while posted and self.nic_in_flight[p] < limit:
-            self._start_write(p, posted.popleft())
-
-    def _start_write(self, p: int, w: tuple) -> None:
-        """A write on the wire: bandwidth-serialised, slow-link faults; it lands after its
-        transfer and the link's write latency."""
-        r = w[0]
-        transfer_s = self.page_transfer_s
-        f = self.sc.faults
-        slowed = f.slow_link_probability and self.rng["links"].random() < f.slow_link_probability
-        if slowed:
-            transfer_s *= f.slow_link_factor
-        now = self.env.now
-        start = max(now, self.nic_free_at[p])
-        self.nic_free_at[p] = start + transfer_s
-        self.nic_in_flight[p] += 1
-        assert self.nic_in_flight[p] <= self.sc.link.writes_in_flight_max
-        landing = start + transfer_s + self.sc.link.write_latency_s - now
-        if slowed:  # a hit: the write lands after the lease, as it stands, runs out
-            self.fault_hits.fired("SlowLink", r in self.timers
-                                  and now + landing > self._lease_due(r))
-        self.later(landing, self._land, p, r, w[2], self.prefill_epoch[p])
-
-    def _land(self, p: int, r: int, page: int, epoch: int) -> None:
-        if epoch != self.prefill_epoch[p]:
-            return  # flushed with the crashed worker's queue pairs
-        if self.held_until and self._held(r, self._land, p, r, page, epoch):
-            return  # a held write keeps its NIC slot
-        self.nic_in_flight[p] -= 1
-        # A request can settle with writes still on the wire: a decode crash flushes them
-        # (the target's queue pairs are gone) and tombstones the request. The NIC slot is
-        # busy until the write completes all the same; the core refuses its landing.
-        left = self.nic_pending.pop(r, 0) - 1
-        if left > 0:
-            self.nic_pending[r] = left
-        if r in self.cluster.rows:
-            self.take(core.LandWrite(r, page))
-        self._done_if_landed(r)
-        if self.nic_posted[p]:
-            self._start_writes(p)
-        self.kick_nic(p)
+    def on_table(self, r: int, p: int) -> None:
+        """Decode's page table reached the prefill: the request may be admitted now."""
+        self.prefills[p].table_arrived(r)
 
     def on_cancel(self, r: int, p: int) -> None:
         if not self.deliver(core.CANCEL_MSG, r, "prefill"):
             # Writes in flight: the prefill stops, or finishes and answers, once they land.
             self.want(r, "prefill", core.CANCEL_MSG)
+
+    @property
+    def nic_in_flight(self) -> list[int]:
+        """Each prefill worker's writes on the wire (tests look at it after a run)."""
+        return [worker.nic_in_flight for worker in self.prefills]
 
     def crash_loop(self, kind: str, worker: int, rate_per_s: float):
         rng = self.rng["crashes"]
@@ -722,9 +580,9 @@ class Simulation:
             self._checked()
             if kind == "prefill":
                 self.leases.crashed(worker, self.env.now, waiting)
-                self._restart_prefill(worker)
+                self.prefills[worker].restart(self.sc.faults.prefill_restart_s)
             else:
-                self._restart_decode(worker)
+                self.decodes[worker].restart(self.sc.faults.decode_restart_s)
             for command in self.concurrent_order(out.commands):
                 self.carry_out(command, *placements[command.request])
             for r, _ in out.rows:
@@ -732,53 +590,10 @@ class Simulation:
         self.depth -= 1
         self._run_intents()
 
-    def _restart_prefill(self, p: int) -> None:
-        self.prefill_epoch[p] += 1
-        self.prefill_busy[p] = False
-        self.nic_in_flight[p] = 0
-        self.nic_waiting[p].clear()
-        self.nic_posted[p].clear()
-        self.prefill_down_until[p] = self.env.now + self.sc.faults.prefill_restart_s
-        self.later(self.sc.faults.prefill_restart_s, self.kick_prefill, p)
-
-    def _restart_decode(self, d: int) -> None:
-        """The restarted decode's queues are empty; messages reach it once it is back."""
-        self.decode_down_until[d] = self.env.now + self.sc.faults.decode_restart_s
-        self.decode_waiting[d].clear()
-        self.later(self.sc.faults.decode_restart_s, self.kick_decode_waiting, d)
-
     # -- decode workers ---------------------------------------------------------------------
 
     def on_bootstrap(self, r: int, d: int) -> None:
         self.deliver(core.BOOTSTRAP, r)
-
-    def _reserve_or_wait(self, r: int) -> bool:
-        """A bootstrap the core wants reserved joins its decode worker's FIFO of
-        reservations, which are taken while pages are free."""
-        d = self.cluster.placement[r][1]
-        waiting = self.decode_waiting[d]
-        waiting.append(r)
-        if len(waiting) == 1:
-            self.kick_decode_waiting(d)
-        return True
-
-    def kick_decode_waiting(self, d: int) -> None:
-        """Reserve for waiting bootstraps in FIFO order while pages are free."""
-        waiting = self.decode_waiting[d]
-        while waiting:
-            r = waiting[0]
-            row = self.cluster.rows.get(r)
-            need = core.pages_to_reserve(self.model, row) if row else "settled"
-            if type(need) is str:
-                waiting.popleft()  # a decode crash tombstoned it while it waited
-                if row is not None:
-                    self.deliver(core.BOOTSTRAP, r)
-                continue
-            pages = self.cluster.allocate("decode", d, need)
-            if pages is None:
-                return
-            waiting.popleft()
-            self.offer("Reserve", r, pages=pages)
 
     def on_final_word(self, r: int, d: int) -> None:
         self.deliver(core.FINAL_WORD_MSG, r)
@@ -789,41 +604,6 @@ class Simulation:
         if row is not None and core.is_enabled(self.model, self.cluster.view(r), r,
                                                core.DecodeAbort):
             self.offer("DecodeAbort", r)
-
-    def kick_decode(self, d: int) -> None:
-        """Start the next continuous-batching step of decode worker d, if it is idle
-        (sim/decode_batch.py)."""
-        batch = self.batches[d]
-        if batch.stepping:
-            return
-        batch.fill(self.sc.cluster.decode_batch_max)
-        if not batch.size:
-            return
-        c = self.sc.compute
-        step_s = (c.decode_step_base_s + c.decode_step_per_request_s * batch.size
-                  + c.decode_step_per_context_token_s * batch.context_tokens)
-        batch.stepping = True
-        self.later(step_s, self._stepped, d)
-
-    def _stepped(self, d: int) -> None:
-        batch = self.batches[d]
-        batch.stepping = False
-        first, done = batch.step()
-        if not done:  # most steps: only the sequences that joined emit their first token
-            for sequence in first:
-                if sequence[0] >= 0:
-                    self._fact(FIRST_TOKEN, sequence[0])
-        else:
-            for sequence, first_token, finished in batch.in_order(first, done):
-                r = sequence[0]
-                if r < 0:
-                    continue  # decode closed it meanwhile (the client went away)
-                if first_token:
-                    self._fact(FIRST_TOKEN, r)
-                if finished:
-                    self.decoding.pop(r, None)
-                    self.offer("Finish", r)
-        self.kick_decode(d)
 
     def _fact(self, action: str, r: int) -> None:
         record = {"t": self.env.now, "a": action, "request": r}
@@ -839,11 +619,11 @@ class Simulation:
             p, d = self.round_robin
             self.round_robin = [(p + 1) % c.prefill_workers, (d + 1) % c.decode_workers]
             return p, d
-        now = self.env.now
+        now, prefills = self.env.now, self.prefills
         p = min(range(c.prefill_workers), key=lambda k: (
-            self.prefill_down_until[k] > now, len(self.prefill_queue[k]) + self.prefill_busy[k]))
+            prefills[k].is_down(now), len(prefills[k].queue) + prefills[k].busy))
         d = max(range(c.decode_workers), key=lambda k: (
-            self.cluster.free_pages("decode", k) - len(self.decode_waiting[k]), -k))
+            self.cluster.free_pages("decode", k) - len(self.decodes[k].waiting), -k))
         return p, d
 
     def new_request(self, prompt_pages: int | None = None,
