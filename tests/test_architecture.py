@@ -22,7 +22,7 @@ PROTOCOL = ("spec.core", "spec.commands", "spec.model", "spec.properties", "spec
 # The TLA+ evaluator: the parser and the standard library only.
 EVALUATOR = ("spec.tlaplus.tlaeval", "spec.tlaplus.tlacompile", "spec.tlaplus.tlaexpr",
              "spec.tlaplus.tlaaction", "spec.tlaplus.tlavalues")
-SHELLS = ("sim", "fuzz", "engine", "api")
+SHELLS = ("shell", "sim", "fuzz", "engine", "api")
 
 
 def module_name(path: Path) -> str:
@@ -91,6 +91,7 @@ def test_spec_never_imports_a_shell_or_the_kernels():
 
 @pytest.mark.parametrize("package, forbidden", [
     ("kernels", ("spec", "sim", "fuzz", "engine", "api")),   # kernels never import the protocol
+    ("shell", ("sim", "fuzz", "engine", "api", "kernels")),   # the one runtime: spec only
     ("engine", ("sim", "fuzz", "api")),                        # engine -> spec, kernels
     ("sim", ("fuzz", "engine", "api", "kernels")),
     ("fuzz", ("api",)),
