@@ -33,8 +33,8 @@ Pure of any world: this module imports only the protocol (spec/).
 
 from __future__ import annotations
 
+from spec import core  # before spec.commands, which spec.core imports at its end
 from spec import commands as cmd
-from spec import core
 from spec.core import Refusal
 
 
@@ -52,12 +52,13 @@ class ShellRuntime:
         self.depth = 0           # decisions being carried out (a command may take events)
         self.dirty: list[int] = []  # requests whose wants to ask again at depth 0
         self._handlers = {
-            cmd.Send: self._send, cmd.Queue: self._queue, cmd.Compute: self._compute,
-            cmd.Post: self._post, cmd.ArmTimer: self._arm_timer,
-            cmd.CancelTimer: self._cancel_timer, cmd.StartDecoding: self._start_decoding,
-            cmd.StopDecoding: self._stop_decoding,
-            cmd.ReleaseWhenReady: self._release_when_ready, cmd.Answer: self._answer,
-            cmd.FreePages: self._pages_freed,
+            cmd.Send: self._carry_send, cmd.Queue: self._carry_queue,
+            cmd.Compute: self._carry_compute, cmd.Post: self._carry_post,
+            cmd.ArmTimer: self._carry_arm_timer, cmd.CancelTimer: self._carry_cancel_timer,
+            cmd.StartDecoding: self._carry_start_decoding,
+            cmd.StopDecoding: self._carry_stop_decoding,
+            cmd.ReleaseWhenReady: self._carry_release_when_ready,
+            cmd.Answer: self._carry_answer, cmd.FreePages: self._carry_pages_freed,
         }
 
     # -- the one path into the core ---------------------------------------------------------
@@ -112,40 +113,40 @@ class ShellRuntime:
 
     # -- the handler table: each command to the interface that carries it out --------------
 
-    def _send(self, c: cmd.Send, p: int, d: int) -> None:
+    def _carry_send(self, c: cmd.Send, p: int, d: int) -> None:
         if c.message == core.CLIENT_GONE:
             self.client.gone(c.request, p, d)
         else:
             self.link.send(c.request, c.message, p, d)
 
-    def _queue(self, c: cmd.Queue, p: int, d: int) -> None:
+    def _carry_queue(self, c: cmd.Queue, p: int, d: int) -> None:
         self.prefill_at[p].queue_request(c.request)
 
-    def _compute(self, c: cmd.Compute, p: int, d: int) -> None:
+    def _carry_compute(self, c: cmd.Compute, p: int, d: int) -> None:
         self.prefill_at[p].compute(c.request)
 
-    def _post(self, c: cmd.Post, p: int, d: int) -> None:
+    def _carry_post(self, c: cmd.Post, p: int, d: int) -> None:
         self.prefill_at[p].post(c.write, d)
 
-    def _arm_timer(self, c: cmd.ArmTimer, p: int, d: int) -> None:
+    def _carry_arm_timer(self, c: cmd.ArmTimer, p: int, d: int) -> None:
         self.clock.arm(c.request)
 
-    def _cancel_timer(self, c: cmd.CancelTimer, p: int, d: int) -> None:
+    def _carry_cancel_timer(self, c: cmd.CancelTimer, p: int, d: int) -> None:
         self.clock.cancel(c.request)
 
-    def _start_decoding(self, c: cmd.StartDecoding, p: int, d: int) -> None:
+    def _carry_start_decoding(self, c: cmd.StartDecoding, p: int, d: int) -> None:
         self.decode_at[d].start_decoding(c.request)
 
-    def _stop_decoding(self, c: cmd.StopDecoding, p: int, d: int) -> None:
+    def _carry_stop_decoding(self, c: cmd.StopDecoding, p: int, d: int) -> None:
         self.decode_at[d].stop_decoding(c.request)
 
-    def _release_when_ready(self, c: cmd.ReleaseWhenReady, p: int, d: int) -> None:
+    def _carry_release_when_ready(self, c: cmd.ReleaseWhenReady, p: int, d: int) -> None:
         self.want(c.request, "decode", "Release")
 
-    def _answer(self, c: cmd.Answer, p: int, d: int) -> None:
+    def _carry_answer(self, c: cmd.Answer, p: int, d: int) -> None:
         self.client.answer(c.request, c.outcome)
 
-    def _pages_freed(self, c: cmd.FreePages, p: int, d: int) -> None:
+    def _carry_pages_freed(self, c: cmd.FreePages, p: int, d: int) -> None:
         if c.pool == "decode":
             self.decode_at[d].pages_freed(c.request)
         else:

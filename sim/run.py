@@ -47,20 +47,18 @@ import time
 
 import simpy
 
+from shell.runtime import ShellRuntime
 from spec import core
-from spec.core import PST, QUEUED, Refusal
-from spec import codec, commands
+from spec.core import Refusal
+from spec import commands
 from sim import crash as shell_crash, fault_hits as hits
-from sim.fold import RUN_END, Folder, encode, replay, write_header
-from sim.lease import Leases
+from sim.fold import RUN_END, Folder, LogFile, encode, replay, write_header
 from sim.scenario import Lengths, Scenario
+from sim.clients import SimClients
+from sim.clock import SimClock
+from sim.link import SimLink
 from sim.workers import SimDecode, SimPrefill
 from sim.workload import TraceRequest, load_workload  # noqa: F401  (TraceRequest: a type)
-
-
-# Simulated seconds within which a lease counts as run out when its timer fires (float
-# rounding must not re-arm a timer for a remainder the clock cannot represent).
-_LEASE_SLACK_S = 1e-9
 
 
 class StopSimulation(Exception):
@@ -80,7 +78,7 @@ def sample_tokens(rng: random.Random, lengths: Lengths) -> int:
     return min(lengths.max_tokens, max(lengths.min_tokens, int(round(value))))
 
 
-class Simulation:
+class Simulation(ShellRuntime):
     def __init__(self, scenario: Scenario, *, log=None, progress: bool = False,
                  model=None, on_commit=None) -> None:
         self.sc = scenario
@@ -94,6 +92,9 @@ class Simulation:
         self.log = log
         if log is not None:
             write_header(log, scenario)
+        # The one runtime's interfaces (shell/interfaces.py), simulated side.
+        self.core_model, self.store = self.model, self.cluster
+        self.event_log = LogFile(log, self.output_of) if log is not None else None
         self.progress = progress
         seed = scenario.seed
         self.rng = {k: random.Random(f"{seed}:{k}") for k in
@@ -107,8 +108,8 @@ class Simulation:
         self.fault_hits = hits.FaultHits()  # how often each fault struck its target state
         self.violations_seen = 0
         # The workers (sim/workers.py), each with its own queue, epoch and NIC or batch.
-        self.prefills = [SimPrefill(self, k) for k in range(c.prefill_workers)]
-        self.decodes = [SimDecode(self, k) for k in range(c.decode_workers)]
+        self.prefills = self.prefill_at = [SimPrefill(self, k) for k in range(c.prefill_workers)]
+        self.decodes = self.decode_at = [SimDecode(self, k) for k in range(c.decode_workers)]
         self.nic_pending: dict[int, int] = {}   # request -> its writes still in flight
         self.send_page_events: dict[int, core.SendPage] = {}
         self.all_posted: set[int] = set()       # requests whose every page is posted
@@ -116,16 +117,11 @@ class Simulation:
         self.output = {}
         self.decoding = {}  # request -> its sequence in a decode batch
         self.intents: dict[int, list[tuple[str, str]]] = {}
-        self.timers: dict[int, object] = {}  # request -> its armed transfer timer's token
-        t = scenario.timeouts
-        self.leases = Leases(t.lease_s, t.transfer_timeout_s,
-                             scenario.compute.prefill_chunk_tokens
-                             / scenario.compute.prefill_tokens_per_s, c.prefill_workers)
+        self.clock = SimClock(self)
+        self.timers, self.leases = self.clock.timers, self.clock.leases
         self.tables_received: set[int] = set()  # requests whose page table reached the prefill
-        self._handlers = self._make_handlers()
-        self.dirty: list[int] = []
-        self.depth = 0
-        self.session_waiters = {}
+        self.client = SimClients(self)
+        self._start_runtime()
         # request -> simulated time before which nothing of it arrives (hold())
         self.held_until: dict[int, float] = {}
         self.round_robin = [0, 0]
@@ -142,6 +138,7 @@ class Simulation:
         # sweep's and the progress line's), so the step after every event asks one modulo.
         # Bound once: SimPy's env.timeout builds a bound method on every attribute access.
         self._timeout, self._fire_callback = self.env.timeout, self._fire
+        self.link = SimLink(self)
         self.check_every_events = math.gcd(scenario.oracles.sweep_every_events,
                                            2048 if progress else 0) or 2**62
 
@@ -158,27 +155,23 @@ class Simulation:
             return None  # settled and forgotten: a late timer or message
         return self.take(self._event(action, r, args), _count_refusal)
 
-    def take(self, event: core.Event, _count_refusal: bool = True) -> core.Change | None:
-        """`offer` for an event already built (the per-page events, on the hot path: no
-        keyword arguments to pack and unpack); its request must still be live."""
-        r = event.request
-        # The core decides first, so that a refusal costs no record and no fold.
-        out = core.decide(self.model, self.cluster.view(r), event)  # store.decide, inlined
-        if type(out) is Refusal:
-            if _count_refusal:
-                self._refused(out)
-            return None
-        self.depth += 1
-        now = self.env.now
-        self.folder.accept(now, r, out, event)
-        if self.log is not None:
-            self.log.write(encode({"t": now, **codec.encode(event)}) + "\n")
-        if type(event) in core.LEASE_RENEWALS:
-            self._renewed(r, type(event))
-        if self.on_commit is not None:
-            self.on_commit(event, out)
-        self._after(r, out)
-        return out
+    # `take(event, count_refusal=True)`: the one runtime's path (shell/runtime.py), for an
+    # event already built (the per-page events, on the hot path: no keyword arguments to
+    # pack and unpack); its request must still be live.
+    take = ShellRuntime.take_event
+
+    def output_of(self, r: int) -> int:
+        return self.output[r]
+
+    def commit(self, now: float, r: int, change: core.Change,
+               event: core.Event) -> tuple[int, int]:
+        """The Folder commits and folds the change into the metrics (an Arrive's facts
+        first: its output length)."""
+        folder = self.folder
+        if type(event) is core.Arrive:
+            folder.metrics.arrive(now, r, event.prompt_pages, self.output[r])
+        folder.accept(now, r, change, event)
+        return folder.last_placement
 
     def _event(self, action: str, r: int, args: dict) -> core.Event:
         """The core event of an offer. The simulator's data path is the abstract page
@@ -195,7 +188,7 @@ class Simulation:
         page left to post moves on. Neither is a refusal (nothing raced)."""
         return self.offer(action, r, _count_refusal=False)
 
-    def _refused(self, refusal: Refusal) -> None:
+    def refused(self, refusal: Refusal) -> None:
         """Count a refusal by its reason: each is a race the summary explains."""
         key = f"{refusal.event.action}: {re.sub(r'[0-9]+', 'N', refusal.reason)}"
         self.refusals[key] = self.refusals.get(key, 0) + 1
@@ -213,31 +206,14 @@ class Simulation:
         return bool(self.offer(cls.__name__, r))
 
     def _arrive(self, r: int, args: dict) -> core.Change | None:
-        event = core.Arrive(r, args["prompt_pages"])
-        now = self.env.now
-        self.depth += 1
-        out = self.folder.arrive(now, event, args["p"], args["d"], args["out"])
-        if type(out) is Refusal:
-            self._refused(out)
-            self.depth -= 1
-            return None
-        if self.log is not None:
-            record = {"t": now, **codec.encode(event), **{k: args[k] for k in ("p", "d", "out")}}
-            self.log.write(encode(record) + "\n")
-        if self.on_commit is not None:
-            self.on_commit(event, out)
-        self._after(r, out)
-        return out
+        return self.take_arrival(core.Arrive(r, args["prompt_pages"]), args["p"], args["d"])
 
-    def _after(self, r: int, out: core.Change) -> None:
-        """Oracle verdicts, then the components' reactions to what the core changed."""
+    def checked(self) -> None:
+        """The oracles after a commit: at once when a violation is new, and the sweep and
+        the progress line every so many events."""
         if (self.cluster.violation_total != self.violations_seen
                 or self.folder.events % self.check_every_events == 0):
             self._checked()
-        self.react(r, out)
-        self.depth -= 1
-        if self.depth == 0 and self.dirty:
-            self._run_intents()
 
     def _checked(self) -> None:
         total = self.cluster.violation_total
@@ -252,7 +228,7 @@ class Simulation:
         if self.progress and self.folder.events % 2048 == 0:
             self._show_progress()
 
-    def _run_intents(self) -> None:
+    def run_wants(self) -> None:
         while self.dirty:
             r = self.dirty.pop()
             for wanted in tuple(self.intents.get(r, ())):
@@ -283,7 +259,7 @@ class Simulation:
         if self.depth == 0:
             # Not inside a decision (a notice delivered by a timer): if the core enables
             # it now, it is taken now, not at the next event someone else causes.
-            self._run_intents()
+            self.run_wants()
 
     def later(self, delay_s: float, fn, *args) -> None:
         """Call fn(*args) after delay_s. These are the protocol's own timers and deliveries:
@@ -302,22 +278,6 @@ class Simulation:
         return self.pending == 0 and self.next_request >= self.requests_total
 
     # -- reacting to what the core changed --------------------------------------------------
-
-    def react(self, r: int, change: core.Change) -> None:
-        """Carry out the commands of a decision for r (spec/commands.py), then the
-        bookkeeping of a request that moved: its intents are asked again, and a request
-        the store forgot (settled) leaves every table of the shell."""
-        p, d = self.folder.last_placement
-        handlers = self._handlers
-        todo = change.commands
-        if len(todo) > 1:
-            todo = self.concurrent_order(todo)
-        for command in todo:
-            handlers[type(command)](command, p, d)  # carry_out, without the extra call
-        if r in self.intents:  # _moved, inlined
-            self.dirty.append(r)
-        if r not in self.cluster.rows:
-            self._settled(r, p)
 
     def concurrent_order(self, todo: tuple) -> list:
         """The commands of one decision in the order the shell carries them out. Those of
@@ -344,7 +304,11 @@ class Simulation:
             self.rng["reactions"].shuffle(turns)
         return [command for turn in turns for command in turn]
 
-    def _moved(self, r: int, p: int) -> None:
+    order = concurrent_order
+
+    def moved(self, r: int, p: int) -> None:
+        """r changed: its intents are asked again, and a request the store forgot (settled)
+        leaves every table of the shell."""
         if r in self.intents:
             self.dirty.append(r)
         if r not in self.cluster.rows:
@@ -353,147 +317,20 @@ class Simulation:
     def _settled(self, r: int, p: int) -> None:
         """The store forgot r: it leaves every table of the shell."""
         self._drop(r, p)
+        assert self.folder.metrics.settled <= self.requests_total, "a request settled twice"
         if self.folder.metrics.settled == self.requests_total and not self.finished.triggered:
             self.finished.succeed()
-
-    def carry_out(self, command: commands.Command, p: int, d: int) -> None:
-        """One command of the core's decision, at prefill worker p and decode worker d (the
-        request's placement)."""
-        self._handlers[type(command)](command, p, d)
-
-    def _make_handlers(self) -> dict:
-        c = commands
-        return {
-            c.Send: self._send_command, c.Queue: self._queue, c.Compute: self._compute,
-            c.Post: self._post_write, c.ArmTimer: self._arm_timer,
-            c.CancelTimer: self._cancel_timer, c.StartDecoding: self._start_decoding,
-            c.StopDecoding: self._stop_decoding, c.ReleaseWhenReady: self._release_when_ready,
-            c.Answer: lambda command, p, d: self._answered(command.request),
-            c.FreePages: self._pages_freed,
-        }
-
-    def _send_command(self, command: commands.Send, p: int, d: int) -> None:
-        r, message = command.request, command.message
-        if message == core.BOOTSTRAP:
-            self.send(self.on_bootstrap, r, d, message=message)
-        elif message == core.FINAL_WORD_MSG:
-            self.send(self.on_final_word, r, d, message=message)
-        elif message == core.CANCEL_MSG:
-            self.send(self.on_cancel, r, p, to_prefill=p, message=message)
-        elif message == commands.PAGE_TABLE:
-            self.send(self.on_table, r, p, to_prefill=p, message=message)
-        else:  # the client went away: the serving edge tells both workers
-            # The serving edge tells both workers at once: which notice lands first is
-            # the seed's choice (SimPy runs equal times in scheduling order).
-            notice_s = self.sc.timeouts.notice_delay_s
-            notices = [(self.want, r, "prefill", core.CLIENT_GONE), (self.offer_decode_abort, r)]
-            self.rng["reactions"].shuffle(notices)
-            for notice in notices:
-                self.later(notice_s, *notice)
-            self._answered(r)  # a closed-loop session moves on either way
-
-    def _queue(self, command: commands.Queue, p: int, d: int) -> None:
-        self.prefills[p].queue_request(command.request)
-
-    def _compute(self, command: commands.Compute, p: int, d: int) -> None:
-        self.prefills[p].compute(command.request)
-
-    def _post_write(self, command: commands.Post, p: int, d: int) -> None:
-        self.prefills[p].post(command.write)
-
-    def _arm_timer(self, command: commands.ArmTimer, p: int, d: int) -> None:
-        r = command.request
-        self.leases.armed(r, self.env.now)
-        self._schedule_timer(r, self._lease_due(r))
-
-    def _schedule_timer(self, r: int, at: float) -> None:
-        # The token is the timer's deadline in a list: a new timer is a new list (`is`).
-        # A deadline already past (the backstop of a request the prefill admitted before
-        # decode reserved, AdmitBeforeReserve) fires now.
-        token = self.timers[r] = [at]
-        self.later(max(at - self.env.now, 0.0), self._timer_fired, r, token)
-
-    def _lease_due(self, r: int) -> float:
-        """When r's transfer lease runs out, as decode knows it now (sim/lease.py). r waits
-        at its prefill while queued for admission or for the NIC to start its writes."""
-        p = self.cluster.placement[r][0]
-        return self.leases.due(r, p, self.env.now, self._waiting_at_prefill(r, p))
-
-    def _waiting_at_prefill(self, r: int, p: int) -> bool:
-        return self.cluster.rows[r][PST] == QUEUED or r in self.prefills[p].nic_waiting
-
-    def _renewed(self, r: int, kind: type) -> None:
-        """A sign of progress of r's prefill: its lease is renewed (a stored time, no
-        event); an Admit starts the backstop, which may come before the armed timer."""
-        now = self.env.now
-        admitted = kind is core.Admit
-        self.leases.renew(r, self.folder.last_placement[0], now, admitted,
-                          kind is core.SendPage)
-        if admitted:
-            token = self.timers.get(r)
-            backstop = now + self.sc.timeouts.transfer_timeout_s
-            if token is not None and token[0] > backstop:
-                self._schedule_timer(r, backstop)
-
-    def _timer_fired(self, r: int, token: object) -> None:
-        if self.timers.get(r) is not token:
-            return  # cancelled, or armed again since
-        due = self._lease_due(r)
-        if due > self.env.now + _LEASE_SLACK_S:
-            self._schedule_timer(r, due)  # renewed meanwhile: wait for the remainder
-            return
-        del self.timers[r]
-        hit = hits.writes_of_request(self.cluster, r)
-        if self.offer("Timeout", r):
-            self.fault_hits.fired("Timeout", hit)
-
-    def _cancel_timer(self, command: commands.CancelTimer, p: int, d: int) -> None:
-        self.timers.pop(command.request, None)
-
-    def _start_decoding(self, command: commands.StartDecoding, p: int, d: int) -> None:
-        self.decodes[d].start_decoding(command.request)
-
-    def _stop_decoding(self, command: commands.StopDecoding, p: int, d: int) -> None:
-        self.decodes[d].stop_decoding(command.request)
-
-    def _release_when_ready(self, command: commands.ReleaseWhenReady, p: int, d: int) -> None:
-        self.want(command.request, "decode", "Release")
-
-    def _pages_freed(self, command: commands.FreePages, p: int, d: int) -> None:
-        if command.pool == "decode":
-            self.decodes[d].kick_waiting()
-        else:
-            self.prefills[p].kick()
 
     def _drop(self, r: int, p: int) -> None:
         self.prefills[p].queue.forget(r)
         for table in (self.output, self.decoding, self.intents, self.nic_pending,
-                      self.send_page_events,
-                      self.held_until, self.timers):
+                      self.send_page_events, self.held_until):
             table.pop(r, None)
         self.all_posted.discard(r)
         self.tables_received.discard(r)
-        self.leases.forget(r)
-
-    def _answered(self, r: int) -> None:
-        waiter = self.session_waiters.pop(r, None)
-        if waiter is not None:
-            waiter.succeed()
+        self.clock.forget(r)
 
     # -- messages ---------------------------------------------------------------------------
-
-    def send(self, handler, r: int, worker: int, to_prefill: int = -1,
-             message: str = "") -> None:
-        """Deliver a message after latency, loss (retransmitted) and delay faults."""
-        f, rng = self.sc.faults, self.rng["links"]
-        delay = self.sc.link.message_latency_s
-        while f.message_loss_probability and rng.random() < f.message_loss_probability:
-            delay += f.retransmit_after_s
-            self.fault_hits.fired("MessageLoss", hits.stressful_message(message))
-        if f.message_delay_probability and rng.random() < f.message_delay_probability:
-            delay += rng.expovariate(1.0 / f.message_delay_mean_s) if f.message_delay_mean_s else 0
-            self.fault_hits.fired("MessageDelay", hits.stressful_message(message))
-        self.later(delay, self._deliver, handler, r, worker, to_prefill)
 
     def hold(self, r: int, seconds: float) -> None:
         """Delay everything of request r on the wire (writes, messages) until `seconds` from
@@ -508,18 +345,6 @@ class Simulation:
         self.later(until - self.env.now, fn, *args)
         return True
 
-    def _deliver(self, handler, r: int, worker: int, to_prefill: int) -> None:
-        if self.held_until and self._held(r, self._deliver, handler, r, worker, to_prefill):
-            return
-        back = (self.prefills[to_prefill].down_until if to_prefill >= 0
-                else self.decodes[worker].down_until)
-        if back and back > self.env.now:  # 0.0: the worker never went down
-            # A restarting worker gets its messages once it is back (the sender re-sends).
-            self.later(back - self.env.now, self._deliver, handler, r, worker, to_prefill)
-            return
-        if r in self.cluster.rows:
-            handler(r, worker)
-
     # -- prefill workers -----------------------------------------------------------------
 
     def _done_if_landed(self, r: int) -> None:
@@ -533,7 +358,7 @@ class Simulation:
         event = self.send_page_events.get(r)
         if event is None:  # one event per request: the same for each of its pages
             event = self.send_page_events[r] = core.SendPage(r)
-        return self.take(event, _count_refusal=False) is not None  # if the core enables it
+        return self.take(event, False) is not None  # if the core enables it
 
     def on_table(self, r: int, p: int) -> None:
         """Decode's page table reached the prefill: the request may be admitted now."""
@@ -568,7 +393,7 @@ class Simulation:
         placements = dict(self.cluster.placement)
         # The requests that wait at a crashing prefill keep what its progress renewed so far.
         waiting = ([r for r, (p, _) in placements.items() if p == worker
-                    and r in self.leases.requests and self._waiting_at_prefill(r, p)]
+                    and r in self.leases.requests and self.clock.waiting_at_prefill(r, p)]
                    if kind == "prefill" else [])
         self.depth += 1
         out = self.folder.apply(record)
@@ -583,12 +408,13 @@ class Simulation:
                 self.prefills[worker].restart(self.sc.faults.prefill_restart_s)
             else:
                 self.decodes[worker].restart(self.sc.faults.decode_restart_s)
+            handlers = self._handlers  # the one runtime's table (shell/runtime.py)
             for command in self.concurrent_order(out.commands):
-                self.carry_out(command, *placements[command.request])
+                handlers[type(command)](command, *placements[command.request])
             for r, _ in out.rows:
-                self._moved(r, placements[r][0])
+                self.moved(r, placements[r][0])
         self.depth -= 1
-        self._run_intents()
+        self.run_wants()
 
     # -- decode workers ---------------------------------------------------------------------
 
@@ -643,8 +469,7 @@ class Simulation:
             prompt, output = traced.prompt_tokens, max(1, traced.output_tokens)
         p, d = self.place()
         self.output[r] = output
-        answered = self.env.event()
-        self.session_waiters[r] = answered
+        answered = self.client.waiter(r)
         pages = -(-prompt // self.page_tokens)
         self.folder.last_placement = (p, d)
         if not self.offer("Arrive", r, prompt_pages=pages, p=p, d=d, out=output):

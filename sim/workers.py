@@ -70,7 +70,7 @@ class SimPrefill:
         sim.leases.compute_started(r, self.index, sim.env.now, compute_s)
         sim.later(compute_s, self._computed, r, self.epoch)
 
-    def post(self, write: tuple) -> None:
+    def post(self, write: tuple, d: int) -> None:
         """Post: the NIC takes a posted write. A SendPage may post any number of writes
         (one Post command each): they queue at the NIC in posting order and start while it
         has a slot (writes_in_flight_max), so the bound holds however many one decision
@@ -85,7 +85,7 @@ class SimPrefill:
             posted.append(write)
             self._start_writes()
 
-    def pages_freed(self) -> None:
+    def pages_freed(self, r: int) -> None:
         self.kick()
 
     # -- admission and compute --------------------------------------------------------------
@@ -196,7 +196,7 @@ class SimPrefill:
         landing = start + transfer_s + sim.sc.link.write_latency_s - now
         if slowed:  # a hit: the write lands after the lease, as it stands, runs out
             sim.fault_hits.fired("SlowLink", r in sim.timers
-                                 and now + landing > sim._lease_due(r))
+                                 and now + landing > sim.clock.lease_due(r))
         sim.later(landing, self._land, r, w[2], self.epoch)
 
     def _land(self, r: int, page: int, epoch: int) -> None:
@@ -255,7 +255,7 @@ class SimDecode:
         if sequence is not None:
             self.batch.stop(sequence)
 
-    def pages_freed(self) -> None:
+    def pages_freed(self, r: int) -> None:
         self.kick_waiting()
 
     # -- reservation ------------------------------------------------------------------------
