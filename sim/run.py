@@ -47,10 +47,9 @@ import time
 
 import simpy
 
-from shell.runtime import ShellRuntime
+from shell.runtime import ShellRuntime, carrier
 from spec import core
 from spec.core import Refusal
-from spec import commands
 from sim import crash as shell_crash, fault_hits as hits
 from sim.fold import RUN_END, Folder, LogFile, encode, replay, write_header
 from sim.scenario import Lengths, Scenario
@@ -287,15 +286,15 @@ class Simulation(ShellRuntime):
         if not todo:
             return todo
         first = todo[0]
-        group = (first.request, _carrier(first))
+        group = (first.request, carrier(first))
         for command in todo:
-            if (command.request, _carrier(command)) != group:
+            if (command.request, carrier(command)) != group:
                 break
         else:
             return todo  # one worker's commands (most decisions)
         groups: dict[tuple, list] = {}
         for command in todo:
-            groups.setdefault((command.request, _carrier(command)), []).append(command)
+            groups.setdefault((command.request, carrier(command)), []).append(command)
         turns = list(groups.values())
         if len(turns) == 2:  # the usual case, one draw instead of shuffle's
             if self.rng["reactions"].random() < 0.5:
@@ -552,25 +551,6 @@ class Simulation(ShellRuntime):
         print(f"  sim [{bar:<30}] {done:6.1%}  {m.settled:,}/{self.requests_total:,} requests, "
               f"{self.env.now:,.1f} s simulated, {self.folder.events / elapsed:,.0f} "
               f"events/s{eta}", file=sys.stderr, flush=True)
-
-
-# Who carries out a command (spec/commands.py): the worker whose turn it is. A message is
-# the sender's; freed pages the pool's owner.
-_SENDERS = {core.BOOTSTRAP: "router", core.FINAL_WORD_MSG: "prefill", core.CANCEL_MSG: "decode",
-            commands.PAGE_TABLE: "decode", core.CLIENT_GONE: "client"}
-_CARRIERS = {commands.Queue: "prefill", commands.Compute: "prefill", commands.Post: "prefill",
-             commands.ArmTimer: "decode", commands.CancelTimer: "decode",
-             commands.StartDecoding: "decode", commands.StopDecoding: "decode",
-             commands.ReleaseWhenReady: "decode", commands.Answer: "client"}
-
-
-def _carrier(command: commands.Command) -> str:
-    kind = type(command)
-    if kind is commands.Send:
-        return _SENDERS[command.message]
-    if kind is commands.FreePages:
-        return command.pool
-    return _CARRIERS[kind]
 
 
 def fault_free(sc: Scenario) -> bool:

@@ -125,6 +125,20 @@ def test_the_engine_changes_protocol_state_only_through_the_store():
     assert offenders == []
 
 
+def test_only_the_one_runtime_holds_a_handler_per_command():
+    """shell/runtime.py carries out the core's commands for every shell: no module of a
+    shell keys a table by a command type (the simulator and the engine each had one)."""
+    import re
+    names = "|".join(("Send", "Queue", "Compute", "Post", "ArmTimer", "CancelTimer",
+                      "StartDecoding", "StopDecoding", "ReleaseWhenReady", "Answer",
+                      "FreePages"))
+    keyed = re.compile(rf"\b\w+\.({names})\s*:\s*(self|lambda)")
+    offenders = [module_name(path) for package in SHELLS if package != "shell"
+                 for path in sources(package) if keyed.search(path.read_text())]
+    assert offenders == []
+    assert keyed.search((ROOT / "shell" / "runtime.py").read_text())  # the rule can fail
+
+
 def _only_reads(text: str, marker: str) -> bool:
     """True when every use of a subscript marker is a read (never `...] =`)."""
     if not marker.endswith("["):
