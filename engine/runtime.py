@@ -27,9 +27,11 @@ the placement is the store's own, `Store.placement`) and from then on every comm
 that request goes to the workers of its pair. All workers run in this one loop, in turn;
 the pools, batches and transport are theirs.
 
-Where the parts live: this module holds the configuration, the one path into the core
-(`take`), the client's side (`arrive`, `abort`), the command handlers and what a server
-or a test looks at; `Runtime` also has the loop and its data-path steps (engine/loop.py),
+Where the parts live: this module holds the configuration, the runtime's hooks into the
+one runtime (shell/runtime.py holds the path into the core, `take_event`, and the one
+handler table of the core's commands, shared with the simulator; engine/adapters.py is the
+engine's side of its interfaces: workers, messages, clock, clients, log), the client's side
+(`arrive`, `abort`) and what a server or a test looks at; `Runtime` also has the loop and its data-path steps (engine/loop.py),
 the delivery of messages and the admission queue (engine/delivery.py), and streams tokens
 through engine/streaming.py (`Live`, the held-back text at a possible stop string).
 

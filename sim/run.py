@@ -8,21 +8,25 @@ logs it): the core accepts it, and the change is committed, logged and checked b
 oracles, or refuses it with a reason (nothing changes; the refusal is counted by reason).
 Components offer only what the core enables (`core.consumer` maps an arriving message to
 the action that consumes it, `core.is_enabled` answers for a timer or a fault), so a
-refusal is a real race. An accepted decision comes with the commands the shell carries out
-(spec/commands.py), each by its type:
+refusal is a real race. The path into the core and the carrying-out of its commands are
+the one runtime's (shell/runtime.py, shared with the engine: `Simulation` is a
+`ShellRuntime`); an accepted decision's commands (spec/commands.py) go, each by its type,
+to the simulated side of its interfaces (shell/interfaces.py):
 
-- Send: a message (bootstrap, final word, cancel, page table, client gone) is delivered
-  after the link's latency, with loss (retransmitted) and extra delay as faults; on
-  delivery the receiving worker takes the action `core.consumer` names;
-- Queue: the request waits in its prefill worker's FIFO; at its head the worker offers
-  Reject, or Admit with pages from the store's allocator; Compute: the worker computes for
-  prompt/throughput seconds, then posts one write per page (SendPage), and each Post is
-  carried by the NIC (bounded in-flight writes, bandwidth-serialised) and lands later
-  (LandWrite); the prefill offers SendDone when its NIC reports the request's last write;
-- ArmTimer / CancelTimer: decode's transfer timer, a lease that the prefill's progress
-  renews, with a backstop from the Admit (sim/lease.py); StartDecoding / StopDecoding:
-  continuous batching, one step per batch, its time a function of batch size and context;
-  the last token offers Finish;
+- Send: a message (bootstrap, final word, cancel, page table) crosses the link
+  (sim/link.py) after its latency, with loss (retransmitted) and extra delay as faults; on
+  delivery the receiving worker takes the action `core.consumer` names; client gone goes
+  to the clients (sim/clients.py), which notify both workers;
+- Queue: the request waits in its prefill worker's FIFO (sim/workers.py, `SimPrefill`); at
+  its head the worker offers Reject, or Admit with pages from the store's allocator;
+  Compute: the worker computes for prompt/throughput seconds, then posts one write per page
+  (SendPage), and each Post is carried by its NIC (bounded in-flight writes,
+  bandwidth-serialised) and lands later (LandWrite); the prefill offers SendDone when its
+  NIC reports the request's last write;
+- ArmTimer / CancelTimer: decode's transfer timer (sim/clock.py), a lease that the
+  prefill's progress renews, with a backstop from the Admit (sim/lease.py);
+  StartDecoding / StopDecoding: continuous batching (`SimDecode`), one step per batch, its
+  time a function of batch size and context; the last token offers Finish;
 - ReleaseWhenReady, and a message that arrives before its action is enabled (a cancel
   while writes are in flight): an *intent*, taken as soon as the core enables it;
 - Answer: the client has its answer; FreePages: whoever waits for pages is woken.
