@@ -56,8 +56,8 @@ from spec import core
 from spec.core import Refusal
 from sim import crash as shell_crash, fault_hits as hits
 from sim.fold import RUN_END, Folder, LogFile, encode, replay, write_header
-from sim.scenario import Lengths, Scenario
-from sim.clients import SimClients
+from sim.scenario import Scenario
+from sim.clients import SimClients, sample_tokens  # noqa: F401  (bench/ imports it here)
 from sim.clock import SimClock
 from sim.link import SimLink
 from sim.workers import SimDecode, SimPrefill
@@ -66,19 +66,6 @@ from sim.workload import TraceRequest, load_workload  # noqa: F401  (TraceReques
 
 class StopSimulation(Exception):
     """An oracle found a violation and the scenario asks to stop."""
-
-
-def sample_tokens(rng: random.Random, lengths: Lengths) -> int:
-    kind = lengths.distribution
-    if kind == "fixed":
-        value = lengths.median_tokens
-    elif kind == "uniform":
-        value = rng.uniform(lengths.min_tokens, lengths.max_tokens)
-    elif kind == "lognormal":
-        value = lengths.median_tokens * math.exp(lengths.sigma * rng.gauss(0.0, 1.0))
-    else:  # pareto with the given median
-        value = lengths.median_tokens / 2 ** (1 / lengths.alpha) * rng.paretovariate(lengths.alpha)
-    return min(lengths.max_tokens, max(lengths.min_tokens, int(round(value))))
 
 
 class Simulation(ShellRuntime):
@@ -463,13 +450,7 @@ class Simulation(ShellRuntime):
             return None
         r = self.next_request
         self.next_request += 1
-        lengths = self.rng["lengths"]
-        prompt = sample_tokens(lengths, self.sc.workload.prompt)
-        if prompt_pages is not None:
-            prompt = prompt_pages * self.page_tokens
-        output = sample_tokens(lengths, self.sc.workload.output)
-        if traced is not None:
-            prompt, output = traced.prompt_tokens, max(1, traced.output_tokens)
+        prompt, output = self.client.lengths(prompt_pages, traced)
         p, d = self.place()
         self.output[r] = output
         answered = self.client.waiter(r)
@@ -477,16 +458,8 @@ class Simulation(ShellRuntime):
         self.folder.last_placement = (p, d)
         if not self.offer("Arrive", r, prompt_pages=pages, p=p, d=d, out=output):
             raise AssertionError(f"the core refused the arrival of request {r}")
-        f = self.sc.faults
-        if f.client_abort_probability and self.rng["faults"].random() < f.client_abort_probability:
-            self.later(self.rng["faults"].uniform(0, f.client_abort_within_s), self._abort, r)
+        self.client.may_abort(r)
         return answered
-
-    def _abort(self, r: int) -> None:
-        if r in self.cluster.rows:
-            hit = hits.in_transfer(self.cluster, r)
-            if self.offer_if_enabled("Abort", r):
-                self.fault_hits.fired("ClientAbort", hit)
 
     def _prefill_fail(self, r: int) -> None:
         if r in self.cluster.rows:
@@ -494,42 +467,10 @@ class Simulation(ShellRuntime):
             if self.offer_if_enabled("PrefillFail", r):
                 self.fault_hits.fired("PrefillFail", hit)
 
-    def replay_trace(self):
-        """Arrivals, prompts and outputs as the workload's trace file has them."""
-        for delay_s, request in self.trace.arrivals():
-            if self.next_request >= self.requests_total:
-                return
-            yield self.env.timeout(delay_s)
-            self.new_request(traced=request)
-
-    def open_loop(self):
-        w, rng = self.sc.workload, self.rng["arrivals"]
-        burst = w.burst_size if w.arrival == "bursty" else 1
-        while self.next_request < self.requests_total:
-            yield self.env.timeout(rng.expovariate(w.rate_per_s / burst))
-            for _ in range(burst):
-                self.new_request()
-
-    def session(self):
-        w, rng = self.sc.workload, self.rng["arrivals"]
-        while True:
-            answered = self.new_request()
-            if answered is None:
-                return
-            yield answered
-            if w.think_time_s:
-                yield self.env.timeout(rng.expovariate(1.0 / w.think_time_s))
-
     # -- running ----------------------------------------------------------------------------
 
     def run(self) -> None:
-        if self.trace is not None:
-            self.env.process(self.replay_trace())
-        elif self.sc.workload.arrival == "closed":
-            for _ in range(min(self.sc.workload.sessions, self.requests_total)):
-                self.env.process(self.session())
-        else:
-            self.env.process(self.open_loop())
+        self.client.start()
         f, c = self.sc.faults, self.sc.cluster
         if f.prefill_crash_rate_per_s:
             for p in range(c.prefill_workers):
