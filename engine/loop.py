@@ -132,7 +132,7 @@ class Loop:
         return bool(results)
 
     def _timers(self) -> bool:
-        now = self.clock()
+        now = self.clock.read()
         due = [r for r, at in self.timers.items() if at <= now]
         for r in due:
             del self.timers[r]

@@ -27,9 +27,11 @@ the placement is the store's own, `Store.placement`) and from then on every comm
 that request goes to the workers of its pair. All workers run in this one loop, in turn;
 the pools, batches and transport are theirs.
 
-Where the parts live: this module holds the configuration, the one path into the core
-(`take`), the client's side (`arrive`, `abort`), the command handlers and what a server
-or a test looks at; `Runtime` also has the loop and its data-path steps (engine/loop.py),
+Where the parts live: this module holds the configuration, the runtime's hooks into the
+one runtime (shell/runtime.py holds the path into the core, `take_event`, and the one
+handler table of the core's commands, shared with the simulator; engine/adapters.py is the
+engine's side of its interfaces: workers, messages, clock, clients, log), the client's side
+(`arrive`, `abort`) and what a server or a test looks at; `Runtime` also has the loop and its data-path steps (engine/loop.py),
 the delivery of messages and the admission queue (engine/delivery.py), and streams tokens
 through engine/streaming.py (`Live`, the held-back text at a possible stop string).
 
@@ -63,18 +65,20 @@ from typing import Callable
 
 import torch
 
-from engine.delivery import GONE_DECODE, GONE_PREFILL, RELEASE, Delivery
+from engine.adapters import (EngineDecode, EnginePrefill, InProcessMessages, MemoryLog,
+                             ServingClients, WallClock)
+from engine.delivery import RELEASE, Delivery
 from engine.eventlog import LOG_FORMAT
-from engine.generate import Request, pages_needed
+from engine.generate import pages_needed
 from engine.loop import Loop
 from engine.model import LlamaModel
 from engine.pool import PoolConfig
 from engine.service import Finished, GenerationRequest, PoolSnapshot, RequestSnapshot
 from engine.streaming import Live
-from engine.transport import InProcessTransport, PageWrite
+from engine.transport import InProcessTransport
 from engine.workers import DecodeWorker, PrefillWorker
-from spec import codec, core
-from spec import commands as cmd
+from shell.runtime import ShellRuntime
+from spec import core
 from spec.core import Refusal
 from spec.model import Model, ProtocolConfig
 from spec.store import Store
@@ -122,13 +126,15 @@ class RuntimeConfig:
                               self.bugs)
 
 
-class Runtime(Loop, Delivery):
+class Runtime(ShellRuntime, Loop, Delivery):
     """Single-threaded: call `arrive`, `abort` and `step` from one thread (the threaded
-    engine in engine/serving.py does)."""
+    engine in engine/serving.py does). The path into the core and the command handlers
+    are the one runtime's (shell/runtime.py); the engine's worlds behind its interfaces
+    are engine/adapters.py."""
 
     def __init__(self, model: LlamaModel, config: RuntimeConfig = RuntimeConfig(),
                  tokenizer=None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.model, self.config, self.tokenizer, self.clock = model, config, tokenizer, clock
+        self.model, self.config, self.tokenizer = model, config, tokenizer
         self.core_model = Model.for_shell(config.protocol(), config.context_pages,
                                           name="engine", crashes=False, decode_crashes=False)
         self.store = Store(self.core_model, config.prefill_workers, config.decode_workers)
@@ -142,10 +148,15 @@ class Runtime(Loop, Delivery):
         self.transport = InProcessTransport([w.pool for w in self.prefills],
                                             [w.pool for w in self.decodes],
                                             config.lands_per_step, config.transport_seed)
+        # The one runtime's interfaces (shell/interfaces.py), real side.
+        self.clock = WallClock(clock, config)
+        self.prefill_at = [EnginePrefill(self, k) for k in range(config.prefill_workers)]
+        self.decode_at = [EngineDecode(self, k) for k in range(config.decode_workers)]
+        self.link = InProcessMessages(self)
+        self.client = ServingClients(self)
+        self.event_log = MemoryLog(self)
         self._turn = 0  # the router's tie-break
         self.live: dict[int, Live] = {}
-        self.timers: dict[int, float] = {}  # request -> when its lease lapses
-        self.admitted_at: dict[int, float] = {}  # request -> when its prefill admitted it
         self.recent: list[Live] = []
         self.log: list[dict] = []
         # The leak oracle's evidence (config.keep_kv): per request, the prompt KV its prefill
@@ -153,49 +164,51 @@ class Runtime(Loop, Delivery):
         # [tokens, layers, 2, kv_heads, dim] copied out of the pools.
         self.prompt_kv: dict[int, torch.Tensor] = {}
         self.read_kv: dict[int, torch.Tensor] = {}
-        self.started = clock()
         self.next_id = 0
         self.on_commit: Callable | None = None  # fuzzers: (event, change) after each commit
         self.counts = {"guard_trips": {}, "refusals": {}, "rejects": {}, "outcomes": {}}
-        self._handlers = {
-            cmd.Send: self._send, cmd.Queue: self._queue, cmd.Compute: self._compute,
-            cmd.Post: self._post, cmd.ArmTimer: self._arm_timer,
-            cmd.CancelTimer: self._cancel_timer, cmd.StartDecoding: self._start_decoding,
-            cmd.StopDecoding: self._stop_decoding,
-            cmd.ReleaseWhenReady: lambda c: self._want(c.request, RELEASE),
-            cmd.Answer: self._answer, cmd.FreePages: self._pages_freed,
-        }
+        self._start_runtime()
 
-    # -- the one path into the core ------------------------------------------------------
+    # -- the one path into the core (shell/runtime.py) and its hooks ----------------------
 
     def take(self, r: int, event: core.Event) -> core.Change | None:
         """The core decides; an accepted event is logged and its commands carried out."""
-        out = self.store.take(r, event)
-        if type(out) is Refusal:
-            reasons = self.counts["refusals"]
-            reasons[out.reason] = reasons.get(out.reason, 0) + 1
-            return None
-        now = self.clock() - self.started
-        if self.config.log_records_max and len(self.log) < self.config.log_records_max:
-            record = {"t": round(now, 6), **codec.encode(event)}
-            if type(event) is core.Arrive:
-                record["p"], record["d"] = self.store.placement[r]
-            self.log.append(record)
-        live = self.live.get(r)
-        if live is not None:
-            live.timeline.append((now, event.label()))
-        if self.on_commit is not None:
-            self.on_commit(event, out)
-        for command in out.commands:
-            self._handlers[type(command)](command)
-        if type(event) in core.LEASE_RENEWALS:  # a chunk computed renews too (loop.py)
-            if type(event) is core.Admit:
-                self.admitted_at[r] = self.clock()
-            self.renew(r)
+        assert event.request == r, (r, event)
+        return self.take_event(event)
+
+    def refused(self, refusal: Refusal) -> None:
+        reasons = self.counts["refusals"]
+        reasons[refusal.reason] = reasons.get(refusal.reason, 0) + 1
+
+    def commit(self, now: float, r: int, change: core.Change,
+               event: core.Event) -> tuple[int, int]:
+        store = self.store
+        store.check_observation(r, event)
+        store.commit(r, change)
+        return store.placement[r]
+
+    def moved(self, r: int, p: int) -> None:
         row = self.store.rows.get(r)
         if row is not None and core.settled(row):
             self._forget(r)
-        return out
+
+    def want(self, r: int, worker: str, what: str) -> None:
+        assert what == "Release", what  # the one want the runtime's commands name
+        self._want(r, RELEASE)
+
+    @property
+    def timers(self) -> dict[int, float]:
+        """request -> when its lease lapses (the clock's; the loop polls them)."""
+        return self.clock.timers
+
+    @property
+    def admitted_at(self) -> dict[int, float]:
+        """request -> when its prefill admitted it (the clock's: the lease's backstop)."""
+        return self.clock.admitted_at
+
+    def renew(self, r: int) -> None:
+        """Progress from r's prefill that is no event (a chunk computed, engine/loop.py)."""
+        self.clock.renew(r)
 
     def _view(self, r: int):
         return self.store.view(r)
@@ -249,10 +262,8 @@ class Runtime(Loop, Delivery):
         n = pages_needed(len(request.prompt_ids), request.sampling.max_tokens,
                          self.config.page_tokens)
         p, d = self.place()
-        self.live[r] = Live(r, request, on_event, n, self.clock())
-        self.store.arrive(r, p, d)
-        if self.take(r, core.Arrive(r, n)) is None:
-            self.store.withdraw(r)
+        self.live[r] = Live(r, request, on_event, n, self.clock.read())
+        if self.take_arrival(core.Arrive(r, n), p, d) is None:
             self._finished(self.live.pop(r), "ErrTooLong", detail="the core refused Arrive")
         return r
 
@@ -269,86 +280,6 @@ class Runtime(Loop, Delivery):
         live = self.live.get(r)
         if live is not None:
             live.wants.add(what)
-
-    def _send(self, c: cmd.Send) -> None:
-        r, message = c.request, c.message
-        if message == cmd.PAGE_TABLE:
-            pass  # in-process it reaches the prefill with the Reserve; admission asks the core
-        elif message == core.CLIENT_GONE:
-            self._want(r, GONE_PREFILL)
-            self._want(r, GONE_DECODE)
-            live = self.live[r]
-            self._finished(live, "Gone", detail=live.detail or "the client went away")
-        else:
-            self._want(r, message)
-
-    def _queue(self, c: cmd.Queue) -> None:
-        self.prefill_of(c.request).queue.append(c.request)
-
-    def _compute(self, c: cmd.Compute) -> None:
-        r = c.request
-        live = self.live[r]
-        request = Request(r, live.request.prompt_ids, live.request.sampling)
-        self.prefill_of(r).start(request, self._row(r)[core.SRC])
-
-    def _post(self, c: cmd.Post) -> None:
-        r, source, page, tag = c.write
-        p, d = self.store.placement[r]
-        self.transport.post(PageWrite(r, source, page, tag, self.prefills[p].checksum(source),
-                                      p, d))
-
-    def _arm_timer(self, c: cmd.ArmTimer) -> None:
-        stopwatch = "StopwatchTimeout" in self.config.bugs
-        self.timers[c.request] = self.clock() + (
-            self.config.transfer_timeout_s if stopwatch else self.config.lease_s)
-
-    def renew(self, r: int) -> None:
-        """Progress from r's prefill: its lease runs lease_s from now, but never past
-        transfer_timeout_s after its Admit. In one process the renewal is a call; between
-        processes it is a message from the prefill like any other."""
-        if r not in self.timers or "StopwatchTimeout" in self.config.bugs:
-            return
-        now = self.clock()
-        lapse = now + self.config.lease_s
-        admitted = self.admitted_at.get(r)
-        if admitted is not None:
-            lapse = min(lapse, admitted + self.config.transfer_timeout_s)
-        self.timers[r] = lapse
-
-    def _cancel_timer(self, c: cmd.CancelTimer) -> None:
-        self.timers.pop(c.request, None)
-
-    def _start_decoding(self, c: cmd.StartDecoding) -> None:
-        r = c.request
-        live = self.live[r]
-        token, logits, generator = live.first
-        request = Request(r, live.request.prompt_ids, live.request.sampling)
-        live.sequence = self.decode_of(r).start(request, self._row(r)[core.TABLE], generator)
-        self._next_token(live, token, logits)
-
-    def _stop_decoding(self, c: cmd.StopDecoding) -> None:
-        self.decode_of(c.request).stop(c.request)
-
-    def _pages_freed(self, c: cmd.FreePages) -> None:
-        """Source pages came back (Done, an abort, or SourceReuse's early free): nothing
-        may compute into them for this request any more. Freed decode pages need nothing:
-        waiting bootstraps retry their Reserve on the next step."""
-        if c.pool == "prefill":
-            self.prefill_of(c.request).stop(c.request)
-
-    def _answer(self, c: cmd.Answer) -> None:
-        live = self.live[c.request]
-        if c.outcome == "ErrTag":
-            live.guard = "tag"
-        elif c.outcome == "ErrTransfer":
-            live.guard = "count" if live.count_sent != live.pages else "checksum"
-        if live.guard:
-            trips = self.counts["guard_trips"]
-            trips[live.guard] = trips.get(live.guard, 0) + 1
-        if c.outcome == "ErrTooLong":
-            rejects = self.counts["rejects"]
-            rejects["too long"] = rejects.get("too long", 0) + 1
-        self._finished(live, c.outcome)
 
     def _finished(self, live: Live, outcome: str, detail: str = "") -> None:
         if live.outcome is not None:
@@ -367,8 +298,7 @@ class Runtime(Loop, Delivery):
         p, d = self.store.placement[r]
         self.store.forget(r)
         live = self.live.pop(r, None)
-        self.timers.pop(r, None)
-        self.admitted_at.pop(r, None)
+        self.clock.forget(r)
         self.prefills[p].stop(r)
         self.decodes[d].stop(r)
         if live is not None:

@@ -209,7 +209,7 @@ class SimTarget(Target):
     def _in_last_step(self, r: int) -> bool:
         """Whether r's answer ends with the decode step under way (r joined the batch at
         step JOINED and needs WANTED steps)."""
-        sequence, batch = self.sim.decoding.get(r), self.sim.batches[0]
+        sequence, batch = self.sim.decoding.get(r), self.sim.decodes[0].batch
         return (sequence is not None and sequence[JOINED] is not None and batch.stepping
                 and batch.steps + 1 == sequence[JOINED] + max(1, sequence[WANTED]))
 
@@ -228,7 +228,7 @@ class SimTarget(Target):
             raise AssertionError(f"the simulator ran {SIM_STEPS_PER_WAIT_MAX} steps before "
                                  f"{event.label(self.model)}'s last decode step")
         if self._in_last_step(r):
-            now, ends = sim.env.now, sim.batches[0].step_ends_s
+            now, ends = sim.env.now, sim.decodes[0].batch.step_ends_s
             self._run_until(now + (ends - now) * event.at_permille / 1000)
         sim.offer_if_enabled("Abort", r)  # if its client still waits
 
@@ -409,15 +409,15 @@ class SimTarget(Target):
                 f"pending; the core has {n} in flight")
         limit = self.scenario.link.writes_in_flight_max
         for p in range(self.workers):
-            in_flight = sim.nic_in_flight[p]
-            on_nic = in_flight + len(sim.nic_posted[p])
+            in_flight = sim.prefills[p].nic_in_flight
+            on_nic = in_flight + len(sim.prefills[p].nic_posted)
             assert 0 <= in_flight <= limit, (
                 f"prefill {p + 1}'s NIC has {in_flight} writes in flight (at most {limit})")
             assert core_writes[p] <= on_nic <= core_writes[p] + self._flushed_on_nic[p], (
                 f"prefill {p + 1}'s NIC carries {on_nic} writes; the core has "
                 f"{core_writes[p]} of its requests in flight, and a decode crash flushed "
                 f"{self._flushed_on_nic[p]} more since the worker last restarted")
-        batch, rows = sim.batches[0], self.cluster.rows
+        batch, rows = sim.decodes[0].batch, self.cluster.rows
         assert 0 <= batch.size <= self.scenario.cluster.decode_batch_max, (
             f"the decode batch holds {batch.size} sequences")
         decoding = {r for r, row in rows.items() if row[core.DST] == core.DECODING}

@@ -72,6 +72,7 @@ class DecodeBatch:
         self.size -= 1
         self.context_tokens -= sequence[PROMPT_CONTEXT] + self.steps - sequence[JOINED]
         sequence[JOINED] = None
+        assert self.size >= 0 and self.context_tokens >= 0, "a sequence left the batch twice"
 
     def step(self) -> tuple[list, list]:
         """A step ended: every sequence has one more token. Returns the sequences that emit

@@ -171,6 +171,21 @@ def encode(record: dict) -> str:
     return json.dumps(record, separators=(",", ":"))
 
 
+class LogFile:
+    """A live run's event log (the one runtime's `event_log`, shell/runtime.py): one record
+    per committed event, an Arrive with the shell's facts beside it (placement p, d and
+    output length out, looked up with `output_of(r)`), which `Folder.apply` reads back."""
+
+    def __init__(self, out, output_of) -> None:
+        self.out, self.output_of = out, output_of
+
+    def record(self, now: float, event: core.Event, p: int, d: int) -> None:
+        record = {"t": now, **codec.encode(event)}
+        if type(event) is core.Arrive:
+            record.update(p=p, d=d, out=self.output_of(event.request))
+        self.out.write(encode(record) + "\n")
+
+
 def read_log(path: str | Path):
     """The scenario and the records of a log file."""
     try:

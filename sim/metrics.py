@@ -143,6 +143,7 @@ class Metrics:
 
     def forget(self, r: int) -> None:
         self.settled += 1
+        assert self.settled <= self.arrived, f"request {r} settled twice"
         self.arrival_s.pop(r, None)
         self.first_token_s.pop(r, None)
         self.output_tokens.pop(r, None)

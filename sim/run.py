@@ -8,21 +8,25 @@ logs it): the core accepts it, and the change is committed, logged and checked b
 oracles, or refuses it with a reason (nothing changes; the refusal is counted by reason).
 Components offer only what the core enables (`core.consumer` maps an arriving message to
 the action that consumes it, `core.is_enabled` answers for a timer or a fault), so a
-refusal is a real race. An accepted decision comes with the commands the shell carries out
-(spec/commands.py), each by its type:
+refusal is a real race. The path into the core and the carrying-out of its commands are
+the one runtime's (shell/runtime.py, shared with the engine: `Simulation` is a
+`ShellRuntime`); an accepted decision's commands (spec/commands.py) go, each by its type,
+to the simulated side of its interfaces (shell/interfaces.py):
 
-- Send: a message (bootstrap, final word, cancel, page table, client gone) is delivered
-  after the link's latency, with loss (retransmitted) and extra delay as faults; on
-  delivery the receiving worker takes the action `core.consumer` names;
-- Queue: the request waits in its prefill worker's FIFO; at its head the worker offers
-  Reject, or Admit with pages from the store's allocator; Compute: the worker computes for
-  prompt/throughput seconds, then posts one write per page (SendPage), and each Post is
-  carried by the NIC (bounded in-flight writes, bandwidth-serialised) and lands later
-  (LandWrite); the prefill offers SendDone when its NIC reports the request's last write;
-- ArmTimer / CancelTimer: decode's transfer timer, a lease that the prefill's progress
-  renews, with a backstop from the Admit (sim/lease.py); StartDecoding / StopDecoding:
-  continuous batching, one step per batch, its time a function of batch size and context;
-  the last token offers Finish;
+- Send: a message (bootstrap, final word, cancel, page table) crosses the link
+  (sim/link.py) after its latency, with loss (retransmitted) and extra delay as faults; on
+  delivery the receiving worker takes the action `core.consumer` names; client gone goes
+  to the clients (sim/clients.py), which notify both workers;
+- Queue: the request waits in its prefill worker's FIFO (sim/workers.py, `SimPrefill`); at
+  its head the worker offers Reject, or Admit with pages from the store's allocator;
+  Compute: the worker computes for prompt/throughput seconds, then posts one write per page
+  (SendPage), and each Post is carried by its NIC (bounded in-flight writes,
+  bandwidth-serialised) and lands later (LandWrite); the prefill offers SendDone when its
+  NIC reports the request's last write;
+- ArmTimer / CancelTimer: decode's transfer timer (sim/clock.py), a lease that the
+  prefill's progress renews, with a backstop from the Admit (sim/lease.py);
+  StartDecoding / StopDecoding: continuous batching (`SimDecode`), one step per batch, its
+  time a function of batch size and context; the last token offers Finish;
 - ReleaseWhenReady, and a message that arrives before its action is enabled (a cancel
   while writes are in flight): an *intent*, taken as soon as the core enables it;
 - Answer: the client has its answer; FreePages: whoever waits for pages is woken.
@@ -44,45 +48,27 @@ import random
 import re
 import sys
 import time
-from collections import deque
 
 import simpy
 
+from shell.runtime import ShellRuntime, carrier
 from spec import core
-from spec.core import PROMPT, PST, QUEUED, SRC, Refusal
-from spec import codec, commands
+from spec.core import Refusal
 from sim import crash as shell_crash, fault_hits as hits
-from sim.decode_batch import DecodeBatch
-from sim.prefill_queue import PrefillQueue
-from sim.fold import FIRST_TOKEN, RUN_END, Folder, encode, replay, write_header
-from sim.lease import Leases
-from sim.scenario import Lengths, Scenario
+from sim.fold import RUN_END, Folder, LogFile, encode, replay, write_header
+from sim.scenario import Scenario
+from sim.clients import SimClients, sample_tokens  # noqa: F401  (bench/ imports it here)
+from sim.clock import SimClock
+from sim.link import SimLink
+from sim.workers import SimDecode, SimPrefill
 from sim.workload import TraceRequest, load_workload  # noqa: F401  (TraceRequest: a type)
-
-
-# Simulated seconds within which a lease counts as run out when its timer fires (float
-# rounding must not re-arm a timer for a remainder the clock cannot represent).
-_LEASE_SLACK_S = 1e-9
 
 
 class StopSimulation(Exception):
     """An oracle found a violation and the scenario asks to stop."""
 
 
-def sample_tokens(rng: random.Random, lengths: Lengths) -> int:
-    kind = lengths.distribution
-    if kind == "fixed":
-        value = lengths.median_tokens
-    elif kind == "uniform":
-        value = rng.uniform(lengths.min_tokens, lengths.max_tokens)
-    elif kind == "lognormal":
-        value = lengths.median_tokens * math.exp(lengths.sigma * rng.gauss(0.0, 1.0))
-    else:  # pareto with the given median
-        value = lengths.median_tokens / 2 ** (1 / lengths.alpha) * rng.paretovariate(lengths.alpha)
-    return min(lengths.max_tokens, max(lengths.min_tokens, int(round(value))))
-
-
-class Simulation:
+class Simulation(ShellRuntime):
     def __init__(self, scenario: Scenario, *, log=None, progress: bool = False,
                  model=None, on_commit=None) -> None:
         self.sc = scenario
@@ -91,12 +77,15 @@ class Simulation:
         # Called as on_commit(event, change) after the core accepts a request's event and
         # the change is committed, before anyone reacts (the fuzzer watches reads here).
         self.on_commit = on_commit
-        self.on_refusal = None  # called with every counted Refusal of take() (the fuzzer's audit)
+        self.on_refusal = None  # called with each counted refusal (the fuzzer's audit)
         self.cluster = self.folder.cluster
         self.model = self.folder.model
         self.log = log
         if log is not None:
             write_header(log, scenario)
+        # The one runtime's interfaces (shell/interfaces.py), simulated side.
+        self.core_model, self.store = self.model, self.cluster
+        self.event_log = LogFile(log, self.output_of) if log is not None else None
         self.progress = progress
         seed = scenario.seed
         self.rng = {k: random.Random(f"{seed}:{k}") for k in
@@ -109,37 +98,21 @@ class Simulation:
         self.refusals: dict[str, int] = {}
         self.fault_hits = hits.FaultHits()  # how often each fault struck its target state
         self.violations_seen = 0
-        # Prefill workers.
-        self.prefill_queue = [PrefillQueue() for _ in range(c.prefill_workers)]
-        self.prefill_busy = [False] * c.prefill_workers
-        self.prefill_epoch = [0] * c.prefill_workers
-        self.prefill_down_until = [0.0] * c.prefill_workers
-        self.nic_in_flight = [0] * c.prefill_workers
-        self.nic_free_at = [0.0] * c.prefill_workers
-        self.nic_waiting = [deque() for _ in range(c.prefill_workers)]
-        self.nic_posted = [deque() for _ in range(c.prefill_workers)]  # writes awaiting a slot
+        # The workers (sim/workers.py), each with its own queue, epoch and NIC or batch.
+        self.prefills = self.prefill_at = [SimPrefill(self, k) for k in range(c.prefill_workers)]
+        self.decodes = self.decode_at = [SimDecode(self, k) for k in range(c.decode_workers)]
         self.nic_pending: dict[int, int] = {}   # request -> its writes still in flight
         self.send_page_events: dict[int, core.SendPage] = {}
         self.all_posted: set[int] = set()       # requests whose every page is posted
-        # Decode workers.
-        self.decode_waiting = [deque() for _ in range(c.decode_workers)]
-        self.decode_down_until = [0.0] * c.decode_workers
-        self.batches = [DecodeBatch() for _ in range(c.decode_workers)]
         # Per live request (dropped when it settles).
         self.output = {}
         self.decoding = {}  # request -> its sequence in a decode batch
         self.intents: dict[int, list[tuple[str, str]]] = {}
-        self.timers: dict[int, object] = {}  # request -> its armed transfer timer's token
-        self.timer_callbacks_pending = 0  # of `pending`: transfer timers, live or superseded
-        t = scenario.timeouts
-        self.leases = Leases(t.lease_s, t.transfer_timeout_s,
-                             scenario.compute.prefill_chunk_tokens
-                             / scenario.compute.prefill_tokens_per_s, c.prefill_workers)
+        self.clock = SimClock(self)
+        self.timers, self.leases = self.clock.timers, self.clock.leases
         self.tables_received: set[int] = set()  # requests whose page table reached the prefill
-        self._handlers = self._make_handlers()
-        self.dirty: list[int] = []
-        self.depth = 0
-        self.session_waiters = {}
+        self.client = SimClients(self)
+        self._start_runtime()
         # request -> simulated time before which nothing of it arrives (hold())
         self.held_until: dict[int, float] = {}
         self.round_robin = [0, 0]
@@ -156,6 +129,7 @@ class Simulation:
         # sweep's and the progress line's), so the step after every event asks one modulo.
         # Bound once: SimPy's env.timeout builds a bound method on every attribute access.
         self._timeout, self._fire_callback = self.env.timeout, self._fire
+        self.link = SimLink(self)
         self.check_every_events = math.gcd(scenario.oracles.sweep_every_events,
                                            2048 if progress else 0) or 2**62
 
@@ -172,29 +146,23 @@ class Simulation:
             return None  # settled and forgotten: a late timer or message
         return self.take(self._event(action, r, args), _count_refusal)
 
-    def take(self, event: core.Event, _count_refusal: bool = True) -> core.Change | None:
-        """`offer` for an event already built (the per-page events, on the hot path: no
-        keyword arguments to pack and unpack); its request must still be live."""
-        r = event.request
-        # The core decides first, so that a refusal costs no record and no fold.
-        out = core.decide(self.model, self.cluster.view(r), event)  # store.decide, inlined
-        if type(out) is Refusal:
-            if _count_refusal:
-                self._refused(out)
-                if self.on_refusal is not None:
-                    self.on_refusal(out)
-            return None
-        self.depth += 1
-        now = self.env.now
-        self.folder.accept(now, r, out, event)
-        if self.log is not None:
-            self.log.write(encode({"t": now, **codec.encode(event)}) + "\n")
-        if type(event) in core.LEASE_RENEWALS:
-            self._renewed(r, type(event))
-        if self.on_commit is not None:
-            self.on_commit(event, out)
-        self._after(r, out)
-        return out
+    # `take(event, count_refusal=True)`: the one runtime's path (shell/runtime.py), for an
+    # event already built (the per-page events, on the hot path: no keyword arguments to
+    # pack and unpack); its request must still be live.
+    take = ShellRuntime.take_event
+
+    def output_of(self, r: int) -> int:
+        return self.output[r]
+
+    def commit(self, now: float, r: int, change: core.Change,
+               event: core.Event) -> tuple[int, int]:
+        """The Folder commits and folds the change into the metrics (an Arrive's facts
+        first: its output length)."""
+        folder = self.folder
+        if type(event) is core.Arrive:
+            folder.metrics.arrive(now, r, event.prompt_pages, self.output[r])
+        folder.accept(now, r, change, event)
+        return folder.last_placement
 
     def _event(self, action: str, r: int, args: dict) -> core.Event:
         """The core event of an offer. The simulator's data path is the abstract page
@@ -211,10 +179,17 @@ class Simulation:
         page left to post moves on. Neither is a refusal (nothing raced)."""
         return self.offer(action, r, _count_refusal=False)
 
-    def _refused(self, refusal: Refusal) -> None:
+    def refused(self, refusal: Refusal) -> None:
         """Count a refusal by its reason: each is a race the summary explains."""
         key = f"{refusal.event.action}: {re.sub(r'[0-9]+', 'N', refusal.reason)}"
         self.refusals[key] = self.refusals.get(key, 0) + 1
+        if self.on_refusal is not None:
+            self.on_refusal(refusal)
+
+    @property
+    def timer_callbacks_pending(self) -> int:
+        """Of `pending`: the transfer timers' callbacks, live or superseded."""
+        return self.clock.callbacks_pending
 
     def deliver(self, message: str, r: int, worker: str | None = None) -> bool:
         """A message of r arrived at its worker: take the action the core says consumes it
@@ -225,35 +200,18 @@ class Simulation:
         if cls is None:
             return False
         if cls is core.Reserve:
-            return self._reserve_or_wait(r)
+            return self.decodes[self.cluster.placement[r][1]].join(r)
         return bool(self.offer(cls.__name__, r))
 
     def _arrive(self, r: int, args: dict) -> core.Change | None:
-        event = core.Arrive(r, args["prompt_pages"])
-        now = self.env.now
-        self.depth += 1
-        out = self.folder.arrive(now, event, args["p"], args["d"], args["out"])
-        if type(out) is Refusal:
-            self._refused(out)
-            self.depth -= 1
-            return None
-        if self.log is not None:
-            record = {"t": now, **codec.encode(event), **{k: args[k] for k in ("p", "d", "out")}}
-            self.log.write(encode(record) + "\n")
-        if self.on_commit is not None:
-            self.on_commit(event, out)
-        self._after(r, out)
-        return out
+        return self.take_arrival(core.Arrive(r, args["prompt_pages"]), args["p"], args["d"])
 
-    def _after(self, r: int, out: core.Change) -> None:
-        """Oracle verdicts, then the components' reactions to what the core changed."""
+    def checked(self) -> None:
+        """The oracles after a commit: at once when a violation is new, and the sweep and
+        the progress line every so many events."""
         if (self.cluster.violation_total != self.violations_seen
                 or self.folder.events % self.check_every_events == 0):
             self._checked()
-        self.react(r, out)
-        self.depth -= 1
-        if self.depth == 0 and self.dirty:
-            self._run_intents()
 
     def _checked(self) -> None:
         total = self.cluster.violation_total
@@ -268,7 +226,7 @@ class Simulation:
         if self.progress and self.folder.events % 2048 == 0:
             self._show_progress()
 
-    def _run_intents(self) -> None:
+    def run_wants(self) -> None:
         while self.dirty:
             r = self.dirty.pop()
             for wanted in tuple(self.intents.get(r, ())):
@@ -299,7 +257,7 @@ class Simulation:
         if self.depth == 0:
             # Not inside a decision (a notice delivered by a timer): if the core enables
             # it now, it is taken now, not at the next event someone else causes.
-            self._run_intents()
+            self.run_wants()
 
     def later(self, delay_s: float, fn, *args) -> None:
         """Call fn(*args) after delay_s. These are the protocol's own timers and deliveries:
@@ -309,6 +267,7 @@ class Simulation:
 
     def _fire(self, event) -> None:
         self.pending -= 1
+        assert self.pending >= 0, "a timer fired that was never scheduled"
         fn, args = event.value
         fn(*args)
 
@@ -318,22 +277,6 @@ class Simulation:
 
     # -- reacting to what the core changed --------------------------------------------------
 
-    def react(self, r: int, change: core.Change) -> None:
-        """Carry out the commands of a decision for r (spec/commands.py), then the
-        bookkeeping of a request that moved: its intents are asked again, and a request
-        the store forgot (settled) leaves every table of the shell."""
-        p, d = self.folder.last_placement
-        handlers = self._handlers
-        todo = change.commands
-        if len(todo) > 1:
-            todo = self.concurrent_order(todo)
-        for command in todo:
-            handlers[type(command)](command, p, d)  # carry_out, without the extra call
-        if r in self.intents:  # _moved, inlined
-            self.dirty.append(r)
-        if r not in self.cluster.rows:
-            self._settled(r, p)
-
     def concurrent_order(self, todo: tuple) -> list:
         """The commands of one decision in the order the shell carries them out. Those of
         one worker for one request keep the core's order (a worker does one thing after
@@ -342,15 +285,15 @@ class Simulation:
         if not todo:
             return todo
         first = todo[0]
-        group = (first.request, _carrier(first))
+        group = (first.request, carrier(first))
         for command in todo:
-            if (command.request, _carrier(command)) != group:
+            if (command.request, carrier(command)) != group:
                 break
         else:
             return todo  # one worker's commands (most decisions)
         groups: dict[tuple, list] = {}
         for command in todo:
-            groups.setdefault((command.request, _carrier(command)), []).append(command)
+            groups.setdefault((command.request, carrier(command)), []).append(command)
         turns = list(groups.values())
         if len(turns) == 2:  # the usual case, one draw instead of shuffle's
             if self.rng["reactions"].random() < 0.5:
@@ -359,7 +302,11 @@ class Simulation:
             self.rng["reactions"].shuffle(turns)
         return [command for turn in turns for command in turn]
 
-    def _moved(self, r: int, p: int) -> None:
+    order = concurrent_order
+
+    def moved(self, r: int, p: int) -> None:
+        """r changed: its intents are asked again, and a request the store forgot (settled)
+        leaves every table of the shell."""
         if r in self.intents:
             self.dirty.append(r)
         if r not in self.cluster.rows:
@@ -368,158 +315,20 @@ class Simulation:
     def _settled(self, r: int, p: int) -> None:
         """The store forgot r: it leaves every table of the shell."""
         self._drop(r, p)
+        assert self.folder.metrics.settled <= self.requests_total, "a request settled twice"
         if self.folder.metrics.settled == self.requests_total and not self.finished.triggered:
             self.finished.succeed()
 
-    def carry_out(self, command: commands.Command, p: int, d: int) -> None:
-        """One command of the core's decision, at prefill worker p and decode worker d (the
-        request's placement)."""
-        self._handlers[type(command)](command, p, d)
-
-    def _make_handlers(self) -> dict:
-        c = commands
-        return {
-            c.Send: self._send_command, c.Queue: self._queue, c.Compute: self._start_compute,
-            c.Post: self._nic_send, c.ArmTimer: self._arm_timer,
-            c.CancelTimer: self._cancel_timer, c.StartDecoding: self._start_decoding,
-            c.StopDecoding: self._stop_decoding, c.ReleaseWhenReady: self._release_when_ready,
-            c.Answer: lambda command, p, d: self._answered(command.request),
-            c.FreePages: self._pages_freed,
-        }
-
-    def _send_command(self, command: commands.Send, p: int, d: int) -> None:
-        r, message = command.request, command.message
-        if message == core.BOOTSTRAP:
-            self.send(self.on_bootstrap, r, d, message=message)
-        elif message == core.FINAL_WORD_MSG:
-            self.send(self.on_final_word, r, d, message=message)
-        elif message == core.CANCEL_MSG:
-            self.send(self.on_cancel, r, p, to_prefill=p, message=message)
-        elif message == commands.PAGE_TABLE:
-            self.send(self.on_table, r, p, to_prefill=p, message=message)
-        else:  # the client went away: the serving edge tells both workers
-            # The serving edge tells both workers at once: which notice lands first is
-            # the seed's choice (SimPy runs equal times in scheduling order).
-            notice_s = self.sc.timeouts.notice_delay_s
-            notices = [(self.want, r, "prefill", core.CLIENT_GONE), (self.offer_decode_abort, r)]
-            self.rng["reactions"].shuffle(notices)
-            for notice in notices:
-                self.later(notice_s, *notice)
-            self._answered(r)  # a closed-loop session moves on either way
-
-    def _queue(self, command: commands.Queue, p: int, d: int) -> None:
-        r = command.request
-        ready = (r in self.tables_received or not core.admission_waits_for_table(self.model)
-                 or core.is_enabled(self.model, self.cluster.view(r), r, core.Reject))
-        self.prefill_queue[p].add(r, ready)
-        self.kick_prefill(p)
-
-    def _start_compute(self, command: commands.Compute, p: int, d: int) -> None:
-        r = command.request
-        self._compute(p, r, len(self.cluster.rows[r][SRC]))
-
-    def _arm_timer(self, command: commands.ArmTimer, p: int, d: int) -> None:
-        r = command.request
-        self.leases.armed(r, self.env.now)
-        self._schedule_timer(r, self._lease_due(r))
-
-    def _schedule_timer(self, r: int, at: float) -> None:
-        # The token is the timer's deadline in a list: a new timer is a new list (`is`).
-        # A deadline already past (the backstop of a request the prefill admitted before
-        # decode reserved, AdmitBeforeReserve) fires now.
-        token = self.timers[r] = [at]
-        self.timer_callbacks_pending += 1
-        self.later(max(at - self.env.now, 0.0), self._timer_fired, r, token)
-
-    def _lease_due(self, r: int) -> float:
-        """When r's transfer lease runs out, as decode knows it now (sim/lease.py). r waits
-        at its prefill while queued for admission or for the NIC to start its writes."""
-        p = self.cluster.placement[r][0]
-        return self.leases.due(r, p, self.env.now, self._waiting_at_prefill(r, p))
-
-    def _waiting_at_prefill(self, r: int, p: int) -> bool:
-        return self.cluster.rows[r][PST] == QUEUED or r in self.nic_waiting[p]
-
-    def _renewed(self, r: int, kind: type) -> None:
-        """A sign of progress of r's prefill: its lease is renewed (a stored time, no
-        event); an Admit starts the backstop, which may come before the armed timer."""
-        now = self.env.now
-        admitted = kind is core.Admit
-        self.leases.renew(r, self.folder.last_placement[0], now, admitted,
-                          kind is core.SendPage)
-        if admitted:
-            token = self.timers.get(r)
-            backstop = now + self.sc.timeouts.transfer_timeout_s
-            if token is not None and token[0] > backstop:
-                self._schedule_timer(r, backstop)
-
-    def _timer_fired(self, r: int, token: object) -> None:
-        self.timer_callbacks_pending -= 1
-        if self.timers.get(r) is not token:
-            return  # cancelled, or armed again since
-        due = self._lease_due(r)
-        if due > self.env.now + _LEASE_SLACK_S:
-            self._schedule_timer(r, due)  # renewed meanwhile: wait for the remainder
-            return
-        del self.timers[r]
-        hit = hits.writes_of_request(self.cluster, r)
-        if self.offer("Timeout", r):
-            self.fault_hits.fired("Timeout", hit)
-
-    def _cancel_timer(self, command: commands.CancelTimer, p: int, d: int) -> None:
-        self.timers.pop(command.request, None)
-
-    def _start_decoding(self, command: commands.StartDecoding, p: int, d: int) -> None:
-        r = command.request
-        prompt = self.cluster.rows[r][PROMPT]
-        sequence = self.decoding[r] = DecodeBatch.sequence(r, self.output[r],
-                                                            prompt * self.page_tokens)
-        self.batches[d].add(sequence)
-        self.kick_decode(d)
-
-    def _stop_decoding(self, command: commands.StopDecoding, p: int, d: int) -> None:
-        sequence = self.decoding.pop(command.request, None)
-        if sequence is not None:
-            self.batches[d].stop(sequence)
-
-    def _release_when_ready(self, command: commands.ReleaseWhenReady, p: int, d: int) -> None:
-        self.want(command.request, "decode", "Release")
-
-    def _pages_freed(self, command: commands.FreePages, p: int, d: int) -> None:
-        if command.pool == "decode":
-            self.kick_decode_waiting(d)
-        else:
-            self.kick_prefill(p)
-
     def _drop(self, r: int, p: int) -> None:
-        self.prefill_queue[p].forget(r)
+        self.prefills[p].queue.forget(r)
         for table in (self.output, self.decoding, self.intents, self.nic_pending,
-                      self.send_page_events,
-                      self.held_until, self.timers):
+                      self.send_page_events, self.held_until):
             table.pop(r, None)
         self.all_posted.discard(r)
         self.tables_received.discard(r)
-        self.leases.forget(r)
-
-    def _answered(self, r: int) -> None:
-        waiter = self.session_waiters.pop(r, None)
-        if waiter is not None:
-            waiter.succeed()
+        self.clock.forget(r)
 
     # -- messages ---------------------------------------------------------------------------
-
-    def send(self, handler, r: int, worker: int, to_prefill: int = -1,
-             message: str = "") -> None:
-        """Deliver a message after latency, loss (retransmitted) and delay faults."""
-        f, rng = self.sc.faults, self.rng["links"]
-        delay = self.sc.link.message_latency_s
-        while f.message_loss_probability and rng.random() < f.message_loss_probability:
-            delay += f.retransmit_after_s
-            self.fault_hits.fired("MessageLoss", hits.stressful_message(message))
-        if f.message_delay_probability and rng.random() < f.message_delay_probability:
-            delay += rng.expovariate(1.0 / f.message_delay_mean_s) if f.message_delay_mean_s else 0
-            self.fault_hits.fired("MessageDelay", hits.stressful_message(message))
-        self.later(delay, self._deliver, handler, r, worker, to_prefill)
 
     def hold(self, r: int, seconds: float) -> None:
         """Delay everything of request r on the wire (writes, messages) until `seconds` from
@@ -534,93 +343,7 @@ class Simulation:
         self.later(until - self.env.now, fn, *args)
         return True
 
-    def _deliver(self, handler, r: int, worker: int, to_prefill: int) -> None:
-        if self.held_until and self._held(r, self._deliver, handler, r, worker, to_prefill):
-            return
-        back = (self.prefill_down_until[to_prefill] if to_prefill >= 0
-                else self.decode_down_until[worker])
-        if back and back > self.env.now:  # 0.0: the worker never went down
-            # A restarting worker gets its messages once it is back (the sender re-sends).
-            self.later(back - self.env.now, self._deliver, handler, r, worker, to_prefill)
-            return
-        if r in self.cluster.rows:
-            handler(r, worker)
-
     # -- prefill workers -----------------------------------------------------------------
-
-    def kick_prefill(self, p: int) -> None:
-        """Admit the first queued request whose page table has arrived (the bootstrap
-        queue: the prefill computes only once decode has reserved), or reject one the core
-        says must be rejected; one request at a time. Only ready requests are looked at
-        (sim/prefill_queue.py)."""
-        down_until = self.prefill_down_until[p]
-        if self.prefill_busy[p] or (down_until and down_until > self.env.now):
-            return
-        queue = self.prefill_queue[p]
-        passed = []  # ready, yet the core names no page count to admit with: look past them
-        try:
-            while (r := queue.first()) is not None:
-                row = self.cluster.rows.get(r)
-                if row is None or row[PST] != QUEUED:
-                    queue.take()  # aborted, crashed or settled meanwhile
-                    continue
-                if core.is_enabled(self.model, self.cluster.view(r), r, core.Reject):
-                    queue.take()
-                    self.offer("Reject", r)
-                    continue
-                need = core.pages_to_admit(self.model, row)
-                if type(need) is str:
-                    passed.append(queue.take())
-                    continue
-                pages = self.cluster.allocate("prefill", p, need)
-                if pages is None:
-                    return  # pool pressure: wait until pages come back
-                queue.take()
-                # Busy before the offer: the Admit's own reaction kicks this worker again
-                # (its pool changed), and must not admit the next request alongside.
-                self.prefill_busy[p] = True
-                if self.offer("Admit", r, pages=pages):
-                    return  # its Compute command started the computation
-                self.prefill_busy[p] = False
-        finally:
-            queue.put_back(passed)
-
-    def _compute(self, p: int, r: int, pages: int) -> None:
-        self.prefill_busy[p] = True
-        compute_s = pages * self.page_tokens / self.sc.compute.prefill_tokens_per_s
-        f = self.sc.faults
-        if f.prefill_fail_probability and self.rng["faults"].random() < f.prefill_fail_probability:
-            self.later(self.rng["faults"].uniform(0, compute_s), self._prefill_fail, r)
-        self.leases.compute_started(r, p, self.env.now, compute_s)
-        self.later(compute_s, self._computed, p, r, self.prefill_epoch[p])
-
-    def _computed(self, p: int, r: int, epoch: int) -> None:
-        if epoch != self.prefill_epoch[p]:
-            return  # the worker crashed meanwhile
-        self.prefill_busy[p] = False
-        self.leases.compute_ended(r, p, self.env.now)
-        if r in self.cluster.rows:
-            self.nic_waiting[p].append(r)
-            self.kick_nic(p)
-        self.kick_prefill(p)
-
-    def on_table(self, r: int, p: int) -> None:
-        """Decode's page table reached the prefill: the request may be admitted now."""
-        self.tables_received.add(r)
-        self.prefill_queue[p].table_arrived(r)
-        self.kick_prefill(p)
-
-    def kick_nic(self, p: int) -> None:
-        """Post writes while the NIC has room, requests in FIFO order."""
-        waiting = self.nic_waiting[p]
-        limit = self.sc.link.writes_in_flight_max
-        # Room counts the writes already posted and still waiting for a slot.
-        while waiting and self.nic_in_flight[p] + len(self.nic_posted[p]) < limit:
-            r = waiting[0]
-            if r not in self.cluster.rows or not self._post(p, r):
-                waiting.popleft()
-                self.all_posted.add(r)
-                self._done_if_landed(r)
 
     def _done_if_landed(self, r: int) -> None:
         """The prefill sends its final word once its NIC reports every write of r done."""
@@ -628,74 +351,26 @@ class Simulation:
             self.all_posted.discard(r)
             self.offer_if_enabled("SendDone", r)
 
-    def _post(self, p: int, r: int) -> bool:
+    def _post(self, r: int) -> bool:
         """SendPage, if the core enables it: its Post command puts the write on the NIC."""
         event = self.send_page_events.get(r)
         if event is None:  # one event per request: the same for each of its pages
             event = self.send_page_events[r] = core.SendPage(r)
-        return self.take(event, _count_refusal=False) is not None  # if the core enables it
+        return self.take(event, False) is not None  # if the core enables it
 
-    def _nic_send(self, command: commands.Post, p: int, d: int) -> None:
-        """The NIC takes a posted write. A SendPage may post any number of writes (one Post
-        command each): they queue at the NIC in posting order and start while it has a slot
-        (writes_in_flight_max), so the bound holds however many one decision posts."""
-        r = command.request
-        self.nic_pending[r] = self.nic_pending.get(r, 0) + 1
-        posted = self.nic_posted[p]
-        if not posted and self.nic_in_flight[p] < self.sc.link.writes_in_flight_max:
-            self._start_write(p, command.write)  # a free slot and no one ahead: now
-        else:
-            posted.append(command.write)
-            self._start_writes(p)
-
-    def _start_writes(self, p: int) -> None:
-        posted, limit = self.nic_posted[p], self.sc.link.writes_in_flight_max
-        while posted and self.nic_in_flight[p] < limit:
-            self._start_write(p, posted.popleft())
-
-    def _start_write(self, p: int, w: tuple) -> None:
-        """A write on the wire: bandwidth-serialised, slow-link faults; it lands after its
-        transfer and the link's write latency."""
-        r = w[0]
-        transfer_s = self.page_transfer_s
-        f = self.sc.faults
-        slowed = f.slow_link_probability and self.rng["links"].random() < f.slow_link_probability
-        if slowed:
-            transfer_s *= f.slow_link_factor
-        now = self.env.now
-        start = max(now, self.nic_free_at[p])
-        self.nic_free_at[p] = start + transfer_s
-        self.nic_in_flight[p] += 1
-        assert self.nic_in_flight[p] <= self.sc.link.writes_in_flight_max
-        landing = start + transfer_s + self.sc.link.write_latency_s - now
-        if slowed:  # a hit: the write lands after the lease, as it stands, runs out
-            self.fault_hits.fired("SlowLink", r in self.timers
-                                  and now + landing > self._lease_due(r))
-        self.later(landing, self._land, p, r, w[2], self.prefill_epoch[p])
-
-    def _land(self, p: int, r: int, page: int, epoch: int) -> None:
-        if epoch != self.prefill_epoch[p]:
-            return  # flushed with the crashed worker's queue pairs
-        if self.held_until and self._held(r, self._land, p, r, page, epoch):
-            return  # a held write keeps its NIC slot
-        self.nic_in_flight[p] -= 1
-        # A request can settle with writes still on the wire: a decode crash flushes them
-        # (the target's queue pairs are gone) and tombstones the request. The NIC slot is
-        # busy until the write completes all the same; the core refuses its landing.
-        left = self.nic_pending.pop(r, 0) - 1
-        if left > 0:
-            self.nic_pending[r] = left
-        if r in self.cluster.rows:
-            self.take(core.LandWrite(r, page))
-        self._done_if_landed(r)
-        if self.nic_posted[p]:
-            self._start_writes(p)
-        self.kick_nic(p)
+    def on_table(self, r: int, p: int) -> None:
+        """Decode's page table reached the prefill: the request may be admitted now."""
+        self.prefills[p].table_arrived(r)
 
     def on_cancel(self, r: int, p: int) -> None:
         if not self.deliver(core.CANCEL_MSG, r, "prefill"):
             # Writes in flight: the prefill stops, or finishes and answers, once they land.
             self.want(r, "prefill", core.CANCEL_MSG)
+
+    @property
+    def nic_in_flight(self) -> list[int]:
+        """Each prefill worker's writes on the wire (tests look at it after a run)."""
+        return [worker.nic_in_flight for worker in self.prefills]
 
     def crash_loop(self, kind: str, worker: int, rate_per_s: float):
         rng = self.rng["crashes"]
@@ -716,7 +391,7 @@ class Simulation:
         placements = dict(self.cluster.placement)
         # The requests that wait at a crashing prefill keep what its progress renewed so far.
         waiting = ([r for r, (p, _) in placements.items() if p == worker
-                    and r in self.leases.requests and self._waiting_at_prefill(r, p)]
+                    and r in self.leases.requests and self.clock.waiting_at_prefill(r, p)]
                    if kind == "prefill" else [])
         self.depth += 1
         out = self.folder.apply(record)
@@ -728,63 +403,21 @@ class Simulation:
             self._checked()
             if kind == "prefill":
                 self.leases.crashed(worker, self.env.now, waiting)
-                self._restart_prefill(worker)
+                self.prefills[worker].restart(self.sc.faults.prefill_restart_s)
             else:
-                self._restart_decode(worker)
+                self.decodes[worker].restart(self.sc.faults.decode_restart_s)
+            handlers = self._handlers  # the one runtime's table (shell/runtime.py)
             for command in self.concurrent_order(out.commands):
-                self.carry_out(command, *placements[command.request])
+                handlers[type(command)](command, *placements[command.request])
             for r, _ in out.rows:
-                self._moved(r, placements[r][0])
+                self.moved(r, placements[r][0])
         self.depth -= 1
-        self._run_intents()
-
-    def _restart_prefill(self, p: int) -> None:
-        self.prefill_epoch[p] += 1
-        self.prefill_busy[p] = False
-        self.nic_in_flight[p] = 0
-        self.nic_waiting[p].clear()
-        self.nic_posted[p].clear()
-        self.prefill_down_until[p] = self.env.now + self.sc.faults.prefill_restart_s
-        self.later(self.sc.faults.prefill_restart_s, self.kick_prefill, p)
-
-    def _restart_decode(self, d: int) -> None:
-        """The restarted decode's queues are empty; messages reach it once it is back."""
-        self.decode_down_until[d] = self.env.now + self.sc.faults.decode_restart_s
-        self.decode_waiting[d].clear()
-        self.later(self.sc.faults.decode_restart_s, self.kick_decode_waiting, d)
+        self.run_wants()
 
     # -- decode workers ---------------------------------------------------------------------
 
     def on_bootstrap(self, r: int, d: int) -> None:
         self.deliver(core.BOOTSTRAP, r)
-
-    def _reserve_or_wait(self, r: int) -> bool:
-        """A bootstrap the core wants reserved joins its decode worker's FIFO of
-        reservations, which are taken while pages are free."""
-        d = self.cluster.placement[r][1]
-        waiting = self.decode_waiting[d]
-        waiting.append(r)
-        if len(waiting) == 1:
-            self.kick_decode_waiting(d)
-        return True
-
-    def kick_decode_waiting(self, d: int) -> None:
-        """Reserve for waiting bootstraps in FIFO order while pages are free."""
-        waiting = self.decode_waiting[d]
-        while waiting:
-            r = waiting[0]
-            row = self.cluster.rows.get(r)
-            need = core.pages_to_reserve(self.model, row) if row else "settled"
-            if type(need) is str:
-                waiting.popleft()  # a decode crash tombstoned it while it waited
-                if row is not None:
-                    self.deliver(core.BOOTSTRAP, r)
-                continue
-            pages = self.cluster.allocate("decode", d, need)
-            if pages is None:
-                return
-            waiting.popleft()
-            self.offer("Reserve", r, pages=pages)
 
     def on_final_word(self, r: int, d: int) -> None:
         self.deliver(core.FINAL_WORD_MSG, r)
@@ -795,42 +428,6 @@ class Simulation:
         if row is not None and core.is_enabled(self.model, self.cluster.view(r), r,
                                                core.DecodeAbort):
             self.offer("DecodeAbort", r)
-
-    def kick_decode(self, d: int) -> None:
-        """Start the next continuous-batching step of decode worker d, if it is idle
-        (sim/decode_batch.py)."""
-        batch = self.batches[d]
-        if batch.stepping:
-            return
-        batch.fill(self.sc.cluster.decode_batch_max)
-        if not batch.size:
-            return
-        c = self.sc.compute
-        step_s = (c.decode_step_base_s + c.decode_step_per_request_s * batch.size
-                  + c.decode_step_per_context_token_s * batch.context_tokens)
-        batch.stepping = True
-        batch.step_ends_s = self.env.now + step_s
-        self.later(step_s, self._stepped, d)
-
-    def _stepped(self, d: int) -> None:
-        batch = self.batches[d]
-        batch.stepping = False
-        first, done = batch.step()
-        if not done:  # most steps: only the sequences that joined emit their first token
-            for sequence in first:
-                if sequence[0] >= 0:
-                    self._fact(FIRST_TOKEN, sequence[0])
-        else:
-            for sequence, first_token, finished in batch.in_order(first, done):
-                r = sequence[0]
-                if r < 0:
-                    continue  # decode closed it meanwhile (the client went away)
-                if first_token:
-                    self._fact(FIRST_TOKEN, r)
-                if finished:
-                    self.decoding.pop(r, None)
-                    self.offer("Finish", r)
-        self.kick_decode(d)
 
     def _fact(self, action: str, r: int) -> None:
         record = {"t": self.env.now, "a": action, "request": r}
@@ -846,11 +443,11 @@ class Simulation:
             p, d = self.round_robin
             self.round_robin = [(p + 1) % c.prefill_workers, (d + 1) % c.decode_workers]
             return p, d
-        now = self.env.now
+        now, prefills = self.env.now, self.prefills
         p = min(range(c.prefill_workers), key=lambda k: (
-            self.prefill_down_until[k] > now, len(self.prefill_queue[k]) + self.prefill_busy[k]))
+            prefills[k].is_down(now), len(prefills[k].queue) + prefills[k].busy))
         d = max(range(c.decode_workers), key=lambda k: (
-            self.cluster.free_pages("decode", k) - len(self.decode_waiting[k]), -k))
+            self.cluster.free_pages("decode", k) - len(self.decodes[k].waiting), -k))
         return p, d
 
     def new_request(self, prompt_pages: int | None = None,
@@ -861,31 +458,16 @@ class Simulation:
             return None
         r = self.next_request
         self.next_request += 1
-        lengths = self.rng["lengths"]
-        prompt = sample_tokens(lengths, self.sc.workload.prompt)
-        if prompt_pages is not None:
-            prompt = prompt_pages * self.page_tokens
-        output = sample_tokens(lengths, self.sc.workload.output)
-        if traced is not None:
-            prompt, output = traced.prompt_tokens, max(1, traced.output_tokens)
+        prompt, output = self.client.lengths(prompt_pages, traced)
         p, d = self.place()
         self.output[r] = output
-        answered = self.env.event()
-        self.session_waiters[r] = answered
+        answered = self.client.waiter(r)
         pages = -(-prompt // self.page_tokens)
         self.folder.last_placement = (p, d)
         if not self.offer("Arrive", r, prompt_pages=pages, p=p, d=d, out=output):
             raise AssertionError(f"the core refused the arrival of request {r}")
-        f = self.sc.faults
-        if f.client_abort_probability and self.rng["faults"].random() < f.client_abort_probability:
-            self.later(self.rng["faults"].uniform(0, f.client_abort_within_s), self._abort, r)
+        self.client.may_abort(r)
         return answered
-
-    def _abort(self, r: int) -> None:
-        if r in self.cluster.rows:
-            hit = hits.in_transfer(self.cluster, r)
-            if self.offer_if_enabled("Abort", r):
-                self.fault_hits.fired("ClientAbort", hit)
 
     def _prefill_fail(self, r: int) -> None:
         if r in self.cluster.rows:
@@ -893,42 +475,10 @@ class Simulation:
             if self.offer_if_enabled("PrefillFail", r):
                 self.fault_hits.fired("PrefillFail", hit)
 
-    def replay_trace(self):
-        """Arrivals, prompts and outputs as the workload's trace file has them."""
-        for delay_s, request in self.trace.arrivals():
-            if self.next_request >= self.requests_total:
-                return
-            yield self.env.timeout(delay_s)
-            self.new_request(traced=request)
-
-    def open_loop(self):
-        w, rng = self.sc.workload, self.rng["arrivals"]
-        burst = w.burst_size if w.arrival == "bursty" else 1
-        while self.next_request < self.requests_total:
-            yield self.env.timeout(rng.expovariate(w.rate_per_s / burst))
-            for _ in range(burst):
-                self.new_request()
-
-    def session(self):
-        w, rng = self.sc.workload, self.rng["arrivals"]
-        while True:
-            answered = self.new_request()
-            if answered is None:
-                return
-            yield answered
-            if w.think_time_s:
-                yield self.env.timeout(rng.expovariate(1.0 / w.think_time_s))
-
     # -- running ----------------------------------------------------------------------------
 
     def run(self) -> None:
-        if self.trace is not None:
-            self.env.process(self.replay_trace())
-        elif self.sc.workload.arrival == "closed":
-            for _ in range(min(self.sc.workload.sessions, self.requests_total)):
-                self.env.process(self.session())
-        else:
-            self.env.process(self.open_loop())
+        self.client.start()
         f, c = self.sc.faults, self.sc.cluster
         if f.prefill_crash_rate_per_s:
             for p in range(c.prefill_workers):
@@ -954,25 +504,6 @@ class Simulation:
         print(f"  sim [{bar:<30}] {done:6.1%}  {m.settled:,}/{self.requests_total:,} requests, "
               f"{self.env.now:,.1f} s simulated, {self.folder.events / elapsed:,.0f} "
               f"events/s{eta}", file=sys.stderr, flush=True)
-
-
-# Who carries out a command (spec/commands.py): the worker whose turn it is. A message is
-# the sender's; freed pages the pool's owner.
-_SENDERS = {core.BOOTSTRAP: "router", core.FINAL_WORD_MSG: "prefill", core.CANCEL_MSG: "decode",
-            commands.PAGE_TABLE: "decode", core.CLIENT_GONE: "client"}
-_CARRIERS = {commands.Queue: "prefill", commands.Compute: "prefill", commands.Post: "prefill",
-             commands.ArmTimer: "decode", commands.CancelTimer: "decode",
-             commands.StartDecoding: "decode", commands.StopDecoding: "decode",
-             commands.ReleaseWhenReady: "decode", commands.Answer: "client"}
-
-
-def _carrier(command: commands.Command) -> str:
-    kind = type(command)
-    if kind is commands.Send:
-        return _SENDERS[command.message]
-    if kind is commands.FreePages:
-        return command.pool
-    return _CARRIERS[kind]
 
 
 def fault_free(sc: Scenario) -> bool:

@@ -12,6 +12,7 @@ import pytest
 from api.cli import main
 from sim.crash import SHELL_CRASH
 from sim.run import Simulation
+from sim.workers import SimPrefill
 from spec import core
 from spec.model import Model
 
@@ -186,11 +187,11 @@ def _nic_completes_each_write_twice(original):
 def _nic_frees_a_slot_twice(original):
     """A landing write frees two NIC slots: the in-flight count goes negative, and
     writes_in_flight_max bounds nothing any more (nothing read the count)."""
-    def land(self, p, r, page, epoch):
-        before = self.nic_in_flight[p]
-        original(self, p, r, page, epoch)
-        if self.nic_in_flight[p] < before:
-            self.nic_in_flight[p] -= 1
+    def land(self, r, page, epoch):
+        before = self.nic_in_flight
+        original(self, r, page, epoch)
+        if self.nic_in_flight < before:
+            self.nic_in_flight -= 1
     return land
 
 
@@ -198,9 +199,8 @@ def _core_mutant(action, mutant):
     return lambda monkeypatch: _patch(monkeypatch, action, mutant)
 
 
-def _shell_mutant(name, mutant):
-    return lambda monkeypatch: monkeypatch.setattr(Simulation, name,
-                                                   mutant(getattr(Simulation, name)))
+def _shell_mutant(name, mutant, owner=Simulation):
+    return lambda monkeypatch: monkeypatch.setattr(owner, name, mutant(getattr(owner, name)))
 
 
 # (name, patch, the properties the campaign checks, what catches it, in its detail)
@@ -212,7 +212,7 @@ SIM_BLIND_SPOTS = [
     ("nic-completes-each-write-twice",
      _shell_mutant("take", _nic_completes_each_write_twice),
      ("NoLeakAtRest",), SHELL_CRASH, "which no crash raced"),
-    ("nic-frees-a-slot-twice", _shell_mutant("_land", _nic_frees_a_slot_twice),
+    ("nic-frees-a-slot-twice", _shell_mutant("_land", _nic_frees_a_slot_twice, SimPrefill),
      ("NoLeakAtRest",), SHELL_CRASH, "-1 writes in flight"),
 ]
 BLIND_SPOT_IDS = [name for name, *_ in SIM_BLIND_SPOTS]

@@ -11,7 +11,8 @@ import pytest
 from api.cli import main
 from api.clikit import EXIT_CRASH
 from fuzz.replay import load
-from sim.run import Simulation, simulate
+from sim.run import simulate
+from sim.workers import SimPrefill
 from sim.scenario import load_scenario
 from spec import core
 from spec.core import PST, RUNNING, SENT, SRC, TABLE, Change, _row
@@ -19,14 +20,14 @@ from spec.core import PST, RUNNING, SENT, SRC, TABLE, Change, _row
 
 def _crash_landings_after(monkeypatch, events: int) -> None:
     """Make the simulator's write landing raise once `events` protocol events happened."""
-    land = Simulation._land
+    land = SimPrefill._land
 
-    def broken(self, p, r, page, epoch):
-        if self.folder.events > events:
+    def broken(self, r, page, epoch):
+        if self.sim.folder.events > events:
             raise ZeroDivisionError("injected")
-        return land(self, p, r, page, epoch)
+        return land(self, r, page, epoch)
 
-    monkeypatch.setattr(Simulation, "_land", broken)
+    monkeypatch.setattr(SimPrefill, "_land", broken)
 
 
 def test_a_crashed_simulator_exits_3_with_seed_frame_and_a_log(tmp_path, monkeypatch, capsys):

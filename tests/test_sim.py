@@ -300,3 +300,22 @@ def test_a_decision_without_commands_is_carried_out_as_nothing():
     # the grouping of concurrent reactions read the first of none (IndexError).
     sim = Simulation(load_scenario("one-pair"))
     assert sim.concurrent_order(()) == ()
+
+
+def test_a_page_write_that_lands_twice_stops_the_run_on_a_paired_assertion(monkeypatch):
+    # Every shell counter is asserted where it changes (TIGER_STYLE: pair assertions): a
+    # shell bug that lands each write twice must not pass silently with a NIC slot count
+    # going below zero or more landings than posts (it used to: the core refused the
+    # duplicate landings, which were counted as races, and the run ended clean).
+    later = Simulation.later
+
+    def twice(self, delay_s, fn, *args):
+        later(self, delay_s, fn, *args)
+        if getattr(fn, "__name__", "") == "_land":
+            later(self, delay_s, fn, *args)
+
+    monkeypatch.setattr(Simulation, "later", twice)
+    result, _ = simulate(load_scenario("one-pair").with_options(seed=1))
+    assert result["crash"] is not None and result["crash"]["type"] == "AssertionError"
+    assert result["crash"]["message"] in ("prefill 0: a write landed twice",
+                                          "request 0: more writes landed than posted")

@@ -65,8 +65,8 @@ def test_a_healthy_prefill_behind_a_long_queue_is_never_timed_out():
     assert fault_free(sc)
     sim, times = _watched(sc)
     schedules = []
-    schedule = sim._schedule_timer
-    sim._schedule_timer = lambda r, at: (schedules.append(r), schedule(r, at))
+    schedule = sim.clock.schedule
+    sim.clock.schedule = lambda r, at: (schedules.append(r), schedule(r, at))
     sim.run()
     result = result_of(sc, sim.folder, sim.refusals, None, sim.finished.triggered)
     assert result["violations"] == {}, result["first_violations"]

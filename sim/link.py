@@ -1,0 +1,59 @@
+"""The simulator's transport for messages (shell/interfaces.py Transport): a modelled link.
+
+Theory of operation. A message (bootstrap, final word, cancel, page table) is delivered
+after the link's latency, with loss (each loss costs a retransmission, retransmit_after_s)
+and extra delay as faults, each drawn from the run's "links" stream; a request the fuzzer
+holds (`Simulation.hold`) waits until its stall ends, and a worker that is restarting
+gets its messages once it is back (the sender re-sends). On delivery the receiving
+worker takes the action the core names for the message (Simulation.deliver). Page writes
+do not pass here: the prefill worker's NIC (sim/workers.py) times them with the link's
+bandwidth, write latency and slow-link faults.
+"""
+
+from __future__ import annotations
+
+from spec import commands, core
+from sim import fault_hits as hits
+
+
+class SimLink:
+    def __init__(self, sim) -> None:
+        self.sim = sim
+        self.handlers = {core.BOOTSTRAP: sim.on_bootstrap, core.FINAL_WORD_MSG: sim.on_final_word,
+                         core.CANCEL_MSG: sim.on_cancel, commands.PAGE_TABLE: sim.on_table}
+
+    def send(self, r: int, message: str, p: int, d: int) -> None:
+        """Decode's messages go to the prefill p, the others to decode d."""
+        to_prefill = message in (core.CANCEL_MSG, commands.PAGE_TABLE)
+        handler = self.handlers[message]
+        if to_prefill:
+            self.carry(handler, r, p, to_prefill=p, message=message)
+        else:
+            self.carry(handler, r, d, message=message)
+
+    def carry(self, handler, r: int, worker: int, to_prefill: int = -1,
+              message: str = "") -> None:
+        """Deliver a message after latency, loss (retransmitted) and delay faults."""
+        sim = self.sim
+        f, rng = sim.sc.faults, sim.rng["links"]
+        delay = sim.sc.link.message_latency_s
+        while f.message_loss_probability and rng.random() < f.message_loss_probability:
+            delay += f.retransmit_after_s
+            sim.fault_hits.fired("MessageLoss", hits.stressful_message(message))
+        if f.message_delay_probability and rng.random() < f.message_delay_probability:
+            delay += rng.expovariate(1.0 / f.message_delay_mean_s) if f.message_delay_mean_s else 0
+            sim.fault_hits.fired("MessageDelay", hits.stressful_message(message))
+        sim.later(delay, self._deliver, handler, r, worker, to_prefill)
+
+    def _deliver(self, handler, r: int, worker: int, to_prefill: int) -> None:
+        sim = self.sim
+        if sim.held_until and sim._held(r, self._deliver, handler, r, worker, to_prefill):
+            return
+        back = (sim.prefills[to_prefill].down_until if to_prefill >= 0
+                else sim.decodes[worker].down_until)
+        now = sim.env.now
+        if back and back > now:  # 0.0: the worker never went down
+            sim.later(back - now, self._deliver, handler, r, worker, to_prefill)
+            return
+        if r in sim.cluster.rows:
+            handler(r, worker)

@@ -1,0 +1,335 @@
+"""The simulator's workers: one object per prefill worker and per decode worker.
+
+Theory of operation. A worker holds what only it knows — its queue, whether it computes,
+its epoch (bumped when it crashes, so that what the dead worker started never completes),
+when it is back from a restart, its NIC (writes in flight, writes waiting for a slot, when
+the link is free again) — and does what a command of the core asks of it (shell/runtime.py
+routes each command to the worker of the request's placement): the prefill queues,
+computes and posts page writes; the decode reserves for waiting bootstraps, batches and
+steps. Every protocol move goes back through the simulation's `offer`/`take`: a worker
+never changes protocol state itself.
+
+Time is modelled: compute for prompt/throughput seconds, a decode step as a function of
+batch size and context, a page write serialised by the link's bandwidth. Counters that
+can drift (NIC slots, a busy flag) are asserted where they change (TIGER_STYLE: pair
+assertions): an increment checks the bound, a decrement checks it does not go below zero.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from spec import core
+from spec.core import PST, QUEUED, SRC
+from sim.decode_batch import DecodeBatch
+from sim.fold import FIRST_TOKEN
+from sim.prefill_queue import PrefillQueue
+
+
+class SimPrefill:
+    """Prefill worker `index`: its admission queue, its compute and its NIC."""
+
+    __slots__ = ("sim", "index", "queue", "busy", "epoch", "down_until", "nic_in_flight",
+                 "nic_free_at", "nic_waiting", "nic_posted", "writes_in_flight_max")
+
+    def __init__(self, sim, index: int) -> None:
+        self.sim, self.index = sim, index
+        self.queue = PrefillQueue()
+        self.busy = False            # computing a prompt (one at a time)
+        self.epoch = 0               # bumped by a crash: the old epoch's work never completes
+        self.down_until = 0.0        # restarting until then (0.0: never went down)
+        self.nic_in_flight = 0       # writes on the wire, at most writes_in_flight_max
+        self.nic_free_at = 0.0       # when the link has sent what it was given
+        self.nic_waiting = deque()   # computed requests whose pages are still to post
+        self.nic_posted = deque()    # posted writes waiting for a NIC slot
+        self.writes_in_flight_max = sim.sc.link.writes_in_flight_max
+
+    def is_down(self, now: float) -> bool:
+        return bool(self.down_until) and self.down_until > now
+
+    # -- commands of the core ---------------------------------------------------------------
+
+    def queue_request(self, r: int) -> None:
+        """Queue: r waits for admission; ready at once if nothing holds it back."""
+        sim = self.sim
+        ready = (r in sim.tables_received or not core.admission_waits_for_table(sim.model)
+                 or core.is_enabled(sim.model, sim.cluster.view(r), r, core.Reject))
+        self.queue.add(r, ready)
+        self.kick()
+
+    def compute(self, r: int) -> None:
+        """Compute: the prompt's KV, for prompt/throughput seconds (prefill fail may strike
+        within them)."""
+        sim = self.sim
+        pages = len(sim.cluster.rows[r][SRC])
+        self.busy = True
+        compute_s = pages * sim.page_tokens / sim.sc.compute.prefill_tokens_per_s
+        f = sim.sc.faults
+        if f.prefill_fail_probability and sim.rng["faults"].random() < f.prefill_fail_probability:
+            sim.later(sim.rng["faults"].uniform(0, compute_s), sim._prefill_fail, r)
+        sim.leases.compute_started(r, self.index, sim.env.now, compute_s)
+        sim.later(compute_s, self._computed, r, self.epoch)
+
+    def post(self, write: tuple, d: int) -> None:
+        """Post: the NIC takes a posted write. A SendPage may post any number of writes
+        (one Post command each): they queue at the NIC in posting order and start while it
+        has a slot (writes_in_flight_max), so the bound holds however many one decision
+        posts."""
+        r = write[0]
+        pending = self.sim.nic_pending
+        pending[r] = pending.get(r, 0) + 1
+        posted = self.nic_posted
+        if not posted and self.nic_in_flight < self.writes_in_flight_max:
+            self._start_write(write)  # a free slot and no one ahead: now
+        else:
+            posted.append(write)
+            self._start_writes()
+
+    def pages_freed(self, r: int) -> None:
+        self.kick()
+
+    # -- admission and compute --------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Admit the first queued request whose page table has arrived (the bootstrap
+        queue: the prefill computes only once decode has reserved), or reject one the core
+        says must be rejected; one request at a time. Only ready requests are looked at
+        (sim/prefill_queue.py)."""
+        sim = self.sim
+        down_until = self.down_until
+        if self.busy or (down_until and down_until > sim.env.now):
+            return
+        queue, cluster = self.queue, sim.cluster
+        passed = []  # ready, yet the core names no page count to admit with: look past them
+        try:
+            while (r := queue.first()) is not None:
+                row = cluster.rows.get(r)
+                if row is None or row[PST] != QUEUED:
+                    queue.take()  # aborted, crashed or settled meanwhile
+                    continue
+                if core.is_enabled(sim.model, cluster.view(r), r, core.Reject):
+                    queue.take()
+                    sim.offer("Reject", r)
+                    continue
+                need = core.pages_to_admit(sim.model, row)
+                if type(need) is str:
+                    passed.append(queue.take())
+                    continue
+                pages = cluster.allocate("prefill", self.index, need)
+                if pages is None:
+                    return  # pool pressure: wait until pages come back
+                queue.take()
+                # Busy before the offer: the Admit's own reaction kicks this worker again
+                # (its pool changed), and must not admit the next request alongside.
+                self.busy = True
+                if sim.offer("Admit", r, pages=pages):
+                    return  # its Compute command started the computation
+                self.busy = False
+        finally:
+            queue.put_back(passed)
+
+    def _computed(self, r: int, epoch: int) -> None:
+        if epoch != self.epoch:
+            return  # the worker crashed meanwhile
+        assert self.busy, f"prefill {self.index} finished computing {r} while not busy"
+        self.busy = False
+        sim = self.sim
+        sim.leases.compute_ended(r, self.index, sim.env.now)
+        if r in sim.cluster.rows:
+            self.nic_waiting.append(r)
+            self.kick_nic()
+        self.kick()
+
+    def table_arrived(self, r: int) -> None:
+        """Decode's page table reached this prefill: r may be admitted now."""
+        self.sim.tables_received.add(r)
+        self.queue.table_arrived(r)
+        self.kick()
+
+    def restart(self, restart_s: float) -> None:
+        """A crash: a new epoch with empty queue pairs; back after restart_s."""
+        self.epoch += 1
+        self.busy = False
+        self.nic_in_flight = 0
+        self.nic_waiting.clear()
+        self.nic_posted.clear()
+        sim = self.sim
+        self.down_until = sim.env.now + restart_s
+        sim.later(restart_s, self.kick)
+
+    # -- the NIC ----------------------------------------------------------------------------
+
+    def kick_nic(self) -> None:
+        """Post writes while the NIC has room, requests in FIFO order."""
+        waiting, sim = self.nic_waiting, self.sim
+        limit = self.writes_in_flight_max
+        rows = sim.cluster.rows
+        # Room counts the writes already posted and still waiting for a slot.
+        while waiting and self.nic_in_flight + len(self.nic_posted) < limit:
+            r = waiting[0]
+            if r not in rows or not sim._post(r):
+                waiting.popleft()
+                sim.all_posted.add(r)
+                sim._done_if_landed(r)
+
+    def _start_writes(self) -> None:
+        posted, limit = self.nic_posted, self.writes_in_flight_max
+        while posted and self.nic_in_flight < limit:
+            self._start_write(posted.popleft())
+
+    def _start_write(self, w: tuple) -> None:
+        """A write on the wire: bandwidth-serialised, slow-link faults; it lands after its
+        transfer and the link's write latency."""
+        sim = self.sim
+        r = w[0]
+        transfer_s = sim.page_transfer_s
+        f = sim.sc.faults
+        slowed = f.slow_link_probability and sim.rng["links"].random() < f.slow_link_probability
+        if slowed:
+            transfer_s *= f.slow_link_factor
+        now = sim.env.now
+        start = max(now, self.nic_free_at)
+        self.nic_free_at = start + transfer_s
+        self.nic_in_flight += 1
+        assert self.nic_in_flight <= self.writes_in_flight_max, (
+            f"prefill {self.index}: {self.nic_in_flight} writes in flight")
+        landing = start + transfer_s + sim.sc.link.write_latency_s - now
+        if slowed:  # a hit: the write lands after the lease, as it stands, runs out
+            sim.fault_hits.fired("SlowLink", r in sim.timers
+                                 and now + landing > sim.clock.lease_due(r))
+        sim.later(landing, self._land, r, w[2], self.epoch)
+
+    def _land(self, r: int, page: int, epoch: int) -> None:
+        if epoch != self.epoch:
+            return  # flushed with the crashed worker's queue pairs
+        sim = self.sim
+        if sim.held_until and sim._held(r, self._land, r, page, epoch):
+            return  # a held write keeps its NIC slot
+        self.nic_in_flight -= 1
+        assert self.nic_in_flight >= 0, f"prefill {self.index}: a write landed twice"
+        # A request can settle with writes still on the wire: a decode crash flushes them
+        # (the target's queue pairs are gone) and tombstones the request. The NIC slot is
+        # busy until the write completes all the same; the core refuses its landing.
+        pending = sim.nic_pending
+        left = pending.pop(r, 0) - 1
+        live = r in sim.cluster.rows
+        if left > 0:
+            pending[r] = left
+        else:
+            # Below zero only for a settled request (its count left with it).
+            assert left == 0 or not live, f"request {r}: more writes landed than posted"
+        if live:
+            sim.take(core.LandWrite(r, page))
+        sim._done_if_landed(r)
+        if self.nic_posted:
+            self._start_writes()
+        self.kick_nic()
+
+
+class SimDecode:
+    """Decode worker `index`: its FIFO of bootstraps waiting for pages and its batch."""
+
+    __slots__ = ("sim", "index", "waiting", "down_until", "batch")
+
+    def __init__(self, sim, index: int) -> None:
+        self.sim, self.index = sim, index
+        self.waiting = deque()     # bootstraps the core wants reserved, waiting for pages
+        self.down_until = 0.0      # restarting until then (0.0: never went down)
+        self.batch = DecodeBatch()
+
+    def is_down(self, now: float) -> bool:
+        return bool(self.down_until) and self.down_until > now
+
+    # -- commands of the core ---------------------------------------------------------------
+
+    def start_decoding(self, r: int) -> None:
+        sim = self.sim
+        prompt = sim.cluster.rows[r][core.PROMPT]
+        sequence = sim.decoding[r] = DecodeBatch.sequence(r, sim.output[r],
+                                                           prompt * sim.page_tokens)
+        self.batch.add(sequence)
+        self.kick()
+
+    def stop_decoding(self, r: int) -> None:
+        sequence = self.sim.decoding.pop(r, None)
+        if sequence is not None:
+            self.batch.stop(sequence)
+
+    def pages_freed(self, r: int) -> None:
+        self.kick_waiting()
+
+    # -- reservation ------------------------------------------------------------------------
+
+    def join(self, r: int) -> bool:
+        """A bootstrap the core wants reserved joins the FIFO of reservations, which are
+        taken while pages are free."""
+        waiting = self.waiting
+        waiting.append(r)
+        if len(waiting) == 1:
+            self.kick_waiting()
+        return True
+
+    def kick_waiting(self) -> None:
+        """Reserve for waiting bootstraps in FIFO order while pages are free."""
+        waiting, sim = self.waiting, self.sim
+        cluster = sim.cluster
+        while waiting:
+            r = waiting[0]
+            row = cluster.rows.get(r)
+            need = core.pages_to_reserve(sim.model, row) if row else "settled"
+            if type(need) is str:
+                waiting.popleft()  # a decode crash tombstoned it while it waited
+                if row is not None:
+                    sim.deliver(core.BOOTSTRAP, r)
+                continue
+            pages = cluster.allocate("decode", self.index, need)
+            if pages is None:
+                return
+            waiting.popleft()
+            sim.offer("Reserve", r, pages=pages)
+
+    def restart(self, restart_s: float) -> None:
+        """The restarted decode's queues are empty; messages reach it once it is back."""
+        sim = self.sim
+        self.down_until = sim.env.now + restart_s
+        self.waiting.clear()
+        sim.later(restart_s, self.kick_waiting)
+
+    # -- continuous batching ----------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Start the next continuous-batching step, if idle (sim/decode_batch.py)."""
+        batch = self.batch
+        if batch.stepping:
+            return
+        sim = self.sim
+        batch.fill(sim.sc.cluster.decode_batch_max)
+        if not batch.size:
+            return
+        c = sim.sc.compute
+        step_s = (c.decode_step_base_s + c.decode_step_per_request_s * batch.size
+                  + c.decode_step_per_context_token_s * batch.context_tokens)
+        batch.stepping = True
+        batch.step_ends_s = sim.env.now + step_s
+        sim.later(step_s, self._stepped)
+
+    def _stepped(self) -> None:
+        batch, sim = self.batch, self.sim
+        assert batch.stepping, f"decode {self.index}: a step ended that never started"
+        batch.stepping = False
+        first, done = batch.step()
+        if not done:  # most steps: only the sequences that joined emit their first token
+            for sequence in first:
+                if sequence[0] >= 0:
+                    sim._fact(FIRST_TOKEN, sequence[0])
+        else:
+            for sequence, first_token, finished in batch.in_order(first, done):
+                r = sequence[0]
+                if r < 0:
+                    continue  # decode closed it meanwhile (the client went away)
+                if first_token:
+                    sim._fact(FIRST_TOKEN, r)
+                if finished:
+                    sim.decoding.pop(r, None)
+                    sim.offer("Finish", r)
+        self.kick()
