@@ -49,8 +49,6 @@ from spec.core import CLIENT_NAMES, GEN, OWNER, PST, RUNNING, SRC, TABLE
 from spec.model import Model
 from spec.properties import holds_decode_pages
 
-from fuzz.engine_reference import DecodeRead, DecodeRecorder, judge, judge_bytes
-from fuzz.engine_reference import forward as reference_forward
 from fuzz.oracles import LEAK_ORACLE
 from fuzz.target import (Delay, Observation, Open, PoolView, Target, TargetRefused, Violation,
                          Wait, decoding_reads, listed, register)
@@ -66,7 +64,7 @@ STEPS_PER_WAIT_MAX = 40  # engine steps one Wait may take before it must commit 
 # Timeout moves. (A backstop of one lease timed out most long requests: a prompt in
 # 3-token chunks, or 16 pages landing one a step, takes more than 8 steps.)
 TIMEOUT_STEPS = (30, 8)
-BACKSTOP_LEASES = 4
+BACKSTOP_LEASES = 1
 STALLS_STEPS = (1, 3, 10, 30)
 _REQUEST_FAULTS = (core.Abort, core.PrefillFail, core.Timeout)
 _MODEL_CACHE: dict = {}
@@ -111,6 +109,7 @@ class EngineTarget(Target):
 
     def reset(self, model: Model, seed: int) -> None:
         from engine.runtime import Runtime, RuntimeConfig
+        from fuzz.engine_reference import DecodeRecorder
 
         self.model = model
         rng = random.Random(f"kvproof-fuzz-engine:{seed}")
@@ -143,9 +142,9 @@ class EngineTarget(Target):
         self._tokens: dict[int, list[int]] = {}  # request -> tokens its client got
         self._outcomes: dict[int, str] = {}
         self._first: dict = {}  # request -> the prefill's logits, not judged yet
-        self._pending: list[DecodeRead] = []  # decode reads not judged yet
+        self._pending: list = []  # DecodeReads  # decode reads not judged yet
         self._steps: dict[int, int] = {}  # request -> decode reads recorded
-        self._last_read: dict[int, DecodeRead] = {}
+        self._last_read: dict = {}  # request -> its last DecodeRead
         self._tainted: dict[int, tuple[int, str]] = {}  # request -> (tokens before, why)
         self._references: dict = {}
         self._committed_count = 0
@@ -257,6 +256,8 @@ class EngineTarget(Target):
 
     def _read(self, r: int, fields: dict) -> None:
         """The decode kernel's read for r, recorded at the call (DecodeRecorder)."""
+        from fuzz.engine_reference import DecodeRead
+
         store = self.rt.store
         reserved = store.rows[r][TABLE]
         pool = store.decode_pools[store.placement[r][1]]
@@ -272,16 +273,20 @@ class EngineTarget(Target):
         return self._prompt_ids[r] + tuple(self._tokens.get(r, ()))
 
     def _reference(self, r: int):
+        """The reference's K/V and logits of r's tokens (fuzz/engine_reference.py)."""
+        from fuzz.engine_reference import forward
+
         tokens = self._tokens_of(r)
         cached = self._references.get(r)
         if cached is None or cached[0] != tokens:
-            cached = self._references[r] = (tokens, *reference_forward(*_TENSORS, tokens))
+            cached = self._references[r] = (tokens, *forward(*_TENSORS, tokens))
         return cached[1], cached[2]
 
     def _judge_pending(self) -> None:
         """Judge every read and first token recorded since the last check; a read that is
         wrong taints the token its step computed (what `_findings` looks for)."""
         from engine.workers import page_tag
+        from fuzz.engine_reference import judge, judge_bytes
 
         for r, logits in self._first.items():
             kv, reference = self._reference(r)
@@ -330,6 +335,8 @@ class EngineTarget(Target):
         """Who wrote each page of r's table, as decode last read it: r where the bytes are
         the reference's for r's tokens (and on pages never read), else the request whose
         reference has exactly these bytes on some page, else nobody."""
+        from fuzz.engine_reference import judge_bytes
+
         self._judge_pending()
         table = self.rt.store.rows[r][TABLE]
         read = self._last_read.get(r)
@@ -344,13 +351,17 @@ class EngineTarget(Target):
                 continue
             rows = read.kv[start:end]
             own = end <= kv.shape[0] and judge_bytes(rows, None, kv[start:end], None) is None
-            writers.append(r if own else self._writer_of(rows, start % PAGE_TOKENS))
+            writers.append(r if own else self._writer_of(rows))
         return tuple(writers)
 
-    def _writer_of(self, rows, offset: int) -> int:
+    def _writer_of(self, rows) -> int:
+        """The request whose reference holds exactly these rows at the start of one of its
+        pages (a page moves whole, so its rows keep their offsets), or nobody."""
+        from fuzz.engine_reference import judge_bytes
+
         for w in sorted(self._prompt_ids):
             kv, _ = self._reference(w)
-            for first in range(offset, kv.shape[0] - rows.shape[0] + 1, PAGE_TOKENS):
+            for first in range(0, kv.shape[0] - rows.shape[0] + 1, PAGE_TOKENS):
                 if judge_bytes(rows, None, kv[first:first + rows.shape[0]], None) is None:
                     return w
         return core.NONE
