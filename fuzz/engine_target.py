@@ -64,7 +64,7 @@ STEPS_PER_WAIT_MAX = 40  # engine steps one Wait may take before it must commit 
 # Timeout moves. (A backstop of one lease timed out most long requests: a prompt in
 # 3-token chunks, or 16 pages landing one a step, takes more than 8 steps.)
 TIMEOUT_STEPS = (30, 8)
-BACKSTOP_LEASES = 1
+BACKSTOP_LEASES = 4
 STALLS_STEPS = (1, 3, 10, 30)
 _REQUEST_FAULTS = (core.Abort, core.PrefillFail, core.Timeout)
 _MODEL_CACHE: dict = {}
@@ -185,6 +185,12 @@ class EngineTarget(Target):
         return moves
 
     def step(self, event: core.Event) -> None:
+        from fuzz.engine_reference import one_torch_thread
+
+        with one_torch_thread():
+            self._step(event)
+
+    def _step(self, event: core.Event) -> None:
         moves = self.enabled().get(event.action, ())
         if not listed(event, moves):
             raise TargetRefused(f"{event} is not enabled in the engine now")
@@ -400,8 +406,12 @@ class EngineTarget(Target):
             reads=dict(self._reads), decoding=decoding_reads(rows, store.decode_pools[0]))
 
     def check(self) -> list[Violation]:
-        return self._findings() + [Violation(v.property, f"engine store oracle: {v.detail}")
-                                   for v in self.rt.store.violations]
+        from fuzz.engine_reference import one_torch_thread
+
+        with one_torch_thread():
+            found = self._findings()
+        return found + [Violation(v.property, f"engine store oracle: {v.detail}")
+                        for v in self.rt.store.violations]
 
     def trace(self) -> list[core.Event]:
         return list(self._trace)
