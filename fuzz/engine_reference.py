@@ -173,14 +173,16 @@ def judge(read: DecodeRead, tokens: tuple[int, ...], kv: torch.Tensor, logits: t
         return f"decode fed token {read.token_fed}, but the client's last token is {tokens[-1]}"
     reserved = read.reserved[:len(read.table)]
     if read.table != tuple(p for p, _ in reserved):
-        return f"decode read pages {_pages(read.table)}, but the core reserved {_pages(p for p, _ in reserved)}"
+        return (f"decode read pages {_pages(read.table)}, but the core reserved "
+                f"{_pages(p for p, _ in reserved)}")
     if read.expected_tags != tuple(page_tag(g) for _, g in reserved):
         return "decode expected tags other than the generations the core reserved the pages at"
     for i, ((page, generation), tag) in enumerate(zip(reserved, read.pool_tags)):
         if tag != page_tag(generation):
             return f"page {page + 1} held a tag other than its reservation's when decode read it"
         if read.generations_now[i] != generation:
-            return f"page {page + 1} was reallocated (generation {read.generations_now[i]}, reserved at {generation})"
+            return (f"page {page + 1} was reallocated (generation "
+                    f"{read.generations_now[i]}, reserved at {generation})")
     return judge_bytes(read.kv, read.logits, kv, logits)
 
 

@@ -16,12 +16,17 @@ The mutants, each a monkeypatch of one engine function (the blind spot it stands
   whatever the pools hold (the target built a Runtime directly, past the check);
 - `context_one_short`: decode attends every position but the token it just wrote, in
   `decode_batch`, which the Generator shares: the Generator-comparison tests pass on it.
+
+Four run as fuzz campaigns (a few examples each, seed 0: each is caught within 3 to 4
+examples there, within 10 on seeds 0-2). The late write of `tokens_before_the_tag_verdict`
+needs an interleaving the fuzzer finds about once in a few hundred examples, so its test
+drives the fuzz target through that interleaving with the target's own moves and judges
+it with the fuzzer's own checks after every move.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 
@@ -36,7 +41,7 @@ from engine.workers import DecodeWorker  # noqa: E402
 from fuzz import engine_target  # noqa: E402
 from fuzz.engine_target import PAGE_TOKENS, EngineTarget, tiny_model  # noqa: E402
 from fuzz.oracles import LEAK_ORACLE, Checks, check  # noqa: E402
-from fuzz.target import Delay, Open, Wait  # noqa: E402
+from fuzz.target import Open, Wait  # noqa: E402
 from spec import core  # noqa: E402
 from spec.model import Model  # noqa: E402
 from fuzz.runner import Campaign, run_campaign  # noqa: E402
@@ -111,11 +116,9 @@ def _patch(monkeypatch, module, attribute, mutant):
 
 
 def _campaign(bugs, properties, seed, examples):
-    started = time.perf_counter()
-    outcome = run_campaign(Campaign(target="engine", bugs=bugs, properties=properties,
-                                    seed=seed, examples=examples, shrink_seconds=0,
-                                    minimize_seconds=0.5))
-    return outcome, time.perf_counter() - started
+    return run_campaign(Campaign(target="engine", bugs=bugs, properties=properties,
+                                 seed=seed, examples=examples, shrink_seconds=0,
+                                 minimize_seconds=0.5))
 
 
 @pytest.mark.parametrize("name, module, attribute, mutant, bugs, properties, seed, examples",
@@ -123,7 +126,7 @@ def _campaign(bugs, properties, seed, examples):
 def test_the_engine_fuzz_target_catches_the_mutant(monkeypatch, name, module, attribute,
                                                    mutant, bugs, properties, seed, examples):
     _patch(monkeypatch, module, attribute, mutant)
-    outcome, _ = _campaign(bugs, properties, seed, examples)
+    outcome = _campaign(bugs, properties, seed, examples)
     assert outcome.caught, f"the engine fuzz target missed the {name} mutant"
     expected = "FittingRequestsSucceed" if name == "startup_check_skipped" else LEAK_ORACLE
     assert outcome.replayed.property == expected, outcome.replayed
@@ -132,7 +135,7 @@ def test_the_engine_fuzz_target_catches_the_mutant(monkeypatch, name, module, at
 def test_the_correct_engine_is_clean_on_the_same_campaign():
     """The campaign every mutant above runs (no switch, every property, seed 0, 6
     examples; each mutant is caught within 3 or 4 of them), on the correct engine."""
-    outcome, _ = _campaign(frozenset(), None, 0, 6)
+    outcome = _campaign(frozenset(), None, 0, 6)
     assert not outcome.caught, outcome.replayed
 
 
