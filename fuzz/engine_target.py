@@ -4,10 +4,12 @@ As on the simulator target, the engine's workers take the protocol's own actions
 (engine/runtime.py: reserve, admit, compute, post, land, accept, decode, finish, release)
 and the rules drive the environment:
 
-- `Arrive`: a request arrives with the prompt length the fuzzer picks, in pages: the
-  engine's request has (pages - 1) * PAGE_TOKENS + 1 prompt tokens and PAGE_TOKENS output
-  tokens, so it reserves exactly that many decode pages and its decode steps go through the
-  tag-checking kernel;
+- `Arrive`: a request arrives needing the number of decode pages the fuzzer picks
+  (prompt + max_tokens - 1 tokens, the core's page count); how they split between prompt
+  and output is drawn from the example's seed: prompt-heavy (one or two output tokens),
+  output-heavy (a prompt of a page or less and a decode step per token after it) or
+  anywhere between, so prompts end and decode steps cross pages at every offset, and
+  with prefill chunks of 3, 5 or 16 tokens (per example) chunks end mid-page;
 - `Abort`, `PrefillFail`, `Timeout`: a client goes away, a prefill fails, a transfer timer
   fires early, now;
 - `Delay`: the request's page writes stay on the wire for a number of engine steps;
@@ -18,11 +20,23 @@ The engine has no worker crashes, so crash moves are never listed (a model with 
 only widens what may happen). Write landing order comes from the example's seed (the
 transport shuffles the writes in flight, one landing per step).
 
-The leak oracle is bit for bit (`Observation.reads`): when decode finishes a request, the
-writer of each page it read is found by comparing the prompt positions' K/V in the decode
-page with the K/V each request's own prefill computed for the same positions; a page
-whose bytes match nobody's (never computed for anyone, or half overwritten) is read as
-nobody's. Pages past the prompt hold only what decode wrote itself, and are the request's.
+The engine is built as `build_engine` builds it: its context and pools come from the
+startup capacity check (engine/serving.py `advertised_context`, lowering the context to
+what every pool holds), and a request within what that check advertised (prompt +
+max_tokens) must never be turned away as too long (reported as FittingRequestsSucceed).
+
+The oracles share no paging code with the engine (fuzz/engine_reference.py): every decode
+call's inputs and reads are recorded at the call (`DecodeRecorder` on each decode worker's
+model), and judged against a plain-torch forward of the request's tokens alone (its
+prompt and every token its client got): the context attended is exactly those tokens,
+the block table and its tags are the core's reservation at the pages' current
+generations, and the K/V at every position attended and the logits are the reference's
+within a stated tolerance; the prefill's first token is judged by its logits. A token
+computed from a read that fails is a violation as soon as it reaches the client, whatever
+the request's outcome (reported under LeakOracle); so is a token with no recorded read
+behind it. `Observation.reads` (the shared leak oracle's Ok check) names the writer of
+each page of a finished request's last read: itself where the bytes are its reference's,
+else the request whose reference holds exactly those bytes, else nobody.
 The model is a tiny random Llama (one layer, fp32) built in memory.
 """
 
@@ -31,21 +45,30 @@ from __future__ import annotations
 import random
 
 from spec import core
-from spec.core import CLIENT_NAMES, OWNER, PST, RUNNING, SRC, TABLE
+from spec.core import CLIENT_NAMES, GEN, OWNER, PST, RUNNING, SRC, TABLE
 from spec.model import Model
 from spec.properties import holds_decode_pages
 
+from fuzz.oracles import LEAK_ORACLE
 from fuzz.target import (Delay, Observation, Open, PoolView, Target, TargetRefused, Violation,
                          Wait, decoding_reads, listed, register)
 
 PAGE_TOKENS = 2
+# Prefill chunk sizes, in tokens, one per example (from its seed): odd ones end chunks
+# mid-page, so a chunk boundary and a page boundary fall apart.
+CHUNK_TOKENS = (3, 5, 16)
+MAX_BATCH = 8
 STEPS_PER_WAIT_MAX = 40  # engine steps one Wait may take before it must commit an event
-# The lease and the transfer timeout, in engine steps (the clock is the step count): the
-# runtime's own timers; early timeouts are the fuzzer's Timeout moves.
+# The lease, in engine steps (the clock is the step count), and the transfer timeout after
+# Admit, BACKSTOP_LEASES leases: the runtime's own timers; early timeouts are the fuzzer's
+# Timeout moves. (A backstop of one lease timed out most long requests: a prompt in
+# 3-token chunks, or 16 pages landing one a step, takes more than 8 steps.)
 TIMEOUT_STEPS = (30, 8)
+BACKSTOP_LEASES = 4
 STALLS_STEPS = (1, 3, 10, 30)
 _REQUEST_FAULTS = (core.Abort, core.PrefillFail, core.Timeout)
 _MODEL_CACHE: dict = {}
+_TENSORS: list = []  # (weight tensors, config) of the tiny model: the reference's input
 
 
 def tiny_model(seed: int = 0):
@@ -72,6 +95,8 @@ def tiny_model(seed: int = 0):
                "layers.0.o": rand(h, q), "layers.0.gate": rand(48, h),
                "layers.0.up": rand(48, h), "layers.0.down": rand(h, 48)}
     model = _MODEL_CACHE[seed] = LlamaModel(Checkpoint(config, tensors, None, None))
+    if seed == 0:  # the reference's own copy of the weights (the engine fuses its own)
+        _TENSORS[:] = [{k: t.clone() for k, t in tensors.items()}, config]
     return model
 
 
@@ -83,25 +108,27 @@ class EngineTarget(Target):
     in_default_zoo = False
 
     def reset(self, model: Model, seed: int) -> None:
-        import torch
-
         from engine.runtime import Runtime, RuntimeConfig
+        from fuzz.engine_reference import DecodeRecorder
 
         self.model = model
-        self._torch = torch
         rng = random.Random(f"kvproof-fuzz-engine:{seed}")
         self.timeout_steps = rng.choice(TIMEOUT_STEPS)
+        chunk_tokens = rng.choice(CHUNK_TOKENS)
         self.clock = 0.0
+        self.context_tokens, prefill_pages, decode_pages = _startup(model)
         config = RuntimeConfig(
-            prefill_pages=model.prefill_pages, decode_pages=model.decode_pages,
-            page_tokens=PAGE_TOKENS, context_tokens=model.context_pages * PAGE_TOKENS,
-            max_batch=8, prefill_chunk_tokens=8 * PAGE_TOKENS,
-            lease_s=float(self.timeout_steps), transfer_timeout_s=float(self.timeout_steps),
-            bugs=model.bugs,
-            transport_seed=seed, lands_per_step=1, keep_kv=True)
+            prefill_pages=prefill_pages, decode_pages=decode_pages,
+            page_tokens=PAGE_TOKENS, context_tokens=self.context_tokens,
+            max_batch=MAX_BATCH, prefill_chunk_tokens=chunk_tokens,
+            lease_s=float(self.timeout_steps),
+            transfer_timeout_s=float(self.timeout_steps * BACKSTOP_LEASES),
+            bugs=model.bugs, transport_seed=seed, lands_per_step=1)
         self.rt = Runtime(tiny_model(), config, clock=lambda: self.clock)
         self.rt.store.settled_rows = {}
         self.rt.on_commit = self._committed
+        for worker in self.rt.decodes:
+            worker.model = DecodeRecorder(worker, self._read)
         self.held: dict[int, float] = {}  # request -> clock until which its writes wait
         self.rt.transport.hold = lambda w: self.held.get(w.request, -1.0) > self.clock
         self._prompts = tuple(range(1, model.max_prompt_pages + 1))
@@ -109,11 +136,23 @@ class EngineTarget(Target):
         self._trace: list[core.Event] = []
         self._story: list[str] = []
         self._reads: dict[int, tuple[int, ...]] = {}
+        # The client's side and the oracle's evidence (fuzz/engine_reference.py).
+        self._prompt_ids: dict[int, tuple[int, ...]] = {}
+        self._asked: dict[int, int] = {}  # request -> prompt + max_tokens
+        self._tokens: dict[int, list[int]] = {}  # request -> tokens its client got
+        self._outcomes: dict[int, str] = {}
+        self._first: dict = {}  # request -> the prefill's logits, not judged yet
+        self._pending: list = []  # DecodeReads  # decode reads not judged yet
+        self._steps: dict[int, int] = {}  # request -> decode reads recorded
+        self._last_read: dict = {}  # request -> its last DecodeRead
+        self._tainted: dict[int, tuple[int, str]] = {}  # request -> (tokens before, why)
+        self._references: dict = {}
         self._committed_count = 0
         self._stalled = False
         self._moves: dict | None = None
         self._state: core.State | None = None
-        self.timing = {"transfer_timeout_steps": self.timeout_steps, "transport_seed": seed}
+        self.timing = {"transfer_timeout_steps": self.timeout_steps, "transport_seed": seed,
+                       "chunk_tokens": chunk_tokens, "context_tokens": self.context_tokens}
 
     def describe(self) -> str:
         return "engine: " + ", ".join(f"{k} {v}" for k, v in self.timing.items())
@@ -146,6 +185,12 @@ class EngineTarget(Target):
         return moves
 
     def step(self, event: core.Event) -> None:
+        from fuzz.engine_reference import one_torch_thread
+
+        with one_torch_thread():
+            self._step(event)
+
+    def _step(self, event: core.Event) -> None:
         moves = self.enabled().get(event.action, ())
         if not listed(event, moves):
             raise TargetRefused(f"{event} is not enabled in the engine now")
@@ -169,23 +214,28 @@ class EngineTarget(Target):
         from engine.sampling import SamplingParams
         from engine.service import GenerationRequest
 
-        tokens = (pages - 1) * PAGE_TOKENS + 1
-        prompt = tuple(self._tokens_rng.randrange(64) for _ in range(tokens))
-        request = GenerationRequest(prompt, SamplingParams(max_tokens=PAGE_TOKENS,
+        rng = self._tokens_rng
+        prompt_tokens, max_tokens = request_shape(rng, pages)
+        prompt = tuple(rng.randrange(64) for _ in range(prompt_tokens))
+        request = GenerationRequest(prompt, SamplingParams(max_tokens=max_tokens,
                                                            ignore_eos=True))
-        self.rt.arrive(request, lambda event: None)
+        r = self.rt.next_id
+        self._prompt_ids[r] = prompt
+        self._asked[r] = len(prompt) + max_tokens
+        self.rt.arrive(request, self._client(r))
 
     def _wait(self) -> None:
         before = self._committed_count
+        decoding = False  # a long output decodes for more steps than one Wait takes
         for _ in range(STEPS_PER_WAIT_MAX):
             self.clock += 1.0
-            self.rt.step()
+            decoding = self.rt.step() and any(w.running for w in self.rt.decodes)
             if self._committed_count != before or self.rt.idle:
                 return
-        if self.rt.timers:  # only a timer can move the protocol on: its time comes
+        if self.rt.timers and not decoding:  # only a timer can move the protocol on
             self.clock = max(self.clock, min(self.rt.timers.values()))
             self.rt.step()
-        if self._committed_count == before:
+        if self._committed_count == before and not decoding:
             self._stalled = True  # nothing moves until the fuzzer injects something
 
     def _committed(self, event: core.Event, change: core.Change) -> None:
@@ -195,38 +245,130 @@ class EngineTarget(Target):
         if type(event) is core.Finish and event.request in self.rt.live:
             self._reads[event.request] = self._writers(event.request)
 
+    # -- the client's side and the decode kernel's reads (fuzz/engine_reference.py) -------
+
+    def _client(self, r: int):
+        from engine.service import Finished
+
+        def on_event(event) -> None:
+            if isinstance(event, Finished):
+                self._outcomes[r] = event.outcome
+                return
+            tokens = self._tokens.setdefault(r, [])
+            if not tokens:  # the prefill's token: judged against the prompt's logits
+                self._first[r] = self.rt.live[r].first[1].float().clone()
+            tokens.append(event.token_id)
+        return on_event
+
+    def _read(self, r: int, fields: dict) -> None:
+        """The decode kernel's read for r, recorded at the call (DecodeRecorder)."""
+        from fuzz.engine_reference import DecodeRead
+
+        store = self.rt.store
+        reserved = store.rows[r][TABLE]
+        pool = store.decode_pools[store.placement[r][1]]
+        steps = self._steps.get(r, 0)
+        self._steps[r] = steps + 1
+        self._pending.append(DecodeRead(
+            request=r, step=steps, tokens_seen=len(self._tokens.get(r, ())),
+            reserved=tuple(reserved), generations_now=tuple(pool[p][GEN] for p, _ in reserved),
+            **fields))
+
+    def _tokens_of(self, r: int) -> tuple[int, ...]:
+        """What request r has: its prompt and every token its client got."""
+        return self._prompt_ids[r] + tuple(self._tokens.get(r, ()))
+
+    def _reference(self, r: int):
+        """The reference's K/V and logits of r's tokens (fuzz/engine_reference.py)."""
+        from fuzz.engine_reference import forward
+
+        tokens = self._tokens_of(r)
+        cached = self._references.get(r)
+        if cached is None or cached[0] != tokens:
+            cached = self._references[r] = (tokens, *forward(*_TENSORS, tokens))
+        return cached[1], cached[2]
+
+    def _judge_pending(self) -> None:
+        """Judge every read and first token recorded since the last check; a read that is
+        wrong taints the token its step computed (what `_findings` looks for)."""
+        from engine.workers import page_tag
+        from fuzz.engine_reference import judge, judge_bytes
+
+        for r, logits in self._first.items():
+            kv, reference = self._reference(r)
+            n = len(self._prompt_ids[r])
+            wrong = judge_bytes(kv[:0], logits, kv, reference, position=n - 1)
+            if wrong is not None:
+                self._tainted.setdefault(r, (0, f"its first token (the prefill's): {wrong}"))
+        self._first.clear()
+        for read in self._pending:
+            r = read.request
+            kv, logits = self._reference(r)
+            tokens = self._tokens_of(r)[:len(self._prompt_ids[r]) + read.tokens_seen]
+            wrong = judge(read, tokens, kv, logits, page_tag)
+            self._last_read[r] = read
+            if wrong is not None and r not in self._tainted:
+                self._tainted[r] = (read.tokens_seen, f"decode step {read.step + 1}: {wrong}")
+        self._pending.clear()
+
+    def _findings(self) -> list[Violation]:
+        """A token computed from a read the reference refuses reached the client (whatever
+        the request's outcome); a token reached it with no read behind it; a request the
+        startup check advertised as fitting was turned away as too long."""
+        self._judge_pending()
+        found = []
+        for r, (seen, why) in self._tainted.items():
+            got = len(self._tokens.get(r, ()))
+            if got > seen:
+                found.append(Violation(LEAK_ORACLE, (
+                    f"engine read oracle: {self.model.request_names[r]} streamed token "
+                    f"{seen + 1} (of {got}, outcome {self._outcomes.get(r, 'none yet')}) "
+                    f"computed from a wrong read: {why}")))
+        for r, tokens in self._tokens.items():
+            if len(tokens) > 1 + self._steps.get(r, 0):
+                found.append(Violation(LEAK_ORACLE, (
+                    f"engine read oracle: {self.model.request_names[r]} got {len(tokens)} "
+                    f"tokens from {self._steps.get(r, 0)} decode reads and one prefill")))
+        for r, outcome in self._outcomes.items():
+            if outcome == "ErrTooLong" and self._asked[r] <= self.context_tokens:
+                found.append(Violation("FittingRequestsSucceed", (
+                    f"engine startup check: it advertised {self.context_tokens} tokens of "
+                    f"context, and {self.model.request_names[r]} (prompt + max_tokens = "
+                    f"{self._asked[r]}) was refused as too long")))
+        return found
+
     def _writers(self, r: int) -> tuple[int, ...]:
-        """Who wrote each page decode read for r, from the bytes (the module header)."""
-        rt = self.rt
-        live = rt.live[r]
-        prompt_tokens = len(live.request.prompt_ids)
-        read = rt.read_kv.get(r)
+        """Who wrote each page of r's table, as decode last read it: r where the bytes are
+        the reference's for r's tokens (and on pages never read), else the request whose
+        reference has exactly these bytes on some page, else nobody."""
+        from fuzz.engine_reference import judge_bytes
+
+        self._judge_pending()
+        table = self.rt.store.rows[r][TABLE]
+        read = self._last_read.get(r)
+        if read is None:  # decode never read: its one token came from the prefill
+            return tuple(r for _ in table)
+        kv, _ = self._reference(r)
         writers = []
-        for i, (page, _) in enumerate(rt.store.rows[r][TABLE]):
-            start, end = i * PAGE_TOKENS, min((i + 1) * PAGE_TOKENS, prompt_tokens)
-            if start >= prompt_tokens:
+        for i in range(len(table)):
+            start, end = i * PAGE_TOKENS, min((i + 1) * PAGE_TOKENS, read.context)
+            if start >= end:
                 writers.append(r)
                 continue
-            if read is None:  # decode never read (a tag failure before any step)
-                writers.append(core.NONE)
-                continue
-            writers.append(self._writer_of(r, i, read[start:end]))
+            rows = read.kv[start:end]
+            own = end <= kv.shape[0] and judge_bytes(rows, None, kv[start:end], None) is None
+            writers.append(r if own else self._writer_of(rows))
         return tuple(writers)
 
-    def _writer_of(self, r: int, index: int, rows) -> int:
-        """The request whose prefill computed exactly these K/V rows into some page of its
-        own: r itself at this page of its table first (two prompts with the same first
-        tokens have the same K/V there, and bytes equal to its own are its own), then any
-        page of any request (a stale page keeps what its last writer put there)."""
-        torch, n = self._torch, rows.shape[0]
-        own = self.rt.prompt_kv.get(r)
-        start = index * PAGE_TOKENS
-        if own is not None and own.shape[0] >= start + n \
-                and torch.equal(own[start:start + n], rows):
-            return r
-        for w, kv in self.rt.prompt_kv.items():
-            for first in range(0, kv.shape[0] - n + 1, PAGE_TOKENS):
-                if torch.equal(kv[first:first + n], rows):
+    def _writer_of(self, rows) -> int:
+        """The request whose reference holds exactly these rows at the start of one of its
+        pages (a page moves whole, so its rows keep their offsets), or nobody."""
+        from fuzz.engine_reference import judge_bytes
+
+        for w in sorted(self._prompt_ids):
+            kv, _ = self._reference(w)
+            for first in range(0, kv.shape[0] - rows.shape[0] + 1, PAGE_TOKENS):
+                if judge_bytes(rows, None, kv[first:first + rows.shape[0]], None) is None:
                     return w
         return core.NONE
 
@@ -264,11 +406,47 @@ class EngineTarget(Target):
             reads=dict(self._reads), decoding=decoding_reads(rows, store.decode_pools[0]))
 
     def check(self) -> list[Violation]:
-        return [Violation(v.property, f"engine store oracle: {v.detail}")
-                for v in self.rt.store.violations]
+        from fuzz.engine_reference import one_torch_thread
+
+        with one_torch_thread():
+            found = self._findings()
+        return found + [Violation(v.property, f"engine store oracle: {v.detail}")
+                        for v in self.rt.store.violations]
 
     def trace(self) -> list[core.Event]:
         return list(self._trace)
 
     def story(self) -> list[str]:
         return list(self._story)
+
+
+def request_shape(rng: random.Random, pages: int) -> tuple[int, int]:
+    """(prompt tokens, max_tokens) of a request that needs exactly `pages` decode pages,
+    split one of three ways, drawn: prompt-heavy (one or two output tokens), output-heavy
+    (a prompt of a page or less, many decode steps) or anywhere between; so prompts end,
+    and decode steps cross pages, at every offset."""
+    stored = rng.randint((pages - 1) * PAGE_TOKENS + 1, pages * PAGE_TOKENS)  # K/V kept
+    shape = rng.randrange(3)
+    if shape == 0:
+        max_tokens = rng.randint(1, min(2, stored))
+    elif shape == 1:
+        max_tokens = stored + 1 - rng.randint(1, min(PAGE_TOKENS, stored))
+    else:
+        max_tokens = rng.randint(1, stored)
+    return stored + 1 - max_tokens, max_tokens
+
+
+def _startup(model: Model) -> tuple[int, int, int]:
+    """(context tokens, prefill pages, decode pages) as the engine's startup check
+    (engine/serving.py `advertised_context`, what `build_engine` runs) sets them for the
+    example's pools and context: lowered to what every pool holds, unless the
+    PoolBelowContext switch turns the check off."""
+    from engine.serving import EngineConfig, advertised_context
+
+    config = EngineConfig(context_length=model.context_pages * PAGE_TOKENS,
+                          lower_context_to_fit=True, page_tokens=PAGE_TOKENS,
+                          prefill_pool_tokens=model.prefill_pages * PAGE_TOKENS,
+                          decode_pool_tokens=model.decode_pages * PAGE_TOKENS,
+                          max_batch=MAX_BATCH, bugs=model.bugs)
+    return advertised_context(config, model.context_pages * PAGE_TOKENS)
+

@@ -37,7 +37,7 @@ LONG = os.environ.get("KVPROOF_FUZZ_PROFILE") == "long"
 # The CI seed and budget of each target: every entry caught within its examples per cell
 # (see fuzz/README.md); the none row runs all of them. The engine runs its data-path rows.
 ZOO_SEEDS = {"core": 0, "sim": 1, "engine": 1}
-ZOO_BUDGET = {"core": 1500, "sim": 1500, "engine": 400}
+ZOO_BUDGET = {"core": 1500, "sim": 1500, "engine": 500}
 ZOO_SHRINK_SECONDS = 1.0
 ZOO_MINIMIZE_SECONDS = 2.0
 
