@@ -59,7 +59,8 @@ CONSTANTS
 BugNames == {"FinishedNotRejected", "NoCountCheck", "EagerRelease", "SourceReuse",
              "NoAbortNotice", "NoTimeout", "PoolBelowContext", "NoGenBump",
              "NoChecksum", "NoTombstone", "NoCancel", "AdmitBeforeReserve",
-             "StopwatchTimeout"}
+             "StopwatchTimeout", "EarlyDone", "NoLandedCount", "GenerationReset",
+             "NoEpochCheck"}
 
 ASSUME /\ NoReq \notin Requests
        /\ Bugs \subseteq BugNames
@@ -129,6 +130,15 @@ WritesOf(r) == {w \in writes : w.req = r}
 ClientError(r, e) == IF client[r] = "Waiting" THEN e ELSE client[r]
 FreeSources(r) == [p \in PPages |-> IF p \in Range(src[r]) /\ powner[p] = r
                                       THEN NoReq ELSE powner[p]]
+(* The sources of r that none of r's writes in flight still reads: all of them, unless the  *)
+(* final word went out before the writes completed (EarlyDone); a completion frees the rest. *)
+Reading(p) == \E w \in writes : w.src = p /\ w.req = powner[p]
+FreeUnreadSources(r) == [p \in PPages |-> IF p \in Range(src[r]) /\ powner[p] = r
+                                            /\ ~Reading(p)
+                                          THEN NoReq ELSE powner[p]]
+(* Decode's own count: as many of r's writes as n have landed in its pages. An IF, not a    *)
+(* disjunction, so that TLC enumerates each step once (see LeaseLapsed).                    *)
+Counted(r, n) == IF "NoLandedCount" \in Bugs THEN TRUE ELSE landed[r] >= n
 HoldsPages(r) == dst[r] \in {"Waiting", "Decoding", "Closing"}
 Overlong(r) == prompt[r] > Min(PrefillPages, DecodePages)
 
@@ -255,17 +265,19 @@ LandWrite(w) ==
     /\ content' = [content EXCEPT ![w.dst] = <<pdata[w.src], w.gen>>]
     /\ writes' = writes \ {w}
     /\ landed' = [landed EXCEPT ![w.req] = landed[w.req] + 1]
+    /\ powner' = IF pst[w.req] # "Running" /\ powner[w.src] = w.req
+                   THEN [powner EXCEPT ![w.src] = NoReq] ELSE powner
     /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel,
-                   leaked, owner, gen, powner, pdata, ptable, fwCount, announced>>
+                   leaked, owner, gen, pdata, ptable, fwCount, announced>>
 
 SendDone(r) ==
     /\ pst[r] = "Running"
     /\ sent[r] = Len(src[r])
-    /\ WritesOf(r) = {}
+    /\ IF "EarlyDone" \in Bugs THEN TRUE ELSE WritesOf(r) = {}
     /\ pst' = [pst EXCEPT ![r] = "Done"]
     /\ fwMsg' = [fwMsg EXCEPT ![r] = "Done"]
     /\ fwCount' = [fwCount EXCEPT ![r] = sent[r]]
-    /\ powner' = FreeSources(r)
+    /\ powner' = FreeUnreadSources(r)
     /\ UNCHANGED <<client, prompt, sent, src, dst, table, boot, dfw, cancel, leaked,
                    owner, gen, content, pdata, writes, ptable, announced, landed>>
 
@@ -321,22 +333,43 @@ PrefillCrash ==
 (* restart, so no stale tag can look current. Writes in flight into the old memory        *)
 (* registration fail and are flushed; the prefill learns from the broken connection       *)
 (* (modelled as a cancel) and stops or repeats its final word, which decode ignores.      *)
+(*                                                                                        *)
+(* Two bug switches break the restart. GenerationReset: the restarted decode issues        *)
+(* generations from zero again (its tag counter died with the process), so a stale page's *)
+(* tag can equal the one a new reservation issues. NoEpochCheck: the restarted decode      *)
+(* takes a bootstrap of the old epoch as new (it has forgotten the request, tombstone and  *)
+(* final word included) and reserves for a request its old life already ended. A crash    *)
+(* also fails the writes in flight, and the prefill frees the sources of a request it has *)
+(* stopped running as their failed completions come back (with EarlyDone there are such). *)
 DecodeKnows(r) == boot[r] \/ HoldsPages(r)
+Revived(r) == "NoEpochCheck" \in Bugs /\ boot[r]
+(* What the crash takes from r: everything decode knew of it; for a revived bootstrap its *)
+(* tombstone, the prefill's connection (a cancel) or the client's wait (a crash that takes *)
+(* nothing is no step).                                                                   *)
+Loses(r) == IF Revived(r) THEN dst[r] = "Tomb" \/ Active(r) /\ ~cancel[r]
+                                \/ client[r] = "Waiting"
+                           ELSE DecodeKnows(r)
 
 DecodeCrash ==
     /\ DecodeCrashes
-    /\ \E r \in Requests : DecodeKnows(r)
-    /\ dst' = [r \in Requests |-> IF DecodeKnows(r) THEN "Tomb" ELSE dst[r]]
-    /\ boot' = [r \in Requests |-> IF DecodeKnows(r) THEN FALSE ELSE boot[r]]
+    /\ \E r \in Requests : Loses(r)
+    /\ dst' = [r \in Requests |-> IF Revived(r) THEN "None"
+                                  ELSE IF DecodeKnows(r) THEN "Tomb" ELSE dst[r]]
+    /\ boot' = [r \in Requests |-> IF DecodeKnows(r) /\ ~Revived(r) THEN FALSE ELSE boot[r]]
+    /\ dfw' = [r \in Requests |-> IF Revived(r) THEN FALSE ELSE dfw[r]]
+    /\ announced' = [r \in Requests |-> IF Revived(r) THEN 0 ELSE announced[r]]
     /\ table' = [r \in Requests |-> IF DecodeKnows(r) THEN <<>> ELSE table[r]]
     /\ ptable' = [r \in Requests |-> IF DecodeKnows(r) THEN <<>> ELSE ptable[r]]
     /\ cancel' = [r \in Requests |-> IF DecodeKnows(r) /\ Active(r) THEN TRUE ELSE cancel[r]]
     /\ client' = [r \in Requests |-> IF DecodeKnows(r) THEN ClientError(r, "ErrDecode")
                                                       ELSE client[r]]
     /\ owner' = [p \in DPages |-> NoReq]
+    /\ gen' = IF "GenerationReset" \in Bugs THEN [p \in DPages |-> 0] ELSE gen
+    /\ powner' = [p \in PPages |-> IF Reading(p) /\ ~Active(powner[p]) THEN NoReq
+                                                                       ELSE powner[p]]
     /\ writes' = {}
-    /\ UNCHANGED <<prompt, pst, sent, src, fwMsg, dfw, leaked, gen, content, powner,
-                   pdata, fwCount, announced, landed>>
+    /\ UNCHANGED <<prompt, pst, sent, src, fwMsg, leaked, content, pdata, fwCount,
+                   landed>>
 
 FinalWordOf(s) == CASE s = "Done" -> "Done"
                     [] s = "Rejected" -> "Reject"
@@ -433,7 +466,8 @@ TransferFault(r, checksumsOk) ==
 Accept(r, checksumsOk) ==
     /\ fwMsg[r] = "Done"
     /\ IF dst[r] = "Waiting"
-         THEN /\ fwMsg' = [fwMsg EXCEPT ![r] = "None"]
+         THEN /\ Counted(r, fwCount[r])
+              /\ fwMsg' = [fwMsg EXCEPT ![r] = "None"]
               /\ fwCount' = [fwCount EXCEPT ![r] = 0]
               /\ dfw' = [dfw EXCEPT ![r] = TRUE]
               /\ announced' = [announced EXCEPT ![r] = fwCount[r]]
@@ -520,7 +554,7 @@ Timeout(r) ==
 Release(r) ==
     /\ dst[r] = "Closing"
     /\ \/ "EagerRelease" \in Bugs
-       \/ dfw[r] /\ landed[r] >= announced[r]
+       \/ dfw[r] /\ Counted(r, announced[r])
     /\ dst' = [dst EXCEPT ![r] = "Released"]
     /\ owner' = [p \in DPages |-> IF owner[p] = r /\ p \in {table[r][i].page : i \in DOMAIN table[r]}
                                     THEN NoReq ELSE owner[p]]
@@ -574,7 +608,8 @@ ExclusiveOwner ==
           \A i \in DOMAIN table[r] : /\ owner[table[r][i].page] = r
                                      /\ gen[table[r][i].page] = table[r][i].gen
     /\ \A p \in PPages : powner[p] # NoReq =>
-          pst[powner[p]] = "Running" /\ p \in Range(src[powner[p]])
+          /\ pst[powner[p]] = "Running" \/ Reading(p)
+          /\ p \in Range(src[powner[p]])
 
 NoWriteIntoForeign == \A w \in writes : owner[w.dst] = w.req /\ gen[w.dst] = w.gen
 

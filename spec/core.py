@@ -226,6 +226,20 @@ def _free_prefill_of(pool, r: int, pages: tuple) -> tuple:
     return tuple((p, (NONE, pool[p][1])) for p in pages if pool[p][0] == r)
 
 
+def _free_unread_of(s: State, r: int, pages: tuple) -> tuple:
+    """The same for the pages none of r's writes in flight still reads (the spec's
+    FreeUnreadSources): all of them unless the final word went out early (EarlyDone)."""
+    reading = {w[1] for w in s.writes if w[0] == r}
+    pool = s.prefill_pool
+    return tuple((p, (NONE, pool[p][1])) for p in pages if pool[p][0] == r and p not in reading)
+
+
+def _counted(m: Model, row: tuple, writes: int) -> bool:
+    """Decode's own count: as many of the request's writes have landed as `writes` (the
+    spec's Counted; NoLandedCount is the decode that does not count)."""
+    return "NoLandedCount" in m.bugs or row[LANDED] >= writes
+
+
 def _cancel(m: Model) -> tuple:
     """The row change that sends decode's cancel to the prefill (none with NoCancel)."""
     return () if "NoCancel" in m.bugs else (CANCEL, 1)
@@ -343,8 +357,12 @@ def land_write(m: Model, s: State, r: int, page: int) -> Change | str:
     data = s.prefill_pool[w[1]][1]  # the NIC reads the source page now, not at post time
     owner, gen, _, _ = s.decode_pool[page]
     row = s.requests[r]  # decode counts the write (its completion carries the request)
+    freed = ()
+    if row[PST] != RUNNING and s.prefill_pool[w[1]][0] == r:
+        # The completion frees a source the prefill kept only for this write (EarlyDone).
+        freed = ((w[1], (NONE, data)),)
     return Change(((r, _row(row, LANDED, row[LANDED] + 1)),),
-                  decode=((page, (owner, gen, data, w[3])),), landed=(w,))
+                  decode=((page, (owner, gen, data, w[3])),), prefill=freed, landed=(w,))
 
 
 def send_done(m: Model, s: State, r: int) -> Change | str:
@@ -353,10 +371,10 @@ def send_done(m: Model, s: State, r: int) -> Change | str:
         return f"the prefill state is {PREFILL_NAMES[row[PST]]}, not Running"
     if row[SENT] != len(row[SRC]):
         return f"{row[SENT]} of {len(row[SRC])} pages posted"
-    if _writes_of(s, r):
+    if "EarlyDone" not in m.bugs and _writes_of(s, r):
         return "writes of this request are still in flight"
     return Change(((r, _row(row, PST, P_DONE, FW, MSG_DONE, FW_COUNT, row[SENT])),),
-                  prefill=_free_prefill_of(s.prefill_pool, r, row[SRC]))
+                  prefill=_free_unread_of(s, r, row[SRC]))
 
 
 def _stop_prefill(m: Model, s: State, r: int, client: int) -> Change:
@@ -514,6 +532,8 @@ def accept(m: Model, s: State, r: int, checksums_ok: bool) -> Change | str:
         return "no Done is in flight"
     if row[DST] == D_WAITING:
         count = row[FW_COUNT]
+        if not _counted(m, row, count):  # verify only what has landed: wait for the rest
+            return f"{row[LANDED]} of the {count} writes the Done announces have landed"
         if _transfer_fault(m, row, checksums_ok):
             row = _row(row, FW, NO_MSG, FW_COUNT, 0, DST, CLOSING, DFW, 1, ANNOUNCED, count,
                        CLIENT, _client_error(row, ERR_TRANSFER))
@@ -597,7 +617,9 @@ def release(m: Model, s: State, r: int) -> Change | str:
     if "EagerRelease" not in m.bugs:
         if not row[DFW]:
             return "the prefill's final word has not arrived"
-        if row[LANDED] < row[ANNOUNCED]:
+        if "NoLandedCount" in m.bugs:
+            pass  # the bug: the final word alone
+        elif row[LANDED] < row[ANNOUNCED]:
             return (f"{row[LANDED]} of the {row[ANNOUNCED]} writes the final word announced "
                     "have landed")
     pool = s.decode_pool
@@ -641,19 +663,39 @@ def decode_crash(m: Model, s: State) -> Change | str:
     stops or repeats its final word, which the restarted decode ignores."""
     if not m.decode_crashes:
         return "this model has no decode crashes (DecodeCrashes = FALSE)"
+    revive = "NoEpochCheck" in m.bugs  # the bug: an old bootstrap looks new to the new life
     lost = []
+    loses = False
     for r, row in s.request_items():
         d = row[DST]
         if row[BOOT] or d == D_WAITING or d == DECODING or d == CLOSING:
             active = row[PST] == QUEUED or row[PST] == RUNNING
-            lost.append((r, _row(row, DST, TOMB, BOOT, 0, TABLE, (), PTABLE, (),
+            revived = revive and row[BOOT]
+            loses = loses or not revived or (d == TOMB or active and not row[CANCEL]
+                                             or row[CLIENT] == WAITING)
+            forgotten = ((DST, D_NONE, DFW, 0, ANNOUNCED, 0) if revived
+                         else (DST, TOMB, BOOT, 0))
+            lost.append((r, _row(row, *forgotten, TABLE, (), PTABLE, (),
                                  CANCEL, 1 if active else row[CANCEL],
                                  CLIENT, _client_error(row, ERR_DECODE))))
-    if not lost:
+    if not loses:
         return "decode knows of no request: a crash loses nothing"
-    freed = tuple((p, (NONE, gen, data, tag)) for p, (owner, gen, data, tag)
-                  in enumerate(s.decode_pool) if owner != NONE)
-    return Change(tuple(lost), decode=freed, flushed=True)
+    reset = "GenerationReset" in m.bugs  # the bug: the tag counter died with the process
+    freed = tuple((p, (NONE, 0 if reset else gen, data, tag)) for p, (owner, gen, data, tag)
+                  in enumerate(s.decode_pool) if owner != NONE or (reset and gen))
+    return Change(tuple(lost), decode=freed, prefill=_sources_of_failed_writes(s), flushed=True)
+
+
+def _sources_of_failed_writes(s: State) -> tuple:
+    """The prefill frees the sources of a request it no longer runs as the failed
+    completions of its flushed writes come back (there are such only with EarlyDone)."""
+    pool = s.prefill_pool
+    freed = {}
+    for r, p, _, _ in s.writes:
+        row = s.requests[r]
+        if pool[p][0] == r and row[PST] != QUEUED and row[PST] != RUNNING:
+            freed[p] = (NONE, pool[p][1])
+    return tuple(sorted(freed.items()))
 
 
 # ---------------------------------------------------------------------------------------

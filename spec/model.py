@@ -82,6 +82,30 @@ BUG_SWITCHES: dict[str, tuple[str, str, str]] = {
         "and compute and fails healthy requests that fit",
         "tokenspeed #1427, SGLang's bootstrap deadline, kvproof serve before the lease",
     ),
+    "EarlyDone": (
+        "the final word only once the prefill's writes have completed",
+        "prefill sends Done as soon as its last write is posted, before the writes land "
+        "(a notification channel apart from the data path)",
+        "kvproof guard removal",
+    ),
+    "NoLandedCount": (
+        "decode's own count of landed writes",
+        "decode accepts and releases on the final word alone, without counting the writes "
+        "that landed in its pages",
+        "kvproof guard removal",
+    ),
+    "GenerationReset": (
+        "generations that outlive a decode restart",
+        "a restarted decode issues page generations from zero again, so a stale page's tag "
+        "can equal a new reservation's",
+        "kvproof guard removal (a tag counter kept in process memory)",
+    ),
+    "NoEpochCheck": (
+        "the epoch check on messages after a decode restart",
+        "a restarted decode takes a bootstrap of its old life as new and reserves for a "
+        "request that life already ended",
+        "kvproof guard removal",
+    ),
 }
 
 ALL_BUGS = frozenset(BUG_SWITCHES)

@@ -53,18 +53,22 @@ def _run_check(base: str, bugs: frozenset[str], invariants: tuple[str, ...] | No
 
 
 def alone_rows(runner: Runner) -> list[str]:
-    rows = ["| switch | guard it removes | alone, on the default model | masked by | "
-            "exposed by |", "|---|---|---|---|---|"]
+    rows = ["| switch | guard it removes | alone, on the default model unless named | "
+            "masked by | exposed by |", "|---|---|---|---|---|"]
     for alone in ALONE:
         guard = BUG_SWITCHES[alone.switch][0]
-        result = runner("default", frozenset({alone.switch}), None,
+        result = runner(alone.base, frozenset({alone.switch}), None,
                         symmetry=alone.breaks is None)
+        on = "" if alone.base == "default" else f" on {alone.base}"
         if result.violation is not None:
             v = result.violation
-            verdict = f"breaks **{v.property}** ({v.length} steps)"
-            rows.append(f"| {alone.switch} | {guard} | {verdict} | (none) | (alone) |")
+            verdict = f"breaks **{v.property}**{on} ({v.length} steps)"
+            masked, exposed = alone.masked_by or "(none)", "(alone)"
+            if alone.exposed_by:
+                exposed += f", and [{alone.exposed_by}](#{alone.exposed_by})"
+            rows.append(f"| {alone.switch} | {guard} | {verdict} | {masked} | {exposed} |")
         else:
-            verdict = f"holds ({result.distinct_states:,} states, symmetry)"
+            verdict = f"holds{on} ({result.distinct_states:,} states, symmetry)"
             rows.append(f"| {alone.switch} | {guard} | {verdict} | {alone.masked_by} | "
                         f"[{alone.exposed_by}](#{alone.exposed_by}) |")
     return rows

@@ -145,6 +145,24 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("no-cancel", frozenset({"NoCancel"}), "NoLeakAtRest", 4, base="solo-crash",
           story="Decode times out without telling the prefill; the prefill crashes, and the "
                 "restarted prefill, never asked, never sends the final word decode waits for."),
+    Entry("early-done", frozenset({"EarlyDone", "NoLandedCount"}), "NoWriteIntoForeign", 7,
+          base="solo",
+          story="The prefill's Done overtakes its writes (a notification channel apart from "
+                "the data path), and decode, which does not count the writes that landed, "
+                "fails the transfer on its checksums and releases the pages a write is "
+                "still on its way into."),
+    Entry("revived-bootstrap", frozenset({"NoEpochCheck", "NoTimeout"}), "NoLeakAtRest", 5,
+          base="solo-decode-crash", invariants=("NoLeakAtRest", "NoStuckRequest"),
+          story="The prefill fails and its Abort overtakes the bootstrap (a tombstone); decode "
+                "crashes, and the restarted decode, which does not check epochs, takes the "
+                "old bootstrap as new and reserves pages for a request nobody will ever end."),
+    Entry("reissued-tag", frozenset({"GenerationReset", "PoolBelowContext",
+                                     "FinishedNotRejected", "NoCountCheck"}),
+          "OkIsClean", 15, base="decode-crash", invariants=("OkIsClean", "Isolation"),
+          story="The incident across a decode restart: the restarted decode issues "
+                "generations from zero, so a page another request wrote before the crash "
+                "carries the tag a new reservation is given, and the placeholder's unwritten "
+                "page passes the tag check that NoGenBump needs to switch off elsewhere."),
 )
 ENTRY_BY_NAME = {e.name: e for e in ENTRIES}
 
@@ -169,6 +187,9 @@ class Alone:
     # For a masked switch: the entry's switch set minus this switch, which must pass (so the
     # failure needs this switch, not only the other removed guards).
     needs_switch: bool = True
+    # The model it is checked on alone, where the default model cannot reach what it
+    # breaks (a switch of the decode's restart needs decode crashes); also SWITCH_BASES.
+    base: str = "default"
 
 
 ALONE: tuple[Alone, ...] = (
@@ -199,6 +220,25 @@ ALONE: tuple[Alone, ...] = (
                                         "fire early already (EarlyTimeouts), which safety "
                                         "tolerates and FittingRequestsSucceed excuses",
           exposed_by="stopwatch-timeout"),
+    Alone("EarlyDone", masked_by="decode's own count of landed writes (it verifies and "
+                                 "releases only once as many writes as the Done announced "
+                                 "have landed)",
+          exposed_by="early-done"),
+    Alone("NoLandedCount", masked_by="the final word only once the prefill's writes have "
+                                     "completed (every write it announces has landed by then)",
+          exposed_by="early-done"),
+    # Each breaks the promise its guard keeps, a step property, at the crash step; what
+    # that lets through is masked, and the entry named shows it.
+    Alone("GenerationReset", breaks="GenerationsNeverGoBack", length=3,
+          base="solo-decode-crash",
+          masked_by="for the state invariants: count check, reject-before-allocate and the "
+                    "startup pool check (no unwritten page to read), writes flushed at the "
+                    "crash (no late write)",
+          exposed_by="reissued-tag"),
+    Alone("NoEpochCheck", breaks="TombstonesStay", length=4, base="solo-decode-crash",
+          masked_by="for the state and rest invariants: decode timeout with cancel (the "
+                    "revived reservation times out and is released)",
+          exposed_by="revived-bootstrap"),
 )
 assert {a.switch for a in ALONE} == set(BUG_SWITCHES)
 
@@ -239,7 +279,8 @@ def _entry_file(entry: Entry) -> str:
 
 # The model each bug-X.cfg puts switch X on, where it is not the default model: a
 # stopwatch deadline changes nothing where timers may fire early anyway.
-SWITCH_BASES = {"StopwatchTimeout": "timely"}
+SWITCH_BASES = {"StopwatchTimeout": "timely",
+                **{a.switch: a.base for a in ALONE if a.base != "default"}}
 
 
 def generated_cfgs() -> dict[str, str]:
