@@ -314,9 +314,14 @@ PrefillFail(r) ==
 (* prefill (decode re-sends outstanding cancels when the prefill reconnects).             *)
 Active(r) == pst[r] \in {"Queued", "Running"}
 
+(* A crash also fails the writes of a request that already sent its final word (EarlyDone): *)
+(* it loses something then too. An IF, not a disjunction: the same ways as Active alone     *)
+(* where writes drain before the final word.                                               *)
+PrefillLoses(r) == IF Active(r) THEN TRUE ELSE WritesOf(r) # {}
+
 PrefillCrash ==
     /\ Crashes
-    /\ \E r \in Requests : Active(r)
+    /\ \E r \in Requests : PrefillLoses(r)
     /\ pst' = [r \in Requests |-> IF Active(r) THEN "Aborted" ELSE pst[r]]
     /\ client' = [r \in Requests |-> IF Active(r) THEN ClientError(r, "ErrPrefill")
                                                   ELSE client[r]]

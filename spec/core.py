@@ -617,9 +617,7 @@ def release(m: Model, s: State, r: int) -> Change | str:
     if "EagerRelease" not in m.bugs:
         if not row[DFW]:
             return "the prefill's final word has not arrived"
-        if "NoLandedCount" in m.bugs:
-            pass  # the bug: the final word alone
-        elif row[LANDED] < row[ANNOUNCED]:
+        if not _counted(m, row, row[ANNOUNCED]):
             return (f"{row[LANDED]} of the {row[ANNOUNCED]} writes the final word announced "
                     "have landed")
     pool = s.decode_pool
@@ -645,7 +643,7 @@ def prefill_crash(m: Model, s: State) -> Change | str:
     # announces no write, and the flushed writes never land.
     lost = tuple((r, _row(row, PST, ABORTED, SENT, 0, CLIENT, _client_error(row, ERR_PREFILL)))
                  for r, row in s.request_items() if row[PST] == QUEUED or row[PST] == RUNNING)
-    if not lost:
+    if not lost and not s.writes:  # writes of an early final word (EarlyDone) are lost too
         return "no request is queued or running at the prefill: a crash loses nothing"
     freed = tuple((p, (NONE, data)) for p, (owner, data) in enumerate(s.prefill_pool)
                   if owner != NONE)
@@ -683,17 +681,24 @@ def decode_crash(m: Model, s: State) -> Change | str:
     reset = "GenerationReset" in m.bugs  # the bug: the tag counter died with the process
     freed = tuple((p, (NONE, 0 if reset else gen, data, tag)) for p, (owner, gen, data, tag)
                   in enumerate(s.decode_pool) if owner != NONE or (reset and gen))
-    return Change(tuple(lost), decode=freed, prefill=_sources_of_failed_writes(s), flushed=True)
+    held = _sources_of_failed_writes(s) if "EarlyDone" in m.bugs else ()
+    return Change(tuple(lost), decode=freed, prefill=held, flushed=True)
 
 
 def _sources_of_failed_writes(s: State) -> tuple:
     """The prefill frees the sources of a request it no longer runs as the failed
-    completions of its flushed writes come back (there are such only with EarlyDone)."""
+    completions of its flushed writes come back. There are such only with EarlyDone (a
+    final word before the writes completed): elsewhere the spec's set is empty, and a
+    shell's view is not read. In a shell's view the writes into one decode may come from
+    other prefills: a page of this prefill's pool that r owns is r's own source (a request
+    is admitted at one prefill); the sources at another prefill are that view's to free."""
     pool = s.prefill_pool
     freed = {}
     for r, p, _, _ in s.writes:
-        row = s.requests[r]
-        if pool[p][0] == r and row[PST] != QUEUED and row[PST] != RUNNING:
+        if p >= len(pool) or pool[p][0] != r or not s.has_request(r):
+            continue
+        pst = s.requests[r][PST]
+        if pst != QUEUED and pst != RUNNING:
             freed[p] = (NONE, pool[p][1])
     return tuple(sorted(freed.items()))
 

@@ -12,7 +12,7 @@ that can hold in more than one way:
     Admit(r, S)      ptable[r] # <<>> \\/ "AdmitBeforeReserve" \\in Bugs, then
                      prompt[r] <= PrefillPages \\/ "FinishedNotRejected" \\in Bugs
     Release(r)       \\/ "EagerRelease" \\in Bugs  \\/ dfw[r] /\\ Counted(r, announced[r])
-    PrefillCrash     \\E r \\in Requests : Active(r)
+    PrefillCrash     \\E r \\in Requests : PrefillLoses(r)
     DecodeCrash      \\E r \\in Requests : Loses(r), which is DecodeKnows(r), that is
                      boot[r] \\/ HoldsPages(r), or for a bootstrap NoEpochCheck revives a
                      disjunction of three (see Loses)
@@ -58,7 +58,10 @@ def _release(m: Model, s: State, event) -> int:
 
 
 def _prefill_crash(m: Model, s: State, event) -> int:
-    return sum(row[core.PST] in (core.QUEUED, core.RUNNING) for row in s.requests)
+    """PrefillLoses(r): active, or else a write of r in flight (an early final word)."""
+    writing = {w[0] for w in s.writes}
+    return sum(row[core.PST] in (core.QUEUED, core.RUNNING) or r in writing
+               for r, row in enumerate(s.requests))
 
 
 def _decode_crash(m: Model, s: State, event) -> int:
