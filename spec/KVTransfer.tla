@@ -54,6 +54,7 @@ CONSTANTS
     DecodeCrashes,   \* whether the decode worker may crash and restart (BOOLEAN)
     EarlyTimeouts,   \* whether a decode timer may fire while the prefill is still at work
                      \*   on the request (BOOLEAN; see Timeout)
+    Losses,          \* what the network may lose for good (a subset of LossKinds; see Lose)
     Bugs             \* the bug switches that are on (a set of strings)
 
 BugNames == {"FinishedNotRejected", "NoCountCheck", "EagerRelease", "SourceReuse",
@@ -62,8 +63,11 @@ BugNames == {"FinishedNotRejected", "NoCountCheck", "EagerRelease", "SourceReuse
              "StopwatchTimeout", "EarlyDone", "NoLandedCount", "GenerationReset",
              "NoEpochCheck"}
 
+LossKinds == {"Bootstrap", "FinalWord", "Cancel", "Write"}
+
 ASSUME /\ NoReq \notin Requests
        /\ Bugs \subseteq BugNames
+       /\ Losses \subseteq LossKinds
        /\ MaxPromptPages \in Nat \ {0}
        /\ ContextPages \in Nat \ {0}
        /\ PrefillPages \in Nat \ {0}
@@ -568,6 +572,48 @@ Release(r) ==
                    announced, landed>>
 
 -----------------------------------------------------------------------------
+(* A network that loses things for good (Losses; none in the shipped models but the lossy  *)
+(* ones). A bootstrap, a final word or a cancel vanishes on the wire. A page write vanishes *)
+(* and its poster is told it completed (an unreliable transport's completion says only    *)
+(* that it was sent; so does a post that failed silently): it leaves the send queue        *)
+(* without landing. A loss the poster is told of is no event here: it posts again, which   *)
+(* is a late LandWrite (or SendPage), and the fairness of those steps is the assumption    *)
+(* that it does not fail for ever. Faults, not fair: nothing makes the network lose.       *)
+LoseBootstrap(r) ==
+    /\ "Bootstrap" \in Losses
+    /\ boot[r]
+    /\ boot' = [boot EXCEPT ![r] = FALSE]
+    /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, fwMsg, dfw, cancel, leaked,
+                   owner, gen, content, powner, pdata, writes, ptable, fwCount,
+                   announced, landed>>
+
+LoseFinalWord(r) ==
+    /\ "FinalWord" \in Losses
+    /\ fwMsg[r] # "None"
+    /\ fwMsg' = [fwMsg EXCEPT ![r] = "None"]
+    /\ fwCount' = [fwCount EXCEPT ![r] = 0]
+    /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, boot, dfw, cancel, leaked,
+                   owner, gen, content, powner, pdata, writes, ptable, announced, landed>>
+
+LoseCancel(r) ==
+    /\ "Cancel" \in Losses
+    /\ cancel[r]
+    /\ cancel' = [cancel EXCEPT ![r] = FALSE]
+    /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, leaked,
+                   owner, gen, content, powner, pdata, writes, ptable, fwCount,
+                   announced, landed>>
+
+(* Its false completion frees a source the prefill kept for it, as a landing's does.       *)
+LoseWrite(w) ==
+    /\ "Write" \in Losses
+    /\ w \in writes
+    /\ writes' = writes \ {w}
+    /\ powner' = IF pst[w.req] # "Running" /\ powner[w.src] = w.req
+                   THEN [powner EXCEPT ![w.src] = NoReq] ELSE powner
+    /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel,
+                   leaked, owner, gen, content, pdata, ptable, fwCount, announced, landed>>
+
+-----------------------------------------------------------------------------
 (* The protocol's own actions are taken fairly; arrivals, client aborts, prefill        *)
 (* failures and crashes are the environment's.                                         *)
 
@@ -589,6 +635,8 @@ Next ==
     \/ \E r \in Requests : Abort(r) \/ PrefillFail(r)
     \/ PrefillCrash
     \/ DecodeCrash
+    \/ \E r \in Requests : LoseBootstrap(r) \/ LoseFinalWord(r) \/ LoseCancel(r)
+    \/ \E w \in writes : LoseWrite(w)
 
 (* A write that is posted eventually lands: LandWrite is fair too. *)
 Progress == FairNext \/ \E w \in writes : LandWrite(w)
@@ -623,8 +671,9 @@ SourceHeld == \A w \in writes : powner[w.src] = w.req
 RejectedIsError == \A r \in Requests : Overlong(r) => client[r] # "Ok" /\ dst[r] # "Decoding"
 
 (* The count check, the checksums and the tag check are backstops: with every guard in    *)
-(* place (no bug switch) and no fault that corrupts or loses data (this spec has none:    *)
-(* crashes flush writes together with the requests they belong to), none of them ever     *)
+(* place (no bug switch) and no fault that corrupts data (this spec has none: crashes     *)
+(* flush writes together with the requests they belong to, and a write the network loses *)
+(* (Losses) is never counted as landed, so decode never verifies it), none of them ever   *)
 (* fires. A protocol that lost writes on its own path would fail requests here.           *)
 NoGuardTripWithoutFault ==
     Bugs = {} => \A r \in Requests : client[r] \notin {"ErrTransfer", "ErrTag"}

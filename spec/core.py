@@ -703,6 +703,52 @@ def _sources_of_failed_writes(s: State) -> tuple:
     return tuple(sorted(freed.items()))
 
 
+# A network that loses things for good (the model's losses; the spec's Losses). Faults: a
+# message vanishes on the wire, a write vanishes and its poster is told it completed. A loss
+# the poster is told of is no event: it posts again (a late delivery).
+
+def lose_bootstrap(m: Model, s: State, r: int) -> Change | str:
+    if "Bootstrap" not in m.losses:
+        return "this network loses no bootstrap"
+    row = s.requests[r]
+    if not row[BOOT]:
+        return "no bootstrap is in flight"
+    return _one(r, _row(row, BOOT, 0))
+
+
+def lose_final_word(m: Model, s: State, r: int) -> Change | str:
+    if "FinalWord" not in m.losses:
+        return "this network loses no final word"
+    row = s.requests[r]
+    if row[FW] == NO_MSG:
+        return "no final word is in flight"
+    return _one(r, _row(row, FW, NO_MSG, FW_COUNT, 0))
+
+
+def lose_cancel(m: Model, s: State, r: int) -> Change | str:
+    if "Cancel" not in m.losses:
+        return "this network loses no cancel"
+    row = s.requests[r]
+    if not row[CANCEL]:
+        return "no cancel is in flight"
+    return _one(r, _row(row, CANCEL, 0))
+
+
+def lose_write(m: Model, s: State, r: int, page: int) -> Change | str:
+    if "Write" not in m.losses:
+        return "this network loses no write"
+    for w in s.writes:
+        if w[0] == r and w[2] == page:
+            break
+    else:
+        return f"no write of this request into decode page {page + 1} is in flight"
+    freed = ()
+    pool = s.prefill_pool
+    if s.requests[r][PST] != RUNNING and pool[w[1]][0] == r:
+        freed = ((w[1], (NONE, pool[w[1]][1])),)  # its false completion frees the source
+    return Change(prefill=freed, landed=(w,))
+
+
 # ---------------------------------------------------------------------------------------
 # Events: one type per TLA+ action, with the same name.
 
@@ -785,6 +831,15 @@ class LandWrite(RequestEvent):
 
 
 @dataclass(frozen=True, slots=True)
+class LoseWrite(RequestEvent):
+    page: int  # the decode page the lost write was addressed to (0-based)
+
+    def label(self, m: Model | None = None) -> str:
+        name = m.request_names[self.request] if m else f"r{self.request + 1}"
+        return f"LoseWrite({name}, page {self.page + 1})"
+
+
+@dataclass(frozen=True, slots=True)
 class Accept(RequestEvent):
     """Decode receives Done and checks the count and the checksums the data path verified."""
 
@@ -826,6 +881,9 @@ Abort = _simple("Abort", "The client disconnects (environment).")
 DecodeAbort = _simple("DecodeAbort", "Decode notices the client has gone.")
 Timeout = _simple("Timeout", "Decode gives up waiting for KV and cancels.")
 Release = _simple("Release", "Decode frees the request's pages.")
+LoseBootstrap = _simple("LoseBootstrap", "The network loses the bootstrap for good (a fault).")
+LoseFinalWord = _simple("LoseFinalWord", "The network loses the final word for good (a fault).")
+LoseCancel = _simple("LoseCancel", "The network loses the cancel for good (a fault).")
 
 # ---------------------------------------------------------------------------------------
 # The action table: one row per TLA+ action, in the order the checker enumerates them.
@@ -881,6 +939,10 @@ ACTION_TABLE: tuple[ActionInfo, ...] = (
     ActionInfo(Release, "decode", "protocol"),
     ActionInfo(PrefillCrash, "prefill", "fault"),
     ActionInfo(DecodeCrash, "decode", "fault"),
+    ActionInfo(LoseBootstrap, "network", "fault"),
+    ActionInfo(LoseFinalWord, "network", "fault"),
+    ActionInfo(LoseCancel, "network", "fault"),
+    ActionInfo(LoseWrite, "network", "fault", argument="page"),
 )
 
 # Action type -> its function. A dict rather than a table column so that a test can swap
@@ -891,7 +953,8 @@ ACTIONS: dict[type, Callable] = {
     AnswerCancel: answer_cancel, Reserve: reserve, DecodeReject: decode_reject,
     DropBootstrap: drop_bootstrap, Accept: accept, Notice: notice, Finish: finish, Abort: abort,
     DecodeAbort: decode_abort, Timeout: timeout, Release: release, PrefillCrash: prefill_crash,
-    DecodeCrash: decode_crash,
+    DecodeCrash: decode_crash, LoseBootstrap: lose_bootstrap, LoseFinalWord: lose_final_word,
+    LoseCancel: lose_cancel, LoseWrite: lose_write,
 }
 assert tuple(ACTIONS) == tuple(info.event for info in ACTION_TABLE)
 INFO = {info.event: info for info in ACTION_TABLE}
@@ -906,7 +969,8 @@ TIMER_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE if info.k
 # request and its writes landing. A crash is a sign of nothing.
 LEASE_RENEWALS = frozenset(info.event for info in ACTION_TABLE
                            if info.worker in ("prefill", "network")
-                           and info.event is not PrefillCrash)
+                           and info.event is not PrefillCrash
+                           and not (info.worker == "network" and info.kind == "fault"))
 # The actions that take something of a request off the wire between the workers (the
 # client-gone notice comes from the serving edge, not over that wire).
 WIRE = (BOOTSTRAP, FINAL_WORD_MSG, CANCEL_MSG, WRITE)
@@ -920,7 +984,8 @@ _WORKER_ACTIONS = (PrefillCrash, DecodeCrash)  # no request argument
 # over their arguments), in table order; an observed action is enumerated with the verdict
 # its oracle gives.
 _SIMPLE_ACTIONS = tuple((info.event, ACTIONS[info.event]) for info in ACTION_TABLE
-                        if info.event not in (Arrive, LandWrite, Admit, Reserve, *_WORKER_ACTIONS))
+                        if info.event not in (Arrive, LandWrite, LoseWrite, Admit, Reserve,
+                                              *_WORKER_ACTIONS))
 
 
 # ---------------------------------------------------------------------------------------
@@ -950,7 +1015,7 @@ def decide(m: Model, s: State, event: Event) -> Change | Refusal:
         out = fn(m, s, r, bool(event.checksums_ok))
     elif kind is Finish:
         out = fn(m, s, r, bool(event.tags_ok))
-    elif kind is LandWrite:
+    elif kind is LandWrite or kind is LoseWrite:
         if not 0 <= event.page < m.decode_pages:
             raise ProtocolMisuse(f"decode page {event.page} does not exist")
         out = fn(m, s, r, event.page)
@@ -1051,6 +1116,8 @@ def is_enabled(m: Model, s: State, r: int, cls: type) -> bool:
         return type(allocation_need(m, s, cls, r)) is int
     if cls is LandWrite:
         return any(w[0] == r for w in s.writes)
+    if cls is LoseWrite:
+        return "Write" in m.losses and any(w[0] == r for w in s.writes)
     if cls is Arrive:
         return s.requests[r][CLIENT] == IDLE
     if INFO[cls].observed is not None:
@@ -1127,6 +1194,7 @@ class _EventCache:
         self.arrive = [[Arrive(r, n) for n in range(m.max_prompt_pages + 1)]
                        for r in range(m.requests)]
         self.land = [[LandWrite(r, p) for p in range(m.decode_pages)] for r in range(m.requests)]
+        self.lose = [[LoseWrite(r, p) for p in range(m.decode_pages)] for r in range(m.requests)]
         self.simple = [[(interned_events(cls, r), fn, INFO[cls].observed)
                         for cls, fn in _SIMPLE_ACTIONS] for r in range(m.requests)]
         self.admit: dict[tuple, Admit] = {}
@@ -1188,6 +1256,9 @@ def successors(m: Model, s: State) -> Iterator[tuple[Event, State]]:
     out = decode_crash(m, s)
     if type(out) is not str:
         yield _DECODE_CRASH, commit(s, out)
+    if "Write" in m.losses:
+        for w in s.writes:
+            yield cache.lose[w[0]][w[2]], commit(s, lose_write(m, s, w[0], w[2]))
 
 
 _CRASH = PrefillCrash()

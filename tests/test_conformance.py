@@ -40,6 +40,9 @@ STATES = {
     # An early final word and a decode restart (issue 25).
     "bug-EarlyDone": 1612, "bug-NoLandedCount": 33198, "bug-GenerationReset": 1626,
     "bug-NoEpochCheck": 2806, "zoo-early-done": 1281, "zoo-revived-bootstrap": 1708,
+    # A network that loses things for good (issue 25), on solo-crash's constants.
+    "loss-Bootstrap": 1264, "loss-FinalWord": 1480, "loss-Cancel": 1432, "loss-Write": 1780,
+    "lossy-safety": 2374,
 }
 # The switches of an early final word and of a decode restart came after the pinned
 # every-switch figure: it stays pinned for the thirteen before them.

@@ -78,7 +78,8 @@ def test_every_checked_action_is_a_workers_protocol_step():
     assert set(rows) == set(core.ACTION_NAMES)
     unchecked = {name for name, row in rows.items() if not row.checked}
     assert unchecked == {"Arrive", "Abort", "PrefillFail", "PrefillCrash", "DecodeCrash",
-                         "LandWrite"}
+                         "LandWrite", "LoseBootstrap", "LoseFinalWord", "LoseCancel",
+                         "LoseWrite"}
 
 
 def test_the_readme_tables_are_generated_from_the_spec():

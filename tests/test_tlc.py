@@ -237,6 +237,12 @@ TLC_FIGURES = {
     "bug-NoLandedCount": (66384, 23),
     "zoo-early-done": ('NoWriteIntoForeign', 7),
     "zoo-revived-bootstrap": ('NoLeakAtRest', 5),
+    # issue 25: a network that loses things for good
+    "loss-Bootstrap": ('FittingRequestsSucceed', 2),
+    "loss-Cancel": ('NoLeakAtRest', 5),
+    "loss-FinalWord": ('NoLeakAtRest', 5),
+    "loss-Write": ('FittingRequestsSucceed', 6),
+    "lossy-safety": (2374, 14),
 }
 
 
