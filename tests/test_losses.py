@@ -57,3 +57,9 @@ def test_without_losses_in_the_model_the_network_loses_nothing():
     assert isinstance(refused, core.Refusal)
     with pytest.raises(ModelError, match="unknown loss kind"):
         Model(losses={"Everything"})
+
+
+def test_the_loss_table_in_the_readme_is_what_the_checker_finds():
+    from spec.check.guardtable import LOSS_BEGIN, LOSS_END, readme_section, render_losses
+    assert readme_section(LOSS_BEGIN, LOSS_END) == render_losses(), (
+        "run python -m spec.check.guardtable --write")

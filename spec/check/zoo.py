@@ -192,10 +192,12 @@ LOSSES: tuple[tuple[str, str, int, str], ...] = (
      "table, and no timer runs on either side."),
     ("FinalWord", "NoLeakAtRest", 5,
      "A final word lost after decode gave up: the cancel it answered is spent, and nothing "
-     "asks again."),
+     "asks again (one lost while decode still waits is recovered: the lease lapses, the "
+     "timeout cancels, the prefill repeats it)."),
     ("Cancel", "NoLeakAtRest", 5,
      "A lost cancel: the prefill crashes, and the restarted prefill, never asked, never "
-     "sends the final word decode waits for."),
+     "sends the final word decode waits for (without prefill crashes a lost cancel is "
+     "harmless: the prefill ends every request it runs with a final word of its own)."),
     ("Write", "FittingRequestsSucceed", 6,
      "A write lost with its poster told it completed: Done announces it, decode's count "
      "never gets there, and decode (rightly: a late write could still land) holds its pages."),
