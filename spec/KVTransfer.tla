@@ -54,15 +54,20 @@ CONSTANTS
     DecodeCrashes,   \* whether the decode worker may crash and restart (BOOLEAN)
     EarlyTimeouts,   \* whether a decode timer may fire while the prefill is still at work
                      \*   on the request (BOOLEAN; see Timeout)
+    Losses,          \* what the network may lose for good (a subset of LossKinds; see Lose)
     Bugs             \* the bug switches that are on (a set of strings)
 
 BugNames == {"FinishedNotRejected", "NoCountCheck", "EagerRelease", "SourceReuse",
              "NoAbortNotice", "NoTimeout", "PoolBelowContext", "NoGenBump",
              "NoChecksum", "NoTombstone", "NoCancel", "AdmitBeforeReserve",
-             "StopwatchTimeout"}
+             "StopwatchTimeout", "EarlyDone", "NoLandedCount", "GenerationReset",
+             "NoEpochCheck"}
+
+LossKinds == {"Bootstrap", "FinalWord", "Cancel", "Write"}
 
 ASSUME /\ NoReq \notin Requests
        /\ Bugs \subseteq BugNames
+       /\ Losses \subseteq LossKinds
        /\ MaxPromptPages \in Nat \ {0}
        /\ ContextPages \in Nat \ {0}
        /\ PrefillPages \in Nat \ {0}
@@ -129,6 +134,15 @@ WritesOf(r) == {w \in writes : w.req = r}
 ClientError(r, e) == IF client[r] = "Waiting" THEN e ELSE client[r]
 FreeSources(r) == [p \in PPages |-> IF p \in Range(src[r]) /\ powner[p] = r
                                       THEN NoReq ELSE powner[p]]
+(* The sources of r that none of r's writes in flight still reads: all of them, unless the  *)
+(* final word went out before the writes completed (EarlyDone); a completion frees the rest. *)
+Reading(p) == \E w \in writes : w.src = p /\ w.req = powner[p]
+FreeUnreadSources(r) == [p \in PPages |-> IF p \in Range(src[r]) /\ powner[p] = r
+                                            /\ ~Reading(p)
+                                          THEN NoReq ELSE powner[p]]
+(* Decode's own count: as many of r's writes as n have landed in its pages. An IF, not a    *)
+(* disjunction, so that TLC enumerates each step once (see LeaseLapsed).                    *)
+Counted(r, n) == IF "NoLandedCount" \in Bugs THEN TRUE ELSE landed[r] >= n
 HoldsPages(r) == dst[r] \in {"Waiting", "Decoding", "Closing"}
 Overlong(r) == prompt[r] > Min(PrefillPages, DecodePages)
 
@@ -255,17 +269,19 @@ LandWrite(w) ==
     /\ content' = [content EXCEPT ![w.dst] = <<pdata[w.src], w.gen>>]
     /\ writes' = writes \ {w}
     /\ landed' = [landed EXCEPT ![w.req] = landed[w.req] + 1]
+    /\ powner' = IF pst[w.req] # "Running" /\ powner[w.src] = w.req
+                   THEN [powner EXCEPT ![w.src] = NoReq] ELSE powner
     /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel,
-                   leaked, owner, gen, powner, pdata, ptable, fwCount, announced>>
+                   leaked, owner, gen, pdata, ptable, fwCount, announced>>
 
 SendDone(r) ==
     /\ pst[r] = "Running"
     /\ sent[r] = Len(src[r])
-    /\ WritesOf(r) = {}
+    /\ IF "EarlyDone" \in Bugs THEN TRUE ELSE WritesOf(r) = {}
     /\ pst' = [pst EXCEPT ![r] = "Done"]
     /\ fwMsg' = [fwMsg EXCEPT ![r] = "Done"]
     /\ fwCount' = [fwCount EXCEPT ![r] = sent[r]]
-    /\ powner' = FreeSources(r)
+    /\ powner' = FreeUnreadSources(r)
     /\ UNCHANGED <<client, prompt, sent, src, dst, table, boot, dfw, cancel, leaked,
                    owner, gen, content, pdata, writes, ptable, announced, landed>>
 
@@ -302,9 +318,14 @@ PrefillFail(r) ==
 (* prefill (decode re-sends outstanding cancels when the prefill reconnects).             *)
 Active(r) == pst[r] \in {"Queued", "Running"}
 
+(* A crash also fails the writes of a request that already sent its final word (EarlyDone): *)
+(* it loses something then too. An IF, not a disjunction: the same ways as Active alone     *)
+(* where writes drain before the final word.                                               *)
+PrefillLoses(r) == IF Active(r) THEN TRUE ELSE WritesOf(r) # {}
+
 PrefillCrash ==
     /\ Crashes
-    /\ \E r \in Requests : Active(r)
+    /\ \E r \in Requests : PrefillLoses(r)
     /\ pst' = [r \in Requests |-> IF Active(r) THEN "Aborted" ELSE pst[r]]
     /\ client' = [r \in Requests |-> IF Active(r) THEN ClientError(r, "ErrPrefill")
                                                   ELSE client[r]]
@@ -321,22 +342,43 @@ PrefillCrash ==
 (* restart, so no stale tag can look current. Writes in flight into the old memory        *)
 (* registration fail and are flushed; the prefill learns from the broken connection       *)
 (* (modelled as a cancel) and stops or repeats its final word, which decode ignores.      *)
+(*                                                                                        *)
+(* Two bug switches break the restart. GenerationReset: the restarted decode issues        *)
+(* generations from zero again (its tag counter died with the process), so a stale page's *)
+(* tag can equal the one a new reservation issues. NoEpochCheck: the restarted decode      *)
+(* takes a bootstrap of the old epoch as new (it has forgotten the request, tombstone and  *)
+(* final word included) and reserves for a request its old life already ended. A crash    *)
+(* also fails the writes in flight, and the prefill frees the sources of a request it has *)
+(* stopped running as their failed completions come back (with EarlyDone there are such). *)
 DecodeKnows(r) == boot[r] \/ HoldsPages(r)
+Revived(r) == "NoEpochCheck" \in Bugs /\ boot[r]
+(* What the crash takes from r: everything decode knew of it; for a revived bootstrap its *)
+(* tombstone, the prefill's connection (a cancel) or the client's wait (a crash that takes *)
+(* nothing is no step).                                                                   *)
+Loses(r) == IF Revived(r) THEN dst[r] = "Tomb" \/ Active(r) /\ ~cancel[r]
+                                \/ client[r] = "Waiting"
+                           ELSE DecodeKnows(r)
 
 DecodeCrash ==
     /\ DecodeCrashes
-    /\ \E r \in Requests : DecodeKnows(r)
-    /\ dst' = [r \in Requests |-> IF DecodeKnows(r) THEN "Tomb" ELSE dst[r]]
-    /\ boot' = [r \in Requests |-> IF DecodeKnows(r) THEN FALSE ELSE boot[r]]
+    /\ \E r \in Requests : Loses(r)
+    /\ dst' = [r \in Requests |-> IF Revived(r) THEN "None"
+                                  ELSE IF DecodeKnows(r) THEN "Tomb" ELSE dst[r]]
+    /\ boot' = [r \in Requests |-> IF DecodeKnows(r) /\ ~Revived(r) THEN FALSE ELSE boot[r]]
+    /\ dfw' = [r \in Requests |-> IF Revived(r) THEN FALSE ELSE dfw[r]]
+    /\ announced' = [r \in Requests |-> IF Revived(r) THEN 0 ELSE announced[r]]
     /\ table' = [r \in Requests |-> IF DecodeKnows(r) THEN <<>> ELSE table[r]]
     /\ ptable' = [r \in Requests |-> IF DecodeKnows(r) THEN <<>> ELSE ptable[r]]
     /\ cancel' = [r \in Requests |-> IF DecodeKnows(r) /\ Active(r) THEN TRUE ELSE cancel[r]]
     /\ client' = [r \in Requests |-> IF DecodeKnows(r) THEN ClientError(r, "ErrDecode")
                                                       ELSE client[r]]
     /\ owner' = [p \in DPages |-> NoReq]
+    /\ gen' = IF "GenerationReset" \in Bugs THEN [p \in DPages |-> 0] ELSE gen
+    /\ powner' = [p \in PPages |-> IF Reading(p) /\ ~Active(powner[p]) THEN NoReq
+                                                                       ELSE powner[p]]
     /\ writes' = {}
-    /\ UNCHANGED <<prompt, pst, sent, src, fwMsg, dfw, leaked, gen, content, powner,
-                   pdata, fwCount, announced, landed>>
+    /\ UNCHANGED <<prompt, pst, sent, src, fwMsg, leaked, content, pdata, fwCount,
+                   landed>>
 
 FinalWordOf(s) == CASE s = "Done" -> "Done"
                     [] s = "Rejected" -> "Reject"
@@ -433,7 +475,8 @@ TransferFault(r, checksumsOk) ==
 Accept(r, checksumsOk) ==
     /\ fwMsg[r] = "Done"
     /\ IF dst[r] = "Waiting"
-         THEN /\ fwMsg' = [fwMsg EXCEPT ![r] = "None"]
+         THEN /\ Counted(r, fwCount[r])
+              /\ fwMsg' = [fwMsg EXCEPT ![r] = "None"]
               /\ fwCount' = [fwCount EXCEPT ![r] = 0]
               /\ dfw' = [dfw EXCEPT ![r] = TRUE]
               /\ announced' = [announced EXCEPT ![r] = fwCount[r]]
@@ -520,13 +563,55 @@ Timeout(r) ==
 Release(r) ==
     /\ dst[r] = "Closing"
     /\ \/ "EagerRelease" \in Bugs
-       \/ dfw[r] /\ landed[r] >= announced[r]
+       \/ dfw[r] /\ Counted(r, announced[r])
     /\ dst' = [dst EXCEPT ![r] = "Released"]
     /\ owner' = [p \in DPages |-> IF owner[p] = r /\ p \in {table[r][i].page : i \in DOMAIN table[r]}
                                     THEN NoReq ELSE owner[p]]
     /\ UNCHANGED <<client, prompt, pst, sent, src, table, boot, fwMsg, dfw, cancel,
                    leaked, gen, content, powner, pdata, writes, ptable, fwCount,
                    announced, landed>>
+
+-----------------------------------------------------------------------------
+(* A network that loses things for good (Losses; none in the shipped models but the lossy  *)
+(* ones). A bootstrap, a final word or a cancel vanishes on the wire. A page write vanishes *)
+(* and its poster is told it completed (an unreliable transport's completion says only    *)
+(* that it was sent; so does a post that failed silently): it leaves the send queue        *)
+(* without landing. A loss the poster is told of is no event here: it posts again, which   *)
+(* is a late LandWrite (or SendPage), and the fairness of those steps is the assumption    *)
+(* that it does not fail for ever. Faults, not fair: nothing makes the network lose.       *)
+LoseBootstrap(r) ==
+    /\ "Bootstrap" \in Losses
+    /\ boot[r]
+    /\ boot' = [boot EXCEPT ![r] = FALSE]
+    /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, fwMsg, dfw, cancel, leaked,
+                   owner, gen, content, powner, pdata, writes, ptable, fwCount,
+                   announced, landed>>
+
+LoseFinalWord(r) ==
+    /\ "FinalWord" \in Losses
+    /\ fwMsg[r] # "None"
+    /\ fwMsg' = [fwMsg EXCEPT ![r] = "None"]
+    /\ fwCount' = [fwCount EXCEPT ![r] = 0]
+    /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, boot, dfw, cancel, leaked,
+                   owner, gen, content, powner, pdata, writes, ptable, announced, landed>>
+
+LoseCancel(r) ==
+    /\ "Cancel" \in Losses
+    /\ cancel[r]
+    /\ cancel' = [cancel EXCEPT ![r] = FALSE]
+    /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, leaked,
+                   owner, gen, content, powner, pdata, writes, ptable, fwCount,
+                   announced, landed>>
+
+(* Its false completion frees a source the prefill kept for it, as a landing's does.       *)
+LoseWrite(w) ==
+    /\ "Write" \in Losses
+    /\ w \in writes
+    /\ writes' = writes \ {w}
+    /\ powner' = IF pst[w.req] # "Running" /\ powner[w.src] = w.req
+                   THEN [powner EXCEPT ![w.src] = NoReq] ELSE powner
+    /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel,
+                   leaked, owner, gen, content, pdata, ptable, fwCount, announced, landed>>
 
 -----------------------------------------------------------------------------
 (* The protocol's own actions are taken fairly; arrivals, client aborts, prefill        *)
@@ -550,6 +635,8 @@ Next ==
     \/ \E r \in Requests : Abort(r) \/ PrefillFail(r)
     \/ PrefillCrash
     \/ DecodeCrash
+    \/ \E r \in Requests : LoseBootstrap(r) \/ LoseFinalWord(r) \/ LoseCancel(r)
+    \/ \E w \in writes : LoseWrite(w)
 
 (* A write that is posted eventually lands: LandWrite is fair too. *)
 Progress == FairNext \/ \E w \in writes : LandWrite(w)
@@ -574,7 +661,8 @@ ExclusiveOwner ==
           \A i \in DOMAIN table[r] : /\ owner[table[r][i].page] = r
                                      /\ gen[table[r][i].page] = table[r][i].gen
     /\ \A p \in PPages : powner[p] # NoReq =>
-          pst[powner[p]] = "Running" /\ p \in Range(src[powner[p]])
+          /\ pst[powner[p]] = "Running" \/ Reading(p)
+          /\ p \in Range(src[powner[p]])
 
 NoWriteIntoForeign == \A w \in writes : owner[w.dst] = w.req /\ gen[w.dst] = w.gen
 
@@ -583,8 +671,9 @@ SourceHeld == \A w \in writes : powner[w.src] = w.req
 RejectedIsError == \A r \in Requests : Overlong(r) => client[r] # "Ok" /\ dst[r] # "Decoding"
 
 (* The count check, the checksums and the tag check are backstops: with every guard in    *)
-(* place (no bug switch) and no fault that corrupts or loses data (this spec has none:    *)
-(* crashes flush writes together with the requests they belong to), none of them ever     *)
+(* place (no bug switch) and no fault that corrupts data (this spec has none: crashes     *)
+(* flush writes together with the requests they belong to, and a write the network loses *)
+(* (Losses) is never counted as landed, so decode never verifies it), none of them ever   *)
 (* fires. A protocol that lost writes on its own path would fail requests here.           *)
 NoGuardTripWithoutFault ==
     Bugs = {} => \A r \in Requests : client[r] \notin {"ErrTransfer", "ErrTag"}

@@ -226,6 +226,20 @@ def _free_prefill_of(pool, r: int, pages: tuple) -> tuple:
     return tuple((p, (NONE, pool[p][1])) for p in pages if pool[p][0] == r)
 
 
+def _free_unread_of(s: State, r: int, pages: tuple) -> tuple:
+    """The same for the pages none of r's writes in flight still reads (the spec's
+    FreeUnreadSources): all of them unless the final word went out early (EarlyDone)."""
+    reading = {w[1] for w in s.writes if w[0] == r}
+    pool = s.prefill_pool
+    return tuple((p, (NONE, pool[p][1])) for p in pages if pool[p][0] == r and p not in reading)
+
+
+def _counted(m: Model, row: tuple, writes: int) -> bool:
+    """Decode's own count: as many of the request's writes have landed as `writes` (the
+    spec's Counted; NoLandedCount is the decode that does not count)."""
+    return "NoLandedCount" in m.bugs or row[LANDED] >= writes
+
+
 def _cancel(m: Model) -> tuple:
     """The row change that sends decode's cancel to the prefill (none with NoCancel)."""
     return () if "NoCancel" in m.bugs else (CANCEL, 1)
@@ -343,8 +357,12 @@ def land_write(m: Model, s: State, r: int, page: int) -> Change | str:
     data = s.prefill_pool[w[1]][1]  # the NIC reads the source page now, not at post time
     owner, gen, _, _ = s.decode_pool[page]
     row = s.requests[r]  # decode counts the write (its completion carries the request)
+    freed = ()
+    if row[PST] != RUNNING and s.prefill_pool[w[1]][0] == r:
+        # The completion frees a source the prefill kept only for this write (EarlyDone).
+        freed = ((w[1], (NONE, data)),)
     return Change(((r, _row(row, LANDED, row[LANDED] + 1)),),
-                  decode=((page, (owner, gen, data, w[3])),), landed=(w,))
+                  decode=((page, (owner, gen, data, w[3])),), prefill=freed, landed=(w,))
 
 
 def send_done(m: Model, s: State, r: int) -> Change | str:
@@ -353,10 +371,10 @@ def send_done(m: Model, s: State, r: int) -> Change | str:
         return f"the prefill state is {PREFILL_NAMES[row[PST]]}, not Running"
     if row[SENT] != len(row[SRC]):
         return f"{row[SENT]} of {len(row[SRC])} pages posted"
-    if _writes_of(s, r):
+    if "EarlyDone" not in m.bugs and _writes_of(s, r):
         return "writes of this request are still in flight"
     return Change(((r, _row(row, PST, P_DONE, FW, MSG_DONE, FW_COUNT, row[SENT])),),
-                  prefill=_free_prefill_of(s.prefill_pool, r, row[SRC]))
+                  prefill=_free_unread_of(s, r, row[SRC]))
 
 
 def _stop_prefill(m: Model, s: State, r: int, client: int) -> Change:
@@ -514,6 +532,8 @@ def accept(m: Model, s: State, r: int, checksums_ok: bool) -> Change | str:
         return "no Done is in flight"
     if row[DST] == D_WAITING:
         count = row[FW_COUNT]
+        if not _counted(m, row, count):  # verify only what has landed: wait for the rest
+            return f"{row[LANDED]} of the {count} writes the Done announces have landed"
         if _transfer_fault(m, row, checksums_ok):
             row = _row(row, FW, NO_MSG, FW_COUNT, 0, DST, CLOSING, DFW, 1, ANNOUNCED, count,
                        CLIENT, _client_error(row, ERR_TRANSFER))
@@ -597,7 +617,7 @@ def release(m: Model, s: State, r: int) -> Change | str:
     if "EagerRelease" not in m.bugs:
         if not row[DFW]:
             return "the prefill's final word has not arrived"
-        if row[LANDED] < row[ANNOUNCED]:
+        if not _counted(m, row, row[ANNOUNCED]):
             return (f"{row[LANDED]} of the {row[ANNOUNCED]} writes the final word announced "
                     "have landed")
     pool = s.decode_pool
@@ -623,7 +643,7 @@ def prefill_crash(m: Model, s: State) -> Change | str:
     # announces no write, and the flushed writes never land.
     lost = tuple((r, _row(row, PST, ABORTED, SENT, 0, CLIENT, _client_error(row, ERR_PREFILL)))
                  for r, row in s.request_items() if row[PST] == QUEUED or row[PST] == RUNNING)
-    if not lost:
+    if not lost and not s.writes:  # writes of an early final word (EarlyDone) are lost too
         return "no request is queued or running at the prefill: a crash loses nothing"
     freed = tuple((p, (NONE, data)) for p, (owner, data) in enumerate(s.prefill_pool)
                   if owner != NONE)
@@ -641,19 +661,92 @@ def decode_crash(m: Model, s: State) -> Change | str:
     stops or repeats its final word, which the restarted decode ignores."""
     if not m.decode_crashes:
         return "this model has no decode crashes (DecodeCrashes = FALSE)"
+    revive = "NoEpochCheck" in m.bugs  # the bug: an old bootstrap looks new to the new life
     lost = []
+    loses = False
     for r, row in s.request_items():
         d = row[DST]
         if row[BOOT] or d == D_WAITING or d == DECODING or d == CLOSING:
             active = row[PST] == QUEUED or row[PST] == RUNNING
-            lost.append((r, _row(row, DST, TOMB, BOOT, 0, TABLE, (), PTABLE, (),
+            revived = revive and row[BOOT]
+            loses = loses or not revived or (d == TOMB or active and not row[CANCEL]
+                                             or row[CLIENT] == WAITING)
+            forgotten = ((DST, D_NONE, DFW, 0, ANNOUNCED, 0) if revived
+                         else (DST, TOMB, BOOT, 0))
+            lost.append((r, _row(row, *forgotten, TABLE, (), PTABLE, (),
                                  CANCEL, 1 if active else row[CANCEL],
                                  CLIENT, _client_error(row, ERR_DECODE))))
-    if not lost:
+    if not loses:
         return "decode knows of no request: a crash loses nothing"
-    freed = tuple((p, (NONE, gen, data, tag)) for p, (owner, gen, data, tag)
-                  in enumerate(s.decode_pool) if owner != NONE)
-    return Change(tuple(lost), decode=freed, flushed=True)
+    reset = "GenerationReset" in m.bugs  # the bug: the tag counter died with the process
+    freed = tuple((p, (NONE, 0 if reset else gen, data, tag)) for p, (owner, gen, data, tag)
+                  in enumerate(s.decode_pool) if owner != NONE or (reset and gen))
+    held = _sources_of_failed_writes(s) if "EarlyDone" in m.bugs else ()
+    return Change(tuple(lost), decode=freed, prefill=held, flushed=True)
+
+
+def _sources_of_failed_writes(s: State) -> tuple:
+    """The prefill frees the sources of a request it no longer runs as the failed
+    completions of its flushed writes come back. There are such only with EarlyDone (a
+    final word before the writes completed): elsewhere the spec's set is empty, and a
+    shell's view is not read. In a shell's view the writes into one decode may come from
+    other prefills: a page of this prefill's pool that r owns is r's own source (a request
+    is admitted at one prefill); the sources at another prefill are that view's to free."""
+    pool = s.prefill_pool
+    freed = {}
+    for r, p, _, _ in s.writes:
+        if p >= len(pool) or pool[p][0] != r or not s.has_request(r):
+            continue
+        pst = s.requests[r][PST]
+        if pst != QUEUED and pst != RUNNING:
+            freed[p] = (NONE, pool[p][1])
+    return tuple(sorted(freed.items()))
+
+
+# A network that loses things for good (the model's losses; the spec's Losses). Faults: a
+# message vanishes on the wire, a write vanishes and its poster is told it completed. A loss
+# the poster is told of is no event: it posts again (a late delivery).
+
+def lose_bootstrap(m: Model, s: State, r: int) -> Change | str:
+    if "Bootstrap" not in m.losses:
+        return "this network loses no bootstrap"
+    row = s.requests[r]
+    if not row[BOOT]:
+        return "no bootstrap is in flight"
+    return _one(r, _row(row, BOOT, 0))
+
+
+def lose_final_word(m: Model, s: State, r: int) -> Change | str:
+    if "FinalWord" not in m.losses:
+        return "this network loses no final word"
+    row = s.requests[r]
+    if row[FW] == NO_MSG:
+        return "no final word is in flight"
+    return _one(r, _row(row, FW, NO_MSG, FW_COUNT, 0))
+
+
+def lose_cancel(m: Model, s: State, r: int) -> Change | str:
+    if "Cancel" not in m.losses:
+        return "this network loses no cancel"
+    row = s.requests[r]
+    if not row[CANCEL]:
+        return "no cancel is in flight"
+    return _one(r, _row(row, CANCEL, 0))
+
+
+def lose_write(m: Model, s: State, r: int, page: int) -> Change | str:
+    if "Write" not in m.losses:
+        return "this network loses no write"
+    for w in s.writes:
+        if w[0] == r and w[2] == page:
+            break
+    else:
+        return f"no write of this request into decode page {page + 1} is in flight"
+    freed = ()
+    pool = s.prefill_pool
+    if s.requests[r][PST] != RUNNING and pool[w[1]][0] == r:
+        freed = ((w[1], (NONE, pool[w[1]][1])),)  # its false completion frees the source
+    return Change(prefill=freed, landed=(w,))
 
 
 # ---------------------------------------------------------------------------------------
@@ -738,6 +831,15 @@ class LandWrite(RequestEvent):
 
 
 @dataclass(frozen=True, slots=True)
+class LoseWrite(RequestEvent):
+    page: int  # the decode page the lost write was addressed to (0-based)
+
+    def label(self, m: Model | None = None) -> str:
+        name = m.request_names[self.request] if m else f"r{self.request + 1}"
+        return f"LoseWrite({name}, page {self.page + 1})"
+
+
+@dataclass(frozen=True, slots=True)
 class Accept(RequestEvent):
     """Decode receives Done and checks the count and the checksums the data path verified."""
 
@@ -779,6 +881,9 @@ Abort = _simple("Abort", "The client disconnects (environment).")
 DecodeAbort = _simple("DecodeAbort", "Decode notices the client has gone.")
 Timeout = _simple("Timeout", "Decode gives up waiting for KV and cancels.")
 Release = _simple("Release", "Decode frees the request's pages.")
+LoseBootstrap = _simple("LoseBootstrap", "The network loses the bootstrap for good (a fault).")
+LoseFinalWord = _simple("LoseFinalWord", "The network loses the final word for good (a fault).")
+LoseCancel = _simple("LoseCancel", "The network loses the cancel for good (a fault).")
 
 # ---------------------------------------------------------------------------------------
 # The action table: one row per TLA+ action, in the order the checker enumerates them.
@@ -834,6 +939,10 @@ ACTION_TABLE: tuple[ActionInfo, ...] = (
     ActionInfo(Release, "decode", "protocol"),
     ActionInfo(PrefillCrash, "prefill", "fault"),
     ActionInfo(DecodeCrash, "decode", "fault"),
+    ActionInfo(LoseBootstrap, "network", "fault"),
+    ActionInfo(LoseFinalWord, "network", "fault"),
+    ActionInfo(LoseCancel, "network", "fault"),
+    ActionInfo(LoseWrite, "network", "fault", argument="page"),
 )
 
 # Action type -> its function. A dict rather than a table column so that a test can swap
@@ -844,7 +953,8 @@ ACTIONS: dict[type, Callable] = {
     AnswerCancel: answer_cancel, Reserve: reserve, DecodeReject: decode_reject,
     DropBootstrap: drop_bootstrap, Accept: accept, Notice: notice, Finish: finish, Abort: abort,
     DecodeAbort: decode_abort, Timeout: timeout, Release: release, PrefillCrash: prefill_crash,
-    DecodeCrash: decode_crash,
+    DecodeCrash: decode_crash, LoseBootstrap: lose_bootstrap, LoseFinalWord: lose_final_word,
+    LoseCancel: lose_cancel, LoseWrite: lose_write,
 }
 assert tuple(ACTIONS) == tuple(info.event for info in ACTION_TABLE)
 INFO = {info.event: info for info in ACTION_TABLE}
@@ -859,7 +969,8 @@ TIMER_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE if info.k
 # request and its writes landing. A crash is a sign of nothing.
 LEASE_RENEWALS = frozenset(info.event for info in ACTION_TABLE
                            if info.worker in ("prefill", "network")
-                           and info.event is not PrefillCrash)
+                           and info.event is not PrefillCrash
+                           and not (info.worker == "network" and info.kind == "fault"))
 # The actions that take something of a request off the wire between the workers (the
 # client-gone notice comes from the serving edge, not over that wire).
 WIRE = (BOOTSTRAP, FINAL_WORD_MSG, CANCEL_MSG, WRITE)
@@ -873,7 +984,8 @@ _WORKER_ACTIONS = (PrefillCrash, DecodeCrash)  # no request argument
 # over their arguments), in table order; an observed action is enumerated with the verdict
 # its oracle gives.
 _SIMPLE_ACTIONS = tuple((info.event, ACTIONS[info.event]) for info in ACTION_TABLE
-                        if info.event not in (Arrive, LandWrite, Admit, Reserve, *_WORKER_ACTIONS))
+                        if info.event not in (Arrive, LandWrite, LoseWrite, Admit, Reserve,
+                                              *_WORKER_ACTIONS))
 
 
 # ---------------------------------------------------------------------------------------
@@ -903,7 +1015,7 @@ def decide(m: Model, s: State, event: Event) -> Change | Refusal:
         out = fn(m, s, r, bool(event.checksums_ok))
     elif kind is Finish:
         out = fn(m, s, r, bool(event.tags_ok))
-    elif kind is LandWrite:
+    elif kind is LandWrite or kind is LoseWrite:
         if not 0 <= event.page < m.decode_pages:
             raise ProtocolMisuse(f"decode page {event.page} does not exist")
         out = fn(m, s, r, event.page)
@@ -1004,6 +1116,8 @@ def is_enabled(m: Model, s: State, r: int, cls: type) -> bool:
         return type(allocation_need(m, s, cls, r)) is int
     if cls is LandWrite:
         return any(w[0] == r for w in s.writes)
+    if cls is LoseWrite:
+        return "Write" in m.losses and any(w[0] == r for w in s.writes)
     if cls is Arrive:
         return s.requests[r][CLIENT] == IDLE
     if INFO[cls].observed is not None:
@@ -1080,6 +1194,7 @@ class _EventCache:
         self.arrive = [[Arrive(r, n) for n in range(m.max_prompt_pages + 1)]
                        for r in range(m.requests)]
         self.land = [[LandWrite(r, p) for p in range(m.decode_pages)] for r in range(m.requests)]
+        self.lose = [[LoseWrite(r, p) for p in range(m.decode_pages)] for r in range(m.requests)]
         self.simple = [[(interned_events(cls, r), fn, INFO[cls].observed)
                         for cls, fn in _SIMPLE_ACTIONS] for r in range(m.requests)]
         self.admit: dict[tuple, Admit] = {}
@@ -1141,6 +1256,9 @@ def successors(m: Model, s: State) -> Iterator[tuple[Event, State]]:
     out = decode_crash(m, s)
     if type(out) is not str:
         yield _DECODE_CRASH, commit(s, out)
+    if "Write" in m.losses:
+        for w in s.writes:
+            yield cache.lose[w[0]][w[2]], commit(s, lose_write(m, s, w[0], w[2]))
 
 
 _CRASH = PrefillCrash()

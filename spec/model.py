@@ -82,9 +82,43 @@ BUG_SWITCHES: dict[str, tuple[str, str, str]] = {
         "and compute and fails healthy requests that fit",
         "tokenspeed #1427, SGLang's bootstrap deadline, kvproof serve before the lease",
     ),
+    "EarlyDone": (
+        "the final word only once the prefill's writes have completed",
+        "prefill sends Done as soon as its last write is posted, before the writes land "
+        "(a notification channel apart from the data path)",
+        "kvproof guard removal",
+    ),
+    "NoLandedCount": (
+        "decode's own count of landed writes",
+        "decode accepts and releases on the final word alone, without counting the writes "
+        "that landed in its pages",
+        "kvproof guard removal",
+    ),
+    "GenerationReset": (
+        "generations that outlive a decode restart",
+        "a restarted decode issues page generations from zero again, so a stale page's tag "
+        "can equal a new reservation's",
+        "kvproof guard removal (a tag counter kept in process memory)",
+    ),
+    "NoEpochCheck": (
+        "the epoch check on messages after a decode restart",
+        "a restarted decode takes a bootstrap of its old life as new and reserves for a "
+        "request that life already ended",
+        "kvproof guard removal",
+    ),
 }
 
 ALL_BUGS = frozenset(BUG_SWITCHES)
+
+# What a network may lose for good (the spec's Losses, a subset of LossKinds) -> what is lost.
+# A loss its poster is told of is no kind here: the poster posts again, a late delivery.
+LOSS_KINDS: dict[str, str] = {
+    "Bootstrap": "a bootstrap vanishes on its way to decode",
+    "FinalWord": "a final word (Done, Reject, Abort) vanishes on its way to decode",
+    "Cancel": "a cancel vanishes on its way to the prefill",
+    "Write": "a page write vanishes, and its poster is told it completed (an unreliable "
+             "transport; a post that failed silently)",
+}
 
 # Model field -> the CONSTANT of KVTransfer.tla that holds it: the one map that every reader
 # and writer of constants uses (the .cfg files, ITF trace metadata, the spec evaluator).
@@ -155,6 +189,9 @@ class Model:
     # (the spec's EarlyTimeouts): True keeps safety checked under any timing; False checks
     # that timely timers (a lease) never fail a request that fits.
     early_timeouts: bool = True
+    # What the network may lose for good (LOSS_KINDS; the spec's Losses): none but in the
+    # lossy models.
+    losses: frozenset[str] = field(default_factory=frozenset)
     name: str = "custom"
     request_names: tuple[str, ...] = ()
 
@@ -170,6 +207,11 @@ class Model:
             if not isinstance(value, bool):
                 raise ModelError(f"{label} must be TRUE or FALSE, got {value!r}")
         object.__setattr__(self, "bugs", frozenset(self.bugs))
+        unknown = set(self.losses) - set(LOSS_KINDS)
+        if unknown:
+            raise ModelError(f"unknown loss kind(s) {', '.join(sorted(unknown))}; known: "
+                             f"{', '.join(LOSS_KINDS)}")
+        object.__setattr__(self, "losses", frozenset(self.losses))
         if not self.request_names:
             names = tuple(f"r{i + 1}" for i in range(self.requests))
             object.__setattr__(self, "request_names", names)
@@ -196,14 +238,16 @@ class Model:
         """The model as the spec's CONSTANTS (request names for Requests, sorted Bugs)."""
         out: dict[str, object] = {"Requests": list(self.request_names)}
         out.update({constant: getattr(self, field) for field, constant in TLA_CONSTANTS.items()})
+        out["Losses"] = sorted(self.losses)
         out["Bugs"] = sorted(self.bugs)
         return out
 
     @classmethod
     def from_tla_constants(cls, constants: dict, name: str = "custom") -> "Model":
         """The inverse of tla_constants; a missing constant is a ModelError naming it.
-        DecodeCrashes and EarlyTimeouts may be absent (files written before decode crashes
-        and timely timers existed: FALSE and TRUE, what those files meant)."""
+        DecodeCrashes, EarlyTimeouts and Losses may be absent (files written before decode
+        crashes, timely timers and lossy networks existed: FALSE, TRUE and {}, what those
+        files meant)."""
         optional = {"DecodeCrashes", "EarlyTimeouts"}
         try:
             names = tuple(str(n) for n in constants["Requests"])
@@ -216,7 +260,8 @@ class Model:
             raise ModelError(f"malformed constants: {error}") from None
         return cls(requests=len(names), request_names=names, bugs=bugs, name=name,
                    decode_crashes=constants.get("DecodeCrashes", False),
-                   early_timeouts=constants.get("EarlyTimeouts", True), **fields)
+                   early_timeouts=constants.get("EarlyTimeouts", True),
+                   losses=frozenset(constants.get("Losses", ())), **fields)
 
     def with_bugs(self, bugs: frozenset[str] | set[str], name: str | None = None) -> "Model":
         return replace(self, bugs=frozenset(bugs), name=name or self.name)
@@ -230,5 +275,7 @@ class Model:
             f"prefill pool {self.prefill_pages}, decode pool {self.decode_pages} pages"
             f"{', prefill crashes' if self.crashes else ''}"
             f"{', decode crashes' if self.decode_crashes else ''}"
-            f"{'' if self.early_timeouts else ', timely timers'}; bugs: {bugs}"
+            f"{'' if self.early_timeouts else ', timely timers'}"
+            f"{', the network loses ' + ', '.join(sorted(self.losses)) if self.losses else ''}"
+            f"; bugs: {bugs}"
         )

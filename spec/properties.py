@@ -101,7 +101,11 @@ def ExclusiveOwner(m: Model, s: State) -> bool:
                 if pool[p][OWNER] != r or pool[p][GEN] != gen:
                     return False
     for p, (r, _) in enumerate(s.prefill_pool):
-        if r != NONE and (rows[r][PST] != RUNNING or p not in rows[r][SRC]):
+        if r == NONE:
+            continue
+        # A stopped request keeps a source only while a write of it still reads the page.
+        reading = any(w[0] == r and w[1] == p for w in s.writes)
+        if (rows[r][PST] != RUNNING and not reading) or p not in rows[r][SRC]:
             return False
     return True
 

@@ -156,7 +156,8 @@ def test_every_action_fires_in_the_default_model_except_the_reject_paths():
     exercised by the reject-paths model instead (next test); crashes by the crash models."""
     result = checked("default", frozenset())
     never = {a for a in core.ACTION_NAMES if result.action_transitions.get(a, 0) == 0}
-    assert never == {"Reject", "DecodeReject", "PrefillCrash", "DecodeCrash"}
+    assert never == {"Reject", "DecodeReject", "PrefillCrash", "DecodeCrash", "LoseBootstrap",
+                     "LoseFinalWord", "LoseCancel", "LoseWrite"}
     crash = checked("crash", frozenset())
     assert crash.action_transitions["PrefillCrash"] > 0
 

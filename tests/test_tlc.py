@@ -41,6 +41,8 @@ def test_tlc_output_is_parsed_into_the_same_summary():
     bad = parse_tlc_output(TLC_SAYS_VIOLATED, 1.0)
     assert not bad.ok and bad.violation == "Invariant SourceHeld"
     assert parse_tlc_output("Error: Deadlock reached.\n", 0).violation == "Deadlock"
+    step = parse_tlc_output("Error: Action property TombstonesStay is violated.\n", 0)
+    assert step.violation == "Action property TombstonesStay"
 
 
 def test_the_cfg_written_for_tlc_carries_every_constant():
@@ -228,6 +230,19 @@ TLC_FIGURES = {
     "zoo-source-reuse": ('SourceHeld', 4),
     "zoo-source-reuse-unverified": ('Isolation', 11),
     "zoo-stopwatch-timeout": ('FittingRequestsSucceed', 6),
+    # issue 25: an early final word, a decode restart
+    "bug-EarlyDone": ('FittingRequestsSucceed', 6),
+    "bug-GenerationReset": ('GenerationsNeverGoBack', 3),
+    "bug-NoEpochCheck": ('TombstonesStay', 4),
+    "bug-NoLandedCount": (66384, 23),
+    "zoo-early-done": ('NoWriteIntoForeign', 7),
+    "zoo-revived-bootstrap": ('NoLeakAtRest', 5),
+    # issue 25: a network that loses things for good
+    "loss-Bootstrap": ('FittingRequestsSucceed', 2),
+    "loss-Cancel": ('NoLeakAtRest', 5),
+    "loss-FinalWord": ('NoLeakAtRest', 5),
+    "loss-Write": ('FittingRequestsSucceed', 6),
+    "lossy-safety": (2374, 14),
 }
 
 
@@ -237,7 +252,8 @@ def readme_table() -> dict[str, object]:
     rows = {}
     for line in block.strip().splitlines()[2:]:
         name, verdict, distinct, depth = [c.strip() for c in line.strip("|").split("|")]
-        broken = re.match(r"Invariant (\w+) is violated \((\d+) steps\)", verdict)
+        broken = re.match(r"(?:Invariant|Action property) (\w+) is violated \((\d+) steps\)",
+                          verdict)
         rows[name] = ((broken.group(1), int(broken.group(2))) if broken else
                       (int(distinct.replace(",", "")), int(depth)) if distinct else None)
     return rows

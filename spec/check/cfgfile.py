@@ -34,7 +34,7 @@ TOKEN = re.compile(r'\s*(?:(?P<str>"[^"\n]*")|(?P<num>-?\d+)|(?P<id>[A-Za-z_][A-
 # the field; the user wrote the constant).
 CONSTANT_FIELDS = {"Requests": "requests", "NoReq": None,
                    **{constant: field for field, constant in TLA_CONSTANTS.items()},
-                   "Bugs": "bugs"}
+                   "Losses": "losses", "Bugs": "bugs"}
 _SIZES = tuple((field, constant) for field, constant in TLA_CONSTANTS.items()
                if field.endswith("_pages"))
 _FLAGS = tuple((field, constant) for field, constant in TLA_CONSTANTS.items()
@@ -200,6 +200,9 @@ def model_from_cfg(cfg: CfgFile, name: str) -> Model:
     bugs = cfg.constants.get("Bugs", frozenset())
     if not isinstance(bugs, frozenset) or not all(isinstance(b, str) for b in bugs):
         raise CfgError(f"{cfg.path}: Bugs must be a set of strings")
+    losses = cfg.constants.get("Losses", frozenset())  # absent: a file from before losses
+    if not isinstance(losses, frozenset) or not all(isinstance(k, str) for k in losses):
+        raise CfgError(f"{cfg.path}: Losses must be a set of strings")
     if cfg.specification not in (None, "Spec", "FairSpec"):
         raise CfgError(f"{cfg.path}: SPECIFICATION must be Spec or FairSpec")
     names = tuple(sorted(r.name for r in requests))
@@ -217,6 +220,7 @@ def model_from_cfg(cfg: CfgFile, name: str) -> Model:
             requests=len(names),
             **sizes,
             bugs=frozenset(bugs),
+            losses=frozenset(losses),
             **flags,
             name=name,
             request_names=names,
@@ -244,6 +248,7 @@ def cfg_for(model: Model, invariants: tuple[str, ...], properties: tuple[str, ..
              f"    Crashes = {'TRUE' if model.crashes else 'FALSE'}",
              f"    DecodeCrashes = {'TRUE' if model.decode_crashes else 'FALSE'}",
              f"    EarlyTimeouts = {'TRUE' if model.early_timeouts else 'FALSE'}",
+             f"    Losses = {{{', '.join(chr(34) + k + chr(34) for k in sorted(model.losses))}}}",
              f"    Bugs = {{{bugs}}}",
              "SPECIFICATION FairSpec", "INVARIANTS", *[f"    {n}" for n in invariants]]
     if properties:

@@ -16,11 +16,15 @@ from pathlib import Path
 from typing import Callable
 
 from spec.check.checker import CheckResult, check
-from spec.model import BUG_SWITCHES, Model
-from spec.check.zoo import ALONE, BASES, ENTRIES
+from spec.model import BUG_SWITCHES, LOSS_KINDS, Model
+from spec.check.zoo import ALONE, BASES, ENTRIES, LOSS_BASE, LOSSES
+from spec.properties import STATE_INVARIANTS
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BEGIN, END = "<!-- guard-table:begin -->", "<!-- guard-table:end -->"
+# The rows of the fault constant Losses: small models, so they are a section of their own that
+# a fast test regenerates (the switches' section takes minutes).
+LOSS_BEGIN, LOSS_END = "<!-- loss-table:begin -->", "<!-- loss-table:end -->"
 
 Runner = Callable[..., CheckResult]
 
@@ -53,18 +57,22 @@ def _run_check(base: str, bugs: frozenset[str], invariants: tuple[str, ...] | No
 
 
 def alone_rows(runner: Runner) -> list[str]:
-    rows = ["| switch | guard it removes | alone, on the default model | masked by | "
-            "exposed by |", "|---|---|---|---|---|"]
+    rows = ["| switch | guard it removes | alone, on the default model unless named | "
+            "masked by | exposed by |", "|---|---|---|---|---|"]
     for alone in ALONE:
         guard = BUG_SWITCHES[alone.switch][0]
-        result = runner("default", frozenset({alone.switch}), None,
+        result = runner(alone.base, frozenset({alone.switch}), None,
                         symmetry=alone.breaks is None)
+        on = "" if alone.base == "default" else f" on {alone.base}"
         if result.violation is not None:
             v = result.violation
-            verdict = f"breaks **{v.property}** ({v.length} steps)"
-            rows.append(f"| {alone.switch} | {guard} | {verdict} | (none) | (alone) |")
+            verdict = f"breaks **{v.property}**{on} ({v.length} steps)"
+            masked, exposed = alone.masked_by or "(none)", "(alone)"
+            if alone.exposed_by:
+                exposed += f", and [{alone.exposed_by}](#{alone.exposed_by})"
+            rows.append(f"| {alone.switch} | {guard} | {verdict} | {masked} | {exposed} |")
         else:
-            verdict = f"holds ({result.distinct_states:,} states, symmetry)"
+            verdict = f"holds{on} ({result.distinct_states:,} states, symmetry)"
             rows.append(f"| {alone.switch} | {guard} | {verdict} | {alone.masked_by} | "
                         f"[{alone.exposed_by}](#{alone.exposed_by}) |")
     return rows
@@ -97,16 +105,40 @@ def render(runner: Runner = run_check) -> str:
     return "\n".join(lines)
 
 
-def readme_section() -> str:
-    text = README.read_text()
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    return text[start:end].strip()
+def render_losses() -> str:
+    """Each kind of loss alone on LOSS_BASE with every guard in place, then all of them:
+    the first property broken, and whether every state invariant (safety) still holds."""
+    rows = ["| the network loses | model | first property broken | steps | state invariants |"
+            " why |", "|---|---|---|---|---|---|"]
+    for kind, _, _, story in LOSSES:
+        rows.append(_loss_row(f"{kind}: {LOSS_KINDS[kind]}", f"loss-{kind}",
+                              frozenset({kind}), story))
+    rows.append(_loss_row("all four", "lossy-safety", frozenset(LOSS_KINDS),
+                          "safety under a network that loses anything"))
+    return "\n".join(rows)
 
 
-def write(table: str) -> None:
+def _loss_row(what: str, name: str, losses: frozenset[str], why: str) -> str:
+    model = Model(losses=losses, name=name, **BASES[LOSS_BASE])
+    result = check(model)
+    safety = check(model, invariants=tuple(STATE_INVARIANTS), liveness=False)
+    v = result.violation
+    broken = f"{v.property} ({v.kind})" if v else "none"
+    held = (f"hold ({safety.distinct_states:,} states)" if safety.ok
+            else f"**{safety.violation.property}** breaks")
+    return f"| {what} | {name} | {broken} | {v.length if v else '-'} | {held} | {why} |"
+
+
+def readme_section(begin: str = BEGIN, end: str = END) -> str:
     text = README.read_text()
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    README.write_text(text[:start] + "\n" + table + "\n" + text[end:])
+    start, stop = text.index(begin) + len(begin), text.index(end)
+    return text[start:stop].strip()
+
+
+def write(table: str, begin: str = BEGIN, end: str = END) -> None:
+    text = README.read_text()
+    start, stop = text.index(begin) + len(begin), text.index(end)
+    README.write_text(text[:start] + "\n" + table + "\n" + text[stop:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     global _PROGRESS
     _PROGRESS = True
+    losses = render_losses()
+    print(losses)
+    if args.write:
+        write(losses, LOSS_BEGIN, LOSS_END)
     table = render()
     print(table)
     if args.write:

@@ -11,9 +11,11 @@ that can hold in more than one way:
     PrefillAbort(r)  cancel[r] \\/ client[r] = "Gone"
     Admit(r, S)      ptable[r] # <<>> \\/ "AdmitBeforeReserve" \\in Bugs, then
                      prompt[r] <= PrefillPages \\/ "FinishedNotRejected" \\in Bugs
-    Release(r)       \\/ "EagerRelease" \\in Bugs  \\/ dfw[r] /\\ landed[r] >= announced[r]
-    PrefillCrash     \\E r \\in Requests : Active(r)
-    DecodeCrash      \\E r \\in Requests : DecodeKnows(r), which is boot[r] \\/ HoldsPages(r)
+    Release(r)       \\/ "EagerRelease" \\in Bugs  \\/ dfw[r] /\\ Counted(r, announced[r])
+    PrefillCrash     \\E r \\in Requests : PrefillLoses(r)
+    DecodeCrash      \\E r \\in Requests : Loses(r), which is DecodeKnows(r), that is
+                     boot[r] \\/ HoldsPages(r), or for a bootstrap NoEpochCheck revives a
+                     disjunction of three (see Loses)
 
 WAYS gives, per action, the number of ways its guard holds in a state where the event is
 enabled. On default.cfg as it was before the bootstrap queue (Admit waits for the page
@@ -50,16 +52,30 @@ def _admit(m: Model, s: State, event) -> int:
 
 def _release(m: Model, s: State, event) -> int:
     row = s.requests[event.request]
-    settled = row[core.DFW] and row[core.LANDED] >= row[core.ANNOUNCED]
+    counted = "NoLandedCount" in m.bugs or row[core.LANDED] >= row[core.ANNOUNCED]
+    settled = row[core.DFW] and counted
     return ("EagerRelease" in m.bugs) + bool(settled)
 
 
 def _prefill_crash(m: Model, s: State, event) -> int:
-    return sum(row[core.PST] in (core.QUEUED, core.RUNNING) for row in s.requests)
+    """PrefillLoses(r): active, or else a write of r in flight (an early final word)."""
+    writing = {w[0] for w in s.writes}
+    return sum(row[core.PST] in (core.QUEUED, core.RUNNING) or r in writing
+               for r, row in enumerate(s.requests))
 
 
 def _decode_crash(m: Model, s: State, event) -> int:
-    return sum(bool(row[core.BOOT]) + (row[core.DST] in _HOLDS_PAGES) for row in s.requests)
+    return sum(_decode_crash_ways(m, row) for row in s.requests)
+
+
+def _decode_crash_ways(m: Model, row: tuple) -> int:
+    """Loses(r): a revived bootstrap (NoEpochCheck) loses its tombstone, the prefill's
+    connection or the client's wait; any other request what decode knew of it."""
+    if "NoEpochCheck" in m.bugs and row[core.BOOT]:
+        active = row[core.PST] in (core.QUEUED, core.RUNNING)
+        return ((row[core.DST] == core.TOMB) + (active and not row[core.CANCEL])
+                + (row[core.CLIENT] == core.WAITING))
+    return bool(row[core.BOOT]) + (row[core.DST] in _HOLDS_PAGES)
 
 
 WAYS: dict[str, Callable[[Model, State, Event], int]] = {

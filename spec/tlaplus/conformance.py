@@ -42,7 +42,7 @@ def from_view(v: object) -> object:
 def spec_for(m: Model, text: str | None = None, tlc_branching: bool = False) -> Spec:
     constants = {**m.tla_constants(), "NoReq": ModelValue("NoReq"),
                  "Requests": frozenset(ModelValue(n) for n in m.request_names),
-                 "Bugs": frozenset(m.bugs)}
+                 "Bugs": frozenset(m.bugs), "Losses": frozenset(m.losses)}
     spec = Spec(text if text is not None else SPEC_PATH.read_text(), constants,
                 tlc_branching=tlc_branching)
     spec.labels = action_labels(spec)

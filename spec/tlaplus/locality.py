@@ -236,6 +236,8 @@ def analyse(text: str | None = None) -> list[Row]:
     rows = []
     for info in core.ACTION_TABLE:
         name = info.event.__name__
+        if text is not None and name not in walker.defs:
+            continue  # an older text of the spec, from before this action (tests/data)
         access = walker.access(name)
         row = Row(name, info.worker, info.kind, access, ())
         if row.checked:

@@ -39,7 +39,8 @@ class TlcResult:
     states_generated: int | None
     depth: int | None
     seconds: float
-    violation: str | None  # "Invariant X", "Deadlock", "Temporal properties", or TLC's error
+    violation: str | None  # "Invariant X", "Action property X" (a step property), "Deadlock",
+    #                        "Temporal properties", or TLC's error
     output: str
     returncode: int | None = None
     command: tuple[str, ...] = ()
@@ -76,9 +77,9 @@ def parse_tlc_output(text: str, seconds: float, returncode: int | None = None) -
     distinct = number(r"([\d,]+) distinct states found")
     depth = number(r"depth of the complete state graph search is (\d+)")
     violation = None
-    invariant = re.search(r"Error: Invariant (\w+) is violated", text)
+    invariant = re.search(r"Error: (Invariant|Action property) (\w+) is violated", text)
     if invariant:
-        violation = f"Invariant {invariant.group(1)}"
+        violation = f"{invariant.group(1)} {invariant.group(2)}"
     elif "Error: Deadlock reached" in text:
         violation = "Deadlock"
     elif "Error: Temporal properties were violated" in text:
