@@ -13,8 +13,10 @@ and the rules drive the environment:
 - `Abort`, `PrefillFail`, `Timeout`: a client goes away, a prefill fails, a transfer timer
   fires early, now;
 - `Delay`: the request's page writes stay on the wire for a number of engine steps;
-- `Wait`: one engine step at a time until the core has accepted an event (time passes: when
-  nothing but a transfer timer could move, the clock jumps to the earliest one).
+- `Wait`: one engine step at a time until the core has accepted an event, or for up to
+  STEPS_PER_WAIT_MAX steps while decode runs (a long output decodes for many steps without
+  an event); time passes: when nothing but a transfer timer could move, the clock jumps to
+  the earliest one.
 
 The engine has no worker crashes, so crash moves are never listed (a model with crashes
 only widens what may happen). Write landing order comes from the example's seed (the
@@ -142,7 +144,7 @@ class EngineTarget(Target):
         self._tokens: dict[int, list[int]] = {}  # request -> tokens its client got
         self._outcomes: dict[int, str] = {}
         self._first: dict = {}  # request -> the prefill's logits, not judged yet
-        self._pending: list = []  # DecodeReads  # decode reads not judged yet
+        self._pending: list = []  # DecodeReads not judged yet
         self._steps: dict[int, int] = {}  # request -> decode reads recorded
         self._last_read: dict = {}  # request -> its last DecodeRead
         self._tainted: dict[int, tuple[int, str]] = {}  # request -> (tokens before, why)
