@@ -11,6 +11,11 @@ import pytest
 # No GPU here: the Triton kernel tests (tests/test_kernels_triton_*.py) run in the
 # interpreter. Export TRITON_INTERPRET=0 to keep the compiler.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# pytest-xdist runs one worker per core: a worker's torch with a thread per core as well
+# oversubscribes the machine, and each parallel op then waits for a descheduled thread
+# (tests/test_engine_workers.py + test_engine_stream.py, -n 2: 71 s with two threads, 48-56 s
+# with one). Servers the tests start inherit it. Export OMP_NUM_THREADS to choose.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from spec.check.guardtable import run_check as checked  # noqa: F401  (cached model checks)
 
