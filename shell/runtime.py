@@ -25,7 +25,7 @@ one path by which any of it reaches the protocol:
 What differs between a simulated and a real run is behind the interfaces of
 shell/interfaces.py (clock, prefill and decode workers, transport, client), each with a
 simulated and a real implementation; a hybrid run mixes them. A shell class inherits
-`ShellRuntime`, sets the attributes listed in `__init__`'s docstring and implements the
+`ShellRuntime`, sets the attributes listed in the class docstring and implements the
 hooks at the end of this class.
 
 Pure of any world: this module imports only the protocol (spec/).
