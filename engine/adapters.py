@@ -1,7 +1,7 @@
-"""The engine's side of the one runtime's interfaces (shell/interfaces.py): real workers,
+"""The engine's side of the one runtime's interfaces (spec/interfaces.py): real workers,
 the in-process transport, the wall clock and the serving edge.
 
-Theory of operation. shell/runtime.py takes every event to the core and routes each
+Theory of operation. spec/runtime.py takes every event to the core and routes each
 command of the core's answer to one of these; each turns it into what the engine does:
 a prefill worker (engine/workers.py) queues and computes on its real KV pool, its page
 writes go through engine/transport.py with the source page's checksum, a decode worker

@@ -28,7 +28,7 @@ that request goes to the workers of its pair. All workers run in this one loop, 
 the pools, batches and transport are theirs.
 
 Where the parts live: this module holds the configuration, the runtime's hooks into the
-one runtime (shell/runtime.py holds the path into the core, `take_event`, and the one
+one runtime (spec/runtime.py holds the path into the core, `take_event`, and the one
 handler table of the core's commands, shared with the simulator; engine/adapters.py is the
 engine's side of its interfaces: workers, messages, clock, clients, log), the client's side
 (`arrive`, `abort`) and what a server or a test looks at; `Runtime` also has the loop and its data-path steps (engine/loop.py),
@@ -77,7 +77,7 @@ from engine.service import Finished, GenerationRequest, PoolSnapshot, RequestSna
 from engine.streaming import Live
 from engine.transport import InProcessTransport
 from engine.workers import DecodeWorker, PrefillWorker
-from shell.runtime import ShellRuntime
+from spec.runtime import ShellRuntime
 from spec import core
 from spec.core import Refusal
 from spec.model import Model, ProtocolConfig
@@ -129,7 +129,7 @@ class RuntimeConfig:
 class Runtime(ShellRuntime, Loop, Delivery):
     """Single-threaded: call `arrive`, `abort` and `step` from one thread (the threaded
     engine in engine/serving.py does). The path into the core and the command handlers
-    are the one runtime's (shell/runtime.py); the engine's worlds behind its interfaces
+    are the one runtime's (spec/runtime.py); the engine's worlds behind its interfaces
     are engine/adapters.py."""
 
     def __init__(self, model: LlamaModel, config: RuntimeConfig = RuntimeConfig(),
@@ -148,7 +148,7 @@ class Runtime(ShellRuntime, Loop, Delivery):
         self.transport = InProcessTransport([w.pool for w in self.prefills],
                                             [w.pool for w in self.decodes],
                                             config.lands_per_step, config.transport_seed)
-        # The one runtime's interfaces (shell/interfaces.py), real side.
+        # The one runtime's interfaces (spec/interfaces.py), real side.
         self.clock = WallClock(clock, config)
         self.prefill_at = [EnginePrefill(self, k) for k in range(config.prefill_workers)]
         self.decode_at = [EngineDecode(self, k) for k in range(config.decode_workers)]
@@ -169,7 +169,7 @@ class Runtime(ShellRuntime, Loop, Delivery):
         self.counts = {"guard_trips": {}, "refusals": {}, "rejects": {}, "outcomes": {}}
         self._start_runtime()
 
-    # -- the one path into the core (shell/runtime.py) and its hooks ----------------------
+    # -- the one path into the core (spec/runtime.py) and its hooks ----------------------
 
     def take(self, r: int, event: core.Event) -> core.Change | None:
         """The core decides; an accepted event is logged and its commands carried out."""

@@ -1,4 +1,4 @@
-"""The simulator's client side (shell/interfaces.py Client): the workload's clients.
+"""The simulator's client side (spec/interfaces.py Client): the workload's clients.
 
 The workload generator: arrivals (Poisson, bursty, closed-loop sessions, or a trace file's
 rows), each request's prompt and output lengths, and client aborts as a fault; every

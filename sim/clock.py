@@ -1,4 +1,4 @@
-"""The simulator's clock (shell/interfaces.py Clock): SimPy's time, and decode's transfer
+"""The simulator's clock (spec/interfaces.py Clock): SimPy's time, and decode's transfer
 timers as leases on it.
 
 Theory of operation. A lease is a stored time, not an event per renewal (sim/lease.py

@@ -172,7 +172,7 @@ def encode(record: dict) -> str:
 
 
 class LogFile:
-    """A live run's event log (the one runtime's `event_log`, shell/runtime.py): one record
+    """A live run's event log (the one runtime's `event_log`, spec/runtime.py): one record
     per committed event, an Arrive with the shell's facts beside it (placement p, d and
     output length out, looked up with `output_of(r)`), which `Folder.apply` reads back."""
 

@@ -1,4 +1,4 @@
-"""The simulator's transport for messages (shell/interfaces.py Transport): a modelled link.
+"""The simulator's transport for messages (spec/interfaces.py Transport): a modelled link.
 
 Theory of operation. A message (bootstrap, final word, cancel, page table) is delivered
 after the link's latency, with loss (each loss costs a retransmission, retransmit_after_s)

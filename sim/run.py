@@ -9,9 +9,9 @@ oracles, or refuses it with a reason (nothing changes; the refusal is counted by
 Components offer only what the core enables (`core.consumer` maps an arriving message to
 the action that consumes it, `core.is_enabled` answers for a timer or a fault), so a
 refusal is a real race. The path into the core and the carrying-out of its commands are
-the one runtime's (shell/runtime.py, shared with the engine: `Simulation` is a
+the one runtime's (spec/runtime.py, shared with the engine: `Simulation` is a
 `ShellRuntime`); an accepted decision's commands (spec/commands.py) go, each by its type,
-to the simulated side of its interfaces (shell/interfaces.py):
+to the simulated side of its interfaces (spec/interfaces.py):
 
 - Send: a message (bootstrap, final word, cancel, page table) crosses the link
   (sim/link.py) after its latency, with loss (retransmitted) and extra delay as faults; on
@@ -51,7 +51,7 @@ import time
 
 import simpy
 
-from shell.runtime import ShellRuntime, carrier
+from spec.runtime import ShellRuntime, carrier
 from spec import core
 from spec.core import Refusal
 from sim import crash as shell_crash, fault_hits as hits
@@ -83,7 +83,7 @@ class Simulation(ShellRuntime):
         self.log = log
         if log is not None:
             write_header(log, scenario)
-        # The one runtime's interfaces (shell/interfaces.py), simulated side.
+        # The one runtime's interfaces (spec/interfaces.py), simulated side.
         self.core_model, self.store = self.model, self.cluster
         self.event_log = LogFile(log, self.output_of) if log is not None else None
         self.progress = progress
@@ -146,7 +146,7 @@ class Simulation(ShellRuntime):
             return None  # settled and forgotten: a late timer or message
         return self.take(self._event(action, r, args), _count_refusal)
 
-    # `take(event, count_refusal=True)`: the one runtime's path (shell/runtime.py), for an
+    # `take(event, count_refusal=True)`: the one runtime's path (spec/runtime.py), for an
     # event already built (the per-page events, on the hot path: no keyword arguments to
     # pack and unpack); its request must still be live.
     take = ShellRuntime.take_event
@@ -406,7 +406,7 @@ class Simulation(ShellRuntime):
                 self.prefills[worker].restart(self.sc.faults.prefill_restart_s)
             else:
                 self.decodes[worker].restart(self.sc.faults.decode_restart_s)
-            handlers = self._handlers  # the one runtime's table (shell/runtime.py)
+            handlers = self._handlers  # the one runtime's table (spec/runtime.py)
             for command in self.concurrent_order(out.commands):
                 handlers[type(command)](command, *placements[command.request])
             for r, _ in out.rows:

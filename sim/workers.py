@@ -3,7 +3,7 @@
 Theory of operation. A worker holds what only it knows — its queue, whether it computes,
 its epoch (bumped when it crashes, so that what the dead worker started never completes),
 when it is back from a restart, its NIC (writes in flight, writes waiting for a slot, when
-the link is free again) — and does what a command of the core asks of it (shell/runtime.py
+the link is free again) — and does what a command of the core asks of it (spec/runtime.py
 routes each command to the worker of the request's placement): the prefill queues,
 computes and posts page writes; the decode reserves for waiting bootstraps, batches and
 steps. Every protocol move goes back through the simulation's `offer`/`take`: a worker

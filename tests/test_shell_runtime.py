@@ -1,11 +1,11 @@
-"""The one runtime (shell/runtime.py) in a world of recording fakes: every command of the
-core's answer reaches the interface shell/interfaces.py names for it, at the request's
+"""The one runtime (spec/runtime.py) in a world of recording fakes: every command of the
+core's answer reaches the interface spec/interfaces.py names for it, at the request's
 placement, and nothing else of a world is touched. A new worker kind or transport is
 exactly such an object."""
 
 from __future__ import annotations
 
-from shell.runtime import ShellRuntime
+from spec.runtime import ShellRuntime
 from spec import commands as cmd
 from spec import core
 from spec.model import Model, ProtocolConfig

@@ -1,4 +1,4 @@
-"""What a world must provide to the one runtime (shell/runtime.py): small interfaces, each
+"""What a world must provide to the one runtime (spec/runtime.py): small interfaces, each
 with a simulated implementation (sim/) and a real one (engine/).
 
 The runtime calls these and nothing else of a world. Every method is called with the
@@ -23,7 +23,7 @@ it starts reports back later as an event through `take_event`.
 The runtime holds them as `clock`, `prefill_at[p]`, `decode_at[d]`, `link` and `client`. A
 new worker kind implements PrefillWorker or DecodeWorker and is put in `prefill_at` /
 `decode_at` at its index; a new transport implements Transport (messages) as `link`, and
-is what the prefill worker's `post` hands page writes to. Nothing in shell/runtime.py changes.
+is what the prefill worker's `post` hands page writes to. Nothing in spec/runtime.py changes.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ one path by which any of it reaches the protocol:
    outermost decision is done, the wants that may have become enabled (`run_wants`).
 
 What differs between a simulated and a real run is behind the interfaces of
-shell/interfaces.py (clock, prefill and decode workers, transport, client), each with a
+spec/interfaces.py (clock, prefill and decode workers, transport, client), each with a
 simulated and a real implementation; a hybrid run mixes them. A shell class inherits
 `ShellRuntime`, sets the attributes listed in the class docstring and implements the
 hooks at the end of this class.
