@@ -341,7 +341,8 @@ class Runtime(Loop, Delivery):
         if c.outcome == "ErrTag":
             live.guard = "tag"
         elif c.outcome == "ErrTransfer":
-            live.guard = "count" if live.count_sent != live.pages else "checksum"
+            live.guard = ("count" if live.count_sent != live.pages
+                          else live.transfer_fault or "checksum")
         if live.guard:
             trips = self.counts["guard_trips"]
             trips[live.guard] = trips.get(live.guard, 0) + 1

@@ -11,6 +11,7 @@ and the rules drive the environment:
 - `Abort`, `PrefillFail`, `Timeout`: a client goes away, a prefill fails, a transfer timer
   fires early, now;
 - `Delay`: the request's page writes stay on the wire for a number of engine steps;
+- `WireFault`: one write on the wire lands damaged, twice or late (fuzz/wire_faults.py);
 - `Wait`: one engine step at a time until the core has accepted an event (time passes: when
   nothing but a transfer timer could move, the clock jumps to the earliest one).
 
@@ -35,6 +36,7 @@ from spec.core import CLIENT_NAMES, OWNER, PST, RUNNING, SRC, TABLE
 from spec.model import Model
 from spec.properties import holds_decode_pages
 
+from fuzz import wire_faults
 from fuzz.target import (Delay, Observation, Open, PoolView, Target, TargetRefused, Violation,
                          Wait, decoding_reads, listed, register)
 
@@ -79,7 +81,8 @@ def tiny_model(seed: int = 0):
 class EngineTarget(Target):
     """The protocol-driven engine (engine/runtime.py) on a tiny random model."""
 
-    vocabulary = frozenset({"Arrive", "Abort", "PrefillFail", "Timeout", "Wait", "Delay"})
+    vocabulary = frozenset({"Arrive", "Abort", "PrefillFail", "Timeout", "Wait", "Delay",
+                            wire_faults.ACTION})
     in_default_zoo = False
 
     def reset(self, model: Model, seed: int) -> None:
@@ -104,6 +107,7 @@ class EngineTarget(Target):
         self.rt.on_commit = self._committed
         self.held: dict[int, float] = {}  # request -> clock until which its writes wait
         self.rt.transport.hold = lambda w: self.held.get(w.request, -1.0) > self.clock
+        self.wire = wire_faults.WireFaults(self.rt)
         self._prompts = tuple(range(1, model.max_prompt_pages + 1))
         self._tokens_rng = random.Random(f"kvproof-fuzz-engine-prompts:{seed}")
         self._trace: list[core.Event] = []
@@ -143,6 +147,7 @@ class EngineTarget(Target):
                 moves.setdefault("Delay", []).append(Open("Delay", r, 0, STALLS_STEPS))
         if not rt.idle and not self._stalled:
             moves["Wait"] = [Wait()]
+        moves.update(self.wire.moves())
         return moves
 
     def step(self, event: core.Event) -> None:
@@ -162,6 +167,8 @@ class EngineTarget(Target):
             self.held[event.request] = self.clock + event.stall
         elif cls is core.Abort:
             rt.abort(event.request)
+        elif cls is wire_faults.WireFault:
+            self.wire.inject(event)
         else:
             rt.take(event.request, event)
 
@@ -265,7 +272,11 @@ class EngineTarget(Target):
 
     def check(self) -> list[Violation]:
         return [Violation(v.property, f"engine store oracle: {v.detail}")
-                for v in self.rt.store.violations]
+                for v in self.rt.store.violations] + self.wire.check(self.protocol_state(),
+                                                                     self.model)
+
+    def data_faulted(self) -> frozenset[int]:
+        return self.wire.damaged()
 
     def trace(self) -> list[core.Event]:
         return list(self._trace)
