@@ -105,9 +105,9 @@ class EngineTarget(Target):
         self.rt = Runtime(tiny_model(), config, clock=lambda: self.clock)
         self.rt.store.settled_rows = {}
         self.rt.on_commit = self._committed
+        self.wire = wire_faults.WireFaults(self.rt)
         self.held: dict[int, float] = {}  # request -> clock until which its writes wait
         self.rt.transport.hold = lambda w: self.held.get(w.request, -1.0) > self.clock
-        self.wire = wire_faults.WireFaults(self.rt)
         self._prompts = tuple(range(1, model.max_prompt_pages + 1))
         self._tokens_rng = random.Random(f"kvproof-fuzz-engine-prompts:{seed}")
         self._trace: list[core.Event] = []
@@ -272,8 +272,7 @@ class EngineTarget(Target):
 
     def check(self) -> list[Violation]:
         return [Violation(v.property, f"engine store oracle: {v.detail}")
-                for v in self.rt.store.violations] + self.wire.check(self.protocol_state(),
-                                                                     self.model)
+                for v in self.rt.store.violations] + self.wire.check()
 
     def data_faulted(self) -> frozenset[int]:
         return self.wire.damaged()

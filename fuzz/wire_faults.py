@@ -12,8 +12,10 @@ What must follow. A fault that damaged a landing (the transport's `damaged`: the
 decode got are not the bytes sent, or none came) must end its request in a clear error
 before decode reads a byte of it: decode's data path verifies the transfer at Accept (the
 page checksums, and its own count of pages landed against the Done's count), so a damaged
-request never decodes and never gets Ok. `check` reports one that does, under Isolation
-(it would read content that is not its own), with the fault named. A duplicate or a
+request never decodes and never gets Ok. The oracle judges every committed change (a
+decode that starts and fails its tag check within one engine step is still a decode that
+started) and `check` reports one that starts decoding or answers Ok, under Isolation (it
+would read content that is not its own), with the fault named. A duplicate or a
 reordered landing damages nothing: the core refuses the second landing and order is not
 a fault; those must end as if nothing happened, which every other check already judges.
 
@@ -61,6 +63,14 @@ class WireFaults:
         assert WIRE_FAULTS == FAULT_NAMES, "fuzz/wire_faults.py FAULT_NAMES is stale"
         self.transport = runtime.transport
         self.transport.fault_injection = True
+        self.findings: list[Violation] = []
+        inner = runtime.on_commit  # judged at every commit: a decode may start and fail
+        assert inner is not None   # its tag check within one engine step
+
+        def on_commit(event, change) -> None:
+            self._judge(change)
+            inner(event, change)
+        runtime.on_commit = on_commit
 
     def moves(self) -> dict[str, list]:
         transport = self.transport
@@ -78,18 +88,25 @@ class WireFaults:
         """The requests one of whose landings a fault damaged."""
         return frozenset(w.request for w in self.transport.damaged)
 
-    def check(self, s: core.State, m) -> list[Violation]:
-        found = []
-        for write, fault in self.transport.damaged.items():
-            row = s.requests[write.request]
+    def _judge(self, change: core.Change) -> None:
+        """A committed change that starts decoding (or answers Ok) for a request over a
+        page one of its writes landed damaged in is a finding."""
+        for r, row in change.rows:
             decodes = row[core.DST] == core.DECODING or row[core.CLIENT] == core.OK
-            if decodes and any(p == write.decode_page for p, _ in row[core.TABLE]):
-                found.append(Violation("Isolation", (
-                    f"wire-fault oracle: {m.request_names[write.request]} "
-                    f"{'got Ok' if row[core.CLIENT] == core.OK else 'is decoding'} "
-                    f"over decode page {write.decode_page + 1}, whose write landed {fault} "
-                    "(no check of the transfer stopped it)")))
-        return found
+            if not decodes:
+                continue
+            for write, fault in self.transport.damaged.items():
+                if write.request == r and any(p == write.decode_page
+                                              for p, _ in row[core.TABLE]):
+                    self.findings.append(Violation("Isolation", (
+                        f"wire-fault oracle: r{r + 1} "
+                        f"{'got Ok' if row[core.CLIENT] == core.OK else 'started decoding'} "
+                        f"over decode page {write.decode_page + 1}, whose write landed "
+                        f"{fault} (no check of the transfer stopped it)")))
+                    return
+
+    def check(self) -> list[Violation]:
+        return list(self.findings)
 
 
 _GUARD_ERRORS = (core.ERR_TRANSFER, core.ERR_TAG)

@@ -7,7 +7,8 @@ never with a token streamed; the hook is off by default. At the fuzz level, one 
 blind spot, kept here as the core's are in tests/test_step_properties.py: a checksum
 reported good without being computed is caught by a bit flip, and a count check removed
 is caught by a write that never lands, both by the wire-fault oracle (a damaged request
-decodes), while the correct engine passes the same campaign.
+starts decoding). The correct engine with wire faults on is the engine zoo's none row
+(tests/test_fuzz.py), which must end clean.
 """
 
 from __future__ import annotations
@@ -129,8 +130,3 @@ def test_the_fuzzer_catches_a_count_check_removed(monkeypatch):
     outcome = _campaign()
     assert outcome.caught, "a write that never lands must expose a missing count check"
     assert any("landed lost" in v.detail for v in outcome.replayed.violations)
-
-
-@pytest.mark.slow
-def test_the_correct_engine_passes_the_same_campaign():
-    assert not _campaign().caught
