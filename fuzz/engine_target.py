@@ -106,6 +106,7 @@ class EngineTarget(Target):
         self.rt.store.settled_rows = {}
         self.rt.on_commit = self._committed
         self.wire = wire_faults.WireFaults(self.rt)
+        self._warm_pools()
         self.held: dict[int, float] = {}  # request -> clock until which its writes wait
         self.rt.transport.hold = lambda w: self.held.get(w.request, -1.0) > self.clock
         self._prompts = tuple(range(1, model.max_prompt_pages + 1))
@@ -118,6 +119,18 @@ class EngineTarget(Target):
         self._moves: dict | None = None
         self._state: core.State | None = None
         self.timing = {"transfer_timeout_steps": self.timeout_steps, "transport_seed": seed}
+
+    def _warm_pools(self) -> None:
+        """Start from the spec's initial state: every decode page tagged with generation 0,
+        as if written once before, not with the fresh pool's FRESH_TAG. A served pool is
+        warm after its first minutes; a fresh tag would stop a never-written page's read
+        on its own and hide, on the few pages still fresh, the bugs a missing generation
+        bump lets through (the incident, the late write), which the core's model reaches."""
+        from engine.workers import page_tag
+
+        for worker in self.rt.decodes:
+            pages = worker.pool.config.num_pages
+            worker.pool.set_tags(list(range(pages)), [page_tag(0)] * pages)
 
     def describe(self) -> str:
         return "engine: " + ", ".join(f"{k} {v}" for k, v in self.timing.items())
