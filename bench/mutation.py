@@ -82,18 +82,36 @@ def scratch_copy(into: Path) -> None:
             shutil.copy2(source, into / name)
 
 
+KILLERS_SCRIPT = "mutation-killers.sh"
+
+
 def write_config(into: Path, args: argparse.Namespace) -> Path:
+    """The session's config; cosmic-ray runs its test command without a shell (split into
+    words), so the killers, a pipeline, are a script of their own."""
+    (into / KILLERS_SCRIPT).write_text(f"set -e\n{killers(args)}\n")
     config = into / "cosmic-ray.toml"
     modules = ", ".join(f'"{name}"' for name in args.files)
-    command = killers(args).replace("\\", "\\\\").replace('"', '\\"')
     config.write_text("[cosmic-ray]\n"
                       f"module-path = [{modules}]\n"
                       f"timeout = {args.timeout_s}\n"
                       "excluded-modules = []\n"
-                      f'test-command = "{command}"\n\n'
+                      f'test-command = "bash {KILLERS_SCRIPT}"\n\n'
                       "[cosmic-ray.distributor]\n"
                       'name = "local"\n')
     return config
+
+
+def baseline(into: Path, timeout_s: float) -> str:
+    """The killers on the unmutated code: "" when they pass, else why not (a score over
+    killers that fail anyway would count every mutant killed)."""
+    try:
+        done = subprocess.run(["bash", KILLERS_SCRIPT], cwd=into, capture_output=True,
+                              text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"the killers took more than --timeout-s {timeout_s:.0f} s unmutated"
+    if done.returncode:
+        return f"the killers fail unmutated (exit {done.returncode}):\n{done.stdout[-2000:]}"
+    return ""
 
 
 def sample(session: Path, count: int, seed: int) -> tuple[int, int]:
@@ -150,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(scratch)
         scratch_copy(work)
         config, session = write_config(work, args), work / "session.sqlite"
+        failed = baseline(work, args.timeout_s)
+        if failed:
+            print(f"bench/mutation.py: {failed}", file=sys.stderr)
+            return 2
         subprocess.run(["cosmic-ray", "init", str(config), str(session)], cwd=work, check=True,
                        stdout=subprocess.DEVNULL)
         total, kept = sample(session, args.mutants, args.seed)
