@@ -130,3 +130,15 @@ def test_the_fuzzer_catches_a_count_check_removed(monkeypatch):
     outcome = _campaign()
     assert outcome.caught, "a write that never lands must expose a missing count check"
     assert any("landed lost" in v.detail for v in outcome.replayed.violations)
+
+
+def test_a_lost_write_is_not_offered_where_a_landing_can_be_stale():
+    """Under EagerRelease a lost write could land after its page moved on, and the core's
+    page contents (which say it landed) would then be wrong: no lost write there."""
+    def offered(bugs):
+        rt = Runtime(tiny_model(), RuntimeConfig(prefill_pages=4, decode_pages=4, page_tokens=2,
+                                                 context_tokens=8, bugs=bugs))
+        rt.on_commit = lambda event, change: None
+        return {wire_faults.FAULT_NAMES[k] for k in wire_faults.WireFaults(rt).offered}
+    assert offered(frozenset()) == set(wire_faults.FAULT_NAMES)
+    assert offered(frozenset({"EagerRelease"})) == set(wire_faults.FAULT_NAMES) - {"lost"}
