@@ -151,6 +151,10 @@ def report(session: Path) -> tuple[int, int, list]:
         for item, result in db.completed_work_items:
             if result.worker_outcome == WorkerOutcome.SKIPPED:
                 continue
+            for mutation in item.mutations:
+                print(f"{'killed' if result.is_killed else 'SURVIVED':>8}  "
+                      f"{mutation.module_path}:{mutation.start_pos[0]}  "
+                      f"{mutation.operator_name} #{mutation.occurrence}")
             if result.is_killed:
                 killed += 1
             else:
