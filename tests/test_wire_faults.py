@@ -142,3 +142,12 @@ def test_a_lost_write_is_not_offered_where_a_landing_can_be_stale():
         return {wire_faults.FAULT_NAMES[k] for k in wire_faults.WireFaults(rt).offered}
     assert offered(frozenset()) == set(wire_faults.FAULT_NAMES)
     assert offered(frozenset({"EagerRelease"})) == set(wire_faults.FAULT_NAMES) - {"lost"}
+
+
+def test_a_wire_fault_move_is_saved_and_replayed_as_it_was():
+    from fuzz.replay import decode_event, encode_event
+
+    event = wire_faults.WireFault(2, 7, wire_faults.LOST)
+    assert encode_event(event) == {"a": "WireFault", "request": 2, "page": 7, "fault": 4}
+    assert decode_event(encode_event(event)) == event
+    assert event.label() == "WireFault(r3, page 8, lost)"
