@@ -21,7 +21,7 @@ from engine.pool import KVPool  # noqa: E402
 from engine.runtime import Runtime, RuntimeConfig  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.service import Finished, GenerationRequest, TokenOut  # noqa: E402
-from engine.transport import WIRE_FAULTS  # noqa: E402
+from engine.transport import WIRE_FAULTS, PageWrite  # noqa: E402
 from engine.workers import DecodeWorker  # noqa: E402
 from fuzz import wire_faults  # noqa: E402
 from fuzz.engine_target import tiny_model  # noqa: E402
@@ -151,3 +151,41 @@ def test_a_wire_fault_move_is_saved_and_replayed_as_it_was():
     assert encode_event(event) == {"a": "WireFault", "request": 2, "page": 7, "fault": 4}
     assert decode_event(encode_event(event)) == event
     assert event.label() == "WireFault(r3, page 8, lost)"
+
+
+def test_a_torn_write_lands_exactly_its_first_half():
+    """The fault itself, byte for byte (a mutant that tore at 0 bytes still failed the
+    transfer, and so survived the outcome tests)."""
+    rt = Runtime(tiny_model(), RuntimeConfig(prefill_pages=2, decode_pages=2, page_tokens=2,
+                                             context_tokens=4))
+    transport = rt.transport
+    transport.fault_injection = True
+    source, target = transport.sources[0], transport.targets[0]
+    source.kv[0] = torch.arange(source.kv[0].numel(), dtype=source.kv.dtype).view_as(source.kv[0])
+    target.kv[1] = -1.0
+    write = PageWrite(0, 0, 1, 1, 0)
+    transport.post(write)
+    transport.inject(write, "torn")
+    assert transport.ready() == [write]
+    transport.land(write)
+    sent, landed = source.pack([0])[0], target.pack([1])[0]
+    half = sent.numel() // 2
+    assert torch.equal(landed[:half], sent[:half]) and bool((landed[half:] == -1.0).all())
+    assert transport.damaged == {write: "torn"}
+
+
+def test_stopping_one_prefill_request_keeps_the_others_computing():
+    """A mutation survivor of bench/mutation.py (PrefillWorker.stop keeping only higher
+    request ids): stopping r2 must leave r1 and r3 computing."""
+    from engine.generate import Request
+    from engine.pool import PoolConfig
+    from engine.workers import PrefillWorker
+
+    model = tiny_model()
+    worker = PrefillWorker(model, PoolConfig.for_model(model.config, 6, 2, model.dtype,
+                                                       model.device), chunk_tokens=4)
+    params = SamplingParams(max_tokens=1)
+    for r in range(3):
+        worker.start(Request(r, (1, 2, 3), params), (2 * r, 2 * r + 1))
+    worker.stop(1)
+    assert [s.request.request_id for s in worker.computing] == [0, 2]
