@@ -139,7 +139,8 @@ class ServingClients:
         if outcome == "ErrTag":
             live.guard = "tag"
         elif outcome == "ErrTransfer":
-            live.guard = "count" if live.count_sent != live.pages else "checksum"
+            live.guard = ("count" if live.count_sent != live.pages
+                          else live.transfer_fault or "checksum")
         if live.guard:
             trips = rt.counts["guard_trips"]
             trips[live.guard] = trips.get(live.guard, 0) + 1

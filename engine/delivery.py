@@ -65,7 +65,8 @@ class Delivery:
                 return False  # decode waits for pages; the bootstrap stays queued
             event = core.Reserve(r, pages)
         elif action is core.Accept:
-            event = core.Accept(r, self.decode_of(r).checksums_ok(r))
+            live.transfer_fault = self.decode_of(r).transfer_fault(r, row[core.FW_COUNT])
+            event = core.Accept(r, not live.transfer_fault)
         else:
             event = action(r)
         return self._settle(live, what, self.take(r, event) is not None)

@@ -107,7 +107,8 @@ class Loop:
         if out is None:
             self.transport.drop(write)
             return
-        self.transport.land(write)
+        if not self.transport.land(write):
+            return  # lost on the way (a transport fault): decode's data path never saw it
         (page, value), = out.decode
         self.decodes[write.decode].landed(r, page, write.checksum, value[core.TAG])
 

@@ -44,6 +44,7 @@ class Live:
     sequence: Sequence | None = None  # at decode
     tags_ok: bool = True
     count_sent: int = 0
+    transfer_fault: str = ""  # decode's data-path verdict at Accept ("", count, checksum)
     outcome: str | None = None
     finish_reason: str | None = None
     guard: str | None = None

@@ -18,6 +18,19 @@ worker's and every decode worker's; a write names its pair) with real tensor cop
 (reproducibly); `paused` holds every write on the wire, which tests use to build the
 interleavings of the bug zoo. A torch.distributed or NIXL transport implements the same
 four methods.
+
+Wire and device faults (tests and fuzzers; off unless `fault_injection`): `inject` marks
+one write on the wire with a fault that strikes when it lands. FLIP: one bit of the page
+flips after the copy (a bit error the link's CRC missed, a DRAM flip). TORN: only the
+first half of the page's bytes is copied, the rest keeps what the decode page held (a
+write cut short). DUPLICATE: the write lands, then arrives again later (a retransmission
+after a lost ack). REORDER: it lands after every write on the wire when it was marked.
+LOST: the sender's completion comes (the protocol's LandWrite is taken) but no byte and no
+completion reaches decode (a DMA that never happened): `land` returns 0 and decode's data
+path never hears of it. Each must end in a clear error for its request (the checksum, or
+decode's count of pages landed against the Done's count) or in nothing at all (a
+duplicate the core refuses, a reordered landing); never in a token computed from the
+damage. `damaged` lists the landings whose bytes decode did not get as sent.
 """
 
 from __future__ import annotations
@@ -26,7 +39,12 @@ import random
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from engine.pool import KVPool
+
+FLIP, TORN, DUPLICATE, REORDER, LOST = "flip", "torn", "duplicate", "reorder", "lost"
+WIRE_FAULTS = (FLIP, TORN, DUPLICATE, REORDER, LOST)
 
 
 @dataclass(frozen=True)
@@ -65,6 +83,7 @@ class InProcessTransport:
     lands_per_step: int = 1 << 30  # writes that reach decode per `ready()` call, at most
     seed: int | None = None  # None: posting order; else a reproducible shuffle
     paused: bool = False  # tests: hold every write on the wire
+    fault_injection: bool = False  # tests and fuzzers: allow `inject` (see the header)
     _wire: list = field(default_factory=list)
     _arrived: list = field(default_factory=list)  # returned by ready(), not yet landed/dropped
 
@@ -73,6 +92,27 @@ class InProcessTransport:
         self._rng = random.Random(self.seed) if self.seed is not None else None
         self.bytes_landed = 0
         self.writes_landed = 0
+        self._faults: dict[PageWrite, str] = {}  # on the wire: the fault it lands with
+        self._behind: dict[PageWrite, frozenset] = {}  # REORDER: lands after these
+        self.damaged: dict[PageWrite, str] = {}  # landed, bytes not as sent: the fault
+        self._echoes: set[PageWrite] = set()  # DUPLICATE's second arrival, on the wire
+
+    def inject(self, write: PageWrite, fault: str) -> None:
+        """Mark a write on the wire with a fault that strikes when it lands."""
+        assert self.fault_injection, "fault injection is off for this transport"
+        assert fault in WIRE_FAULTS, f"unknown wire fault {fault!r}"
+        assert write in self._wire and write not in self._faults, "one fault per write on the wire"
+        self._faults[write] = fault
+        if fault == REORDER:  # never behind a write that is itself behind others: no cycle
+            self._behind[write] = frozenset(w for w in self._wire
+                                            if w != write and w not in self._behind)
+
+    def fault_of(self, write: PageWrite) -> str | None:
+        return self._faults.get(write)
+
+    def _reordered(self, write: PageWrite) -> bool:
+        after = self._behind.get(write)
+        return bool(after) and any(w in after for w in self._wire)
 
     def post(self, write: PageWrite) -> None:
         self._wire.append(write)
@@ -82,7 +122,7 @@ class InProcessTransport:
             return []
         if self._rng is not None:
             self._rng.shuffle(self._wire)
-        movable = [w for w in self._wire if not self.hold(w)]
+        movable = [w for w in self._wire if not self.hold(w) and not self._reordered(w)]
         out = movable[:self.lands_per_step]
         self._wire = [w for w in self._wire if w not in out]
         self._arrived.extend(out)
@@ -102,14 +142,36 @@ class InProcessTransport:
 
     def land(self, write: PageWrite) -> int:
         self._arrived.remove(write)
+        fault = self._faults.pop(write, None)
+        self._behind.pop(write, None)
+        if fault == LOST:
+            self.damaged[write] = fault
+            return 0
         buffer = self.sources[write.prefill].pack([write.source_page])  # its bytes *now*
-        self.targets[write.decode].unpack(buffer, [write.decode_page])
+        target = self.targets[write.decode]
+        if fault == TORN:
+            torn = target.pack([write.decode_page])
+            half = buffer.shape[1] // 2
+            torn[:, :half] = buffer[:, :half]
+            if not torch.equal(torn, buffer):
+                self.damaged[write] = fault
+            buffer = torn
+        target.unpack(buffer, [write.decode_page])
+        if fault == FLIP:
+            flip_bit(target, write.decode_page)
+            self.damaged[write] = fault
+        elif fault == DUPLICATE:  # it arrives once more, later: no write the core posted
+            self._wire.append(write)
+            self._echoes.add(write)
         moved = buffer.numel() * buffer.element_size()
         self.bytes_landed += moved
         self.writes_landed += 1
         return moved
 
     def drop(self, write: PageWrite) -> None:
+        self._echoes.discard(write)
+        self._faults.pop(write, None)
+        self._behind.pop(write, None)
         if write in self._arrived:
             self._arrived.remove(write)
         elif write in self._wire:
@@ -125,10 +187,12 @@ class InProcessTransport:
                    if (w.prefill if pool == "prefill" else w.decode) == worker)
 
     def writes_of(self, request: int) -> list[PageWrite]:
-        return [w for w in self._wire + self._arrived if w.request == request]
+        return [w for w in self.writes_of_all() if w.request == request]
 
     def writes_of_all(self) -> list[PageWrite]:
-        return self._wire + self._arrived
+        """The writes posted and not landed (a duplicate's second arrival is none of them:
+        `in_flight` counts it, and the core refuses it when it lands)."""
+        return [w for w in self._wire + self._arrived if w not in self._echoes]
 
 
 def page_checksum(pool: KVPool, page: int) -> int:
@@ -136,3 +200,11 @@ def page_checksum(pool: KVPool, page: int) -> int:
     pool.seal([page])
     return int(pool.checksums[page].item())
 
+
+
+def flip_bit(pool: KVPool, page: int) -> None:
+    """Flip the sign bit of the page's first element (its first 16-bit unit for fp16/bf16,
+    the second for fp32: little-endian): a finite value, and a change attention reads."""
+    units = pool.kv[page].reshape(-1).view(torch.int16)
+    unit = pool.kv.element_size() // 2 - 1
+    units[unit] ^= torch.tensor(-32768, dtype=torch.int16, device=units.device)

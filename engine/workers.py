@@ -175,14 +175,18 @@ class DecodeWorker:
         self.pool.set_tags([page], [page_tag(generation_tag)])
         self.received.setdefault(request, {})[page] = checksum
 
-    def checksums_ok(self, request: int) -> bool:
-        """Observed: every page that landed for `request` holds the bytes its sender
-        checksummed (KVPool.verify over the landed pages)."""
+    def transfer_fault(self, request: int, announced: int) -> str:
+        """Observed at Accept, "" when the transfer is sound: "count" when fewer or more
+        pages landed for `request` than its Done announces (a write that never landed),
+        "checksum" when a page that landed does not hold the bytes its sender checksummed
+        (KVPool.verify over the landed pages: a bit flipped, a write torn)."""
         got = self.received.get(request, {})
+        if len(got) != announced:
+            return "count"
         if not got:
-            return True
+            return ""
         pages = sorted(got)
-        return bool(self.pool.verify(pages, [got[p] for p in pages]).all())
+        return "" if bool(self.pool.verify(pages, [got[p] for p in pages]).all()) else "checksum"
 
     def start(self, request: Request, table: tuple, generator) -> Sequence:
         """A sequence on its reserved pages, expecting the tags the core reserved them at;

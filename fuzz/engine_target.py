@@ -13,6 +13,7 @@ and the rules drive the environment:
 - `Abort`, `PrefillFail`, `Timeout`: a client goes away, a prefill fails, a transfer timer
   fires early, now;
 - `Delay`: the request's page writes stay on the wire for a number of engine steps;
+- `WireFault`: one write on the wire lands damaged, twice or late (fuzz/wire_faults.py);
 - `Wait`: one engine step at a time until the core has accepted an event, or for up to
   STEPS_PER_WAIT_MAX steps while decode runs (a long output decodes for many steps without
   an event); time passes: when nothing but a transfer timer could move, the clock jumps to
@@ -51,6 +52,7 @@ from spec.core import CLIENT_NAMES, GEN, OWNER, PST, RUNNING, SRC, TABLE
 from spec.model import Model
 from spec.properties import holds_decode_pages
 
+from fuzz import wire_faults
 from fuzz.oracles import LEAK_ORACLE
 from fuzz.target import (Delay, Observation, Open, PoolView, Target, TargetRefused, Violation,
                          Wait, decoding_reads, listed, register)
@@ -106,7 +108,8 @@ def tiny_model(seed: int = 0):
 class EngineTarget(Target):
     """The protocol-driven engine (engine/runtime.py) on a tiny random model."""
 
-    vocabulary = frozenset({"Arrive", "Abort", "PrefillFail", "Timeout", "Wait", "Delay"})
+    vocabulary = frozenset({"Arrive", "Abort", "PrefillFail", "Timeout", "Wait", "Delay",
+                            wire_faults.ACTION})
     in_default_zoo = False
 
     def reset(self, model: Model, seed: int) -> None:
@@ -131,6 +134,8 @@ class EngineTarget(Target):
         self.rt.on_commit = self._committed
         for worker in self.rt.decodes:
             worker.model = DecodeRecorder(worker, self._read)
+        self.wire = wire_faults.WireFaults(self.rt)
+        self._warm_pools()
         self.held: dict[int, float] = {}  # request -> clock until which its writes wait
         self.rt.transport.hold = lambda w: self.held.get(w.request, -1.0) > self.clock
         self._prompts = tuple(range(1, model.max_prompt_pages + 1))
@@ -155,6 +160,18 @@ class EngineTarget(Target):
         self._state: core.State | None = None
         self.timing = {"transfer_timeout_steps": self.timeout_steps, "transport_seed": seed,
                        "chunk_tokens": chunk_tokens, "context_tokens": self.context_tokens}
+
+    def _warm_pools(self) -> None:
+        """Start from the spec's initial state: every decode page tagged with generation 0,
+        as if written once before, not with the fresh pool's FRESH_TAG. A served pool is
+        warm after its first minutes; a fresh tag would stop a never-written page's read
+        on its own and hide, on the few pages still fresh, the bugs a missing generation
+        bump lets through (the incident, the late write), which the core's model reaches."""
+        from engine.workers import page_tag
+
+        for worker in self.rt.decodes:
+            pages = worker.pool.config.num_pages
+            worker.pool.set_tags(list(range(pages)), [page_tag(0)] * pages)
 
     def describe(self) -> str:
         return "engine: " + ", ".join(f"{k} {v}" for k, v in self.timing.items())
@@ -184,6 +201,7 @@ class EngineTarget(Target):
                 moves.setdefault("Delay", []).append(Open("Delay", r, 0, STALLS_STEPS))
         if not rt.idle and not self._stalled:
             moves["Wait"] = [Wait()]
+        moves.update(self.wire.moves())
         return moves
 
     def step(self, event: core.Event) -> None:
@@ -209,6 +227,8 @@ class EngineTarget(Target):
             self.held[event.request] = self.clock + event.stall
         elif cls is core.Abort:
             rt.abort(event.request)
+        elif cls is wire_faults.WireFault:
+            self.wire.inject(event)
         else:
             rt.take(event.request, event)
 
@@ -413,7 +433,10 @@ class EngineTarget(Target):
         with one_torch_thread():
             found = self._findings()
         return found + [Violation(v.property, f"engine store oracle: {v.detail}")
-                        for v in self.rt.store.violations]
+                        for v in self.rt.store.violations] + self.wire.check()
+
+    def data_faulted(self) -> frozenset[int]:
+        return self.wire.damaged()
 
     def trace(self) -> list[core.Event]:
         return list(self._trace)

@@ -11,9 +11,10 @@ least or most recently freed, random: real allocators do each, and which pages c
 when decides what stale content a reader meets), a delivery order (any in-flight move,
 the oldest, or the newest first), delivery delays and a drain policy.
 
-The vocabulary is the core's actions plus two moves of the environment's own: Wait (time
-passes on a target whose components take the protocol's actions themselves, the simulator)
-and Delay (a request's traffic held back on the wire). A target names the part of the
+The vocabulary is the core's actions plus three moves of the environment's own: Wait (time
+passes on a target whose components take the protocol's actions themselves, the simulator),
+Delay (a request's traffic held back on the wire) and WireFault (one page write damaged,
+duplicated or reordered on the wire: the engine's, fuzz/wire_faults.py). A target names the part of the
 vocabulary it can ever list, and only that part is weighed.
 
 Then Hypothesis runs the one rule, `step`: it draws an action among those with an enabled
@@ -52,14 +53,15 @@ from spec.model import Model
 
 from sim import crash as shell_crash
 
-from fuzz import oracles
+from fuzz import oracles, wire_faults
 from fuzz.oracles import Checks
 from fuzz.profiles import Profile
 from fuzz.target import ENVIRONMENT_FAULTS, Open, Target, Violation
 
 # The core's actions, and the environment's own moves: Wait (time passing on a target whose
-# components act on their own) and Delay (a request's traffic held back on the wire).
-VOCABULARY = core.ACTION_NAMES + ("Wait", "Delay")
+# components act on their own), Delay (a request's traffic held back on the wire) and
+# WireFault (a page write hit on the wire, fuzz/wire_faults.py).
+VOCABULARY = core.ACTION_NAMES + ("Wait", "Delay", wire_faults.ACTION)
 TIMERS = core.TIMER_ACTIONS
 POLICIES = ("lowest", "fifo", "lifo", "random")
 # Which of an action's enabled moves (oldest first) a rule takes: any of them, the oldest (in

@@ -33,6 +33,7 @@ from spec.properties import (ALL_INVARIANTS, QUIET_INVARIANTS, REST_INVARIANTS,
                              STATE_INVARIANTS, STEP_PROPERTIES)
 
 from fuzz.target import ENVIRONMENT_FAULTS, Observation, Target, Violation
+from fuzz.wire_faults import excused
 
 LEAK_ORACLE = "LeakOracle"
 PAGE_CONSERVATION = "PageConservation"
@@ -165,7 +166,8 @@ _last_checked: "weakref.WeakKeyDictionary[Target, tuple[int, object]]" = weakref
 def check(checks: Checks, m: Model, target: Target) -> list[Violation]:
     """Every violated check in the target's current state (empty when all hold)."""
     s = target.protocol_state()
-    found = [Violation(n, "violated") for n, p in checks.state if not p(m, s)]
+    judged = excused(s, target.data_faulted())  # a wire fault's own errors are no guard bug
+    found = [Violation(n, "violated") for n, p in checks.state if not p(m, judged)]
     before = _last_checked.get(target)
     if checks.step and before is not None and before[0] == len(target.trace()) - 1:
         found += [Violation(n, "violated by the last step") for n, p in checks.step
@@ -176,7 +178,7 @@ def check(checks: Checks, m: Model, target: Target) -> list[Violation]:
     if checks.quiet and quiet(target):
         pair = target.pair_model()  # whether a prompt fits is a worker pair's question
         found += [Violation(n, "violated where only a timer could move the protocol on")
-                  for n, p in checks.quiet if not p(pair, s)]
+                  for n, p in checks.quiet if not p(pair, judged)]
     if checks.oracles:
         obs = target.observe()
         for name, oracle in checks.oracles:

@@ -150,7 +150,7 @@ def encode_event(event: core.Event) -> dict:
 
 def decode_event(data: dict) -> core.Event:
     if not isinstance(data, dict) or data.get(codec.ACTION_KEY) not in MOVE_TYPES:
-        raise ReplayError(f"not an event of spec/core.py (nor Wait or Delay): {data!r}")
+        raise ReplayError(f"not an event of spec/core.py (nor Wait, Delay or WireFault): {data!r}")
     cls = MOVE_TYPES[data[codec.ACTION_KEY]]
     if cls in (core.PrefillCrash, core.DecodeCrash) and "worker" in data:
         if type(data["worker"]) is not int or data["worker"] < 0:

@@ -23,6 +23,8 @@ from spec import core
 from spec.model import Model
 from spec.properties import Violation  # noqa: F401  (the one violation type; re-exported)
 
+from fuzz import wire_faults
+
 
 @dataclass(frozen=True, slots=True)
 class Open:
@@ -128,9 +130,9 @@ class AtWorker(core.Event):
 
 Move = Union[core.Event, Open]
 # Every move's type by name: the core's events and the environment's own moves.
-MOVE_TYPES = {**core.EVENT_TYPES, "Wait": Wait, "Delay": Delay}
+MOVE_TYPES = {**core.EVENT_TYPES, "Wait": Wait, "Delay": Delay, **wire_faults.MOVE_TYPES}
 # The environment's moves that are faults: never owed, never taken by the drain.
-ENVIRONMENT_FAULTS = frozenset({"Delay"})
+ENVIRONMENT_FAULTS = frozenset({"Delay", wire_faults.ACTION})
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +239,11 @@ class Target(abc.ABC):
         transfer timer: then the protocol is quiet although Wait is listed (a target
         without Wait: never)."""
         return False
+
+    def data_faulted(self) -> frozenset[int]:
+        """The requests whose data a fault of the target's own damaged (fuzz/wire_faults.py:
+        their guard errors are that fault's outcome, not a guard tripping without cause)."""
+        return frozenset()
 
     def pair_model(self) -> Model:
         """The model of one prefill/decode worker pair, whose pools the core's decisions
