@@ -2,7 +2,7 @@
 engine fuzz target and the engine tests as the killers. A bench/flag job, not CI.
 
     pip install -e '.[mutation]'
-    python bench/mutation.py                                  # the default files, 30 mutants
+    python bench/mutation.py                     # 30 mutants drawn over engine/ and kernels/
     python bench/mutation.py --files engine/workers.py --mutants 0 --seconds 3600
 
 Theory of operation. The tracked and untracked (not ignored) files of this checkout are
@@ -31,8 +31,13 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_FILES = ("engine/transport.py", "engine/workers.py", "kernels/checksum.py")
-DEFAULT_TESTS = "tests/test_wire_faults.py tests/test_kernels.py"
+# Every module of engine/ and kernels/ (the sample is drawn over all of their mutants).
+DEFAULT_FILES = tuple(sorted(str(path.relative_to(ROOT)) for folder in ("engine", "kernels")
+                             for path in (ROOT / folder).glob("*.py")
+                             if path.name != "__init__.py" or path.stat().st_size > 200))
+DEFAULT_TESTS = ("tests/test_wire_faults.py tests/test_kernels.py tests/test_engine_workers.py "
+                 "tests/test_fuzz_engine_oracles.py")
+PROGRESS_S = 15.0  # how often a running job prints how many mutants are done
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -133,13 +138,40 @@ def execute(cwd: Path, config: Path, session: Path, seconds: float) -> bool:
     process = subprocess.Popen(["cosmic-ray", "exec", str(config), str(session)], cwd=cwd,
                                start_new_session=True, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
+    import time
+
+    deadline, shown = time.monotonic() + seconds, -1
+    while process.poll() is None:
+        if time.monotonic() > deadline:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=30)
+            return False
+        try:
+            process.wait(timeout=PROGRESS_S)
+        except subprocess.TimeoutExpired:
+            pass
+        done, killed = progress(session)
+        if done != shown:
+            print(f"  {done} mutants done, {killed} killed", flush=True)
+            shown = done
+    return True
+
+
+def progress(session: Path) -> tuple[int, int]:
+    """Mutants run so far (the skipped ones not counted) and how many of them were killed."""
+    from cosmic_ray.work_db import use_db
+    from cosmic_ray.work_item import WorkerOutcome
+
+    done = killed = 0
     try:
-        process.wait(timeout=seconds)
-        return True
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
-        return False
+        with use_db(str(session)) as db:
+            for _, result in db.completed_work_items:
+                if result.worker_outcome != WorkerOutcome.SKIPPED:
+                    done += 1
+                    killed += bool(result.is_killed)
+    except Exception:  # noqa: BLE001 - the database is being written: ask again later
+        return -1, 0
+    return done, killed
 
 
 def report(session: Path) -> tuple[int, int, list]:
