@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FILES = tuple(sorted(str(path.relative_to(ROOT)) for folder in ("engine", "kernels")
                              for path in (ROOT / folder).glob("*.py")
                              if path.name != "__init__.py" or path.stat().st_size > 200))
-DEFAULT_TESTS = ("tests/test_wire_faults.py tests/test_kernels.py tests/test_engine_workers.py "
-                 "tests/test_fuzz_engine_oracles.py")
+DEFAULT_TESTS = ("tests/test_wire_faults.py tests/test_kernels.py tests/test_kernels_triton_*.py "
+                 "tests/test_engine_workers.py tests/test_fuzz_engine_oracles.py")
 PROGRESS_S = 15.0  # how often a running job prints how many mutants are done
 
 
