@@ -18,6 +18,7 @@ them (messages, add_generation_prompt, bos_token, eos_token) and its whitespace 
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,22 @@ class Tokenizer:
 def _render_template(template: str, messages, add_generation_prompt: bool, bos: str,
                      eos: str) -> str:
     from jinja2 import TemplateError
+
+    try:
+        return _compiled(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=bos, eos_token=eos)
+    except TemplateError as error:
+        raise ModelFileError(f"the chat template failed: {error}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(template: str):
+    """The chat template compiled once: compiling took ~3.5 ms of pure Python per request
+    (rendering the compiled one ~0.05 ms), all of it holding the GIL on a tokenizing thread
+    while the event loop waited to answer a burst's 503s. A compiled template renders from
+    many threads at once (jinja2 keeps no state between renders)."""
+    from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str):
@@ -76,12 +93,7 @@ def _render_template(template: str, messages, add_generation_prompt: bool, bos: 
 
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     environment.globals["raise_exception"] = raise_exception
-    try:
-        return environment.from_string(template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=bos, eos_token=eos)
-    except TemplateError as error:
-        raise ModelFileError(f"the chat template failed: {error}") from None
+    return environment.from_string(template)
 
 
 def tokenizer_from_gguf_metadata(metadata: dict, source: Path) -> Tokenizer:
