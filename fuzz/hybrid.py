@@ -329,8 +329,10 @@ def simulate_hybrid(scenario: Scenario, **options) -> tuple[dict, object]:
 
 @register("hybrid")
 class HybridTarget(SimTarget):
-    """The simulator target with every worker real (fuzz/sim_target.py's moves, faults at
-    simulated moments; the engine's data path; the real leak oracle)."""
+    """The simulator with every worker real: faults at simulated moments on a real data path.
+
+    fuzz/sim_target.py's moves, timing and audits; the engine's data path (EngineDataPath)
+    and its read-level leak oracle."""
 
     in_default_zoo = False
 
