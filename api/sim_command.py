@@ -32,6 +32,7 @@ SLO_TPOT_MS_DEFAULT = 100.0
 EXAMPLES = [
     "kvproof sim incident-2026 --bug FinishedNotRejected --bug NoCountCheck",
     "kvproof sim default --seed 7 --set cluster.decode_workers=8 --json out.json",
+    "kvproof sim incident-2026 --bug FinishedNotRejected --bug NoCountCheck --hybrid",
     "kvproof sim default --sweep workload.rate_per_s=5,10,20,40 --jobs 2 --plot plots/",
     "kvproof sim one-pair --log run.ndjson --itf run.itf.json && kvproof validate run.itf.json",
     "kvproof sim --replay run.ndjson --csv requests.csv",
