@@ -32,6 +32,7 @@ SLO_TPOT_MS_DEFAULT = 100.0
 EXAMPLES = [
     "kvproof sim incident-2026 --bug FinishedNotRejected --bug NoCountCheck",
     "kvproof sim default --seed 7 --set cluster.decode_workers=8 --json out.json",
+    "kvproof sim incident-2026 --bug FinishedNotRejected --bug NoCountCheck --hybrid",
     "kvproof sim default --sweep workload.rate_per_s=5,10,20,40 --jobs 2 --plot plots/",
     "kvproof sim one-pair --log run.ndjson --itf run.itf.json && kvproof validate run.itf.json",
     "kvproof sim --replay run.ndjson --csv requests.csv",
@@ -89,6 +90,10 @@ def add_parser(commands) -> None:
     sim.add_argument("--list-scenarios", "--list", dest="list_scenarios", action="store_true",
                      help="list the shipped scenarios (--list is the old spelling)")
     sim.add_argument("--list-bugs", action="store_true", help="list the bug switches")
+    sim.add_argument("--hybrid", action="store_true",
+                     help="make every worker real: the engine's KV pools, compute and page "
+                          "writes on a tiny model (the scenario's [hybrid] section names "
+                          "workers one by one; sim/README.md)")
     sim.add_argument("--quiet", action="store_true", help="no progress lines")
     sim.set_defaults(func=cmd_sim)
 
@@ -150,6 +155,11 @@ def scenario_data(args: argparse.Namespace) -> dict:
         data["oracles"]["on_violation"] = args.on_violation
     for assignment in args.set:
         _assign(data, *_parse_assignment(assignment, "--set"))
+    if getattr(args, "hybrid", False):
+        cluster = {**base.cluster.model_dump(mode="json"), **data.get("cluster", {})}
+        data.setdefault("hybrid", {}).update(
+            real_prefill=list(range(cluster["prefill_workers"])),
+            real_decode=list(range(cluster["decode_workers"])))
     return data
 
 
@@ -159,7 +169,8 @@ def build_scenario(args: argparse.Namespace, data: dict | None = None):
 
 # -- checks before a run ---------------------------------------------------------------------
 
-RUN_CHANGING = ("seed", "requests", "bug", "guards_on", "on_violation", "set", "sweep", "ray")
+RUN_CHANGING = ("seed", "requests", "bug", "guards_on", "on_violation", "set", "sweep", "ray",
+                "hybrid")
 
 
 def _preflight(args: argparse.Namespace) -> None:
@@ -183,6 +194,9 @@ def _preflight(args: argparse.Namespace) -> None:
         raise UsageError("--sweep runs many times; --log, --itf and --csv take one run")
     if args.itf and not (args.log or args.replay):
         raise UsageError("--itf converts the run's log: give --log FILE too")
+    if args.hybrid and args.sweep:
+        raise UsageError("--hybrid runs one scenario on the engine; --sweep is for simulated "
+                         "runs")
 
 
 def _preflight_replay(args: argparse.Namespace) -> None:
@@ -259,7 +273,15 @@ def _run(args: argparse.Namespace):
     print(f"kvproof sim: scenario {scenario.name}, seed {scenario.seed}, "
           f"{plural(scenario.requests, 'request')}, bugs: {', '.join(scenario.bugs) or 'none'}",
           flush=True)
-    result, sim = simulate(scenario, log_path=args.log, progress=not args.quiet)
+    if scenario.hybrid.enabled:
+        from fuzz.hybrid import simulate_hybrid
+        h = scenario.hybrid
+        print(f"kvproof sim: hybrid: real prefill {list(h.real_prefill)}, real decode "
+              f"{list(h.real_decode)}, tiny model, {h.page_tokens}-token pages (one per "
+              f"scenario page), {h.timing} timing", flush=True)
+        result, sim = simulate_hybrid(scenario, log_path=args.log, progress=not args.quiet)
+    else:
+        result, sim = simulate(scenario, log_path=args.log, progress=not args.quiet)
     if result["crash"] is not None:
         _keep_crash_log(args, scenario, result)
     elif args.itf:
@@ -308,6 +330,8 @@ def _report(args: argparse.Namespace, result: dict, metrics) -> None:
 
     result["slo"] = slo_summary(metrics, args.slo_ttft_ms, args.slo_tpot_ms)
     print(summary_table(result))
+    if result.get("hybrid"):
+        _report_hybrid(result["hybrid"])
     try:
         if args.json:
             write_json(args.json, result)
@@ -321,6 +345,20 @@ def _report(args: argparse.Namespace, result: dict, metrics) -> None:
         # Checked before the run; this is a disk that filled up or a folder removed since.
         print(f"kvproof sim: cannot write the results: {error.strerror}: {error.filename}",
               file=sys.stderr)
+
+
+def _report_hybrid(h: dict) -> None:
+    """What the real workers saw (fuzz/hybrid.py), under the summary."""
+    print(f"real KV reads    {h['reads']:,} on the real decode workers, {h['reads_judged']:,} "
+          f"judged against the reference, {h['reads_foreign']:,} of bytes not the request's "
+          f"own ({h['requests_read_foreign']:,} requests)")
+    print(f"real verdicts    leaked (Ok on foreign KV bytes) {h['leaks_real']:,}, by the page "
+          f"contents {h['leaks_abstract']:,}; stopped by the tag guard {h['stopped_by_tag_guard']:,}"
+          f"; disagreements {h['disagreements']:,}")
+    print(f"real work        {h['prompts_computed']:,} prompts computed ({h['compute_s']:.2f} s), "
+          f"decode steps {h['decode_step_s']:.2f} s, {h['bytes_copied']:,} bytes copied")
+    for example in h["examples"]:
+        print(f"  {example}")
 
 
 def _write_itf(log: str, path: str) -> None:
@@ -348,6 +386,8 @@ def reproduce_command(args: argparse.Namespace, seed: int) -> str:
         words += ["--on-violation", args.on_violation]
     for assignment in args.set:
         words += ["--set", assignment]
+    if getattr(args, "hybrid", False):
+        words.append("--hybrid")
     words += ["--log", args.log or "trace.ndjson"]
     return shlex.join(words)
 
@@ -382,7 +422,9 @@ def _crash_verdict(args: argparse.Namespace, result: dict) -> int:
 def _verdict(args: argparse.Namespace, result: dict) -> int:
     if result.get("crash"):
         return _crash_verdict(args, result)
-    bad = result["violations"] or result["summary"]["leaked_responses"]
+    real = result.get("hybrid") or {}
+    bad = (result["violations"] or result["summary"]["leaked_responses"]
+           or real.get("leaks_real") or real.get("disagreements"))
     if result.get("interrupted") and not bad:
         print(f"the run that wrote {args.replay} was interrupted after "
               f"{plural(result['events'], 'event')}: no verdict (nothing violated so far)")

@@ -138,8 +138,8 @@ class SimTarget(Target):
 
     def reset(self, model: Model, seed: int) -> None:
         self.model = model
-        self.scenario, pair, self.timing = scenario_for(model, seed)
-        self.sim = Simulation(self.scenario, model=pair, on_commit=self._committed)
+        self.scenario, pair, self.timing = self.scenario_for(model, seed)
+        self.sim = self.simulation(self.scenario, pair)
         self.sim.on_refusal = self._refused
         self.cluster = self.sim.cluster
         self.workers = self.timing["prefill_workers"]
@@ -160,6 +160,13 @@ class SimTarget(Target):
         self._flushed: Counter = Counter()  # (prefill worker, request, decode page) -> how many
         self._flushed_on_nic = [0] * self.workers
         self._unraced: list[str] = []
+
+    def scenario_for(self, model: Model, seed: int) -> tuple[Scenario, Model, dict]:
+        """The example's scenario (the hybrid target, fuzz/hybrid.py, makes workers real)."""
+        return scenario_for(model, seed)
+
+    def simulation(self, scenario: Scenario, pair: Model) -> Simulation:
+        return Simulation(scenario, model=pair, on_commit=self._committed)
 
     def pair_model(self) -> Model:
         return self._pair

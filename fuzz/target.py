@@ -254,7 +254,7 @@ class Target(abc.ABC):
 # Target name -> a factory. A target module registers itself with @register on import;
 # load_targets imports the modules listed here (the simulator and the engine join the list).
 TARGETS: dict[str, Callable[[], Target]] = {}
-TARGET_MODULES = ("fuzz.core_target", "fuzz.sim_target", "fuzz.engine_target")
+TARGET_MODULES = ("fuzz.core_target", "fuzz.sim_target", "fuzz.engine_target", "fuzz.hybrid")
 
 
 def load_targets() -> dict[str, Callable[[], Target]]:

@@ -162,8 +162,10 @@ class Folder:
 
 
 def write_header(out, scenario: Scenario) -> None:
-    header = {"format": LOG_FORMAT, "seed": scenario.seed,
-              "scenario": scenario.model_dump(mode="json")}
+    dump = scenario.model_dump(mode="json")
+    if not scenario.hybrid.enabled:
+        del dump["hybrid"]  # a fully simulated run's header as before hybrid runs existed
+    header = {"format": LOG_FORMAT, "seed": scenario.seed, "scenario": dump}
     out.write(json.dumps(header, sort_keys=True, separators=(",", ":")) + "\n")
 
 

@@ -70,7 +70,7 @@ class StopSimulation(Exception):
 
 class Simulation(ShellRuntime):
     def __init__(self, scenario: Scenario, *, log=None, progress: bool = False,
-                 model=None, on_commit=None) -> None:
+                 model=None, on_commit=None, data_path=None) -> None:
         self.sc = scenario
         self.env = simpy.Environment()
         self.folder = Folder(scenario, model)
@@ -132,6 +132,10 @@ class Simulation(ShellRuntime):
         self.link = SimLink(self)
         self.check_every_events = math.gcd(scenario.oracles.sweep_every_events,
                                            2048 if progress else 0) or 2**62
+        self.data_path = data_path
+        if scenario.hybrid.enabled:  # real workers take their indices' places (sim/hybrid.py)
+            from sim.hybrid import attach
+            attach(self, data_path)
 
     # -- offering events to the core ------------------------------------------------------
 
@@ -169,8 +173,9 @@ class Simulation(ShellRuntime):
         contents, so an observed verdict is the one they imply (core's oracle)."""
         cls = core.EVENT_TYPES[action]
         info = core.INFO[cls]
-        if info.observed is not None:
-            args = {info.argument: info.observed(self.cluster.view(r), r)}
+        if info.observed is not None:  # the verdict of r's decode worker's data path
+            d = self.cluster.placement[r][1]
+            args = {info.argument: self.decodes[d].observed(info, self.cluster.view(r), r)}
         return cls(r, **args)
 
     def offer_if_enabled(self, action: str, r: int) -> core.Change | None:
@@ -543,12 +548,13 @@ def result_of(sc: Scenario, folder: Folder, refusals: dict, stopped: str | None,
     }
 
 
-def simulate(sc: Scenario, *, log_path: str | None = None,
-             progress: bool = False) -> tuple[dict, Simulation]:
-    """Run a scenario to the end (or the first violation, if it asks to stop)."""
+def simulate(sc: Scenario, *, log_path: str | None = None, progress: bool = False,
+             data_path=None) -> tuple[dict, Simulation]:
+    """Run a scenario to the end (or the first violation, if it asks to stop); a hybrid
+    scenario's real workers run on `data_path` (sim/hybrid.py)."""
     log = open(log_path, "w") if log_path else None
     try:
-        sim = Simulation(sc, log=log, progress=progress)
+        sim = Simulation(sc, log=log, progress=progress, data_path=data_path)
         stopped = crashed = None
         try:
             sim.run()
@@ -568,8 +574,11 @@ def simulate(sc: Scenario, *, log_path: str | None = None,
         if log:
             log.write(encode({"t": sim.env.now, "a": RUN_END, "drained": drained,
                               "stopped": stopped, "crashed": crashed}) + "\n")
-        return result_of(sc, sim.folder, sim.refusals, stopped, drained,
-                         sim.fault_hits.as_dict(), crashed), sim
+        result = result_of(sc, sim.folder, sim.refusals, stopped, drained,
+                           sim.fault_hits.as_dict(), crashed)
+        if data_path is not None:
+            result["hybrid"] = data_path.summary()
+        return result, sim
     finally:
         if log:
             log.close()

@@ -146,6 +146,23 @@ class Oracles(_Strict):
     sweep_every_events: int = Field(0, ge=0)   # full-cluster invariant sweep; 0: only at the end
 
 
+class Hybrid(_Strict):
+    """Workers whose KV pools, compute and page writes are the engine's (sim/hybrid.py): a
+    tiny random-weight model, pages of `page_tokens` tokens mapped 1:1 onto the scenario's
+    pages. `timing`: "modelled" (the scenario's compute model; a seed replays exactly and
+    the log is the fully simulated run's) or "measured" (the engine's wall time)."""
+
+    real_prefill: tuple[int, ...] = ()   # prefill worker indices
+    real_decode: tuple[int, ...] = ()    # decode worker indices
+    page_tokens: int = Field(4, ge=2, le=64)
+    timing: Literal["modelled", "measured"] = "modelled"
+    model: Literal["tiny"] = "tiny"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.real_prefill or self.real_decode)
+
+
 class Scenario(_Strict):
     name: str = "custom"
     description: str = ""
@@ -160,6 +177,18 @@ class Scenario(_Strict):
     timeouts: Timeouts = Timeouts()
     faults: Faults = Faults()
     oracles: Oracles = Oracles()
+    hybrid: Hybrid = Hybrid()
+
+    @model_validator(mode="after")
+    def _real_workers_exist(self) -> "Scenario":
+        h, c = self.hybrid, self.cluster
+        for name, workers, count in (("real_prefill", h.real_prefill, c.prefill_workers),
+                                     ("real_decode", h.real_decode, c.decode_workers)):
+            bad = sorted(k for k in workers if not 0 <= k < count)
+            if bad or len(set(workers)) != len(workers):
+                raise ValueError(f"hybrid.{name}: worker indices must be distinct and in "
+                                 f"0..{count - 1} (got {list(workers)})")
+        return self
 
     @model_validator(mode="after")
     def _known_bugs(self) -> "Scenario":

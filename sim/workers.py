@@ -63,12 +63,17 @@ class SimPrefill:
         sim = self.sim
         pages = len(sim.cluster.rows[r][SRC])
         self.busy = True
-        compute_s = pages * sim.page_tokens / sim.sc.compute.prefill_tokens_per_s
+        compute_s = self.compute_seconds(r, pages)
         f = sim.sc.faults
         if f.prefill_fail_probability and sim.rng["faults"].random() < f.prefill_fail_probability:
             sim.later(sim.rng["faults"].uniform(0, compute_s), sim._prefill_fail, r)
         sim.leases.compute_started(r, self.index, sim.env.now, compute_s)
         sim.later(compute_s, self._computed, r, self.epoch)
+
+    def compute_seconds(self, r: int, pages: int) -> float:
+        """How long r's prompt of `pages` pages computes (a real worker, sim/hybrid.py,
+        computes it here)."""
+        return pages * self.sim.page_tokens / self.sim.sc.compute.prefill_tokens_per_s
 
     def post(self, write: tuple, d: int) -> None:
         """Post: the NIC takes a posted write. A SendPage may post any number of writes
@@ -306,12 +311,21 @@ class SimDecode:
         batch.fill(sim.sc.cluster.decode_batch_max)
         if not batch.size:
             return
-        c = sim.sc.compute
-        step_s = (c.decode_step_base_s + c.decode_step_per_request_s * batch.size
-                  + c.decode_step_per_context_token_s * batch.context_tokens)
+        step_s = self.step_seconds(batch)
         batch.stepping = True
         batch.step_ends_s = sim.env.now + step_s
         sim.later(step_s, self._stepped)
+
+    def step_seconds(self, batch: DecodeBatch) -> float:
+        """How long the step starting now takes (a real worker, sim/hybrid.py, runs it)."""
+        c = self.sim.sc.compute
+        return (c.decode_step_base_s + c.decode_step_per_request_s * batch.size
+                + c.decode_step_per_context_token_s * batch.context_tokens)
+
+    def observed(self, info, view, r: int) -> bool:
+        """The data path's verdict for r's observed action (Accept's checksums, Finish's
+        tags): modelled pages give the one their abstract contents imply (core's oracle)."""
+        return info.observed(view, r)
 
     def _stepped(self) -> None:
         batch, sim = self.batch, self.sim

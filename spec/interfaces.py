@@ -24,6 +24,8 @@ The runtime holds them as `clock`, `prefill_at[p]`, `decode_at[d]`, `link` and `
 new worker kind implements PrefillWorker or DecodeWorker and is put in `prefill_at` /
 `decode_at` at its index; a new transport implements Transport (messages) as `link`, and
 is what the prefill worker's `post` hands page writes to. Nothing in spec/runtime.py changes.
+A hybrid run does exactly that: sim/hybrid.py's RealPrefill / RealDecode (simulated workers
+with the engine's data path, fuzz/hybrid.py) take the places of the scenario's real ones.
 """
 
 from __future__ import annotations

@@ -168,7 +168,7 @@ def test_fuzz_list_targets_describes_every_target(capsys):
     code, out, _ = run(capsys, "fuzz", "--list-targets")
     assert code == 0
     rows = {line.split()[0]: line.split(None, 1)[1:] for line in out.splitlines()}
-    assert set(rows) == {"core", "engine", "sim"}
+    assert set(rows) == {"core", "engine", "hybrid", "sim"}
     assert all(description and description[0].strip() for description in rows.values()), out
 
 
