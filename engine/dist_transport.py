@@ -18,7 +18,7 @@ socket (measured here: a 4 MiB isend, its buffer overwritten 0.5 s later, a recv
                    pool (`pool.kv[source_page]`, one contiguous span: no staging copy).
                    Neither moves page bytes yet: the decode has pre-posted receives for
                    headers only.
-  ready (decode)   the headers that have arrived (polled, never waited on), in order.
+  ready (decode)   the headers that have arrived (polled by their trailer), in order.
   land (decode)    posts the irecv for that write's page straight into
                    `pool.kv[decode_page]` and waits for it (bounded): only now does gloo
                    on the prefill side read the source page. A source page overwritten
@@ -29,10 +29,12 @@ socket (measured here: a 4 MiB isend, its buffer overwritten 0.5 s later, a recv
                    posted send), so it is received into a scratch page, never the decode
                    page; a completion (DROPPED, 0 bytes) goes back.
 The price of reading at landing is one round trip per landing (the recv-ready notice to the
-prefill, then the bytes); bench/transport_bench.py measures it against raw send/recv.
+prefill, its gloo thread waking, then the bytes): bench/transport_bench.py measures it
+against raw send/recv, and on 2 loaded cores it costs most of the bandwidth (engine/
+README.md, "Across processes").
 
 Framing. Every control message is one int64 tensor of HEADER_FIELDS (kind, seq, request,
-source page, decode page, tag, checksum, prefill worker, decode worker, bytes), so a
+source page, decode page, tag, checksum, prefill worker, decode worker, bytes, trailer), so a
 receiver pre-posts its header receives with a known size. Page payloads are
 `page_bytes` (both sides' pools must agree: checked at the handshake, HELLO, before any
 write). Tags: HELLO_TAG, HEADER_TAG (prefill -> decode, writes and CLOSE), COMPLETION_TAG
@@ -50,18 +52,26 @@ both processes live. Writes of one prefill reach one decode in posting order; `l
 `drop` must take a peer's ready writes in that order (asserted: NCCL, which ignores tags,
 matches sends and receives by order alone, and this keeps one code path for both).
 Completions come back in landing order. Between different peers there is no order.
-A peer that dies (or stops answering) is not reported by gloo: a pending receive simply
-never completes (measured: a receive pending when its peer exited is still incomplete 5 s
-later). So each side sees silence, and only a bound turns silence into an error:
+A peer that dies (or stops answering) is not reported by gloo on what is already posted:
+a posted receive simply never fills (measured: a wait on a receive whose peer had exited ran
+to its 2 s timeout). So each side sees silence, and a bound turns silence into an error:
   - `wait_ready(timeout_s)` / `wait_completed(timeout_s)` poll and raise TransportTimeout
     naming the peer and the writes in flight; the pair stays usable (nothing was waited on
     inside gloo), and the caller's lease (issue 29 item 4) decides whether the peer is lost.
+  - The next operation posted on the pair (a landing's receive, a post, a completion) fails
+    at once when the dead peer's sockets were closed (a killed or exited process: the kernel
+    closes them; gloo says "Connection closed by peer"): PeerLost. A hung or partitioned
+    peer closes nothing, and only the bounds speak.
   - `land` / `drop` wait inside gloo for the page (the sender's gloo thread answers at once
     while it lives); past `timeout_s` gloo closes the pair and this raises PeerLost: the
     decode page's bytes are then undefined (it may hold part of the write; the loop has not
     tagged it), and every later call on that pair fails with PeerLost too.
   - A `post` to a dead decode: its isends stay pending; the prefill sees no completion, and
     `wait_completed` / a full window's `post` raise TransportTimeout within `timeout_s`.
+Polling. torch's gloo send/recv works answer `is_completed()` False until `wait()` was
+called (measured: False with the bytes already in the buffer), and a wait that times out
+closes the pair, so a control message's arrival is read from its buffer (`_arrived`: the
+trailer field, last in byte order), and only then is its work waited on (at once).
 An orderly `close()` sends CLOSE; the peer's next `ready()` / `completed()` marks it closed,
 and a post to a closed peer is a TransportError.
 
