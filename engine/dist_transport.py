@@ -113,6 +113,8 @@ from engine.transport import PageWrite
 
 PREFILL, DECODE = "prefill", "decode"
 ROLES = (PREFILL, DECODE)
+LANDING, ARRIVAL = "landing", "arrival"
+READ_AT = (LANDING, ARRIVAL)
 
 WRITE, CLOSE, LANDED, DROPPED, HELLO = 1, 2, 3, 4, 5
 KINDS = {WRITE: "write", CLOSE: "close", LANDED: "landed", DROPPED: "dropped", HELLO: "hello"}
@@ -121,7 +123,7 @@ HEADER_FIELDS = 11
 TRAILER = 0x4B565452  # the last field of every control message: its arrival (see _arrived)
 HELLO_TAG, HEADER_TAG, COMPLETION_TAG, PAYLOAD_TAG_BASE = 1, 2, 3, 16
 MAGIC, VERSION = 0x6B7670, 1  # "kvp"
-POLL_S = 0.0002  # the sleep between polls of a bounded wait
+POLL_S = 0.0005  # the sleep between polls of a bounded wait
 
 
 class TransportError(RuntimeError):
@@ -148,6 +150,7 @@ class DistTransportConfig:
     writes_in_flight_max: int = 64  # per peer pair: posted and not completed
     timeout_s: float = 10.0  # every wait once both sides are up
     handshake_timeout_s: float = 60.0  # the HELLO: the peer may still be starting
+    read_at: str = LANDING  # decode: when the source page is read (LANDING or ARRIVAL)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -163,6 +166,8 @@ class DistTransportConfig:
         if not 1 <= self.writes_in_flight_max <= 4096:
             raise TransportConfigError("writes_in_flight_max must be in 1..4096, not "
                                        f"{self.writes_in_flight_max}")
+        if self.read_at not in READ_AT:
+            raise TransportConfigError(f"read_at must be one of {READ_AT}, not {self.read_at!r}")
         for name in ("timeout_s", "handshake_timeout_s"):
             if not getattr(self, name) > 0:
                 raise TransportConfigError(f"{name} must be positive, not {getattr(self, name)}")
@@ -231,6 +236,8 @@ class _Peer:
         self.control_sends: deque = deque()  # decode: completions; both: CLOSE (work, tensor)
         self.in_flight: dict[int, PageWrite] = {}  # prefill: seq -> write, no completion yet
         self.arrived: deque = deque()  # decode: (seq, write) ready, not landed or dropped
+        self.prefetched: dict[int, object] = {}  # decode, ARRIVAL: seq -> its page's receive
+        self.staging = None  # decode, ARRIVAL: [writes_in_flight_max, page_bytes], by slot
         self.next_seq = 0  # prefill: the next write's seq; decode: the next header's
         self.closed = False
         self.lost = ""  # why the pair is unusable, once gloo closed it
@@ -259,8 +266,13 @@ class DistTransport:
         self.peers = {worker: _Peer(worker, rank) for worker, rank in config.peers}
         self.scratch = torch.empty(pool.config.page_bytes, dtype=torch.uint8,
                                    device=pool.kv.device)
+        if config.role == DECODE and config.read_at == ARRIVAL:
+            for peer in self.peers.values():
+                peer.staging = torch.empty((config.writes_in_flight_max, pool.config.page_bytes),
+                                           dtype=torch.uint8, device=pool.kv.device)
         self.bytes_landed = self.writes_landed = self.writes_dropped = 0
         self._completed: list[Completion] = []
+        self._unreturned: list[PageWrite] = []  # decode: taken off the wire, not yet ready()d
         self._handshake()
         for peer in self.peers.values():
             self._post_control_recvs(peer)
@@ -362,10 +374,21 @@ class DistTransport:
         slot = seq % self.config.writes_in_flight_max
         head = header(WRITE, seq, write)
         page = _page(self.pool, write.source_page)
-        works = (self._op(dist.isend, head, peer, self.control, HEADER_TAG),
-                 self._op(dist.isend, page, peer, self.group, PAYLOAD_TAG_BASE + slot))
+        works = {"header": self._op(dist.isend, head, peer, self.control, HEADER_TAG),
+                 "page": self._op(dist.isend, page, peer, self.group, PAYLOAD_TAG_BASE + slot)}
         peer.sends[seq] = (works, head, page)
         peer.in_flight[seq] = write
+
+    def wait_read(self, write: PageWrite) -> None:
+        """Wait (bounded) until the write's source page has been read: its send is done, so
+        the page may change without changing what lands. With LANDING that is its landing;
+        with ARRIVAL, soon after its header arrived."""
+        self._role(PREFILL, "wait_read")
+        peer = self.peers[write.decode]
+        seq = next(s for s, w in peer.in_flight.items() if w == write)
+        works = peer.sends[seq][0]
+        if "page" in works:  # a gloo work waited on twice waits for a second completion
+            self._wait(works.pop("page"), peer, f"the send of {write}")
 
     def completed(self) -> list[Completion]:
         """The completions that came back since the last call (per peer in landing order)."""
@@ -412,7 +435,7 @@ class DistTransport:
                                  f"completion for seq {seq}, which names no write in flight "
                                  f"with it: {fields}")
         works, *_ = peer.sends.pop(seq)
-        for work in works:  # decode has the bytes: both sends are done, this returns at once
+        for work in works.values():  # decode has the bytes: the sends are done, at once
             self._wait(work, peer, f"the sends of {write}")
         self._completed.append(Completion(write, kind == LANDED, moved))
 
@@ -421,9 +444,9 @@ class DistTransport:
     def ready(self) -> list[PageWrite]:
         """The writes whose headers arrived since the last call, per peer in posting order."""
         self._role(DECODE, "ready")
-        out = []
         for peer in self.peers.values():
-            out.extend(self._take_headers(peer))
+            self._take_headers(peer)
+        out, self._unreturned = self._unreturned, []
         return out
 
     def wait_ready(self, timeout_s: float) -> list[PageWrite]:
@@ -445,8 +468,13 @@ class DistTransport:
                 continue
             write = self._checked_write(peer, fields)
             peer.arrived.append((fields[1], write))
+            if peer.staging is not None:  # ARRIVAL: the page moves now, into its slot
+                slot = fields[1] % self.config.writes_in_flight_max
+                peer.prefetched[fields[1]] = self._op(dist.irecv, peer.staging[slot], peer,
+                                                      self.group, PAYLOAD_TAG_BASE + slot)
             peer.next_seq += 1
             out.append(write)
+        self._unreturned.extend(out)
         return out
 
     def _checked_write(self, peer: _Peer, fields: list[int]) -> PageWrite:
@@ -477,11 +505,17 @@ class DistTransport:
         return peer, seq
 
     def land(self, write: PageWrite) -> int:
-        """Receive the write's page into its decode page now (the prefill's gloo thread reads
-        the source page at this moment); returns bytes moved."""
+        """Receive the write's page into its decode page now (LANDING: the prefill's gloo
+        thread reads the source page at this moment; ARRIVAL: it was read when the header
+        arrived, and lands from staging); returns bytes moved."""
         peer, seq = self._oldest(write, "land")
         target = _page(self.pool, write.decode_page)
-        self._receive_payload(peer, seq, target, "the page of " + str(write))
+        if peer.staging is None:
+            self._receive_payload(peer, seq, target, "the page of " + str(write))
+        else:  # first take what has arrived since, so its pages move while this one lands
+            self._take_headers(peer)
+            self._wait(peer.prefetched.pop(seq), peer, "the page of " + str(write))
+            target.copy_(peer.staging[seq % self.config.writes_in_flight_max])
         self._complete(peer, seq, write, LANDED, target.numel())
         self.bytes_landed += target.numel()
         self.writes_landed += 1
@@ -490,7 +524,10 @@ class DistTransport:
     def drop(self, write: PageWrite) -> None:
         """Take a refused write off the wire into scratch: the decode page is not touched."""
         peer, seq = self._oldest(write, "drop")
-        self._receive_payload(peer, seq, self.scratch, "the dropped page of " + str(write))
+        if peer.staging is None:
+            self._receive_payload(peer, seq, self.scratch, "the dropped page of " + str(write))
+        else:
+            self._wait(peer.prefetched.pop(seq), peer, "the dropped page of " + str(write))
         self._complete(peer, seq, write, DROPPED, 0)
         self.writes_dropped += 1
 

@@ -43,17 +43,17 @@ def finish(results, code: int = 0) -> None:
     os._exit(code)
 
 
-def prefill_side(port: int, overwritten, landed_all, results) -> None:
+def prefill_side(port: int, events: dict, results) -> None:
     try:
         init(0, port)
-        prefill_script(overwritten, landed_all, results)
+        prefill_script(events, results)
     except BaseException as error:  # noqa: BLE001 -- reported to the test, which fails on it
         results.put(("error", f"{type(error).__name__}: {error}"))
         finish(results, 1)
     finish(results)
 
 
-def prefill_script(overwritten, landed_all, results) -> None:
+def prefill_script(events, results) -> None:
     from engine.dist_transport import DistTransport, DistTransportConfig, TransportTimeout
     from engine.transport import PageWrite, page_checksum
     source = pool(6)
@@ -69,7 +69,8 @@ def prefill_script(overwritten, landed_all, results) -> None:
         transport.post(write)
     results.put(("posted", [tuple(w.__dict__.values()) for w in writes]))
     results.put(("in_flight_posted", transport.in_flight))
-    source.kv[1] = 99.0  # after post, before the landing: the new bytes must land
+    events["ready"].wait(STEP_S)  # decode has the three headers: the writes have arrived
+    source.kv[1] = 99.0  # after arrival, before the landing: the new bytes must land
     results.put(("source_at_landing", [source.kv[0].tolist(), source.kv[1].tolist()]))
     started = time.monotonic()
     try:  # the window is full and decode lands nothing yet: a bounded wait, then an error
@@ -78,7 +79,7 @@ def prefill_script(overwritten, landed_all, results) -> None:
     except TransportTimeout as error:
         results.put(("window_post", str(error)))
         results.put(("window_wait_s", time.monotonic() - started))
-    overwritten.set()
+    events["overwritten"].set()
     completions = []
     for _ in range(10):
         completions.extend(transport.wait_completed(STEP_S))
@@ -87,34 +88,36 @@ def prefill_script(overwritten, landed_all, results) -> None:
     results.put(("completions", [(tuple(c.write.__dict__.values()), c.landed, c.bytes_moved)
                                  for c in completions]))
     results.put(("in_flight_completed", transport.in_flight))
+    prefill_reads_at_arrival(source, events, results)
     transport.post(PageWrite(9, 4, 6, 44, page_checksum(source, 4), 0, 0))
-    landed_all.wait(STEP_S)
+    events["landed_all"].wait(STEP_S)
     finish(results)  # dies with a write posted: decode's landing of it must fail in bound
 
 
-def decode_side(port: int, overwritten, landed_all, results, prefill_gone) -> None:
+def decode_side(port: int, events: dict, results) -> None:
     try:
         init(1, port)
-        decode_script(overwritten, landed_all, results, prefill_gone)
+        decode_script(events, results)
     except BaseException as error:  # noqa: BLE001
         results.put(("error", f"{type(error).__name__}: {error}"))
         finish(results, 1)
     finish(results)
 
 
-def decode_script(overwritten, landed_all, results, prefill_gone) -> None:
+def decode_script(events, results) -> None:
     from engine.dist_transport import (DistTransport, DistTransportConfig, PeerLost,
                                        TransportTimeout)
     target = pool(8)
     target.kv.fill_(-1.0)
     transport = DistTransport(target, DistTransportConfig(
         "decode", 0, ((0, 0),), writes_in_flight_max=WINDOW, timeout_s=TIMEOUT_S))
-    overwritten.wait(STEP_S)
     ready = []
     for _ in range(10):
         ready.extend(transport.wait_ready(STEP_S))
         if len(ready) >= 3:
             break
+    events["ready"].set()
+    events["overwritten"].wait(STEP_S)
     results.put(("ready", [tuple(w.__dict__.values()) for w in ready]))
     a, b, c = ready
     results.put(("landed_bytes", [transport.land(a)]))
@@ -129,13 +132,14 @@ def decode_script(overwritten, landed_all, results, prefill_gone) -> None:
     results.put(("dropped_page_untouched", bool((target.kv[4] == -1.0).all())))
     results.put(("counts", (transport.writes_landed, transport.bytes_landed,
                             transport.writes_dropped, transport.in_flight)))
+    decode_reads_at_arrival(target, events, results)
     late = []
     for _ in range(10):
         late.extend(transport.wait_ready(STEP_S))
         if late:
             break
-    landed_all.set()  # the prefill now exits with this write's page never sent
-    prefill_gone.wait(STEP_S)  # set by the test once the prefill process has ended
+    events["landed_all"].set()  # the prefill now exits with this write's page never sent
+    events["prefill_gone"].wait(STEP_S)  # set by the test once the prefill process has ended
     started = time.monotonic()
     try:  # silence: the headers' receives were posted before it died, and nothing comes
         transport.wait_ready(TIMEOUT_S)
@@ -151,3 +155,46 @@ def decode_script(overwritten, landed_all, results, prefill_gone) -> None:
             results.put((f"land_dead_peer_{attempt}", str(error)))
     results.put(("late", [tuple(w.__dict__.values()) for w in late]))
     finish(results)
+
+
+def arrival_transport(kv, role: str, peer_rank: int, read_at: str = "landing"):
+    """A second transport on a group of its own (tags are per group), reading at arrival."""
+    import torch.distributed as dist
+
+    from engine.dist_transport import DistTransport, DistTransportConfig
+    group = dist.new_group([0, 1], backend="gloo")
+    return DistTransport(kv, DistTransportConfig(role, 0, ((0, peer_rank),), WINDOW, TIMEOUT_S,
+                                                 read_at=read_at), group=group)
+
+
+def prefill_reads_at_arrival(source, events, results) -> None:
+    from engine.transport import PageWrite, page_checksum
+    transport = arrival_transport(source, "prefill", 1)
+    write = PageWrite(10, 5, 7, 45, page_checksum(source, 5), 0, 0)
+    transport.post(write)
+    results.put(("arrival_source", source.kv[5].tolist()))
+    events["arrived"].wait(STEP_S)  # decode has its header, and so posted its receive
+    transport.wait_read(write)  # the page's bytes have left this process
+    source.kv[5] = 77.0
+    events["overwritten_after_read"].set()
+    completions = []
+    for _ in range(10):
+        completions.extend(transport.wait_completed(STEP_S))
+        if completions:
+            break
+    results.put(("arrival_completions", [(c.landed, c.bytes_moved) for c in completions]))
+
+
+def decode_reads_at_arrival(target, events, results) -> None:
+    transport = arrival_transport(target, "decode", 0, read_at="arrival")
+    ready = []
+    for _ in range(10):
+        ready.extend(transport.wait_ready(STEP_S))
+        if ready:
+            break
+    events["arrived"].set()
+    events["overwritten_after_read"].wait(STEP_S)
+    (write,) = ready
+    transport.land(write)
+    results.put(("arrival_landed", target.kv[7].tolist()))
+    results.put(("arrival_verify", target.verify([7], [write.checksum]).tolist()))
