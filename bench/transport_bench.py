@@ -151,6 +151,9 @@ def main() -> int:
     print(f"{args.pages} pages of {args.page_kib} KiB ({moved_gib * 1024:.0f} MiB) per repeat, "
           f"window {args.window}, up to {args.repeats} repeats / {args.time_s_max:.0f} s",
           flush=True)
+    # One torch thread per process: a page copy split over OpenMP threads on a shared machine
+    # waits for a descheduled thread (measured: landings stalling 100+ ms at read_at=arrival).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()

@@ -28,6 +28,14 @@ socket (measured here: a 4 MiB isend, its buffer overwritten 0.5 s later, a recv
   drop (decode)    the payload must still be taken off the wire (gloo cannot cancel a
                    posted send), so it is received into a scratch page, never the decode
                    page; a completion (DROPPED, 0 bytes) goes back.
+`read_at="arrival"` (decode's choice) trades that for bandwidth: the decode posts each
+page's receive as soon as its header arrives, into a staging slot (one per window place:
+writes_in_flight_max x page_bytes per prefill peer), and `land` copies it into the pool
+(taking newer headers first, so their pages move meanwhile); `drop` just frees the slot.
+The source page is then read at arrival, and SourceReuse's window shrinks to post ->
+arrival: an overwrite after the bytes left (`wait_read` on the prefill says when) lands
+nothing of it, and the checksum still matches. Reading at landing is the default, since it
+is what an RDMA WRITE that the NIC executes late would do.
 The price of reading at landing is one round trip per landing (the recv-ready notice to the
 prefill, its gloo thread waking, then the bytes): bench/transport_bench.py measures it
 against raw send/recv, and on 2 loaded cores it costs most of the bandwidth (engine/
