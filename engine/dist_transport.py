@@ -264,6 +264,8 @@ class DistTransport:
                                        "init_process_group before building a DistTransport")
         self.pool, self.config = pool, config
         self.group, self.control = group, control_group if control_group is not None else group
+        _check_backends(dist.get_backend(self.group), dist.get_backend(self.control),
+                        pool.kv.device.type)
         own = dist.get_rank()
         world = dist.get_world_size()
         for worker, rank in config.peers:
@@ -576,3 +578,16 @@ def _arrived(buffer: torch.Tensor) -> bool:
     zeroed when posted, gloo's TCP pair reads a message into it in byte order, and the
     trailer is its last field."""
     return int(buffer[-1]) == TRAILER
+
+
+def _check_backends(payload: str, control: str, device: str) -> None:
+    """Headers are CPU tensors polled by their trailer: gloo. Pages go where the pool is:
+    gloo for a CPU pool, NCCL for a CUDA one."""
+    if control != "gloo":
+        raise TransportConfigError(f"control_group's backend is {control}: headers and "
+                                   "completions need a gloo group (dist.new_group(..., "
+                                   "backend='gloo'))")
+    expected = {"cpu": "gloo", "cuda": "nccl"}.get(device)
+    if payload != expected:
+        raise TransportConfigError(f"a {device} pool's pages cannot go over {payload}"
+                                   + (f": use {expected}" if expected else ""))

@@ -168,6 +168,7 @@ def arrival_transport(kv, role: str, peer_rank: int, read_at: str = "landing"):
 
 
 def prefill_reads_at_arrival(source, events, results) -> None:
+    from engine.dist_transport import TransportError
     from engine.transport import PageWrite, page_checksum
     transport = arrival_transport(source, "prefill", 1)
     write = PageWrite(10, 5, 7, 45, page_checksum(source, 5), 0, 0)
@@ -183,6 +184,19 @@ def prefill_reads_at_arrival(source, events, results) -> None:
         if completions:
             break
     results.put(("arrival_completions", [(c.landed, c.bytes_moved) for c in completions]))
+    transport.close()
+    events["prefill_closed"].set()
+    events["decode_closed"].wait(STEP_S)
+    for _ in range(int(STEP_S / 0.01)):  # the decode's CLOSE, bounded
+        transport.completed()
+        if transport.peers[0].closed:
+            break
+        time.sleep(0.01)
+    try:
+        transport.post(PageWrite(11, 0, 0, 46, 0, 0, 0))
+        results.put(("post_after_close", "accepted"))
+    except TransportError as error:
+        results.put(("post_after_close", str(error)))
 
 
 def decode_reads_at_arrival(target, events, results) -> None:
@@ -198,3 +212,12 @@ def decode_reads_at_arrival(target, events, results) -> None:
     transport.land(write)
     results.put(("arrival_landed", target.kv[7].tolist()))
     results.put(("arrival_verify", target.verify([7], [write.checksum]).tolist()))
+    events["prefill_closed"].wait(STEP_S)
+    for _ in range(int(STEP_S / 0.01)):  # the prefill's CLOSE, bounded
+        results_ready = transport.ready()
+        if transport.peers[0].closed:
+            break
+        time.sleep(0.01)
+    results.put(("closed_seen", (transport.peers[0].closed, results_ready)))
+    transport.close()
+    events["decode_closed"].set()

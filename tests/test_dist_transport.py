@@ -21,8 +21,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.dist_transport import (MAGIC, VERSION, DistTransport, DistTransportConfig,
-                                   TransportConfigError, check_hello)
+from engine.dist_transport import (LANDED, MAGIC, VERSION, WRITE, DistTransport,
+                                   DistTransportConfig, TransportConfigError, TransportError,
+                                   _check_backends, _Peer, check_hello, header)
+from engine.transport import PageWrite
 from engine.pool import KVPool, PoolConfig
 from tests import dist_transport_cases as cases
 
@@ -61,7 +63,8 @@ def pair() -> dict:
     results = context.Queue()
     events = {name: context.Event() for name in ("ready", "overwritten", "landed_all",
                                                   "prefill_gone", "arrived",
-                                                  "overwritten_after_read")}
+                                                  "overwritten_after_read", "prefill_closed",
+                                                  "decode_closed")}
     port = free_port()
     prefill = context.Process(target=cases.prefill_side, args=(port, events, results))
     decode = context.Process(target=cases.decode_side, args=(port, events, results))
@@ -128,6 +131,11 @@ def test_read_at_arrival_lands_the_bytes_as_they_left_before_an_overwrite(pair):
     assert set(torch.tensor(landed).reshape(-1).tolist()) != {77.0}
     assert one(pair, "arrival_verify") == [True]
     assert one(pair, "arrival_completions") == [(True, PAGE_BYTES)]
+
+
+def test_close_is_seen_by_the_peer_and_a_post_after_it_is_refused(pair):
+    assert one(pair, "closed_seen") == (True, [])
+    assert one(pair, "post_after_close") == "decode-0 (rank 1) has closed the transport"
 
 
 def test_landing_out_of_posting_order_is_refused(pair):
@@ -197,3 +205,57 @@ def test_peers_that_disagree_are_refused_naming_both_numbers():
             theirs[index] = value
         with pytest.raises(TransportConfigError, match=message):
             check_hello(prefill, theirs, 0, 1)
+
+
+def forged(role: str):
+    """A DistTransport's checks without a process group: the peer's words are forged."""
+    transport = DistTransport.__new__(DistTransport)
+    transport.pool = KVPool(PoolConfig(num_pages=8, **cases.PAGE_SHAPE))
+    transport.config = DistTransportConfig(role, 0, ((0, 1),), writes_in_flight_max=3)
+    transport.peers = {0: _Peer(0, 1)}
+    transport._completed = []
+    return transport, transport.peers[0]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({}, None),
+    ({0: LANDED}, "sent a landed message on the header channel"),
+    ({1: 5}, "sent seq 5 where 0 was next"),
+    ({7: 3}, "sent a write from prefill-3 to decode-0 on the pair prefill-0 -> decode-0"),
+    ({8: 2}, "sent a write from prefill-0 to decode-2"),
+    ({4: 8}, "sent decode page 8 of a 8-page pool"),
+    ({4: -1}, "sent decode page -1 of a 8-page pool"),
+])
+def test_a_forged_header_is_a_clear_error_naming_the_peer(change, message):
+    transport, peer = forged("decode")
+    fields = header(WRITE, 0, PageWrite(7, 1, 2, 40, 123, 0, 0)).tolist()
+    for index, value in change.items():
+        fields[index] = value
+    if message is None:
+        assert transport._checked_write(peer, fields) == PageWrite(7, 1, 2, 40, 123, 0, 0)
+        return
+    with pytest.raises(TransportError, match="prefill-0 \\(rank 1\\) " + message):
+        transport._checked_write(peer, fields)
+
+
+def test_a_forged_completion_is_a_clear_error_naming_the_peer():
+    transport, peer = forged("prefill")
+    write = PageWrite(7, 1, 2, 40, 123, 0, 0)
+    peer.in_flight[0] = write
+    with pytest.raises(TransportError, match="decode-0 \\(rank 1\\) sent a landed completion "
+                       "for seq 4, which names no write in flight"):
+        transport._completion(peer, header(LANDED, 4, write, 512).tolist())
+    with pytest.raises(TransportError, match="sent a write completion for seq 0"):
+        transport._completion(peer, header(WRITE, 0, write, 512).tolist())
+
+
+@pytest.mark.parametrize("payload, control, device, message", [
+    ("gloo", "nccl", "cpu", "control_group's backend is nccl"),
+    ("nccl", "gloo", "cpu", "a cpu pool's pages cannot go over nccl: use gloo"),
+    ("gloo", "gloo", "cuda", "a cuda pool's pages cannot go over gloo: use nccl"),
+])
+def test_backends_that_cannot_carry_the_pool_are_refused(payload, control, device, message):
+    _check_backends("gloo", "gloo", "cpu")
+    _check_backends("nccl", "gloo", "cuda")
+    with pytest.raises(TransportConfigError, match=message):
+        _check_backends(payload, control, device)
