@@ -84,19 +84,23 @@ An orderly `close()` sends CLOSE; the peer's next `ready()` / `completed()` mark
 and a post to a closed peer is a TransportError.
 
 NCCL. Written so that CUDA pools take the same path: payloads go over `group` (NCCL, device
-tensors), headers and completions over `control_group` (must be gloo: CPU int64 tensors,
-polled). NCCL ignores tags (hence the in-order rule above), and an NCCL send is also a
-rendezvous, but whether its kernel reads the source at the receiver's post (what makes
-"read at landing" hold) is unverified: no GPU ran this code.
+tensors: the pool's pages, scratch and staging are on the pool's device), headers and
+completions over `control_group` (gloo: CPU int64 tensors, polled); the constructor refuses
+any other pairing (`_check_backends`). NCCL ignores tags (hence the in-order rule above).
+Unverified, since no GPU ran this code: that an NCCL send reads its source only once the
+receive is posted (what makes "read at landing" hold there: its kernel streams the buffer
+through the channel as the receiver drains it, but the send kernel itself is queued on the
+stream at post time and holds the stream's later NCCL work behind it), and how NCCL's
+`wait(timeout)` behaves on a dead peer.
 
 What NIXL and Mooncake's transfer engine would call (from their public docs; a sketch, not
 tried). The read-at-landing design is a one-sided READ issued by decode:
   method      NIXL (Python agent API / C++)                     Mooncake transfer engine
   setup       nixl_agent(...), register_memory(pool.kv),         registerLocalMemory(pool.kv),
               get_agent_metadata / add_remote_agent              openSegment(prefill's name)
-  post        send_notif(decode agent, header) (genNotif):       a notify / side-channel
-              the source page's descriptor and the header        message with the header
-  ready       get_new_notifs() (getNotifs)                        the side channel's messages
+  post        send_notif(decode agent, header) (genNotif):       a notify message with the
+              the source page's descriptor and the header        header (TransferNotify)
+  ready       get_new_notifs() (getNotifs)                        the notify messages received
   land        initialize_xfer("READ", decode page descs,         allocateBatchID, submitTransfer
               prefill page descs, prefill agent) + transfer(),   ([TransferRequest READ]),
               check_xfer_state(handle) until "DONE" (createXfer- getTransferStatus until
