@@ -368,9 +368,10 @@ class DistTransport:
 
     # -- the prefill's half --------------------------------------------------------------
 
-    def post(self, write: PageWrite) -> None:
+    def post(self, write: PageWrite, timeout_s: float | None = None) -> None:
         """Put a write on the wire: its header, and its page as a send the decode's landing
-        will match (no page byte is read before that)."""
+        will match (no page byte is read before that). A full window waits up to timeout_s
+        (default: the config's) for a completion."""
         self._role(PREFILL, "post")
         assert write.prefill == self.config.worker, f"{write} is not this prefill's write"
         assert 0 <= write.source_page < self.pool.config.num_pages, f"{write}: no such page"
@@ -382,7 +383,7 @@ class DistTransport:
             self._poll_until(lambda: self._take_completions(peer) or
                              len(peer.in_flight) < self.config.writes_in_flight_max,
                              peer, f"a completion to free one of its "
-                             f"{self.config.writes_in_flight_max} write slots")
+                             f"{self.config.writes_in_flight_max} write slots", timeout_s)
         seq = peer.next_seq
         peer.next_seq += 1
         slot = seq % self.config.writes_in_flight_max

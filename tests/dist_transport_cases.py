@@ -17,7 +17,8 @@ import time
 import torch
 
 WINDOW = 3  # writes_in_flight_max
-TIMEOUT_S = 0.5  # every bound of the transports under test
+TIMEOUT_S = 5.0  # the transports' bound on waits that a live peer answers at once
+SILENCE_S = 0.5  # the bound of the waits the test expects to run out
 PAGE_SHAPE = dict(page_tokens=4, num_layers=2, num_kv_heads=1, head_dim=8)  # 512-byte pages
 STEP_S = 20.0  # the longest a script waits for the parent's event
 
@@ -74,7 +75,7 @@ def prefill_script(events, results) -> None:
     results.put(("source_at_landing", [source.kv[0].tolist(), source.kv[1].tolist()]))
     started = time.monotonic()
     try:  # the window is full and decode lands nothing yet: a bounded wait, then an error
-        transport.post(PageWrite(8, 3, 5, 43, page_checksum(source, 3), 0, 0))
+        transport.post(PageWrite(8, 3, 5, 43, page_checksum(source, 3), 0, 0), SILENCE_S)
         results.put(("window_post", "accepted"))
     except TransportTimeout as error:
         results.put(("window_post", str(error)))
@@ -142,7 +143,7 @@ def decode_script(events, results) -> None:
     events["prefill_gone"].wait(STEP_S)  # set by the test once the prefill process has ended
     started = time.monotonic()
     try:  # silence: the headers' receives were posted before it died, and nothing comes
-        transport.wait_ready(TIMEOUT_S)
+        transport.wait_ready(SILENCE_S)
         results.put(("silence", "a write came"))
     except TransportTimeout as error:
         results.put(("silence", str(error)))

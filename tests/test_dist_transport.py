@@ -146,7 +146,7 @@ def test_a_full_window_is_a_bounded_wait_then_a_clear_error(pair):
     message = one(pair, "window_post")
     assert message.startswith("no word from decode-0 (rank 1) for a completion to free one "
                               "of its 3 write slots within 0.5 s (3 writes in flight")
-    assert one(pair, "window_wait_s") >= cases.TIMEOUT_S
+    assert one(pair, "window_wait_s") >= cases.SILENCE_S
 
 
 def test_a_dead_prefill_is_silence_then_peer_lost(pair):
@@ -154,7 +154,7 @@ def test_a_dead_prefill_is_silence_then_peer_lost(pair):
     # receives posted before it died just never fill: only the bound speaks
     assert one(pair, "silence") == ("no word from prefill-0 (rank 0) for a write within 0.5 s "
                                     "(1 writes in flight with it)")
-    assert one(pair, "silence_wait_s") >= cases.TIMEOUT_S
+    assert one(pair, "silence_wait_s") >= cases.SILENCE_S
     # posting the page's receive on the pair finds its connection closed and says so, or,
     # when gloo has not yet seen the connection close, the landing's own bound does
     first = one(pair, "land_dead_peer_0")
@@ -162,7 +162,7 @@ def test_a_dead_prefill_is_silence_then_peer_lost(pair):
     bound = first.startswith("prefill-0 (rank 0) did not complete the page of PageWrite("
                              "request=9, source_page=4, decode_page=6, tag=44")
     assert (closed and "Connection closed by peer" in first) or (
-        bound and "within 0.5 s; gloo closed the pair" in first), first
+        bound and "within 5.0 s; gloo closed the pair" in first), first
     assert one(pair, "land_dead_peer_1") == first  # the pair stays lost
     assert "land_dead_peer" not in pair  # never landed
 
