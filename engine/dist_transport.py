@@ -1,0 +1,598 @@
+"""KV page writes between processes over torch.distributed: the `Transport` of engine/transport.py
+with the prefill's pool in one process and the decode's in another.
+
+Theory of operation. engine/transport.py's rules hold unchanged: a write reads its source
+page when it lands, as an RDMA NIC does; the checksum the prefill computed at post time
+travels with the write; the transport never decides: the decode runtime hands each ready
+write to the core (LandWrite), and only an accepted one is landed, a refused one dropped.
+What is new is that `post` runs in the prefill process and `ready` / `land` / `drop` in the
+decode process, so each side holds a `DistTransport` for its own role, and the prefill
+learns that its write completed from a completion message (`completed()`).
+
+How a write reads its source at landing, for real. gloo's TCP pairs are rendezvous-based:
+an `isend` moves no byte until the receiver has posted the matching `irecv`; then gloo's
+own I/O thread in the *sender's* process reads the send buffer and writes it to the
+socket (measured here: a 4 MiB isend, its buffer overwritten 0.5 s later, a recv posted
+1 s later: the receiver gets the overwritten bytes). So:
+  post (prefill)   isend of a fixed-size header, and isend of the page straight from the
+                   pool (`pool.kv[source_page]`, one contiguous span: no staging copy).
+                   Neither moves page bytes yet: the decode has pre-posted receives for
+                   headers only.
+  ready (decode)   the headers that have arrived (polled by their trailer), in order.
+  land (decode)    posts the irecv for that write's page straight into
+                   `pool.kv[decode_page]` and waits for it (bounded): only now does gloo
+                   on the prefill side read the source page. A source page overwritten
+                   between post and landing lands its new bytes, and the checksum sent at
+                   post no longer matches them: SourceReuse is as real here as in-process.
+                   Then a completion (LANDED, bytes) goes back to the prefill.
+  drop (decode)    the payload must still be taken off the wire (gloo cannot cancel a
+                   posted send), so it is received into a scratch page, never the decode
+                   page; a completion (DROPPED, 0 bytes) goes back.
+`read_at="arrival"` (decode's choice) trades that for bandwidth: the decode posts each
+page's receive as soon as its header arrives, into a staging slot (one per window place:
+writes_in_flight_max x page_bytes per prefill peer), and `land` copies it into the pool
+(taking newer headers first, so their pages move meanwhile); `drop` just frees the slot.
+The source page is then read at arrival, and SourceReuse's window shrinks to post ->
+arrival: an overwrite after the bytes left (`wait_read` on the prefill says when) lands
+nothing of it, and the checksum still matches. Reading at landing is the default, since it
+is what an RDMA WRITE that the NIC executes late would do.
+The price of reading at landing is one round trip per landing (the recv-ready notice to the
+prefill, its gloo thread waking, then the bytes): bench/transport_bench.py measures it
+against raw send/recv, and on 2 loaded cores it costs most of the bandwidth (engine/
+README.md, "Across processes").
+
+Framing. Every control message is one int64 tensor of HEADER_FIELDS (kind, seq, request,
+source page, decode page, tag, checksum, prefill worker, decode worker, bytes, trailer), so a
+receiver pre-posts its header receives with a known size. Page payloads are
+`page_bytes` (both sides' pools must agree: checked at the handshake, HELLO, before any
+write). Tags: HELLO_TAG, HEADER_TAG (prefill -> decode, writes and CLOSE), COMPLETION_TAG
+(decode -> prefill, LANDED / DROPPED and CLOSE), and PAYLOAD_TAG_BASE + slot, where slot =
+seq mod `writes_in_flight_max`: a slot's tag is reused only after its previous write's
+completion came back, so a payload receive can never match the wrong write.
+
+Bounds. A prefill has at most `writes_in_flight_max` writes in flight per decode peer
+(posted, completion not yet received); `post` beyond that waits up to `timeout_s` for a
+completion, then raises TransportTimeout. Every wait has `timeout_s`. The decode keeps
+`writes_in_flight_max + 1` header receives posted per prefill peer (the writes and a CLOSE).
+
+Ordering and loss. gloo over TCP delivers in order per pair and tag, and loses nothing while
+both processes live. Writes of one prefill reach one decode in posting order; `land` and
+`drop` must take a peer's ready writes in that order (asserted: NCCL, which ignores tags,
+matches sends and receives by order alone, and this keeps one code path for both).
+Completions come back in landing order. Between different peers there is no order.
+A peer that dies (or stops answering) is not reported by gloo on what is already posted:
+a posted receive simply never fills (measured: a wait on a receive whose peer had exited ran
+to its 2 s timeout). So each side sees silence, and a bound turns silence into an error:
+  - `wait_ready(timeout_s)` / `wait_completed(timeout_s)` poll and raise TransportTimeout
+    naming the peer and the writes in flight; the pair stays usable (nothing was waited on
+    inside gloo), and the caller's lease (issue 29 item 4) decides whether the peer is lost.
+  - The next operation posted on the pair (a landing's receive, a post, a completion) fails
+    at once when the dead peer's sockets were closed (a killed or exited process: the kernel
+    closes them; gloo says "Connection closed by peer"): PeerLost. A hung or partitioned
+    peer closes nothing, and only the bounds speak.
+  - `land` / `drop` wait inside gloo for the page (the sender's gloo thread answers at once
+    while it lives); past `timeout_s` gloo closes the pair and this raises PeerLost: the
+    decode page's bytes are then undefined (it may hold part of the write; the loop has not
+    tagged it), and every later call on that pair fails with PeerLost too.
+  - A `post` to a dead decode: its isends stay pending; the prefill sees no completion, and
+    `wait_completed` / a full window's `post` raise TransportTimeout within `timeout_s`.
+Polling. torch's gloo send/recv works answer `is_completed()` False until `wait()` was
+called (measured: False with the bytes already in the buffer), and a wait that times out
+closes the pair, so a control message's arrival is read from its buffer (`_arrived`: the
+trailer field, last in byte order), and only then is its work waited on (at once).
+An orderly `close()` sends CLOSE; the peer's next `ready()` / `completed()` marks it closed,
+and a post to a closed peer is a TransportError.
+
+NCCL. Written so that CUDA pools take the same path: payloads go over `group` (NCCL, device
+tensors: the pool's pages, scratch and staging are on the pool's device), headers and
+completions over `control_group` (gloo: CPU int64 tensors, polled); the constructor refuses
+any other pairing (`_check_backends`). NCCL ignores tags (hence the in-order rule above).
+Unverified, since no GPU ran this code: that an NCCL send reads its source only once the
+receive is posted (what makes "read at landing" hold there: its kernel streams the buffer
+through the channel as the receiver drains it, but the send kernel itself is queued on the
+stream at post time and holds the stream's later NCCL work behind it), and how NCCL's
+`wait(timeout)` behaves on a dead peer.
+
+What NIXL and Mooncake's transfer engine would call (from their public docs; a sketch, not
+tried). The read-at-landing design is a one-sided READ issued by decode:
+  method      NIXL (Python agent API / C++)                     Mooncake transfer engine
+  setup       nixl_agent(...), register_memory(pool.kv),         registerLocalMemory(pool.kv),
+              get_agent_metadata / add_remote_agent              openSegment(prefill's name)
+  post        send_notif(decode agent, header) (genNotif):       a notify message with the
+              the source page's descriptor and the header        header (TransferNotify)
+  ready       get_new_notifs() (getNotifs)                        the notify messages received
+  land        initialize_xfer("READ", decode page descs,         allocateBatchID, submitTransfer
+              prefill page descs, prefill agent) + transfer(),   ([TransferRequest READ]),
+              check_xfer_state(handle) until "DONE" (createXfer- getTransferStatus until
+              Req / postXferReq / getXferStatus), release_xfer_  COMPLETED, freeBatchID
+              handle; then send_notif(prefill, LANDED)
+  drop        no bytes to drain (one-sided): send_notif(DROPPED) the side channel (DROPPED)
+  in_flight   the headers and handles this side holds             the same
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.pool import KVPool
+from engine.transport import PageWrite
+
+PREFILL, DECODE = "prefill", "decode"
+ROLES = (PREFILL, DECODE)
+LANDING, ARRIVAL = "landing", "arrival"
+READ_AT = (LANDING, ARRIVAL)
+
+WRITE, CLOSE, LANDED, DROPPED, HELLO = 1, 2, 3, 4, 5
+KINDS = {WRITE: "write", CLOSE: "close", LANDED: "landed", DROPPED: "dropped", HELLO: "hello"}
+# kind, seq, request, source, decode page, tag, checksum, prefill, decode, bytes, trailer
+HEADER_FIELDS = 11
+TRAILER = 0x4B565452  # the last field of every control message: its arrival (see _arrived)
+HELLO_TAG, HEADER_TAG, COMPLETION_TAG, PAYLOAD_TAG_BASE = 1, 2, 3, 16
+MAGIC, VERSION = 0x6B7670, 1  # "kvp"
+POLL_S = 0.0005  # the sleep between polls of a bounded wait
+
+
+class TransportError(RuntimeError):
+    """A peer's failure or a bad word from it (the peer's fault, not ours)."""
+
+
+class PeerLost(TransportError):
+    """A wait inside gloo ran past its bound: gloo has closed the pair."""
+
+
+class TransportTimeout(TransportError):
+    """A bounded poll saw nothing from the peer in time; the pair is still open."""
+
+
+class TransportConfigError(ValueError):
+    """A DistTransport configured wrongly, or two peers that do not agree."""
+
+
+@dataclass(frozen=True)
+class DistTransportConfig:
+    role: str  # PREFILL or DECODE: which half of the Transport this process runs
+    worker: int  # this process's worker index within its role (PageWrite.prefill / .decode)
+    peers: tuple  # ((worker index, rank), ...): the other role's workers this one talks to
+    writes_in_flight_max: int = 64  # per peer pair: posted and not completed
+    timeout_s: float = 10.0  # every wait once both sides are up
+    handshake_timeout_s: float = 60.0  # the HELLO: the peer may still be starting
+    read_at: str = LANDING  # decode: when the source page is read (LANDING or ARRIVAL)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise TransportConfigError(f"role must be one of {ROLES}, not {self.role!r}")
+        if not isinstance(self.worker, int) or self.worker < 0:
+            raise TransportConfigError(f"worker must be an index >= 0, not {self.worker!r}")
+        if not self.peers:
+            raise TransportConfigError("peers is empty: a transport needs a peer to talk to")
+        workers = [w for w, _ in self.peers]
+        ranks = [r for _, r in self.peers]
+        if len(set(workers)) != len(workers) or len(set(ranks)) != len(ranks):
+            raise TransportConfigError(f"peers name a worker or a rank twice: {self.peers}")
+        if not 1 <= self.writes_in_flight_max <= 4096:
+            raise TransportConfigError("writes_in_flight_max must be in 1..4096, not "
+                                       f"{self.writes_in_flight_max}")
+        if self.read_at not in READ_AT:
+            raise TransportConfigError(f"read_at must be one of {READ_AT}, not {self.read_at!r}")
+        for name in ("timeout_s", "handshake_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise TransportConfigError(f"{name} must be positive, not {getattr(self, name)}")
+
+    @property
+    def peer_role(self) -> str:
+        return DECODE if self.role == PREFILL else PREFILL
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The decode's word on one posted write: landed (with its bytes) or dropped."""
+
+    write: PageWrite
+    landed: bool
+    bytes_moved: int
+
+
+def header(kind: int, seq: int, write: PageWrite | None = None, moved: int = 0) -> torch.Tensor:
+    w = write or PageWrite(0, 0, 0, 0, 0)
+    return torch.tensor([kind, seq, w.request, w.source_page, w.decode_page, w.tag, w.checksum,
+                         w.prefill, w.decode, moved, TRAILER], dtype=torch.int64)
+
+
+def write_of(fields: list[int]) -> PageWrite:
+    return PageWrite(*fields[2:9])
+
+
+def hello_fields(config: DistTransportConfig, pool: KVPool) -> list[int]:
+    pc = pool.config
+    return [MAGIC, VERSION, ROLES.index(config.role), config.worker, pc.page_bytes,
+            pc.num_pages, config.writes_in_flight_max, 0, 0, 0, TRAILER]
+
+
+def check_hello(mine: list[int], theirs: list[int], expected_worker: int, rank: int) -> None:
+    """Two peers agree on the framing before any write; a mismatch names both numbers."""
+    who = f"rank {rank}"
+    if theirs[0] != MAGIC or theirs[1] != VERSION:
+        raise TransportConfigError(f"{who} is not a kvproof transport of version {VERSION} "
+                                   f"(magic {theirs[0]:#x}, version {theirs[1]})")
+    if theirs[2] == mine[2]:
+        raise TransportConfigError(f"{who} has the same role ({ROLES[mine[2]]}) as this one")
+    if theirs[3] != expected_worker:
+        raise TransportConfigError(f"{who} is {ROLES[theirs[2]]}-{theirs[3]}, but peers names "
+                                   f"it {ROLES[theirs[2]]}-{expected_worker}")
+    if theirs[4] != mine[4]:
+        raise TransportConfigError(f"{who}'s pages hold {theirs[4]} bytes, this pool's "
+                                   f"{mine[4]}: the two pools' layouts differ")
+    if theirs[6] != mine[6]:
+        raise TransportConfigError(f"{who} allows {theirs[6]} writes in flight, this one "
+                                   f"{mine[6]}: both must use the same writes_in_flight_max")
+
+
+def _page(pool: KVPool, page: int) -> torch.Tensor:
+    """One page's bytes, a view into the pool (page-major layout: one contiguous span)."""
+    return pool.kv[page].reshape(-1).view(torch.uint8)
+
+
+class _Peer:
+    """One pair: the other role's worker at `rank`, and what is in flight with it."""
+
+    def __init__(self, worker: int, rank: int) -> None:
+        self.worker, self.rank = worker, rank
+        self.posted_recvs: deque = deque()  # (work, tensor): headers or completions awaited
+        self.sends: dict[int, tuple] = {}  # prefill: seq -> (works, tensors) of its write
+        self.control_sends: deque = deque()  # decode: completions; both: CLOSE (work, tensor)
+        self.in_flight: dict[int, PageWrite] = {}  # prefill: seq -> write, no completion yet
+        self.arrived: deque = deque()  # decode: (seq, write) ready, not landed or dropped
+        self.prefetched: dict[int, object] = {}  # decode, ARRIVAL: seq -> its page's receive
+        self.staging = None  # decode, ARRIVAL: [writes_in_flight_max, page_bytes], by slot
+        self.next_seq = 0  # prefill: the next write's seq; decode: the next header's
+        self.closed = False
+        self.lost = ""  # why the pair is unusable, once gloo closed it
+
+    def name(self, role: str) -> str:
+        return f"{role}-{self.worker} (rank {self.rank})"
+
+
+class DistTransport:
+    """One process's half of the page transport (see the module header)."""
+
+    def __init__(self, pool: KVPool, config: DistTransportConfig, group=None,
+                 control_group=None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise TransportConfigError("torch.distributed is not initialized: call "
+                                       "init_process_group before building a DistTransport")
+        self.pool, self.config = pool, config
+        self.group, self.control = group, control_group if control_group is not None else group
+        _check_backends(dist.get_backend(self.group), dist.get_backend(self.control),
+                        pool.kv.device.type)
+        own = dist.get_rank()
+        world = dist.get_world_size()
+        for worker, rank in config.peers:
+            if not 0 <= rank < world or rank == own:
+                raise TransportConfigError(f"peer {config.peer_role}-{worker} has rank {rank}: "
+                                           f"not another rank of this world (0..{world - 1}, "
+                                           f"this one is {own})")
+        self.peers = {worker: _Peer(worker, rank) for worker, rank in config.peers}
+        self.scratch = torch.empty(pool.config.page_bytes, dtype=torch.uint8,
+                                   device=pool.kv.device)
+        if config.role == DECODE and config.read_at == ARRIVAL:
+            for peer in self.peers.values():
+                peer.staging = torch.empty((config.writes_in_flight_max, pool.config.page_bytes),
+                                           dtype=torch.uint8, device=pool.kv.device)
+        self.bytes_landed = self.writes_landed = self.writes_dropped = 0
+        self._completed: list[Completion] = []
+        self._unreturned: list[PageWrite] = []  # decode: taken off the wire, not yet ready()d
+        self._handshake()
+        for peer in self.peers.values():
+            self._post_control_recvs(peer)
+
+    # -- setup ---------------------------------------------------------------------------
+
+    def _handshake(self) -> None:
+        mine = hello_fields(self.config, self.pool)
+        for peer in self.peers.values():
+            theirs = torch.zeros(HEADER_FIELDS, dtype=torch.int64)
+            out = torch.tensor(mine, dtype=torch.int64)
+            sent = self._op(dist.isend, out, peer, group=self.control, tag=HELLO_TAG)
+            got = self._op(dist.irecv, theirs, peer, group=self.control, tag=HELLO_TAG)
+            self._poll_until(lambda: _arrived(theirs), peer, "its handshake",
+                             self.config.handshake_timeout_s)
+            self._wait(got, peer, "the handshake")
+            self._wait(sent, peer, "the handshake")
+            check_hello(mine, theirs.tolist(), peer.worker, peer.rank)
+
+    def _post_control_recvs(self, peer: _Peer) -> None:
+        """Decode: a header receive per possible write plus one for CLOSE; prefill: a
+        completion receive per possible write plus one for CLOSE."""
+        tag = HEADER_TAG if self.config.role == DECODE else COMPLETION_TAG
+        while len(peer.posted_recvs) < self.config.writes_in_flight_max + 1:
+            buffer = torch.zeros(HEADER_FIELDS, dtype=torch.int64)
+            work = self._op(dist.irecv, buffer, peer, group=self.control, tag=tag)
+            peer.posted_recvs.append((work, buffer))
+
+    # -- bounded waits -------------------------------------------------------------------
+
+    def _poll_until(self, done, peer: _Peer, what: str, timeout_s: float | None = None) -> None:
+        if peer.lost:
+            raise PeerLost(peer.lost)
+        limit_s = self.config.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit_s
+        while not done():
+            if time.monotonic() > deadline:
+                raise TransportTimeout(
+                    f"no word from {peer.name(self.config.peer_role)} for {what} within "
+                    f"{limit_s} s ({self._in_flight_of(peer)} writes in flight with it)")
+            time.sleep(POLL_S)
+
+    def _op(self, op, tensor: torch.Tensor, peer: _Peer, group, tag: int):
+        """Post one isend / irecv; gloo refusing it (the pair is closed: "Connection closed
+        by peer") is PeerLost, said once for the pair."""
+        if peer.lost:
+            raise PeerLost(peer.lost)
+        try:
+            return op(tensor, peer.rank, group=group, tag=tag)
+        except RuntimeError as error:
+            peer.lost = (f"{peer.name(self.config.peer_role)} is gone: gloo refused to post "
+                         f"to it ({error})"[:600])
+            raise PeerLost(peer.lost) from None
+
+    def _wait(self, work, peer: _Peer, what: str) -> None:
+        if peer.lost:
+            raise PeerLost(peer.lost)
+        try:
+            work.wait(datetime.timedelta(seconds=self.config.timeout_s))
+        except RuntimeError as error:
+            peer.lost = (f"{peer.name(self.config.peer_role)} did not complete {what} within "
+                         f"{self.config.timeout_s} s; gloo closed the pair ({error})"[:600])
+            raise PeerLost(peer.lost) from None
+
+    def _send_control(self, peer: _Peer, head: torch.Tensor, tag: int) -> None:
+        """A completion or CLOSE. The peer keeps a receive posted for every one it can get,
+        so a send older than the window has long gone out: waiting on it costs nothing
+        while the peer lives (and is the bound that says it died)."""
+        work = self._op(dist.isend, head, peer, group=self.control, tag=tag)
+        peer.control_sends.append((work, head))
+        while len(peer.control_sends) > self.config.writes_in_flight_max:
+            self._wait(peer.control_sends.popleft()[0], peer, "taking a completion")
+
+    def _in_flight_of(self, peer: _Peer) -> int:
+        return len(peer.in_flight) if self.config.role == PREFILL else len(peer.arrived)
+
+    def _role(self, role: str, method: str) -> None:
+        assert self.config.role == role, f"{method} is the {role}'s half of the transport"
+
+    # -- the prefill's half --------------------------------------------------------------
+
+    def post(self, write: PageWrite, timeout_s: float | None = None) -> None:
+        """Put a write on the wire: its header, and its page as a send the decode's landing
+        will match (no page byte is read before that). A full window waits up to timeout_s
+        (default: the config's) for a completion."""
+        self._role(PREFILL, "post")
+        assert write.prefill == self.config.worker, f"{write} is not this prefill's write"
+        assert 0 <= write.source_page < self.pool.config.num_pages, f"{write}: no such page"
+        peer = self.peers.get(write.decode)
+        assert peer is not None, f"{write}: decode-{write.decode} is not a peer"
+        if peer.closed:
+            raise TransportError(f"{peer.name(DECODE)} has closed the transport")
+        if len(peer.in_flight) >= self.config.writes_in_flight_max:
+            self._poll_until(lambda: self._take_completions(peer) or
+                             len(peer.in_flight) < self.config.writes_in_flight_max,
+                             peer, f"a completion to free one of its "
+                             f"{self.config.writes_in_flight_max} write slots", timeout_s)
+        seq = peer.next_seq
+        peer.next_seq += 1
+        slot = seq % self.config.writes_in_flight_max
+        head = header(WRITE, seq, write)
+        page = _page(self.pool, write.source_page)
+        works = {"header": self._op(dist.isend, head, peer, self.control, HEADER_TAG),
+                 "page": self._op(dist.isend, page, peer, self.group, PAYLOAD_TAG_BASE + slot)}
+        peer.sends[seq] = (works, head, page)
+        peer.in_flight[seq] = write
+
+    def wait_read(self, write: PageWrite) -> None:
+        """Wait (bounded) until the write's source page has been read: its send is done, so
+        the page may change without changing what lands. With LANDING that is its landing;
+        with ARRIVAL, soon after its header arrived."""
+        self._role(PREFILL, "wait_read")
+        peer = self.peers[write.decode]
+        seq = next(s for s, w in peer.in_flight.items() if w == write)
+        works = peer.sends[seq][0]
+        if "page" in works:  # a gloo work waited on twice waits for a second completion
+            self._wait(works.pop("page"), peer, f"the send of {write}")
+
+    def completed(self) -> list[Completion]:
+        """The completions that came back since the last call (per peer in landing order)."""
+        self._role(PREFILL, "completed")
+        for peer in self.peers.values():
+            self._take_completions(peer)
+        out, self._completed = self._completed, []
+        return out
+
+    def wait_completed(self, timeout_s: float) -> list[Completion]:
+        """Completions, waiting up to timeout_s for at least one while writes are in flight."""
+        self._role(PREFILL, "wait_completed")
+        busy = [p for p in self.peers.values() if p.in_flight]
+        if busy and not self._completed:
+            self._poll_until(lambda: any([self._take_completions(p) for p in busy]), busy[0],
+                             "a completion", timeout_s)
+        return self.completed()
+
+    def _take_completions(self, peer: _Peer) -> bool:
+        took = False
+        while (fields := self._next_control(peer, "a completion")) is not None:
+            if fields[0] == CLOSE:
+                peer.closed = True
+                continue
+            self._completion(peer, fields)
+            took = True
+        return took
+
+    def _next_control(self, peer: _Peer, what: str) -> list[int] | None:
+        """The oldest posted control receive's fields once it has arrived (its receive
+        posted again), else None."""
+        if peer.lost or not peer.posted_recvs or not _arrived(peer.posted_recvs[0][1]):
+            return None
+        work, buffer = peer.posted_recvs.popleft()
+        self._wait(work, peer, what)  # arrived: returns at once, and settles the work
+        self._post_control_recvs(peer)
+        return buffer.tolist()
+
+    def _completion(self, peer: _Peer, fields: list[int]) -> None:
+        kind, seq, moved = fields[0], fields[1], fields[9]
+        write = peer.in_flight.pop(seq, None)
+        if kind not in (LANDED, DROPPED) or write is None or write_of(fields) != write:
+            raise TransportError(f"{peer.name(DECODE)} sent a {KINDS.get(kind, kind)} "
+                                 f"completion for seq {seq}, which names no write in flight "
+                                 f"with it: {fields}")
+        works, *_ = peer.sends.pop(seq)
+        for work in works.values():  # decode has the bytes: the sends are done, at once
+            self._wait(work, peer, f"the sends of {write}")
+        self._completed.append(Completion(write, kind == LANDED, moved))
+
+    # -- the decode's half ---------------------------------------------------------------
+
+    def ready(self) -> list[PageWrite]:
+        """The writes whose headers arrived since the last call, per peer in posting order."""
+        self._role(DECODE, "ready")
+        for peer in self.peers.values():
+            self._take_headers(peer)
+        out, self._unreturned = self._unreturned, []
+        return out
+
+    def wait_ready(self, timeout_s: float) -> list[PageWrite]:
+        """Ready writes, waiting up to timeout_s for at least one."""
+        self._role(DECODE, "wait_ready")
+        out: list[PageWrite] = []
+
+        def some() -> bool:
+            out.extend(self.ready())
+            return bool(out)
+        self._poll_until(some, next(iter(self.peers.values())), "a write", timeout_s)
+        return out
+
+    def _take_headers(self, peer: _Peer) -> list[PageWrite]:
+        out = []
+        while (fields := self._next_control(peer, "a header")) is not None:
+            if fields[0] == CLOSE:
+                peer.closed = True
+                continue
+            write = self._checked_write(peer, fields)
+            peer.arrived.append((fields[1], write))
+            if peer.staging is not None:  # ARRIVAL: the page moves now, into its slot
+                slot = fields[1] % self.config.writes_in_flight_max
+                peer.prefetched[fields[1]] = self._op(dist.irecv, peer.staging[slot], peer,
+                                                      self.group, PAYLOAD_TAG_BASE + slot)
+            peer.next_seq += 1
+            out.append(write)
+        self._unreturned.extend(out)
+        return out
+
+    def _checked_write(self, peer: _Peer, fields: list[int]) -> PageWrite:
+        write = write_of(fields)
+        problem = ""
+        if fields[0] != WRITE:
+            problem = f"a {KINDS.get(fields[0], fields[0])} message on the header channel"
+        elif peer.closed:
+            problem = "a write after its CLOSE"
+        elif fields[1] != peer.next_seq:
+            problem = f"seq {fields[1]} where {peer.next_seq} was next"
+        elif write.prefill != peer.worker or write.decode != self.config.worker:
+            problem = (f"a write from prefill-{write.prefill} to decode-{write.decode} on the "
+                       f"pair prefill-{peer.worker} -> decode-{self.config.worker}")
+        elif not 0 <= write.decode_page < self.pool.config.num_pages:
+            problem = f"decode page {write.decode_page} of a {self.pool.config.num_pages}-page pool"
+        if problem:
+            raise TransportError(f"{peer.name(PREFILL)} sent {problem}: {fields}")
+        return write
+
+    def _oldest(self, write: PageWrite, method: str) -> tuple[_Peer, int]:
+        self._role(DECODE, method)
+        peer = self.peers.get(write.prefill)
+        assert peer is not None and peer.arrived, f"{method}({write}): not a ready write"
+        seq, oldest = peer.arrived[0]
+        assert oldest == write, (f"{method}({write}): a peer's ready writes are landed or "
+                                 f"dropped in their order, and {oldest} is next")
+        return peer, seq
+
+    def land(self, write: PageWrite) -> int:
+        """Receive the write's page into its decode page now (LANDING: the prefill's gloo
+        thread reads the source page at this moment; ARRIVAL: it was read when the header
+        arrived, and lands from staging); returns bytes moved."""
+        peer, seq = self._oldest(write, "land")
+        target = _page(self.pool, write.decode_page)
+        if peer.staging is None:
+            self._receive_payload(peer, seq, target, "the page of " + str(write))
+        else:  # first take what has arrived since, so its pages move while this one lands
+            self._take_headers(peer)
+            self._wait(peer.prefetched.pop(seq), peer, "the page of " + str(write))
+            target.copy_(peer.staging[seq % self.config.writes_in_flight_max])
+        self._complete(peer, seq, write, LANDED, target.numel())
+        self.bytes_landed += target.numel()
+        self.writes_landed += 1
+        return target.numel()
+
+    def drop(self, write: PageWrite) -> None:
+        """Take a refused write off the wire into scratch: the decode page is not touched."""
+        peer, seq = self._oldest(write, "drop")
+        if peer.staging is None:
+            self._receive_payload(peer, seq, self.scratch, "the dropped page of " + str(write))
+        else:
+            self._wait(peer.prefetched.pop(seq), peer, "the dropped page of " + str(write))
+        self._complete(peer, seq, write, DROPPED, 0)
+        self.writes_dropped += 1
+
+    def _receive_payload(self, peer: _Peer, seq: int, into: torch.Tensor, what: str) -> None:
+        slot = seq % self.config.writes_in_flight_max
+        work = self._op(dist.irecv, into, peer, self.group, PAYLOAD_TAG_BASE + slot)
+        self._wait(work, peer, what)
+
+    def _complete(self, peer: _Peer, seq: int, write: PageWrite, kind: int, moved: int) -> None:
+        peer.arrived.popleft()
+        self._send_control(peer, header(kind, seq, write, moved), COMPLETION_TAG)
+
+    # -- both ----------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        """Prefill: writes posted whose completion has not come back. Decode: writes ready
+        and not landed or dropped (a write still on the wire is not known here yet)."""
+        return sum(self._in_flight_of(peer) for peer in self.peers.values())
+
+    def close(self) -> None:
+        """Tell every live peer this side is done (CLOSE), and wait (bounded) until our
+        control messages have gone out. Writes still in flight are the caller's to settle
+        first: their sends stay pending until the peer lands or drops them."""
+        tag = HEADER_TAG if self.config.role == PREFILL else COMPLETION_TAG
+        for peer in self.peers.values():
+            if not peer.lost:
+                self._send_control(peer, header(CLOSE, peer.next_seq), tag)
+        for peer in self.peers.values():
+            while peer.control_sends and not peer.lost:
+                self._wait(peer.control_sends.popleft()[0], peer, "our CLOSE")
+
+
+def _arrived(buffer: torch.Tensor) -> bool:
+    """Whether a posted control receive has been filled. torch's gloo send/recv works say
+    is_completed() only after wait() (measured: False with the bytes already there), and a
+    wait that times out closes the pair, so arrival is read from the buffer itself: it was
+    zeroed when posted, gloo's TCP pair reads a message into it in byte order, and the
+    trailer is its last field."""
+    return int(buffer[-1]) == TRAILER
+
+
+def _check_backends(payload: str, control: str, device: str) -> None:
+    """Headers are CPU tensors polled by their trailer: gloo. Pages go where the pool is:
+    gloo for a CPU pool, NCCL for a CUDA one."""
+    if control != "gloo":
+        raise TransportConfigError(f"control_group's backend is {control}: headers and "
+                                   "completions need a gloo group (dist.new_group(..., "
+                                   "backend='gloo'))")
+    expected = {"cpu": "gloo", "cuda": "nccl"}.get(device)
+    if payload != expected:
+        raise TransportConfigError(f"a {device} pool's pages cannot go over {payload}"
+                                   + (f": use {expected}" if expected else ""))

@@ -1,0 +1,261 @@
+"""engine/dist_transport.py between two real processes (gloo on 127.0.0.1), and its checks
+that need no second process.
+
+One spawned pair runs tests/dist_transport_cases.py's two scripts: pages posted, the source
+page overwritten after post lands its new bytes (gloo reads a send's buffer when the
+receiver posts its receive, and decode posts it at landing), the checksum carried with the
+header (and failing on the overwritten page: SourceReuse caught), a dropped write leaving
+its decode page alone, completions back with their bytes, the write window bounded, and
+the prefill's death turned into PeerLost by the landing's bound. Both processes are
+stopped by the test (joined, then killed past HARD_TIMEOUT_S).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine.dist_transport import (LANDED, MAGIC, VERSION, WRITE, DistTransport,
+                                   DistTransportConfig, TransportConfigError, TransportError,
+                                   _check_backends, _Peer, check_hello, header)
+from engine.transport import PageWrite
+from engine.pool import KVPool, PoolConfig
+from tests import dist_transport_cases as cases
+
+HARD_TIMEOUT_S = 30.0  # the whole pair, start to stop
+PAGE_BYTES = 2 * 2 * 1 * 4 * 8 * 4  # layers x K|V x heads x tokens x head_dim x fp32
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def collect(results, prefill, decode, landed_all, prefill_gone, deadline: float) -> dict:
+    """Every (name, value) both scripts reported, until both said "exit"; tells decode once
+    the prefill process has ended after decode's first landings."""
+    seen: dict = {}
+    exits = 0
+    while exits < 2 and time.monotonic() < deadline:
+        if landed_all.is_set() and not prefill.is_alive():
+            prefill_gone.set()
+        try:
+            name, value = results.get(timeout=0.05)
+        except queue.Empty:
+            if not prefill.is_alive() and not decode.is_alive():
+                break
+            continue
+        exits += name == "exit"
+        seen.setdefault(name, []).append(value)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def pair() -> dict:
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    events = {name: context.Event() for name in ("ready", "overwritten", "landed_all",
+                                                  "prefill_gone", "arrived",
+                                                  "overwritten_after_read", "prefill_closed",
+                                                  "decode_closed")}
+    port = free_port()
+    prefill = context.Process(target=cases.prefill_side, args=(port, events, results))
+    decode = context.Process(target=cases.decode_side, args=(port, events, results))
+    deadline = time.monotonic() + HARD_TIMEOUT_S
+    try:
+        prefill.start()
+        decode.start()
+        seen = collect(results, prefill, decode, events["landed_all"], events["prefill_gone"],
+                       deadline)
+    finally:
+        for process in (prefill, decode):
+            process.join(max(0.0, min(5.0, deadline - time.monotonic())))
+            if process.is_alive():
+                process.kill()
+                process.join(5.0)
+    seen["exitcodes"] = [prefill.exitcode, decode.exitcode]
+    return seen
+
+
+def one(seen: dict, name: str):
+    assert "error" not in seen, seen["error"]
+    assert name in seen, f"{name} never reported; saw {sorted(seen)}"
+    (value,) = seen[name]
+    return value
+
+
+def test_both_processes_ran_their_scripts_and_ended(pair):
+    assert "error" not in pair, pair["error"]
+    assert pair["exitcodes"] == [0, 0]
+
+
+def test_headers_carry_every_field_and_the_post_time_checksum(pair):
+    posted = one(pair, "posted")
+    assert one(pair, "ready") == posted
+    assert [w[1:4] for w in posted] == [(0, 2, 40), (1, 3, 41), (2, 4, 42)]
+    assert one(pair, "in_flight_posted") == 3
+
+
+def test_a_write_reads_its_source_page_when_it_lands(pair):
+    source_0, source_1_overwritten = one(pair, "source_at_landing")
+    landed_2, landed_3 = one(pair, "landed")
+    assert landed_2 == source_0
+    assert landed_3 == source_1_overwritten  # the bytes at landing, not at post or arrival
+    assert set(torch.tensor(landed_3).reshape(-1).tolist()) == {99.0}
+    assert set(torch.tensor(source_0).reshape(-1).tolist()) != {99.0}
+    # the checksum sent at post passes the untouched page and fails the overwritten one
+    assert one(pair, "verify") == [True, False]
+
+
+def test_a_dropped_write_leaves_its_decode_page_alone_and_completions_come_back(pair):
+    assert one(pair, "dropped_page_untouched") is True
+    posted = one(pair, "posted")
+    assert one(pair, "completions") == [(posted[0], True, PAGE_BYTES),
+                                       (posted[1], True, PAGE_BYTES), (posted[2], False, 0)]
+    assert one(pair, "in_flight_completed") == 0
+    assert one(pair, "counts") == (2, 2 * PAGE_BYTES, 1, 0)
+    assert pair["landed_bytes"] == [[PAGE_BYTES], [PAGE_BYTES]]
+
+
+def test_read_at_arrival_lands_the_bytes_as_they_left_before_an_overwrite(pair):
+    source = one(pair, "arrival_source")
+    landed = one(pair, "arrival_landed")
+    assert landed == source  # overwritten (77.0) after its bytes left: the old bytes land
+    assert set(torch.tensor(landed).reshape(-1).tolist()) != {77.0}
+    assert one(pair, "arrival_verify") == [True]
+    assert one(pair, "arrival_completions") == [(True, PAGE_BYTES)]
+
+
+def test_close_is_seen_by_the_peer_and_a_post_after_it_is_refused(pair):
+    assert one(pair, "closed_seen") == (True, [])
+    assert one(pair, "post_after_close") == "decode-0 (rank 1) has closed the transport"
+
+
+def test_landing_out_of_posting_order_is_refused(pair):
+    assert "ready writes are landed or dropped in their order" in one(pair, "out_of_order")
+
+
+def test_a_full_window_is_a_bounded_wait_then_a_clear_error(pair):
+    message = one(pair, "window_post")
+    assert message.startswith("no word from decode-0 (rank 1) for a completion to free one "
+                              "of its 3 write slots within 0.5 s (3 writes in flight")
+    assert one(pair, "window_wait_s") >= cases.SILENCE_S
+
+
+def test_a_dead_prefill_is_silence_then_peer_lost(pair):
+    assert one(pair, "late")[0][:4] == (9, 4, 6, 44)
+    # receives posted before it died just never fill: only the bound speaks
+    assert one(pair, "silence") == ("no word from prefill-0 (rank 0) for a write within 0.5 s "
+                                    "(1 writes in flight with it)")
+    assert one(pair, "silence_wait_s") >= cases.SILENCE_S
+    # posting the page's receive on the pair finds its connection closed and says so, or,
+    # when gloo has not yet seen the connection close, the landing's own bound does
+    first = one(pair, "land_dead_peer_0")
+    closed = first.startswith("prefill-0 (rank 0) is gone: gloo refused to post to it")
+    bound = first.startswith("prefill-0 (rank 0) did not complete the page of PageWrite("
+                             "request=9, source_page=4, decode_page=6, tag=44")
+    assert (closed and "Connection closed by peer" in first) or (
+        bound and "within 5.0 s; gloo closed the pair" in first), first
+    assert one(pair, "land_dead_peer_1") == first  # the pair stays lost
+    assert "land_dead_peer" not in pair  # never landed
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(role="router"), "role must be one of"),
+    (dict(worker=-1), "worker must be an index >= 0"),
+    (dict(peers=()), "peers is empty"),
+    (dict(peers=((0, 1), (0, 2))), "peers name a worker or a rank twice"),
+    (dict(writes_in_flight_max=0), "writes_in_flight_max must be in 1..4096"),
+    (dict(timeout_s=0), "timeout_s must be positive"),
+    (dict(handshake_timeout_s=-1), "handshake_timeout_s must be positive"),
+    (dict(read_at="post"), "read_at must be one of"),
+])
+def test_bad_config_is_a_clear_error(fields, message):
+    base = dict(role="prefill", worker=0, peers=((0, 1),))
+    with pytest.raises(TransportConfigError, match=message):
+        DistTransportConfig(**{**base, **fields})
+
+
+def test_a_transport_needs_an_initialized_process_group():
+    assert not dist.is_initialized()
+    pool = KVPool(PoolConfig(num_pages=2, **cases.PAGE_SHAPE))
+    with pytest.raises(TransportConfigError, match="torch.distributed is not initialized"):
+        DistTransport(pool, DistTransportConfig("prefill", 0, ((0, 1),)))
+
+
+def test_peers_that_disagree_are_refused_naming_both_numbers():
+    prefill = [MAGIC, VERSION, 0, 0, 512, 6, 3, 0, 0, 0]
+    decode = [MAGIC, VERSION, 1, 0, 512, 8, 3, 0, 0, 0]
+    check_hello(prefill, decode, 0, 1)
+    cases_ = [({4: 1024}, "rank 1's pages hold 1024 bytes, this pool's 512"),
+              ({6: 4}, "rank 1 allows 4 writes in flight, this one 3"),
+              ({2: 0}, "rank 1 has the same role"),
+              ({3: 2}, "rank 1 is decode-2, but peers names it decode-0"),
+              ({1: 9}, "is not a kvproof transport of version 1")]
+    for change, message in cases_:
+        theirs = list(decode)
+        for index, value in change.items():
+            theirs[index] = value
+        with pytest.raises(TransportConfigError, match=message):
+            check_hello(prefill, theirs, 0, 1)
+
+
+def forged(role: str):
+    """A DistTransport's checks without a process group: the peer's words are forged."""
+    transport = DistTransport.__new__(DistTransport)
+    transport.pool = KVPool(PoolConfig(num_pages=8, **cases.PAGE_SHAPE))
+    transport.config = DistTransportConfig(role, 0, ((0, 1),), writes_in_flight_max=3)
+    transport.peers = {0: _Peer(0, 1)}
+    transport._completed = []
+    return transport, transport.peers[0]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({}, None),
+    ({0: LANDED}, "sent a landed message on the header channel"),
+    ({1: 5}, "sent seq 5 where 0 was next"),
+    ({7: 3}, "sent a write from prefill-3 to decode-0 on the pair prefill-0 -> decode-0"),
+    ({8: 2}, "sent a write from prefill-0 to decode-2"),
+    ({4: 8}, "sent decode page 8 of a 8-page pool"),
+    ({4: -1}, "sent decode page -1 of a 8-page pool"),
+])
+def test_a_forged_header_is_a_clear_error_naming_the_peer(change, message):
+    transport, peer = forged("decode")
+    fields = header(WRITE, 0, PageWrite(7, 1, 2, 40, 123, 0, 0)).tolist()
+    for index, value in change.items():
+        fields[index] = value
+    if message is None:
+        assert transport._checked_write(peer, fields) == PageWrite(7, 1, 2, 40, 123, 0, 0)
+        return
+    with pytest.raises(TransportError, match="prefill-0 \\(rank 1\\) " + message):
+        transport._checked_write(peer, fields)
+
+
+def test_a_forged_completion_is_a_clear_error_naming_the_peer():
+    transport, peer = forged("prefill")
+    write = PageWrite(7, 1, 2, 40, 123, 0, 0)
+    peer.in_flight[0] = write
+    with pytest.raises(TransportError, match="decode-0 \\(rank 1\\) sent a landed completion "
+                       "for seq 4, which names no write in flight"):
+        transport._completion(peer, header(LANDED, 4, write, 512).tolist())
+    with pytest.raises(TransportError, match="sent a write completion for seq 0"):
+        transport._completion(peer, header(WRITE, 0, write, 512).tolist())
+
+
+@pytest.mark.parametrize("payload, control, device, message", [
+    ("gloo", "nccl", "cpu", "control_group's backend is nccl"),
+    ("nccl", "gloo", "cpu", "a cpu pool's pages cannot go over nccl: use gloo"),
+    ("gloo", "gloo", "cuda", "a cuda pool's pages cannot go over gloo: use nccl"),
+])
+def test_backends_that_cannot_carry_the_pool_are_refused(payload, control, device, message):
+    _check_backends("gloo", "gloo", "cpu")
+    _check_backends("nccl", "gloo", "cuda")
+    with pytest.raises(TransportConfigError, match=message):
+        _check_backends(payload, control, device)
