@@ -9,8 +9,10 @@ computes and posts page writes; the decode reserves for waiting bootstraps, batc
 steps. Every protocol move goes back through the simulation's `offer`/`take`: a worker
 never changes protocol state itself.
 
-Time is modelled: compute for prompt/throughput seconds, a decode step as a function of
-batch size and context, a page write serialised by the link's bandwidth. Counters that
+Time is modelled by the scenario's compute model (sim/compute.py: prompt/throughput
+seconds and a decode step linear in batch size and context, or tables calibrated on the
+engine), a page write serialised by the link's bandwidth (or the calibrated transport's
+page-write time). Counters that
 can drift (NIC slots, a busy flag) are asserted where they change (TIGER_STYLE: pair
 assertions): an increment checks the bound, a decrement checks it does not go below zero.
 """
@@ -63,7 +65,7 @@ class SimPrefill:
         sim = self.sim
         pages = len(sim.cluster.rows[r][SRC])
         self.busy = True
-        compute_s = pages * sim.page_tokens / sim.sc.compute.prefill_tokens_per_s
+        compute_s = sim.compute.prefill_delay_s(sim.env.now, pages * sim.page_tokens)
         f = sim.sc.faults
         if f.prefill_fail_probability and sim.rng["faults"].random() < f.prefill_fail_probability:
             sim.later(sim.rng["faults"].uniform(0, compute_s), sim._prefill_fail, r)
@@ -245,8 +247,14 @@ class SimDecode:
     def start_decoding(self, r: int) -> None:
         sim = self.sim
         prompt = sim.cluster.rows[r][core.PROMPT]
-        sequence = sim.decoding[r] = DecodeBatch.sequence(r, sim.output[r],
-                                                           prompt * sim.page_tokens)
+        steps = sim.output[r]
+        if sim.compute.first_token_at_prefill:
+            # The engine's way (sim/compute.py): the prefill sampled the first token, out
+            # now; the batch's steps make the rest (one at least: a one-token output costs
+            # one step here where the engine's would finish at once).
+            sim._fact(FIRST_TOKEN, r)
+            steps = max(1, steps - 1)
+        sequence = sim.decoding[r] = DecodeBatch.sequence(r, steps, prompt * sim.page_tokens)
         self.batch.add(sequence)
         self.kick()
 
@@ -306,9 +314,7 @@ class SimDecode:
         batch.fill(sim.sc.cluster.decode_batch_max)
         if not batch.size:
             return
-        c = sim.sc.compute
-        step_s = (c.decode_step_base_s + c.decode_step_per_request_s * batch.size
-                  + c.decode_step_per_context_token_s * batch.context_tokens)
+        step_s = sim.compute.decode_delay_s(sim.env.now, batch.size, batch.context_tokens)
         batch.stepping = True
         batch.step_ends_s = sim.env.now + step_s
         sim.later(step_s, self._stepped)
@@ -318,6 +324,8 @@ class SimDecode:
         assert batch.stepping, f"decode {self.index}: a step ended that never started"
         batch.stepping = False
         first, done = batch.step()
+        if sim.compute.first_token_at_prefill:
+            first = ()  # emitted when decoding started
         if not done:  # most steps: only the sequences that joined emit their first token
             for sequence in first:
                 if sequence[0] >= 0:
