@@ -325,7 +325,7 @@ class SimDecode:
         batch.stepping = False
         first, done = batch.step()
         if sim.compute.first_token_at_prefill:
-            first = ()  # emitted when decoding started
+            first = []  # emitted when decoding started
         if not done:  # most steps: only the sequences that joined emit their first token
             for sequence in first:
                 if sequence[0] >= 0:
