@@ -74,15 +74,31 @@ def workers_of(text: str) -> tuple[int, int]:
     return p, d
 
 
-def requests_of(args) -> list[tuple[float, int, int]]:
-    """(arrival s, prompt tokens, output tokens) per request, from the seed alone."""
+def requests_of(args, rate: float) -> list[tuple[float, int, int]]:
+    """(arrival s, prompt tokens, output tokens) per request: the lengths and the arrivals'
+    pattern from the seed alone, the pattern scaled to `rate` arrivals per second."""
     rng = random.Random(args.seed)
     at, out = 0.0, []
     low, high = (-(-t // PAGE_TOKENS) for t in args.prompt_tokens)
     for _ in range(args.requests):
         out.append((at, rng.randint(low, high) * PAGE_TOKENS, rng.randint(*args.output_tokens)))
-        at += rng.expovariate(args.rate)
+        at += rng.expovariate(1.0) / rate
     return out
+
+
+def rate_for_load(args, compute_path: Path) -> float:
+    """Arrivals per second that offer `args.load` of one worker pair's capacity, by the
+    calibrated tables: a mean request prefilled alone, then decoded alone."""
+    from sim.compute import CalibratedCompute, read_compute_file
+    from sim.scenario import Compute, Link
+
+    model = CalibratedCompute(read_compute_file(compute_path),
+                              Compute(prefill_chunk_tokens=CHUNK_TOKENS), Link(), PAGE_TOKENS)
+    prompt = sum(args.prompt_tokens) / 2
+    output = sum(args.output_tokens) / 2
+    service_s = (model.prefill_s(prompt)
+                 + (output - 1) * model.decode_step_s(1, prompt + output / 2))
+    return args.load * min(args.workers) / service_s
 
 
 def percentiles(values: list[float]) -> dict:
@@ -199,7 +215,7 @@ def explain_engine(spent: dict, compute_path: Path) -> None:
         print(f"engine decode steps in the run / the calibrated table at the same batch and "
               f"context: median {statistics.median(ratios):.3f} (p10 "
               f"{ratios[len(ratios) // 10]:.3f}, p90 {ratios[len(ratios) * 9 // 10]:.3f}, "
-              f"{len(ratios)} steps)")
+              f"{len(ratios)} steps, batches up to {max(b for b, _, _ in spent['decode'])})")
 
 
 # -- the simulator ------------------------------------------------------------------------------
@@ -244,7 +260,8 @@ def run_sim(requests, workers, compute_path: Path, folder: Path, seed: int):
 
 # -- calibration --------------------------------------------------------------------------------
 
-def calibrate_for(model, model_name: str, requests, path: Path, repeats: int) -> None:
+def calibrate_for(model, model_name: str, requests, path: Path, repeats: int,
+                  batch_max: int) -> None:
     from engine.calibrate import Grid, calibrate
     from sim.compute import CalibratedTables, write_compute_file
 
@@ -252,10 +269,11 @@ def calibrate_for(model, model_name: str, requests, path: Path, repeats: int) ->
     longest_context = max(p + o for _, p, o in requests)
     prompts = sorted({16, 64} | {t for t in (128, 256, 512, 1024, 2048) if t < longest_prompt}
                      | {longest_prompt})
-    contexts = sorted({16, 64} | {t for t in (128, 256, 512, 1024, 2048) if t < longest_context}
+    contexts = sorted({16} | {t for t in (64, 256, 1024, 4096) if t < longest_context}
                       | {longest_context})
+    batches = sorted({1, 2} | {b for b in (4, 8, 16, 32, 64) if b < batch_max} | {batch_max})
     grid = Grid(prompt_tokens=tuple(prompts), chunk_tokens=(CHUNK_TOKENS,),
-                batch_sizes=(1, 2, 3, 4, 6, 8, 12, 16), context_tokens=tuple(contexts),
+                batch_sizes=tuple(batches), context_tokens=tuple(contexts),
                 page_tokens=PAGE_TOKENS, repeats=repeats)
     print(f"calibrating: {grid.cells} cells x {repeats} repeats", flush=True)
     data = calibrate(model, grid, model_name, progress=lambda line: print("  " + line,
@@ -270,18 +288,25 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: api/engine_options.py's rule)")
     parser.add_argument("--workers", type=workers_of, default=(1, 1), metavar="PxD")
-    parser.add_argument("--requests", type=int, default=40)
-    parser.add_argument("--rate", type=float, default=2.0, help="arrivals per second")
-    parser.add_argument("--prompt-tokens", type=span, default=(32, 256), metavar="MIN,MAX")
-    parser.add_argument("--output-tokens", type=span, default=(8, 32), metavar="MIN,MAX")
+    parser.add_argument("--requests", type=int, default=30)
+    parser.add_argument("--rate", type=float, default=None,
+                        help="arrivals per second (default: from --load)")
+    parser.add_argument("--load", type=float, default=0.4,
+                        help="offered load, a fraction of what the calibrated tables say "
+                             "one worker pair serves (default 0.4); --rate overrides it")
+    parser.add_argument("--prompt-tokens", type=span, default=(32, 128), metavar="MIN,MAX")
+    parser.add_argument("--output-tokens", type=span, default=(8, 24), metavar="MIN,MAX")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--compute", default=None, metavar="FILE",
                         help="a compute model file to use instead of calibrating here")
     parser.add_argument("--repeats", type=int, default=3, help="calibration repeats per cell")
+    parser.add_argument("--batch-max", type=int, default=8,
+                        help="calibration: the largest decode batch measured (default 8; "
+                             "larger batches are extrapolated)")
     parser.add_argument("--seconds-max", type=float, default=300.0,
                         help="bound on the engine run (default 300)")
     args = parser.parse_args()
-    assert args.requests >= 1 and args.rate > 0 and args.repeats >= 1
+    assert args.requests >= 1 and (args.rate or 1) > 0 and args.load > 0 and args.repeats >= 1
 
     from api.engine_options import set_threads
     from engine.load import load_model
@@ -289,17 +314,21 @@ def main() -> None:
     print(f"seed {args.seed}; load average at start: {load_average()}", flush=True)
     threads = set_threads(args.threads)
     loaded = load_model(args.model)
-    requests = requests_of(args)
     print(f"model {loaded.path.name}, {loaded.model.dtype}, torch threads {threads}; "
-          f"workers {args.workers[0]}x{args.workers[1]}; {len(requests)} requests at "
-          f"{args.rate:g}/s over {requests[-1][0]:.1f} s, prompts {args.prompt_tokens[0]}.."
-          f"{args.prompt_tokens[1]}, outputs {args.output_tokens[0]}..{args.output_tokens[1]}"
-          " tokens", flush=True)
+          f"workers {args.workers[0]}x{args.workers[1]}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kvproof-fidelity-") as tmp:
         folder = Path(tmp)
         compute = Path(args.compute) if args.compute else folder / "compute.toml"
         if not args.compute:
-            calibrate_for(loaded.model, loaded.path.name, requests, compute, args.repeats)
+            calibrate_for(loaded.model, loaded.path.name, requests_of(args, 1.0), compute,
+                          args.repeats, args.batch_max)
+        rate = args.rate or rate_for_load(args, compute)
+        requests = requests_of(args, rate)
+        print(f"{len(requests)} requests at {rate:.3g}/s"
+              + ("" if args.rate else f" (offered load {args.load:g} by the calibration)")
+              + f" over {requests[-1][0]:.1f} s, prompts {args.prompt_tokens[0]}.."
+              f"{args.prompt_tokens[1]}, outputs {args.output_tokens[0]}.."
+              f"{args.output_tokens[1]} tokens", flush=True)
         print("engine run ...", flush=True)
         engine_ttft, engine_itl, wall_s, spent = run_engine(loaded.model, requests,
                                                             args.workers, args.seconds_max)
@@ -309,7 +338,8 @@ def main() -> None:
         explain_engine(spent, compute)
     print(f"load average at end: {load_average()}")
     words = [f"python bench/sim_fidelity.py --seed {args.seed} --requests {args.requests} "
-             f"--rate {args.rate:g} --workers {args.workers[0]}x{args.workers[1]} "
+             + (f"--rate {args.rate:g}" if args.rate else f"--load {args.load:g}")
+             + f" --workers {args.workers[0]}x{args.workers[1]} "
              f"--prompt-tokens {args.prompt_tokens[0]},{args.prompt_tokens[1]} "
              f"--output-tokens {args.output_tokens[0]},{args.output_tokens[1]}"]
     if args.model:

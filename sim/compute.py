@@ -31,8 +31,10 @@ carries which one it measured (`first_token`: "prefill" or "decode-step").
 
 `serial_workers` (a scenario field, off by default) models the in-process engine
 (engine/runtime.py), where every prefill and decode worker takes turns on one thread: a
-computation starts only when the one before it, on any worker, has ended. Off, each
-worker computes in parallel with the others (one accelerator each).
+computation starts only when the one before it, on any worker, has ended, and a message
+between workers is taken only once the computations under way have ended (the loop
+delivers between steps: sim/link.py). Off, each worker computes in parallel with the
+others (one accelerator each) and messages take the link's latency alone.
 """
 
 from __future__ import annotations
@@ -267,6 +269,11 @@ class LinearCompute(_Delays):
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         return self.base_s + self.per_request_s * batch + self.per_context_s * context_tokens
 
+    def decode_delay_s(self, now: float, batch: int, context_tokens: int) -> float:
+        # _Delays' rule with the step inlined: once per simulated decode step (a hot path)
+        duration = self.base_s + self.per_request_s * batch + self.per_context_s * context_tokens
+        return duration if self.loop is None else self.loop.occupy(now, duration)
+
 
 class CalibratedCompute(_Delays):
     """Tables measured by `kvproof sim calibrate` (module header for the rules)."""
@@ -303,6 +310,11 @@ class SerialLoop:
 
     def __init__(self) -> None:
         self.free_at_s = 0.0
+
+    def wait_s(self, now: float) -> float:
+        """How long a message sent now waits to be taken: the engine's loop delivers
+        messages between its workers' steps, so after the computations already under way."""
+        return self.free_at_s - now if self.free_at_s > now else 0.0
 
     def occupy(self, now: float, duration_s: float) -> float:
         start = self.free_at_s if self.free_at_s > now else now
