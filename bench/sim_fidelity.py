@@ -141,7 +141,7 @@ def run_engine(model, requests, workers, seconds_max: float):
     for worker in runtime.decodes:
         worker.step = timed_decode(worker, worker.step, spent["decode"])
     for worker in runtime.prefills:
-        worker.step = timed_prefill(worker.step, spent["prefill"])
+        worker.step = timed_prefill(worker, worker.step, spent["prefill"])
     start = time.perf_counter()
     deadline = start + seconds_max
     scheduled = {}
@@ -184,11 +184,15 @@ def timed_decode(worker, step, out: list):
     return timed
 
 
-def timed_prefill(step, out: list):
+def timed_prefill(worker, step, out: list):
+    """A prefill worker's step, recording (tokens it computes, seconds) of each."""
     def timed():
+        tokens = min(worker.chunk_tokens, sum(len(s.prompt_ids) - s.prefilled_tokens
+                                              for s in worker.computing))
         began = time.perf_counter()
         result = step()
-        out.append(time.perf_counter() - began)
+        if tokens:
+            out.append((tokens, time.perf_counter() - began))
         return result
     return timed
 
@@ -205,17 +209,22 @@ def explain_engine(spent: dict, compute_path: Path) -> None:
     model = CalibratedCompute(tables, Compute(prefill_chunk_tokens=CHUNK_TOKENS), Link(),
                               PAGE_TOKENS)
     decode_s = sum(s for _, _, s in spent["decode"])
-    prefill_s = sum(spent["prefill"])
+    prefill_s = sum(s for _, s in spent["prefill"])
     loop_s = spent["loop"] or 1e-9
     print(f"engine loop {loop_s:.2f} s busy: decode steps {decode_s / loop_s:.0%}, prefill "
           f"steps {prefill_s / loop_s:.0%}, the rest (core events, delivery, transport, "
           f"streaming, timers) {(loop_s - decode_s - prefill_s) / loop_s:.0%}")
-    ratios = sorted(s / model.decode_step_s(b, c) for b, c, s in spent["decode"])
-    if ratios:
-        print(f"engine decode steps in the run / the calibrated table at the same batch and "
-              f"context: median {statistics.median(ratios):.3f} (p10 "
-              f"{ratios[len(ratios) // 10]:.3f}, p90 {ratios[len(ratios) * 9 // 10]:.3f}, "
-              f"{len(ratios)} steps, batches up to {max(b for b, _, _ in spent['decode'])})")
+    for what, ratios in (
+            ("decode steps", [s / model.decode_step_s(b, c) for b, c, s in spent["decode"]]),
+            ("prefill steps", [s / model.prefill_s(t) for t, s in spent["prefill"]])):
+        ratios.sort()
+        if ratios:
+            print(f"engine {what} in the run / the calibrated table at the same shape: median "
+                  f"{statistics.median(ratios):.3f} (p10 {ratios[len(ratios) // 10]:.3f}, p90 "
+                  f"{ratios[len(ratios) * 9 // 10]:.3f}, {len(ratios)} steps)")
+    print(f"largest engine decode batch {max((b for b, _, _ in spent['decode']), default=0)}, "
+          f"largest prefill step {max((t for t, _ in spent['prefill']), default=0)} tokens "
+          "(several prompts in one step: the simulator prefills one at a time)")
 
 
 # -- the simulator ------------------------------------------------------------------------------
@@ -288,14 +297,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: api/engine_options.py's rule)")
     parser.add_argument("--workers", type=workers_of, default=(1, 1), metavar="PxD")
-    parser.add_argument("--requests", type=int, default=30)
+    parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--rate", type=float, default=None,
                         help="arrivals per second (default: from --load)")
     parser.add_argument("--load", type=float, default=0.4,
                         help="offered load, a fraction of what the calibrated tables say "
                              "one worker pair serves (default 0.4); --rate overrides it")
-    parser.add_argument("--prompt-tokens", type=span, default=(32, 128), metavar="MIN,MAX")
-    parser.add_argument("--output-tokens", type=span, default=(8, 24), metavar="MIN,MAX")
+    parser.add_argument("--prompt-tokens", type=span, default=(32, 96), metavar="MIN,MAX")
+    parser.add_argument("--output-tokens", type=span, default=(4, 12), metavar="MIN,MAX")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--compute", default=None, metavar="FILE",
                         help="a compute model file to use instead of calibrating here")
@@ -303,8 +312,8 @@ def main() -> None:
     parser.add_argument("--batch-max", type=int, default=8,
                         help="calibration: the largest decode batch measured (default 8; "
                              "larger batches are extrapolated)")
-    parser.add_argument("--seconds-max", type=float, default=300.0,
-                        help="bound on the engine run (default 300)")
+    parser.add_argument("--seconds-max", type=float, default=600.0,
+                        help="bound on the engine run (default 600)")
     args = parser.parse_args()
     assert args.requests >= 1 and (args.rate or 1) > 0 and args.load > 0 and args.repeats >= 1
 

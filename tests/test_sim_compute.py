@@ -82,6 +82,7 @@ def test_serial_workers_take_turns():
     assert loop.occupy(0.0, 1.0) == 1.0
     assert loop.occupy(0.5, 1.0) == 1.5   # waits for the first to end at 1.0
     assert loop.occupy(3.0, 0.25) == 0.25  # idle by then
+    assert loop.wait_s(3.0) == 0.25 and loop.wait_s(4.0) == 0.0  # a message: after it
 
 
 def one_request_scenario(folder: Path, model: str, **compute) -> Path:
@@ -252,3 +253,29 @@ def test_calibrate_refuses_bad_options_and_writes_nothing_over_its_bound(tmp_pat
     assert "cells measured" in err and "raise the time bound" in err
     assert not out.exists()
     assert not os.path.exists(str(tmp_path / "no"))
+
+
+def test_serial_workers_share_one_loop_in_a_run(tmp_path):
+    """Two prompts at once on two prefill workers: in parallel each is first-token ready at
+    20 ms + 4 page writes; on one loop the second computes after the first (20..40 ms), and
+    the first's final word waits for that computation (taken at 40 ms)."""
+    from sim.run import simulate
+
+    write_tables(tmp_path / "compute.toml")
+    (tmp_path / "trace.jsonl").write_text("".join(json.dumps(
+        {"arrival_s": 0.0, "prompt_tokens": 64, "output_tokens": 2}) + "\n" for _ in range(2)))
+    base = {"requests": 2, "cluster": {"prefill_workers": 2, "decode_workers": 1,
+                                       "page_tokens": 16, "prefill_pool_tokens": 1024,
+                                       "decode_pool_tokens": 1024, "context_tokens": 512},
+            "workload": {"arrival": "trace", "trace_file": str(tmp_path / "trace.jsonl")},
+            "link": {"message_latency_s": 0.0, "write_latency_s": 0.0},
+            "compute": {"model": "compute.toml", "transport": "in-process",
+                        "prefill_chunk_tokens": 64}}
+    ttft = {}
+    for serial in (False, True):
+        data = json.loads(json.dumps(base))
+        data["compute"]["serial_workers"] = serial
+        _, sim = simulate(scenario_from_dict(data, base_dir=tmp_path))
+        ttft[serial] = sorted(sim.folder.metrics.ttft_s)
+    assert ttft[False] == [pytest.approx(0.022)] * 2
+    assert ttft[True] == [pytest.approx(0.040), pytest.approx(0.042)]
