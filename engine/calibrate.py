@@ -12,8 +12,11 @@ Theory of operation. `kvproof sim calibrate` times the engine's own workers
 - page writes: `InProcessTransport` post, arrival and landing (pack and unpack of the page's
   bytes) of one page, per page over a run of pages.
 
-Each cell is measured after a warm-up run of the same shape (first-use allocations and
-oneDNN's kernel choice), `repeats` times; the median goes in the table. The pools hold
+The grid is measured `repeats` times over, one pass after another, each pass visiting every
+cell once (the first pass runs each cell once more before timing it: first-use allocations
+and oneDNN's kernel choice), and each cell keeps the median of its passes. On a machine
+shared with other work a burst of load then lands on one pass of many cells, which the
+median drops, rather than on every repeat of one cell. The pools hold
 garbage K/V (free pages are never zeroed), which costs the same to compute over. Every
 measurement is bounded: the whole run by `seconds_max` (checked before every cell), the
 pools by `pool_bytes_max`.
@@ -67,14 +70,10 @@ class Grid:
                 + len(self.batch_sizes) * len(self.context_tokens) + 1)
 
 
-def _median_s(run: Callable[[], None], repeats: int) -> float:
-    run()  # warm-up: the shape's first-use costs
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
+def _seconds(run: Callable[[], None]) -> float:
+    began = time.perf_counter()
+    run()
+    return time.perf_counter() - began
 
 
 def _pool(model, pages: int, page_tokens: int, limit_bytes: int, what: str):
@@ -101,10 +100,9 @@ def _tokens(model, count: int, seed: int) -> tuple[int, ...]:
                                generator=generator).tolist())
 
 
-def prefill_seconds(model, prompt_tokens: int, chunk_tokens: int, grid: Grid) -> float:
-    """One prompt alone, chunk by chunk to its first token (module header)."""
-    import torch
-
+def prefill_run(model, prompt_tokens: int, chunk_tokens: int, grid: Grid) -> Callable:
+    """One prompt alone, chunk by chunk to its first token (module header): set up, and
+    the run to time."""
     from engine.generate import Request
     from engine.sampling import SamplingParams
     from engine.workers import PrefillWorker
@@ -123,15 +121,12 @@ def prefill_seconds(model, prompt_tokens: int, chunk_tokens: int, grid: Grid) ->
             assert not faults, f"calibration prefill failed: {faults[0].detail}"
         assert completed and not worker.computing, "the prompt did not complete"
 
-    with torch.inference_mode():
-        return _median_s(run, grid.repeats)
+    return run
 
 
-def decode_seconds(model, batch: int, context_tokens: int, grid: Grid) -> float:
+def decode_run(model, batch: int, context_tokens: int, grid: Grid) -> Callable:
     """One decode step of `batch` sequences of `context_tokens` tokens each, and the
-    sampling of each row (module header)."""
-    import torch
-
+    sampling of each row (module header): set up, and the run to time."""
     from engine.generate import Request
     from engine.sampling import SamplingParams, sample
     from engine.workers import DecodeWorker, page_tag
@@ -155,12 +150,12 @@ def decode_seconds(model, batch: int, context_tokens: int, grid: Grid) -> float:
         for sequence, _, logits in results:
             sample(logits[None], [sequence.request.sampling], [sequence.generator])
 
-    with torch.inference_mode():
-        return _median_s(run, grid.repeats)
+    return run
 
 
-def page_write_seconds(model, grid: Grid) -> tuple[float, int]:
-    """(seconds per page, bytes per page) of InProcessTransport's post -> ready -> land."""
+def page_write_run(model, grid: Grid, page_bytes: list) -> Callable:
+    """InProcessTransport's post -> ready -> land of TRANSPORT_PAGES pages: set up, and the
+    run to time (it leaves the bytes of one page in `page_bytes`)."""
     from engine.pool import KVPool
     from engine.transport import InProcessTransport, PageWrite
 
@@ -169,15 +164,14 @@ def page_write_seconds(model, grid: Grid) -> tuple[float, int]:
     source, target = KVPool(config), KVPool(config)
     transport = InProcessTransport([source], [target])
     writes = [PageWrite(0, page, page, 1, 0) for page in range(TRANSPORT_PAGES)]
-    moved = [0]
 
     def run() -> None:
         for write in writes:
             transport.post(write)
-        moved[0] = sum(transport.land(write) for write in transport.ready())
+        page_bytes[:] = [sum(transport.land(write) for write in transport.ready())
+                         // TRANSPORT_PAGES]
 
-    seconds = _median_s(run, grid.repeats) / TRANSPORT_PAGES
-    return seconds, moved[0] // TRANSPORT_PAGES
+    return run
 
 
 def machine(model, model_name: str) -> dict:
@@ -198,42 +192,44 @@ def machine(model, model_name: str) -> dict:
 def calibrate(model, grid: Grid, model_name: str = "model",
               progress: Callable[[str], None] | None = None) -> dict:
     """Every cell of the grid, in the compute file's layout (sim/compute.py); progress gets
-    one line per cell. CalibrationError when the grid outgrows seconds_max."""
-    started = time.perf_counter()
-    done = [0]
+    one line per measurement. CalibrationError when the grid outgrows seconds_max."""
+    import torch
 
-    def cell(what: str, measure: Callable[[], float]) -> float:
-        elapsed = time.perf_counter() - started
-        if elapsed > grid.seconds_max:
-            raise CalibrationError(
-                f"the grid took longer than {grid.seconds_max:g} s ({done[0]} of "
-                f"{grid.cells} cells measured, stopped before {what}); measure fewer or "
-                "smaller grid points, fewer repeats, or raise the time bound")
-        seconds = measure()
-        done[0] += 1
-        if progress is not None:
-            bar = "#" * (20 * done[0] // grid.cells)
-            progress(f"[{bar:<20}] {done[0]:>3}/{grid.cells}  {what}: {seconds * 1e3:9.3f} ms "
-                     f"({time.perf_counter() - started:5.1f} s)")
-        return seconds
-
+    cells = [(("prefill", c, p), f"prefill {p:>6} tokens, chunks of {c}",
+              lambda p=p, c=c: prefill_run(model, p, c, grid))
+             for c in grid.chunk_tokens for p in grid.prompt_tokens]
+    cells += [(("decode", b, n), f"decode step, batch {b:>3} x {n:>6} tokens",
+               lambda b=b, n=n: decode_run(model, b, n, grid))
+              for b in grid.batch_sizes for n in grid.context_tokens]
+    page_bytes = [0]
+    cells.append((("transport",), f"page write ({IN_PROCESS}, {grid.page_tokens} tokens, "
+                  f"{TRANSPORT_PAGES} pages)", lambda: page_write_run(model, grid, page_bytes)))
+    times: dict[tuple, list[float]] = {key: [] for key, _, _ in cells}
+    total, started = len(cells) * grid.repeats, time.perf_counter()
     measured = machine(model, model_name)
+    with torch.inference_mode():
+        for repeat in range(grid.repeats):
+            for index, (key, what, make) in enumerate(cells):
+                done = repeat * len(cells) + index
+                elapsed = time.perf_counter() - started
+                if elapsed > grid.seconds_max:
+                    raise CalibrationError(
+                        f"the grid took longer than {grid.seconds_max:g} s ({done} of {total} "
+                        f"measurements, stopped before {what}); measure fewer or smaller grid "
+                        "points, fewer repeats, or raise the time bound")
+                run = make()
+                if repeat == 0:
+                    run()  # warm-up: the shape's first-use costs
+                times[key].append(_seconds(run))
+                if progress is not None:
+                    count = done + 1
+                    bar = "#" * (20 * count // total)
+                    progress(f"[{bar:<20}] {count:>4}/{total}  pass {repeat + 1}/{grid.repeats}"
+                             f"  {what}: {times[key][-1] * 1e3:9.3f} ms "
+                             f"({time.perf_counter() - started:5.1f} s)")
+    median = {key: statistics.median(values) for key, values in times.items()}
     measured["page_tokens"] = grid.page_tokens
     measured["repeats"] = grid.repeats
-    prefill = [[cell(f"prefill {p:>6} tokens, chunks of {c}",
-                     lambda p=p, c=c: prefill_seconds(model, p, c, grid))
-                for p in grid.prompt_tokens] for c in grid.chunk_tokens]
-    decode = [[cell(f"decode step, batch {b:>3} x {n:>6} tokens",
-                    lambda b=b, n=n: decode_seconds(model, b, n, grid))
-               for n in grid.context_tokens] for b in grid.batch_sizes]
-    write_s = [0.0]
-    page_bytes = [0]
-
-    def transport() -> float:
-        write_s[0], page_bytes[0] = page_write_seconds(model, grid)
-        return write_s[0]
-
-    cell(f"page write ({IN_PROCESS}, {grid.page_tokens} tokens)", transport)
     try:
         measured["load_average_end"] = round(os.getloadavg()[0], 2)
     except OSError:
@@ -241,9 +237,14 @@ def calibrate(model, grid: Grid, model_name: str = "model",
     measured["seconds_taken"] = round(time.perf_counter() - started, 1)
     return {"format": "kvproof-compute/1", "first_token": "prefill", "measured": measured,
             "prefill": {"chunk_tokens": list(grid.chunk_tokens),
-                        "prompt_tokens": list(grid.prompt_tokens), "seconds": prefill},
+                        "prompt_tokens": list(grid.prompt_tokens),
+                        "seconds": [[median["prefill", c, p] for p in grid.prompt_tokens]
+                                    for c in grid.chunk_tokens]},
             "decode": {"batch_size": list(grid.batch_sizes),
-                       "context_tokens": list(grid.context_tokens), "step_seconds": decode},
+                       "context_tokens": list(grid.context_tokens),
+                       "step_seconds": [[median["decode", b, n] for n in grid.context_tokens]
+                                        for b in grid.batch_sizes]},
             "transport": {IN_PROCESS: {"page_tokens": grid.page_tokens,
                                        "page_bytes": page_bytes[0],
-                                       "write_seconds": write_s[0]}}}
+                                       "write_seconds": median["transport",]
+                                       / TRANSPORT_PAGES}}}

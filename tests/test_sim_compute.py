@@ -223,7 +223,7 @@ def test_calibrate_measures_the_grid_and_a_scenario_runs_on_it(tmp_path, capsys)
     assert main(["sim", "calibrate", "--model", str(model), "--out", str(out)]
                 + TINY_GRID) == 0
     printed = capsys.readouterr().out
-    assert "7/7  page write (in-process, 16 tokens)" in printed
+    assert "7/7  pass 1/1  page write (in-process, 16 tokens, 32 pages)" in printed
     tables = read_compute_file(out)
     assert tables.prefill.chunk_tokens == (32,) and tables.prefill.prompt_tokens == (16, 48)
     assert tables.decode.batch_size == (1, 3) and tables.decode.context_tokens == (8, 40)
@@ -250,7 +250,7 @@ def test_calibrate_refuses_bad_options_and_writes_nothing_over_its_bound(tmp_pat
     assert main(["sim", "calibrate", "--model", str(model), "--out", str(out),
                  "--seconds-max", "1e-9", "--quiet"] + TINY_GRID) == 2
     err = capsys.readouterr().err
-    assert "cells measured" in err and "raise the time bound" in err
+    assert "measurements, stopped before" in err and "raise the time bound" in err
     assert not out.exists()
     assert not os.path.exists(str(tmp_path / "no"))
 
