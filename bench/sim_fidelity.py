@@ -16,7 +16,11 @@ What it does, in order:
    lengths), with the calibrated compute model, the in-process transport's page-write
    time and `serial_workers` (the engine's workers take turns on one thread);
 5. prints TTFT and inter-token latency p50/p90/p99 from each side and the relative error
-   (sim - engine) / engine.
+   (sim - engine) / engine; then where the engine's loop time went, its own decode and
+   prefill steps against the calibrated table at the same shapes (the machine's drift
+   between calibration and run), and, for diagnosis only, the simulator once more with its
+   tables scaled by those median ratios: what error is left is the model's, not the
+   machine's (that second table uses the engine run, so it is no prediction).
 
 Inter-token latency: the engine's is every gap between two streamed tokens of a request;
 the simulator's is every decode step's duration, once per sequence in the step (a
@@ -197,6 +201,29 @@ def timed_prefill(worker, step, out: list):
     return timed
 
 
+def rescaled(compute_path: Path, spent: dict, folder: Path) -> Path:
+    """The compute file with its prefill and decode tables scaled by the engine run's own
+    median step ratios (run / table): the machine's drift between the calibration and the
+    run taken out. Diagnosis only (it uses the run it is compared with)."""
+    import statistics
+
+    from sim.compute import CalibratedCompute, read_compute_file, write_compute_file
+    from sim.scenario import Compute, Link
+
+    tables = read_compute_file(compute_path)
+    model = CalibratedCompute(tables, Compute(prefill_chunk_tokens=CHUNK_TOKENS), Link(),
+                              PAGE_TOKENS)
+    decode = statistics.median(s / model.decode_step_s(b, c) for b, c, s in spent["decode"])
+    prefill = statistics.median(s / model.prefill_s(t) for t, s in spent["prefill"])
+    data = tables.model_dump()
+    data["prefill"]["seconds"] = [[x * prefill for x in row] for row in tables.prefill.seconds]
+    data["decode"]["step_seconds"] = [[x * decode for x in row]
+                                      for row in tables.decode.step_seconds]
+    path = folder / "compute-rescaled.toml"
+    write_compute_file(path, type(tables).model_validate(data))
+    return path
+
+
 def explain_engine(spent: dict, compute_path: Path) -> None:
     """The engine's loop time by part, and its decode steps against the calibrated table
     (the same shapes): drift of the machine between calibration and run shows here."""
@@ -345,6 +372,13 @@ def main() -> None:
         sim_ttft, sim_itl = run_sim(requests, args.workers, compute, folder, args.seed)
         print_table(engine_ttft, engine_itl, sim_ttft, sim_itl)
         explain_engine(spent, compute)
+        if spent["decode"] and spent["prefill"]:
+            again_ttft, again_itl = run_sim(requests, args.workers,
+                                            rescaled(compute, spent, folder), folder, args.seed)
+            print("\ndiagnosis only: the simulator again, its tables scaled by the engine run's "
+                  "median step ratios above\n(the machine's drift between calibration and run "
+                  "taken out; what is left is the model's error):")
+            print_table(engine_ttft, engine_itl, again_ttft, again_itl)
     print(f"load average at end: {load_average()}")
     words = [f"python bench/sim_fidelity.py --seed {args.seed} --requests {args.requests} "
              + (f"--rate {args.rate:g}" if args.rate else f"--load {args.load:g}")
