@@ -7,6 +7,7 @@ one line and exit status 2.
     kvproof validate    TRACE [--model NAME|FILE] [--bug NAME ...]
     kvproof conformance [--model NAME|FILE] [--bug NAME ...] [--symmetry]
     kvproof sim         SCENARIO [--seed N] [--bug NAME ...] [--set FIELD=VALUE ...] ...
+    kvproof sim calibrate [--model PATH] --out FILE [--prompt-tokens N,...] ...
     kvproof fuzz        [--target NAME ...] [--seed N] [--examples N | --seconds S] ...
     kvproof generate    [--model PATH] [--device cpu|cuda] [--dtype D] [--threads N] [--chat]
                         PROMPT...
@@ -201,6 +202,7 @@ def _add_serve(commands) -> None:
 
 
 def build_parser() -> Parser:
+    from api.calibrate_command import add_parser as add_calibrate_parser
     from api.sim_command import add_parser as add_sim_parser
 
     parser = Parser(prog="kvproof", description="Safe KV-cache transfer for disaggregated LLM "
@@ -213,6 +215,7 @@ def build_parser() -> Parser:
     _add_validate(commands)
     _add_conformance(commands)
     add_sim_parser(commands)
+    add_calibrate_parser(commands)
     _add_fuzz(commands)
     _add_generate(commands)
     _add_serve(commands)
@@ -223,6 +226,9 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["sim", "calibrate"]:  # a verb of sim beside its positional scenario
+        from api.calibrate_command import NAME
+        argv = [NAME, *argv[2:]]
     options = [o for action in parser._actions for o in action.option_strings]
     if argv and argv[0].startswith("-") and not any(o.startswith(argv[0]) for o in options):
         # argparse would put it aside and then say that a SUBCOMMAND is missing

@@ -40,7 +40,8 @@ EXAMPLES = [
 EXTRA = ("aliases (kept for one release): --list = --list-scenarios\n"
          "--replay LOG re-runs a recorded run from its log alone (as kvproof fuzz --replay FILE "
          "does for a saved failure)\nand reports its verdict; it takes no option that would "
-         "change the run.")
+         "change the run.\nkvproof sim calibrate --out compute.toml measures the engine here "
+         "for a scenario's [compute] model\n(see kvproof sim calibrate --help).")
 
 
 def add_parser(commands) -> None:

@@ -29,7 +29,7 @@ class SimClock:
         t = sc.timeouts
         self.backstop_s = t.transfer_timeout_s
         self.leases = Leases(t.lease_s, t.transfer_timeout_s,
-                             sc.compute.prefill_chunk_tokens / sc.compute.prefill_tokens_per_s,
+                             sim.compute.prefill_chunk_s,
                              sc.cluster.prefill_workers)
         self.timers: dict[int, list] = {}  # request -> its armed transfer timer's token
         self.callbacks_pending = 0  # of the simulation's `pending`: timers, live or superseded

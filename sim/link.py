@@ -43,6 +43,9 @@ class SimLink:
         if f.message_delay_probability and rng.random() < f.message_delay_probability:
             delay += rng.expovariate(1.0 / f.message_delay_mean_s) if f.message_delay_mean_s else 0
             sim.fault_hits.fired("MessageDelay", hits.stressful_message(message))
+        loop = sim.compute.loop  # serial_workers: taken between steps (sim/compute.py)
+        if loop is not None:
+            delay += loop.wait_s(sim.env.now + delay)
         sim.later(delay, self._deliver, handler, r, worker, to_prefill)
 
     def _deliver(self, handler, r: int, worker: int, to_prefill: int) -> None:

@@ -59,6 +59,7 @@ from sim.fold import RUN_END, Folder, LogFile, encode, replay, write_header
 from sim.scenario import Scenario
 from sim.clients import SimClients, sample_tokens  # noqa: F401  (bench/ imports it here)
 from sim.clock import SimClock
+from sim.compute import compute_model
 from sim.link import SimLink
 from sim.workers import SimDecode, SimPrefill
 from sim.workload import TraceRequest, load_workload  # noqa: F401  (TraceRequest: a type)
@@ -92,8 +93,8 @@ class Simulation(ShellRuntime):
                     ("arrivals", "lengths", "faults", "links", "crashes", "reactions")}
         c = scenario.cluster
         self.page_tokens = c.page_tokens
-        self.page_transfer_s = (c.page_tokens * scenario.link.kv_bytes_per_token
-                                / scenario.link.bandwidth_bytes_per_s)
+        self.compute = compute_model(scenario)  # sim/compute.py
+        self.page_transfer_s = self.compute.page_write_s
         self.next_request = 0
         self.refusals: dict[str, int] = {}
         self.fault_hits = hits.FaultHits()  # how often each fault struck its target state

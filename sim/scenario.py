@@ -12,8 +12,10 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
+                      model_validator)
 
+from sim.compute import CalibratedTables, ComputeFileError, read_compute_file
 from spec.model import ALL_BUGS
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
@@ -102,6 +104,50 @@ class Compute(_Strict):
     decode_step_base_s: float = Field(0.010, ge=0)
     decode_step_per_request_s: float = Field(0.0002, ge=0)
     decode_step_per_context_token_s: float = Field(1e-8, ge=0)
+    # A compute model file (`kvproof sim calibrate --out FILE`): its measured tables replace
+    # the coefficients above (sim/compute.py). A relative path is read from the scenario
+    # file's folder (the working folder for --set). Loading copies the tables into `tables`
+    # and makes `model` absolute, so a run's log holds them and replays without the file.
+    model: str | None = None
+    tables: CalibratedTables | None = None
+    # A transport the compute model measured ("in-process"): its page-write time replaces
+    # the link's bandwidth model. None: the link's bandwidth and kv_bytes_per_token.
+    transport: str | None = None
+    # Every worker takes turns on one thread, as in the in-process engine (sim/compute.py).
+    serial_workers: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_model_file(cls, data, info: ValidationInfo):
+        if not isinstance(data, dict) or not data.get("model"):
+            return data
+        tables = data.get("tables")
+        source = tables.get("source") if isinstance(tables, dict) else getattr(
+            tables, "source", None)
+        path = Path(data["model"]).expanduser()
+        if not path.is_absolute():
+            base = (info.context or {}).get("base_dir")
+            path = (Path(base) if base else Path.cwd()) / path
+        if tables is not None and source == str(path.resolve()):
+            return data  # loaded already (a dumped scenario validated again)
+        try:
+            loaded = read_compute_file(path)
+        except ComputeFileError as error:
+            raise ValueError(str(error)) from None
+        return {**data, "model": loaded.source, "tables": loaded}
+
+    @model_validator(mode="after")
+    def _transport_measured(self) -> "Compute":
+        if self.transport is None:
+            return self
+        if self.tables is None:
+            raise ValueError(f"transport {self.transport!r} names a measured page write: "
+                             "give compute.model (a file kvproof sim calibrate wrote)")
+        if self.transport not in self.tables.transport:
+            raise ValueError(f"transport {self.transport!r} was not measured in "
+                             f"{self.model}; it has: "
+                             f"{', '.join(self.tables.transport) or 'none'}")
+        return self
 
 
 class Link(_Strict):
@@ -228,12 +274,15 @@ def load_scenario(name_or_path: str) -> Scenario:
         # every field has a default, so an empty file would run as a scenario nobody wrote
         raise ScenarioError(f"{path}: is empty: it sets no field, so it would silently run "
                             "every default")
-    return scenario_from_dict(data, where=str(path))
+    return scenario_from_dict(data, where=str(path), base_dir=path.parent)
 
 
-def scenario_from_dict(data: dict, where: str = "scenario") -> Scenario:
+def scenario_from_dict(data: dict, where: str = "scenario",
+                       base_dir: str | Path | None = None) -> Scenario:
+    """A scenario from its data; `base_dir` is where relative file names are read from
+    (compute.model; None: the working folder)."""
     try:
-        return Scenario.model_validate(data)
+        return Scenario.model_validate(data, context={"base_dir": base_dir})
     except ValidationError as error:
         raise ScenarioError(f"{where}: {_explain(error)}") from None
 

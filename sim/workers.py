@@ -9,8 +9,10 @@ computes and posts page writes; the decode reserves for waiting bootstraps, batc
 steps. Every protocol move goes back through the simulation's `offer`/`take`: a worker
 never changes protocol state itself.
 
-Time is modelled: compute for prompt/throughput seconds, a decode step as a function of
-batch size and context, a page write serialised by the link's bandwidth. Counters that
+Time is modelled by the scenario's compute model (sim/compute.py: prompt/throughput
+seconds and a decode step linear in batch size and context, or tables calibrated on the
+engine), a page write serialised by the link's bandwidth (or the calibrated transport's
+page-write time). Counters that
 can drift (NIC slots, a busy flag) are asserted where they change (TIGER_STYLE: pair
 assertions): an increment checks the bound, a decrement checks it does not go below zero.
 """
@@ -72,8 +74,9 @@ class SimPrefill:
 
     def compute_seconds(self, r: int, pages: int) -> float:
         """How long r's prompt of `pages` pages computes (a real worker, sim/hybrid.py,
-        computes it here)."""
-        return pages * self.sim.page_tokens / self.sim.sc.compute.prefill_tokens_per_s
+        computes it here): the scenario's compute model (sim/compute.py) says."""
+        sim = self.sim
+        return sim.compute.prefill_delay_s(sim.env.now, pages * sim.page_tokens)
 
     def post(self, write: tuple, d: int) -> None:
         """Post: the NIC takes a posted write. A SendPage may post any number of writes
@@ -250,8 +253,14 @@ class SimDecode:
     def start_decoding(self, r: int) -> None:
         sim = self.sim
         prompt = sim.cluster.rows[r][core.PROMPT]
-        sequence = sim.decoding[r] = DecodeBatch.sequence(r, sim.output[r],
-                                                           prompt * sim.page_tokens)
+        steps = sim.output[r]
+        if sim.compute.first_token_at_prefill:
+            # The engine's way (sim/compute.py): the prefill sampled the first token, out
+            # now; the batch's steps make the rest (one at least: a one-token output costs
+            # one step here where the engine's would finish at once).
+            sim._fact(FIRST_TOKEN, r)
+            steps = max(1, steps - 1)
+        sequence = sim.decoding[r] = DecodeBatch.sequence(r, steps, prompt * sim.page_tokens)
         self.batch.add(sequence)
         self.kick()
 
@@ -317,10 +326,10 @@ class SimDecode:
         sim.later(step_s, self._stepped)
 
     def step_seconds(self, batch: DecodeBatch) -> float:
-        """How long the step starting now takes (a real worker, sim/hybrid.py, runs it)."""
-        c = self.sim.sc.compute
-        return (c.decode_step_base_s + c.decode_step_per_request_s * batch.size
-                + c.decode_step_per_context_token_s * batch.context_tokens)
+        """How long the step starting now takes (a real worker, sim/hybrid.py, runs it):
+        the scenario's compute model says."""
+        sim = self.sim
+        return sim.compute.decode_delay_s(sim.env.now, batch.size, batch.context_tokens)
 
     def observed(self, info, view, r: int) -> bool:
         """The data path's verdict for r's observed action (Accept's checksums, Finish's
@@ -332,6 +341,8 @@ class SimDecode:
         assert batch.stepping, f"decode {self.index}: a step ended that never started"
         batch.stepping = False
         first, done = batch.step()
+        if sim.compute.first_token_at_prefill:
+            first = []  # emitted when decoding started
         if not done:  # most steps: only the sequences that joined emit their first token
             for sequence in first:
                 if sequence[0] >= 0:
