@@ -31,6 +31,9 @@ LOG_FORMAT = "kvproof-sim-log/2"  # /2: events in spec/codec.py's records
 FIRST_TOKEN = "FirstToken"
 RUN_END = "RunEnd"  # the last line: whether the run drained, or why it stopped
 
+# The events that report an observed verdict (core.INFO's `observed`).
+_OBSERVING = frozenset(cls for cls, info in core.INFO.items() if info.observed is not None)
+
 
 class LogError(ValueError):
     """A log file that is not a run of this protocol (user input, reported clearly)."""
@@ -118,7 +121,7 @@ class Folder:
         """Commit a change the core decided for request r, and fold it into the metrics:
         the one path by which a live run and a replay change anything."""
         cluster = self.cluster
-        if core.INFO[type(event)].observed is not None:  # most events observe nothing
+        if type(event) in _OBSERVING:  # most events observe nothing
             cluster.check_observation(r, event)
         old = cluster.rows[r]
         self.last_placement = cluster.placement[r]
