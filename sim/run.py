@@ -123,13 +123,13 @@ class Simulation(ShellRuntime):
                       if scenario.workload.arrival == "trace" else None)
         self.requests_total = (min(scenario.requests, len(self.trace.requests))
                                if self.trace is not None else scenario.requests)
-        self.pending = 0
         self.wall_start = time.perf_counter()
         self.next_progress = self.wall_start + 2.0
         # _checked has work when a violation is new, or at a multiple of these events (the
         # sweep's and the progress line's), so the step after every event asks one modulo.
         # The calls go straight onto SimPy's queue (sim/schedule.py), bound once.
-        self._at = Scheduler(self.env, self._fire).at
+        self.scheduler = Scheduler(self.env)
+        self.later = self.scheduler.at
         self.link = SimLink(self)
         self.check_every_events = math.gcd(scenario.oracles.sweep_every_events,
                                            2048 if progress else 0) or 2**62
@@ -262,14 +262,14 @@ class Simulation(ShellRuntime):
 
     def later(self, delay_s: float, fn, *args) -> None:
         """Call fn(*args) after delay_s. These are the protocol's own timers and deliveries:
-        when none is pending and every request has arrived, the cluster is at rest."""
-        self.pending += 1
-        self._at(delay_s, fn, args)
+        when none is pending and every request has arrived, the cluster is at rest. (Bound
+        in __init__ to the scheduler's `at`, sim/schedule.py: this is its signature.)"""
+        self.scheduler.at(delay_s, fn, *args)
 
-    def _fire(self, call) -> None:
-        self.pending -= 1
-        assert self.pending >= 0, "a timer fired that was never scheduled"
-        call.fn(*call.args)
+    @property
+    def pending(self) -> int:
+        """Calls scheduled and not yet made."""
+        return self.scheduler.pending
 
     @property
     def at_rest(self) -> bool:

@@ -34,24 +34,29 @@ class Call:
         self.fn, self.args = fn, args
 
 
-def run_call(call: Call) -> None:
-    """The callback of every Call: step() hands it the call."""
-    call.fn(*call.args)
-
-
 class Scheduler:
-    """`at(delay_s, fn, args)`: fn(*args) after delay_s simulated seconds on `env`."""
+    """`at(delay_s, fn, *args)`: fn(*args) after delay_s simulated seconds on `env`; and
+    `pending`, the calls scheduled and not yet made (the simulation is at rest when none
+    is left and every request has arrived)."""
 
-    __slots__ = ("env", "queue", "ids", "callbacks")
+    __slots__ = ("env", "queue", "ids", "callbacks", "pending")
 
-    def __init__(self, env, callback=run_call) -> None:
+    def __init__(self, env) -> None:
         self.env = env
         self.queue, self.ids = env._queue, env._eid
         # One tuple shared by every call: step() only reads it (a Timeout's is a new list).
-        self.callbacks = (callback,)
+        self.callbacks = (self._run,)
+        self.pending = 0
 
-    def at(self, delay_s: float, fn, args: tuple) -> None:
+    def at(self, delay_s: float, fn, *args) -> None:
         if delay_s < 0:
             raise ValueError(f"negative delay {delay_s}")  # as SimPy's Timeout says
+        self.pending += 1
         heappush(self.queue, (self.env._now + delay_s, NORMAL, next(self.ids),
                               Call(self.callbacks, fn, args)))
+
+    def _run(self, call: Call) -> None:
+        """The callback of every Call: step() hands it the call."""
+        self.pending -= 1
+        assert self.pending >= 0, "a call was made that was never scheduled"
+        call.fn(*call.args)
