@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spec import codec, core
-from spec.core import Change, Refusal
+from spec.core import CLIENT, OK, PST, RUNNING, Change, Refusal
 from spec.model import Model, ProtocolConfig
 from spec.store import Store
 from sim.metrics import Metrics
@@ -126,12 +126,10 @@ class Folder:
         old = cluster.rows[r]
         self.last_placement = cluster.placement[r]
         cluster.commit(r, change)
-        self.metrics.last_event_s = t
+        m = self.metrics
+        m.last_event_s = t
         self.events += 1
-        self._observe(t, r, old, change)
-
-    def _observe(self, t: float, r: int, old: tuple, change: Change) -> None:
-        m, cluster = self.metrics, self.cluster
+        # What the change means for the metrics (one function with the commit: every event).
         new = cluster.rows[r]
         if change.landed:
             m.pages_written += len(change.landed)
@@ -139,12 +137,12 @@ class Folder:
             d = self.last_placement[1]
             m.decode_pages_changed(t, cluster.decode_pages_used, d, cluster.decode_used(d))
         if new is old:
-            return  # a landing write changes no row
-        if new[core.CLIENT] != old[core.CLIENT]:
-            if new[core.CLIENT] == core.OK and cluster.leak_check(r):
+            return
+        if new[CLIENT] != old[CLIENT]:
+            if new[CLIENT] == OK and cluster.leak_check(r):
                 m.leak(r, ok=True)
             m.answered(t, r, old, new)
-        if new[core.PST] != core.RUNNING and core.settled(new):  # (running: never settled)
+        if new[PST] != RUNNING and core.settled(new):  # (running: never settled)
             cluster.forget(r)
             m.forget(r)
 
