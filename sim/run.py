@@ -129,7 +129,7 @@ class Simulation(ShellRuntime):
         # sweep's and the progress line's), so the step after every event asks one modulo.
         # The calls go straight onto SimPy's queue (sim/schedule.py), bound once.
         self.scheduler = Scheduler(self.env)
-        self.later = self.scheduler.at
+        self._at = self.scheduler.at
         self.link = SimLink(self)
         self.check_every_events = math.gcd(scenario.oracles.sweep_every_events,
                                            2048 if progress else 0) or 2**62
@@ -262,9 +262,8 @@ class Simulation(ShellRuntime):
 
     def later(self, delay_s: float, fn, *args) -> None:
         """Call fn(*args) after delay_s. These are the protocol's own timers and deliveries:
-        when none is pending and every request has arrived, the cluster is at rest. (Bound
-        in __init__ to the scheduler's `at`, sim/schedule.py: this is its signature.)"""
-        self.scheduler.at(delay_s, fn, *args)
+        when none is pending and every request has arrived, the cluster is at rest."""
+        self._at(delay_s, fn, *args)
 
     @property
     def pending(self) -> int:
