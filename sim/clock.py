@@ -35,7 +35,7 @@ class SimClock:
         self.callbacks_pending = 0  # of the simulation's `pending`: timers, live or superseded
 
     def now(self) -> float:
-        return self.env._now  # (SimPy's `now` property, without the call: every event asks)
+        return self.env.now
 
     def arm(self, r: int) -> None:
         self.leases.armed(r, self.env.now)
@@ -47,7 +47,7 @@ class SimClock:
     def renew(self, r: int, kind: type, p: int) -> None:
         """A sign of progress of r's prefill p: its lease is renewed (a stored time, no
         event); an Admit starts the backstop, which may come before the armed timer."""
-        now = self.env._now
+        now = self.env.now
         admitted = kind is Admit
         self.leases.renew(r, p, now, admitted, kind is SendPage)
         if admitted:
