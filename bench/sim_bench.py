@@ -11,13 +11,21 @@ bandwidth-serialised NIC with the same in-flight bound, and the same continuous 
 but no protocol core, no oracles and no bookkeeping of pages. The ratio says what the
 protocol and its checks cost; the issue's target is at least 25%.
 
-    python bench/sim_bench.py [--requests N] [--repeat K]
+With `--baseline DIR` (a checkout of an older commit, e.g. `git worktree add /tmp/base
+<commit>`), each repeat also runs that checkout's simulator on the same scenario, in a
+subprocess, interleaved with the others, so that both commits are measured in one run on
+one machine; the figures say how the two compare, and that both simulated the same run
+(the same number of core events).
+
+    python bench/sim_bench.py [--requests N] [--repeat K] [--baseline DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import subprocess
 import statistics
 import sys
 import time
@@ -26,7 +34,8 @@ from pathlib import Path
 
 import simpy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = str(Path(__file__).resolve().parents[1])
+sys.path.insert(0, ROOT)
 
 from sim.run import sample_tokens, simulate  # noqa: E402
 from sim.scenario import Scenario, scenario_from_dict  # noqa: E402
@@ -196,15 +205,43 @@ def measure(fn) -> float:
     return time.perf_counter() - start
 
 
+# Run in the baseline checkout: its own simulator on the scenario given as JSON.
+_BASELINE_RUN = """
+import json, sys, time
+sys.path.insert(0, '.')
+from sim.run import simulate
+from sim.scenario import scenario_from_dict
+sc = scenario_from_dict(json.loads(sys.argv[1]))
+start = time.perf_counter()
+result = simulate(sc, progress=True)[0]  # as the in-process run (its stderr is dropped)
+print(json.dumps({"seconds": time.perf_counter() - start, "events": result["events"],
+                  "violations": result["violations"]}))
+"""
+
+
+def measure_baseline(directory: str, sc: Scenario, timeout_s: float) -> dict:
+    """The baseline checkout's simulator on `sc`: seconds, core events, violations."""
+    done = subprocess.run([sys.executable, "-c", _BASELINE_RUN, sc.model_dump_json()],
+                          cwd=directory, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode:
+        raise SystemExit(f"the baseline in {directory} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=1, help="runs of each; medians printed")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="also run the simulator of this checkout (an older commit)")
+    parser.add_argument("--baseline-timeout-s", type=float, default=3600.0)
     args = parser.parse_args()
+    if args.baseline and not (Path(args.baseline) / "sim" / "run.py").is_file():
+        parser.error(f"--baseline {args.baseline}: not a kvproof checkout (no sim/run.py)")
     sc = bench_scenario(args.requests)
     print(f"cluster 16 prefill x 16 decode, {args.requests:,} requests, seed {sc.seed}; "
           f"{args.repeat} run(s) of each", flush=True)
-    bare, core = [], []
+    bare, core, base, here = [], [], [], []
     for k in range(args.repeat):
         pipeline = BarePipeline(sc)
         bare.append(measure(pipeline.run))
@@ -216,12 +253,33 @@ def main() -> int:
         print(f"  kvproof sim (oracles) run {k + 1}: {core[-1]:7.2f} s, "
               f"{result['events']:,} core events, violations: {result['violations'] or 'none'}",
               flush=True)
+        if args.baseline:
+            # Both checkouts in a fresh subprocess each, one after the other: the in-process
+            # run above shares its process with the bare pipeline's garbage.
+            for name, directory, times in (("baseline sim", args.baseline, base),
+                                           ("this sim (subprocess)", ROOT, here)):
+                run = measure_baseline(directory, sc, args.baseline_timeout_s)
+                times.append(run["seconds"])
+                same = "the same run" if run["events"] == result["events"] else (
+                    f"A DIFFERENT RUN ({run['events']:,} core events)")
+                print(f"  {name:21s} run {k + 1}: {times[-1]:7.2f} s, {same}, "
+                      f"violations: {run['violations'] or 'none'}", flush=True)
     bare_rate = args.requests / statistics.median(bare)
     core_rate = args.requests / statistics.median(core)
     print(f"bare SimPy pipeline : {bare_rate:10,.0f} simulated requests/s (median)")
     print(f"kvproof simulator   : {core_rate:10,.0f} simulated requests/s (median), all oracles on")
     print(f"ratio               : {core_rate / bare_rate:10.1%} of the bare pipeline "
-          f"(target >= 25%)")
+          f"(issue 26 aims at >= 40%)")
+    if base:
+        base_rate = args.requests / statistics.median(base)
+        here_rate = args.requests / statistics.median(here)
+        print(f"baseline simulator  : {base_rate:10,.0f} simulated requests/s (median of "
+              f"subprocess runs), {base_rate / bare_rate:.1%} of the bare pipeline "
+              f"({args.baseline})")
+        print(f"this simulator      : {here_rate:10,.0f} simulated requests/s (median of "
+              f"subprocess runs), {here_rate / bare_rate:.1%} of the bare pipeline")
+        print(f"this checkout       : {here_rate / base_rate:10.2f}x the baseline's rate "
+              "(subprocess runs of both)")
     if result["violations"]:
         print(f"the benchmark's run is not healthy (violations: {result['violations']}): "
               "its figures measure a broken run", file=sys.stderr)

@@ -13,7 +13,7 @@ one knows it is stale (`is`).
 from __future__ import annotations
 
 from spec import core
-from spec.core import PST, QUEUED
+from spec.core import PST, QUEUED, Admit, SendPage
 from sim import fault_hits as hits
 from sim.lease import Leases
 
@@ -48,8 +48,8 @@ class SimClock:
         """A sign of progress of r's prefill p: its lease is renewed (a stored time, no
         event); an Admit starts the backstop, which may come before the armed timer."""
         now = self.env.now
-        admitted = kind is core.Admit
-        self.leases.renew(r, p, now, admitted, kind is core.SendPage)
+        admitted = kind is Admit
+        self.leases.renew(r, p, now, admitted, kind is SendPage)
         if admitted:
             token = self.timers.get(r)
             backstop = now + self.backstop_s

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spec import codec, core
-from spec.core import Change, Refusal
+from spec.core import CLIENT, OK, PST, RUNNING, Change, Refusal
 from spec.model import Model, ProtocolConfig
 from spec.store import Store
 from sim.metrics import Metrics
@@ -30,6 +30,9 @@ from sim.scenario import Scenario, ScenarioError, scenario_from_dict
 LOG_FORMAT = "kvproof-sim-log/2"  # /2: events in spec/codec.py's records
 FIRST_TOKEN = "FirstToken"
 RUN_END = "RunEnd"  # the last line: whether the run drained, or why it stopped
+
+# The events that report an observed verdict (core.INFO's `observed`).
+_OBSERVING = frozenset(cls for cls, info in core.INFO.items() if info.observed is not None)
 
 
 class LogError(ValueError):
@@ -118,17 +121,15 @@ class Folder:
         """Commit a change the core decided for request r, and fold it into the metrics:
         the one path by which a live run and a replay change anything."""
         cluster = self.cluster
-        if core.INFO[type(event)].observed is not None:  # most events observe nothing
+        if type(event) in _OBSERVING:  # most events observe nothing
             cluster.check_observation(r, event)
         old = cluster.rows[r]
         self.last_placement = cluster.placement[r]
         cluster.commit(r, change)
-        self.metrics.last_event_s = t
+        m = self.metrics
+        m.last_event_s = t
         self.events += 1
-        self._observe(t, r, old, change)
-
-    def _observe(self, t: float, r: int, old: tuple, change: Change) -> None:
-        m, cluster = self.metrics, self.cluster
+        # What the change means for the metrics (one function with the commit: every event).
         new = cluster.rows[r]
         if change.landed:
             m.pages_written += len(change.landed)
@@ -136,12 +137,12 @@ class Folder:
             d = self.last_placement[1]
             m.decode_pages_changed(t, cluster.decode_pages_used, d, cluster.decode_used(d))
         if new is old:
-            return  # a landing write changes no row
-        if new[core.CLIENT] != old[core.CLIENT]:
-            if new[core.CLIENT] == core.OK and cluster.leak_check(r):
+            return
+        if new[CLIENT] != old[CLIENT]:
+            if new[CLIENT] == OK and cluster.leak_check(r):
                 m.leak(r, ok=True)
             m.answered(t, r, old, new)
-        if new[core.PST] != core.RUNNING and core.settled(new):  # (running: never settled)
+        if new[PST] != RUNNING and core.settled(new):  # (running: never settled)
             cluster.forget(r)
             m.forget(r)
 

@@ -61,6 +61,7 @@ from sim.clients import SimClients, sample_tokens  # noqa: F401  (bench/ imports
 from sim.clock import SimClock
 from sim.compute import compute_model
 from sim.link import SimLink
+from sim.schedule import Scheduler
 from sim.workers import SimDecode, SimPrefill
 from sim.workload import TraceRequest, load_workload  # noqa: F401  (TraceRequest: a type)
 
@@ -123,13 +124,13 @@ class Simulation(ShellRuntime):
                       if scenario.workload.arrival == "trace" else None)
         self.requests_total = (min(scenario.requests, len(self.trace.requests))
                                if self.trace is not None else scenario.requests)
-        self.pending = 0
         self.wall_start = time.perf_counter()
         self.next_progress = self.wall_start + 2.0
         # _checked has work when a violation is new, or at a multiple of these events (the
         # sweep's and the progress line's), so the step after every event asks one modulo.
-        # Bound once: SimPy's env.timeout builds a bound method on every attribute access.
-        self._timeout, self._fire_callback = self.env.timeout, self._fire
+        # The calls go straight onto SimPy's queue (sim/schedule.py), bound once.
+        self.scheduler = Scheduler(self.env)
+        self._at = self.scheduler.at
         self.link = SimLink(self)
         self.check_every_events = math.gcd(scenario.oracles.sweep_every_events,
                                            2048 if progress else 0) or 2**62
@@ -268,14 +269,12 @@ class Simulation(ShellRuntime):
     def later(self, delay_s: float, fn, *args) -> None:
         """Call fn(*args) after delay_s. These are the protocol's own timers and deliveries:
         when none is pending and every request has arrived, the cluster is at rest."""
-        self.pending += 1
-        self._timeout(delay_s, (fn, args)).callbacks.append(self._fire_callback)
+        self._at(delay_s, fn, *args)
 
-    def _fire(self, event) -> None:
-        self.pending -= 1
-        assert self.pending >= 0, "a timer fired that was never scheduled"
-        fn, args = event.value
-        fn(*args)
+    @property
+    def pending(self) -> int:
+        """Calls scheduled and not yet made."""
+        return self.scheduler.pending
 
     @property
     def at_rest(self) -> bool:

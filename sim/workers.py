@@ -32,7 +32,8 @@ class SimPrefill:
     """Prefill worker `index`: its admission queue, its compute and its NIC."""
 
     __slots__ = ("sim", "index", "queue", "busy", "epoch", "down_until", "nic_in_flight",
-                 "nic_free_at", "nic_waiting", "nic_posted", "writes_in_flight_max")
+                 "nic_free_at", "nic_waiting", "nic_posted", "writes_in_flight_max",
+                 "slow_link_probability", "write_latency_s")
 
     def __init__(self, sim, index: int) -> None:
         self.sim, self.index = sim, index
@@ -45,6 +46,9 @@ class SimPrefill:
         self.nic_waiting = deque()   # computed requests whose pages are still to post
         self.nic_posted = deque()    # posted writes waiting for a NIC slot
         self.writes_in_flight_max = sim.sc.link.writes_in_flight_max
+        # The link's figures, read once (every write asks).
+        self.slow_link_probability = sim.sc.faults.slow_link_probability
+        self.write_latency_s = sim.sc.link.write_latency_s
 
     def is_down(self, now: float) -> bool:
         return bool(self.down_until) and self.down_until > now
@@ -191,17 +195,18 @@ class SimPrefill:
         sim = self.sim
         r = w[0]
         transfer_s = sim.page_transfer_s
-        f = sim.sc.faults
-        slowed = f.slow_link_probability and sim.rng["links"].random() < f.slow_link_probability
+        slow = self.slow_link_probability
+        slowed = slow and sim.rng["links"].random() < slow
         if slowed:
-            transfer_s *= f.slow_link_factor
+            transfer_s *= sim.sc.faults.slow_link_factor
         now = sim.env.now
-        start = max(now, self.nic_free_at)
+        free_at = self.nic_free_at
+        start = now if now > free_at else free_at
         self.nic_free_at = start + transfer_s
         self.nic_in_flight += 1
         assert self.nic_in_flight <= self.writes_in_flight_max, (
             f"prefill {self.index}: {self.nic_in_flight} writes in flight")
-        landing = start + transfer_s + sim.sc.link.write_latency_s - now
+        landing = start + transfer_s + self.write_latency_s - now
         if slowed:  # a hit: the write lands after the lease, as it stands, runs out
             sim.fault_hits.fired("SlowLink", r in sim.timers
                                  and now + landing > sim.clock.lease_due(r))

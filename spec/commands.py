@@ -19,6 +19,7 @@ Pure like the core: no I/O, no clock.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import itemgetter
 
 from spec.core import (
     BOOT, CANCEL, CLIENT, CLIENT_GONE, CLIENT_NAMES, CLOSING, DECODING, DST, D_WAITING, FW,
@@ -107,30 +108,35 @@ class FreePages(Command):
     pages: tuple
 
 
+# The fields whose change asks for a command (`_row_effects` reads no other): a row that
+# changed none of them (a page posted or landed: most decisions) asks for none.
+_MESSAGES_AND_STATES = itemgetter(BOOT, FW, CANCEL, PST, CLIENT, DST)
 _FINAL = frozenset(range(len(CLIENT_NAMES))) - {IDLE, WAITING, GONE}
 
 
 def effects(s: View, change: Change) -> tuple[Command, ...]:
     """The commands a Change decided in view `s` asks of the shells, in carrying-out order.
     Called on every decision a shell takes, so it appends into one list and looks only at
-    the parts of the Change that are there (a landing write has no row and frees nothing)."""
-    if not change.rows and not change.posted and not change.prefill and len(change.decode) == 1:
-        page, value = change.decode[0]  # one decode page changed (a write landed) ...
+    the parts of the Change that are there (a landing write counts itself in its row and
+    frees nothing: no command)."""
+    decode = change.decode
+    if len(decode) == 1 and not change.prefill:
+        page, value = decode[0]  # one decode page changed (a write landed) ...
         if value[0] != NONE or s.decode_pool[page][0] == NONE:
-            return ()                   # ... and it was not freed: nothing to carry out
+            decode = ()          # ... and it was not freed: no pages came back
     out: list[Command] = []
     rows = s.requests
     for r, new in change.rows:
         old = rows[r]
-        if new is not old:
+        if new is not old and _MESSAGES_AND_STATES(new) != _MESSAGES_AND_STATES(old):
             _row_effects(out, r, old, new)
     for w in change.posted:
         out.append(Post(w[0], w))
-    if change.decode or change.prefill:
+    if decode or change.prefill:
         by = change.rows[0][0] if change.rows else (
             change.landed[0][0] if change.landed else NONE)
-        if change.decode:
-            _freed(out, by, "decode", s.decode_pool, change.decode)
+        if decode:
+            _freed(out, by, "decode", s.decode_pool, decode)
         if change.prefill:
             _freed(out, by, "prefill", s.prefill_pool, change.prefill)
     return tuple(out)

@@ -153,6 +153,9 @@ def initial_state(m: Model) -> State:
 
 def _row(row: tuple, *pairs: int | object) -> tuple:
     """A copy of `row` with (field, value) pairs replaced."""
+    if len(pairs) == 2:  # one field (a page posted or landed: most steps)
+        k = pairs[0]
+        return row[:k] + (pairs[1],) + row[k + 1:]
     new = list(row)
     for k in range(0, len(pairs), 2):
         new[pairs[k]] = pairs[k + 1]

@@ -37,6 +37,9 @@ from spec import core  # before spec.commands, which spec.core imports at its en
 from spec import commands as cmd
 from spec.core import Refusal
 
+# Module globals on the hot path (every event takes them).
+_decide, _LEASE_RENEWALS = core.decide, core.LEASE_RENEWALS
+
 
 class ShellRuntime:
     """The one path into the core and the one table of command handlers.
@@ -69,7 +72,7 @@ class ShellRuntime:
         `count_refusal` is False (an offer of something the core may not enable yet is no
         race)."""
         r = event.request
-        out = core.decide(self.core_model, self.store.view(r), event)
+        out = _decide(self.core_model, self.store.view(r), event)
         if type(out) is Refusal:
             if count_refusal:
                 self.refused(out)
@@ -79,12 +82,19 @@ class ShellRuntime:
         p, d = self.commit(now, r, out, event)
         if self.event_log is not None:
             self.event_log.record(now, event, p, d)
-        if type(event) in core.LEASE_RENEWALS:
-            self.clock.renew(r, type(event), p)
+        kind = type(event)
+        if kind in _LEASE_RENEWALS:
+            self.clock.renew(r, kind, p)
         if self.on_commit is not None:
             self.on_commit(event, out)
         self.checked()
-        self.carry_out(out.commands, p, d)
+        todo = out.commands
+        if todo:  # (a landing write carries out nothing)
+            if len(todo) == 1:
+                command = todo[0]
+                self._handlers[type(command)](command, p, d)
+            else:
+                self.carry_out(todo, p, d)
         self.moved(r, p)
         self.depth -= 1
         assert self.depth >= 0, "a decision was carried out twice"

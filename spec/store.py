@@ -91,6 +91,7 @@ class Store:
         # independent count that conservation compares with the pools' owner fields.
         self.decode_claimed = [0] * self.decode_workers
         self.prefill_claimed = [0] * self.prefill_workers
+        self.claims_moved = False   # whether the last commit recounted a claim
         self.violations: list[Violation] = []   # the first VIOLATIONS_KEPT, in order
         self.violation_counts: dict[str, int] = {}
         self.violation_total = 0
@@ -214,15 +215,18 @@ class Store:
 
     def _commit(self, p: int, d: int, c: Change, flush_from: int = NONE) -> None:
         rows = self.rows
+        self.claims_moved = False
         for r, row in c.rows:
             old = rows[r]
             # The claims count pages from the decode state and table, and from the
             # prefill state and sources: recounted only when those fields changed.
             if row[DST] != old[DST] or row[TABLE] is not old[TABLE]:
                 self.decode_claimed[self.placement[r][1]] += _claim(row) - _claim(old)
+                self.claims_moved = True
             if row[PST] != old[PST] or row[SRC] is not old[SRC]:
                 self.prefill_claimed[self.placement[r][0]] += (_source_claim(row)
                                                               - _source_claim(old))
+                self.claims_moved = True
             rows[r] = row
         self.moved_prefill.clear()
         self.moved_decode.clear()
@@ -267,9 +271,10 @@ class Store:
             self.violations.append(Violation(name, detail, r, kind="oracle"))
 
     def _check_local(self, p: int, d: int, r: int, old: tuple, c: Change) -> None:
-        if c.rows or self.moved_decode or self.moved_prefill or self.rows[r] is not old:
-            # Only a row or a page owner that changed can change what conservation counts
-            # (a landing write changes neither: its page keeps owner and generation).
+        if self.claims_moved or self.moved_decode or self.moved_prefill or not c.rows:
+            # Conservation counts the free stacks and the claims, which only a page owner
+            # or a claim that changed can change (a page posted or landed changes neither;
+            # a crash, committed in parts, is checked whatever it changed).
             self._check_conservation(p, d)
         row = self.rows[r]
         if row is not old and (row[CLIENT] != old[CLIENT] or row[DST] != old[DST]
