@@ -86,6 +86,12 @@ TWO_REQUEST_WORKER_BASES: dict[str, dict[str, int]] = {
                               prefill_workers=p, decode_workers=d)
     for p, d in ((1, 1), (2, 1), (1, 2), (2, 2))
 }
+# Three requests on the same pools: for bench/worker_models.py only (beyond exhaustive
+# checking here: see spec/README.md, "Worker sets").
+THREE_REQUEST_WORKER_BASES: dict[str, dict[str, int]] = {
+    f"workers3-{p}x{d}": {**TWO_REQUEST_WORKER_BASES[f"workers2-{p}x{d}"], "requests": 3}
+    for p, d in ((2, 1), (1, 2), (2, 2))
+}
 BASE_NOTES = {
     "default": "The default model: 2 requests, pools of 2 (prefill) and 3 (decode) pages, "
                "prompts of 1..3 pages.",
