@@ -97,6 +97,7 @@ WORKER_FIGURES = {
     "workers2-1x1": (82895, 41476),
     "workers2-2x1": (334487, 83701),
     "workers2-1x2": (373741, 93501),
+    "workers2-2x2": (1378641, 172582),
 }
 
 
@@ -108,3 +109,44 @@ def test_the_two_request_worker_models_figures(name):
     plain = Checker(m, invariants=(), liveness=False).run()
     reduced = Checker(m, symmetry=True, invariants=(), liveness=False).run()
     assert (plain.distinct_states, reduced.distinct_states) == WORKER_FIGURES[name]
+
+
+SAMPLE_SEED = 1  # replay: simulate(m, seed=SAMPLE_SEED + k, traces=1, ...)
+SAMPLE_STEPS = 13640  # steps of the 1,000 behaviours drawn from SAMPLE_SEED
+
+
+def test_the_three_request_two_by_two_model_is_sampled():
+    """Beyond exhaustive checking here, so CI samples it: behaviours drawn at random, every
+    invariant on every state (kvproof check --simulate). A mutant that lets a decode crash
+    free another worker's pages is found by the same sample."""
+    from spec.check.simulate import simulate
+    from spec.check.zoo import THREE_REQUEST_WORKER_BASES
+    from spec.properties import ALL_INVARIANTS
+
+    m = Model(name="workers3-2x2", **THREE_REQUEST_WORKER_BASES["workers3-2x2"])
+    print(f"seed {SAMPLE_SEED}")
+    result = simulate(m, seed=SAMPLE_SEED, depth_max=40, traces=1000, invariants=ALL_INVARIANTS)
+    assert result.ok, result.violations[:1]
+    assert result.steps == SAMPLE_STEPS
+
+
+def test_the_sample_catches_a_crash_that_frees_another_workers_pages(monkeypatch):
+    from spec.check.simulate import simulate
+    from spec.check.zoo import THREE_REQUEST_WORKER_BASES
+    from spec.properties import ALL_INVARIANTS
+
+    real = core.decode_crash
+
+    def crash_everything(m, s, d=0):  # the mutant: frees every decode worker's pages
+        out = real(m, s, d)
+        if isinstance(out, str):
+            return out
+        freed = tuple((k, (core.NONE, g, data, tag)) for k, (o, g, data, tag)
+                      in enumerate(s.decode_pool) if o != core.NONE)
+        return out._replace(decode=freed)
+
+    monkeypatch.setitem(core.ACTIONS, core.DecodeCrash, crash_everything)
+    monkeypatch.setattr(core, "decode_crash", crash_everything)
+    m = Model(name="workers3-2x2", **THREE_REQUEST_WORKER_BASES["workers3-2x2"])
+    result = simulate(m, seed=SAMPLE_SEED, depth_max=40, traces=1000, invariants=ALL_INVARIANTS)
+    assert not result.ok
