@@ -133,7 +133,12 @@ class Store:
         return view
 
     def decide(self, r: int, event: core.Event) -> Change | Refusal:
-        """The core's answer to `event` on request r; nothing changes yet."""
+        """The core's answer to `event` on request r; nothing changes yet. An Arrive is
+        decided at the placement `arrive` recorded (the one fact of where r is placed)."""
+        if type(event) is core.Arrive:
+            p, d = self.placement[r]
+            if (event.prefill_worker, event.decode_worker) != (p, d):
+                event = replace(event, prefill_worker=p, decode_worker=d)
         return core.decide(self.model, self.view(r), event)
 
     def commit(self, r: int, change: Change) -> None:
