@@ -352,11 +352,13 @@ class SimTarget(Target):
         return placed[0] if placed else 0
 
     def _flat_rows(self) -> tuple:
-        """Rows with source pages numbered across the prefill workers' pools, side by side."""
+        """Rows with source pages numbered across the prefill workers' pools, side by side:
+        the model's one prefill pool, split between the workers (so every placed row is on
+        the model's one prefill worker, PW 0)."""
         pp, rows = self.prefill_pages, self._rows()
-        return tuple(row if not row[SRC] else
-                     row[:SRC] + (tuple(x + self._placed(r) * pp for x in row[SRC]),)
-                     + row[SRC + 1:]
+        return tuple(_on_worker_zero(row) if not row[SRC] else
+                     _on_worker_zero(row[:SRC] + (tuple(x + self._placed(r) * pp
+                                                        for x in row[SRC]),) + row[SRC + 1:])
                      for r, row in enumerate(rows))
 
     def protocol_state(self) -> core.State:
@@ -442,3 +444,9 @@ class SimTarget(Target):
         """Every protocol event the core accepted since reset, in order (crashes as the
         core's worker-less events): with one prefill worker, a run of the core."""
         return list(self._committed_events)
+
+
+def _on_worker_zero(row: tuple) -> tuple:
+    if row[core.PW] in (core.NONE, 0):
+        return row
+    return row[:core.PW] + (0,) + row[core.PW + 1:]

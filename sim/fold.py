@@ -17,7 +17,7 @@ is not a run of this protocol.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from spec import codec, core
@@ -109,6 +109,7 @@ class Folder:
         r = event.request
         self.metrics.last_event_s = t
         self.cluster.arrive(r, p, d)
+        event = replace(event, prefill_worker=p, decode_worker=d)  # the router's placement
         out = self.cluster.decide(r, event)
         if type(out) is Refusal:
             self.cluster.withdraw(r)

@@ -43,6 +43,8 @@ STATES = {
     # A network that loses things for good (issue 25), on solo-crash's constants.
     "loss-Bootstrap": 1264, "loss-FinalWord": 1480, "loss-Cancel": 1432, "loss-Write": 1780,
     "lossy-safety": 2374,
+    # Worker sets (issue 25): one request, every placement, each worker crashing alone.
+    "workers-1x2": 5284, "workers-2x1": 5284, "workers-2x2": 10566,
 }
 # The switches of an early final word and of a decode restart came after the pinned
 # every-switch figure: it stays pinned for the thirteen before them.

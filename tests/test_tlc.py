@@ -243,6 +243,10 @@ TLC_FIGURES = {
     "loss-FinalWord": ('NoLeakAtRest', 5),
     "loss-Write": ('FittingRequestsSucceed', 6),
     "lossy-safety": (2374, 14),
+    # issue 25: worker sets (one request; each worker may crash alone)
+    "workers-1x2": (5284, 14),
+    "workers-2x1": (5284, 14),
+    "workers-2x2": (10566, 14),
 }
 
 

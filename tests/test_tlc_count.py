@@ -47,6 +47,11 @@ MODELS: dict[str, tuple[Model, tuple[int, int, int]]] = {
     # two requests a decode crash can catch at once
     "tiny-decode-crash": (Model(decode_crashes=True, bugs={"NoTimeout"}, **TINY),
                           (24709, 58841, 56313)),
+    # worker sets: a refused prompt is placed nowhere, once per placement for TLC; crashes
+    # per worker count only that worker's requests
+    "tiny-placements": (Model(requests=1, max_prompt_pages=2, context_pages=1, prefill_pages=1,
+                              decode_pages=1, crashes=True, decode_crashes=True,
+                              prefill_workers=2, decode_workers=2), (1086, 1789, 1754)),
 }
 
 

@@ -98,7 +98,9 @@ def test_a_write_into_a_foreign_page_is_rejected_at_its_step():
     trace = run_trace(DEFAULT, *TWO_REQUESTS)
     step = trace["states"][9]
     assert step["#meta"]["label"] == "LandWrite(r1, page 2)"
-    for pair in step["content"]["#map"]:
+    decode_worker, pool = step["content"]["#map"][0]  # content[d][p]: decode worker d1's pool
+    assert decode_worker == "d1"
+    for pair in pool["#map"]:
         if pair[0] == 2:
             pair[1] = {"#tup": ["r2", 1]}
     for later in trace["states"][10:]:

@@ -63,6 +63,34 @@ BASES: dict[str, dict[str, int]] = {
     # Three requests for the benchmark and scheduled runs.
     "large": dict(requests=3, max_prompt_pages=2, context_pages=2, prefill_pages=1,
                   decode_pages=2),
+    # Worker sets (issue 25): solo-crash's request and pools on two prefill workers, two
+    # decode workers, or two of each, and either kind of worker may crash on its own. The
+    # router may place the request on any of them; a crash of one worker leaves the other's
+    # requests and pages alone. Small enough for conformance in CI.
+    "workers-2x1": dict(requests=1, max_prompt_pages=3, context_pages=3, prefill_pages=2,
+                        decode_pages=3, crashes=True, decode_crashes=True, prefill_workers=2),
+    "workers-1x2": dict(requests=1, max_prompt_pages=3, context_pages=3, prefill_pages=2,
+                        decode_pages=3, crashes=True, decode_crashes=True, decode_workers=2),
+    "workers-2x2": dict(requests=1, max_prompt_pages=3, context_pages=3, prefill_pages=2,
+                        decode_pages=3, crashes=True, decode_crashes=True, prefill_workers=2,
+                        decode_workers=2),
+}
+# Two requests on worker sets, one-page pools and prompts, both kinds of crash: where two
+# requests share or split workers. Too large for conformance in CI and for TLC's table here
+# (spec/README.md, "Worker sets"): the checker's figures are pinned by
+# tests/test_worker_models.py behind KVPROOF_WORKER_MODELS=1, and no .cfg is written for
+# them (every shipped .cfg joins conformance in CI).
+TWO_REQUEST_WORKER_BASES: dict[str, dict[str, int]] = {
+    f"workers2-{p}x{d}": dict(requests=2, max_prompt_pages=1, context_pages=1, prefill_pages=1,
+                              decode_pages=1, crashes=True, decode_crashes=True,
+                              prefill_workers=p, decode_workers=d)
+    for p, d in ((1, 1), (2, 1), (1, 2), (2, 2))
+}
+# Three requests on the same pools: for bench/worker_models.py only (beyond exhaustive
+# checking here: see spec/README.md, "Worker sets").
+THREE_REQUEST_WORKER_BASES: dict[str, dict[str, int]] = {
+    f"workers3-{p}x{d}": {**TWO_REQUEST_WORKER_BASES[f"workers2-{p}x{d}"], "requests": 3}
+    for p, d in ((2, 1), (1, 2), (2, 2))
 }
 BASE_NOTES = {
     "default": "The default model: 2 requests, pools of 2 (prefill) and 3 (decode) pages, "
@@ -80,6 +108,12 @@ BASE_NOTES = {
               "prefill has gone silent on the request, so no request that fits may time out.",
     "timely-crash": "The timely model, and the prefill may crash and restart empty at any "
                     "moment: the lapsed lease and the cancel bring every page back.",
+    "workers-2x1": "One request, two prefill workers and one decode worker, each worker "
+                   "may crash alone: the router places the request on either prefill.",
+    "workers-1x2": "One request, one prefill worker and two decode workers, each worker "
+                   "may crash alone: the router places the request on either decode.",
+    "workers-2x2": "One request, two prefill and two decode workers, each worker may crash "
+                   "alone: every placement of the request is explored.",
 }
 
 

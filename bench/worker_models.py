@@ -1,0 +1,90 @@
+"""States, time and memory of the worker models (issue 25 item 5).
+
+For each model: distinct states (or orbits with --symmetry), seconds and the peak resident
+memory of a fresh process, with one checker process and with the parallel checker
+(--workers 2), with and without symmetry over requests and workers. Each figure is one run
+in a subprocess of its own (so that memory is that run's), the safety invariants only (the
+exhaustive search; liveness adds its own graph pass). Timing is noisy on a shared machine:
+compare rows of one run, not runs of different days.
+
+    python bench/worker_models.py                       # every model, every variant
+    python bench/worker_models.py --models workers2-2x1 --timeout-s 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this tree's spec/, not an installed one
+
+CHILD = """
+import json, resource, sys, time
+from spec.check.zoo import BASES, TWO_REQUEST_WORKER_BASES, THREE_REQUEST_WORKER_BASES
+from spec.model import Model
+from spec.properties import STATE_INVARIANTS
+name, symmetry, workers = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
+constants = {**BASES, **TWO_REQUEST_WORKER_BASES, **THREE_REQUEST_WORKER_BASES}[name]
+m = Model(name=name, **constants)
+options = dict(symmetry=symmetry, invariants=tuple(STATE_INVARIANTS), liveness=False)
+start = time.perf_counter()
+if workers == 1:
+    from spec.check.checker import Checker
+    result = Checker(m, **options).run()
+else:
+    from spec.check.parallel import ParallelChecker
+    result = ParallelChecker(m, workers=workers, **options).run()
+seconds = time.perf_counter() - start
+rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+          resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+print(json.dumps(dict(states=result.distinct_states, seconds=seconds, rss_mib=rss / 1024,
+                      ok=result.violation is None)))
+"""
+
+
+def measure(name: str, symmetry: bool, workers: int, timeout_s: float) -> dict:
+    try:
+        out = subprocess.run([sys.executable, "-c", CHILD, name, str(int(symmetry)),
+                              str(workers)], cwd=ROOT, capture_output=True, text=True,
+                             timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"timeout": timeout_s}
+    if out.returncode:
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr else "failed"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from spec.check.zoo import THREE_REQUEST_WORKER_BASES, TWO_REQUEST_WORKER_BASES
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=[
+        "workers-2x1", "workers-1x2", "workers-2x2", *TWO_REQUEST_WORKER_BASES,
+        *THREE_REQUEST_WORKER_BASES])
+    parser.add_argument("--timeout-s", type=float, default=900.0,
+                        help="per run; a run past it is reported as such")
+    parser.add_argument("--workers", nargs="*", type=int, default=[1, 2])
+    args = parser.parse_args(argv)
+    print("| model | symmetry | workers | states (orbits) | seconds | peak RSS MiB |")
+    print("|---|---|---|---|---|---|")
+    for name in args.models:
+        for symmetry in (False, True):
+            for workers in args.workers:
+                got = measure(name, symmetry, workers, args.timeout_s)
+                if "states" in got:
+                    cells = (f"{got['states']:,}", f"{got['seconds']:.1f}",
+                             f"{got['rss_mib']:.0f}")
+                else:
+                    cells = (f"past {got['timeout']:.0f} s" if "timeout" in got
+                             else got["error"], "", "")
+                print(f"| {name} | {'yes' if symmetry else 'no'} | {workers} | "
+                      + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
