@@ -200,6 +200,20 @@ class Compiler(ExpressionRules, ActionRules):
         args = tuple(state[v] for v in self.variables) if state else (None,) * len(self.variables)
         return self.guarded(fn)(args)
 
+    def state_function(self, name: str) -> Callable:
+        """A state-level operator without arguments compiled once: state tuple -> value
+        (`value` compiles it again on every call, which a check of every step cannot pay)."""
+        op = self.ops.get(name)
+        if op is None or op.params:
+            raise EvalError(f"{name} is not an operator without arguments")
+        body = self.expr(op.body, Scope(), None)
+        em = Emitter()
+        function = self.fresh("state", name)
+        em.open(f"def {function}(state):", op.line)
+        self._unpack(em)
+        em.emit(f"return {body.text}")
+        return self.guarded(self.define(em, function))
+
     def _unpack(self, em: Emitter) -> None:
         if self.variables:
             em.emit(", ".join(f"v_{v}" for v in self.variables) + ", = state")
