@@ -63,6 +63,7 @@ class Run:
     prefill_workers: int = 1
     decode_workers: int = 1
     description: str = ""
+    unit: str = "line"           # what a record's number counts: a file's lines, or events
 
 
 @dataclass
@@ -236,13 +237,13 @@ def check_run(run: Run) -> RunVerdict:
         try:
             event = codec.decode(record)
         except codec.CodecError as error:
-            raise RunError(f"{run.source} line {line}: {error}") from None
+            raise RunError(f"{run.source} {run.unit} {line}: {error}") from None
         request = getattr(event, "request", 0)
         if not 0 <= request < m.requests:
-            raise RunError(f"{run.source} line {line}: request {request} is outside the "
+            raise RunError(f"{run.source} {run.unit} {line}: request {request} is outside the "
                            f"run's 0..{m.requests - 1}")
         what = event.label(m)
-        where = f"{run.source} line {line}: step {steps} ({what})"
+        where = f"{run.source} {run.unit} {line}: step {steps} ({what})"
         try:
             allowed = checker.results(event, state)
         except EvalError as error:
