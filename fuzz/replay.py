@@ -236,11 +236,15 @@ def failure_run(path: str | Path) -> "Run":
     fault), not protocol events alone: those replay with `kvproof fuzz --replay`."""
     from spec.tlaplus.runcheck import Run
 
+    try:
+        target = json.loads(Path(path).read_text())["#meta"]["fuzz"]["target"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        target = None  # load() says what is wrong
+    if target is not None and target != "core":
+        raise ReplayError(f"{path} is a saved fuzz failure of the {target} target, whose "
+                          f"events are the fuzzer's moves on a shell: replay it with kvproof "
+                          f"fuzz --replay {path}")
     failure = load(path)
-    if failure.target != "core":
-        raise ReplayError(f"{path} is a failure of the {failure.target} target, whose events "
-                          f"are the fuzzer's moves on a shell: replay it with kvproof fuzz "
-                          f"--replay {path}")
     moves = [e.action for e in failure.events if type(e) not in core.EVENT_TYPES.values()]
     if moves:
         raise ReplayError(f"{path}: its events include the fuzzer's own moves ({moves[0]}): "

@@ -223,12 +223,13 @@ def check_run(run: Run) -> RunVerdict:
     """Whether every step of the run is a step of KVTransfer.tla with the action its record
     names, and no state of it violates a state invariant."""
     m = run.model
+    store = Store(run.shell_model, run.prefill_workers, run.decode_workers)
+    empty = spec_state(store, m.requests)  # (a shape the spec lacks is named first)
     try:
         checker = checker_for(m)
     except EvalError as error:
         raise RunError(f"KVTransfer.tla cannot be evaluated for {run.source}: {error}") from None
-    store = Store(run.shell_model, run.prefill_workers, run.decode_workers)
-    state = checker.keys(spec_state(store, m.requests))
+    state = checker.keys(empty)
     if state != checker.initial:
         return RunVerdict(False, 0, f"{run.source}: the empty store is not the spec's Init")
     steps = 0
