@@ -113,19 +113,19 @@ def spec_state(store: Store, requests: int) -> State:
                  tuple(sorted(store.writes_into[0])))
 
 
-def _take(run: Run, store: Store, record: dict, event: core.Event) -> str:
+def _take(run: Run, store: Store, line: int, record: dict, event: core.Event) -> str:
     """Rebuild: fold one event into the store; "" or why the core would not take it."""
     try:
         if type(event) is core.PrefillCrash:
-            out = store.crash_prefill(_worker(run, record, "p", run.prefill_workers))
+            out = store.crash_prefill(_worker(run, line, record, "p", run.prefill_workers))
         elif type(event) is core.DecodeCrash:
-            out = store.crash_decode(_worker(run, record, "d", run.decode_workers))
+            out = store.crash_decode(_worker(run, line, record, "d", run.decode_workers))
         elif type(event) is core.Arrive:
             r = event.request
             if r in store.rows:
                 return "the request has already arrived"
-            store.arrive(r, _worker(run, record, "p", run.prefill_workers),
-                         _worker(run, record, "d", run.decode_workers))
+            store.arrive(r, _worker(run, line, record, "p", run.prefill_workers),
+                         _worker(run, line, record, "d", run.decode_workers))
             out = store.take(r, event)
             if type(out) is Refusal:
                 store.withdraw(r)
@@ -138,11 +138,11 @@ def _take(run: Run, store: Store, record: dict, event: core.Event) -> str:
     return out.reason if type(out) is Refusal else ""
 
 
-def _worker(run: Run, record: dict, key: str, workers: int) -> int:
+def _worker(run: Run, line: int, record: dict, key: str, workers: int) -> int:
     worker = record.get(key, 0)
     if type(worker) is not int or not 0 <= worker < workers:
-        raise core.ProtocolMisuse(f"{key}={worker!r} names no worker of the run's "
-                                  f"{workers}")
+        raise RunError(f"{run.source} {run.unit} {line}: {key}={worker!r} "
+                       f"names no worker of the run's {workers}")
     return worker
 
 
@@ -250,7 +250,7 @@ def check_run(run: Run) -> RunVerdict:
         except EvalError as error:
             return RunVerdict(False, steps, f"{where}: the spec cannot be evaluated there: "
                               f"{error}", line, event.action)
-        refused = _take(run, store, record, event)
+        refused = _take(run, store, line, record, event)
         if isinstance(allowed, str) or not allowed:
             why = allowed if isinstance(allowed, str) else \
                 f"KVTransfer.tla's {event.action} is not enabled there with these arguments"
@@ -273,7 +273,7 @@ def check_run(run: Run) -> RunVerdict:
         if broken:
             return RunVerdict(False, steps, f"{where} is a legal step, but after it {broken} "
                               "is violated", line, event.action, violated=broken)
-    found = [f"{v.name}: {v.detail}" for v in store.violations]
+    found = [f"{v.property}: {v.detail}" for v in store.violations]
     return RunVerdict(True, steps, f"run OK: {steps} steps, each a step of KVTransfer.tla "
                       f"with the action its record names, no state invariant violated",
                       observations=found)

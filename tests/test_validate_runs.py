@@ -1,0 +1,198 @@
+"""A run's own log validated against KVTransfer.tla (spec/tlaplus/runcheck.py): faulty
+simulator runs, with messages and writes lost for good, crashes and aborts, are behaviours
+of the spec; a log with one forged step is refused at that step's line, with its action
+named; a core that drifted from the spec is caught by the logs of its own runs (the spec's
+text judges, the core only rebuilds the states); bad files are one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from spec import codec, core
+from spec.model import Model
+from spec.tlaplus.conformance import spec_for
+from spec.tlaplus.runcheck import Run, RunError, check_run
+from sim.run import simulate
+from sim.scenario import load_scenario
+from sim.trace import log_run
+from tests.cli_cases import run as cli
+
+
+def sim_log(path: Path, name: str, seed: int) -> Path:
+    print(f"kvproof sim {name} --seed {seed} --log {path}")
+    simulate(load_scenario(name).model_copy(update={"seed": seed}), log_path=str(path))
+    return path
+
+
+def actions(path: Path) -> Counter:
+    return Counter(json.loads(line)["a"] for line in path.read_text().splitlines()[1:])
+
+
+@pytest.fixture(scope="module")
+def one_pair(tmp_path_factory) -> Path:
+    """one-pair at its seed 15: 28 events, a whole transfer, a timeout and its cancel."""
+    return sim_log(tmp_path_factory.mktemp("runs") / "one-pair.ndjson", "one-pair", 15)
+
+
+# (seed, protocol steps, the faults in its log): every loss kind, both crashes and an abort
+# over the three.
+LOSSY = [
+    (1, 37, {"LoseFinalWord": 2, "LoseBootstrap": 1, "LoseWrite": 1, "LoseCancel": 1,
+             "DecodeCrash": 2}),
+    (5, 35, {"LoseCancel": 3, "LoseWrite": 1, "Abort": 1}),
+    (6, 21, {"LoseFinalWord": 1, "LoseBootstrap": 2, "LoseCancel": 1, "DecodeCrash": 2,
+             "PrefillCrash": 1}),
+]
+FAULTS = ("Lose", "PrefillCrash", "DecodeCrash", "Abort")
+
+
+@pytest.mark.parametrize("seed, steps, faults", LOSSY, ids=[f"seed{s}" for s, _, _ in LOSSY])
+def test_a_lossy_faulty_simulator_run_is_a_behaviour_of_the_spec(tmp_path, seed, steps, faults):
+    log = sim_log(tmp_path / "lossy.ndjson", "lossy-pair", seed)
+    assert {a: n for a, n in actions(log).items() if a.startswith(FAULTS)} == faults
+    verdict = check_run(log_run(str(log)))
+    assert verdict.ok, verdict.message
+    assert verdict.steps == steps
+
+
+def test_the_cli_validates_a_simulator_log(capsys, one_pair):
+    code, out, _ = cli(capsys, "validate", str(one_pair))
+    assert code == 0, out
+    assert "run OK: 28 steps, each a step of KVTransfer.tla" in out
+
+
+def _edit(line: int, **fields):
+    def edit(lines: list[str]) -> None:
+        record = json.loads(lines[line - 1])
+        record.update(fields)
+        lines[line - 1] = json.dumps(record) + "\n"
+    return edit
+
+
+def _delete(line: int):
+    def edit(lines: list[str]) -> None:
+        del lines[line - 1]
+    return edit
+
+
+# One forged record of the one-pair log each: (what, the edit, the line and action the
+# verdict names, what it says). Lines are the log's (line 1 is the header).
+FORGERIES = [
+    ("page table changed: r2 reserves r1's page", _edit(11, pages=[0]), 11, "Reserve",
+     "not enabled there with these arguments (the core refuses it too: decode page 1 is not "
+     "free)"),
+    ("Finish reports bad tags over clean pages", _edit(13, tags_ok=False), 13, "Finish",
+     "differs from what KVTransfer.tla's Finish leads to: client"),
+    ("Accept reports bad checksums over clean pages", _edit(8, checksums_ok=False), 8,
+     "Accept", "differs from what KVTransfer.tla's Accept leads to: client"),
+    ("a landing vanishes", _delete(6), 6, "SendDone", "SendDone is not enabled"),
+    ("a write lands in another page", _edit(17, page=0), 17, "LandWrite",
+     "no write of r2 into decode page 1 is in flight"),
+    ("an arrival's prompt grows: its reservation no longer fits it", _edit(16, prompt_pages=3), 19,
+     "Reserve", "Reserve is not enabled"),
+]
+
+
+@pytest.mark.parametrize("what, edit, line, action, says", FORGERIES,
+                         ids=[f[0] for f in FORGERIES])
+def test_a_forged_step_is_refused_at_its_line_with_its_action(tmp_path, capsys, one_pair,
+                                                              what, edit, line, action, says):
+    lines = one_pair.read_text().splitlines(keepends=True)
+    edit(lines)
+    forged = tmp_path / "forged.ndjson"
+    forged.write_text("".join(lines))
+    verdict = check_run(log_run(str(forged)))
+    assert not verdict.ok and (verdict.line, verdict.action) == (line, action), verdict.message
+    assert f"line {line}: step" in verdict.message and says in verdict.message
+    code, out, _ = cli(capsys, "validate", str(forged))
+    assert code == 1 and f"line {line}: step" in out
+
+
+def _hand_run(*events: core.Event, bugs=frozenset()) -> Run:
+    m = Model(requests=1, max_prompt_pages=1, context_pages=1, prefill_pages=1,
+              decode_pages=1, bugs=bugs, name="hand")
+    return Run("hand-made", m, m, [(k, codec.encode(e)) for k, e in enumerate(events, 1)],
+               unit="event")
+
+
+def test_an_accept_before_the_landings_is_refused_even_where_done_may_come_early():
+    """EarlyDone lets the prefill's Done overtake its writes; decode's own count (Counted)
+    still holds Accept back until they have landed."""
+    start = (core.Arrive(0, 1), core.Reserve(0, (0,)), core.Admit(0, (0,)), core.SendPage(0),
+             core.SendDone(0))
+    honest = check_run(_hand_run(*start, core.LandWrite(0, 0), core.Accept(0, True),
+                                 bugs={"EarlyDone"}))
+    assert honest.ok and honest.steps == 7, honest.message
+    forged = check_run(_hand_run(*start, core.Accept(0, True), core.LandWrite(0, 0),
+                                 bugs={"EarlyDone"}))
+    assert not forged.ok and (forged.line, forged.action) == (6, "Accept"), forged.message
+    assert "the core refuses it too" in forged.message
+
+
+def _mutant(monkeypatch, action: type, bug: str) -> None:
+    """The core's action replaced by its copy with one guard off (the bug switch's)."""
+    original = core.ACTIONS[action]
+    monkeypatch.setitem(core.ACTIONS, action,
+                        lambda m, *args: original(m.with_bugs(m.bugs | {bug}), *args))
+
+
+@pytest.mark.parametrize("action, bug, line, says", [
+    (core.Reserve, "NoGenBump", 3, ("differs from what KVTransfer.tla's Reserve leads to: "
+                                    "table[r1] is (1 :> ('page' :> 1 @@ 'gen' :> 0)), the "
+                                    "spec's (1 :> ('page' :> 1 @@ 'gen' :> 1))",
+                                    "gen[1] is 0, the spec's 1")),
+    (core.Release, "EagerRelease", 21,
+     ("Release is not enabled there with these arguments (the core that rebuilt the state "
+      "took it)",)),
+])
+def test_a_mutant_cores_own_runs_are_refused(tmp_path, monkeypatch, action, bug, line, says):
+    """The simulator runs on a broken core, and the same broken core rebuilds the states of
+    its log: the spec's text still refuses the first step the mutation changed."""
+    _mutant(monkeypatch, action, bug)
+    log = sim_log(tmp_path / "mutant.ndjson", "one-pair", 15)
+    verdict = check_run(log_run(str(log)))
+    assert not verdict.ok and (verdict.line, verdict.action) == (line, action.__name__), \
+        verdict.message
+    assert all(part in verdict.message for part in says), verdict.message
+
+
+def test_every_action_of_next_is_bound_by_a_log_record():
+    spec = spec_for(Model(losses=frozenset({"Write", "Bootstrap"})))
+    instances = spec.compiler().instances()
+    assert {i.label for i in instances} == set(spec.labels) == set(core.ACTION_NAMES)
+    assert {i.label: i.names for i in instances}["LandWrite"] == ("w",)
+
+
+def test_a_run_of_more_workers_than_the_spec_has_is_named(tmp_path):
+    log = tmp_path / "two.ndjson"
+    sc = load_scenario("one-pair").model_copy(update={"seed": 1, "requests": 2})
+    sc = sc.model_copy(update={"cluster": sc.cluster.model_copy(update={"decode_workers": 2})})
+    simulate(sc, log_path=str(log))
+    with pytest.raises(RunError, match="this run has 1 and 2: it maps onto the spec once the "
+                                       "spec has worker sets"):
+        check_run(log_run(str(log)))
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda lines: lines[:-1], "the log has no end record"),
+    (lambda lines: lines[:5] + [lines[5][:15]] + lines[6:], "line 6: malformed record"),
+    (lambda lines: lines[:3] + ['{"t": 0.03, "a": "Teleport", "request": 0}\n'] + lines[3:],
+     "line 4: unknown action 'Teleport'"),
+    (lambda lines: lines[:3] + ['{"t": 0.03, "a": "SendPage", "request": -4}\n'] + lines[3:],
+     "line 4: request -4 is outside the run's 0..2"),
+    (lambda lines: [lines[0], lines[1].replace('"d":0', '"d":5')] + lines[2:],
+     "line 2: d=5 names no worker of the run's 1"),
+    (lambda lines: ['{"format": "kvproof-sim-log/1"}\n'] + lines[1:],
+     "not a kvproof simulator log (format 'kvproof-sim-log/1')"),
+])
+def test_a_bad_log_is_one_line_and_exit_2(tmp_path, capsys, one_pair, edit, says):
+    bad = tmp_path / "bad.ndjson"
+    bad.write_text("".join(edit(one_pair.read_text().splitlines(keepends=True))))
+    code, out, err = cli(capsys, "validate", str(bad))
+    assert code == 2, out + err
+    assert len(err.strip().splitlines()) == 1 and says in err, err
+    assert "Traceback" not in err
