@@ -22,7 +22,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from engine.eventlog import LogError, core_trace, read_log, replay, write_log  # noqa: E402
+from engine.eventlog import (LogError, core_trace, log_run, read_log, replay,  # noqa: E402
+                             write_log)
+from spec.tlaplus.runcheck import RunError, check_run  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.service import Finished, GenerationRequest  # noqa: E402
 from engine.serving import CapacityError, EngineConfig, build_engine  # noqa: E402
@@ -84,6 +86,9 @@ def test_two_by_three_workers_give_the_generators_tokens_and_use_every_worker(mo
     assert store.prefill_pools == rt.store.prefill_pools
     with pytest.raises(LogError, match="one prefill and one decode worker"):
         core_trace(header, records)
+    with pytest.raises(RunError, match="this run has 2 and 3: it maps onto the spec once the "
+                                       "spec has worker sets"):
+        check_run(log_run(path))
     # A placement the header has no worker for is bad input, named.
     arrive = next(k for k, x in enumerate(records) if x["a"] == "Arrive")
     records[arrive] = {**records[arrive], "d": 3}
