@@ -196,3 +196,31 @@ def test_a_bad_log_is_one_line_and_exit_2(tmp_path, capsys, one_pair, edit, says
     assert code == 2, out + err
     assert len(err.strip().splitlines()) == 1 and says in err, err
     assert "Traceback" not in err
+
+
+def test_a_saved_core_fuzz_failure_validates_as_a_legal_run_that_breaks_an_invariant(
+        tmp_path, capsys):
+    """`kvproof fuzz --target core --bug EagerRelease --seed 1` finds this one (pools of 20
+    and 38 pages, far past enumerating Next's choices of pages): every step is the spec's,
+    and the spec's own NoWriteIntoForeign is broken after the last."""
+    from fuzz.replay import SavedFailure, write
+
+    m = Model(requests=11, max_prompt_pages=40, context_pages=38, prefill_pages=20,
+              decode_pages=38, crashes=True, decode_crashes=True, bugs={"EagerRelease"},
+              name="fuzz")
+    events = [core.Arrive(2, 14), core.Reserve(2, tuple(range(24, 38))),
+              core.Admit(2, tuple(range(6, 20))), core.Timeout(2), core.Release(2),
+              core.SendPage(2)]
+    path = tmp_path / "kvproof-fuzz-core-seed1.itf.json"
+    write(path, SavedFailure("core", m, None, events, "NoWriteIntoForeign: violated", 6, 1),
+          {})
+    code, out, _ = cli(capsys, "validate", str(path))
+    assert code == 1, out
+    assert ("event 6: step 6 (SendPage(r3)) is a legal step, but after it NoWriteIntoForeign "
+            "is violated") in out
+    # Without the bug, the spec refuses the early Release at its event.
+    guarded = json.loads(path.read_text())
+    guarded["#meta"]["model"]["Bugs"] = []
+    path.write_text(json.dumps(guarded))
+    code, out, _ = cli(capsys, "validate", str(path))
+    assert code == 1 and "event 5: step 5 (Release(r3)) is not a step of the spec" in out, out
