@@ -86,7 +86,8 @@ FORGERIES = [
      "not enabled there with these arguments (the core refuses it too: decode page 1 is not "
      "free)"),
     ("Finish reports bad tags over clean pages", _edit(13, tags_ok=False), 13, "Finish",
-     "differs from what KVTransfer.tla's Finish leads to: client"),
+     "differs from what KVTransfer.tla's Finish leads to: client[r1] is \"ErrTag\", the "
+     "spec's \"Ok\""),
     ("Accept reports bad checksums over clean pages", _edit(8, checksums_ok=False), 8,
      "Accept", "differs from what KVTransfer.tla's Accept leads to: client"),
     ("a landing vanishes", _delete(6), 6, "SendDone", "SendDone is not enabled"),
@@ -142,8 +143,8 @@ def _mutant(monkeypatch, action: type, bug: str) -> None:
 
 @pytest.mark.parametrize("action, bug, line, says", [
     (core.Reserve, "NoGenBump", 3, ("differs from what KVTransfer.tla's Reserve leads to: "
-                                    "table[r1] is (1 :> ('page' :> 1 @@ 'gen' :> 0)), the "
-                                    "spec's (1 :> ('page' :> 1 @@ 'gen' :> 1))",
+                                    "table[r1] is <<[page |-> 1, gen |-> 0]>>, the spec's "
+                                    "<<[page |-> 1, gen |-> 1]>>",
                                     "gen[1] is 0, the spec's 1")),
     (core.Release, "EagerRelease", 21,
      ("Release is not enabled there with these arguments (the core that rebuilt the state "

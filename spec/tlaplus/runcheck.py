@@ -146,6 +146,24 @@ def _worker(run: Run, line: int, record: dict, key: str, workers: int) -> int:
     return worker
 
 
+def _tla(v: object) -> str:
+    """An evaluator value in TLA+ syntax, for messages: records, sequences, sets."""
+    if isinstance(v, bool):
+        return "TRUE" if v else "FALSE"
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, dict):
+        keys = list(v)
+        if keys == list(range(1, len(keys) + 1)) and keys:
+            return "<<" + ", ".join(_tla(x) for x in v.values()) + ">>"
+        if keys and all(isinstance(k, str) for k in keys):
+            return "[" + ", ".join(f"{k} |-> {_tla(x)}" for k, x in v.items()) + "]"
+        return "(" + " @@ ".join(f"{_tla(k)} :> {_tla(x)}" for k, x in v.items()) + ")"
+    if isinstance(v, frozenset):
+        return "{" + ", ".join(sorted(_tla(x) for x in v)) + "}"
+    return repr(v)
+
+
 def _differences(spec, before: tuple, after: tuple, allowed: list[tuple]) -> str:
     """What the log's state differs in from the spec's nearest result, per variable and key."""
     best = min(allowed, key=lambda s: sum(a != b for a, b in zip(s, after)))
@@ -155,9 +173,10 @@ def _differences(spec, before: tuple, after: tuple, allowed: list[tuple]) -> str
             continue
         if isinstance(want, dict) and isinstance(got, dict) and want.keys() == got.keys():
             keys = [k for k in want if want[k] != got[k]]
-            parts += [f"{var}[{k!r}] is {got[k]!r}, the spec's {want[k]!r}" for k in keys[:3]]
+            parts += [f"{var}[{_tla(k)}] is {_tla(got[k])}, the spec's {_tla(want[k])}"
+                      for k in keys[:3]]
         else:
-            parts.append(f"{var} is {got!r}, the spec's {want!r}")
+            parts.append(f"{var} is {_tla(got)}, the spec's {_tla(want)}")
     return "; ".join(parts[:4])
 
 
