@@ -35,7 +35,7 @@ binds (from the records' placement fields p and d).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from spec import codec, core
@@ -43,8 +43,8 @@ from spec.core import Refusal, State
 from spec.model import Model
 from spec.properties import STATE_INVARIANTS
 from spec.store import Store
-from spec.tlaplus.conformance import _Keys, spec_for
-from spec.tlaplus.tlaeval import EvalError, ModelValue
+from spec.tlaplus.conformance import _Keys, from_view, spec_for
+from spec.tlaplus.tlaeval import EvalError, Fcn, ModelValue
 from spec.tlaplus.tlaview import VARIABLES
 
 
@@ -180,6 +180,49 @@ def _differences(spec, before: tuple, after: tuple, allowed: list[tuple]) -> str
     return "; ".join(parts[:4])
 
 
+class _RunKeys(_Keys):
+    """The conformance key cache for one run's states, taken in order. Consecutive states
+    differ in a row or two, so a per-request variable's value is the previous one with those
+    requests' entries replaced: a step costs what it changed, not the run's request count
+    (_Keys converts every changed column whole)."""
+
+    def __init__(self, m: Model) -> None:
+        super().__init__(m)
+        self.names = [ModelValue(n) for n in m.request_names]
+        self.alone: dict[int, Model] = {}  # r -> a one-request model naming r alone
+        self.last_rows: tuple | None = None
+        self.last: list = []
+
+    def _rows(self, rows: tuple) -> tuple:
+        last_rows = self.last_rows
+        if last_rows is None or len(rows) != len(last_rows):
+            out = list(super()._rows(rows))
+        else:
+            changed = [r for r, (a, b) in enumerate(zip(rows, last_rows)) if a is not b]
+            out = list(self.last)
+            for f, (convert, _) in enumerate(self.columns):
+                moved = [r for r in changed if rows[r][f] != last_rows[r][f]]
+                if not moved:
+                    continue
+                if not isinstance(out[f], dict):  # a set of requests (leaked): whole
+                    out[f] = from_view(convert(self.m, tuple(row[f] for row in rows)))
+                    continue
+                value = Fcn(out[f])  # a fresh copy, changed before anyone hashes it
+                for r in moved:
+                    value[self.names[r]] = from_view(
+                        convert(self._alone(r), (rows[r][f],))[self.names[r]])
+                out[f] = value
+        self.last_rows, self.last = rows, out
+        return tuple(out)
+
+    def _alone(self, r: int) -> Model:
+        m = self.alone.get(r)
+        if m is None:
+            m = self.alone[r] = replace(self.m, requests=1,
+                                        request_names=(self.m.request_names[r],))
+        return m
+
+
 class Checker:
     """KVTransfer.tla compiled for one run's constants: its actions as Next binds them, its
     state invariants, and the map from core states to its variables."""
@@ -198,7 +241,7 @@ class Checker:
             self.instances.setdefault(instance.label, []).append(instance)
         self.invariants = {name: compiler.state_function(name) for name in STATE_INVARIANTS
                            if name in self.spec.ops}
-        self.keys = _Keys(m)
+        self.keys = _RunKeys(m)
         init = self.spec.initial_states()
         self.initial = tuple(init[0][v] for v in VARIABLES) if len(init) == 1 else None
 
