@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from spec.tlaplus.tlaexpr import RUNTIME_ERRORS, Code, Scope, line_of, local, name_of
+from spec.tlaplus.tlaexpr import Code, Scope, line_of, local, name_of
 from spec.tlaplus.tlavalues import EvalError
 
 
@@ -158,15 +158,7 @@ class ActionRules:
                                               self.finisher(label)))
         em.emit("return successors")
         return Instance(label, tuple(name for name, _, _, _ in bound),
-                        self.guarded_instance(self.define(em, function)))
-
-    def guarded_instance(self, fn: Callable) -> Callable:
-        def run(state, *args):
-            try:
-                return fn(state, *args)
-            except RUNTIME_ERRORS as error:
-                raise self.translate(error) from error
-        return run
+                        self.guarded(self.define(em, function)))
 
     def finisher(self, name: str) -> Continuation:
         def finish(primed: dict, label: str | None) -> None:

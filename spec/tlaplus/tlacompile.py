@@ -178,9 +178,9 @@ class Compiler(ExpressionRules, ActionRules):
         return EvalError(f"line {line}: {message}")
 
     def guarded(self, fn: Callable) -> Callable:
-        def run(state):
+        def run(state, *args):
             try:
-                return fn(state)
+                return fn(state, *args)
             except RUNTIME_ERRORS as error:
                 raise self.translate(error) from error
         return run
