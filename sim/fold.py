@@ -114,6 +114,7 @@ class Folder:
         r = event.request
         self.metrics.last_event_s = t
         self.cluster.arrive(r, p, d)
+        event = replace(event, prefill_worker=p, decode_worker=d)  # the router's placement
         out = self.cluster.decide(r, event)
         if type(out) is Refusal:
             self.cluster.withdraw(r)

@@ -31,6 +31,15 @@
 (* ghost, leaked, is history for the properties): spec/tlaplus/locality.py *)
 (* checks it from this text.                                               *)
 (*                                                                         *)
+(* Workers. The router places every request it admits on one prefill     *)
+(* worker of PrefillWorkers and one decode worker of DecodeWorkers         *)
+(* (pworker, dworker), any of them: each worker has a pool of its own      *)
+(* (powner[q], owner[d], ...), and a request's actions read and write only *)
+(* its own workers' pools, so the checker explores every placement. A      *)
+(* worker crashes alone (PrefillCrash(q), DecodeCrash(d)), taking only its *)
+(* requests, its pool and its writes with it; each decode worker has its   *)
+(* own epochs (its tombstones).                                            *)
+(*                                                                         *)
 (* Every guard can be switched off by an element of the constant Bugs, so  *)
 (* one spec serves the correct protocol and every bug of the zoo. The      *)
 (* Python core (spec/core.py) implements the same actions with the same    *)
@@ -46,12 +55,15 @@ EXTENDS Integers, Sequences, FiniteSets, TLC
 CONSTANTS
     Requests,        \* the requests (model values)
     NoReq,           \* "no request" (a model value)
+    PrefillWorkers,  \* the prefill workers (model values), each with a pool of PrefillPages
+    DecodeWorkers,   \* the decode workers (model values), each with a pool of DecodePages
+    NoWorker,        \* "placed nowhere" (a model value)
     MaxPromptPages,  \* longest prompt a client may send, in pages
     ContextPages,    \* context the deployment is configured to advertise, in pages
-    PrefillPages,    \* size of the prefill KV pool, in pages
-    DecodePages,     \* size of the decode KV pool, in pages
-    Crashes,         \* whether the prefill worker may crash and restart (BOOLEAN)
-    DecodeCrashes,   \* whether the decode worker may crash and restart (BOOLEAN)
+    PrefillPages,    \* size of each prefill worker's KV pool, in pages
+    DecodePages,     \* size of each decode worker's KV pool, in pages
+    Crashes,         \* whether each prefill worker may crash and restart (BOOLEAN)
+    DecodeCrashes,   \* whether each decode worker may crash and restart (BOOLEAN)
     EarlyTimeouts,   \* whether a decode timer may fire while the prefill is still at work
                      \*   on the request (BOOLEAN; see Timeout)
     Losses,          \* what the network may lose for good (a subset of LossKinds; see Lose)
@@ -66,6 +78,8 @@ BugNames == {"FinishedNotRejected", "NoCountCheck", "EagerRelease", "SourceReuse
 LossKinds == {"Bootstrap", "FinalWord", "Cancel", "Write"}
 
 ASSUME /\ NoReq \notin Requests
+       /\ PrefillWorkers # {} /\ DecodeWorkers # {}
+       /\ NoWorker \notin PrefillWorkers \cup DecodeWorkers
        /\ Bugs \subseteq BugNames
        /\ Losses \subseteq LossKinds
        /\ MaxPromptPages \in Nat \ {0}
@@ -80,7 +94,11 @@ PPages == 1..PrefillPages
 DPages == 1..DecodePages
 Min(a, b) == IF a < b THEN a ELSE b
 
-(* The startup check: a node advertises no more context than its pools hold. *)
+(* The startup check: a node advertises no more context than its pools hold. Every   *)
+(* worker's pools are alike, so every worker has room for every prompt the router     *)
+(* admits: that is the room the router places by (Arrive). Whether a worker's pages    *)
+(* are free now only the worker knows; one without free pages keeps the request       *)
+(* waiting (Reserve and Admit wait for free pages).                                   *)
 Advertised == IF "PoolBelowContext" \in Bugs
                 THEN ContextPages
                 ELSE Min(ContextPages, Min(PrefillPages, DecodePages))
@@ -109,16 +127,21 @@ VARIABLES
     announced, \* decode: the count of writes the final word it holds announced
     landed,   \* decode: writes into its pages it has seen land, per request
     leaked,   \* ghost (history, for the properties): requests that consumed foreign data
-    owner,    \* decode: owner of each page of its pool
-    gen,      \* decode: generation (ownership tag) of each page
+    pworker,  \* router: the prefill worker it placed the request on (NoWorker: none); the
+              \*   queue entry reaches that worker, which so knows its own requests
+    dworker,  \* router: the decode worker it placed the request on; the bootstrap reaches it
+    owner,    \* decode: owner of each page of each worker's pool, owner[d][p]
+    gen,      \* decode: generation (ownership tag) of each page, gen[d][p]
     content,  \* decode: each page's memory, <<whose data, tag it was written with>>
-    powner,   \* prefill: owner of each page of its pool
+    powner,   \* prefill: owner of each page of each worker's pool, powner[q][p]
     pdata,    \* prefill: each page's memory (whose KV it holds)
     writes    \* prefill: its send queue, the writes it posted whose completion has not
-              \*   come back (the network lands them)
+              \*   come back (the network lands them); a write's pages are in its
+              \*   request's workers' pools
 
 vars == <<client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel, ptable,
-          fwCount, announced, landed, leaked, owner, gen, content, powner, pdata, writes>>
+          fwCount, announced, landed, leaked, pworker, dworker, owner, gen, content, powner,
+          pdata, writes>>
 
 Range(q) == {q[i] : i \in DOMAIN q}
 (* A finite set of integers as the ascending sequence of its elements. Not SortSeq:  *)
@@ -128,18 +151,21 @@ Range(q) == {q[i] : i \in DOMAIN q}
 (* function set [1..n -> S] (n^n candidates) in every Admit and Reserve.                 *)
 Ascending(S) == [i \in 1..Cardinality(S) |->
                    CHOOSE x \in S : Cardinality({y \in S : y < x}) = i - 1]
-FreePrefill == {p \in PPages : powner[p] = NoReq}
-FreeDecode == {p \in DPages : owner[p] = NoReq}
+FreePrefill(q) == {p \in PPages : powner[q][p] = NoReq}
+FreeDecode(d) == {p \in DPages : owner[d][p] = NoReq}
 WritesOf(r) == {w \in writes : w.req = r}
 ClientError(r, e) == IF client[r] = "Waiting" THEN e ELSE client[r]
-FreeSources(r) == [p \in PPages |-> IF p \in Range(src[r]) /\ powner[p] = r
-                                      THEN NoReq ELSE powner[p]]
+(* powner with r's sources at its prefill worker freed. *)
+FreeSources(r) == [powner EXCEPT ![pworker[r]] =
+                     [p \in PPages |-> IF p \in Range(src[r]) /\ @[p] = r THEN NoReq ELSE @[p]]]
+(* Page p of prefill worker q is read by a write in flight of the request that owns it. *)
+Reading(q, p) == \E w \in writes : pworker[w.req] = q /\ w.src = p /\ w.req = powner[q][p]
 (* The sources of r that none of r's writes in flight still reads: all of them, unless the  *)
 (* final word went out before the writes completed (EarlyDone); a completion frees the rest. *)
-Reading(p) == \E w \in writes : w.src = p /\ w.req = powner[p]
-FreeUnreadSources(r) == [p \in PPages |-> IF p \in Range(src[r]) /\ powner[p] = r
-                                            /\ ~Reading(p)
-                                          THEN NoReq ELSE powner[p]]
+FreeUnreadSources(r) == [powner EXCEPT ![pworker[r]] =
+                           [p \in PPages |-> IF p \in Range(src[r]) /\ @[p] = r
+                                                /\ ~Reading(pworker[r], p)
+                                              THEN NoReq ELSE @[p]]]
 (* Decode's own count: as many of r's writes as n have landed in its pages. An IF, not a    *)
 (* disjunction, so that TLC enumerates each step once (see LeaseLapsed).                    *)
 Counted(r, n) == IF "NoLandedCount" \in Bugs THEN TRUE ELSE landed[r] >= n
@@ -163,11 +189,14 @@ TypeOK ==
     /\ announced \in [Requests -> 0..MaxPromptPages]
     /\ landed \in [Requests -> Nat]
     /\ leaked \subseteq Requests
-    /\ owner \in [DPages -> Requests \cup {NoReq}]
-    /\ gen \in [DPages -> Nat]
-    /\ \A p \in DPages : content[p][1] \in Requests \cup {NoReq} /\ content[p][2] \in Int
-    /\ powner \in [PPages -> Requests \cup {NoReq}]
-    /\ pdata \in [PPages -> Requests \cup {NoReq}]
+    /\ pworker \in [Requests -> PrefillWorkers \cup {NoWorker}]
+    /\ dworker \in [Requests -> DecodeWorkers \cup {NoWorker}]
+    /\ owner \in [DecodeWorkers -> [DPages -> Requests \cup {NoReq}]]
+    /\ gen \in [DecodeWorkers -> [DPages -> Nat]]
+    /\ \A d \in DecodeWorkers : \A p \in DPages :
+          content[d][p][1] \in Requests \cup {NoReq} /\ content[d][p][2] \in Int
+    /\ powner \in [PrefillWorkers -> [PPages -> Requests \cup {NoReq}]]
+    /\ pdata \in [PrefillWorkers -> [PPages -> Requests \cup {NoReq}]]
     /\ \A w \in writes : w.req \in Requests /\ w.src \in PPages /\ w.dst \in DPages
 
 Init ==
@@ -187,32 +216,39 @@ Init ==
     /\ announced = [r \in Requests |-> 0]
     /\ landed = [r \in Requests |-> 0]
     /\ leaked = {}
-    /\ owner = [p \in DPages |-> NoReq]
-    /\ gen = [p \in DPages |-> 0]
-    /\ content = [p \in DPages |-> <<NoReq, -1>>]
-    /\ powner = [p \in PPages |-> NoReq]
-    /\ pdata = [p \in PPages |-> NoReq]
+    /\ pworker = [r \in Requests |-> NoWorker]
+    /\ dworker = [r \in Requests |-> NoWorker]
+    /\ owner = [d \in DecodeWorkers |-> [p \in DPages |-> NoReq]]
+    /\ gen = [d \in DecodeWorkers |-> [p \in DPages |-> 0]]
+    /\ content = [d \in DecodeWorkers |-> [p \in DPages |-> <<NoReq, -1>>]]
+    /\ powner = [q \in PrefillWorkers |-> [p \in PPages |-> NoReq]]
+    /\ pdata = [q \in PrefillWorkers |-> [p \in PPages |-> NoReq]]
     /\ writes = {}
 
 -----------------------------------------------------------------------------
 (* Router and client. *)
 
-Arrive(r, n) ==
+(* The router admits the prompt and places it on prefill worker q and decode worker d, *)
+(* any of them (every worker has room: see Advertised). A prompt it refuses is placed  *)
+(* nowhere.                                                                           *)
+Arrive(r, n, q, d) ==
     /\ client[r] = "Idle"
     /\ prompt' = [prompt EXCEPT ![r] = n]
     /\ IF n > Advertised
          THEN /\ client' = [client EXCEPT ![r] = "ErrTooLong"]
-              /\ UNCHANGED <<pst, boot>>
+              /\ UNCHANGED <<pst, boot, pworker, dworker>>
          ELSE /\ client' = [client EXCEPT ![r] = "Waiting"]
               /\ pst' = [pst EXCEPT ![r] = "Queued"]
               /\ boot' = [boot EXCEPT ![r] = TRUE]
+              /\ pworker' = [pworker EXCEPT ![r] = q]
+              /\ dworker' = [dworker EXCEPT ![r] = d]
     /\ UNCHANGED <<sent, src, dst, table, fwMsg, dfw, cancel, leaked, owner, gen, content,
                    powner, pdata, writes, ptable, fwCount, announced, landed>>
 
 Abort(r) ==
     /\ client[r] = "Waiting"
     /\ client' = [client EXCEPT ![r] = "Gone"]
-    /\ UNCHANGED <<prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel, leaked,
+    /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, fwCount,
                    announced, landed>>
 
@@ -230,13 +266,13 @@ Admit(r, S) ==
     /\ pst[r] = "Queued"
     /\ ptable[r] # <<>> \/ "AdmitBeforeReserve" \in Bugs
     /\ prompt[r] <= PrefillPages \/ "FinishedNotRejected" \in Bugs
-    /\ S \subseteq FreePrefill
+    /\ S \subseteq FreePrefill(pworker[r])
     /\ Cardinality(S) = AdmitNeed(r)
     /\ pst' = [pst EXCEPT ![r] = "Running"]
     /\ src' = [src EXCEPT ![r] = Ascending(S)]
-    /\ powner' = [p \in PPages |-> IF p \in S THEN r ELSE powner[p]]
-    /\ pdata' = [p \in PPages |-> IF p \in S THEN r ELSE pdata[p]]
-    /\ UNCHANGED <<client, prompt, sent, dst, table, boot, fwMsg, dfw, cancel, leaked,
+    /\ powner' = [powner EXCEPT ![pworker[r]] = [p \in PPages |-> IF p \in S THEN r ELSE @[p]]]
+    /\ pdata' = [pdata EXCEPT ![pworker[r]] = [p \in PPages |-> IF p \in S THEN r ELSE @[p]]]
+    /\ UNCHANGED <<pworker, dworker, client, prompt, sent, dst, table, boot, fwMsg, dfw, cancel, leaked,
                    owner, gen, content, writes, ptable, fwCount, announced,
                    landed>>
 
@@ -248,7 +284,7 @@ Reject(r) ==
     /\ fwMsg' = [fwMsg EXCEPT ![r] = "Reject"]
     /\ fwCount' = [fwCount EXCEPT ![r] = sent[r]]
     /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTooLong")]
-    /\ UNCHANGED <<prompt, sent, src, dst, table, boot, dfw, cancel, leaked, owner, gen,
+    /\ UNCHANGED <<pworker, dworker, prompt, sent, src, dst, table, boot, dfw, cancel, leaked, owner, gen,
                    content, powner, pdata, writes, ptable, announced, landed>>
 
 SendPage(r) ==
@@ -261,17 +297,18 @@ SendPage(r) ==
           /\ sent' = [sent EXCEPT ![r] = i]
           /\ powner' = IF i = Len(src[r]) /\ "SourceReuse" \in Bugs
                          THEN FreeSources(r) ELSE powner
-    /\ UNCHANGED <<client, prompt, pst, src, dst, table, boot, fwMsg, dfw, cancel, leaked,
+    /\ UNCHANGED <<pworker, dworker, client, prompt, pst, src, dst, table, boot, fwMsg, dfw, cancel, leaked,
                    owner, gen, content, pdata, ptable, fwCount, announced, landed>>
 
 LandWrite(w) ==
     /\ w \in writes
-    /\ content' = [content EXCEPT ![w.dst] = <<pdata[w.src], w.gen>>]
+    /\ content' = [content EXCEPT ![dworker[w.req]][w.dst] =
+                     <<pdata[pworker[w.req]][w.src], w.gen>>]
     /\ writes' = writes \ {w}
     /\ landed' = [landed EXCEPT ![w.req] = landed[w.req] + 1]
-    /\ powner' = IF pst[w.req] # "Running" /\ powner[w.src] = w.req
-                   THEN [powner EXCEPT ![w.src] = NoReq] ELSE powner
-    /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel,
+    /\ powner' = IF pst[w.req] # "Running" /\ powner[pworker[w.req]][w.src] = w.req
+                   THEN [powner EXCEPT ![pworker[w.req]][w.src] = NoReq] ELSE powner
+    /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel,
                    leaked, owner, gen, pdata, ptable, fwCount, announced>>
 
 SendDone(r) ==
@@ -282,7 +319,7 @@ SendDone(r) ==
     /\ fwMsg' = [fwMsg EXCEPT ![r] = "Done"]
     /\ fwCount' = [fwCount EXCEPT ![r] = sent[r]]
     /\ powner' = FreeUnreadSources(r)
-    /\ UNCHANGED <<client, prompt, sent, src, dst, table, boot, dfw, cancel, leaked,
+    /\ UNCHANGED <<pworker, dworker, client, prompt, sent, src, dst, table, boot, dfw, cancel, leaked,
                    owner, gen, content, pdata, writes, ptable, announced, landed>>
 
 (* A prefill that stops because of a cancel answers it; NoAbortNotice drops only the   *)
@@ -296,7 +333,7 @@ StopPrefill(r, c) ==
                     THEN fwCount ELSE [fwCount EXCEPT ![r] = sent[r]]
     /\ client' = [client EXCEPT ![r] = c]
     /\ powner' = FreeSources(r)
-    /\ UNCHANGED <<prompt, sent, src, dst, table, boot, dfw, leaked, owner, gen, content,
+    /\ UNCHANGED <<pworker, dworker, prompt, sent, src, dst, table, boot, dfw, leaked, owner, gen, content,
                    pdata, writes, ptable, announced, landed>>
 
 PrefillCanStop(r) == pst[r] \in {"Queued", "Running"} /\ WritesOf(r) = {}
@@ -323,19 +360,20 @@ Active(r) == pst[r] \in {"Queued", "Running"}
 (* where writes drain before the final word.                                               *)
 PrefillLoses(r) == IF Active(r) THEN TRUE ELSE WritesOf(r) # {}
 
-PrefillCrash ==
+(* Prefill worker q crashes: only its requests, its pool and its writes are touched. *)
+PrefillCrash(q) ==
     /\ Crashes
-    /\ \E r \in Requests : PrefillLoses(r)
-    /\ pst' = [r \in Requests |-> IF Active(r) THEN "Aborted" ELSE pst[r]]
-    /\ client' = [r \in Requests |-> IF Active(r) THEN ClientError(r, "ErrPrefill")
-                                                  ELSE client[r]]
-    /\ sent' = [r \in Requests |-> IF Active(r) THEN 0 ELSE sent[r]]
-    /\ powner' = [p \in PPages |-> NoReq]
-    /\ writes' = {}
-    /\ UNCHANGED <<prompt, src, dst, table, boot, fwMsg, dfw, cancel, leaked, owner, gen,
+    /\ \E r \in Requests : pworker[r] = q /\ PrefillLoses(r)
+    /\ pst' = [r \in Requests |-> IF pworker[r] = q /\ Active(r) THEN "Aborted" ELSE pst[r]]
+    /\ client' = [r \in Requests |-> IF pworker[r] = q /\ Active(r)
+                                      THEN ClientError(r, "ErrPrefill") ELSE client[r]]
+    /\ sent' = [r \in Requests |-> IF pworker[r] = q /\ Active(r) THEN 0 ELSE sent[r]]
+    /\ powner' = [powner EXCEPT ![q] = [p \in PPages |-> NoReq]]
+    /\ writes' = {w \in writes : pworker[w.req] # q}
+    /\ UNCHANGED <<pworker, dworker, prompt, src, dst, table, boot, fwMsg, dfw, cancel, leaked, owner, gen,
                    content, pdata, ptable, fwCount, announced, landed>>
 
-(* The decode dies and restarts empty, in a new epoch. Every request it knew of, or had a  *)
+(* A decode worker d dies and restarts empty, in a new epoch of its own. Every request it knew of, or had a  *)
 (* bootstrap for in flight, is lost: its client sees an error and decode keeps it as a    *)
 (* tombstone (the restarted decode drops every message of the old epoch, so a late        *)
 (* bootstrap never reserves again). Its pool is free again, but generations survive the   *)
@@ -359,25 +397,32 @@ Loses(r) == IF Revived(r) THEN dst[r] = "Tomb" \/ Active(r) /\ ~cancel[r]
                                 \/ client[r] = "Waiting"
                            ELSE DecodeKnows(r)
 
-DecodeCrash ==
+(* Only d's requests (KnownAt, RevivedAt), pool and the writes into it are touched.     *)
+KnownAt(d, r) == dworker[r] = d /\ DecodeKnows(r)
+RevivedAt(d, r) == dworker[r] = d /\ Revived(r)
+
+DecodeCrash(d) ==
     /\ DecodeCrashes
-    /\ \E r \in Requests : Loses(r)
-    /\ dst' = [r \in Requests |-> IF Revived(r) THEN "None"
-                                  ELSE IF DecodeKnows(r) THEN "Tomb" ELSE dst[r]]
-    /\ boot' = [r \in Requests |-> IF DecodeKnows(r) /\ ~Revived(r) THEN FALSE ELSE boot[r]]
-    /\ dfw' = [r \in Requests |-> IF Revived(r) THEN FALSE ELSE dfw[r]]
-    /\ announced' = [r \in Requests |-> IF Revived(r) THEN 0 ELSE announced[r]]
-    /\ table' = [r \in Requests |-> IF DecodeKnows(r) THEN <<>> ELSE table[r]]
-    /\ ptable' = [r \in Requests |-> IF DecodeKnows(r) THEN <<>> ELSE ptable[r]]
-    /\ cancel' = [r \in Requests |-> IF DecodeKnows(r) /\ Active(r) THEN TRUE ELSE cancel[r]]
-    /\ client' = [r \in Requests |-> IF DecodeKnows(r) THEN ClientError(r, "ErrDecode")
+    /\ \E r \in Requests : dworker[r] = d /\ Loses(r)
+    /\ dst' = [r \in Requests |-> IF RevivedAt(d, r) THEN "None"
+                                  ELSE IF KnownAt(d, r) THEN "Tomb" ELSE dst[r]]
+    /\ boot' = [r \in Requests |-> IF KnownAt(d, r) /\ ~Revived(r) THEN FALSE ELSE boot[r]]
+    /\ dfw' = [r \in Requests |-> IF RevivedAt(d, r) THEN FALSE ELSE dfw[r]]
+    /\ announced' = [r \in Requests |-> IF RevivedAt(d, r) THEN 0 ELSE announced[r]]
+    /\ table' = [r \in Requests |-> IF KnownAt(d, r) THEN <<>> ELSE table[r]]
+    /\ ptable' = [r \in Requests |-> IF KnownAt(d, r) THEN <<>> ELSE ptable[r]]
+    /\ cancel' = [r \in Requests |-> IF KnownAt(d, r) /\ Active(r) THEN TRUE ELSE cancel[r]]
+    /\ client' = [r \in Requests |-> IF KnownAt(d, r) THEN ClientError(r, "ErrDecode")
                                                       ELSE client[r]]
-    /\ owner' = [p \in DPages |-> NoReq]
-    /\ gen' = IF "GenerationReset" \in Bugs THEN [p \in DPages |-> 0] ELSE gen
-    /\ powner' = [p \in PPages |-> IF Reading(p) /\ ~Active(powner[p]) THEN NoReq
-                                                                       ELSE powner[p]]
-    /\ writes' = {}
-    /\ UNCHANGED <<prompt, pst, sent, src, fwMsg, leaked, content, pdata, fwCount,
+    /\ owner' = [owner EXCEPT ![d] = [p \in DPages |-> NoReq]]
+    /\ gen' = IF "GenerationReset" \in Bugs THEN [gen EXCEPT ![d] = [p \in DPages |-> 0]]
+                                             ELSE gen
+    /\ powner' = [q \in PrefillWorkers |->
+                    [p \in PPages |-> IF Reading(q, p) /\ dworker[powner[q][p]] = d
+                                         /\ ~Active(powner[q][p])
+                                      THEN NoReq ELSE powner[q][p]]]
+    /\ writes' = {w \in writes : dworker[w.req] # d}
+    /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, fwMsg, leaked, content, pdata, fwCount,
                    landed>>
 
 FinalWordOf(s) == CASE s = "Done" -> "Done"
@@ -390,7 +435,7 @@ AnswerCancel(r) ==
     /\ cancel' = [cancel EXCEPT ![r] = FALSE]
     /\ fwMsg' = [fwMsg EXCEPT ![r] = FinalWordOf(pst[r])]
     /\ fwCount' = [fwCount EXCEPT ![r] = sent[r]]
-    /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, boot, dfw, leaked, owner,
+    /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, dfw, leaked, owner,
                    gen, content, powner, pdata, writes, ptable, announced, landed>>
 
 -----------------------------------------------------------------------------
@@ -400,19 +445,19 @@ Reserve(r, S) ==
     /\ boot[r]
     /\ dst[r] = "None"
     /\ prompt[r] <= DecodePages
-    /\ S \subseteq FreeDecode
+    /\ S \subseteq FreeDecode(dworker[r])
     /\ Cardinality(S) = prompt[r]
     /\ LET g == [p \in DPages |-> IF p \in S /\ "NoGenBump" \notin Bugs
-                                    THEN gen[p] + 1 ELSE gen[p]]
+                                    THEN gen[dworker[r]][p] + 1 ELSE gen[dworker[r]][p]]
            q == Ascending(S)
            t == [i \in 1..Len(q) |-> [page |-> q[i], gen |-> g[q[i]]]]
-       IN /\ gen' = g
+       IN /\ gen' = [gen EXCEPT ![dworker[r]] = g]
           /\ table' = [table EXCEPT ![r] = t]
           /\ ptable' = [ptable EXCEPT ![r] = t]
-    /\ owner' = [p \in DPages |-> IF p \in S THEN r ELSE owner[p]]
+    /\ owner' = [owner EXCEPT ![dworker[r]] = [p \in DPages |-> IF p \in S THEN r ELSE @[p]]]
     /\ boot' = [boot EXCEPT ![r] = FALSE]
     /\ dst' = [dst EXCEPT ![r] = "Waiting"]
-    /\ UNCHANGED <<client, prompt, pst, sent, src, fwMsg, dfw, cancel, leaked, content,
+    /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, fwMsg, dfw, cancel, leaked, content,
                    powner, pdata, writes, fwCount, announced, landed>>
 
 DecodeReject(r) ==
@@ -423,14 +468,14 @@ DecodeReject(r) ==
     /\ dst' = [dst EXCEPT ![r] = "Closing"]
     /\ cancel' = IF "NoCancel" \in Bugs THEN cancel ELSE [cancel EXCEPT ![r] = TRUE]
     /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTooLong")]
-    /\ UNCHANGED <<prompt, pst, sent, src, table, fwMsg, dfw, leaked, owner, gen, content,
+    /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, table, fwMsg, dfw, leaked, owner, gen, content,
                    powner, pdata, writes, ptable, fwCount, announced, landed>>
 
 DropBootstrap(r) ==
     /\ boot[r]
     /\ dst[r] = "Tomb"
     /\ boot' = [boot EXCEPT ![r] = FALSE]
-    /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, fwMsg, dfw, cancel, leaked,
+    /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, fwMsg, dfw, cancel, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, fwCount,
                    announced, landed>>
 
@@ -464,9 +509,11 @@ ReceiveFinalWord(r) ==
 (* data path is modelled by the abstract page contents: Next passes the observation those    *)
 (* contents imply (ChecksumsMatch, TagsMatch), which is also the oracle a shell's reported   *)
 (* observation is compared with (spec/core.py observation_conflict).                        *)
-ChecksumsMatch(r) == \A i \in 1..Min(sent[r], Len(table[r])) : content[table[r][i].page][1] = r
+ChecksumsMatch(r) == \A i \in 1..Min(sent[r], Len(table[r])) :
+                         content[dworker[r]][table[r][i].page][1] = r
 
-TagsMatch(r) == \A i \in DOMAIN table[r] : content[table[r][i].page][2] = table[r][i].gen
+TagsMatch(r) == \A i \in DOMAIN table[r] :
+                    content[dworker[r]][table[r][i].page][2] = table[r][i].gen
 
 TransferFault(r, checksumsOk) ==
     \/ "NoCountCheck" \notin Bugs /\ fwCount[r] # Len(table[r])
@@ -486,17 +533,17 @@ Accept(r, checksumsOk) ==
                    ELSE /\ dst' = [dst EXCEPT ![r] = "Decoding"]
                         /\ UNCHANGED client
          ELSE ReceiveFinalWord(r)
-    /\ UNCHANGED <<prompt, pst, sent, src, table, boot, cancel, leaked, owner, gen,
+    /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, table, boot, cancel, leaked, owner, gen,
                    content, powner, pdata, writes, ptable, landed>>
 
 Notice(r) ==
     /\ fwMsg[r] \in {"Reject", "Abort"}
     /\ ReceiveFinalWord(r)
-    /\ UNCHANGED <<prompt, pst, sent, src, table, boot, cancel, leaked, owner, gen,
+    /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, table, boot, cancel, leaked, owner, gen,
                    content, powner, pdata, writes, ptable, landed>>
 
 Foreign(r) == \E i \in DOMAIN table[r] :
-                  content[table[r][i].page] # <<r, gen[table[r][i].page]>>
+                  content[dworker[r]][table[r][i].page] # <<r, gen[dworker[r]][table[r][i].page]>>
 
 (* The last decode step: read every page, checking its tag, and answer the client. The    *)
 (* tag check is the data path's observation tagsOk; leaked is history, for the properties.  *)
@@ -508,7 +555,7 @@ Finish(r, tagsOk) ==
               /\ UNCHANGED leaked
          ELSE /\ client' = [client EXCEPT ![r] = ClientError(r, "Ok")]
               /\ leaked' = IF Foreign(r) THEN leaked \cup {r} ELSE leaked
-    /\ UNCHANGED <<prompt, pst, sent, src, table, boot, fwMsg, dfw, cancel, owner, gen,
+    /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, table, boot, fwMsg, dfw, cancel, owner, gen,
                    content, powner, pdata, writes, ptable, fwCount, announced,
                    landed>>
 
@@ -517,7 +564,7 @@ DecodeAbort(r) ==
     /\ dst[r] \in {"Waiting", "Decoding"}
     /\ dst' = [dst EXCEPT ![r] = "Closing"]
     /\ cancel' = IF dfw[r] \/ "NoCancel" \in Bugs THEN cancel ELSE [cancel EXCEPT ![r] = TRUE]
-    /\ UNCHANGED <<client, prompt, pst, sent, src, table, boot, fwMsg, dfw, leaked, owner,
+    /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, table, boot, fwMsg, dfw, leaked, owner,
                    gen, content, powner, pdata, writes, ptable, fwCount, announced,
                    landed>>
 
@@ -552,7 +599,7 @@ Timeout(r) ==
     /\ dst' = [dst EXCEPT ![r] = "Closing"]
     /\ cancel' = IF "NoCancel" \in Bugs THEN cancel ELSE [cancel EXCEPT ![r] = TRUE]
     /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTimeout")]
-    /\ UNCHANGED <<prompt, pst, sent, src, table, boot, fwMsg, dfw, leaked, owner, gen,
+    /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, table, boot, fwMsg, dfw, leaked, owner, gen,
                    content, powner, pdata, writes, ptable, fwCount, announced,
                    landed>>
 
@@ -565,9 +612,10 @@ Release(r) ==
     /\ \/ "EagerRelease" \in Bugs
        \/ dfw[r] /\ Counted(r, announced[r])
     /\ dst' = [dst EXCEPT ![r] = "Released"]
-    /\ owner' = [p \in DPages |-> IF owner[p] = r /\ p \in {table[r][i].page : i \in DOMAIN table[r]}
-                                    THEN NoReq ELSE owner[p]]
-    /\ UNCHANGED <<client, prompt, pst, sent, src, table, boot, fwMsg, dfw, cancel,
+    /\ owner' = [owner EXCEPT ![dworker[r]] =
+                   [p \in DPages |-> IF @[p] = r /\ p \in {table[r][i].page : i \in DOMAIN table[r]}
+                                     THEN NoReq ELSE @[p]]]
+    /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, table, boot, fwMsg, dfw, cancel,
                    leaked, gen, content, powner, pdata, writes, ptable, fwCount,
                    announced, landed>>
 
@@ -583,7 +631,7 @@ LoseBootstrap(r) ==
     /\ "Bootstrap" \in Losses
     /\ boot[r]
     /\ boot' = [boot EXCEPT ![r] = FALSE]
-    /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, fwMsg, dfw, cancel, leaked,
+    /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, fwMsg, dfw, cancel, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, fwCount,
                    announced, landed>>
 
@@ -592,14 +640,14 @@ LoseFinalWord(r) ==
     /\ fwMsg[r] # "None"
     /\ fwMsg' = [fwMsg EXCEPT ![r] = "None"]
     /\ fwCount' = [fwCount EXCEPT ![r] = 0]
-    /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, boot, dfw, cancel, leaked,
+    /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, dfw, cancel, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, announced, landed>>
 
 LoseCancel(r) ==
     /\ "Cancel" \in Losses
     /\ cancel[r]
     /\ cancel' = [cancel EXCEPT ![r] = FALSE]
-    /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, leaked,
+    /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, fwCount,
                    announced, landed>>
 
@@ -608,9 +656,9 @@ LoseWrite(w) ==
     /\ "Write" \in Losses
     /\ w \in writes
     /\ writes' = writes \ {w}
-    /\ powner' = IF pst[w.req] # "Running" /\ powner[w.src] = w.req
-                   THEN [powner EXCEPT ![w.src] = NoReq] ELSE powner
-    /\ UNCHANGED <<client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel,
+    /\ powner' = IF pst[w.req] # "Running" /\ powner[pworker[w.req]][w.src] = w.req
+                   THEN [powner EXCEPT ![pworker[w.req]][w.src] = NoReq] ELSE powner
+    /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel,
                    leaked, owner, gen, content, pdata, ptable, fwCount, announced, landed>>
 
 -----------------------------------------------------------------------------
@@ -631,10 +679,11 @@ FairNext == \E r \in Requests : ProtocolStep(r) \/ Timeout(r)
 Next ==
     \/ FairNext
     \/ \E w \in writes : LandWrite(w)
-    \/ \E r \in Requests : \E n \in 1..MaxPromptPages : Arrive(r, n)
+    \/ \E r \in Requests : \E n \in 1..MaxPromptPages :
+          \E q \in PrefillWorkers : \E d \in DecodeWorkers : Arrive(r, n, q, d)
     \/ \E r \in Requests : Abort(r) \/ PrefillFail(r)
-    \/ PrefillCrash
-    \/ DecodeCrash
+    \/ \E q \in PrefillWorkers : PrefillCrash(q)
+    \/ \E d \in DecodeWorkers : DecodeCrash(d)
     \/ \E r \in Requests : LoseBootstrap(r) \/ LoseFinalWord(r) \/ LoseCancel(r)
     \/ \E w \in writes : LoseWrite(w)
 
@@ -645,6 +694,9 @@ Spec == Init /\ [][Next]_vars
 FairSpec == Spec /\ WF_vars(Progress)
 
 Symmetry == Permutations(Requests)
+(* Workers of a kind are interchangeable too (model values, compared only for equality). *)
+WorkerSymmetry == Permutations(Requests) \cup Permutations(PrefillWorkers)
+                  \cup Permutations(DecodeWorkers)
 
 -----------------------------------------------------------------------------
 (* Safety. *)
@@ -654,19 +706,22 @@ Isolation == leaked = {}
 OkIsClean == \A r \in Requests : client[r] = "Ok" => r \notin leaked
 
 ExclusiveOwner ==
-    /\ \A p \in DPages : owner[p] # NoReq =>
-          /\ HoldsPages(owner[p])
-          /\ [page |-> p, gen |-> gen[p]] \in Range(table[owner[p]])
+    /\ \A d \in DecodeWorkers : \A p \in DPages : owner[d][p] # NoReq =>
+          /\ HoldsPages(owner[d][p])
+          /\ dworker[owner[d][p]] = d
+          /\ [page |-> p, gen |-> gen[d][p]] \in Range(table[owner[d][p]])
     /\ \A r \in Requests : HoldsPages(r) =>
-          \A i \in DOMAIN table[r] : /\ owner[table[r][i].page] = r
-                                     /\ gen[table[r][i].page] = table[r][i].gen
-    /\ \A p \in PPages : powner[p] # NoReq =>
-          /\ pst[powner[p]] = "Running" \/ Reading(p)
-          /\ p \in Range(src[powner[p]])
+          \A i \in DOMAIN table[r] : /\ owner[dworker[r]][table[r][i].page] = r
+                                     /\ gen[dworker[r]][table[r][i].page] = table[r][i].gen
+    /\ \A q \in PrefillWorkers : \A p \in PPages : powner[q][p] # NoReq =>
+          /\ pworker[powner[q][p]] = q
+          /\ pst[powner[q][p]] = "Running" \/ Reading(q, p)
+          /\ p \in Range(src[powner[q][p]])
 
-NoWriteIntoForeign == \A w \in writes : owner[w.dst] = w.req /\ gen[w.dst] = w.gen
+NoWriteIntoForeign == \A w \in writes : /\ owner[dworker[w.req]][w.dst] = w.req
+                                        /\ gen[dworker[w.req]][w.dst] = w.gen
 
-SourceHeld == \A w \in writes : powner[w.src] = w.req
+SourceHeld == \A w \in writes : powner[pworker[w.req]][w.src] = w.req
 
 RejectedIsError == \A r \in Requests : Overlong(r) => client[r] # "Ok" /\ dst[r] # "Decoding"
 
@@ -682,8 +737,8 @@ NoGuardTripWithoutFault ==
 AtRest == ~ENABLED Progress
 
 AllFree == /\ writes = {}
-           /\ \A p \in DPages : owner[p] = NoReq
-           /\ \A p \in PPages : powner[p] = NoReq
+           /\ \A d \in DecodeWorkers : \A p \in DPages : owner[d][p] = NoReq
+           /\ \A q \in PrefillWorkers : \A p \in PPages : powner[q][p] = NoReq
 
 Ended(r) == /\ client[r] # "Waiting"
             /\ pst[r] \notin {"Queued", "Running"}
@@ -739,7 +794,8 @@ ClosedNeverReopens ==
 
 (* A page's generation never goes back, across decode crashes too: a tag once issued is  *)
 (* never issued again.                                                                   *)
-GenerationsNeverGoBack == [][\A p \in DPages : gen'[p] >= gen[p]]_vars
+GenerationsNeverGoBack ==
+    [][\A d \in DecodeWorkers : \A p \in DPages : gen'[d][p] >= gen[d][p]]_vars
 
 (* A tombstone is never revived: decode never forgets a request it buried. *)
 TombstonesStay == [][\A r \in Requests : dst[r] = "Tomb" => dst'[r] = "Tomb"]_vars

@@ -14,13 +14,14 @@ half-read.
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import MISSING, fields
 
 from spec import core
 
 ACTION_KEY = "a"
 _TYPES = {"request": int, "prompt_pages": int, "page": int, "pages": tuple,
-          "checksums_ok": bool, "tags_ok": bool}
+          "checksums_ok": bool, "tags_ok": bool, "prefill_worker": int, "decode_worker": int,
+          "worker": int}
 
 
 class CodecError(ValueError):
@@ -32,6 +33,8 @@ def encode(event: core.Event) -> dict:
     record: dict = {ACTION_KEY: event.action}
     for f in fields(event):
         value = getattr(event, f.name)
+        if f.default is not MISSING and value == f.default:
+            continue  # worker 0, left out: one pair's logs read as they did before workers
         record[f.name] = list(value) if isinstance(value, tuple) else value
     return record
 
@@ -46,6 +49,8 @@ def decode(record: dict) -> core.Event:
     args = {}
     for f in fields(cls):
         if f.name not in record:
+            if f.default is not MISSING:
+                continue  # a worker field: a log of one worker pair may leave it out
             raise CodecError(f"{cls.__name__} record lacks the field {f.name!r}: {record!r}")
         args[f.name] = _field(cls, f.name, record[f.name])
     return cls(**args)

@@ -44,6 +44,15 @@ hash the same in every process. A state is (requests, decode_pool, prefill_pool,
 - prefill_pool: per page (owner, data).
 - writes: the in-flight writes, sorted, each (request, source page, decode page, tag).
 Requests and pages are 0-based here; the TLA+ view (spec/tlaplus/tlaview.py) maps them to the spec.
+
+Workers. A model has P prefill and D decode workers (the spec's PrefillWorkers and
+DecodeWorkers), each with a pool of prefill_pages (decode_pages) pages. The pools lie side by
+side in one flat tuple: worker w's pages are w * pages .. (w + 1) * pages - 1, and every page
+number in a row or a write is such a flat index. The router places each request on one
+worker of each kind (the row's PW and DW); the request's actions read and write only the
+pages of its own workers (`_pages_of`), so a shell's store can decide them on a view that
+holds just that pair of pools (spec/store.py: its views' pools are one worker's, numbered
+from 0). A one-prefill, one-decode model is exactly the state of the spec before workers.
 """
 
 from __future__ import annotations
@@ -79,11 +88,14 @@ FINAL_WORD = {P_DONE: MSG_DONE, REJECTED: MSG_REJECT, ABORTED: MSG_ABORT}
 # history for the properties). Each action reads only its own worker's fields and the
 # messages addressed to it: spec/tlaplus/locality.py says who owns what, and
 # tests/test_locality.py checks every action of the spec against it.
+# PW and DW are the router's placement: the prefill and the decode worker it chose at
+# Arrive (NONE before, and for a prompt it refused), fixed for the request's life.
 (CLIENT, PROMPT, PST, SENT, SRC, DST, TABLE, BOOT, FW, DFW, CANCEL, PTABLE, FW_COUNT,
- ANNOUNCED, LANDED, LEAKED) = range(16)
+ ANNOUNCED, LANDED, LEAKED, PW, DW) = range(18)
 ROW_FIELDS = ("client", "prompt", "pst", "sent", "src", "dst", "table", "boot", "fwMsg",
-              "dfw", "cancel", "ptable", "fwCount", "announced", "landed", "leaked")
-EMPTY_ROW = (IDLE, 0, P_NONE, 0, (), D_NONE, (), 0, NO_MSG, 0, 0, (), 0, 0, 0, 0)
+              "dfw", "cancel", "ptable", "fwCount", "announced", "landed", "leaked",
+              "pworker", "dworker")
+EMPTY_ROW = (IDLE, 0, P_NONE, 0, (), D_NONE, (), 0, NO_MSG, 0, 0, (), 0, 0, 0, 0, NONE, NONE)
 
 # Fields of a decode page.
 OWNER, GEN, DATA, TAG = range(4)
@@ -92,10 +104,10 @@ FRESH_PREFILL_PAGE = (NONE, NONE)
 
 
 class View(Protocol):
-    """What an action reads: the request rows, one prefill and one decode pool, and the
-    writes in flight into that decode pool. The checker's State is one; a shell's store
-    (spec/store.py) hands out views of one worker pair of a whole cluster, whose rows are a
-    dict of the live requests rather than a tuple of every request."""
+    """What an action reads: the request rows, the pools and the writes in flight. The
+    checker's State is one, with every worker's pool; a shell's store (spec/store.py) hands
+    out views of one worker pair of a whole cluster, whose rows are a dict of the live
+    requests rather than a tuple of every request, and whose pools are that pair's."""
 
     requests: Any
     decode_pool: Sequence[tuple]
@@ -105,6 +117,10 @@ class View(Protocol):
     def has_request(self, r: int) -> bool: ...
 
     def request_items(self) -> Iterable[tuple[int, tuple]]: ...
+
+    def pages_of(self, worker: int, pages: int) -> range:
+        """The indices in this view's pool of the pages of `worker`, whose pool has `pages`."""
+        ...
 
 
 class State(NamedTuple):
@@ -118,6 +134,9 @@ class State(NamedTuple):
 
     def request_items(self) -> Iterable[tuple[int, tuple]]:
         return enumerate(self.requests)
+
+    def pages_of(self, worker: int, pages: int) -> range:
+        return range(worker * pages, (worker + 1) * pages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,10 +161,20 @@ class ProtocolMisuse(ValueError):
 def initial_state(m: Model) -> State:
     return State(
         requests=(EMPTY_ROW,) * m.requests,
-        decode_pool=(FRESH_DECODE_PAGE,) * m.decode_pages,
-        prefill_pool=(FRESH_PREFILL_PAGE,) * m.prefill_pages,
+        decode_pool=(FRESH_DECODE_PAGE,) * (m.decode_pages * m.decode_workers),
+        prefill_pool=(FRESH_PREFILL_PAGE,) * (m.prefill_pages * m.prefill_workers),
         writes=(),
     )
+
+
+def prefill_pages_of(m: Model, s: "View", row: tuple) -> range:
+    """The pages of the request's prefill worker (its pool), as indices of the view's pool."""
+    return s.pages_of(row[PW], m.prefill_pages)
+
+
+def decode_pages_of(m: Model, s: "View", row: tuple) -> range:
+    """The pages of the request's decode worker."""
+    return s.pages_of(row[DW], m.decode_pages)
 
 
 # ---------------------------------------------------------------------------------------
@@ -170,8 +199,8 @@ class Change(NamedTuple):
     prefill: tuple = ()     # ((prefill page, (owner, data)), ...)
     posted: tuple = ()      # writes posted, each (request, source page, decode page, tag)
     landed: tuple = ()      # writes that landed (and so left the set in flight)
-    flushed: bool = False   # every write in the view is dropped (a crash: the view holds
-                            # the crashed worker's writes)
+    flushed: tuple = ()     # requests whose writes in flight are all dropped (a crash:
+                            # the requests placed on the crashed worker)
     commands: tuple = ()    # what shells carry out (spec/commands.py); set by `decide` only
 
 
@@ -201,7 +230,7 @@ def _replace_pages(pool: tuple, changes: tuple) -> tuple:
 
 def _next_writes(writes: tuple, c: Change) -> tuple:
     if c.flushed:
-        return ()
+        writes = tuple(w for w in writes if w[0] not in c.flushed)
     if not (c.posted or c.landed):
         return writes
     new = [w for w in writes if w not in c.landed] if c.landed else list(writes)
@@ -255,15 +284,20 @@ def _client_error(row: tuple, error: int) -> int:
 # Environment and faults: Arrive, Abort, PrefillFail, PrefillCrash. Everything else is the
 # protocol's own (fair) action.
 
-def arrive(m: Model, s: State, r: int, n: int) -> Change | str:
+def arrive(m: Model, s: State, r: int, n: int, p: int = 0, d: int = 0) -> Change | str:
+    """The router admits the prompt and places it on prefill worker p and decode worker d.
+    Any worker has room: the startup check makes every worker's pools hold the advertised
+    context (all pools are alike), so every worker can hold every prompt the router admits;
+    whether its pages are free now is the worker's to know (the router cannot see them),
+    and a worker without free pages keeps the request queued."""
     row = s.requests[r]
     if row[CLIENT] != IDLE:
         return "the request has already arrived"
     if not 1 <= n <= m.max_prompt_pages:
         return f"a prompt of {n} pages is outside 1..{m.max_prompt_pages}"
     if n > m.advertised_context_pages:
-        return _one(r, _row(row, CLIENT, ERR_TOO_LONG, PROMPT, n))
-    return _one(r, _row(row, CLIENT, WAITING, PROMPT, n, PST, QUEUED, BOOT, 1))
+        return _one(r, _row(row, CLIENT, ERR_TOO_LONG, PROMPT, n))  # placed nowhere
+    return _one(r, _row(row, CLIENT, WAITING, PROMPT, n, PST, QUEUED, BOOT, 1, PW, p, DW, d))
 
 
 WAITS_FOR_TABLE = "decode has not reserved yet: the prefill admits once it has the page table"
@@ -288,13 +322,14 @@ def _admit_need(m: Model, row: tuple) -> int | str:
     return need
 
 
-def _check_pages(pool: tuple, pages: tuple, need: int, which: str) -> str:
-    """Why `pages` is not a valid allocation of `need` free pages, or ""."""
+def _check_pages(pool: tuple, mine: range, pages: tuple, need: int, which: str) -> str:
+    """Why `pages` is not a valid allocation of `need` free pages of the worker's pool
+    `mine`, or ""."""
     if len(pages) != need:
         return f"{need} {which} pages needed, {len(pages)} given"
     for k, p in enumerate(pages):
-        if not 0 <= p < len(pool):
-            return f"{which} page {p + 1} does not exist"
+        if p not in mine:
+            return f"{which} page {p + 1} does not exist in the request's {which} worker"
         if k and pages[k - 1] >= p:
             return f"{which} pages must be distinct and ascending"
         if pool[p][0] != NONE:
@@ -307,7 +342,7 @@ def admit(m: Model, s: State, r: int, pages: tuple) -> Change | str:
     need = _admit_need(m, row)
     if type(need) is str:
         return need
-    bad = _check_pages(s.prefill_pool, pages, need, "prefill")
+    bad = _check_pages(s.prefill_pool, prefill_pages_of(m, s, row), pages, need, "prefill")
     if bad:
         return bad
     # The prefill computes r's KV into its source pages.
@@ -443,7 +478,7 @@ def reserve(m: Model, s: State, r: int, pages: tuple) -> Change | str:
     if type(need) is str:
         return need
     pool = s.decode_pool
-    bad = _check_pages(pool, pages, need, "decode")
+    bad = _check_pages(pool, decode_pages_of(m, s, row), pages, need, "decode")
     if bad:
         return bad
     bump = 0 if "NoGenBump" in m.bugs else 1
@@ -631,26 +666,31 @@ def release(m: Model, s: State, r: int) -> Change | str:
 
 
 
-def prefill_crash(m: Model, s: State) -> Change | str:
+def prefill_crash(m: Model, s: State, p: int = 0) -> Change | str:
     """The prefill dies and restarts empty. Its queued and running requests are lost (their
     clients see an error), its pool is free again, and the writes it had posted are flushed
     with its queue pairs. It sends no notice: decode learns by timing out, and the restarted
     prefill answers the cancel with Abort. Cancels in flight reach the restarted prefill
-    (decode re-sends outstanding cancels when the prefill reconnects)."""
+    (decode re-sends outstanding cancels when the prefill reconnects). Only prefill worker
+    p's requests, pages and writes are touched: the other workers carry on."""
     if not m.crashes:
         return "this model has no prefill crashes (Crashes = FALSE)"
+    here = tuple(r for r, row in s.request_items() if row[PW] == p)
     # The restarted prefill has posted nothing for them (SENT 0): an Abort it sends later
     # announces no write, and the flushed writes never land.
     lost = tuple((r, _row(row, PST, ABORTED, SENT, 0, CLIENT, _client_error(row, ERR_PREFILL)))
-                 for r, row in s.request_items() if row[PST] == QUEUED or row[PST] == RUNNING)
-    if not lost and not s.writes:  # writes of an early final word (EarlyDone) are lost too
+                 for r in here for row in (s.requests[r],)
+                 if row[PST] == QUEUED or row[PST] == RUNNING)
+    # Writes of an early final word (EarlyDone) are lost too.
+    if not lost and not any(w[0] in here for w in s.writes):
         return "no request is queued or running at the prefill: a crash loses nothing"
-    freed = tuple((p, (NONE, data)) for p, (owner, data) in enumerate(s.prefill_pool)
-                  if owner != NONE)
-    return Change(lost, prefill=freed, flushed=True)
+    pool = s.prefill_pool
+    freed = tuple((k, (NONE, pool[k][1])) for k in s.pages_of(p, m.prefill_pages)
+                  if pool[k][0] != NONE)
+    return Change(lost, prefill=freed, flushed=here)
 
 
-def decode_crash(m: Model, s: State) -> Change | str:
+def decode_crash(m: Model, s: State, d: int = 0) -> Change | str:
     """The decode dies and restarts empty, in a new epoch. Every request it knew of, or had
     a bootstrap for in flight, is lost: its client sees an error and decode keeps it as a
     tombstone (the restarted decode drops every message of the old epoch, so a late
@@ -658,18 +698,22 @@ def decode_crash(m: Model, s: State) -> Change | str:
     survive the restart (they are issued from a counter that outlives the process), so no
     stale tag can look current. Writes in flight into the old memory registration fail and
     are flushed; the prefill learns from the broken connection (modelled as a cancel) and
-    stops or repeats its final word, which the restarted decode ignores."""
+    stops or repeats its final word, which the restarted decode ignores. Each decode worker
+    has epochs of its own: a crash of decode worker d touches only d's requests, pages and
+    the writes into them."""
     if not m.decode_crashes:
         return "this model has no decode crashes (DecodeCrashes = FALSE)"
     revive = "NoEpochCheck" in m.bugs  # the bug: an old bootstrap looks new to the new life
     lost = []
     loses = False
-    for r, row in s.request_items():
-        d = row[DST]
-        if row[BOOT] or d == D_WAITING or d == DECODING or d == CLOSING:
+    here = tuple(r for r, row in s.request_items() if row[DW] == d)
+    for r in here:
+        row = s.requests[r]
+        dst = row[DST]
+        if row[BOOT] or dst == D_WAITING or dst == DECODING or dst == CLOSING:
             active = row[PST] == QUEUED or row[PST] == RUNNING
             revived = revive and row[BOOT]
-            loses = loses or not revived or (d == TOMB or active and not row[CANCEL]
+            loses = loses or not revived or (dst == TOMB or active and not row[CANCEL]
                                              or row[CLIENT] == WAITING)
             forgotten = ((DST, D_NONE, DFW, 0, ANNOUNCED, 0) if revived
                          else (DST, TOMB, BOOT, 0))
@@ -679,13 +723,15 @@ def decode_crash(m: Model, s: State) -> Change | str:
     if not loses:
         return "decode knows of no request: a crash loses nothing"
     reset = "GenerationReset" in m.bugs  # the bug: the tag counter died with the process
-    freed = tuple((p, (NONE, 0 if reset else gen, data, tag)) for p, (owner, gen, data, tag)
-                  in enumerate(s.decode_pool) if owner != NONE or (reset and gen))
-    held = _sources_of_failed_writes(s) if "EarlyDone" in m.bugs else ()
-    return Change(tuple(lost), decode=freed, prefill=held, flushed=True)
+    pool = s.decode_pool
+    freed = tuple((k, (NONE, 0 if reset else gen, data, tag))
+                  for k in s.pages_of(d, m.decode_pages)
+                  for owner, gen, data, tag in (pool[k],) if owner != NONE or (reset and gen))
+    held = _sources_of_failed_writes(s, here) if "EarlyDone" in m.bugs else ()
+    return Change(tuple(lost), decode=freed, prefill=held, flushed=here)
 
 
-def _sources_of_failed_writes(s: State) -> tuple:
+def _sources_of_failed_writes(s: State, here: tuple) -> tuple:
     """The prefill frees the sources of a request it no longer runs as the failed
     completions of its flushed writes come back. There are such only with EarlyDone (a
     final word before the writes completed): elsewhere the spec's set is empty, and a
@@ -695,7 +741,7 @@ def _sources_of_failed_writes(s: State) -> tuple:
     pool = s.prefill_pool
     freed = {}
     for r, p, _, _ in s.writes:
-        if p >= len(pool) or pool[p][0] != r or not s.has_request(r):
+        if r not in here or p >= len(pool) or pool[p][0] != r or not s.has_request(r):
             continue
         pst = s.requests[r][PST]
         if pst != QUEUED and pst != RUNNING:
@@ -777,22 +823,41 @@ class RequestEvent(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillCrash(Event):
-    """The prefill worker dies and restarts empty (a fault)."""
+class WorkerEvent(Event):
+    """An event of one worker as a whole (a crash), not of a request."""
+
+    worker: int = 0  # 0-based, among the workers of its kind
+
+    def label(self, m: Model | None = None) -> str:
+        if m is None or m.one_pair:
+            return self.action  # the labels of the models before worker sets
+        names = (m.prefill_worker_names if self.action.startswith("Prefill")
+                 else m.decode_worker_names)
+        return f"{self.action}({names[self.worker]})"
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeCrash(Event):
-    """The decode worker dies and restarts empty in a new epoch (a fault)."""
+class PrefillCrash(WorkerEvent):
+    """A prefill worker dies and restarts empty (a fault)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCrash(WorkerEvent):
+    """A decode worker dies and restarts empty in a new epoch (a fault)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Arrive(RequestEvent):
     prompt_pages: int
+    prefill_worker: int = 0  # the router's placement (ignored for a prompt it refuses)
+    decode_worker: int = 0
 
     def label(self, m: Model | None = None) -> str:
         name = m.request_names[self.request] if m else f"r{self.request + 1}"
-        return f"Arrive({name}, {self.prompt_pages})"
+        if m is None or m.one_pair:
+            return f"Arrive({name}, {self.prompt_pages})"
+        return (f"Arrive({name}, {self.prompt_pages}, {m.prefill_worker_names[self.prefill_worker]}"
+                f", {m.decode_worker_names[self.decode_worker]})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -1003,7 +1068,10 @@ def decide(m: Model, s: State, event: Event) -> Change | Refusal:
     if fn is None:
         raise ProtocolMisuse(f"{event!r} is not a protocol event")
     if kind is PrefillCrash or kind is DecodeCrash:
-        out = fn(m, s)
+        workers = m.prefill_workers if kind is PrefillCrash else m.decode_workers
+        if not 0 <= event.worker < workers:
+            raise ProtocolMisuse(f"{event.action} names worker {event.worker}, of {workers}")
+        out = fn(m, s, event.worker)
         return Refusal(event, out) if type(out) is str else _with_commands(s, out)
     r = event.request
     if not s.has_request(r):
@@ -1016,11 +1084,16 @@ def decide(m: Model, s: State, event: Event) -> Change | Refusal:
     elif kind is Finish:
         out = fn(m, s, r, bool(event.tags_ok))
     elif kind is LandWrite or kind is LoseWrite:
-        if not 0 <= event.page < m.decode_pages:
+        if not 0 <= event.page < m.decode_pages * m.decode_workers:
             raise ProtocolMisuse(f"decode page {event.page} does not exist")
         out = fn(m, s, r, event.page)
     elif kind is Arrive:
-        out = fn(m, s, r, event.prompt_pages)
+        if not (0 <= event.prefill_worker < m.prefill_workers
+                and 0 <= event.decode_worker < m.decode_workers):
+            raise ProtocolMisuse(f"{event.label()} places the request on prefill "
+                                 f"{event.prefill_worker}, decode {event.decode_worker}: of "
+                                 f"{m.prefill_workers} x {m.decode_workers} workers")
+        out = fn(m, s, r, event.prompt_pages, event.prefill_worker, event.decode_worker)
     else:
         if not isinstance(event.pages, tuple):
             raise ProtocolMisuse(f"{event.action}.pages must be a tuple of page numbers")
@@ -1191,10 +1264,16 @@ class _EventCache:
     """Interned event objects, so that enumeration allocates no events."""
 
     def __init__(self, m: Model) -> None:
-        self.arrive = [[Arrive(r, n) for n in range(m.max_prompt_pages + 1)]
-                       for r in range(m.requests)]
-        self.land = [[LandWrite(r, p) for p in range(m.decode_pages)] for r in range(m.requests)]
-        self.lose = [[LoseWrite(r, p) for p in range(m.decode_pages)] for r in range(m.requests)]
+        self.placements = tuple((p, d) for p in range(m.prefill_workers)
+                                for d in range(m.decode_workers))
+        # Arrive(r, n) for a prompt the router refuses (placed nowhere), then one per placement.
+        self.arrive = [[(Arrive(r, n), tuple(Arrive(r, n, p, d) for p, d in self.placements))
+                        for n in range(m.max_prompt_pages + 1)] for r in range(m.requests)]
+        pages = m.decode_pages * m.decode_workers
+        self.land = [[LandWrite(r, p) for p in range(pages)] for r in range(m.requests)]
+        self.lose = [[LoseWrite(r, p) for p in range(pages)] for r in range(m.requests)]
+        self.crashes = (tuple(PrefillCrash(p) for p in range(m.prefill_workers)),
+                        tuple(DecodeCrash(d) for d in range(m.decode_workers)))
         self.simple = [[(interned_events(cls, r), fn, INFO[cls].observed)
                         for cls, fn in _SIMPLE_ACTIONS] for r in range(m.requests)]
         self.admit: dict[tuple, Admit] = {}
@@ -1217,7 +1296,7 @@ def _allocations(m: Model, s: State, r: int, cache: _EventCache):
     need = _admit_need(m, row)
     if type(need) is int:
         pool = s.prefill_pool
-        free = [p for p in range(len(pool)) if pool[p][0] == NONE]
+        free = [p for p in prefill_pages_of(m, s, row) if pool[p][0] == NONE]
         for pages in combinations(free, need):
             event = cache.admit.get((r, pages)) or cache.admit.setdefault((r, pages),
                                                                           Admit(r, pages))
@@ -1225,7 +1304,7 @@ def _allocations(m: Model, s: State, r: int, cache: _EventCache):
     need = _reserve_need(m, row)
     if type(need) is int:
         pool = s.decode_pool
-        free = [p for p in range(len(pool)) if pool[p][OWNER] == NONE]
+        free = [p for p in decode_pages_of(m, s, row) if pool[p][OWNER] == NONE]
         for pages in combinations(free, need):
             event = cache.reserve.get((r, pages)) or cache.reserve.setdefault(
                 (r, pages), Reserve(r, pages))
@@ -1239,9 +1318,11 @@ def successors(m: Model, s: State) -> Iterator[tuple[Event, State]]:
         if s.requests[r][CLIENT] == IDLE:
             row_arrive = cache.arrive[r]
             for n in range(1, m.max_prompt_pages + 1):
-                out = arrive(m, s, r, n)
-                if type(out) is not str:
-                    yield row_arrive[n], commit(s, out)
+                if n > m.advertised_context_pages:
+                    yield row_arrive[n][0], commit(s, arrive(m, s, r, n))
+                    continue
+                for event, (p, d) in zip(row_arrive[n][1], cache.placements):
+                    yield event, commit(s, arrive(m, s, r, n, p, d))
             continue
         yield from _allocations(m, s, r, cache)
         for events, fn, observed in cache.simple[r]:
@@ -1250,19 +1331,21 @@ def successors(m: Model, s: State) -> Iterator[tuple[Event, State]]:
                 yield event, commit(s, out)
     for w in s.writes:
         yield cache.land[w[0]][w[2]], commit(s, land_write(m, s, w[0], w[2]))
-    out = prefill_crash(m, s)
-    if type(out) is not str:
-        yield _CRASH, commit(s, out)
-    out = decode_crash(m, s)
-    if type(out) is not str:
-        yield _DECODE_CRASH, commit(s, out)
+    if m.crashes:
+        for event in cache.crashes[0]:
+            out = prefill_crash(m, s, event.worker)
+            if type(out) is not str:
+                yield event, commit(s, out)
+    if m.decode_crashes:
+        for event in cache.crashes[1]:
+            out = decode_crash(m, s, event.worker)
+            if type(out) is not str:
+                yield event, commit(s, out)
     if "Write" in m.losses:
         for w in s.writes:
             yield cache.lose[w[0]][w[2]], commit(s, lose_write(m, s, w[0], w[2]))
 
 
-_CRASH = PrefillCrash()
-_DECODE_CRASH = DecodeCrash()
 
 
 

@@ -194,11 +194,16 @@ class Model:
     losses: frozenset[str] = field(default_factory=frozenset)
     name: str = "custom"
     request_names: tuple[str, ...] = ()
+    # How many prefill and decode workers (the spec's PrefillWorkers and DecodeWorkers, sets
+    # of model values named p1.. and d1..), each with a pool of prefill_pages and
+    # decode_pages pages. The router places every admitted request on one of each.
+    prefill_workers: int = 1
+    decode_workers: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "protocol", ProtocolConfig(
             self.context_pages, self.prefill_pages, self.decode_pages, frozenset(self.bugs)))
-        for label in ("requests", "max_prompt_pages"):
+        for label in ("requests", "max_prompt_pages", "prefill_workers", "decode_workers"):
             _positive(label, getattr(self, label))
         if self.request_names and len(self.request_names) != self.requests:
             raise ModelError("request_names must name every request")
@@ -220,7 +225,8 @@ class Model:
 
     @classmethod
     def for_shell(cls, protocol: ProtocolConfig, max_prompt_pages: int, name: str = "shell",
-                  crashes: bool = True, decode_crashes: bool = True) -> "Model":
+                  crashes: bool = True, decode_crashes: bool = True,
+                  prefill_workers: int = 1, decode_workers: int = 1) -> "Model":
         """The Model a shell hands the core: its deployment's configuration; the longest
         prompt it will ever pass on; crashes possible unless the shell never injects them
         (the simulator switches them off with its crash rates). One request in name only:
@@ -228,15 +234,32 @@ class Model:
         return cls(requests=1, max_prompt_pages=max_prompt_pages,
                    context_pages=protocol.context_pages, prefill_pages=protocol.prefill_pages,
                    decode_pages=protocol.decode_pages, bugs=protocol.bugs, crashes=crashes,
-                   decode_crashes=decode_crashes, name=name)
+                   decode_crashes=decode_crashes, name=name,
+                   prefill_workers=prefill_workers, decode_workers=decode_workers)
 
     @property
     def advertised_context_pages(self) -> int:
         return self.protocol.advertised_context_pages
 
+    @property
+    def prefill_worker_names(self) -> tuple[str, ...]:
+        return tuple(f"p{i + 1}" for i in range(self.prefill_workers))
+
+    @property
+    def decode_worker_names(self) -> tuple[str, ...]:
+        return tuple(f"d{i + 1}" for i in range(self.decode_workers))
+
+    @property
+    def one_pair(self) -> bool:
+        """One prefill and one decode worker: the models whose counts were pinned before
+        the spec knew worker sets (their labels name no worker)."""
+        return self.prefill_workers == 1 and self.decode_workers == 1
+
     def tla_constants(self) -> dict[str, object]:
         """The model as the spec's CONSTANTS (request names for Requests, sorted Bugs)."""
-        out: dict[str, object] = {"Requests": list(self.request_names)}
+        out: dict[str, object] = {"Requests": list(self.request_names),
+                                  "PrefillWorkers": list(self.prefill_worker_names),
+                                  "DecodeWorkers": list(self.decode_worker_names)}
         out.update({constant: getattr(self, field) for field, constant in TLA_CONSTANTS.items()})
         out["Losses"] = sorted(self.losses)
         out["Bugs"] = sorted(self.bugs)
@@ -245,9 +268,9 @@ class Model:
     @classmethod
     def from_tla_constants(cls, constants: dict, name: str = "custom") -> "Model":
         """The inverse of tla_constants; a missing constant is a ModelError naming it.
-        DecodeCrashes, EarlyTimeouts and Losses may be absent (files written before decode
-        crashes, timely timers and lossy networks existed: FALSE, TRUE and {}, what those
-        files meant)."""
+        DecodeCrashes, EarlyTimeouts, Losses, PrefillWorkers and DecodeWorkers may be absent
+        (files written before decode crashes, timely timers, lossy networks and worker sets
+        existed: FALSE, TRUE, {}, {p1} and {d1}, what those files meant)."""
         optional = {"DecodeCrashes", "EarlyTimeouts"}
         try:
             names = tuple(str(n) for n in constants["Requests"])
@@ -258,7 +281,16 @@ class Model:
             raise ModelError(f"constant {error.args[0]} is missing") from None
         except TypeError as error:
             raise ModelError(f"malformed constants: {error}") from None
-        return cls(requests=len(names), request_names=names, bugs=bugs, name=name,
+        workers = {}
+        for field_name, constant, letter in (("prefill_workers", "PrefillWorkers", "p"),
+                                             ("decode_workers", "DecodeWorkers", "d")):
+            given = tuple(str(w) for w in constants.get(constant, (f"{letter}1",)))
+            expected = tuple(f"{letter}{i + 1}" for i in range(len(given)))
+            if sorted(given) != sorted(expected):
+                raise ModelError(f"{constant} must be the model values {{"
+                                 f"{', '.join(expected)}}}, got {{{', '.join(given)}}}")
+            workers[field_name] = len(given)
+        return cls(requests=len(names), request_names=names, bugs=bugs, name=name, **workers,
                    decode_crashes=constants.get("DecodeCrashes", False),
                    early_timeouts=constants.get("EarlyTimeouts", True),
                    losses=frozenset(constants.get("Losses", ())), **fields)
@@ -273,6 +305,7 @@ class Model:
             f"prompts 1..{self.max_prompt_pages} pages, "
             f"context {self.context_pages} (advertised {self.advertised_context_pages}), "
             f"prefill pool {self.prefill_pages}, decode pool {self.decode_pages} pages"
+            f"{'' if self.one_pair else f' per worker, {self.prefill_workers} prefill x {self.decode_workers} decode workers'}"
             f"{', prefill crashes' if self.crashes else ''}"
             f"{', decode crashes' if self.decode_crashes else ''}"
             f"{'' if self.early_timeouts else ', timely timers'}"

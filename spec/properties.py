@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from spec.core import (
-    ANNOUNCED, FW_COUNT, LANDED, PTABLE,
+    ANNOUNCED, DW, FW_COUNT, LANDED, PTABLE, PW,
     BOOT, CANCEL, CLIENT, CLOSING, DECODING, DST, D_WAITING, ERR_DECODE, ERR_PREFILL, ERR_TAG,
     ERR_TIMEOUT, ERR_TRANSFER, FW, GEN, GONE, IDLE, LEAKED, NONE, NO_MSG, OK, OWNER, PROMPT, PST, QUEUED, RELEASED, RUNNING, SENT, SRC,
     TABLE, TOMB, WAITING, State,
@@ -57,7 +57,8 @@ def TypeOK(m: Model, s: State) -> bool:
                 and len(row[SRC]) <= m.prefill_pages and len(row[TABLE]) <= m.decode_pages
                 and len(row[PTABLE]) <= m.decode_pages
                 and 0 <= row[FW_COUNT] <= m.max_prompt_pages
-                and 0 <= row[ANNOUNCED] <= m.max_prompt_pages and row[LANDED] >= 0):
+                and 0 <= row[ANNOUNCED] <= m.max_prompt_pages and row[LANDED] >= 0
+                and -1 <= row[PW] < m.prefill_workers and -1 <= row[DW] < m.decode_workers):
             return False
     for owner, gen, data, tag in s.decode_pool:
         if not (-1 <= owner < n and gen >= 0 and -1 <= data < n):
@@ -65,7 +66,8 @@ def TypeOK(m: Model, s: State) -> bool:
     for owner, data in s.prefill_pool:
         if not (-1 <= owner < n and -1 <= data < n):
             return False
-    return all(0 <= r < n and 0 <= src < m.prefill_pages and 0 <= dst < m.decode_pages
+    return all(0 <= r < n and 0 <= src < m.prefill_pages * m.prefill_workers
+               and 0 <= dst < m.decode_pages * m.decode_workers
                for r, src, dst, _ in s.writes)
 
 

@@ -33,6 +33,8 @@ Pure of any world: this module imports only the protocol (spec/).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from spec import core  # before spec.commands, which spec.core imports at its end
 from spec import commands as cmd
 from spec.core import Refusal
@@ -69,7 +71,7 @@ class ShellRuntime:
         `count_refusal` is False (an offer of something the core may not enable yet is no
         race)."""
         r = event.request
-        out = core.decide(self.core_model, self.store.view(r), event)
+        out = self.store.decide(r, event)  # the store's model knows its workers
         if type(out) is Refusal:
             if count_refusal:
                 self.refused(out)
@@ -98,7 +100,7 @@ class ShellRuntime:
         leaves no trace in the store."""
         r = event.request
         self.store.arrive(r, p, d)
-        out = self.take_event(event)
+        out = self.take_event(replace(event, prefill_worker=p, decode_worker=d))
         if out is None:
             self.store.withdraw(r)
         return out

@@ -57,6 +57,10 @@ class View:
     def request_items(self):
         return self.requests.items()
 
+    def pages_of(self, worker: int, pages: int) -> range:
+        """A pair's view holds one pool of each kind: the worker's pages are all of it."""
+        return range(pages)
+
 
 @dataclass
 class Store:
@@ -69,6 +73,11 @@ class Store:
     placement: dict = field(default_factory=dict)   # request -> (prefill worker, decode worker)
 
     def __post_init__(self) -> None:
+        if (self.model.prefill_workers, self.model.decode_workers) != (
+                self.prefill_workers, self.decode_workers):
+            # The core checks a placement against the model's workers (Arrive, the crashes).
+            self.model = replace(self.model, prefill_workers=self.prefill_workers,
+                                 decode_workers=self.decode_workers)
         m = self.model
         self.prefill_pools = [[core.FRESH_PREFILL_PAGE] * m.prefill_pages
                               for _ in range(self.prefill_workers)]
@@ -159,10 +168,10 @@ class Store:
             posted = [w for ws in self.writes_into for w in ws
                       if self.placement[w[0]][0] == worker]
             view = View(rows, [], self.prefill_pools[worker], posted)
-            return core.decide(self.model, view, core.PrefillCrash())
+            return core.decide(self.model, view, core.PrefillCrash(worker))
         rows = {r: self.rows[r] for r, (_, e) in self.placement.items() if e == worker}
         view = View(rows, self.decode_pools[worker], [], self.writes_into[worker])
-        return core.decide(self.model, view, core.DecodeCrash())
+        return core.decide(self.model, view, core.DecodeCrash(worker))
 
     def crash_prefill(self, p: int) -> Change | Refusal:
         """PrefillCrash at worker p, if the core says the crash loses anything."""
@@ -170,8 +179,8 @@ class Store:
         if type(out) is not Refusal:
             olds = {r: self.rows[r] for r, _ in out.rows}
             for d in range(self.decode_workers):
-                self._commit(p, d, out._replace(rows=(), prefill=()), flush_from=p)
-            self._commit(p, 0, out._replace(flushed=False))
+                self._commit(p, d, out._replace(rows=(), prefill=()))
+            self._commit(p, 0, out._replace(flushed=()))
             for r, _ in out.rows:
                 self._check_local(p, self.placement[r][1], r, olds[r], Change())
         return out
@@ -181,7 +190,7 @@ class Store:
         out = self.decide_crash("decode", d)
         if type(out) is not Refusal:
             olds = {r: self.rows[r] for r, _ in out.rows}
-            self._commit(0, d, out._replace(flushed=False))
+            self._commit(0, d, out._replace(flushed=()))
             self.writes_into[d].clear()
             for r, _ in out.rows:
                 self._check_local(self.placement[r][0], d, r, olds[r], Change())
@@ -212,7 +221,7 @@ class Store:
 
     # -- committing a Change in place ---------------------------------------------------
 
-    def _commit(self, p: int, d: int, c: Change, flush_from: int = NONE) -> None:
+    def _commit(self, p: int, d: int, c: Change) -> None:
         rows = self.rows
         for r, row in c.rows:
             old = rows[r]
@@ -241,7 +250,8 @@ class Store:
             writes.remove(w)
         writes.extend(c.posted)
         if c.flushed:
-            writes[:] = [w for w in writes if self.placement[w[0]][0] != flush_from]
+            flushed = set(c.flushed)
+            writes[:] = [w for w in writes if w[0] not in flushed]
 
     def allocate(self, pool: str, worker: int, need: int) -> tuple | None:
         """`need` free pages of a worker's pool, ascending, or None if it has too few. The
@@ -379,8 +389,9 @@ class Store:
     # -- the whole cluster as one core State -----------------------------------------------
 
     def flatten(self) -> tuple[Model, State]:
-        """The cluster as one core State: workers' pools side by side, requests renumbered
-        0..n-1, and index n standing for every writer that has already been forgotten."""
+        """The cluster as one core State of a model with the store's workers: pools side by
+        side (the core's flat pools), requests renumbered 0..n-1, and index n standing for
+        every writer that has already been forgotten."""
         m = self.model
         ids = sorted(self.rows)
         index = {r: k for k, r in enumerate(ids)}
@@ -404,8 +415,7 @@ class Store:
         prefill = tuple((who(o), who(data)) for pool in self.prefill_pools for o, data in pool)
         writes = tuple(sorted((index[r], s + self.placement[r][0] * pp, t + d * dp, tag)
                               for d, ws in enumerate(self.writes_into) for r, s, t, tag in ws))
-        flat = replace(m, requests=len(rows), prefill_pages=pp * self.prefill_workers,
-                       decode_pages=dp * self.decode_workers, request_names=())
+        flat = replace(m, requests=len(rows), request_names=())
         return flat, State(tuple(rows), decode, prefill, writes)
 
     def sweep(self, at_rest: bool = False) -> list[Violation]:
@@ -414,8 +424,7 @@ class Store:
         flat, state = self.flatten()
         found = []
         for name, check in STATE_INVARIANTS.items():
-            # RejectedIsError compares prompts with one worker's pools, not the sum.
-            if not check(self.model if name == "RejectedIsError" else flat, state):
+            if not check(flat, state):
                 found.append(Violation(name, "the full-cluster sweep finds it violated", kind="oracle"))
         if at_rest:
             for name, check in REST_INVARIANTS.items():

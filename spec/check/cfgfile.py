@@ -33,6 +33,8 @@ TOKEN = re.compile(r'\s*(?:(?P<str>"[^"\n]*")|(?P<num>-?\d+)|(?P<id>[A-Za-z_][A-
 # The constants KVTransfer.tla declares, and the Model field each one sets (a ModelError names
 # the field; the user wrote the constant).
 CONSTANT_FIELDS = {"Requests": "requests", "NoReq": None,
+                   "PrefillWorkers": "prefill_workers", "DecodeWorkers": "decode_workers",
+                   "NoWorker": None,
                    **{constant: field for field, constant in TLA_CONSTANTS.items()},
                    "Losses": "losses", "Bugs": "bugs"}
 _SIZES = tuple((field, constant) for field, constant in TLA_CONSTANTS.items()
@@ -197,6 +199,20 @@ def model_from_cfg(cfg: CfgFile, name: str) -> Model:
         raise CfgError(f"{cfg.path}: Requests must be a non-empty set of model values")
     if not isinstance(cfg.constants.get("NoReq"), ModelValueName):
         raise CfgError(f"{cfg.path}: NoReq must be a model value (NoReq = NoReq)")
+    workers = {}
+    for constant, key, letter in (("PrefillWorkers", "prefill_workers", "p"),
+                                  ("DecodeWorkers", "decode_workers", "d")):
+        # Absent: a file from before worker sets, one worker of each.
+        value = cfg.constants.get(constant, frozenset({ModelValueName(f"{letter}1")}))
+        wanted = {ModelValueName(f"{letter}{i + 1}") for i in range(len(value))} \
+            if isinstance(value, frozenset) else None
+        if not value or value != wanted:
+            raise CfgError(f"{cfg.path}: {constant} must be the model values {letter}1, "
+                           f"{letter}2, ... (got {as_written(value)})")
+        workers[key] = len(value)
+    if "NoWorker" in cfg.constants and not isinstance(cfg.constants["NoWorker"],
+                                                      ModelValueName):
+        raise CfgError(f"{cfg.path}: NoWorker must be a model value (NoWorker = NoWorker)")
     bugs = cfg.constants.get("Bugs", frozenset())
     if not isinstance(bugs, frozenset) or not all(isinstance(b, str) for b in bugs):
         raise CfgError(f"{cfg.path}: Bugs must be a set of strings")
@@ -219,6 +235,7 @@ def model_from_cfg(cfg: CfgFile, name: str) -> Model:
         return Model(
             requests=len(names),
             **sizes,
+            **workers,
             bugs=frozenset(bugs),
             losses=frozenset(losses),
             **flags,
@@ -237,11 +254,15 @@ def _in_constant_names(message: str) -> str:
     return message
 
 
-def cfg_for(model: Model, invariants: tuple[str, ...], properties: tuple[str, ...]) -> str:
+def cfg_for(model: Model, invariants: tuple[str, ...], properties: tuple[str, ...],
+            symmetry: str = "") -> str:
     """A TLC .cfg file for this model: the inverse of model_from_cfg."""
     requests = ", ".join(model.request_names)
     bugs = ", ".join(f'"{b}"' for b in sorted(model.bugs))
     lines = ["CONSTANTS", f"    Requests = {{{requests}}}", "    NoReq = NoReq",
+             f"    PrefillWorkers = {{{', '.join(model.prefill_worker_names)}}}",
+             f"    DecodeWorkers = {{{', '.join(model.decode_worker_names)}}}",
+             "    NoWorker = NoWorker",
              f"    MaxPromptPages = {model.max_prompt_pages}",
              f"    ContextPages = {model.context_pages}",
              f"    PrefillPages = {model.prefill_pages}", f"    DecodePages = {model.decode_pages}",
@@ -253,6 +274,8 @@ def cfg_for(model: Model, invariants: tuple[str, ...], properties: tuple[str, ..
              "SPECIFICATION FairSpec", "INVARIANTS", *[f"    {n}" for n in invariants]]
     if properties:
         lines += ["PROPERTIES", *[f"    {p}" for p in properties]]
+    if symmetry:
+        lines += ["SYMMETRY", f"    {symmetry}"]
     return "\n".join(lines + ["CHECK_DEADLOCK FALSE", ""])
 
 

@@ -215,7 +215,7 @@ class Checker:
         return result.violation is not None
 
     def _key(self, s: State) -> int:
-        return hash(canonical(s)) if self.symmetry else hash(s)
+        return hash(canonical(s, self.m)) if self.symmetry else hash(s)
 
     def run(self) -> CheckResult:
         m = self.m
@@ -223,7 +223,7 @@ class Checker:
         started = time.perf_counter()
         init = core.initial_state(m)
         if self.symmetry:
-            init = canonical(init)
+            init = canonical(init, m)
         index_of: dict[int, int] = {self._key(init): 0}
         parents = array("q", [-1])
         events: list[Event | None] = [None]
@@ -269,7 +269,7 @@ class Checker:
                         if self._stop(result):
                             break
                 if symmetry:
-                    nxt = canonical(nxt)
+                    nxt = canonical(nxt, m)
                 k = hash(nxt)
                 j = index_of.get(k)
                 if j is None:

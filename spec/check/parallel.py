@@ -148,7 +148,7 @@ def _expand_one(s, task: _Task, sent: list) -> None:
                 task.steps[len(keys)] = tuple(broken)
                 task.broken.update(broken)
         if symmetry:
-            nxt = canonical(nxt)
+            nxt = canonical(nxt, m)
         key = hash(nxt)
         if key not in seen:
             seen.add(key)
@@ -371,7 +371,7 @@ class ParallelChecker(Checker):
         result = CheckResult(m, self.symmetry, invariants=self.invariant_names,
                              workers=self.workers)
         started = time.perf_counter()
-        init = canonical(core.initial_state(m)) if self.symmetry else core.initial_state(m)
+        init = canonical(core.initial_state(m), m) if self.symmetry else core.initial_state(m)
         search = _Search(init, self._key(init), self.liveness)
         self._index_of, self._events = search.index_of, search.events
         failed = self._failures(self.state_checks, init)

@@ -1,4 +1,4 @@
-"""Symmetry reduction over requests.
+"""Symmetry reduction over requests, and over the workers of each kind.
 
 Requests are interchangeable: a prompt's length is chosen when it arrives, so no constant
 tells one request from another. Two states that differ only by a renaming of requests have
@@ -10,13 +10,23 @@ those the candidates are tried and the smallest result wins. Equal orbits give e
 rows and the same set of candidates, hence the same representative: this is a canonical
 form, not a heuristic, and the reduced state count is the exact number of orbits (what TLC
 counts with SYMMETRY Permutations(Requests)).
+
+Workers of a kind are interchangeable too: all pools are alike and the router may place a
+request on any of them. `canonical(s, m)` of a model with several workers of a kind also
+renames workers: it takes the smallest of the request-canonical forms of the state under
+every renaming of prefill and of decode workers (P! x D! of them; 4 for two of each).
+Renamings of workers and of requests commute, so that minimum is the same for every state of
+an orbit of the product group: again a canonical form, and the count is the exact number of
+orbits. (TLC's SYMMETRY with a union of permutation sets, WorkerSymmetry in the spec, is not
+canonical: TLC maps a state to the smallest of its images under the listed permutations
+only, so its count can lie between this one and the unreduced count.)
 """
 
 from __future__ import annotations
 
 from itertools import permutations, product
 
-from spec.core import NONE, State
+from spec.core import DW, NONE, PTABLE, PW, SRC, TABLE, State
 
 
 def relabel(s: State, order: tuple[int, ...] | list[int]) -> State:
@@ -37,7 +47,57 @@ def relabel(s: State, order: tuple[int, ...] | list[int]) -> State:
     )
 
 
-def canonical(s: State) -> State:
+def relabel_workers(s: State, prefill: tuple, decode: tuple, prefill_pages: int,
+                    decode_pages: int) -> State:
+    """The state in which new prefill worker i is old prefill[i], likewise decode."""
+    new_p = [0] * len(prefill)
+    for new, old in enumerate(prefill):
+        new_p[old] = new
+    new_d = [0] * len(decode)
+    for new, old in enumerate(decode):
+        new_d[old] = new
+
+    def pp(x: int) -> int:  # a flat prefill page index
+        return new_p[x // prefill_pages] * prefill_pages + x % prefill_pages
+
+    def dp(x: int) -> int:
+        return new_d[x // decode_pages] * decode_pages + x % decode_pages
+
+    rows = []
+    for row in s.requests:
+        if row[PW] == NONE:
+            rows.append(row)
+            continue
+        new = list(row)
+        new[PW], new[DW] = new_p[row[PW]], new_d[row[DW]]
+        new[SRC] = tuple(pp(x) for x in row[SRC])
+        new[TABLE] = tuple((dp(x), g) for x, g in row[TABLE])
+        new[PTABLE] = tuple((dp(x), g) for x, g in row[PTABLE])
+        rows.append(tuple(new))
+    decode_pool = tuple(page for old in decode
+                        for page in s.decode_pool[old * decode_pages:(old + 1) * decode_pages])
+    prefill_pool = tuple(page for old in prefill
+                         for page in s.prefill_pool[old * prefill_pages:(old + 1) * prefill_pages])
+    writes = tuple(sorted((r, pp(src), dp(dst), g) for r, src, dst, g in s.writes))
+    return State(tuple(rows), decode_pool, prefill_pool, writes)
+
+
+def canonical(s: State, m=None) -> State:
+    """The representative of s's orbit: under renaming of requests, and of workers too when
+    the model `m` has more than one of a kind."""
+    if m is None or m.one_pair:
+        return _canonical_requests(s)
+    best = None
+    for prefill in permutations(range(m.prefill_workers)):
+        for decode in permutations(range(m.decode_workers)):
+            renamed = relabel_workers(s, prefill, decode, m.prefill_pages, m.decode_pages)
+            candidate = _canonical_requests(renamed)
+            if best is None or candidate < best:
+                best = candidate
+    return s if best == s else best
+
+
+def _canonical_requests(s: State) -> State:
     reqs = s.requests
     n = len(reqs)
     order = sorted(range(n), key=reqs.__getitem__)

@@ -12,8 +12,11 @@ that can hold in more than one way:
     Admit(r, S)      ptable[r] # <<>> \\/ "AdmitBeforeReserve" \\in Bugs, then
                      prompt[r] <= PrefillPages \\/ "FinishedNotRejected" \\in Bugs
     Release(r)       \\/ "EagerRelease" \\in Bugs  \\/ dfw[r] /\\ Counted(r, announced[r])
-    PrefillCrash     \\E r \\in Requests : PrefillLoses(r)
-    DecodeCrash      \\E r \\in Requests : Loses(r), which is DecodeKnows(r), that is
+    Arrive(r,n,q,d)  \\E q \\in PrefillWorkers : \\E d \\in DecodeWorkers in Next, where a
+                     prompt the router refuses is placed nowhere: the same successor
+                     once per placement
+    PrefillCrash(q)  \\E r \\in Requests : pworker[r] = q /\\ PrefillLoses(r)
+    DecodeCrash(d)   \\E r \\in Requests : dworker[r] = d /\\ Loses(r), which is DecodeKnows(r), that is
                      boot[r] \\/ HoldsPages(r), or for a bootstrap NoEpochCheck revives a
                      disjunction of three (see Loses)
 
@@ -57,15 +60,24 @@ def _release(m: Model, s: State, event) -> int:
     return ("EagerRelease" in m.bugs) + bool(settled)
 
 
+def _arrive(m: Model, s: State, event) -> int:
+    """A refused prompt is placed nowhere: every placement gives the same successor."""
+    if event.prompt_pages > m.advertised_context_pages:
+        return m.prefill_workers * m.decode_workers
+    return 1
+
+
 def _prefill_crash(m: Model, s: State, event) -> int:
-    """PrefillLoses(r): active, or else a write of r in flight (an early final word)."""
+    """PrefillLoses(r) of the worker's requests: active, or else a write of r in flight (an
+    early final word)."""
     writing = {w[0] for w in s.writes}
-    return sum(row[core.PST] in (core.QUEUED, core.RUNNING) or r in writing
+    return sum(row[core.PW] == event.worker
+               and (row[core.PST] in (core.QUEUED, core.RUNNING) or r in writing)
                for r, row in enumerate(s.requests))
 
 
 def _decode_crash(m: Model, s: State, event) -> int:
-    return sum(_decode_crash_ways(m, row) for row in s.requests)
+    return sum(_decode_crash_ways(m, row) for row in s.requests if row[core.DW] == event.worker)
 
 
 def _decode_crash_ways(m: Model, row: tuple) -> int:
@@ -79,6 +91,6 @@ def _decode_crash_ways(m: Model, row: tuple) -> int:
 
 
 WAYS: dict[str, Callable[[Model, State, Event], int]] = {
-    "PrefillAbort": _prefill_abort, "Admit": _admit, "Release": _release,
+    "Arrive": _arrive, "PrefillAbort": _prefill_abort, "Admit": _admit, "Release": _release,
     "PrefillCrash": _prefill_crash, "DecodeCrash": _decode_crash,
 }

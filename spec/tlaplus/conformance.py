@@ -41,7 +41,10 @@ def from_view(v: object) -> object:
 
 def spec_for(m: Model, text: str | None = None, tlc_branching: bool = False) -> Spec:
     constants = {**m.tla_constants(), "NoReq": ModelValue("NoReq"),
+                 "NoWorker": ModelValue("NoWorker"),
                  "Requests": frozenset(ModelValue(n) for n in m.request_names),
+                 "PrefillWorkers": frozenset(ModelValue(n) for n in m.prefill_worker_names),
+                 "DecodeWorkers": frozenset(ModelValue(n) for n in m.decode_worker_names),
                  "Bugs": frozenset(m.bugs), "Losses": frozenset(m.losses)}
     spec = Spec(text if text is not None else SPEC_PATH.read_text(), constants,
                 tlc_branching=tlc_branching)
@@ -205,7 +208,7 @@ def check_conformance(m: Model, spec: Spec | None = None, max_states: int | None
             if known is not None:
                 continue
             if symmetry:
-                c = canonical(n)
+                c = canonical(n, m)
                 if c is not n:
                     n, k = c, None  # its key is computed if it is new, when it is visited
             if n not in seen:

@@ -42,8 +42,10 @@ def state_to_itf(m: Model, state: State) -> dict[str, object]:
     view = to_tla(m, state)
     out: dict[str, object] = {}
     for var in VARIABLES:
-        if var == "content":
-            out[var] = {"#map": [[k, content_pair(x)] for k, x in view[var].items()]}
+        if var == "content":  # content[d][p]
+            out[var] = {"#map": [[encode(d), {"#map": [[k, content_pair(x)]
+                                                       for k, x in pool.items()]}]
+                                 for d, pool in view[var].items()]}
         else:
             out[var] = encode(view[var])
     return out

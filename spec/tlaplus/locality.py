@@ -50,7 +50,7 @@ ROUTER, PREFILL, DECODE, WIRE_OWNER, GHOST = "router", "prefill", "decode", "wir
 
 # Variable -> its owner. Per-request variables split a request's row by who knows each part.
 OWNERS = {
-    "client": ROUTER, "prompt": ROUTER,
+    "client": ROUTER, "prompt": ROUTER, "pworker": ROUTER, "dworker": ROUTER,
     "pst": PREFILL, "sent": PREFILL, "src": PREFILL, "ptable": PREFILL, "powner": PREFILL,
     "pdata": PREFILL, "writes": PREFILL,
     "dst": DECODE, "table": DECODE, "dfw": DECODE, "announced": DECODE, "landed": DECODE,
@@ -65,6 +65,9 @@ WIRE = {"boot": (ROUTER, DECODE), "fwMsg": (PREFILL, DECODE), "fwCount": (PREFIL
 GRANTS = {
     (PREFILL, "prompt"): "the queue entry the router hands the prefill carries the prompt",
     (DECODE, "prompt"): "the bootstrap carries the prompt's length",
+    (PREFILL, "pworker"): "the queue entry reaches the prefill worker the router chose: a "
+                          "worker knows which requests are its own",
+    (DECODE, "dworker"): "the bootstrap reaches the decode worker the router chose",
     (PREFILL, "client"): "the serving edge's client-gone notice (PrefillAbort), and its "
                          "first-answer rule: an answer sent to a client who has one is "
                          "dropped by the edge (ClientError)",
@@ -292,7 +295,7 @@ def actions_table(rows: list[Row]) -> str:
 CORE_PATH = SPEC_PATH.parent / "core.py"
 ROW_CONSTANTS = {name: core.ROW_FIELDS[getattr(core, name)] for name in (
     "CLIENT", "PROMPT", "PST", "SENT", "SRC", "DST", "TABLE", "BOOT", "FW", "DFW", "CANCEL",
-    "PTABLE", "FW_COUNT", "ANNOUNCED", "LANDED", "LEAKED")}
+    "PTABLE", "FW_COUNT", "ANNOUNCED", "LANDED", "LEAKED", "PW", "DW")}
 assert sorted(ROW_CONSTANTS.values()) == sorted(core.ROW_FIELDS)
 VIEW_PARTS = {"decode_pool": ("owner", "gen", "content"), "prefill_pool": ("powner", "pdata"),
               "writes": ("writes",)}

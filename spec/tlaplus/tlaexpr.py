@@ -381,24 +381,31 @@ class ExpressionRules:
         f = self.expr(node.function, scope, primed)
         text, free = f.text, set(f.free)
         for change in node.changes:
-            path = change.item
-            if len(path) != 1:
-                raise EvalError(f"{line_of(change)}: EXCEPT paths longer than one step are "
-                                "not supported")
-            step = path[0]
-            if isinstance(step, str):
-                key = Code(repr(step), atomic=True)
-            elif isinstance(step, list) and len(step) == 1:
-                key = self.expr(step[0], scope, primed)
-            else:
-                raise EvalError(f"{line_of(change)}: EXCEPT ![a, b] is not supported")
+            keys = []
+            for step in change.item:
+                if isinstance(step, str):
+                    keys.append(Code(repr(step), atomic=True))
+                elif isinstance(step, list) and len(step) == 1:
+                    keys.append(self.expr(step[0], scope, primed))
+                else:
+                    raise EvalError(f"{line_of(change)}: EXCEPT ![a, b] is not supported")
+            # ![a][b] = e is ![a] = [@ EXCEPT ![b] = e]: one except_at per step but the last,
+            # each on the value the step before reached; @ is the value at the whole path.
+            outer = [self.fresh("l", "at") for _ in keys[:-1]]
             at = self.fresh("l", "at")
             value = self.expr(change.expression, scope.bind({"@": local(at)}), primed)
+            base = outer[-1] if outer else text
             if at in value.free:
-                text = f"except_at({text}, {key.text}, lambda {at}: {value.text})"
+                inner = f"except_at({base}, {keys[-1].text}, lambda {at}: {value.text})"
             else:
-                text = f"except_({text}, {key.text}, {value.text})"
-            free |= key.free | (value.free - {at})
+                inner = f"except_({base}, {keys[-1].text}, {value.text})"
+            for k in range(len(outer) - 1, -1, -1):
+                base = outer[k - 1] if k else text
+                inner = f"except_at({base}, {keys[k].text}, lambda {outer[k]}: {inner})"
+            text = inner
+            for key in keys:
+                free |= key.free
+            free |= value.free - {at} - set(outer)
         return Code(text, frozenset(free))
 
     def _e_VerticalList(self, node, scope, primed) -> Code:
