@@ -128,6 +128,7 @@ def log_run(path: str | Path) -> Run:
     ids = [x["request"] for x in records if type(x.get("request")) is int]
     requests = max(1, 1 + max(ids, default=0))
     return Run(str(path), replace(shell, requests=requests, request_names=(),
-                                  name="engine-run"),
+                                  name="engine-run", prefill_workers=workers[0],
+                                  decode_workers=workers[1]),
                shell, list(enumerate(records, start=2)), *workers,
                f"engine run, {workers[0]} x {workers[1]} workers")

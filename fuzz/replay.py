@@ -250,5 +250,6 @@ def failure_run(path: str | Path) -> "Run":
         raise ReplayError(f"{path}: its events include the fuzzer's own moves ({moves[0]}): "
                           f"replay it with kvproof fuzz --replay {path}")
     records = [(k, codec.encode(e)) for k, e in enumerate(failure.events, start=1)]
-    return Run(str(path), failure.model, failure.model, records, unit="event",
+    m = failure.model
+    return Run(str(path), m, m, records, m.prefill_workers, m.decode_workers, unit="event",
                description=f"a saved fuzz failure ({failure.violation})")

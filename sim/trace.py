@@ -49,7 +49,8 @@ def _constants(m: Model) -> dict:
 
 def log_run(path: str) -> Run:
     """A simulator log as a run for spec/tlaplus/runcheck.py: its protocol events with their
-    lines, the spec's constants with one request per request of the run."""
+    lines, the spec's constants with one request per request of the run and the run's
+    worker sets."""
     scenario, records = read_log(path)
     if not records or records[-1].get("a") != RUN_END:
         raise LogError(f"{path}: the log has no end record: the run that wrote it did not "
@@ -57,11 +58,11 @@ def log_run(path: str) -> Run:
     events = [(k, record) for k, record in enumerate(records[:-1], start=2)
               if record.get("a") != FIRST_TOKEN]
     shell = model_for(scenario)
+    c = scenario.cluster
     requests = max(scenario.requests, _requests(events))  # one model for every seed
-    return Run(str(path), replace(shell, requests=requests, name=scenario.name,
-                                       request_names=()),
-               shell, events, scenario.cluster.prefill_workers,
-               scenario.cluster.decode_workers,
+    spec = replace(shell, requests=requests, name=scenario.name, request_names=(),
+                   prefill_workers=c.prefill_workers, decode_workers=c.decode_workers)
+    return Run(str(path), spec, shell, events, c.prefill_workers, c.decode_workers,
                f"simulator run of {scenario.name}, seed {scenario.seed}")
 
 

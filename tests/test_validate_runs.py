@@ -145,7 +145,7 @@ def _mutant(monkeypatch, action: type, bug: str) -> None:
     (core.Reserve, "NoGenBump", 3, ("differs from what KVTransfer.tla's Reserve leads to: "
                                     "table[r1] is <<[page |-> 1, gen |-> 0]>>, the spec's "
                                     "<<[page |-> 1, gen |-> 1]>>",
-                                    "gen[1] is 0, the spec's 1")),
+                                    "gen[d1] is <<0, 0, 0, 0>>, the spec's <<1, 0, 0, 0>>")),
     (core.Release, "EagerRelease", 21,
      ("Release is not enabled there with these arguments (the core that rebuilt the state "
       "took it)",)),
@@ -168,14 +168,50 @@ def test_every_action_of_next_is_bound_by_a_log_record():
     assert {i.label: i.names for i in instances}["LandWrite"] == ("w",)
 
 
-def test_a_run_of_more_workers_than_the_spec_has_is_named(tmp_path):
-    log = tmp_path / "two.ndjson"
-    sc = load_scenario("one-pair").model_copy(update={"seed": 1, "requests": 2})
-    sc = sc.model_copy(update={"cluster": sc.cluster.model_copy(update={"decode_workers": 2})})
-    simulate(sc, log_path=str(log))
-    with pytest.raises(RunError, match="this run has 1 and 2: it maps onto the spec once the "
-                                       "spec has worker sets"):
-        check_run(log_run(str(log)))
+# Two prefill and two decode workers (lossy-cluster, its router least-loaded): (seed,
+# protocol steps, the faults in its log, the placements). Over the three: every loss kind,
+# every placement, each kind of crash at each worker, client aborts.
+CLUSTER = [
+    (2, 41, {"LoseBootstrap": 4, "LoseCancel": 2, "LoseFinalWord": 1, "Abort": 2,
+             "PrefillCrash": 2}, {(0, 0), (0, 1), (1, 0)}),
+    (3, 51, {"LoseCancel": 1, "LoseWrite": 1, "LoseBootstrap": 1, "LoseFinalWord": 1,
+             "DecodeCrash": 1, "PrefillCrash": 2}, {(0, 0), (0, 1), (1, 1)}),
+    (6, 50, {"LoseFinalWord": 2, "LoseBootstrap": 1, "LoseCancel": 2, "LoseWrite": 1,
+             "DecodeCrash": 1, "PrefillCrash": 3}, {(0, 0), (0, 1), (1, 1)}),
+]
+
+
+def _crashed(log: Path) -> set[tuple[str, int]]:
+    records = [json.loads(line) for line in log.read_text().splitlines()[1:]]
+    return {(x["a"], x.get("p", x.get("d"))) for x in records if x["a"].endswith("Crash")}
+
+
+@pytest.mark.parametrize("seed, steps, faults, placements", CLUSTER,
+                         ids=[f"seed{s}" for s, *_ in CLUSTER])
+def test_a_two_by_two_faulty_simulator_run_is_a_behaviour_of_the_spec(tmp_path, seed, steps,
+                                                                     faults, placements):
+    log = sim_log(tmp_path / "cluster.ndjson", "lossy-cluster", seed)
+    assert {a: n for a, n in actions(log).items() if a.startswith(FAULTS)} == faults
+    records = [json.loads(line) for line in log.read_text().splitlines()[1:]]
+    assert {(x["p"], x["d"]) for x in records if x["a"] == "Arrive"} == placements
+    verdict = check_run(log_run(str(log)))
+    assert verdict.ok, verdict.message
+    assert verdict.steps == steps
+
+
+def test_a_crash_moved_to_the_other_worker_is_refused(tmp_path):
+    """lossy-cluster at seed 3: decode worker d2 crashes with requests of its own; the same
+    crash logged at d1 is another step, not the one the log's later events follow."""
+    log = sim_log(tmp_path / "cluster.ndjson", "lossy-cluster", 3)
+    assert ("DecodeCrash", 1) in _crashed(log)
+    lines = log.read_text().splitlines(keepends=True)
+    line = next(k for k, text in enumerate(lines, start=1) if '"DecodeCrash"' in text)
+    lines[line - 1] = lines[line - 1].replace('"d":1', '"d":0')
+    forged = tmp_path / "forged.ndjson"
+    forged.write_text("".join(lines))
+    verdict = check_run(log_run(str(forged)))
+    assert not verdict.ok, verdict.message
+    assert verdict.line >= line and f"line {verdict.line}: step" in verdict.message
 
 
 @pytest.mark.parametrize("edit, says", [
@@ -232,15 +268,15 @@ def test_the_incremental_keys_equal_the_conformance_keys_on_every_state(tmp_path
     columns. Both must give the spec the same state, step after step."""
     from spec.store import Store
     from spec.tlaplus.conformance import _Keys
-    from spec.tlaplus.runcheck import _RunKeys, _take, spec_state
+    from spec.tlaplus.runcheck import _RunKeys, _take, placed, spec_state
 
-    run = log_run(str(sim_log(tmp_path / "lossy.ndjson", "lossy-pair", 1)))
+    run = log_run(str(sim_log(tmp_path / "cluster.ndjson", "lossy-cluster", 3)))
     whole, incremental = _Keys(run.model), _RunKeys(run.model)
-    store = Store(run.shell_model, 1, 1)
+    store = Store(run.shell_model, 2, 2)
     seen = 0
     for line, record in run.records:
-        assert not _take(run, store, line, record, codec.decode(record))
+        assert not _take(run, store, placed(run, line, record, codec.decode(record)))
         state = spec_state(store, run.model.requests)
         assert incremental(state) == whole(state), line
         seen += 1
-    assert seen == 37
+    assert seen == 51

@@ -27,10 +27,11 @@ After every step the spec's state invariants are evaluated from its text too (Ty
 the last state only, see Checker.broken): a run whose steps are legal but which breaks one
 (a buggy deployment) is reported with the invariant and the step after which it fails.
 
-Shape. The spec has one prefill and one decode worker; a run of that shape maps onto it as
-it is. A run of more workers needs the spec's worker sets (issue 25 item 1): then
-`spec_state` maps each worker's pool and epoch, and BINDINGS gains the worker names Next
-binds (from the records' placement fields p and d).
+Shape. A run of P prefill and D decode workers is checked against the spec with
+PrefillWorkers = {p1..pP} and DecodeWorkers = {d1..dD}: `spec_state` lays the store's
+worker pools side by side (the core's flat pools, which tlaview maps per worker), and the
+workers Next binds (an Arrive's placement, a crash's worker) come from the records' p and
+d. A run of one pair is the spec's one-pair special case.
 """
 
 from __future__ import annotations
@@ -91,6 +92,16 @@ def _write(m: Model, event: core.Event, state: tuple) -> object:
             "flight in the spec's state")
 
 
+def _prefill_worker(m: Model, e: core.Event, s: tuple) -> object:
+    worker = e.prefill_worker if type(e) is core.Arrive else e.worker
+    return ModelValue(m.prefill_worker_names[worker])
+
+
+def _decode_worker(m: Model, e: core.Event, s: tuple) -> object:
+    worker = e.decode_worker if type(e) is core.Arrive else e.worker
+    return ModelValue(m.decode_worker_names[worker])
+
+
 # The names KVTransfer.tla's Next binds, and how a log record's event binds each: a value, or
 # a sentence saying why there is none (the step is then not one of the spec's).
 BINDINGS: dict[str, Callable[[Model, core.Event, tuple], object]] = {
@@ -98,34 +109,52 @@ BINDINGS: dict[str, Callable[[Model, core.Event, tuple], object]] = {
     "n": lambda m, e, s: e.prompt_pages,
     "S": lambda m, e, s: frozenset(p + 1 for p in e.pages),
     "w": _write,
+    "q": _prefill_worker,  # an Arrive's placement, a prefill crash's worker
+    "d": _decode_worker,
 }
 
 
 def spec_state(store: Store, requests: int) -> State:
-    """The store as one core State of the spec's shape (requests 0..requests-1, each row as
-    the store has it, or empty before its arrival). Rows are never forgotten here."""
-    if store.prefill_workers != 1 or store.decode_workers != 1:
-        raise RunError(f"KVTransfer.tla has one prefill and one decode worker; this run has "
-                       f"{store.prefill_workers} and {store.decode_workers}: it maps onto the "
-                       "spec once the spec has worker sets (issue 25 item 1)")
+    """The store as one core State of the spec's shape: requests 0..requests-1, each row as
+    the store has it (or empty before its arrival; rows are never forgotten here), every
+    worker's pool side by side (the core's flat pools), every write in flight. Rows and
+    writes keep the store's page numbers, which are the worker's own: tlaview maps a page
+    number to its worker's pool modulo the pool's size, so they map as flat ones do."""
     rows = tuple(store.rows.get(r, core.EMPTY_ROW) for r in range(requests))
-    return State(rows, tuple(store.decode_pools[0]), tuple(store.prefill_pools[0]),
-                 tuple(sorted(store.writes_into[0])))
+    return State(rows, tuple(page for pool in store.decode_pools for page in pool),
+                 tuple(page for pool in store.prefill_pools for page in pool),
+                 tuple(sorted(w for writes in store.writes_into for w in writes)))
 
 
-def _take(run: Run, store: Store, line: int, record: dict, event: core.Event) -> str:
+def placed(run: Run, line: int, record: dict, event: core.Event) -> core.Event:
+    """The event with the workers its record names beside it (a shell logs an Arrive's
+    placement as p and d, a crash's worker as p or d), each checked against the run's."""
+    if type(event) is core.Arrive:
+        event = replace(event, prefill_worker=record.get("p", event.prefill_worker),
+                        decode_worker=record.get("d", event.decode_worker))
+        _worker(run, line, "p", event.prefill_worker, run.prefill_workers)
+        _worker(run, line, "d", event.decode_worker, run.decode_workers)
+    elif type(event) is core.PrefillCrash:
+        event = replace(event, worker=record.get("p", event.worker))
+        _worker(run, line, "p", event.worker, run.prefill_workers)
+    elif type(event) is core.DecodeCrash:
+        event = replace(event, worker=record.get("d", event.worker))
+        _worker(run, line, "d", event.worker, run.decode_workers)
+    return event
+
+
+def _take(run: Run, store: Store, event: core.Event) -> str:
     """Rebuild: fold one event into the store; "" or why the core would not take it."""
     try:
         if type(event) is core.PrefillCrash:
-            out = store.crash_prefill(_worker(run, line, record, "p", run.prefill_workers))
+            out = store.crash_prefill(event.worker)
         elif type(event) is core.DecodeCrash:
-            out = store.crash_decode(_worker(run, line, record, "d", run.decode_workers))
+            out = store.crash_decode(event.worker)
         elif type(event) is core.Arrive:
             r = event.request
             if r in store.rows:
                 return "the request has already arrived"
-            store.arrive(r, _worker(run, line, record, "p", run.prefill_workers),
-                         _worker(run, line, record, "d", run.decode_workers))
+            store.arrive(r, event.prefill_worker, event.decode_worker)
             out = store.take(r, event)
             if type(out) is Refusal:
                 store.withdraw(r)
@@ -138,12 +167,10 @@ def _take(run: Run, store: Store, line: int, record: dict, event: core.Event) ->
     return out.reason if type(out) is Refusal else ""
 
 
-def _worker(run: Run, line: int, record: dict, key: str, workers: int) -> int:
-    worker = record.get(key, 0)
+def _worker(run: Run, line: int, key: str, worker: object, workers: int) -> None:
     if type(worker) is not int or not 0 <= worker < workers:
-        raise RunError(f"{run.source} {run.unit} {line}: {key}={worker!r} "
-                       f"names no worker of the run's {workers}")
-    return worker
+        raise RunError(f"{run.source} {run.unit} {line}: {key}={worker!r} names no worker "
+                       f"of the run's {workers}")
 
 
 def _tla(v: object) -> str:
@@ -288,8 +315,12 @@ def check_run(run: Run) -> RunVerdict:
     """Whether every step of the run is a step of KVTransfer.tla with the action its record
     names, and no state of it violates a state invariant."""
     m = run.model
+    if (m.prefill_workers, m.decode_workers) != (run.prefill_workers, run.decode_workers):
+        raise RunError(f"{run.source}: a run of {run.prefill_workers} x {run.decode_workers} "
+                       f"workers checked against a model of {m.prefill_workers} x "
+                       f"{m.decode_workers}")
     store = Store(run.shell_model, run.prefill_workers, run.decode_workers)
-    empty = spec_state(store, m.requests)  # (a shape the spec lacks is named first)
+    empty = spec_state(store, m.requests)
     try:
         checker = checker_for(m)
     except EvalError as error:
@@ -304,6 +335,7 @@ def check_run(run: Run) -> RunVerdict:
             event = codec.decode(record)
         except codec.CodecError as error:
             raise RunError(f"{run.source} {run.unit} {line}: {error}") from None
+        event = placed(run, line, record, event)
         request = getattr(event, "request", 0)
         if not 0 <= request < m.requests:
             raise RunError(f"{run.source} {run.unit} {line}: request {request} is outside the "
@@ -315,7 +347,7 @@ def check_run(run: Run) -> RunVerdict:
         except EvalError as error:
             return RunVerdict(False, steps, f"{where}: the spec cannot be evaluated there: "
                               f"{error}", line, event.action)
-        refused = _take(run, store, line, record, event)
+        refused = _take(run, store, event)
         if isinstance(allowed, str) or not allowed:
             why = allowed if isinstance(allowed, str) else \
                 f"KVTransfer.tla's {event.action} is not enabled there with these arguments"
