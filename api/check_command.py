@@ -14,8 +14,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from api.clikit import (EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, ITF_TRACE,
-                        FUZZ_FAILURE, UsageError, plural, readable_file, sniff, writable_file,
+from api.clikit import (ENGINE_LOG, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EXIT_VIOLATION,
+                        ITF_TRACE, FUZZ_FAILURE, SIM_LOG, UsageError, plural, readable_file, sniff, writable_file,
                         wrong_kind)
 from spec.check.cfgfile import CfgError, load, model_description, model_names
 from spec.check.report import describe_model, format_coverage, format_summary, format_trace
@@ -513,9 +513,58 @@ def _same_constants(path: str, meta: dict, model) -> None:
                          "one")
 
 
-def cmd_validate(args: argparse.Namespace) -> int:
-    from spec.tlaplus.validate import TraceError, validate
+def _run_of(args: argparse.Namespace, kind: str | None):
+    """A run's own log (simulator, engine, a core-target fuzz failure) read for
+    spec/tlaplus/runcheck.py, or None for an ITF trace (validated state by state)."""
+    from dataclasses import replace
 
+    if kind == SIM_LOG:
+        from sim.trace import log_run
+    elif kind == ENGINE_LOG:
+        from engine.eventlog import log_run
+    elif kind == FUZZ_FAILURE:
+        from fuzz.replay import failure_run as log_run
+    else:
+        return None
+    if args.model:
+        raise UsageError(f"{args.trace} is {kind}, which carries its own constants: drop "
+                         "--model")
+    run = log_run(args.trace)
+    if args.bug:  # the spec with more bug switches than the run had: the run as it ran
+        run = replace(run, model=_with_bug_flags(run.model, args.bug))
+    return run
+
+
+def _validate_run(run) -> int:
+    from spec.tlaplus.runcheck import check_run
+
+    verdict = check_run(run)
+    print(f"{run.description}: {run.prefill_workers} x {run.decode_workers} workers, "
+          f"{plural(len(run.records), 'protocol event')}")
+    print(run.model.describe())
+    print(verdict.message)
+    for finding in verdict.observations[:5]:
+        print(f"  the store's oracle: {finding}")
+    return EXIT_OK if verdict.ok else EXIT_VIOLATION
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from fuzz.replay import ReplayError
+    from spec.tlaplus.runcheck import RunError
+    from spec.tlaplus.validate import TraceError, validate
+    from sim.fold import LogError as SimLogError
+    from engine.eventlog import LogError as EngineLogError
+
+    try:
+        readable_file(args.trace, args.trace)
+        kind = sniff(args.trace)
+        run = _run_of(args, kind)
+        if run is not None:
+            return _validate_run(run)
+    except (RunError, ReplayError, SimLogError, EngineLogError, ModelError,
+            UsageError) as error:
+        print(f"kvproof validate: {error}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         trace, model = _trace_and_model(args)
     except (TraceError, CfgError, ModelError, UsageError) as error:

@@ -4,7 +4,7 @@ one line and exit status 2.
     kvproof check       [--model NAME|FILE] [--bug NAME ...] [--property NAME ...] [--symmetry]
                         [--workers N] [--continue] [--simulate --depth D --traces N --seed S]
                         [--itf FILE] [--json FILE] [--dump-dot FILE] [--full-trace]
-    kvproof validate    TRACE [--model NAME|FILE] [--bug NAME ...]
+    kvproof validate    LOG|TRACE [--model NAME|FILE] [--bug NAME ...]
     kvproof conformance [--model NAME|FILE] [--bug NAME ...] [--symmetry]
     kvproof sim         SCENARIO [--seed N] [--bug NAME ...] [--set FIELD=VALUE ...] ...
     kvproof sim calibrate [--model PATH] --out FILE [--prompt-tokens N,...] ...
@@ -121,18 +121,23 @@ def _add_list_options(parser, *, models: bool = False, properties: bool = False)
 
 def _add_validate(commands) -> None:
     validate = add_subcommand(
-        commands, "validate", "check that an ITF trace is a behaviour of the protocol",
-        "Replay an ITF trace (from `kvproof check --itf`, `kvproof sim --itf`, Apalache or "
-        "another implementation) step by step through the protocol, and evaluate the "
-        "invariants along it. States may record only some variables and steps need not "
-        "name their action (Apalache writes none): the search keeps every protocol state "
-        "consistent with what was recorded. The report names the first illegal step, or "
-        "the first step after which an invariant is violated.",
-        ["kvproof validate cex.itf.json",
-         "kvproof validate apalache-trace.itf.json --model solo",
-         "kvproof sim one-pair --log run.ndjson --itf run.itf.json && "
-         "kvproof validate run.itf.json"])
-    validate.add_argument("trace", help="an ITF JSON trace file")
+        commands, "validate", "check that a run or a trace is a behaviour of the protocol",
+        "A run's own event log (a simulator log from `kvproof sim --log`, an engine event "
+        "log, a core-target fuzz failure) is checked event by event against KVTransfer.tla: "
+        "the events rebuild the states, and each step must be a step of the spec's action "
+        "of the same name, evaluated from the spec's text with the record's arguments; the "
+        "spec's state invariants are evaluated after every step. An ITF trace (from "
+        "`kvproof check --itf`, `kvproof sim --itf`, Apalache or another implementation) "
+        "is replayed step by step through the protocol; its states may record only some "
+        "variables and its steps need not name their action (Apalache writes none). The "
+        "report names the first illegal step (its line and action), or the first step after "
+        "which an invariant is violated.",
+        ["kvproof sim one-pair --log run.ndjson && kvproof validate run.ndjson",
+         "kvproof validate engine-run.log",
+         "kvproof validate cex.itf.json",
+         "kvproof validate apalache-trace.itf.json --model solo"])
+    validate.add_argument("trace", help="a simulator or engine log, a core-target fuzz "
+                          "failure, or an ITF JSON trace")
     validate.add_argument("--model", default=None, metavar="NAME|FILE",
                           help="the model (default: the one recorded in the trace)")
     validate.add_argument("--bug", action="append", default=[], metavar="NAME",

@@ -164,15 +164,16 @@ def plural(count: int, word: str, words: str | None = None) -> str:
 
 # -- files -------------------------------------------------------------------------------
 
-SIM_LOG, FUZZ_FAILURE, ITF_TRACE, CFG_FILE, TOML_FILE = (
+SIM_LOG, FUZZ_FAILURE, ITF_TRACE, CFG_FILE, TOML_FILE, ENGINE_LOG = (
     "a simulator log", "a saved fuzz failure", "an ITF trace", "a TLC model (.cfg)",
-    "a scenario (TOML)")
+    "a scenario (TOML)", "an engine event log")
 WHAT_TO_DO = {
     SIM_LOG: "replay it with kvproof sim --replay {path}",
     FUZZ_FAILURE: "replay it with kvproof fuzz --replay {path}",
     ITF_TRACE: "check it with kvproof validate {path}",
     CFG_FILE: "check it with kvproof check --model {path}",
     TOML_FILE: "run it with kvproof sim {path}",
+    ENGINE_LOG: "check it against the spec with kvproof validate {path}",
 }
 
 
@@ -190,6 +191,9 @@ def sniff(path: str | Path) -> str | None:
     first_line = text.split("\n", 1)[0]
     if first_line.startswith("{") and '"format"' in first_line and "kvproof-sim" in first_line:
         return SIM_LOG
+    if first_line.startswith("{") and '"format"' in first_line \
+            and "kvproof-engine-log" in first_line:
+        return ENGINE_LOG
     if text.startswith("{"):
         return _sniff_json(path)
     if path.suffix == ".cfg" or text.startswith(("CONSTANT", "\\*", "SPECIFICATION")):

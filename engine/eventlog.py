@@ -12,12 +12,14 @@ quiet, which shows the engine changed no protocol state behind the core's back.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from spec import codec, core
 from spec.core import Refusal
 from spec.model import Model, ProtocolConfig
 from spec.store import Store
+from spec.tlaplus.runcheck import Run
 
 LOG_FORMAT = "kvproof-engine-log/1"
 RUN_END = "RunEnd"
@@ -107,3 +109,26 @@ def core_trace(header: dict, records: list[dict]) -> tuple[Model, list]:
         state = out
         steps.append((event, state))
     return m, steps
+
+
+def log_run(path: str | Path) -> Run:
+    """An engine log as a run for spec/tlaplus/runcheck.py (`kvproof validate`): its events
+    with their lines, the spec's constants with one request per request of the run (the
+    engine numbers them 0, 1, ... in arrival order)."""
+    try:
+        header, records = read_log(path)
+        shell = model_of(header)
+        workers = int(header.get("prefill_workers", 1)), int(header.get("decode_workers", 1))
+    except (OSError, UnicodeDecodeError) as error:
+        raise LogError(f"cannot read {path}: {error}") from None
+    except json.JSONDecodeError as error:
+        raise LogError(f"{path} line {error.lineno}: not a JSON record ({error.msg})") from None
+    except (KeyError, TypeError, ValueError) as error:
+        raise LogError(f"{path} line 1: malformed header ({error})") from None
+    ids = [x["request"] for x in records if type(x.get("request")) is int]
+    requests = max(1, 1 + max(ids, default=0))
+    return Run(str(path), replace(shell, requests=requests, request_names=(),
+                                  name="engine-run", prefill_workers=workers[0],
+                                  decode_workers=workers[1]),
+               shell, list(enumerate(records, start=2)), *workers,
+               f"engine run, {workers[0]} x {workers[1]} workers")

@@ -227,3 +227,29 @@ def load(path: str | Path) -> SavedFailure:
     return SavedFailure(fuzz["target"], model, tuple(props) if props is not None else None,
                         events, str(fuzz.get("violation")), int(fuzz.get("steps", -1)),
                         fuzz.get("seed"), int(fuzz.get("target_seed", 0)))
+
+
+def failure_run(path: str | Path) -> "Run":
+    """A saved failure of the core target as a run for spec/tlaplus/runcheck.py: its events
+    (numbered as in #meta.fuzz.events), on the failure's own model. The other targets'
+    events are the fuzzer's moves on a shell (a crash at a chosen worker, a wait, a wire
+    fault), not protocol events alone: those replay with `kvproof fuzz --replay`."""
+    from spec.tlaplus.runcheck import Run
+
+    try:
+        target = json.loads(Path(path).read_text())["#meta"]["fuzz"]["target"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        target = None  # load() says what is wrong
+    if target is not None and target != "core":
+        raise ReplayError(f"{path} is a saved fuzz failure of the {target} target, whose "
+                          f"events are the fuzzer's moves on a shell: replay it with kvproof "
+                          f"fuzz --replay {path}")
+    failure = load(path)
+    moves = [e.action for e in failure.events if type(e) not in core.EVENT_TYPES.values()]
+    if moves:
+        raise ReplayError(f"{path}: its events include the fuzzer's own moves ({moves[0]}): "
+                          f"replay it with kvproof fuzz --replay {path}")
+    records = [(k, codec.encode(e)) for k, e in enumerate(failure.events, start=1)]
+    m = failure.model
+    return Run(str(path), m, m, records, m.prefill_workers, m.decode_workers, unit="event",
+               description=f"a saved fuzz failure ({failure.violation})")

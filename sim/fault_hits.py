@@ -26,13 +26,17 @@ TARGETS = {
     "MessageLoss": "on a final word or a cancel",
     "MessageDelay": "on a final word or a cancel",
     "SlowLink": "on a write that then lands after its request's transfer timeout",
+    "MessageLostForGood": "on a final word or a cancel",
+    "WriteLoss": "on a write whose request decode still waits for",
+    "WritePostFail": "on a write whose request decode still waits for",
 }
 # The scenario's fault fields and the kind of fault each switches on.
 SCENARIO_FAULTS = {
     "client_abort_probability": "ClientAbort", "prefill_fail_probability": "PrefillFail",
     "prefill_crash_rate_per_s": "PrefillCrash", "decode_crash_rate_per_s": "DecodeCrash",
     "message_loss_probability": "MessageLoss", "message_delay_probability": "MessageDelay",
-    "slow_link_probability": "SlowLink",
+    "slow_link_probability": "SlowLink", "write_loss_probability": "WriteLoss",
+    "write_post_fail_probability": "WritePostFail",
 }
 
 
@@ -63,6 +67,10 @@ def prefill_writes_in_flight(store: Store, p: int) -> bool:
 
 def decode_writes_in_flight(store: Store, d: int) -> bool:
     return bool(store.writes_into[d])
+
+
+def decode_waits(store: Store, r: int) -> bool:
+    return r in store.rows and store.rows[r][DST] == D_WAITING
 
 
 def stressful_message(message: str) -> bool:

@@ -44,10 +44,18 @@ def model_for(scenario: Scenario) -> Model:
     c = scenario.cluster
     protocol = ProtocolConfig(context_pages=c.context_pages, prefill_pages=c.prefill_pages,
                               decode_pages=c.decode_pages, bugs=frozenset(scenario.bugs))
-    return Model.for_shell(protocol, -(-scenario.workload.prompt.max_tokens // c.page_tokens),
-                           name=scenario.name,
-                           crashes=scenario.faults.prefill_crash_rate_per_s > 0,
-                           decode_crashes=scenario.faults.decode_crash_rate_per_s > 0)
+    shell = Model.for_shell(protocol, -(-scenario.workload.prompt.max_tokens // c.page_tokens),
+                            name=scenario.name,
+                            crashes=scenario.faults.prefill_crash_rate_per_s > 0,
+                            decode_crashes=scenario.faults.decode_crash_rate_per_s > 0)
+    return replace(shell, losses=losses_of(scenario.faults))
+
+
+def losses_of(faults) -> frozenset[str]:
+    """What the scenario's network may lose for good (the spec's Losses): any lossy link's
+    messages (after its retransmissions), and page writes where they are lost silently."""
+    kinds = {"Bootstrap", "FinalWord", "Cancel"} if faults.message_loss_probability else set()
+    return frozenset(kinds | ({"Write"} if faults.write_loss_probability else set()))
 
 
 def event_of(record: dict) -> core.Event:

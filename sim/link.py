@@ -1,8 +1,9 @@
 """The simulator's transport for messages (spec/interfaces.py Transport): a modelled link.
 
 Theory of operation. A message (bootstrap, final word, cancel, page table) is delivered
-after the link's latency, with loss (each loss costs a retransmission, retransmit_after_s)
-and extra delay as faults, each drawn from the run's "links" stream; a request the fuzzer
+after the link's latency, with loss (each loss costs a retransmission, retransmit_after_s;
+a bootstrap, final word or cancel lost on message_retransmits_max retransmissions as well is
+lost for good, the spec's Lose* action) and extra delay as faults, each drawn from the run's "links" stream; a request the fuzzer
 holds (`Simulation.hold`) waits until its stall ends, and a worker that is restarting
 gets its messages once it is back (the sender re-sends). On delivery the receiving
 worker takes the action the core names for the message (Simulation.deliver). Page writes
@@ -14,6 +15,10 @@ from __future__ import annotations
 
 from spec import commands, core
 from sim import fault_hits as hits
+
+# The messages the spec's network may lose for good (Losses), and the spec's action for it.
+LOSS = {core.BOOTSTRAP: "LoseBootstrap", core.FINAL_WORD_MSG: "LoseFinalWord",
+        core.CANCEL_MSG: "LoseCancel"}
 
 
 class SimLink:
@@ -37,9 +42,15 @@ class SimLink:
         sim = self.sim
         f, rng = sim.sc.faults, sim.rng["links"]
         delay = sim.sc.link.message_latency_s
+        lost = 0
         while f.message_loss_probability and rng.random() < f.message_loss_probability:
-            delay += f.retransmit_after_s
+            lost += 1
             sim.fault_hits.fired("MessageLoss", hits.stressful_message(message))
+            if lost > f.message_retransmits_max and message in LOSS:
+                sim.fault_hits.fired("MessageLostForGood", hits.stressful_message(message))
+                sim.later(delay, self._lose, r, message)
+                return
+            delay += f.retransmit_after_s
         if f.message_delay_probability and rng.random() < f.message_delay_probability:
             delay += rng.expovariate(1.0 / f.message_delay_mean_s) if f.message_delay_mean_s else 0
             sim.fault_hits.fired("MessageDelay", hits.stressful_message(message))
@@ -47,6 +58,11 @@ class SimLink:
         if loop is not None:
             delay += loop.wait_s(sim.env.now + delay)
         sim.later(delay, self._deliver, handler, r, worker, to_prefill)
+
+    def _lose(self, r: int, message: str) -> None:
+        """The last attempt is lost too: the message is gone, if the core still has it in
+        flight (a copy that an earlier one already delivered is nothing to lose)."""
+        self.sim.offer_if_enabled(LOSS[message], r)
 
     def _deliver(self, handler, r: int, worker: int, to_prefill: int) -> None:
         sim = self.sim

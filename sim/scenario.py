@@ -176,10 +176,19 @@ class Faults(_Strict):
     client_abort_within_s: float = Field(2.0, gt=0)            # uniform after arrival
     message_loss_probability: float = Field(0.0, ge=0, lt=1)   # per delivery attempt
     retransmit_after_s: float = Field(0.2, gt=0)
+    # A bootstrap, final word or cancel lost on this many retransmissions in a row too is
+    # lost for good: the spec's LoseBootstrap, LoseFinalWord, LoseCancel (the page table is
+    # part of Reserve in the spec, so it is retransmitted until it arrives).
+    message_retransmits_max: int = Field(1000, ge=0, le=1_000_000)
     message_delay_probability: float = Field(0.0, ge=0, le=1)
     message_delay_mean_s: float = Field(0.05, ge=0)            # exponential extra delay
     slow_link_probability: float = Field(0.0, ge=0, le=1)      # per page write
     slow_link_factor: float = Field(20.0, ge=1, le=1e6)
+    # A page write lost and its completion reported all the same (an unreliable transport,
+    # a post that failed silently): the spec's LoseWrite. A post that fails and says so is
+    # posted again after retransmit_after_s: a late landing, no event of its own.
+    write_loss_probability: float = Field(0.0, ge=0, le=1)       # per page write
+    write_post_fail_probability: float = Field(0.0, ge=0, lt=1)  # per attempt to post
     prefill_fail_probability: float = Field(0.0, ge=0, le=1)   # per admitted request
     prefill_crash_rate_per_s: float = Field(0.0, ge=0)         # per prefill worker
     prefill_restart_s: float = Field(0.5, ge=0)

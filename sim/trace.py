@@ -9,11 +9,14 @@ and `kvproof validate` then checks every step, label and state against the spec.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from spec import core
 from spec.core import Refusal
+from spec.tlaplus.runcheck import Run
 from spec.tlaplus.itf import trace_to_itf
 from spec.model import Model
-from sim.fold import FIRST_TOKEN, LogError, event_of, model_for, read_log
+from sim.fold import FIRST_TOKEN, RUN_END, LogError, event_of, model_for, read_log
 
 
 def log_to_itf(path: str) -> tuple[Model, dict]:
@@ -42,3 +45,28 @@ def _constants(m: Model) -> dict:
     return {"max_prompt_pages": m.max_prompt_pages, "context_pages": m.context_pages,
             "prefill_pages": m.prefill_pages, "decode_pages": m.decode_pages,
             "bugs": m.bugs, "crashes": m.crashes, "name": m.name}
+
+
+def log_run(path: str) -> Run:
+    """A simulator log as a run for spec/tlaplus/runcheck.py: its protocol events with their
+    lines, the spec's constants with one request per request of the run and the run's
+    worker sets."""
+    scenario, records = read_log(path)
+    if not records or records[-1].get("a") != RUN_END:
+        raise LogError(f"{path}: the log has no end record: the run that wrote it did not "
+                       "finish, or the file was cut (at a line boundary)")
+    events = [(k, record) for k, record in enumerate(records[:-1], start=2)
+              if record.get("a") != FIRST_TOKEN]
+    shell = model_for(scenario)
+    c = scenario.cluster
+    requests = max(scenario.requests, _requests(events))  # one model for every seed
+    spec = replace(shell, requests=requests, name=scenario.name, request_names=(),
+                   prefill_workers=c.prefill_workers, decode_workers=c.decode_workers)
+    return Run(str(path), spec, shell, events, c.prefill_workers, c.decode_workers,
+               f"simulator run of {scenario.name}, seed {scenario.seed}")
+
+
+def _requests(events: list[tuple[int, dict]]) -> int:
+    """One spec request per request id of the run (ids are 0, 1, ... in arrival order)."""
+    ids = [record["request"] for _, record in events if type(record.get("request")) is int]
+    return max(1, 1 + max(ids, default=0))

@@ -23,6 +23,7 @@ from collections import deque
 
 from spec import core
 from spec.core import PST, QUEUED, SRC
+from sim import fault_hits as hits
 from sim.decode_batch import DecodeBatch
 from sim.fold import FIRST_TOKEN
 from sim.prefill_queue import PrefillQueue
@@ -210,13 +211,23 @@ class SimPrefill:
         if slowed:  # a hit: the write lands after the lease, as it stands, runs out
             sim.fault_hits.fired("SlowLink", r in sim.timers
                                  and now + landing > sim.clock.lease_due(r))
-        sim.later(landing, self._land, r, w[2], self.epoch)
+        while f.write_post_fail_probability and \
+                sim.rng["links"].random() < f.write_post_fail_probability:
+            landing += f.retransmit_after_s  # the NIC learns, and posts it again: late
+            sim.fault_hits.fired("WritePostFail", hits.decode_waits(sim.cluster, r))
+        lost = bool(f.write_loss_probability) and \
+            sim.rng["links"].random() < f.write_loss_probability
+        if lost:
+            sim.fault_hits.fired("WriteLoss", hits.decode_waits(sim.cluster, r))
+        sim.later(landing, self._land, r, w[2], self.epoch, lost)
 
-    def _land(self, r: int, page: int, epoch: int) -> None:
+    def _land(self, r: int, page: int, epoch: int, lost: bool = False) -> None:
+        """The write's completion: it landed (LandWrite) or, lost, it did not (LoseWrite,
+        reported as complete all the same); the NIC's slot is free either way."""
         if epoch != self.epoch:
             return  # flushed with the crashed worker's queue pairs
         sim = self.sim
-        if sim.held_until and sim._held(r, self._land, r, page, epoch):
+        if sim.held_until and sim._held(r, self._land, r, page, epoch, lost):
             return  # a held write keeps its NIC slot
         self.nic_in_flight -= 1
         assert self.nic_in_flight >= 0, f"prefill {self.index}: a write landed twice"
@@ -232,7 +243,7 @@ class SimPrefill:
             # Below zero only for a settled request (its count left with it).
             assert left == 0 or not live, f"request {r}: more writes landed than posted"
         if live:
-            sim.take(core.LandWrite(r, page))
+            sim.take(core.LoseWrite(r, page) if lost else core.LandWrite(r, page))
         sim._done_if_landed(r)
         if self.nic_posted:
             self._start_writes()

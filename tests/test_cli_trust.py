@@ -80,7 +80,6 @@ BAD_INPUTS = [
     (["check", "--model", "solo", "--json", "{a_file}/x.json"], "cannot write there"),
     # validate
     (["validate", "{tmp}/none.json"], "no such file"),
-    (["validate", "{log}"], "is a simulator log, not an ITF trace: replay it with kvproof sim"),
     (["validate", "{fuzz_sim}"], "saved fuzz failure of the sim target"),
     (["validate", "{not_utf8}"], "is a TLC model (.cfg), not an ITF trace"),
     (["validate", "{cex}", "--model", "nope"], "no model 'nope'"),

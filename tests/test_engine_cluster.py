@@ -22,13 +22,16 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from engine.eventlog import LogError, core_trace, read_log, replay, write_log  # noqa: E402
+from engine.eventlog import (LogError, core_trace, log_run, read_log, replay,  # noqa: E402
+                             write_log)
+from spec.tlaplus.runcheck import check_run  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.service import Finished, GenerationRequest  # noqa: E402
 from engine.serving import CapacityError, EngineConfig, build_engine  # noqa: E402
 from engine_cases import FaultyPrefill  # noqa: E402
 from test_engine_workers import (MARK, PAGE, Client, assert_whole, loaded,  # noqa: E402
                                  mixed_requests, model, prompt, reference, run, runtime,
+                                 step_until,
                                  unmarked, victim_prompt)
 
 assert model  # the module-scoped fixture, shared with test_engine_workers.py
@@ -84,6 +87,9 @@ def test_two_by_three_workers_give_the_generators_tokens_and_use_every_worker(mo
     assert store.prefill_pools == rt.store.prefill_pools
     with pytest.raises(LogError, match="one prefill and one decode worker"):
         core_trace(header, records)
+    # The log is a behaviour of the spec's worker sets (spec/tlaplus/runcheck.py).
+    verdict = check_run(log_run(path))
+    assert verdict.ok and verdict.steps == len(records), verdict.message
     # A placement the header has no worker for is bad input, named.
     arrive = next(k for k, x in enumerate(records) if x["a"] == "Arrive")
     records[arrive] = {**records[arrive], "d": 3}
@@ -219,3 +225,43 @@ def test_the_threaded_engine_serves_on_every_worker_and_checks_every_pool(model)
 def test_worker_counts_must_be_positive():
     with pytest.raises(AssertionError, match="decode_workers must be positive"):
         EngineConfig(decode_workers=0)
+
+
+def test_a_two_by_two_engine_run_is_a_behaviour_of_the_spec(model, tmp_path, capsys):
+    """An engine run on 2 x 2 workers, every worker used, one request aborted while its
+    writes are in flight: its own event log validates against KVTransfer.tla's worker sets
+    (spec/tlaplus/runcheck.py), and the same log with one request placed on the other decode
+    worker is refused at the first step that worker's pool cannot take."""
+    from api.cli import main
+
+    rt = runtime(model, prefill_workers=2, decode_workers=2, prefill_pages=6, decode_pages=8,
+                 context_tokens=24)
+    rt.transport.paused = True
+    client = Client()
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    ids = [rt.arrive(GenerationRequest(prompt(60 + k, 3 + 5 * k), params), client)
+           for k in range(4)]
+    gone = ids[1]
+    step_until(rt, lambda: len(rt.transport.writes_of(gone)) >= 1)
+    rt.abort(gone)
+    rt.transport.paused = False
+    run(rt)
+    assert_whole(rt)
+    path = tmp_path / "two-by-two.log"
+    write_log(path, rt.log_header(), rt.log)
+    header, records = read_log(path)
+    assert {(x["p"], x["d"]) for x in records if x["a"] == "Arrive"} == {(0, 0), (1, 1)}
+    verdict = check_run(log_run(path))
+    assert verdict.ok and verdict.steps == len(rt.log), verdict.message
+    assert main(["validate", str(path)]) == 0
+    assert "2 x 2 workers" in capsys.readouterr().out
+    # Request r2 placed on d1 instead of d2 (a legal Arrive): its reservation then names
+    # pages of d1 that r1 holds.
+    lines = path.read_text().splitlines(keepends=True)
+    arrive = next(k for k, x in enumerate(records) if x["a"] == "Arrive" and x["request"] == 1)
+    reserve = next(k for k, x in enumerate(records) if x["a"] == "Reserve" and x["request"] == 1)
+    lines[arrive + 1] = lines[arrive + 1].replace('"d":1', '"d":0')
+    path.write_text("".join(lines))
+    verdict = check_run(log_run(path))
+    assert not verdict.ok and (verdict.line, verdict.action) == (reserve + 2, "Reserve")
+    assert "Reserve is not enabled there with these arguments" in verdict.message

@@ -570,6 +570,18 @@ def test_an_engine_run_is_a_behaviour_of_the_tla_spec_and_validates_as_itf(model
     write_itf(str(path), m, steps, "an engine run")
     assert main(["validate", str(path)]) == 0
     assert f"trace OK: {len(rt.log)} steps" in capsys.readouterr().out
+    # The engine's own event log, checked against the spec's text (spec/tlaplus/runcheck.py).
+    log = tmp_path / "engine-run.log"
+    write_log(log, rt.log_header(), rt.log)
+    assert main(["validate", str(log)]) == 0
+    assert f"run OK: {len(rt.log)} steps, each a step of KVTransfer.tla" in \
+        capsys.readouterr().out
+    lines = log.read_text().splitlines(keepends=True)
+    finish = next(k for k, line in enumerate(lines, start=1) if '"a":"Finish"' in line)
+    lines[finish - 1] = lines[finish - 1].replace('"tags_ok":true', '"tags_ok":false')
+    log.write_text("".join(lines))
+    assert main(["validate", str(log)]) == 1
+    assert f"engine-run.log line {finish}: step {finish - 1} (Finish(r" in capsys.readouterr().out
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")

@@ -187,9 +187,9 @@ def _nic_completes_each_write_twice(original):
 def _nic_frees_a_slot_twice(original):
     """A landing write frees two NIC slots: the in-flight count goes negative, and
     writes_in_flight_max bounds nothing any more (nothing read the count)."""
-    def land(self, r, page, epoch):
+    def land(self, r, page, epoch, *lost):
         before = self.nic_in_flight
-        original(self, r, page, epoch)
+        original(self, r, page, epoch, *lost)
         if self.nic_in_flight < before:
             self.nic_in_flight -= 1
     return land

@@ -18,6 +18,16 @@ from spec.tlaplus.tlavalues import EvalError
 
 
 @dataclass(frozen=True)
+class Instance:
+    """One action of Next where it occurs there: its label, the names Next binds around it
+    (the arguments of `step`, in order) and the step: (state, *values) -> [(label, state)]."""
+
+    label: str
+    names: tuple[str, ...]
+    step: Callable
+
+
+@dataclass(frozen=True)
 class Item:
     """One conjunct of a flattened action, with its scope and the label of the innermost
     labelled action it comes from (None: the label of whatever came before stays)."""
@@ -84,6 +94,71 @@ class ActionRules:
             raise EvalError(f"{name}: recursion is not supported") from None
         em.emit("return successors")
         return self.define(em, function)
+
+    def instances(self, next_: str = "Next") -> list["Instance"]:
+        """Each action of `next_` as it occurs there, with the names bound around it made
+        arguments: for `\\E r \\in Requests : ... Accept(r, ChecksumsMatch(r))`, a function
+        (state, r) -> [(label, successor)] that checks r \\in Requests and takes Accept with
+        the arguments Next gives it. A trace validator binds the names from a log record
+        (CCF's Traceccfraft does the same by hand) instead of enumerating every choice Next
+        has, which a shell's pools of many pages make impossible (SUBSET DPages)."""
+        found: list[Instance] = []
+        self._instances(self.ops[next_].body, Scope(), (), found)
+        return found
+
+    def _instances(self, node, scope: Scope, bound: tuple, found: list) -> None:
+        kind = type(node).__name__
+        if kind == "Parentheses":
+            return self._instances(node.expression, scope, bound, found)
+        if kind == "VerticalList" and node.operator == "\\/":
+            for item in node.arguments:
+                self._instances(item.expression, scope, bound, found)
+            return
+        if kind == "OperatorApplication" and node.operator in ("\\/", "\\lor"):
+            for arg in node.arguments:
+                self._instances(arg, scope, bound, found)
+            return
+        if kind == "Quantification" and node.quantifier in ("\\E", "\\exists"):
+            for tla_name, domain in self.bounds(node.declarations):
+                py = self.fresh("b", tla_name)
+                bound += ((tla_name, py, self._membership(py, domain, scope), lineno(node)),)
+                scope = scope.bind({tla_name: local(py)})
+            return self._instances(node.predicate, scope, bound, found)
+        if kind == "OperatorApplication" and node.operator in self.ops:
+            if node.operator in self.labels:
+                found.append(self._instance(node, scope, bound))
+                return
+            op, args = self.ops[node.operator], node.arguments or []
+            codes = [self.expr(a, scope, None) for a in args]
+            params = {p: Code(c.wrapped(), c.free, atomic=True) for p, c in zip(op.params, codes)}
+            return self._instances(op.body, Scope(params), bound, found)
+        raise EvalError(f"{line_of(node)}: {kind} in Next is not an action the trace "
+                        "validator can name")
+
+    def _membership(self, py: str, domain, scope: Scope) -> Code:
+        """`py \\in domain` without building the domain where it is a powerset."""
+        if type(domain).__name__ == "OperatorApplication" and domain.operator == "SUBSET":
+            base = self.expr(domain.arguments[0], scope, None)
+            return Code(f"type({py}) is frozenset and {py} <= {base.wrapped()}",
+                        base.free | {py})
+        dom = self.expr(domain, scope, None)
+        return Code(f"{py} in {dom.wrapped()}", dom.free | {py})
+
+    def _instance(self, node, scope: Scope, bound: tuple) -> "Instance":
+        label = node.operator
+        em = self.em = Emitter()
+        function = self.fresh("instance", label)
+        em.open(f"def {function}(state, {''.join(py + ', ' for _, py, _, _ in bound)}):",
+                lineno(node))
+        em.emit("successors = []")
+        em.emit("add = successors.append")
+        self._unpack(em)
+        guards = [(member, line) for _, _, member, line in bound]
+        self.guard(guards, lambda: self.items(self.flatten(node, scope, label, {}), {}, label,
+                                              self.finisher(label)))
+        em.emit("return successors")
+        return Instance(label, tuple(name for name, _, _, _ in bound),
+                        self.guarded(self.define(em, function)))
 
     def finisher(self, name: str) -> Continuation:
         def finish(primed: dict, label: str | None) -> None:

@@ -178,9 +178,9 @@ class Compiler(ExpressionRules, ActionRules):
         return EvalError(f"line {line}: {message}")
 
     def guarded(self, fn: Callable) -> Callable:
-        def run(state):
+        def run(state, *args):
             try:
-                return fn(state)
+                return fn(state, *args)
             except RUNTIME_ERRORS as error:
                 raise self.translate(error) from error
         return run
@@ -199,6 +199,20 @@ class Compiler(ExpressionRules, ActionRules):
         fn = self.define(em, "value_")
         args = tuple(state[v] for v in self.variables) if state else (None,) * len(self.variables)
         return self.guarded(fn)(args)
+
+    def state_function(self, name: str) -> Callable:
+        """A state-level operator without arguments compiled once: state tuple -> value
+        (`value` compiles it again on every call, which a check of every step cannot pay)."""
+        op = self.ops.get(name)
+        if op is None or op.params:
+            raise EvalError(f"{name} is not an operator without arguments")
+        body = self.expr(op.body, Scope(), None)
+        em = Emitter()
+        function = self.fresh("state", name)
+        em.open(f"def {function}(state):", op.line)
+        self._unpack(em)
+        em.emit(f"return {body.text}")
+        return self.guarded(self.define(em, function))
 
     def _unpack(self, em: Emitter) -> None:
         if self.variables:
