@@ -39,7 +39,10 @@ def _field_names(cls: type) -> tuple[str, ...]:
 # verdict comes from the oracle), and the events with no argument at all, read off the
 # core's action table so that a new action joins the vocabulary without an edit here.
 _SIMPLE_CLASSES = tuple(cls for cls, _ in core._SIMPLE_ACTIONS)
-_GLOBAL_CLASSES = tuple(cls for cls in core.ACTIONS if _field_names(cls) == ())
+# A worker's own events (its crash) have the worker as their one argument: listed once per
+# worker of its kind. (Reading "no fields" here lost every crash once they gained a worker.)
+_GLOBAL_CLASSES = tuple(cls for cls in core.ACTIONS if issubclass(cls, core.WorkerEvent))
+assert {f for cls in _GLOBAL_CLASSES for f in _field_names(cls)} == {"worker"}, _GLOBAL_CLASSES
 _NAMES = core.ACTION_NAMES  # moves are listed in the core's action order
 _ALLOCATIONS = (core.Admit, core.Reserve)
 _HOLDS_DECODE_PAGES = (D_WAITING, DECODING, CLOSING)
@@ -72,7 +75,10 @@ class CoreTarget(Target):
         # swap one of core.ACTIONS for a broken copy and see whether the fuzzer notices.
         self._simple = tuple((cls.__name__, core.ACTIONS[cls], core.INFO[cls].observed)
                              for cls in _SIMPLE_CLASSES)
-        self._global = tuple((cls.__name__, core.ACTIONS[cls], cls()) for cls in _GLOBAL_CLASSES)
+        self._global = tuple(
+            (cls.__name__, core.ACTIONS[cls], cls(worker=k)) for cls in _GLOBAL_CLASSES
+            for k in range(model.prefill_workers if cls is core.PrefillCrash
+                           else model.decode_workers))
         self._events = [tuple(core.interned_events(cls, r) for cls in _SIMPLE_CLASSES)
                         for r in range(model.requests)]
         self._held: dict[int, int] = {}  # request -> the step its Delay ends at
@@ -96,7 +102,7 @@ class CoreTarget(Target):
         for w in s.writes:
             land.append(core.LandWrite(w[0], w[2]))
         for name, fn, event in self._global:
-            out = fn(m, s)
+            out = fn(m, s, event.worker)
             if type(out) is not str:
                 self._next[event] = core.commit(s, out)
                 moves[name].append(event)

@@ -196,10 +196,11 @@ class SimPrefill:
         sim = self.sim
         r = w[0]
         transfer_s = sim.page_transfer_s
+        f = sim.sc.faults
         slow = self.slow_link_probability
         slowed = slow and sim.rng["links"].random() < slow
         if slowed:
-            transfer_s *= sim.sc.faults.slow_link_factor
+            transfer_s *= f.slow_link_factor
         now = sim.env.now
         free_at = self.nic_free_at
         start = now if now > free_at else free_at

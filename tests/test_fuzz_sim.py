@@ -213,7 +213,7 @@ SIM_BLIND_SPOTS = [
      _shell_mutant("take", _nic_completes_each_write_twice),
      ("NoLeakAtRest",), SHELL_CRASH, "which no crash raced"),
     ("nic-frees-a-slot-twice", _shell_mutant("_land", _nic_frees_a_slot_twice, SimPrefill),
-     ("NoLeakAtRest",), SHELL_CRASH, "-1 writes in flight"),
+     ("NoLeakAtRest",), SHELL_CRASH, "a write landed twice"),
 ]
 BLIND_SPOT_IDS = [name for name, *_ in SIM_BLIND_SPOTS]
 # Seed 1 catches them after 9, 5, 5 and 5 examples; the budget leaves room, and is what
