@@ -88,7 +88,7 @@ BAD_INPUTS = [
     (["sim", "--replay", "{backwards}"], "{backwards} line 3: time goes backwards"),
     # plain names, not Python reprs
     (["check", "--model", "{two}"], "Crashes must be TRUE or FALSE, got two"),
-    (["fuzz", "--target", "nosuch"], "unknown target(s) nosuch; known: core, engine, sim"),
+    (["fuzz", "--target", "nosuch"], "unknown target(s) nosuch; known: core, engine, hybrid, sim"),
     (["fuzz", "--bug", "nosuch"], "unknown bug switch(es) nosuch;"),
     (["check", "--property", "nosuch"], "unknown property nosuch; see --list-properties"),
     (["fuzz", "--property", "nosuch"], "unknown property nosuch; see --list-properties"),

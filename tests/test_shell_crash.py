@@ -22,10 +22,10 @@ def _crash_landings_after(monkeypatch, events: int) -> None:
     """Make the simulator's write landing raise once `events` protocol events happened."""
     land = SimPrefill._land
 
-    def broken(self, r, page, epoch):
+    def broken(self, r, page, epoch, *lost):
         if self.sim.folder.events > events:
             raise ZeroDivisionError("injected")
-        return land(self, r, page, epoch)
+        return land(self, r, page, epoch, *lost)
 
     monkeypatch.setattr(SimPrefill, "_land", broken)
 

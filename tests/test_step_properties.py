@@ -50,8 +50,8 @@ def _late_done_reopens(original):
 def _decode_restart_reissues_generations(original):
     """The restarted decode counts generations from zero again (the tag counter did not
     outlive the process)."""
-    def decode_crash(m, s):
-        out = original(m, s)
+    def decode_crash(m, s, d=0):
+        out = original(m, s, d)
         if type(out) is str:
             return out
         pages = dict(out.decode)
