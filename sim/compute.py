@@ -159,6 +159,9 @@ def read_compute_file(path: str | Path) -> CalibratedTables:
 
 
 def explain(error: ValidationError) -> str:
+    """pydantic's errors as a user reads them: the field's path, then the message without
+    pydantic's own prefix ("Value error, "); a check on the whole model names no field
+    (sim/scenario.py's errors too)."""
     parts = []
     for item in error.errors():
         message = item["msg"].removeprefix("Value error, ")

@@ -16,6 +16,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
                       model_validator)
 
 from sim.compute import CalibratedTables, ComputeFileError, read_compute_file
+from sim.compute import explain as _explain
 from spec.model import ALL_BUGS
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
@@ -296,12 +297,3 @@ def scenario_from_dict(data: dict, where: str = "scenario",
         raise ScenarioError(f"{where}: {_explain(error)}") from None
 
 
-def _explain(error: ValidationError) -> str:
-    """pydantic's errors as a user reads them: the field's path, then the message without
-    pydantic's own prefix ("Value error, "); a check on the whole scenario names no field."""
-    parts = []
-    for item in error.errors():
-        message = item["msg"].removeprefix("Value error, ")
-        field = ".".join(str(x) for x in item["loc"])
-        parts.append(f"{field}: {message}" if field else message)
-    return "; ".join(parts)
