@@ -132,6 +132,14 @@ def port_number(text: str) -> int:
     return value
 
 
+def nice_increment(text: str) -> int:
+    """An argparse type: a nice increment, 0 to 19 (Linux's range; more is refused)."""
+    value = _whole_number(text, 0, "from 0 to 19")
+    if value > 19:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 19, got {value}")
+    return value
+
+
 def _finite_number(text: str, positive: bool) -> float:
     try:
         value = float(text)

@@ -55,6 +55,9 @@ POOL_TOKENS_DEFAULT = 16384
 # event loop only needs a core in bursts, and then it must get one: on 2 cores two busy
 # torch threads and the loop left it a third of a core, and a burst's 503s queued behind
 # prefill (p50 ~480 ms instead of ~60 ms). The torch threads the loop starts inherit it.
+# The increment counts against every task in the server's session (Linux's autogroup), not
+# only the server's own threads: beside other busy processes started from the same shell
+# the loop gets a tenth of a core, so `--loop-nice 0` turns it off (and the tests do).
 ENGINE_NICE_INCREMENT = 10
 IDLE_PUBLISH_S = 0.1  # how stale an idle engine's snapshot may get, at most
 # Timers must allow this many times the measured prefill time: the loop runs every worker in
@@ -158,6 +161,7 @@ class EngineConfig:
     # Tests only: the loop sleeps this long after every step that did work, so that a test
     # can catch a request queued, mid-prefill or mid-stream (0: never).
     step_delay_s: float = 0.0
+    loop_nice: int = ENGINE_NICE_INCREMENT  # the loop thread's nice increment, 0..19
     bugs: frozenset = frozenset()  # bug switches (spec/model.py): tests of the zoo only
     transport_seed: int | None = None
     disaggregated: bool = True  # always: prefill and decode workers with pools of their own
@@ -173,6 +177,7 @@ class EngineConfig:
         assert self.context_prefill_s is None or self.context_prefill_s >= 0
         assert self.context_length is None or self.context_length > 0
         assert self.step_delay_s >= 0 and self.idle_wait_s > 0
+        assert 0 <= self.loop_nice <= 19, "loop_nice must be 0 to 19"
         object.__setattr__(self, "bugs", frozenset(self.bugs))
 
 
@@ -422,7 +427,8 @@ class ThreadedEngine:
             return not self._inbox and self._idle
 
     def _loop(self) -> None:
-        lower_thread_priority(ENGINE_NICE_INCREMENT)
+        if self.config.loop_nice:
+            lower_thread_priority(self.config.loop_nice)
         published_s = time.monotonic()
         try:
             while not self._quit:

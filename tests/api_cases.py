@@ -54,10 +54,13 @@ def tiny_chat_model(tmp_path_factory):
 
 
 def protocol_engine(loaded, **config):
-    """The protocol-driven engine (engine.serving.build_engine) over `loaded`, counted."""
+    """The protocol-driven engine (engine.serving.build_engine) over `loaded`, counted. Its
+    loop runs at the tests' own priority (loop_nice 0) unless a test asks: the default +10
+    counts against the other test workers too, which then starve it (a release trailed its
+    answer by seconds in CI)."""
     from engine.serving import EngineConfig, build_engine
 
-    return CountingEngine(build_engine(loaded, EngineConfig(**config)))
+    return CountingEngine(build_engine(loaded, EngineConfig(**{"loop_nice": 0} | config)))
 
 
 class LiveServer:
@@ -145,7 +148,7 @@ def pools_whole(snapshot) -> bool:
         for pool in snapshot.pools)
 
 
-def wait_settled(engine, timeout_s: float = 10.0):
+def wait_settled(engine, timeout_s: float = 30.0):
     """The engine's snapshot once nothing is queued or running and every pool is whole (a
     request can still hold pages after its answer: release waits for its writes and the
     prefill's final word); times out, failing the test, if that never happens."""
@@ -153,10 +156,14 @@ def wait_settled(engine, timeout_s: float = 10.0):
     return engine.snapshot()
 
 
-def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
+def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition",
+               last_seen=None) -> None:
+    """Poll `predicate` until it holds; past `timeout_s` the test fails, naming `what` and,
+    when `last_seen` is given, what it returns (the state the predicate last refused)."""
     import time
 
     deadline = time.monotonic() + timeout_s
     while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}" + (
+            f"; last seen: {last_seen()}" if last_seen else "")
         time.sleep(0.01)

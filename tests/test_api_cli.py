@@ -96,6 +96,26 @@ def test_disaggregated_worker_counts_build_that_many_pools_and_bad_counts_exit_2
         assert "argument --decode-workers:" in capsys.readouterr().err
 
 
+def test_the_engine_loops_priority_is_a_flag_from_0_to_19(capsys, tiny_chat_model):  # noqa: F811
+    """--loop-nice reaches the engine's config (0 too: it turns the lowering off); out of
+    range or not a number is argparse's usage error, naming the flag."""
+    from api.serve.command import _build, add_arguments
+    from engine.serving import ENGINE_NICE_INCREMENT
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for given, expected in ((None, ENGINE_NICE_INCREMENT), ("0", 0), ("19", 19)):
+        flag = [] if given is None else ["--loop-nice", given]
+        _app, engine = _build(parser.parse_args(["--model", str(tiny_chat_model.path), *flag]))
+        assert engine.config.loop_nice == expected
+        engine.stop()
+    for bad in ("20", "-1", "ten"):
+        with pytest.raises(SystemExit) as stopped:
+            main(["serve", "--loop-nice", bad])
+        assert stopped.value.code == 2
+        assert "argument --loop-nice:" in capsys.readouterr().err
+
+
 def test_worker_counts_need_disaggregated(capsys):
     code, output = run_cli(capsys, "--prefill-workers", "2")
     assert code == 2

@@ -45,6 +45,7 @@ def live(tiny_chat_model):  # noqa: F811
 def test_the_state_endpoint_mirrors_the_snapshot(live):
     server, engine = live
     httpx.post(f"{server.url}/v1/completions", json={"prompt": "s", "max_tokens": 2}, timeout=30)
+    wait_settled(engine)  # the release can trail the answer (it waits for the final word)
     state = httpx.get(f"{server.url}/v1/kvproof/state", timeout=10).json()
     snapshot = engine.snapshot()
     assert state["model"] == engine.model_name and state["context_length"] == 512
@@ -276,7 +277,15 @@ def test_the_page_shows_an_operator_what_was_turned_away_and_how_requests_ended(
                 and shown["chart"].get("ttft", 0) >= 1 and shown["chart"]["occupancy"] >= 4
                 and shown["chart"].get("throughput", 0) >= 3)
 
-    wait_until(lambda: settled(view()), PAGE_S_MAX, "the page to show the settled state")
+    seen = [{}]
+
+    def shows_settled() -> bool:
+        seen[0] = view()
+        return settled(seen[0])
+
+    wait_until(shows_settled, PAGE_S_MAX, "the page to show the settled state",
+               last_seen=lambda: {k: seen[0].get(k) for k in ("counts", "chart")} | {
+                   "rows": [(row["name"], row["outcome"]) for row in seen[0]["rows"]]})
     shown = view()
     assert shown["counts"]["rejects"] == snapshot.rejects
     assert shown["counts"]["refusals"] == engine.snapshot().refusals

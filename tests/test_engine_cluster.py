@@ -194,7 +194,7 @@ def test_a_prefill_worker_whose_step_fails_fails_its_own_request_alone(model):
 
 
 def test_the_threaded_engine_serves_on_every_worker_and_checks_every_pool(model):
-    config = EngineConfig(context_length=64, page_tokens=PAGE, prefill_pool_tokens=128,
+    config = EngineConfig(loop_nice=0, context_length=64, page_tokens=PAGE, prefill_pool_tokens=128,
                           decode_pool_tokens=96, prefill_workers=2, decode_workers=2)
     engine = build_engine(loaded(model), config)
     client, ended = Client(), threading.Semaphore(0)
@@ -218,13 +218,13 @@ def test_the_threaded_engine_serves_on_every_worker_and_checks_every_pool(model)
     assert all(p.free == p.pages and p.writes_in_flight == 0 for p in snapshot.pools)
     assert engine.runtime.whole()
     with pytest.raises(CapacityError, match="decode-0's KV pool holds 32 tokens"):
-        build_engine(loaded(model), EngineConfig(context_length=64, page_tokens=PAGE,
+        build_engine(loaded(model), EngineConfig(loop_nice=0, context_length=64, page_tokens=PAGE,
                                           decode_pool_tokens=32, decode_workers=3))
 
 
 def test_worker_counts_must_be_positive():
     with pytest.raises(AssertionError, match="decode_workers must be positive"):
-        EngineConfig(decode_workers=0)
+        EngineConfig(loop_nice=0, decode_workers=0)
 
 
 def test_a_two_by_two_engine_run_is_a_behaviour_of_the_spec(model, tmp_path, capsys):

@@ -183,7 +183,7 @@ SMALL = dict(page_tokens=PAGE, prefill_pool_tokens=256, decode_pool_tokens=256,
 def unstarted(loaded, **config):
     """An engine that is never started, so everything submitted stays queued, and its
     submit of an n-token prompt."""
-    engine = build_engine(loaded, EngineConfig(**SMALL, context_prefill_s=0, **config))
+    engine = build_engine(loaded, EngineConfig(loop_nice=0, **SMALL, context_prefill_s=0, **config))
 
     def submit(n: int) -> int:
         return engine.submit(GenerationRequest(tuple(range(1, n + 1)),
@@ -201,13 +201,13 @@ def test_admission_refuses_beyond_the_queued_tokens_at_once(loaded):
 
 
 def test_the_startup_check_measures_prefill_time_and_refuses_timers_that_cannot_hold(loaded):
-    engine = build_engine(loaded, EngineConfig(**SMALL))
+    engine = build_engine(loaded, EngineConfig(loop_nice=0, **SMALL))
     timing = engine.timing
     assert timing.measured and timing.context_tokens == 128 and timing.chunks == 8
     assert 0 < timing.first_chunk_s <= timing.last_chunk_s < 1
     assert "prefill of 128 tokens" in timing.describe()
     with pytest.raises(TimingError, match=r"longer than the lease of 1e-06 s \(--lease-s\)"):
-        build_engine(loaded, EngineConfig(**SMALL, lease_s=1e-6))
+        build_engine(loaded, EngineConfig(loop_nice=0, **SMALL, lease_s=1e-6))
 
 
 def test_a_told_prefill_time_is_checked_and_the_context_lowered_only_when_asked(loaded):
@@ -215,8 +215,8 @@ def test_a_told_prefill_time_is_checked_and_the_context_lowered_only_when_asked(
     or with lower_context_to_fit the context drops to what fits (about 6 s of prefill)."""
     told = dict(SMALL, context_prefill_s=10.0, transfer_timeout_s=12.0, lease_s=100.0)
     with pytest.raises(TimingError, match=r"prefilling 128 tokens takes 10.0 s"):
-        build_engine(loaded, EngineConfig(**told))
-    engine = build_engine(loaded, EngineConfig(**told, lower_context_to_fit=True))
+        build_engine(loaded, EngineConfig(loop_nice=0, **told))
+    engine = build_engine(loaded, EngineConfig(loop_nice=0, **told, lower_context_to_fit=True))
     assert 16 <= engine.context_length < 128
     assert engine.timing.context_tokens == engine.context_length
     assert not engine.timing.measured
@@ -250,7 +250,7 @@ def test_the_default_model_serves_a_prompt_at_its_verified_context_beside_stream
     except DefaultModelMissing as error:
         pytest.skip(f"the default model is not installed: {error}")
     loaded = load_model(None, device="cpu", dtype="float32")
-    config = EngineConfig(context_length=2048, prefill_pool_tokens=2048,
+    config = EngineConfig(loop_nice=0, context_length=2048, prefill_pool_tokens=2048,
                           decode_pool_tokens=4096, prefill_chunk_tokens=256)
     probe = build_engine(loaded, config)
     chunk_s = probe.timing.last_chunk_s

@@ -276,14 +276,14 @@ def loaded(model) -> LoadedModel:
 def test_startup_refuses_a_pool_below_the_advertised_context_naming_node_and_numbers(model):
     with pytest.raises(CapacityError, match="prefill-0's KV pool holds 256 tokens, less than "
                                             "the advertised context of 512 tokens"):
-        build_engine(loaded(model), EngineConfig(context_length=512, page_tokens=PAGE,
+        build_engine(loaded(model), EngineConfig(loop_nice=0, context_length=512, page_tokens=PAGE,
                                                  prefill_pool_tokens=256,
                                                  decode_pool_tokens=1024))
     with pytest.raises(CapacityError, match="decode-0's KV pool holds 128 tokens"):
-        build_engine(loaded(model), EngineConfig(context_length=512, page_tokens=PAGE,
+        build_engine(loaded(model), EngineConfig(loop_nice=0, context_length=512, page_tokens=PAGE,
                                                  prefill_pool_tokens=1024,
                                                  decode_pool_tokens=128))
-    engine = build_engine(loaded(model), EngineConfig(
+    engine = build_engine(loaded(model), EngineConfig(loop_nice=0, 
         context_length=512, lower_context_to_fit=True, page_tokens=PAGE,
         prefill_pool_tokens=256, decode_pool_tokens=128))
     assert engine.context_length == 128
@@ -291,7 +291,7 @@ def test_startup_refuses_a_pool_below_the_advertised_context_naming_node_and_num
 
 
 def test_context_too_long_and_overloaded_are_refused_before_anything_is_allocated(model):
-    engine = build_engine(loaded(model), EngineConfig(
+    engine = build_engine(loaded(model), EngineConfig(loop_nice=0, 
         context_length=64, page_tokens=PAGE, prefill_pool_tokens=64, decode_pool_tokens=64,
         max_queued=2))
     client = Client()
@@ -307,7 +307,7 @@ def test_context_too_long_and_overloaded_are_refused_before_anything_is_allocate
 
 
 def test_the_threaded_engine_serves_aborts_and_stops_with_every_pool_whole(model):
-    engine = build_engine(loaded(model), EngineConfig(
+    engine = build_engine(loaded(model), EngineConfig(loop_nice=0, 
         context_length=64, page_tokens=PAGE, prefill_pool_tokens=128, decode_pool_tokens=128))
     client = Client()
     done = threading.Event()
@@ -586,7 +586,7 @@ def test_an_engine_run_is_a_behaviour_of_the_tla_spec_and_validates_as_itf(model
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dying_loop_fails_every_live_request_instead_of_leaving_it_hanging(model):
-    engine = build_engine(loaded(model), EngineConfig(
+    engine = build_engine(loaded(model), EngineConfig(loop_nice=0, 
         context_length=64, page_tokens=PAGE, prefill_pool_tokens=128, decode_pool_tokens=128))
     client = Client()
     with pytest.raises(ValueError, match="token ids in"):
@@ -705,7 +705,7 @@ def test_a_bug_in_the_prefill_step_still_ends_the_loop(model, bug):
     failure; a bug (a ValueError inside the step, or a NotImplementedError, which is a
     RuntimeError that only code raises) ends the loop as before: every live request
     ErrDecode, the error kept."""
-    engine = build_engine(loaded(model), EngineConfig(
+    engine = build_engine(loaded(model), EngineConfig(loop_nice=0, 
         context_length=64, page_tokens=PAGE, prefill_pool_tokens=128, decode_pool_tokens=128))
     client = Client()
 

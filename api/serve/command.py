@@ -12,8 +12,9 @@ connection made during the load waits in the kernel's backlog and is answered on
 server is up).
 
 The engine is what engine.serving's `build_engine(loaded_model, config)` returns (the
-contract is engine/service.py): prefill and decode workers driven by the protocol core. Its startup capacity check is its own, and a failure there is printed as one line
-with exit status 2, like every other bad input. `--engine-factory MODULE:FUNCTION` names
+contract is engine/service.py): prefill and decode workers driven by the protocol core.
+Its startup capacity check is its own, and a failure there is printed as one line with exit
+status 2, like every other bad input. `--engine-factory MODULE:FUNCTION` names
 another factory with the same signature (and the module's `EngineConfig`, if it has one).
 
 `--disaggregated` is what the engine always is (prefill workers and decode workers, KV
@@ -38,8 +39,8 @@ import sys
 import threading
 
 from api import engine_options
-from api.clikit import (EXIT_OK, EXIT_USAGE, UsageError, non_negative_float, port_number,
-                        positive_float, positive_int)
+from api.clikit import (EXIT_OK, EXIT_USAGE, UsageError, nice_increment, non_negative_float,
+                        port_number, positive_float, positive_int)
 
 DEFAULT_FACTORY = "engine.serving:build_engine"
 EXAMPLES = [
@@ -64,7 +65,7 @@ LISTEN_BACKLOG = 2048
 SWITCH_INTERVAL_S = 0.0005
 # Options that go to the engine's config under their own names, when given.
 TIMER_OPTIONS = ("lease_s", "transfer_timeout_s", "context_prefill_s", "lower_context_to_fit",
-                 "max_queued", "max_queued_tokens", "queue_wait_s_max")
+                 "max_queued", "max_queued_tokens", "queue_wait_s_max", "loop_nice")
 
 
 
@@ -111,6 +112,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="S", help="admit no more prompt tokens than the prefill "
                                           "computes in S seconds at the measured rate "
                                           "(default 30)")
+    timers.add_argument("--loop-nice", type=nice_increment, default=None, metavar="N",
+                        help="run the engine loop N nice steps below the server's event "
+                             "loop, so that a burst's 503s are answered while it computes; "
+                             "it counts against every process of the shell's session, so 0 "
+                             "beside other busy work (0 to 19, default 10)")
     parser.add_argument("--engine-factory", default=DEFAULT_FACTORY, metavar="MODULE:FUNCTION",
                         help=f"the engine's build function (default: {DEFAULT_FACTORY})")
 
@@ -202,7 +208,7 @@ def _engine_config(config_type, args: argparse.Namespace):
                       decode_workers=args.decode_workers or 1)
     for option in TIMER_OPTIONS:
         value = getattr(args, option, None)
-        if value not in (None, False):
+        if value is not None and value is not False:  # 0 is a value (--loop-nice 0)
             wanted[option] = value
     if config_type is None:
         return wanted
