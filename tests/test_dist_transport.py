@@ -198,7 +198,8 @@ def test_peers_that_disagree_are_refused_naming_both_numbers():
               ({6: 4}, "rank 1 allows 4 writes in flight, this one 3"),
               ({2: 0}, "rank 1 has the same role"),
               ({3: 2}, "rank 1 is decode-2, but peers names it decode-0"),
-              ({1: 9}, "is not a kvproof transport of version 1")]
+              ({7: 16}, "rank 1 batches 16 entries per control message, this one 0"),
+              ({1: 9}, f"is not a kvproof transport of version {VERSION}")]
     for change, message in cases_:
         theirs = list(decode)
         for index, value in change.items():
