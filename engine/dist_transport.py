@@ -143,7 +143,12 @@ class TransportError(RuntimeError):
 
 
 class PeerLost(TransportError):
-    """A wait inside gloo ran past its bound: gloo has closed the pair."""
+    """A wait inside gloo ran past its bound: gloo has closed the pair. From `land_many`:
+    `writes`, those of the batch that failed, and `landed`, the bytes each write of the
+    batch moved (0 for a failed one)."""
+
+    writes: tuple = ()
+    landed: tuple = ()
 
 
 class TransportTimeout(TransportError):
@@ -601,13 +606,16 @@ class DistTransport:
         prefill's gloo thread reads each source page now, as `land` does; ARRIVAL: they
         were read at arrival and land from staging). Each landing stays its own: its page,
         its tag and the checksum it was posted with are checked by the caller per page, and
-        a completion per write goes back, as `land` sends. Each peer's writes in the batch
+        each write's own completion entry goes back (in messages of up to batch_max
+        entries, sent as soon as that many have landed). Each peer's writes in the batch
         must be its next ready ones, in order (what `ready()` returned, or a prefix of it);
         a batch that names one decode page twice lands in runs that do not, in order.
         A peer lost mid-batch (PeerLost while posting or waiting) fails every write of its
-        own in the batch, landed or not (their decode pages' bytes are undefined, as for
-        `land`): the other peers' writes are landed and completed first, then PeerLost is
-        raised with `.writes`, the failed writes, and `.landed`, the bytes of the others."""
+        own in the batch not yet reported landed (their decode pages' bytes are undefined,
+        as for `land`; they stay ready, and landing them again is PeerLost again): the
+        other peers' writes are landed and completed first, then PeerLost is raised with
+        `.writes`, the failed writes, and `.landed`, the bytes moved by each write of the
+        batch (0 for the failed)."""
         self._role(DECODE, "land_many")
         moved: dict[int, int] = {}  # index in `writes` -> bytes
         failed: list[PageWrite] = []
@@ -624,7 +632,7 @@ class DistTransport:
         if failed:
             error = PeerLost(lost)
             error.writes = tuple(failed)
-            error.landed = [moved.get(i, 0) for i in range(len(writes))]
+            error.landed = tuple(moved.get(i, 0) for i in range(len(writes)))
             raise error
         return [moved[i] for i in range(len(writes))]
 
@@ -632,19 +640,20 @@ class DistTransport:
                   failed: list) -> str:
         """Land writes[start:end] (no decode page twice): post every receive, then wait."""
         by_peer: dict[int, list[int]] = {}
+        why = ""
         for index in range(start, end):
             write = writes[index]
-            if any(w.prefill == write.prefill for w in failed):
-                failed.append(write)  # its peer was lost earlier in this batch
-                arrived = self.peers[write.prefill].arrived
-                if arrived and arrived[0][1] == write:
-                    arrived.popleft()
+            peer = self.peers.get(write.prefill)
+            assert peer is not None, f"land_many({write}): prefill-{write.prefill} is no peer"
+            if peer.lost:  # lost before this run (earlier in this batch, or before it)
+                failed.append(write)
+                why = why or peer.lost
                 continue
             by_peer.setdefault(write.prefill, []).append(index)
         plans = []
         for worker, indexes in by_peer.items():
-            peer = self.peers.get(worker)
-            assert peer is not None and len(indexes) <= len(peer.arrived), (
+            peer = self.peers[worker]
+            assert len(indexes) <= len(peer.arrived), (
                 f"land_many: {[writes[i] for i in indexes]} are not all ready writes")
             for place, index in enumerate(indexes):
                 assert peer.arrived[place][1] == writes[index], (
@@ -665,7 +674,6 @@ class DistTransport:
             except PeerLost as lost:
                 error = str(lost)
             posted.append((peer, indexes, seqs, works, error))
-        why = ""
         for peer, indexes, seqs, works, error in posted:
             done = 0  # this peer's writes landed and reported, a prefix of `indexes`
             try:
@@ -682,10 +690,8 @@ class DistTransport:
                     if place + 1 - done == self.config.batch_max or place + 1 == len(indexes):
                         chunk, done = slice(done, place + 1), place + 1
                         self._landed(peer, writes, indexes[chunk], seqs[chunk], moved)
-            except PeerLost as lost:
+            except PeerLost as lost:  # the writes not reported stay ready, as with `land`
                 why = why or str(lost)
-                for _ in indexes[done:]:
-                    peer.arrived.popleft()
                 failed.extend(writes[i] for i in indexes[done:])
         return why
 
