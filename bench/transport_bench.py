@@ -148,7 +148,7 @@ def main() -> int:
     parser.add_argument("--pages", type=int, default=64)
     parser.add_argument("--page-kib", type=int, default=720)
     parser.add_argument("--window", type=int, default=64, help="writes_in_flight_max")
-    parser.add_argument("--batch-max", type=int, default=16,
+    parser.add_argument("--batch-max", type=int, default=64,
                         help="entries per control message (DistTransportConfig.batch_max)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--time-s-max", type=float, default=120.0)

@@ -41,9 +41,26 @@ prefill, its gloo thread waking, then the bytes): bench/transport_bench.py measu
 against raw send/recv, and on 2 loaded cores it costs most of the bandwidth (engine/
 README.md, "Across processes").
 
-Framing. Every control message is one int64 tensor of HEADER_FIELDS (kind, seq, request,
-source page, decode page, tag, checksum, prefill worker, decode worker, bytes, trailer), so a
-receiver pre-posts its header receives with a known size. Page payloads are
+Batches take that price once per batch instead of once per page, and keep reading at
+landing. `post_many` sends one header message for a run of up to `batch_max` writes (one
+entry per write: its request, pages, tag and checksum) and each page as its own isend from
+the pool, as `post` does: still no staging copy, so still nothing read before the landing
+(one contiguous send of the batch would need a gather at post time, which reads the source
+pages then: SourceReuse would stop biting). `land_many` posts the receive of every page of
+the batch into its decode page before it waits on any, so the prefill's gloo thread streams
+them back to back as it does for raw send/recv, and reports the landed writes in
+completion messages of up to `batch_max` entries as soon as that many are in (the window
+frees as the batch lands, so batches pipeline within it). Each write stays its own landing:
+its own entry, its own checksum checked by the caller, its own completion; a refused write
+of a batch is `drop`ped on its own after the accepted ones before it have landed. `post` /
+`land` are batches of one. engine/loop.py lands each `ready()`'s accepted writes with one
+`land_many`.
+
+Framing. Every control message is one int64 tensor of `batch_max` entries of HEADER_FIELDS
+(kind, seq, request, source page, decode page, tag, checksum, prefill worker, decode worker,
+bytes, trailer), zero-padded after its last entry (kind 0 ends them), then the message's own
+trailer, so a receiver pre-posts its receives with a known size (`batch_max` is agreed at
+the handshake; HELLO itself is one entry, no padding). Page payloads are
 `page_bytes` (both sides' pools must agree: checked at the handshake, HELLO, before any
 write). Tags: HELLO_TAG, HEADER_TAG (prefill -> decode, writes and CLOSE), COMPLETION_TAG
 (decode -> prefill, LANDED / DROPPED and CLOSE), and PAYLOAD_TAG_BASE + slot, where slot =
@@ -52,8 +69,11 @@ completion came back, so a payload receive can never match the wrong write.
 
 Bounds. A prefill has at most `writes_in_flight_max` writes in flight per decode peer
 (posted, completion not yet received); `post` beyond that waits up to `timeout_s` for a
-completion, then raises TransportTimeout. Every wait has `timeout_s`. The decode keeps
-`writes_in_flight_max + 1` header receives posted per prefill peer (the writes and a CLOSE).
+completion, then raises TransportTimeout; `post_many` posts runs that fit the free window
+and waits the same way before the next run (what it posted stays posted). Every wait has
+`timeout_s`. The decode keeps `writes_in_flight_max + 1` header receives posted per prefill
+peer (every message carries at least one write in flight, or is the CLOSE), and the prefill
+as many completion receives.
 
 Ordering and loss. gloo over TCP delivers in order per pair and tag, and loses nothing while
 both processes live. Writes of one prefill reach one decode in posting order; `land` and
@@ -73,7 +93,10 @@ to its 2 s timeout). So each side sees silence, and a bound turns silence into a
   - `land` / `drop` wait inside gloo for the page (the sender's gloo thread answers at once
     while it lives); past `timeout_s` gloo closes the pair and this raises PeerLost: the
     decode page's bytes are then undefined (it may hold part of the write; the loop has not
-    tagged it), and every later call on that pair fails with PeerLost too.
+    tagged it), and every later call on that pair fails with PeerLost too. `land_many`
+    does the same for a whole batch: every write of the lost peer not yet reported landed
+    fails (PeerLost's `writes`; `landed` has each write's bytes, 0 for a failed one), and
+    the other peers' writes of the batch land first.
   - A `post` to a dead decode: its isends stay pending; the prefill sees no completion, and
     `wait_completed` / a full window's `post` raise TransportTimeout within `timeout_s`.
 Polling. torch's gloo send/recv works answer `is_completed()` False until `wait()` was

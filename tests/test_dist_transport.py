@@ -6,8 +6,12 @@ page overwritten after post lands its new bytes (gloo reads a send's buffer when
 receiver posts its receive, and decode posts it at landing), the checksum carried with the
 header (and failing on the overwritten page: SourceReuse caught), a dropped write leaving
 its decode page alone, completions back with their bytes, the write window bounded, and
-the prefill's death turned into PeerLost by the landing's bound. Both processes are
-stopped by the test (joined, then killed past HARD_TIMEOUT_S).
+the prefill's death turned into PeerLost by the landing's bound. A second pair runs the
+batch scripts: post_many bounded by the window, a batch landed with land_many whose pages
+are each checked on their own (one overwritten before landing fails alone), one decode page
+named twice in a batch, and the prefill's death failing every write of a posted batch.
+Both processes of each pair are stopped by the test (joined, then killed past
+HARD_TIMEOUT_S).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch.distributed as dist
 from engine.dist_transport import (LANDED, MAGIC, VERSION, WRITE, DistTransport,
                                    DistTransportConfig, TransportConfigError, TransportError,
                                    _check_backends, _Peer, check_hello, header)
-from engine.transport import PageWrite
+from engine.transport import LOST, InProcessTransport, PageWrite
 from engine.pool import KVPool, PoolConfig
 from tests import dist_transport_cases as cases
 
@@ -325,3 +329,22 @@ def test_backends_that_cannot_carry_the_pool_are_refused(payload, control, devic
     _check_backends("nccl", "gloo", "cuda")
     with pytest.raises(TransportConfigError, match=message):
         _check_backends(payload, control, device)
+
+
+def test_the_in_process_transport_has_the_same_batch_calls():
+    """One interface for both transports: post_many / land_many in-process are post / land
+    write by write, each landing its own (its own fault, its own bytes)."""
+    source = KVPool(PoolConfig(num_pages=4, **cases.PAGE_SHAPE))
+    target = KVPool(PoolConfig(num_pages=4, **cases.PAGE_SHAPE))
+    source.kv.copy_(torch.arange(source.kv.numel(), dtype=source.kv.dtype).reshape(
+        source.kv.shape))
+    target.kv.fill_(-1.0)
+    transport = InProcessTransport([source], [target], fault_injection=True)
+    writes = [PageWrite(1, p, 3 - p, 5, 0) for p in range(3)]
+    transport.post_many(writes)
+    transport.inject(writes[1], LOST)
+    assert transport.ready() == writes
+    assert transport.land_many(writes) == [PAGE_BYTES, 0, PAGE_BYTES]
+    assert torch.equal(target.kv[3], source.kv[0]) and torch.equal(target.kv[1], source.kv[2])
+    assert bool((target.kv[2] == -1.0).all())  # the lost write moved nothing
+    assert transport.in_flight == 0 and transport.writes_landed == 2
