@@ -88,7 +88,8 @@ to its 2 s timeout). So each side sees silence, and a bound turns silence into a
     inside gloo), and the caller's lease (issue 29 item 4) decides whether the peer is lost.
   - The next operation posted on the pair (a landing's receive, a post, a completion) fails
     at once when the dead peer's sockets were closed (a killed or exited process: the kernel
-    closes them; gloo says "Connection closed by peer"): PeerLost. A hung or partitioned
+    closes them; gloo says "Connection closed by peer", or "Connection reset by peer" when
+    the dead process left bytes unread in its socket, so the kernel reset it): PeerLost. A hung or partitioned
     peer closes nothing, and only the bounds speak.
   - `land` / `drop` wait inside gloo for the page (the sender's gloo thread answers at once
     while it lives); past `timeout_s` gloo closes the pair and this raises PeerLost: the
@@ -131,6 +132,9 @@ tried). The read-at-landing design is a one-sided READ issued by decode:
               handle; then send_notif(prefill, LANDED)
   drop        no bytes to drain (one-sided): send_notif(DROPPED) the side channel (DROPPED)
   in_flight   the headers and handles this side holds             the same
+  post_many / land_many: the same calls over lists (one notification with every header; one
+  NIXL transfer over the batch's descriptor lists; one Mooncake submitTransfer of the batch's
+  READ requests under one batch id).
 """
 
 from __future__ import annotations

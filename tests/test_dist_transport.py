@@ -17,6 +17,7 @@ HARD_TIMEOUT_S).
 from __future__ import annotations
 
 import multiprocessing
+import re
 import queue
 import socket
 import time
@@ -33,6 +34,9 @@ from engine.pool import KVPool, PoolConfig
 from tests import dist_transport_cases as cases
 
 HARD_TIMEOUT_S = 30.0  # the whole pair, start to stop
+# what gloo says of a dead peer's socket: closed (FIN), or reset (RST: the dead process left
+# bytes unread in its socket: seen here twice in about 35 runs of this file)
+DEAD_SOCKET = "Connection (closed|reset) by peer"
 PAGE_BYTES = 2 * 2 * 1 * 4 * 8 * 4  # layers x K|V x heads x tokens x head_dim x fp32
 
 
@@ -175,7 +179,7 @@ def test_a_dead_prefill_is_silence_then_peer_lost(pair):
     closed = first.startswith("prefill-0 (rank 0) is gone: gloo refused to post to it")
     bound = first.startswith("prefill-0 (rank 0) did not complete the page of PageWrite("
                              "request=9, source_page=4, decode_page=6, tag=44")
-    assert (closed and "Connection closed by peer" in first) or (
+    assert (closed and re.search(DEAD_SOCKET, first)) or (
         bound and "within 5.0 s; gloo closed the pair" in first), first
     assert one(pair, "land_dead_peer_1") == first  # the pair stays lost
     assert "land_dead_peer" not in pair  # never landed
@@ -228,7 +232,7 @@ def test_a_peer_lost_with_a_batch_posted_fails_every_page_of_it(batch_pair):
     closed = message.startswith("prefill-0 (rank 0) is gone: gloo refused to post to it")
     bound = message.startswith("prefill-0 (rank 0) did not complete the page of PageWrite("
                                "request=31, source_page=7")
-    assert (closed and "Connection closed by peer" in message) or (
+    assert (closed and re.search(DEAD_SOCKET, message)) or (
         bound and "within 5.0 s; gloo closed the pair" in message), message
     assert one(batch_pair, "b_lost_1") == (message, [7, 8, 9], (0, 0, 0))  # stays lost
     assert "b_land_dead_peer" not in batch_pair  # never landed
