@@ -4,6 +4,7 @@ same bytes, between the same two processes on 127.0.0.1, in one run.
     python bench/transport_bench.py                       # 64 pages of 720 KiB, 7 repeats
     python bench/transport_bench.py --page-kib 64 --pages 256 --window 64
     python bench/transport_bench.py --repeats 3 --pages 16     # a quick look
+    python bench/transport_bench.py --pages 256 --page-kib 180 --batch-max 16  # pipelined
 
 Part 1 of issue 29's transport bench. Each repeat moves `--pages` pages from the prefill
 process's KVPool into the decode process's, twice, in alternating order so a neighbour's
@@ -15,11 +16,19 @@ one round trip per page on top of the bytes) and their completions back at the p
 ARRIVAL is the same through a transport with `read_at="arrival"`: the decode posts each
 page's receive when its header arrives, into a staging slot, and `land` copies it into the
 pool (bytes move back to back, as in RAW, plus one copy per page).
+BATCH is the transport as the engine's loop uses it since batches (engine/loop.py): the
+prefill posts the pages with one `post_many` (one header message per run of `--batch-max`
+writes, each page still its own send from the pool), the decode lands each `wait_ready()`
+with one `land_many` (every page's receive posted before any wait: read at landing, one
+round trip per batch), completions back per `--batch-max` landed; BATCH_ARRIVAL the same
+with `read_at="arrival"`.
 RAW_SERIAL is raw with decode's receives posted one at a time, each after the last completed:
 the landing's round trip with no transport code, which splits the gap into what reading at
 landing costs and what the transport's own bookkeeping costs. Each is timed on the decode
 side, from a barrier to the last page in its pool. Prints the median GiB/s of each and the
-ratio (target >= 0.8). The default page is the default model's
+ratio of medians to raw (target >= 0.8), and for the batched kinds also the median of the
+per-repeat ratios (each repeat's batch against that repeat's raw, measured next to it: less
+sensitive to a neighbour's load drifting over the run). The default page is the default model's
 (SmolLM2-135M: 30 layers, 3 KV heads, head dim 64, 16 tokens, fp32: 720 KiB).
 
 Part 2 (multi-process vs in-process serving at 32 streams: tokens/s, TTFT p50/p99) waits for
@@ -47,7 +56,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 GIB = float(1 << 30)
-KINDS = ("raw", "raw_serial", "transport", "arrival")
+KINDS = ("raw", "raw_serial", "transport", "arrival", "batch", "batch_arrival")
 
 
 def pool(pages: int, page_kib: int):
@@ -80,10 +89,11 @@ def run_side(rank: int, port: int, args, results) -> None:
     kv.kv.normal_()
     role = "prefill" if rank == 0 else "decode"
     transports = {}
-    for kind, read_at in (("transport", "landing"), ("arrival", "arrival")):
+    for kind, read_at in (("transport", "landing"), ("arrival", "arrival"),
+                          ("batch", "landing"), ("batch_arrival", "arrival")):
         transports[kind] = DistTransport(kv, DistTransportConfig(
             role, 0, ((0, 1 - rank),), writes_in_flight_max=args.window,
-            timeout_s=args.timeout_s, read_at=read_at),
+            timeout_s=args.timeout_s, read_at=read_at, batch_max=args.batch_max),
             group=dist.new_group([0, 1], backend="gloo"))
     pages = range(args.pages)
     views = [kv.kv[p].reshape(-1).view(torch.uint8) for p in pages]
@@ -106,8 +116,11 @@ def run_side(rank: int, port: int, args, results) -> None:
                     dist.irecv(view, 0, tag=1000 + p).wait()
             elif rank == 0:
                 transport = transports[kind]
-                for p in pages:
-                    transport.post(PageWrite(1, p, p, 1, 0, 0, 0))
+                writes = [PageWrite(1, p, p, 1, 0, 0, 0) for p in pages]
+                if kind.startswith("batch"):
+                    transport.post_many(writes)
+                for write in writes if not kind.startswith("batch") else ():
+                    transport.post(write)
                 done = 0
                 while done < args.pages:
                     done += len(transport.wait_completed(args.timeout_s))
@@ -115,7 +128,12 @@ def run_side(rank: int, port: int, args, results) -> None:
                 transport = transports[kind]
                 landed = 0
                 while landed < args.pages:
-                    for write in transport.wait_ready(args.timeout_s):
+                    ready = transport.wait_ready(args.timeout_s)
+                    if kind.startswith("batch"):
+                        transport.land_many(ready)
+                        landed += len(ready)
+                        continue
+                    for write in ready:
                         transport.land(write)
                         landed += 1
             seconds = time.perf_counter() - started
@@ -139,6 +157,8 @@ def main() -> int:
     parser.add_argument("--pages", type=int, default=64)
     parser.add_argument("--page-kib", type=int, default=720)
     parser.add_argument("--window", type=int, default=64, help="writes_in_flight_max")
+    parser.add_argument("--batch-max", type=int, default=64,
+                        help="entries per control message (DistTransportConfig.batch_max)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--time-s-max", type=float, default=120.0)
     parser.add_argument("--timeout-s", type=float, default=60.0)
@@ -196,8 +216,18 @@ def main() -> int:
           f"(median of {len(seconds['transport'])}), ratio to raw {through / raw:.2f}")
     print(f"through DistTransport, read at arrival: {arrival:.2f} GiB/s "
           f"(median of {len(seconds['arrival'])}), ratio to raw {arrival / raw:.2f}")
+    batch = moved_gib / statistics.median(seconds["batch"])
+    batch_arrival = moved_gib / statistics.median(seconds["batch_arrival"])
+    print(f"through DistTransport, each ready() landed as one batch (land_many), read at "
+          f"landing: {batch:.2f} GiB/s, ratio to raw {batch / raw:.2f}; read at arrival: "
+          f"{batch_arrival:.2f} GiB/s, ratio {batch_arrival / raw:.2f}")
+    paired = {kind: statistics.median(r / b for r, b in zip(seconds["raw"], seconds[kind]))
+              for kind in ("batch", "batch_arrival")}
+    print(f"batched, median of per-repeat ratios to raw: {paired['batch']:.2f} at landing, "
+          f"{paired['batch_arrival']:.2f} at arrival")
     print(f"ratio transport / raw (target >= 0.80): {through / raw:.2f} at landing, "
-          f"{arrival / raw:.2f} at arrival")
+          f"{arrival / raw:.2f} at arrival; batched {batch / raw:.2f} at landing, "
+          f"{batch_arrival / raw:.2f} at arrival")
     return 0
 
 

@@ -41,9 +41,26 @@ prefill, its gloo thread waking, then the bytes): bench/transport_bench.py measu
 against raw send/recv, and on 2 loaded cores it costs most of the bandwidth (engine/
 README.md, "Across processes").
 
-Framing. Every control message is one int64 tensor of HEADER_FIELDS (kind, seq, request,
-source page, decode page, tag, checksum, prefill worker, decode worker, bytes, trailer), so a
-receiver pre-posts its header receives with a known size. Page payloads are
+Batches take that price once per batch instead of once per page, and keep reading at
+landing. `post_many` sends one header message for a run of up to `batch_max` writes (one
+entry per write: its request, pages, tag and checksum) and each page as its own isend from
+the pool, as `post` does: still no staging copy, so still nothing read before the landing
+(one contiguous send of the batch would need a gather at post time, which reads the source
+pages then: SourceReuse would stop biting). `land_many` posts the receive of every page of
+the batch into its decode page before it waits on any, so the prefill's gloo thread streams
+them back to back as it does for raw send/recv, and reports the landed writes in
+completion messages of up to `batch_max` entries as soon as that many are in (the window
+frees as the batch lands, so batches pipeline within it). Each write stays its own landing:
+its own entry, its own checksum checked by the caller, its own completion; a refused write
+of a batch is `drop`ped on its own after the accepted ones before it have landed. `post` /
+`land` are batches of one. engine/loop.py lands each `ready()`'s accepted writes with one
+`land_many`.
+
+Framing. Every control message is one int64 tensor of `batch_max` entries of HEADER_FIELDS
+(kind, seq, request, source page, decode page, tag, checksum, prefill worker, decode worker,
+bytes, trailer), zero-padded after its last entry (kind 0 ends them), then the message's own
+trailer, so a receiver pre-posts its receives with a known size (`batch_max` is agreed at
+the handshake; HELLO itself is one entry, no padding). Page payloads are
 `page_bytes` (both sides' pools must agree: checked at the handshake, HELLO, before any
 write). Tags: HELLO_TAG, HEADER_TAG (prefill -> decode, writes and CLOSE), COMPLETION_TAG
 (decode -> prefill, LANDED / DROPPED and CLOSE), and PAYLOAD_TAG_BASE + slot, where slot =
@@ -52,8 +69,11 @@ completion came back, so a payload receive can never match the wrong write.
 
 Bounds. A prefill has at most `writes_in_flight_max` writes in flight per decode peer
 (posted, completion not yet received); `post` beyond that waits up to `timeout_s` for a
-completion, then raises TransportTimeout. Every wait has `timeout_s`. The decode keeps
-`writes_in_flight_max + 1` header receives posted per prefill peer (the writes and a CLOSE).
+completion, then raises TransportTimeout; `post_many` posts runs that fit the free window
+and waits the same way before the next run (what it posted stays posted). Every wait has
+`timeout_s`. The decode keeps `writes_in_flight_max + 1` header receives posted per prefill
+peer (every message carries at least one write in flight, or is the CLOSE), and the prefill
+as many completion receives.
 
 Ordering and loss. gloo over TCP delivers in order per pair and tag, and loses nothing while
 both processes live. Writes of one prefill reach one decode in posting order; `land` and
@@ -68,12 +88,16 @@ to its 2 s timeout). So each side sees silence, and a bound turns silence into a
     inside gloo), and the caller's lease (issue 29 item 4) decides whether the peer is lost.
   - The next operation posted on the pair (a landing's receive, a post, a completion) fails
     at once when the dead peer's sockets were closed (a killed or exited process: the kernel
-    closes them; gloo says "Connection closed by peer"): PeerLost. A hung or partitioned
+    closes them; gloo says "Connection closed by peer", or "Connection reset by peer" when
+    the dead process left bytes unread in its socket, so the kernel reset it): PeerLost. A hung or partitioned
     peer closes nothing, and only the bounds speak.
   - `land` / `drop` wait inside gloo for the page (the sender's gloo thread answers at once
     while it lives); past `timeout_s` gloo closes the pair and this raises PeerLost: the
     decode page's bytes are then undefined (it may hold part of the write; the loop has not
-    tagged it), and every later call on that pair fails with PeerLost too.
+    tagged it), and every later call on that pair fails with PeerLost too. `land_many`
+    does the same for a whole batch: every write of the lost peer not yet reported landed
+    fails (PeerLost's `writes`; `landed` has each write's bytes, 0 for a failed one), and
+    the other peers' writes of the batch land first.
   - A `post` to a dead decode: its isends stay pending; the prefill sees no completion, and
     `wait_completed` / a full window's `post` raise TransportTimeout within `timeout_s`.
 Polling. torch's gloo send/recv works answer `is_completed()` False until `wait()` was
@@ -108,6 +132,9 @@ tried). The read-at-landing design is a one-sided READ issued by decode:
               handle; then send_notif(prefill, LANDED)
   drop        no bytes to drain (one-sided): send_notif(DROPPED) the side channel (DROPPED)
   in_flight   the headers and handles this side holds             the same
+  post_many / land_many: the same calls over lists (one notification with every header; one
+  NIXL transfer over the batch's descriptor lists; one Mooncake submitTransfer of the batch's
+  READ requests under one batch id).
 """
 
 from __future__ import annotations
@@ -134,7 +161,7 @@ KINDS = {WRITE: "write", CLOSE: "close", LANDED: "landed", DROPPED: "dropped", H
 HEADER_FIELDS = 11
 TRAILER = 0x4B565452  # the last field of every control message: its arrival (see _arrived)
 HELLO_TAG, HEADER_TAG, COMPLETION_TAG, PAYLOAD_TAG_BASE = 1, 2, 3, 16
-MAGIC, VERSION = 0x6B7670, 1  # "kvp"
+MAGIC, VERSION = 0x6B7670, 2  # "kvp"; 2: control messages carry batches of entries
 POLL_S = 0.0005  # the sleep between polls of a bounded wait
 
 
@@ -143,7 +170,12 @@ class TransportError(RuntimeError):
 
 
 class PeerLost(TransportError):
-    """A wait inside gloo ran past its bound: gloo has closed the pair."""
+    """A wait inside gloo ran past its bound: gloo has closed the pair. From `land_many`:
+    `writes`, those of the batch that failed, and `landed`, the bytes each write of the
+    batch moved (0 for a failed one)."""
+
+    writes: tuple = ()
+    landed: tuple = ()
 
 
 class TransportTimeout(TransportError):
@@ -163,6 +195,8 @@ class DistTransportConfig:
     timeout_s: float = 10.0  # every wait once both sides are up
     handshake_timeout_s: float = 60.0  # the HELLO: the peer may still be starting
     read_at: str = LANDING  # decode: when the source page is read (LANDING or ARRIVAL)
+    batch_max: int = 64  # entries per control message: a post_many's headers, a batch's
+    #                      completions (both peers must agree: checked at the handshake)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -178,6 +212,8 @@ class DistTransportConfig:
         if not 1 <= self.writes_in_flight_max <= 4096:
             raise TransportConfigError("writes_in_flight_max must be in 1..4096, not "
                                        f"{self.writes_in_flight_max}")
+        if not 1 <= self.batch_max <= 4096:
+            raise TransportConfigError(f"batch_max must be in 1..4096, not {self.batch_max}")
         if self.read_at not in READ_AT:
             raise TransportConfigError(f"read_at must be one of {READ_AT}, not {self.read_at!r}")
         for name in ("timeout_s", "handshake_timeout_s"):
@@ -198,10 +234,34 @@ class Completion:
     bytes_moved: int
 
 
-def header(kind: int, seq: int, write: PageWrite | None = None, moved: int = 0) -> torch.Tensor:
+def fields_of(kind: int, seq: int, write: PageWrite | None = None, moved: int = 0) -> list[int]:
+    """One entry of a control message: a write's header, a completion, a CLOSE."""
     w = write or PageWrite(0, 0, 0, 0, 0)
-    return torch.tensor([kind, seq, w.request, w.source_page, w.decode_page, w.tag, w.checksum,
-                         w.prefill, w.decode, moved, TRAILER], dtype=torch.int64)
+    return [kind, seq, w.request, w.source_page, w.decode_page, w.tag, w.checksum,
+            w.prefill, w.decode, moved, TRAILER]
+
+
+def header(kind: int, seq: int, write: PageWrite | None = None, moved: int = 0) -> torch.Tensor:
+    return torch.tensor(fields_of(kind, seq, write, moved), dtype=torch.int64)
+
+
+def message(entries: list[list[int]], batch_max: int) -> torch.Tensor:
+    """A control message: up to batch_max entries, zero-padded (kind 0 ends the entries),
+    then the message's own trailer, its last field (what `_arrived` reads)."""
+    assert 1 <= len(entries) <= batch_max, f"{len(entries)} entries, at most {batch_max}"
+    flat = [value for entry in entries for value in entry]
+    return torch.tensor(flat + [0] * ((batch_max - len(entries)) * HEADER_FIELDS) + [TRAILER],
+                        dtype=torch.int64)
+
+
+def entries_of(values: list[int]) -> list[list[int]]:
+    """A received control message's entries (those before the first kind 0)."""
+    out = []
+    for start in range(0, len(values) - 1, HEADER_FIELDS):
+        if values[start] == 0:
+            break
+        out.append(values[start:start + HEADER_FIELDS])
+    return out
 
 
 def write_of(fields: list[int]) -> PageWrite:
@@ -211,7 +271,7 @@ def write_of(fields: list[int]) -> PageWrite:
 def hello_fields(config: DistTransportConfig, pool: KVPool) -> list[int]:
     pc = pool.config
     return [MAGIC, VERSION, ROLES.index(config.role), config.worker, pc.page_bytes,
-            pc.num_pages, config.writes_in_flight_max, 0, 0, 0, TRAILER]
+            pc.num_pages, config.writes_in_flight_max, config.batch_max, 0, 0, TRAILER]
 
 
 def check_hello(mine: list[int], theirs: list[int], expected_worker: int, rank: int) -> None:
@@ -231,6 +291,9 @@ def check_hello(mine: list[int], theirs: list[int], expected_worker: int, rank: 
     if theirs[6] != mine[6]:
         raise TransportConfigError(f"{who} allows {theirs[6]} writes in flight, this one "
                                    f"{mine[6]}: both must use the same writes_in_flight_max")
+    if theirs[7] != mine[7]:
+        raise TransportConfigError(f"{who} batches {theirs[7]} entries per control message, "
+                                   f"this one {mine[7]}: both must use the same batch_max")
 
 
 def _page(pool: KVPool, page: int) -> torch.Tensor:
@@ -311,7 +374,7 @@ class DistTransport:
         completion receive per possible write plus one for CLOSE."""
         tag = HEADER_TAG if self.config.role == DECODE else COMPLETION_TAG
         while len(peer.posted_recvs) < self.config.writes_in_flight_max + 1:
-            buffer = torch.zeros(HEADER_FIELDS, dtype=torch.int64)
+            buffer = torch.zeros(self.config.batch_max * HEADER_FIELDS + 1, dtype=torch.int64)
             work = self._op(dist.irecv, buffer, peer, group=self.control, tag=tag)
             peer.posted_recvs.append((work, buffer))
 
@@ -351,10 +414,16 @@ class DistTransport:
                          f"{self.config.timeout_s} s; gloo closed the pair ({error})"[:600])
             raise PeerLost(peer.lost) from None
 
-    def _send_control(self, peer: _Peer, head: torch.Tensor, tag: int) -> None:
-        """A completion or CLOSE. The peer keeps a receive posted for every one it can get,
-        so a send older than the window has long gone out: waiting on it costs nothing
-        while the peer lives (and is the bound that says it died)."""
+    def _send_control(self, peer: _Peer, entries: list[list[int]], tag: int) -> None:
+        """Headers, completions or a CLOSE, as messages of up to batch_max entries. The peer
+        keeps a receive posted for every message it can get (each carries at least one write
+        in flight, or the CLOSE), so a send older than the window has long gone out: waiting
+        on it costs nothing while the peer lives (and is the bound that says it died)."""
+        for start in range(0, len(entries), self.config.batch_max):
+            self._send_message(peer, entries[start:start + self.config.batch_max], tag)
+
+    def _send_message(self, peer: _Peer, entries: list[list[int]], tag: int) -> None:
+        head = message(entries, self.config.batch_max)
         work = self._op(dist.isend, head, peer, group=self.control, tag=tag)
         peer.control_sends.append((work, head))
         while len(peer.control_sends) > self.config.writes_in_flight_max:
@@ -372,27 +441,46 @@ class DistTransport:
         """Put a write on the wire: its header, and its page as a send the decode's landing
         will match (no page byte is read before that). A full window waits up to timeout_s
         (default: the config's) for a completion."""
-        self._role(PREFILL, "post")
-        assert write.prefill == self.config.worker, f"{write} is not this prefill's write"
-        assert 0 <= write.source_page < self.pool.config.num_pages, f"{write}: no such page"
-        peer = self.peers.get(write.decode)
-        assert peer is not None, f"{write}: decode-{write.decode} is not a peer"
-        if peer.closed:
-            raise TransportError(f"{peer.name(DECODE)} has closed the transport")
-        if len(peer.in_flight) >= self.config.writes_in_flight_max:
-            self._poll_until(lambda: self._take_completions(peer) or
-                             len(peer.in_flight) < self.config.writes_in_flight_max,
-                             peer, f"a completion to free one of its "
-                             f"{self.config.writes_in_flight_max} write slots", timeout_s)
-        seq = peer.next_seq
-        peer.next_seq += 1
-        slot = seq % self.config.writes_in_flight_max
-        head = header(WRITE, seq, write)
-        page = _page(self.pool, write.source_page)
-        works = {"header": self._op(dist.isend, head, peer, self.control, HEADER_TAG),
-                 "page": self._op(dist.isend, page, peer, self.group, PAYLOAD_TAG_BASE + slot)}
-        peer.sends[seq] = (works, head, page)
-        peer.in_flight[seq] = write
+        self.post_many([write], timeout_s)
+
+    def post_many(self, writes: list[PageWrite], timeout_s: float | None = None) -> None:
+        """Post several writes as batches: per decode peer, one header message for each run
+        of up to batch_max writes (one control message, not one per write; each entry
+        names its own request, pages, tag and checksum), and each page as its own send
+        straight from the pool, as `post` does (no staging copy, nothing read before the
+        landing). A run never outgrows the free window: a full window waits up to
+        timeout_s for a completion, then TransportTimeout (the runs posted so far stay
+        posted). Writes to one peer keep their order."""
+        self._role(PREFILL, "post_many")
+        by_peer: dict[int, list[PageWrite]] = {}
+        for write in writes:
+            assert write.prefill == self.config.worker, f"{write} is not this prefill's write"
+            assert 0 <= write.source_page < self.pool.config.num_pages, f"{write}: no such page"
+            assert write.decode in self.peers, f"{write}: decode-{write.decode} is not a peer"
+            by_peer.setdefault(write.decode, []).append(write)
+        window = self.config.writes_in_flight_max
+        for decode, run in by_peer.items():
+            peer = self.peers[decode]
+            while run:
+                if peer.closed:
+                    raise TransportError(f"{peer.name(DECODE)} has closed the transport")
+                if len(peer.in_flight) >= window:
+                    self._poll_until(lambda: self._take_completions(peer) or
+                                     len(peer.in_flight) < window,
+                                     peer, f"a completion to free one of its {window} write "
+                                     f"slots", timeout_s)
+                room = min(window - len(peer.in_flight), self.config.batch_max)
+                batch, run = run[:room], run[room:]
+                seqs = range(peer.next_seq, peer.next_seq + len(batch))
+                self._send_message(peer, [fields_of(WRITE, seq, write)
+                                          for seq, write in zip(seqs, batch)], HEADER_TAG)
+                peer.next_seq += len(batch)
+                for seq, write in zip(seqs, batch):
+                    page = _page(self.pool, write.source_page)
+                    work = self._op(dist.isend, page, peer, self.group,
+                                    PAYLOAD_TAG_BASE + seq % window)
+                    peer.sends[seq] = ({"page": work}, page)
+                    peer.in_flight[seq] = write
 
     def wait_read(self, write: PageWrite) -> None:
         """Wait (bounded) until the write's source page has been read: its send is done, so
@@ -424,23 +512,24 @@ class DistTransport:
 
     def _take_completions(self, peer: _Peer) -> bool:
         took = False
-        while (fields := self._next_control(peer, "a completion")) is not None:
-            if fields[0] == CLOSE:
-                peer.closed = True
-                continue
-            self._completion(peer, fields)
-            took = True
+        while (entries := self._next_control(peer, "a completion")) is not None:
+            for fields in entries:
+                if fields[0] == CLOSE:
+                    peer.closed = True
+                    continue
+                self._completion(peer, fields)
+                took = True
         return took
 
-    def _next_control(self, peer: _Peer, what: str) -> list[int] | None:
-        """The oldest posted control receive's fields once it has arrived (its receive
+    def _next_control(self, peer: _Peer, what: str) -> list[list[int]] | None:
+        """The entries of the oldest posted control receive once it has arrived (its receive
         posted again), else None."""
         if peer.lost or not peer.posted_recvs or not _arrived(peer.posted_recvs[0][1]):
             return None
         work, buffer = peer.posted_recvs.popleft()
         self._wait(work, peer, what)  # arrived: returns at once, and settles the work
         self._post_control_recvs(peer)
-        return buffer.tolist()
+        return entries_of(buffer.tolist())
 
     def _completion(self, peer: _Peer, fields: list[int]) -> None:
         kind, seq, moved = fields[0], fields[1], fields[9]
@@ -477,18 +566,19 @@ class DistTransport:
 
     def _take_headers(self, peer: _Peer) -> list[PageWrite]:
         out = []
-        while (fields := self._next_control(peer, "a header")) is not None:
-            if fields[0] == CLOSE:
-                peer.closed = True
-                continue
-            write = self._checked_write(peer, fields)
-            peer.arrived.append((fields[1], write))
-            if peer.staging is not None:  # ARRIVAL: the page moves now, into its slot
-                slot = fields[1] % self.config.writes_in_flight_max
-                peer.prefetched[fields[1]] = self._op(dist.irecv, peer.staging[slot], peer,
-                                                      self.group, PAYLOAD_TAG_BASE + slot)
-            peer.next_seq += 1
-            out.append(write)
+        while (entries := self._next_control(peer, "a header")) is not None:
+            for fields in entries:
+                if fields[0] == CLOSE:
+                    peer.closed = True
+                    continue
+                write = self._checked_write(peer, fields)
+                peer.arrived.append((fields[1], write))
+                if peer.staging is not None:  # ARRIVAL: the page moves now, into its slot
+                    slot = fields[1] % self.config.writes_in_flight_max
+                    peer.prefetched[fields[1]] = self._op(dist.irecv, peer.staging[slot], peer,
+                                                          self.group, PAYLOAD_TAG_BASE + slot)
+                peer.next_seq += 1
+                out.append(write)
         self._unreturned.extend(out)
         return out
 
@@ -536,6 +626,118 @@ class DistTransport:
         self.writes_landed += 1
         return target.numel()
 
+    def land_many(self, writes: list[PageWrite]) -> list[int]:
+        """Land several ready writes as one batch; returns the bytes moved by each. Every
+        page's receive of the batch is posted before any is waited on, so the pages move
+        back to back and the batch costs one round trip, not one per page (LANDING: the
+        prefill's gloo thread reads each source page now, as `land` does; ARRIVAL: they
+        were read at arrival and land from staging). Each landing stays its own: its page,
+        its tag and the checksum it was posted with are checked by the caller per page, and
+        each write's own completion entry goes back (in messages of up to batch_max
+        entries, sent as soon as that many have landed). Each peer's writes in the batch
+        must be its next ready ones, in order (what `ready()` returned, or a prefix of it);
+        a batch that names one decode page twice lands in runs that do not, in order.
+        A peer lost mid-batch (PeerLost while posting or waiting) fails every write of its
+        own in the batch not yet reported landed (their decode pages' bytes are undefined,
+        as for `land`; they stay ready, and landing them again is PeerLost again): the
+        other peers' writes are landed and completed first, then PeerLost is raised with
+        `.writes`, the failed writes, and `.landed`, the bytes moved by each write of the
+        batch (0 for the failed)."""
+        self._role(DECODE, "land_many")
+        moved: dict[int, int] = {}  # index in `writes` -> bytes
+        failed: list[PageWrite] = []
+        lost = ""
+        start = 0
+        while start < len(writes):
+            end, pages = start, set()
+            while end < len(writes) and writes[end].decode_page not in pages:
+                pages.add(writes[end].decode_page)
+                end += 1
+            why = self._land_run(writes, start, end, moved, failed)
+            lost = lost or why
+            start = end
+        if failed:
+            error = PeerLost(lost)
+            error.writes = tuple(failed)
+            error.landed = tuple(moved.get(i, 0) for i in range(len(writes)))
+            raise error
+        return [moved[i] for i in range(len(writes))]
+
+    def _land_run(self, writes: list[PageWrite], start: int, end: int, moved: dict,
+                  failed: list) -> str:
+        """Land writes[start:end] (no decode page twice): post every receive, then wait."""
+        by_peer: dict[int, list[int]] = {}
+        why = ""
+        for index in range(start, end):
+            write = writes[index]
+            peer = self.peers.get(write.prefill)
+            assert peer is not None, f"land_many({write}): prefill-{write.prefill} is no peer"
+            if peer.lost:  # lost before this run (earlier in this batch, or before it)
+                failed.append(write)
+                why = why or peer.lost
+                continue
+            by_peer.setdefault(write.prefill, []).append(index)
+        plans = []
+        for worker, indexes in by_peer.items():
+            peer = self.peers[worker]
+            assert len(indexes) <= len(peer.arrived), (
+                f"land_many: {[writes[i] for i in indexes]} are not all ready writes")
+            for place, index in enumerate(indexes):
+                assert peer.arrived[place][1] == writes[index], (
+                    f"land_many({writes[index]}): a peer's ready writes are landed or dropped "
+                    f"in their order, and {peer.arrived[place][1]} is next")
+            plans.append((peer, indexes, [peer.arrived[p][0] for p in range(len(indexes))]))
+        posted = []  # (peer, indexes, seqs, works, error)
+        for peer, indexes, seqs in plans:
+            works, error = [], ""
+            try:
+                if peer.staging is None:
+                    for index, seq in zip(indexes, seqs):
+                        works.append(self._op(
+                            dist.irecv, _page(self.pool, writes[index].decode_page), peer,
+                            self.group, PAYLOAD_TAG_BASE + seq % self.config.writes_in_flight_max))
+                else:  # what arrived since moves while this batch lands
+                    self._take_headers(peer)
+            except PeerLost as lost:
+                error = str(lost)
+            posted.append((peer, indexes, seqs, works, error))
+        for peer, indexes, seqs, works, error in posted:
+            done = 0  # this peer's writes landed and reported, a prefix of `indexes`
+            try:
+                if error:
+                    raise PeerLost(error)
+                for place, (index, seq) in enumerate(zip(indexes, seqs)):
+                    write = writes[index]
+                    if peer.staging is None:
+                        self._wait(works[place], peer, "the page of " + str(write))
+                    else:
+                        self._wait(peer.prefetched.pop(seq), peer, "the page of " + str(write))
+                        _page(self.pool, write.decode_page).copy_(
+                            peer.staging[seq % self.config.writes_in_flight_max])
+                    if place + 1 - done == self.config.batch_max or place + 1 == len(indexes):
+                        chunk, done = slice(done, place + 1), place + 1
+                        self._landed(peer, writes, indexes[chunk], seqs[chunk], moved)
+            except PeerLost as lost:  # the writes not reported stay ready, as with `land`
+                why = why or str(lost)
+                failed.extend(writes[i] for i in indexes[done:])
+        return why
+
+    def _landed(self, peer: _Peer, writes: list[PageWrite], indexes: list[int],
+                seqs: list[int], moved: dict) -> None:
+        """Writes of a batch that have landed, reported as one completion message as soon
+        as batch_max of them are in (their window slots come free, so the prefill posts
+        more while the rest of the batch lands: batches pipeline within the window). Their
+        bytes are in the pool: they count as landed even if the completion cannot be sent
+        (the pair is then lost, and the prefill hears silence)."""
+        page_bytes = self.pool.config.page_bytes
+        for index in indexes:
+            peer.arrived.popleft()
+            moved[index] = page_bytes
+        self.bytes_landed += page_bytes * len(indexes)
+        self.writes_landed += len(indexes)
+        self._send_control(peer, [fields_of(LANDED, seq, writes[index], page_bytes)
+                                  for index, seq in zip(indexes, seqs)], COMPLETION_TAG)
+
     def drop(self, write: PageWrite) -> None:
         """Take a refused write off the wire into scratch: the decode page is not touched."""
         peer, seq = self._oldest(write, "drop")
@@ -553,7 +755,7 @@ class DistTransport:
 
     def _complete(self, peer: _Peer, seq: int, write: PageWrite, kind: int, moved: int) -> None:
         peer.arrived.popleft()
-        self._send_control(peer, header(kind, seq, write, moved), COMPLETION_TAG)
+        self._send_control(peer, [fields_of(kind, seq, write, moved)], COMPLETION_TAG)
 
     # -- both ----------------------------------------------------------------------------
 
@@ -570,7 +772,7 @@ class DistTransport:
         tag = HEADER_TAG if self.config.role == PREFILL else COMPLETION_TAG
         for peer in self.peers.values():
             if not peer.lost:
-                self._send_control(peer, header(CLOSE, peer.next_seq), tag)
+                self._send_control(peer, [fields_of(CLOSE, peer.next_seq)], tag)
         for peer in self.peers.values():
             while peer.control_sends and not peer.lost:
                 self._wait(peer.control_sends.popleft()[0], peer, "our CLOSE")

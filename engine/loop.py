@@ -86,31 +86,45 @@ class Loop:
 
     def _land(self) -> bool:
         writes = self.transport.ready()
-        for write in writes:
-            self._land_one(write)
+        self._land_all(writes)
         return bool(writes)
 
     def land_only(self, predicate) -> int:
         """Tests and fuzzers: land exactly the in-flight writes matching `predicate` now,
         whatever the transport's own order (how the zoo's interleavings are built)."""
         writes = self.transport.ready_only(predicate)
-        for write in writes:
-            self._land_one(write)
+        self._land_all(writes)
         return len(writes)
 
-    def _land_one(self, write: PageWrite) -> None:
-        r = write.request
-        if r not in self.store.rows:
-            self.transport.drop(write)
+    def _land_all(self, writes: list[PageWrite]) -> None:
+        """Each write is the core's LandWrite, in order; the accepted ones land as one
+        batch (`Transport.land_many`: over torch.distributed their pages move back to back),
+        a refused one is dropped, after the accepted writes before it have landed (a
+        transport settles one peer's writes in their order). Every landing is its own: the
+        decode worker is told each page's checksum and tag."""
+        accepted: list[tuple] = []
+        for write in writes:
+            r = write.request
+            out = self.take(r, core.LandWrite(r, write.decode_page)) if (
+                r in self.store.rows) else None
+            if out is None:
+                self._land_batch(accepted)
+                accepted = []
+                self.transport.drop(write)
+                continue
+            accepted.append((write, out))
+        self._land_batch(accepted)
+
+    def _land_batch(self, accepted: list[tuple]) -> None:
+        if not accepted:
             return
-        out = self.take(r, core.LandWrite(r, write.decode_page))
-        if out is None:
-            self.transport.drop(write)
-            return
-        if not self.transport.land(write):
-            return  # lost on the way (a transport fault): decode's data path never saw it
-        (page, value), = out.decode
-        self.decodes[write.decode].landed(r, page, write.checksum, value[core.TAG])
+        moved = self.transport.land_many([write for write, _ in accepted])
+        for (write, out), landed in zip(accepted, moved):
+            if not landed:
+                continue  # lost on the way (a transport fault): decode's data path never saw it
+            (page, value), = out.decode
+            self.decodes[write.decode].landed(write.request, page, write.checksum,
+                                              value[core.TAG])
 
     def _decode_step(self) -> bool:
         busy = False

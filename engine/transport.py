@@ -17,7 +17,9 @@ worker's and every decode worker's; a write names its pair) with real tensor cop
 `lands_per_step` per step; with `seed` the order among in-flight writes is shuffled
 (reproducibly); `paused` holds every write on the wire, which tests use to build the
 interleavings of the bug zoo. A torch.distributed or NIXL transport implements the same
-four methods.
+methods; `post_many` / `land_many` are the batch forms of `post` / `land` (here a loop; over
+torch.distributed they are what moves pages at the link's rate: engine/README.md, "Across
+processes").
 
 Wire and device faults (tests and fuzzers; off unless `fault_injection`): `inject` marks
 one write on the wire with a fault that strikes when it lands. FLIP: one bit of the page
@@ -63,11 +65,20 @@ class PageWrite:
 class Transport(Protocol):
     def post(self, write: PageWrite) -> None: ...
 
+    def post_many(self, writes: list[PageWrite]) -> None:
+        """Post several writes as one batch (engine/dist_transport.py: one header message
+        per run of them, each write still its own entry); the same as posting each."""
+
     def ready(self) -> list[PageWrite]:
         """The writes that have reached decode since the last call, in landing order."""
 
     def land(self, write: PageWrite) -> int:
         """Copy the write's bytes into its decode page now; returns bytes moved."""
+
+    def land_many(self, writes: list[PageWrite]) -> list[int]:
+        """Land several ready writes as one batch; the bytes moved by each, as `land`
+        returns them one by one (the writes land in their order; each is its own landing,
+        checked on its own; engine/dist_transport.py moves their pages back to back)."""
 
     def drop(self, write: PageWrite) -> None:
         """Forget a write the core refused to land (a crash flushed it)."""
@@ -116,6 +127,10 @@ class InProcessTransport:
 
     def post(self, write: PageWrite) -> None:
         self._wire.append(write)
+
+    def post_many(self, writes: list[PageWrite]) -> None:
+        for write in writes:
+            self.post(write)
 
     def ready(self) -> list[PageWrite]:
         if self.paused or not self._wire:
@@ -167,6 +182,10 @@ class InProcessTransport:
         self.bytes_landed += moved
         self.writes_landed += 1
         return moved
+
+    def land_many(self, writes: list[PageWrite]) -> list[int]:
+        """One copy per write, in order, each with its own fault if one was injected."""
+        return [self.land(write) for write in writes]
 
     def drop(self, write: PageWrite) -> None:
         self._echoes.discard(write)

@@ -222,3 +222,126 @@ def decode_reads_at_arrival(target, events, results) -> None:
     results.put(("closed_seen", (transport.peers[0].closed, results_ready)))
     transport.close()
     events["decode_closed"].set()
+
+
+# -- batches: post_many / land_many (tests/test_dist_transport.py's `batch_pair`) -----------
+
+BATCH_WINDOW, BATCH_MAX = 4, 3  # a post of 4 writes is two header messages: 3 + 1
+
+
+def batch_transport(kv, role: str, peer_rank: int):
+    from engine.dist_transport import DistTransport, DistTransportConfig
+    return DistTransport(kv, DistTransportConfig(role, 0, ((0, peer_rank),), BATCH_WINDOW,
+                                                 TIMEOUT_S, batch_max=BATCH_MAX))
+
+
+def batch_prefill_side(port: int, events: dict, results) -> None:
+    try:
+        init(0, port)
+        batch_prefill_script(events, results)
+    except BaseException as error:  # noqa: BLE001 -- reported to the test, which fails on it
+        results.put(("error", f"{type(error).__name__}: {error}"))
+        finish(results, 1)
+    finish(results)
+
+
+def batch_prefill_script(events, results) -> None:
+    from engine.dist_transport import TransportTimeout
+    from engine.transport import PageWrite, page_checksum
+    source = pool(10)
+    for page in range(10):
+        source.kv[page] = page + 1 + torch.arange(source.kv[page].numel()).reshape(
+            source.kv[page].shape) / 1000
+    transport = batch_transport(source, "prefill", 1)
+    writes = [PageWrite(20 + p // 2, p, p, 50 + p, page_checksum(source, p), 0, 0)
+              for p in range(5)]
+    started = time.monotonic()
+    try:  # five writes, a window of four: four go out (two messages), the fifth waits
+        transport.post_many(writes, SILENCE_S)
+        results.put(("b_window", "accepted"))
+    except TransportTimeout as error:
+        results.put(("b_window", str(error)))
+        results.put(("b_window_wait_s", time.monotonic() - started))
+    results.put(("b_in_flight_posted", transport.in_flight))
+    results.put(("b_posted", [tuple(w.__dict__.values()) for w in writes[:4]]))
+    events["b_ready"].wait(STEP_S)  # decode has the four headers
+    source.kv[1] = 99.0  # after arrival, before the batch lands: page 1's new bytes land
+    events["b_overwritten"].set()
+    completions = []
+    for _ in range(10):
+        completions.extend(transport.wait_completed(STEP_S))
+        if len(completions) == 4:
+            break
+    results.put(("b_completions", [(c.write.source_page, c.landed, c.bytes_moved)
+                                   for c in completions]))
+    # two writes into one decode page in one batch: they land in posting order
+    twice = [PageWrite(30, p, 6, 60, page_checksum(source, p), 0, 0) for p in (5, 6)]
+    transport.post_many(twice)
+    results.put(("b_twice_sources", [source.kv[5].tolist(), source.kv[6].tolist()]))
+    completions = []
+    for _ in range(10):
+        completions.extend(transport.wait_completed(STEP_S))
+        if len(completions) == 2:
+            break
+    results.put(("b_twice_completions", [(c.write.source_page, c.landed) for c in completions]))
+    late = [PageWrite(31, p, p, 70 + p, page_checksum(source, p), 0, 0) for p in (7, 8, 9)]
+    transport.post_many(late)
+    events["b_landed_all"].wait(STEP_S)
+    finish(results)  # dies with a batch posted: decode's landing of it must fail, all of it
+
+
+def batch_decode_side(port: int, events: dict, results) -> None:
+    try:
+        init(1, port)
+        batch_decode_script(events, results)
+    except BaseException as error:  # noqa: BLE001
+        results.put(("error", f"{type(error).__name__}: {error}"))
+        finish(results, 1)
+    finish(results)
+
+
+def wait_for(transport, count: int) -> list:
+    ready = []
+    for _ in range(10):
+        ready.extend(transport.wait_ready(STEP_S))
+        if len(ready) >= count:
+            break
+    return ready
+
+
+def batch_decode_script(events, results) -> None:
+    from engine.dist_transport import PeerLost
+    target = pool(10)
+    target.kv.fill_(-1.0)
+    transport = batch_transport(target, "decode", 0)
+    ready = wait_for(transport, 4)
+    events["b_ready"].set()
+    events["b_overwritten"].wait(STEP_S)
+    results.put(("b_ready", [tuple(w.__dict__.values()) for w in ready]))
+    try:  # the second before the first: a misuse, caught before anything moves
+        transport.land_many(ready[1:3])
+    except AssertionError as error:
+        results.put(("b_out_of_order", str(error)))
+    results.put(("b_landed_bytes", transport.land_many(ready[:3])))
+    transport.drop(ready[3])
+    results.put(("b_verify", target.verify([0, 1, 2], [w.checksum for w in ready[:3]]).tolist()))
+    results.put(("b_dropped_untouched", bool((target.kv[3] == -1.0).all())))
+    results.put(("b_counts", (transport.writes_landed, transport.writes_dropped,
+                              transport.in_flight)))
+    twice = wait_for(transport, 2)
+    results.put(("b_twice_bytes", transport.land_many(twice)))
+    results.put(("b_twice_landed", target.kv[6].tolist()))
+    results.put(("b_twice_verify", target.verify([6], [twice[1].checksum]).tolist()))
+    late = wait_for(transport, 3)
+    events["b_landed_all"].set()  # the prefill now exits with this batch's pages never sent
+    events["b_prefill_gone"].wait(STEP_S)  # set by the test once the prefill has ended
+    for attempt in range(2):
+        try:
+            transport.land_many(late)
+            results.put(("b_land_dead_peer", "landed"))
+        except PeerLost as error:
+            results.put((f"b_lost_{attempt}", (str(error), [w.source_page for w in error.writes],
+                                               error.landed)))
+    results.put(("b_late", [w.source_page for w in late]))
+    results.put(("b_in_flight_after_loss", transport.in_flight))
+    finish(results)
