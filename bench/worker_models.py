@@ -9,6 +9,7 @@ compare rows of one run, not runs of different days.
 
     python bench/worker_models.py                       # every model, every variant
     python bench/worker_models.py --models workers2-2x1 --timeout-s 600
+    python bench/worker_models.py --models workers3-2x2 --symmetry yes --workers 1 2
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ from spec.properties import STATE_INVARIANTS
 name, symmetry, workers = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
 constants = {**BASES, **TWO_REQUEST_WORKER_BASES, **THREE_REQUEST_WORKER_BASES}[name]
 m = Model(name=name, **constants)
-options = dict(symmetry=symmetry, invariants=tuple(STATE_INVARIANTS), liveness=False)
+def progress(distinct, generated, depth, seconds):
+    print(json.dumps(dict(states=distinct, depth=depth, seconds=seconds)), file=sys.stderr,
+          flush=True)
+options = dict(symmetry=symmetry, invariants=tuple(STATE_INVARIANTS), liveness=False,
+               progress=progress, progress_every_s=10.0)
 start = time.perf_counter()
 if workers == 1:
     from spec.check.checker import Checker
@@ -51,8 +56,11 @@ def measure(name: str, symmetry: bool, workers: int, timeout_s: float) -> dict:
         out = subprocess.run([sys.executable, "-c", CHILD, name, str(int(symmetry)),
                               str(workers)], cwd=ROOT, capture_output=True, text=True,
                              timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"timeout": timeout_s}
+    except subprocess.TimeoutExpired as stopped:
+        # How far it got: the last progress line the child printed (every 10 s).
+        lines = (stopped.stderr or b"").decode().strip().splitlines()
+        last = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+        return {"timeout": timeout_s, "reached": last}
     if out.returncode:
         return {"error": out.stderr.strip().splitlines()[-1] if out.stderr else "failed"}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -68,19 +76,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=900.0,
                         help="per run; a run past it is reported as such")
     parser.add_argument("--workers", nargs="*", type=int, default=[1, 2])
+    parser.add_argument("--symmetry", choices=("both", "yes", "no"), default="both",
+                        help="which variants to run: with symmetry, without, or both")
     args = parser.parse_args(argv)
+    symmetries = {"both": (False, True), "yes": (True,), "no": (False,)}[args.symmetry]
     print("| model | symmetry | workers | states (orbits) | seconds | peak RSS MiB |")
     print("|---|---|---|---|---|---|")
     for name in args.models:
-        for symmetry in (False, True):
+        for symmetry in symmetries:
             for workers in args.workers:
                 got = measure(name, symmetry, workers, args.timeout_s)
                 if "states" in got:
                     cells = (f"{got['states']:,}", f"{got['seconds']:.1f}",
                              f"{got['rss_mib']:.0f}")
                 else:
-                    cells = (f"past {got['timeout']:.0f} s" if "timeout" in got
-                             else got["error"], "", "")
+                    reached = got.get("reached") or {}
+                    cells = (f"past {got['timeout']:.0f} s" + (
+                        f" ({reached['states']:,} at depth {reached['depth']} after "
+                        f"{reached['seconds']:.0f} s)" if reached else "")
+                             if "timeout" in got else got["error"], "", "")
                 print(f"| {name} | {'yes' if symmetry else 'no'} | {workers} | "
                       + " | ".join(cells) + " |", flush=True)
     return 0

@@ -196,3 +196,103 @@ def test_a_timer_rests_on_its_timing_assumption_and_nothing_else_may():
         "rest on"]
     assert "lease_lapsed" in locality.CORE_ASSUMPTIONS
     assert "pst" not in locality.core_reads()["Timeout"]
+
+
+# -- per worker (issue 25): each worker's own pool, each request's own row -----------------
+
+def test_every_pool_a_checked_action_indexes_is_its_own_workers():
+    """The actions that touch a pool index it by their request's worker and nothing else;
+    the others touch no pool (Finish reads the pages only for the ghost's history)."""
+    rows = {row.action: row for row in locality.analyse() if row.checked}
+    pools = {name: row.pools_at for name, row in rows.items() if row.pools_at}
+    assert pools == {"Admit": ("pworker[r]",), "SendPage": ("pworker[r]",),
+                     "SendDone": ("pworker[r]",), "PrefillAbort": ("pworker[r]",),
+                     "Reserve": ("dworker[r]",), "Release": ("dworker[r]",)}
+
+
+def _mutant(old: str, new: str) -> str:
+    text = SPEC_PATH.read_text()
+    assert text.count(old) == 1, old
+    return text.replace(old, new)
+
+
+def test_a_decode_guard_that_reads_another_decode_workers_pool_is_flagged():
+    """Reserve waiting until the other decode worker has room too reads owner[e] for an e
+    that is not dworker[r]: flagged at Reserve and owner, and nowhere else (the owner rule
+    alone passes it: owner is decode's)."""
+    guard = "    /\\ S \\subseteq FreeDecode(dworker[r])\n"
+    mutant = _mutant(guard, guard + "    /\\ FreeDecode(CHOOSE e \\in DecodeWorkers : "
+                                     "e # dworker[r]) # {}\n")
+    assert locality.violations(mutant) == [
+        "Reserve (decode) reads owner[CHOOSE e \\in DecodeWorkers : e # dworker[r]]: not its "
+        "own decode worker's pool owner[dworker[r]]"]
+
+
+def test_a_prefill_that_writes_another_prefill_workers_pool_is_flagged():
+    old = "    /\\ powner' = [powner EXCEPT ![pworker[r]] = [p \\in PPages |-> IF p \\in S"
+    mutant = _mutant(old, old.replace("![pworker[r]]",
+                                      "![CHOOSE e \\in PrefillWorkers : e # pworker[r]]"))
+    assert locality.violations(mutant) == [
+        "Admit (prefill) writes powner[CHOOSE e \\in PrefillWorkers : e # pworker[r]]: not "
+        "its own prefill worker's pool powner[pworker[r]]"]
+
+
+@pytest.mark.parametrize("old, new, expected", [
+    ("       \\/ dfw[r] /\\ Counted(r, announced[r])\n",
+     "       \\/ dfw[r] /\\ Counted(r, announced[r])"
+     " /\\ \\A e \\in DecodeWorkers : owner[e][1] # r\n",
+     "Release (decode) reads owner[<e>]: not its own decode worker's pool owner[dworker[r]]"),
+    ("Timeout(r) ==\n    /\\ \"NoTimeout\" \\notin Bugs\n",
+     "Timeout(r) ==\n    /\\ \"NoTimeout\" \\notin Bugs\n"
+     "    /\\ \\A x \\in Requests : dst[x] # \"Decoding\"\n",
+     "Timeout (decode) reads dst[<x>]: another request's row, not its own dst[r]"),
+    ("PrefillCanStop(r) == pst[r] \\in {\"Queued\", \"Running\"} /\\ WritesOf(r) = {}",
+     "PrefillCanStop(r) == pst[r] \\in {\"Queued\", \"Running\"} /\\ writes = {}",
+     "PrefillAbort (prefill) reads writes unfiltered: every prefill worker's send queue, "
+     "not only its own (filter by w.req = r or pworker[w.req] = pworker[r])"),
+    ("    /\\ pst' = [pst EXCEPT ![r] = \"Running\"]\n",
+     "    /\\ pst' = [pst EXCEPT ![r] = \"Running\"]\n"
+     "    /\\ dworker' = [dworker EXCEPT ![r] = NoWorker]\n",
+     "Admit (prefill) writes dworker: a request's worker is the router's choice, fixed at "
+     "Arrive, and the rule names the worker by it"),
+], ids=["every-decode-workers-pool", "another-requests-row", "unfiltered-send-queue",
+        "re-placed-request"])
+def test_each_way_out_of_a_workers_own_state_is_flagged(old, new, expected):
+    assert locality.violations(_mutant(old, new)) == [expected]
+
+
+def _reachable(m: Model) -> set:
+    init = core.initial_state(m)
+    seen, queue = {init}, deque([init])
+    while queue:
+        for _, t in core.successors(m, queue.popleft()):
+            if t not in seen:
+                seen.add(t)
+                queue.append(t)
+    return seen
+
+
+def test_the_cores_actions_touch_only_their_own_workers_pages():
+    """Every checked action in every reachable state of workers-2x2 (10,566 states): the
+    pages it reads, changes or posts a write to lie in its request's workers' ranges."""
+    m = Model(name="workers-2x2", **BASES["workers-2x2"])
+    states = _reachable(m)
+    assert len(states) == 10566
+    assert locality.core_pool_violations(m, states) == []
+
+
+def test_a_core_that_scans_every_workers_pool_is_flagged(monkeypatch):
+    """A Release that looks for the request's pages in the whole pool instead of its table
+    frees the same pages (conformance cannot tell), but reads every decode worker's pool."""
+    import inspect
+    import textwrap
+
+    source = textwrap.dedent(inspect.getsource(core.release))
+    old = "    for page, _ in row[TABLE]:\n"
+    assert source.count(old) == 1
+    namespace = dict(vars(core))
+    exec(source.replace(old, "    for page in range(len(pool)):\n"), namespace)
+    monkeypatch.setitem(core.ACTIONS, core.Release, namespace["release"])
+    m = Model(name="workers-2x2", **BASES["workers-2x2"])
+    assert locality.core_pool_violations(m, _reachable(m)) == [
+        "Release (decode) reads or changes pages of another decode worker"]

@@ -23,8 +23,40 @@ unchanged rest of x, not a read; the right side of a ghost's assignment is not r
 worker (it is history, computed by the model). UNCHANGED reads nothing. Reads in conjuncts
 that write nothing are the guard's; the rest feed the effect; the rule applies to both.
 
-`core_reads` applies the same rule to spec/core.py's action functions, read from their
-source: conformance cannot see which of two always-equal fields the core reads.
+Per worker. With worker sets (the constants PrefillWorkers and DecodeWorkers) the owner
+rule is not enough: powner is the prefill's, but prefill worker q may read only its own
+slice of it. Every checked action is parameterised by its request r (its first parameter),
+and names its worker by the request's placement: pworker[r] for a prefill action,
+dworker[r] for a decode action (a worker knows its own requests: the queue entry or the
+bootstrap reached it). That name is stable because only the router writes pworker and
+dworker (Arrive), which the rule also checks. `_Indices` walks the action again, operator
+arguments substituted for their parameters (FreePrefill(pworker[r]) indexes powner by
+pworker[r]), and renders every subscript as text. The rule, for reads and writes alike:
+- a per-worker pool variable of the action's own role (`WORKER_INDEXED`: powner, pdata;
+  owner, gen, content) is indexed only by the action's own worker, pworker[r] or
+  dworker[r]; reading one whole (`[x EXCEPT ...]` as a value other than x's own update,
+  or x passed bare) is reading every worker's pool;
+- a per-request variable is indexed only by r: a worker's knowledge of the request is that
+  request's row (a decode worker's tombstones are dst[r] = "Tomb" of its own requests; the
+  spec has no epoch variable, a decode restart's epoch is those tombstones). Another
+  request's row may be another worker's; no checked action needs one today, and one that
+  did would widen this rule with a reason, as GRANTS does for roles;
+- the send queue `writes` (one set of records; a write is its request's prefill worker's)
+  is read only through a filter that confines it to the action's own request or worker: a
+  bound `w \\in writes` with a conjunct `w.req = r` or `pworker[w.req] = pworker[r]`; then
+  w.req may index per-request variables (it is r, or a request on the same worker).
+Assumptions (LeaseLapsed) are skipped here as above; the ghost's right side is not read.
+An older text without worker sets (tests/data) gets the owner rule only.
+
+`core_reads` applies the owner rule to spec/core.py's action functions, read from their
+source: conformance cannot see which of two always-equal fields the core reads. The core's
+pools are flat tuples, worker w's pages the range `pages_of(w, pages)`, so its per-worker
+rule cannot be read off a subscript: `core_pool_violations` runs every checked action on
+every reachable state of a worker model with pools that record each index read, and
+demands that every page read or changed lies in the request's own worker's range (the
+send queue, a flat tuple filtered by request, is not checked there: every action that
+reads it keeps only its own request's writes, `w[0] == r`, which the static check of the
+spec states for the spec's text).
 
 Who takes each action comes from spec/core.py's ACTION_TABLE. The rule is checked for the
 protocol's own actions and timers taken by a worker; not for arrivals and faults (the
@@ -125,11 +157,14 @@ class _Walker:
     def __init__(self, module) -> None:
         self.defs = {}
         self.variables: list[str] = []
+        self.constants: list[str] = []
         self.assumed: set[str] = set()  # ASSUMPTIONS met by the last access()
         for unit in module.units or []:
             kind = type(unit).__name__
             if kind == "Variables":
                 self.variables += [n.operator for n in unit.names]
+            elif kind == "Constants":
+                self.constants += [n.operator for n in unit.names]
             elif kind == "OperatorDefinition":
                 self.defs[unit.name] = unit
 
@@ -218,6 +253,206 @@ class _Walker:
                 go(getattr(node, name))
 
 
+# -- per worker: which worker's pool, which request's row -------------------------------
+# With worker sets the owner rule above is not enough: a prefill action reading powner is
+# reading its own role's variable, whichever worker's slice it reads. So the variables are
+# also sorted by what indexes them, and every subscript a checked action uses is checked.
+WORKER_INDEXED = {"powner": PREFILL, "pdata": PREFILL, "owner": DECODE, "gen": DECODE,
+                  "content": DECODE}
+SEND_QUEUE = "writes"   # the prefill's, one set of records: a write is its request's worker's
+UNINDEXED = {"leaked"}  # the ghost, a set
+PLACEMENT = {PREFILL: "pworker", DECODE: "dworker"}  # how a request names its worker
+WORKER_CONSTANTS = ("PrefillWorkers", "DecodeWorkers")
+
+
+@dataclass(frozen=True)
+class Use:
+    variable: str
+    subscript: str | None  # None: the whole variable
+    written: bool
+
+
+class _Indices:
+    """The subscripts an action indexes variables by, operator arguments substituted.
+
+    A subscript is rendered as text: a name (an action parameter, or `<x>` for a variable
+    bound inside the action), `f[e]` and `e.field`; anything else as its source text. A
+    bound write `w \\in writes` whose filter confines it to the action's own request or
+    worker (a conjunct `w.req = r` or `pworker[w.req] = pworker[r]`) renders as `<own w>`.
+    """
+
+    def __init__(self, walker: "_Walker", text: str) -> None:
+        self.defs, self.variables = walker.defs, set(walker.variables)
+        self.lines = text.splitlines()
+
+    def uses(self, name: str) -> tuple[str, list[Use]]:
+        definition = self.defs[name]
+        params = [a.operator for a in definition.arity or []]
+        assert params, f"{name} takes no request: the rule names a worker by its request"
+        self.request = params[0]
+        out: list[Use] = []
+        self.visit(definition.definiens, {p: p for p in params}, (name,), None, out)
+        return self.request, out
+
+    def source(self, node) -> str:
+        start, end = node.start, node.end
+        if start.line != end.line:
+            return "<expr>"
+        return self.lines[start.line][start.column:end.column]
+
+    def render(self, node, env) -> str:
+        kind = type(node).__name__
+        if kind == "OperatorApplication" and not node.arguments:
+            return env.get(node.operator, node.operator)
+        if kind == "FunctionApplication" and type(node.function).__name__ == \
+                "OperatorApplication" and not node.function.arguments:
+            inside = ",".join(self.render(a, env) for a in node.arguments)
+            return f"{self.render(node.function, env)}[{inside}]"
+        if kind == "Field":
+            return f"{self.render(node.expression, env)}.{node.name}"
+        return self.source(node)
+
+    def confines(self, predicate, bound: str, env) -> bool:
+        """Whether a conjunct of the filter ties the bound write to the action's own request
+        or its own prefill worker."""
+        conjuncts, todo = [], [predicate]
+        while todo:
+            node = todo.pop()
+            kind = type(node).__name__
+            if kind == "VerticalList" and node.operator == "/\\":
+                todo += [item.expression for item in node.arguments]
+            elif kind == "OperatorApplication" and node.operator == "/\\":
+                todo += node.arguments
+            else:
+                conjuncts.append(node)
+        inner = {**env, bound: f"<{bound}>"}
+        own = ({f"<{bound}>.req", self.request},
+               {f"pworker[<{bound}>.req]", f"pworker[{self.request}]"})
+        for node in conjuncts:
+            if type(node).__name__ == "OperatorApplication" and node.operator == "=":
+                sides = {self.render(a, inner) for a in node.arguments}
+                if sides in own:
+                    return True
+        return False
+
+    def visit(self, node, env, stack, keep, out) -> None:
+        if node is None or isinstance(node, (str, int, bool)):
+            return
+        if isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
+            for item in node:
+                self.visit(item, env, stack, keep, out)
+            return
+        kind = type(node).__name__
+        go = lambda n, e=env, k=keep: self.visit(n, e, stack, k, out)  # noqa: E731
+        if kind == "OperatorApplication":
+            op, args = node.operator, [a for a in (node.arguments or [])
+                                         if not isinstance(a, str)]
+            if op in ("UNCHANGED", "'"):
+                return
+            if op == "=" and type(args[0]).__name__ == "OperatorApplication" \
+                    and args[0].operator == "'":
+                target = args[0].arguments[0].operator
+                if OWNERS.get(target) != GHOST:
+                    go(args[1], env, target)
+                return
+            if op in self.variables and not args:
+                if op != keep:
+                    out.append(Use(op, None, False))
+                return
+            go(args)
+            if op in ASSUMPTIONS:
+                return
+            if op in self.defs and op not in stack:
+                definition = self.defs[op]
+                inner = {a.operator: self.render(v, env)
+                         for a, v in zip(definition.arity or [], args)}
+                self.visit(definition.definiens, inner, stack + (op,), keep, out)
+            return
+        if kind == "FunctionApplication":
+            fn = node.function
+            if type(fn).__name__ == "OperatorApplication" and fn.operator in self.variables:
+                out.append(Use(fn.operator, self.render(node.arguments[0], env), False))
+            else:
+                go(fn)
+            go(node.arguments)
+            return
+        if kind == "Except":
+            fn = node.function
+            if type(fn).__name__ == "OperatorApplication" and fn.operator in self.variables:
+                for change in node.changes:
+                    out.append(Use(fn.operator, self.render(change.item[0][0], env),
+                                   fn.operator == keep))
+                if fn.operator != keep:
+                    out.append(Use(fn.operator, None, False))  # the rest of it, as a value
+            else:
+                go(fn)
+            for change in node.changes:
+                go([step for step in change.item if isinstance(step, list)])
+                go(change.expression)
+            return
+        if kind in ("Quantification", "SetSlice", "SetComprehension", "Function"):
+            declarations = getattr(node, "declarations", None) or node.declaration
+            if not isinstance(declarations, list):
+                declarations = [declarations]
+            inner = dict(env)
+            predicate = getattr(node, "predicate", None)
+            for declaration in declarations:
+                bound, domain = declaration.arguments[0], declaration.arguments[1]
+                name = bound.operator
+                if type(domain).__name__ == "OperatorApplication" and \
+                        domain.operator == SEND_QUEUE and predicate is not None and \
+                        self.confines(predicate, name, env):
+                    inner[name] = f"<own {name}>"
+                else:
+                    go(domain)
+                    inner[name] = f"<{name}>"
+            for part in ("predicate", "item", "value"):
+                self.visit(getattr(node, part, None), inner, stack, keep, out)
+            return
+        if kind == "Let":
+            for definition in node.definitions:
+                go(getattr(definition, "definiens", definition))
+            go(node.expression)
+            return
+        for name in getattr(node, "_fields", ()):
+            if name not in ("symbol", "start", "end"):
+                go(getattr(node, name))
+
+
+def index_violations(name: str, worker: str, request: str, uses: list[Use]) -> list[str]:
+    """The per-worker rule for one checked action (see the module's docstring)."""
+    out = []
+    for use in uses:
+        var, sub = use.variable, use.subscript
+        verb = "writes" if use.written else "reads"
+        if var in PLACEMENT.values() and use.written:
+            out.append(f"{name} ({worker}) writes {var}: a request's worker is the router's "
+                       "choice, fixed at Arrive, and the rule names the worker by it")
+        elif var in WORKER_INDEXED:
+            if WORKER_INDEXED[var] != worker:
+                continue  # another role's: the owner rule's to flag
+            own = f"{PLACEMENT[worker]}[{request}]"
+            if sub is None:
+                out.append(f"{name} ({worker}) reads {var} whole: every {worker} worker's "
+                           f"pool, not only its own {var}[{own}]")
+            elif sub != own:
+                out.append(f"{name} ({worker}) {verb} {var}[{sub}]: not its own {worker} "
+                           f"worker's pool {var}[{own}]")
+        elif var == SEND_QUEUE:
+            if worker == PREFILL and sub is None:
+                out.append(f"{name} ({worker}) reads {var} unfiltered: every prefill worker's "
+                           f"send queue, not only its own (filter by w.req = {request} or "
+                           f"pworker[w.req] = pworker[{request}])")
+        elif var not in UNINDEXED and (use.written or may_read(worker, var)):
+            if sub is None:
+                out.append(f"{name} ({worker}) reads {var} whole: every request's row, not "
+                           f"only its own {var}[{request}]")
+            elif sub != request and not (sub.startswith("<own ") and sub.endswith(">.req")):
+                out.append(f"{name} ({worker}) {verb} {var}[{sub}]: another request's row, "
+                           f"not its own {var}[{request}]")
+    return list(dict.fromkeys(out))
+
+
 @dataclass(frozen=True)
 class Row:
     action: str
@@ -225,6 +460,7 @@ class Row:
     kind: str
     access: Access
     violations: tuple[str, ...]
+    pools_at: tuple[str, ...] = ()  # the subscripts its own role's pools are indexed by
 
     @property
     def checked(self) -> bool:
@@ -233,9 +469,14 @@ class Row:
 
 def analyse(text: str | None = None) -> list[Row]:
     """One row per action of spec/core.py's ACTION_TABLE, from the spec's text."""
-    walker = _Walker(tla.parse(text if text is not None else SPEC_PATH.read_text()))
+    text = text if text is not None else SPEC_PATH.read_text()
+    walker = _Walker(tla.parse(text))
     unknown = set(walker.variables) - set(OWNERS)
     assert not unknown, f"variables without an owner in OWNERS: {sorted(unknown)}"
+    # The per-worker rule applies to a text with worker sets (older texts, in tests/data,
+    # have one pool per role, indexed by page).
+    indices = _Indices(walker, text) if set(WORKER_CONSTANTS) <= set(walker.constants) \
+        else None
     rows = []
     for info in core.ACTION_TABLE:
         name = info.event.__name__
@@ -249,7 +490,13 @@ def analyse(text: str | None = None) -> list[Row]:
             bad += tuple(f"{name} ({info.worker}) uses the timing assumption {a}, which only "
                          "a timer may rest on" for a in sorted(walker.assumed)
                          if info.kind != "timer")
-            row = Row(name, info.worker, info.kind, access, bad)
+            pools_at: tuple[str, ...] = ()
+            if indices is not None:
+                request, uses = indices.uses(name)
+                bad += tuple(index_violations(name, info.worker, request, uses))
+                pools_at = tuple(sorted({u.subscript or "(whole)" for u in uses
+                                         if WORKER_INDEXED.get(u.variable) == info.worker}))
+            row = Row(name, info.worker, info.kind, access, bad, pools_at)
         rows.append(row)
     return rows
 
@@ -274,14 +521,16 @@ def actions_table(rows: list[Row]) -> str:
     def names(vs: set) -> str:
         return ", ".join(f"`{v}`" for v in sorted(vs)) or "-"
 
-    lines = ["| action | worker | guard reads | effect also reads | writes | rule |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| action | worker | guard reads | effect also reads | writes | its pool at | rule |",
+             "|---|---|---|---|---|---|---|"]
     for row in rows:
         rule = ("**breaks it**" if row.violations else "holds") if row.checked else \
             f"not checked ({row.kind if row.worker != 'network' else 'network'})"
         a = row.access
+        pools = ", ".join(f"`{p}`" for p in row.pools_at) or "-"
         lines.append(f"| {row.action} | {row.worker} | {names(a.guard_reads)} | "
-                     f"{names(a.reads - a.guard_reads)} | {names(a.writes)} | {rule} |")
+                     f"{names(a.reads - a.guard_reads)} | {names(a.writes)} | {pools} | "
+                     f"{rule} |")
     return "\n".join(lines)
 
 
@@ -337,6 +586,63 @@ def core_violations(source: str | None = None) -> list[str]:
         out += [f"{name} ({info.worker}) reads {v}: {why_not(info.worker, v)}"
                 for v in sorted(found[name]) if not may_read(info.worker, v)]
     return out
+
+
+class _RecordingPool(tuple):
+    """A pool that notes the index of every page read from it."""
+
+    def __new__(cls, pages: tuple, seen: set):
+        pool = super().__new__(cls, pages)
+        pool.seen = seen
+        return pool
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            self.seen.update(range(len(self))[index])
+        else:
+            self.seen.add(index % len(self))
+        return super().__getitem__(index)
+
+    def __iter__(self):
+        self.seen.update(range(len(self)))
+        return super().__iter__()
+
+
+def core_pool_violations(m, states) -> list[str]:
+    """The per-worker rule on the core, run rather than read: each checked action enabled
+    in each of `states`, taken on pools that record what it reads; every page it reads or
+    changes, and every write it posts, must lie in its request's own workers' ranges, and
+    it may change no other request's row. One line per action and kind of breach."""
+    out: dict[str, None] = {}
+    for s in states:
+        for event, _ in core.successors(m, s):
+            info = core.INFO[type(event)]
+            if info.kind not in CHECKED_KINDS or info.worker not in (PREFILL, DECODE):
+                continue
+            r, name = event.request, event.action
+            seen = {PREFILL: set(), DECODE: set()}
+            view = core.State(s.requests, _RecordingPool(s.decode_pool, seen[DECODE]),
+                              _RecordingPool(s.prefill_pool, seen[PREFILL]), s.writes)
+            args = (getattr(event, info.argument),) if info.argument else ()
+            change = core.ACTIONS[type(event)](m, view, r, *args)
+            assert type(change) is not str, (event, change)
+            row = s.requests[r]
+            own = {PREFILL: core.prefill_pages_of(m, s, row),
+                   DECODE: core.decode_pages_of(m, s, row)}
+            for kind, pages in ((PREFILL, seen[PREFILL] | {p for p, _ in change.prefill}),
+                                (DECODE, seen[DECODE] | {p for p, _ in change.decode})):
+                if kind == info.worker and not pages <= set(own[kind]):
+                    out[f"{name} ({info.worker}) reads or changes pages of another "
+                        f"{kind} worker"] = None
+                elif kind != info.worker and pages:
+                    out[f"{name} ({info.worker}) reads or changes {kind} pages"] = None
+            for _, src, dst, _ in change.posted:
+                if src not in own[PREFILL] or dst not in own[DECODE]:
+                    out[f"{name} ({info.worker}) posts a write outside its request's "
+                        "workers' pools"] = None
+            if any(q != r for q, _ in change.rows):
+                out[f"{name} ({info.worker}) changes another request's row"] = None
+    return list(out)
 
 
 README = SPEC_PATH.parent / "README.md"
