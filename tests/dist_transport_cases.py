@@ -44,23 +44,31 @@ def finish(results, code: int = 0) -> None:
     os._exit(code)
 
 
-def prefill_side(port: int, events: dict, results) -> None:
+def side(rank: int, script, port: int, events: dict, results) -> None:
+    """One process of a pair: join the group as `rank`, run `script(events, results)`, and
+    report its exception to the test (which fails on it) before exiting."""
     try:
-        init(0, port)
-        prefill_script(events, results)
+        init(rank, port)
+        script(events, results)
     except BaseException as error:  # noqa: BLE001 -- reported to the test, which fails on it
         results.put(("error", f"{type(error).__name__}: {error}"))
         finish(results, 1)
     finish(results)
 
 
+def numbered_pool(pages: int):
+    """A pool whose every page holds values of its own (page k: k + 1 + index / 1000)."""
+    source = pool(pages)
+    for page in range(pages):
+        source.kv[page] = page + 1 + torch.arange(source.kv[page].numel()).reshape(
+            source.kv[page].shape) / 1000
+    return source
+
+
 def prefill_script(events, results) -> None:
     from engine.dist_transport import DistTransport, DistTransportConfig, TransportTimeout
     from engine.transport import PageWrite, page_checksum
-    source = pool(6)
-    for page in range(6):
-        source.kv[page] = page + 1 + torch.arange(source.kv[page].numel()).reshape(
-            source.kv[page].shape) / 1000
+    source = numbered_pool(6)
     transport = DistTransport(source, DistTransportConfig(
         "prefill", 0, ((0, 1),), writes_in_flight_max=WINDOW, timeout_s=TIMEOUT_S))
     writes = [PageWrite(7, 0, 2, 40, page_checksum(source, 0), 0, 0),
@@ -93,16 +101,6 @@ def prefill_script(events, results) -> None:
     transport.post(PageWrite(9, 4, 6, 44, page_checksum(source, 4), 0, 0))
     events["landed_all"].wait(STEP_S)
     finish(results)  # dies with a write posted: decode's landing of it must fail in bound
-
-
-def decode_side(port: int, events: dict, results) -> None:
-    try:
-        init(1, port)
-        decode_script(events, results)
-    except BaseException as error:  # noqa: BLE001
-        results.put(("error", f"{type(error).__name__}: {error}"))
-        finish(results, 1)
-    finish(results)
 
 
 def decode_script(events, results) -> None:
@@ -235,23 +233,10 @@ def batch_transport(kv, role: str, peer_rank: int):
                                                  TIMEOUT_S, batch_max=BATCH_MAX))
 
 
-def batch_prefill_side(port: int, events: dict, results) -> None:
-    try:
-        init(0, port)
-        batch_prefill_script(events, results)
-    except BaseException as error:  # noqa: BLE001 -- reported to the test, which fails on it
-        results.put(("error", f"{type(error).__name__}: {error}"))
-        finish(results, 1)
-    finish(results)
-
-
 def batch_prefill_script(events, results) -> None:
     from engine.dist_transport import TransportTimeout
     from engine.transport import PageWrite, page_checksum
-    source = pool(10)
-    for page in range(10):
-        source.kv[page] = page + 1 + torch.arange(source.kv[page].numel()).reshape(
-            source.kv[page].shape) / 1000
+    source = numbered_pool(10)
     transport = batch_transport(source, "prefill", 1)
     writes = [PageWrite(20 + p // 2, p, p, 50 + p, page_checksum(source, p), 0, 0)
               for p in range(5)]
@@ -288,16 +273,6 @@ def batch_prefill_script(events, results) -> None:
     transport.post_many(late)
     events["b_landed_all"].wait(STEP_S)
     finish(results)  # dies with a batch posted: decode's landing of it must fail, all of it
-
-
-def batch_decode_side(port: int, events: dict, results) -> None:
-    try:
-        init(1, port)
-        batch_decode_script(events, results)
-    except BaseException as error:  # noqa: BLE001
-        results.put(("error", f"{type(error).__name__}: {error}"))
-        finish(results, 1)
-    finish(results)
 
 
 def wait_for(transport, count: int) -> list:

@@ -67,25 +67,25 @@ def collect(results, prefill, decode, landed_all, prefill_gone, deadline: float)
 
 @pytest.fixture(scope="module")
 def pair() -> dict:
-    return run_pair(cases.prefill_side, cases.decode_side, "", (
+    return run_pair(cases.prefill_script, cases.decode_script, "", (
         "ready", "overwritten", "landed_all", "prefill_gone", "arrived",
         "overwritten_after_read", "prefill_closed", "decode_closed"))
 
 
 @pytest.fixture(scope="module")
 def batch_pair() -> dict:
-    return run_pair(cases.batch_prefill_side, cases.batch_decode_side, "b_", (
+    return run_pair(cases.batch_prefill_script, cases.batch_decode_script, "b_", (
         "b_ready", "b_overwritten", "b_landed_all", "b_prefill_gone"))
 
 
-def run_pair(prefill_side, decode_side, prefix: str, names: tuple) -> dict:
+def run_pair(prefill_script, decode_script, prefix: str, names: tuple) -> dict:
     """Both scripts in their processes, until both exit or HARD_TIMEOUT_S; both stopped."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     events = {name: context.Event() for name in names}
     port = free_port()
-    prefill = context.Process(target=prefill_side, args=(port, events, results))
-    decode = context.Process(target=decode_side, args=(port, events, results))
+    prefill = context.Process(target=cases.side, args=(0, prefill_script, port, events, results))
+    decode = context.Process(target=cases.side, args=(1, decode_script, port, events, results))
     deadline = time.monotonic() + HARD_TIMEOUT_S
     try:
         prefill.start()
