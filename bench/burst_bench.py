@@ -36,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVER_START_S_MAX = 300
 RUN_S_MAX = 900
 STREAMS_START_S = 5.0
+CONNECTIONS_SETTLE_S = 1.0  # for the server to accept the burst's connections before it
+SO_TIMESTAMPNS = 35  # Linux's option number (the socket module does not name it)
 
 
 class Server:
@@ -161,17 +163,25 @@ async def run(url: str, args) -> None:
 
 
 def raw_burst(url: str, count: int) -> list[tuple[int, float, str]]:
-    """`count` chat requests written at once on connections opened (and idle) beforehand,
-    answers read as they come (one selector, no HTTP client): each latency is from the
-    moment its request was written to its whole answer, so what it measures is the server,
-    not a client's event loop making 400 connections on the same two cores."""
+    """`count` chat requests written at once on connections opened beforehand (and given
+    CONNECTIONS_SETTLE_S to be accepted: a client's pool holds its connections before its
+    burst), answers read as they come (one selector, no HTTP client). Each latency is from
+    the moment its request was written to the kernel's receive timestamp (SO_TIMESTAMPNS)
+    of the last packet of its answer, so it measures the server, not this client's one
+    thread writing 400 requests and then reading 400 answers on the same two cores: read
+    from the clock after recv instead, an answer sent at 30 ms was seen at 70 ms when this
+    process was late to read it (every latency then equal, p50 = p99)."""
     import json
     import selectors
     import socket
+    import struct
 
     host, port = url.split("://", 1)[1].split(":")
     sockets = [socket.create_connection((host, int(port)), timeout=RUN_S_MAX)
                for _ in range(count)]
+    for sock in sockets:
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+    time.sleep(CONNECTIONS_SETTLE_S)
     requests = []
     for i in range(count):
         body = json.dumps({"messages": [{"role": "user", "content": f"Say a number: {i}"}],
@@ -180,10 +190,10 @@ def raw_burst(url: str, count: int) -> list[tuple[int, float, str]]:
                         b"Content-Type: application/json\r\nConnection: close\r\n"
                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     selector = selectors.DefaultSelector()
-    sent, received = {}, {}
+    sent_ns, received, landed_ns = {}, {}, {}
     for index, (sock, request) in enumerate(zip(sockets, requests)):
         sock.sendall(request)
-        sent[index] = time.perf_counter()
+        sent_ns[index] = time.time_ns()  # the kernel's timestamps are on the same clock
         sock.setblocking(False)
         selector.register(sock, selectors.EVENT_READ, index)
         received[index] = b""
@@ -192,11 +202,16 @@ def raw_burst(url: str, count: int) -> list[tuple[int, float, str]]:
     while len(done) < count and time.monotonic() < deadline:
         for key, _ in selector.select(timeout=1.0):
             index = key.data
-            chunk = key.fileobj.recv(65536)
+            chunk, ancillary, _, _ = key.fileobj.recvmsg(65536, socket.CMSG_SPACE(16))
             if chunk:
                 received[index] += chunk
+                for level, kind, data in ancillary:
+                    if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
+                        seconds, nanoseconds = struct.unpack("qq", data[:16])
+                        landed_ns[index] = seconds * 1_000_000_000 + nanoseconds
+                landed_ns.setdefault(index, time.time_ns())  # no timestamp: when read
                 continue
-            done[index] = time.perf_counter() - sent[index]  # the server closed: whole
+            done[index] = (landed_ns.get(index, time.time_ns()) - sent_ns[index]) / 1e9
             selector.unregister(key.fileobj)
             key.fileobj.close()
     out = []

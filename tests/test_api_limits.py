@@ -249,3 +249,77 @@ def test_the_gate_bounds_what_is_pending_on_a_cold_server():
         assert gate.pending == 0 and gate.pending_tokens == 0
 
     asyncio.run(scenario())
+
+
+def _gate_scenario(intake, monkeypatch, quiet_s: float, defer_s_max: float, refused_gaps_s):
+    """An admitted request arrives, then refused ones with the gaps given; returns when its
+    app started and when each refusal was sent, on the event loop's clock, from its
+    arrival."""
+    import asyncio
+
+    monkeypatch.setattr(intake, "INTAKE_QUIET_S", quiet_s)
+    monkeypatch.setattr(intake, "INTAKE_DEFER_S_MAX", defer_s_max)
+
+    class Engine:
+        context_length = 1000
+        asked = 0
+
+        def full(self, pending, pending_tokens):
+            self.asked += 1
+            return None if self.asked == 1 else 1.0  # the first in, every other refused
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        started, refused = [], []
+
+        async def app(scope, receive, send):
+            started.append(loop.time())
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                assert message["status"] == 503
+                refused.append(loop.time())
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                 "headers": [(b"content-length", b"10")]}
+        gate = intake.AdmissionGate(app, Engine(), pending_max=4)
+        began = loop.time()
+        first = asyncio.create_task(gate(dict(scope), receive, send))
+        for gap_s in refused_gaps_s:
+            await asyncio.sleep(gap_s)
+            await gate(dict(scope), receive, send)
+        await first
+        assert gate.pending == 0
+        return started[0] - began, [t - began for t in refused]
+
+    return asyncio.run(scenario())
+
+
+def test_a_burst_is_refused_before_admitted_work_starts(monkeypatch):
+    """An admitted request's work (parsing, tokenizing, the prefill it starts) waits until
+    the gate has seen no request for INTAKE_QUIET_S, so a burst's refusals go out first:
+    on 2 cores the admitted requests' work slowed the event loop ~4x while the rest of a
+    burst of 400 still arrived (503 p99 64-129 ms; bench/burst_bench.py). Before, the
+    admitted request stepped back one turn of the loop and started before the refusals
+    that arrived after it."""
+    from api.serve import intake
+
+    started_s, refused_s = _gate_scenario(intake, monkeypatch, quiet_s=0.1, defer_s_max=5.0,
+                                          refused_gaps_s=[0.02] * 10)
+    assert len(refused_s) == 10
+    assert started_s > refused_s[-1]  # every refusal first
+    assert started_s >= refused_s[-1] + 0.1 * 0.9  # then the quiet (timer slack allowed)
+
+
+def test_waiting_for_a_quiet_intake_is_bounded(monkeypatch):
+    """Requests that never stop arriving cannot hold an admitted request back for longer
+    than INTAKE_DEFER_S_MAX: it starts while the refusals still come."""
+    from api.serve import intake
+
+    started_s, refused_s = _gate_scenario(intake, monkeypatch, quiet_s=0.5, defer_s_max=0.3,
+                                          refused_gaps_s=[0.02] * 60)
+    assert 0.3 * 0.9 <= started_s < refused_s[-1]
+    assert started_s < 0.3 + 0.5  # the bound, with room for a loaded machine
