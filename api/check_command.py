@@ -259,6 +259,8 @@ def _exhaust(args: argparse.Namespace, plan: Plan, summaries: list | None = None
     print(f"Checking {', '.join(plan.invariants)}"
           + (f"; liveness ({', '.join(p for p, i in LIVENESS.items() if i in plan.invariants)})"
              " by acyclicity + rest invariants"
+             + (" (under finitely many losses: loss steps left out of the graph)"
+                if plan.model.losses else "")
              if plan.liveness else "") + (" with symmetry over requests" if plan.symmetry else "")
           + (f"; {args.workers} workers" if args.workers > 1 else ""), flush=True)
     try:

@@ -45,7 +45,8 @@ def _add_model_options(parser: argparse.ArgumentParser, headline: bool = False) 
     parser.add_argument("--model", default=None if headline else "default",
                         metavar="NAME|FILE",
                         help="a shipped model (see --list-models) or a .cfg file (default: "
-                             + ("default, then crash and decode-crash, in turn)" if headline
+                             + (", then ".join(check_command.HEADLINE_MODELS) + ", in turn)"
+                                if headline
                                 else "default)"))
     parser.add_argument("--bug", action="append", default=[], metavar="NAME",
                         help="turn on a bug switch (repeatable; see --list-bugs)")

@@ -3,7 +3,8 @@
 Theory of operation. A message (bootstrap, final word, cancel, page table) is delivered
 after the link's latency, with loss (each loss costs a retransmission, retransmit_after_s;
 a bootstrap, final word or cancel lost on message_retransmits_max retransmissions as well is
-lost for good, the spec's Lose* action) and extra delay as faults, each drawn from the run's "links" stream; a request the fuzzer
+lost for good, the spec's Lose* action, and the protocol sends it again after
+timeouts.resend_after_s, the spec's ResendBootstrap or ResendCancel) and extra delay as faults, each drawn from the run's "links" stream; a request the fuzzer
 holds (`Simulation.hold`) waits until its stall ends, and a worker that is restarting
 gets its messages once it is back (the sender re-sends). On delivery the receiving
 worker takes the action the core names for the message (Simulation.deliver). Page writes
@@ -19,6 +20,10 @@ from sim import fault_hits as hits
 # The messages the spec's network may lose for good (Losses), and the spec's action for it.
 LOSS = {core.BOOTSTRAP: "LoseBootstrap", core.FINAL_WORD_MSG: "LoseFinalWord",
         core.CANCEL_MSG: "LoseCancel"}
+# The protocol's resend of each (the spec's ResendBootstrap, ResendCancel): decode asks again
+# for a final word lost on its way with the cancel that AnswerCancel repeats it on.
+RESEND = {core.BOOTSTRAP: "ResendBootstrap", core.FINAL_WORD_MSG: "ResendCancel",
+          core.CANCEL_MSG: "ResendCancel"}
 
 
 class SimLink:
@@ -61,8 +66,16 @@ class SimLink:
 
     def _lose(self, r: int, message: str) -> None:
         """The last attempt is lost too: the message is gone, if the core still has it in
-        flight (a copy that an earlier one already delivered is nothing to lose)."""
-        self.sim.offer_if_enabled(LOSS[message], r)
+        flight (a copy that an earlier one already delivered is nothing to lose). The
+        protocol's recovery follows: after timeouts.resend_after_s the router re-sends a
+        bootstrap decode has not answered, and decode a cancel the prefill has not answered
+        (which has a lost final word repeated); the core takes each only if it is still
+        unanswered then (a final word lost while decode waits is the lease's to recover)."""
+        if self.sim.offer_if_enabled(LOSS[message], r) is not None:
+            self.sim.later(self.sim.sc.timeouts.resend_after_s, self._resend, r, message)
+
+    def _resend(self, r: int, message: str) -> None:
+        self.sim.offer_if_enabled(RESEND[message], r)
 
     def _deliver(self, handler, r: int, worker: int, to_prefill: int) -> None:
         sim = self.sim

@@ -168,6 +168,9 @@ class Timeouts(_Strict):
     lease_s: float = Field(1.0, gt=0)             # the longest silence of the request's prefill
     transfer_timeout_s: float = Field(5.0, gt=0)  # the backstop: Admit to the final word
     notice_delay_s: float = Field(0.002, ge=0)  # how soon a worker notices a client is gone
+    # A bootstrap or cancel lost for good is sent again this long after (the spec's
+    # ResendBootstrap, ResendCancel), if it is still unanswered then.
+    resend_after_s: float = Field(0.5, gt=0)
 
 
 class Faults(_Strict):

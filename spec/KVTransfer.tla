@@ -73,7 +73,7 @@ BugNames == {"FinishedNotRejected", "NoCountCheck", "EagerRelease", "SourceReuse
              "NoAbortNotice", "NoTimeout", "PoolBelowContext", "NoGenBump",
              "NoChecksum", "NoTombstone", "NoCancel", "AdmitBeforeReserve",
              "StopwatchTimeout", "EarlyDone", "NoLandedCount", "GenerationReset",
-             "NoEpochCheck"}
+             "NoEpochCheck", "NoRetransmit"}
 
 LossKinds == {"Bootstrap", "FinalWord", "Cancel", "Write"}
 
@@ -661,6 +661,45 @@ LoseWrite(w) ==
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel,
                    leaked, owner, gen, content, pdata, ptable, fwCount, announced, landed>>
 
+LossStep == \/ \E r \in Requests : LoseBootstrap(r) \/ LoseFinalWord(r) \/ LoseCancel(r)
+            \/ \E w \in writes : LoseWrite(w)
+
+-----------------------------------------------------------------------------
+(* Retransmission: what keeps liveness on a network that loses messages. The router    *)
+(* re-sends a bootstrap decode has not answered, and decode re-sends a cancel the        *)
+(* prefill has not answered (AnswerCancel repeats the final word, so a lost final word is *)
+(* asked for again too). Both are timers that rest on a timing assumption, like the lease *)
+(* (spec/tlaplus/locality.py keeps these out of the sender's reads): a resend fires only   *)
+(* once the message and its answer are off the wire, that is, its timer outlasts a round  *)
+(* trip. A message that was not lost is answered before then, so without losses neither   *)
+(* is ever enabled and every model without Losses has the state graph it had. A page      *)
+(* write lost with its poster told it completed is not retransmitted: nobody knows it is   *)
+(* lost (see spec/README.md). NoRetransmit removes both.                                 *)
+BootstrapUnanswered(r) == ~boot[r] /\ dst[r] = "None"
+
+ResendBootstrap(r) ==
+    /\ "NoRetransmit" \notin Bugs
+    /\ client[r] = "Waiting"
+    /\ BootstrapUnanswered(r)
+    /\ boot' = [boot EXCEPT ![r] = TRUE]
+    /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, fwMsg, dfw, cancel, leaked,
+                   owner, gen, content, powner, pdata, writes, ptable, fwCount,
+                   announced, landed>>
+
+CancelUnanswered(r) == ~cancel[r] /\ fwMsg[r] = "None"
+
+ResendCancel(r) ==
+    /\ "NoRetransmit" \notin Bugs
+    /\ "NoCancel" \notin Bugs
+    /\ dst[r] = "Closing"
+    /\ ~dfw[r]
+    /\ CancelUnanswered(r)
+    /\ cancel' = [cancel EXCEPT ![r] = TRUE]
+    /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, leaked,
+                   owner, gen, content, powner, pdata, writes, ptable, fwCount,
+                   announced, landed>>
+
+
 -----------------------------------------------------------------------------
 (* The protocol's own actions are taken fairly; arrivals, client aborts, prefill        *)
 (* failures and crashes are the environment's.                                         *)
@@ -675,6 +714,7 @@ ProtocolStep(r) ==
     \/ DecodeAbort(r) \/ Release(r)
 
 FairNext == \E r \in Requests : ProtocolStep(r) \/ Timeout(r)
+                                \/ ResendBootstrap(r) \/ ResendCancel(r)
 
 Next ==
     \/ FairNext
@@ -692,6 +732,13 @@ Progress == FairNext \/ \E w \in writes : LandWrite(w)
 
 Spec == Init /\ [][Next]_vars
 FairSpec == Spec /\ WF_vars(Progress)
+
+(* A network that loses things may not lose for ever: from some point on it loses nothing *)
+(* (finitely many losses per behaviour). The lossy models' liveness is claimed under this, *)
+(* and kvproof's checker decides it by proving the graph acyclic once loss steps are left  *)
+(* out (spec/check/checker.py). Where Losses = {} no loss is ever enabled: it is FairSpec. *)
+FiniteLosses == <>[][~LossStep]_vars
+LossyFairSpec == FairSpec /\ FiniteLosses
 
 Symmetry == Permutations(Requests)
 (* Workers of a kind are interchangeable too (model values, compared only for equality). *)
@@ -745,6 +792,14 @@ Ended(r) == /\ client[r] # "Waiting"
             /\ ~HoldsPages(r)
             /\ ~boot[r] /\ fwMsg[r] = "None" /\ ~cancel[r]
 
+(* With every guard in place, a resend is due only where the network may lose what it     *)
+(* sends again: the resends' timing assumption holds only after a loss (a decode that      *)
+(* forgot a final word it heard would look like one, and retransmission would hide it).   *)
+NoResendWithoutLoss ==
+    Bugs = {} => \A r \in Requests :
+        /\ ENABLED ResendBootstrap(r) => "Bootstrap" \in Losses
+        /\ ENABLED ResendCancel(r) => Losses \cap {"Cancel", "FinalWord"} # {}
+
 NoLeakAtRest == AtRest => AllFree
 
 NoStuckRequest == AtRest => \A r \in Requests : Ended(r)
@@ -766,7 +821,14 @@ FaultOutcomes == {"Gone", "ErrPrefill", "ErrDecode"}
 
 Fits(r) == prompt[r] <= Min(Advertised, Min(PrefillPages, DecodePages))
 
-RecoveringFromFault == \E r \in Requests : client[r] \in FaultOutcomes /\ dst[r] = "Waiting"
+(* A lost message is a fault as well, and a timer its designed recovery: its resend, or    *)
+(* for a final word lost while decode waits, decode's timeout (the prefill has gone silent *)
+(* on the request; the cancel has the final word repeated).                               *)
+LossRecoveryDue(r) == \/ ENABLED ResendBootstrap(r) \/ ENABLED ResendCancel(r)
+                      \/ "FinalWord" \in Losses /\ dst[r] = "Waiting" /\ PrefillSilent(r)
+
+RecoveringFromFault == \E r \in Requests : \/ client[r] \in FaultOutcomes /\ dst[r] = "Waiting"
+                                           \/ LossRecoveryDue(r)
 
 FittingRequestsSucceed ==
     QuietButTimers /\ ~RecoveringFromFault => \A r \in Requests :

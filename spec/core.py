@@ -630,6 +630,12 @@ def lease_lapsed(m: Model, s: State, r: int) -> bool:
     decode evaluates: it only sees its clock (locality.py keeps this out of its reads)."""
     if m.early_timeouts or "StopwatchTimeout" in m.bugs:
         return True
+    return prefill_silent(s, r)
+
+
+def prefill_silent(s: State, r: int) -> bool:
+    """The prefill no longer works on r, and neither its final word nor a write of r is on
+    the way (the spec's PrefillSilent)."""
     row = s.requests[r]
     if row[PST] == QUEUED or row[PST] == RUNNING or row[FW] != NO_MSG:
         return False
@@ -798,6 +804,55 @@ def lose_write(m: Model, s: State, r: int, page: int) -> Change | str:
     return Change(prefill=freed, landed=(w,))
 
 
+# Retransmission (the spec's ResendBootstrap, ResendCancel): what keeps liveness on a network
+# that loses messages. Each is a timer resting on the environment's timing assumption that
+# it outlasts a round trip (BootstrapUnanswered, CancelUnanswered, read as the spec reads
+# them and kept out of the sender's reads by locality.py): it fires only once the message
+# and its answer are off the wire, so without losses neither is ever enabled.
+
+def bootstrap_unanswered(row: tuple) -> bool:
+    return not row[BOOT] and row[DST] == D_NONE
+
+
+def cancel_unanswered(row: tuple) -> bool:
+    return not row[CANCEL] and row[FW] == NO_MSG
+
+
+def resend_bootstrap(m: Model, s: State, r: int) -> Change | str:
+    if "NoRetransmit" in m.bugs:
+        return "the router does not retransmit (NoRetransmit)"
+    row = s.requests[r]
+    if row[CLIENT] != WAITING:
+        return f"the client is {CLIENT_NAMES[row[CLIENT]]}, not Waiting"
+    if not bootstrap_unanswered(row):
+        return "the bootstrap is on the wire or decode has answered it"
+    return _one(r, _row(row, BOOT, 1))
+
+
+def resend_cancel(m: Model, s: State, r: int) -> Change | str:
+    if "NoRetransmit" in m.bugs or "NoCancel" in m.bugs:
+        return "decode does not retransmit a cancel (NoRetransmit or NoCancel)"
+    row = s.requests[r]
+    if row[DST] != CLOSING:
+        return f"the decode state is {DECODE_NAMES[row[DST]]}, not Closing"
+    if row[DFW]:
+        return "decode holds the prefill's final word"
+    if not cancel_unanswered(row):
+        return "the cancel or its answer is on the wire"
+    return _one(r, _row(row, CANCEL, 1))
+
+
+def loss_recovery_due(m: Model, s: State, r: int) -> bool:
+    """A message of r was lost and a timer is the designed recovery (the spec's
+    LossRecoveryDue): its resend, or, for a final word lost while decode waits, decode's
+    timeout (the prefill has gone silent on r: its cancel has the final word repeated)."""
+    if not isinstance(resend_bootstrap(m, s, r), str) \
+            or not isinstance(resend_cancel(m, s, r), str):
+        return True
+    return "FinalWord" in m.losses and s.requests[r][DST] == D_WAITING \
+        and prefill_silent(s, r)
+
+
 # ---------------------------------------------------------------------------------------
 # Events: one type per TLA+ action, with the same name.
 
@@ -952,6 +1007,10 @@ Release = _simple("Release", "Decode frees the request's pages.")
 LoseBootstrap = _simple("LoseBootstrap", "The network loses the bootstrap for good (a fault).")
 LoseFinalWord = _simple("LoseFinalWord", "The network loses the final word for good (a fault).")
 LoseCancel = _simple("LoseCancel", "The network loses the cancel for good (a fault).")
+ResendBootstrap = _simple("ResendBootstrap", "The router re-sends a bootstrap decode has not "
+                          "answered (a timer).")
+ResendCancel = _simple("ResendCancel", "Decode re-sends a cancel the prefill has not answered "
+                       "(a timer).")
 
 # ---------------------------------------------------------------------------------------
 # The action table: one row per TLA+ action, in the order the checker enumerates them.
@@ -1011,6 +1070,8 @@ ACTION_TABLE: tuple[ActionInfo, ...] = (
     ActionInfo(LoseFinalWord, "network", "fault"),
     ActionInfo(LoseCancel, "network", "fault"),
     ActionInfo(LoseWrite, "network", "fault", argument="page"),
+    ActionInfo(ResendBootstrap, "router", "timer"),
+    ActionInfo(ResendCancel, "decode", "timer"),
 )
 
 # Action type -> its function. A dict rather than a table column so that a test can swap
@@ -1022,7 +1083,8 @@ ACTIONS: dict[type, Callable] = {
     DropBootstrap: drop_bootstrap, Accept: accept, Notice: notice, Finish: finish, Abort: abort,
     DecodeAbort: decode_abort, Timeout: timeout, Release: release, PrefillCrash: prefill_crash,
     DecodeCrash: decode_crash, LoseBootstrap: lose_bootstrap, LoseFinalWord: lose_final_word,
-    LoseCancel: lose_cancel, LoseWrite: lose_write,
+    LoseCancel: lose_cancel, LoseWrite: lose_write, ResendBootstrap: resend_bootstrap,
+    ResendCancel: resend_cancel,
 }
 assert tuple(ACTIONS) == tuple(info.event for info in ACTION_TABLE)
 INFO = {info.event: info for info in ACTION_TABLE}
@@ -1031,6 +1093,10 @@ EVENT_TYPES = {info.event.__name__: info.event for info in ACTION_TABLE}
 # Environment and fault actions; the rest are the protocol's own and are taken fairly.
 UNFAIR_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE if not info.fair)
 FAULT_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE if info.kind == "fault")
+# The network's losses: faults a behaviour takes only finitely often (the spec's
+# FiniteLosses), so the checker proves liveness on the graph without them.
+LOSS_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE
+                          if info.kind == "fault" and info.worker == "network")
 TIMER_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE if info.kind == "timer")
 # The events that are signs of progress of a request's prefill and renew decode's transfer
 # lease (LeaseLapsed in the spec; the shells' timers): the prefill's own actions on the

@@ -106,6 +106,12 @@ BUG_SWITCHES: dict[str, tuple[str, str, str]] = {
         "request that life already ended",
         "kvproof guard removal",
     ),
+    "NoRetransmit": (
+        "retransmission of an unanswered bootstrap and cancel",
+        "a bootstrap or a cancel lost on the wire is never sent again, so decode never "
+        "reserves, or never hears the final word, and the request and its pages hang",
+        "kvproof guard removal (a lossy network's requests hang for ever)",
+    ),
 }
 
 ALL_BUGS = frozenset(BUG_SWITCHES)

@@ -18,7 +18,7 @@ from spec.core import (
     ANNOUNCED, DW, FW_COUNT, LANDED, PTABLE, PW,
     BOOT, CANCEL, CLIENT, CLOSING, DECODING, DST, D_WAITING, ERR_DECODE, ERR_PREFILL, ERR_TAG,
     ERR_TIMEOUT, ERR_TRANSFER, FW, GEN, GONE, IDLE, LEAKED, NONE, NO_MSG, OK, OWNER, PROMPT, PST, QUEUED, RELEASED, RUNNING, SENT, SRC,
-    TABLE, TOMB, WAITING, State,
+    TABLE, TOMB, WAITING, State, loss_recovery_due, resend_bootstrap, resend_cancel,
 )
 from spec.model import Model
 
@@ -144,6 +144,25 @@ def NoGuardTripWithoutFault(m: Model, s: State) -> bool:
     return not any(row[CLIENT] == ERR_TRANSFER or row[CLIENT] == ERR_TAG for row in s.requests)
 
 
+def NoResendWithoutLoss(m: Model, s: State) -> bool:
+    """With every guard in place, a resend is due only where the network may lose what it
+    sends again: the resends' timing assumption (the message and its answer off the wire)
+    holds only after a loss. A decode that forgot a final word it heard would look like one
+    (tests/test_fuzz.py's notice-forgets-final-word), and retransmission would hide it."""
+    if m.bugs:
+        return True
+    bootstrap_lost = "Bootstrap" in m.losses
+    cancel_lost = "Cancel" in m.losses or "FinalWord" in m.losses
+    if bootstrap_lost and cancel_lost:
+        return True
+    for r in range(len(s.requests)):
+        if not bootstrap_lost and type(resend_bootstrap(m, s, r)) is not str:
+            return False
+        if not cancel_lost and type(resend_cancel(m, s, r)) is not str:
+            return False
+    return True
+
+
 def NoLeakAtRest(m: Model, s: State) -> bool:
     """At rest every page of both pools is free and no write is in flight."""
     return (not s.writes
@@ -176,12 +195,16 @@ def FittingRequestsSucceed(m: Model, s: State) -> bool:
     or crash, a decode crash, a timeout) has its Ok. Something has to succeed: a protocol
     whose prefill never said Done leaves its requests waiting for their timers here. The
     excuse: a timer that is the designed recovery from a fault (decode learns of a prefill
-    crash by timing out; the crashed request's pages may hold others back until then)."""
+    crash by timing out; the crashed request's pages may hold others back until then; a
+    message the network lost is sent again by its resend timer, or, for a final word lost
+    while decode waits, decode's timeout has it repeated)."""
     fits = min(m.advertised_context_pages, m.prefill_pages, m.decode_pages)
     faults = _FAULT_OUTCOMES if m.early_timeouts else _FAULT_OUTCOMES_TIMELY
     for row in s.requests:  # a timer that recovers from a fault is the one excuse
         if row[CLIENT] in faults and row[DST] == D_WAITING:
             return True
+    if any(loss_recovery_due(m, s, r) for r in range(len(s.requests))):
+        return True
     for row in s.requests:
         client = row[CLIENT]
         if client != IDLE and client != OK and client not in faults \
@@ -199,6 +222,7 @@ STATE_INVARIANTS: dict[str, Predicate] = {
     "SourceHeld": SourceHeld,
     "RejectedIsError": RejectedIsError,
     "NoGuardTripWithoutFault": NoGuardTripWithoutFault,
+    "NoResendWithoutLoss": NoResendWithoutLoss,
 }
 REST_INVARIANTS: dict[str, Predicate] = {
     "NoLeakAtRest": NoLeakAtRest,

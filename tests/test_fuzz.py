@@ -147,8 +147,10 @@ def _release_before_the_final_word(original):
 
 def _notice_forgets_the_final_word(original):
     """Decode, waiting for KV, takes a Reject or Abort but forgets it heard the final word, so
-    Release waits for it forever. No switch does this (NoAbortNotice drops the notice at the
-    prefill, where decode's timeout and cancel recover; here nothing recovers)."""
+    Release waits for it. No switch does this (NoAbortNotice drops the notice at the prefill,
+    where decode's timeout and cancel recover). Decode's resend of its cancel then has the
+    final word repeated, as after a loss: NoResendWithoutLoss catches a resend with nothing
+    lost, and where the resend does not come, NoLeakAtRest catches the hang."""
     def notice(m, s, r):
         out = original(m, s, r)
         if type(out) is str or s.requests[r][DST] != D_WAITING:
@@ -161,7 +163,7 @@ def _notice_forgets_the_final_word(original):
 BROKEN_GUARDS = [
     (core.SendDone, _send_done_before_writes_land, {"SourceHeld"}),
     (core.Release, _release_before_the_final_word, {"NoWriteIntoForeign", "PageConservation"}),
-    (core.Notice, _notice_forgets_the_final_word, {"NoLeakAtRest"}),
+    (core.Notice, _notice_forgets_the_final_word, {"NoLeakAtRest", "NoResendWithoutLoss"}),
 ]
 # A shell may mask a broken guard of the core: the simulator's prefill offers SendDone only
 # once its NIC reports every write complete, so the core's own check is never the last word.

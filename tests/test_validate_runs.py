@@ -38,16 +38,16 @@ def one_pair(tmp_path_factory) -> Path:
     return sim_log(tmp_path_factory.mktemp("runs") / "one-pair.ndjson", "one-pair", 15)
 
 
-# (seed, protocol steps, the faults in its log): every loss kind, both crashes and an abort
-# over the three.
+# (seed, protocol steps, the faults in its log and the protocol's resends of lost messages):
+# every loss kind, both resends, both crashes and an abort over the three.
 LOSSY = [
-    (1, 37, {"LoseFinalWord": 2, "LoseBootstrap": 1, "LoseWrite": 1, "LoseCancel": 1,
+    (1, 52, {"LoseFinalWord": 4, "LoseWrite": 2, "LoseCancel": 4, "ResendCancel": 2,
              "DecodeCrash": 2}),
-    (5, 35, {"LoseCancel": 3, "LoseWrite": 1, "Abort": 1}),
-    (6, 21, {"LoseFinalWord": 1, "LoseBootstrap": 2, "LoseCancel": 1, "DecodeCrash": 2,
-             "PrefillCrash": 1}),
+    (2, 49, {"LoseBootstrap": 4, "LoseCancel": 2, "LoseFinalWord": 2, "ResendBootstrap": 4,
+             "ResendCancel": 2, "Abort": 1, "DecodeCrash": 1, "PrefillCrash": 1}),
+    (5, 36, {"LoseCancel": 3, "LoseWrite": 1, "ResendCancel": 1, "Abort": 1}),
 ]
-FAULTS = ("Lose", "PrefillCrash", "DecodeCrash", "Abort")
+FAULTS = ("Lose", "Resend", "PrefillCrash", "DecodeCrash", "Abort")
 
 
 @pytest.mark.parametrize("seed, steps, faults", LOSSY, ids=[f"seed{s}" for s, _, _ in LOSSY])
@@ -172,12 +172,13 @@ def test_every_action_of_next_is_bound_by_a_log_record():
 # protocol steps, the faults in its log, the placements). Over the three: every loss kind,
 # every placement, each kind of crash at each worker, client aborts.
 CLUSTER = [
-    (2, 41, {"LoseBootstrap": 4, "LoseCancel": 2, "LoseFinalWord": 1, "Abort": 2,
-             "PrefillCrash": 2}, {(0, 0), (0, 1), (1, 0)}),
+    (2, 57, {"LoseBootstrap": 3, "LoseCancel": 2, "LoseWrite": 1, "ResendBootstrap": 2,
+             "ResendCancel": 2, "Abort": 2, "PrefillCrash": 2}, {(0, 0), (0, 1), (1, 0), (1, 1)}),
     (3, 51, {"LoseCancel": 1, "LoseWrite": 1, "LoseBootstrap": 1, "LoseFinalWord": 1,
              "DecodeCrash": 1, "PrefillCrash": 2}, {(0, 0), (0, 1), (1, 1)}),
-    (6, 50, {"LoseFinalWord": 2, "LoseBootstrap": 1, "LoseCancel": 2, "LoseWrite": 1,
-             "DecodeCrash": 1, "PrefillCrash": 3}, {(0, 0), (0, 1), (1, 1)}),
+    (6, 87, {"LoseFinalWord": 5, "LoseBootstrap": 2, "LoseCancel": 6, "LoseWrite": 1,
+             "ResendBootstrap": 1, "ResendCancel": 9, "DecodeCrash": 1, "PrefillCrash": 2},
+     {(0, 0), (0, 1), (1, 0), (1, 1)}),
 ]
 
 

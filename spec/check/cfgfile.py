@@ -219,8 +219,14 @@ def model_from_cfg(cfg: CfgFile, name: str) -> Model:
     losses = cfg.constants.get("Losses", frozenset())  # absent: a file from before losses
     if not isinstance(losses, frozenset) or not all(isinstance(k, str) for k in losses):
         raise CfgError(f"{cfg.path}: Losses must be a set of strings")
-    if cfg.specification not in (None, "Spec", "FairSpec"):
-        raise CfgError(f"{cfg.path}: SPECIFICATION must be Spec or FairSpec")
+    if cfg.specification not in (None, "Spec", "FairSpec", "LossyFairSpec"):
+        raise CfgError(f"{cfg.path}: SPECIFICATION must be Spec, FairSpec or LossyFairSpec")
+    if losses and cfg.specification == "FairSpec":
+        # kvproof decides liveness with loss steps left out of the graph; TLC, under FairSpec
+        # alone, would find a message lost and sent again for ever.
+        raise CfgError(f"{cfg.path}: a model whose network loses things (Losses) is checked "
+                       "under SPECIFICATION LossyFairSpec (liveness under finitely many "
+                       "losses), not FairSpec")
     names = tuple(sorted(r.name for r in requests))
     sizes = {key: _int_constant(cfg, name) for key, name in _SIZES}
     flags = {}
@@ -271,7 +277,8 @@ def cfg_for(model: Model, invariants: tuple[str, ...], properties: tuple[str, ..
              f"    EarlyTimeouts = {'TRUE' if model.early_timeouts else 'FALSE'}",
              f"    Losses = {{{', '.join(chr(34) + k + chr(34) for k in sorted(model.losses))}}}",
              f"    Bugs = {{{bugs}}}",
-             "SPECIFICATION FairSpec", "INVARIANTS", *[f"    {n}" for n in invariants]]
+             f"SPECIFICATION {'LossyFairSpec' if model.losses else 'FairSpec'}", "INVARIANTS",
+             *[f"    {n}" for n in invariants]]
     if properties:
         lines += ["PROPERTIES", *[f"    {p}" for p in properties]]
     if symmetry:

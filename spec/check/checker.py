@@ -11,7 +11,12 @@ action is enabled ("at rest"): the rest invariants; such a state with no event e
 all is reported as a deadlock. Liveness: the checker records the state graph and proves it
 acyclic (and that no action stutters); on an acyclic graph every behaviour under weak
 fairness of the protocol's actions ends at rest, so the rest invariants decide
-EveryRequestEnds and PagesComeBack. A cycle is reported as a lasso trace.
+EveryRequestEnds and PagesComeBack. A cycle is reported as a lasso trace. The network's
+losses (core.LOSS_ACTIONS) are left out of that graph: a lossy model's liveness is claimed
+under the spec's FiniteLosses (from some point on the network loses nothing), and a
+behaviour that takes finitely many loss steps ends in the loss-free graph, which is then
+the one that must be acyclic. A retransmission that is lost and sent again for ever is a
+cycle only through loss steps, and excluded by that assumption, not by the checker.
 
 Reachability: a model in which no behaviour ends with a client answered Ok checks nothing
 worth having (every property holds vacuously of a protocol that never succeeds). So the
@@ -289,7 +294,8 @@ class Checker:
                             break
                 elif j == here:
                     raise AssertionError(f"{event.label(m)} leaves the state unchanged")
-                child_indices.append(j)
+                if name not in core.LOSS_ACTIONS:  # finitely many losses: not in the graph
+                    child_indices.append(j)
             if self._stop(result):
                 break
             if graph is not None:

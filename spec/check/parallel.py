@@ -125,6 +125,22 @@ def _expand(segments: list) -> _Task:
     return task
 
 
+def _without_losses(children: list[int], task: _Task, names) -> tuple[list[int], list[int]]:
+    """The batch's successor lists for the liveness graph: loss steps left out, as the
+    serial checker leaves them out (a lossy model's liveness assumes finitely many)."""
+    if not any(names[a] in core.LOSS_ACTIONS for a in set(task.actions)):
+        return children, task.successors
+    kept, counts, position = [], [], 0
+    for successors in task.successors:
+        before = len(kept)
+        for k in range(position, position + successors):
+            if names[task.actions[k]] not in core.LOSS_ACTIONS:
+                kept.append(children[k])
+        counts.append(len(kept) - before)
+        position += successors
+    return kept, counts
+
+
 def _expand_one(s, task: _Task, sent: list) -> None:
     m, symmetry, seen = _worker["m"], _worker["symmetry"], _worker["seen"]
     state_checks, step_checks = _worker["state_checks"], _worker["step_checks"]
@@ -445,7 +461,7 @@ class ParallelChecker(Checker):
                 raise AssertionError(f"an action leaves state {here} unchanged")
             position += successors
         if search.graph is not None:
-            search.graph.add_many(children, task.successors)
+            search.graph.add_many(*_without_losses(children, task, names))
 
     def _take(self, search: "_Search", expanded: tuple, result: CheckResult) -> None:
         """One expanded state's successors, in the serial checker's order and with its
@@ -485,7 +501,8 @@ class ParallelChecker(Checker):
                         return
             elif j == here:
                 raise AssertionError(f"{name} leaves the state unchanged")
-            children.append(j)
+            if name not in core.LOSS_ACTIONS:  # finitely many losses: see checker.py
+                children.append(j)
         if search.graph is not None:
             search.graph.add(children)
         failed = [f for f in quiet if f in dict(self.quiet_checks)]

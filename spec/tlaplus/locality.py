@@ -115,8 +115,15 @@ ASSUMPTIONS = {
     "LeaseLapsed": "decode's lease lapses only after the prefill's silence (a working "
                    "prefill renews it within lease_s): the environment's assumption, decode "
                    "sees only its clock",
+    "BootstrapUnanswered": "the router's resend timer outlasts a bootstrap's round trip: it "
+                           "fires only once the bootstrap is off the wire unanswered (lost); "
+                           "the router sees only its clock",
+    "CancelUnanswered": "decode's resend timer outlasts a cancel's round trip: it fires only "
+                        "once neither the cancel nor the final word answering it is on the "
+                        "wire (one was lost); decode sees only its clock",
 }
-CORE_ASSUMPTIONS = {"lease_lapsed": "LeaseLapsed"}
+CORE_ASSUMPTIONS = {"lease_lapsed": "LeaseLapsed", "bootstrap_unanswered": "BootstrapUnanswered",
+                    "cancel_unanswered": "CancelUnanswered"}
 # How each owner is described in the table.
 MEANING = {
     "writes": "its send queue: writes posted whose completion has not come back",
