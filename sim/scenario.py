@@ -171,6 +171,9 @@ class Timeouts(_Strict):
     # A bootstrap or cancel lost for good is sent again this long after (the spec's
     # ResendBootstrap, ResendCancel), if it is still unanswered then.
     resend_after_s: float = Field(0.5, gt=0)
+    # Decode's write timer where writes are lost silently (the spec's RevokeRelease): it
+    # revokes a request's pages and releases them once the count can no longer complete.
+    write_timeout_s: float = Field(0.5, gt=0)
 
 
 class Faults(_Strict):

@@ -244,11 +244,30 @@ class SimPrefill:
             # Below zero only for a settled request (its count left with it).
             assert left == 0 or not live, f"request {r}: more writes landed than posted"
         if live:
-            sim.take(core.LoseWrite(r, page) if lost else core.LandWrite(r, page))
+            taken = sim.take(core.LoseWrite(r, page) if lost else core.LandWrite(r, page))
+            if lost and taken:
+                sim.later(sim.sc.timeouts.write_timeout_s, self._revoke, r, REVOKE_TRIES_MAX)
         sim._done_if_landed(r)
         if self.nic_posted:
             self._start_writes()
         self.kick_nic()
+
+
+    def _revoke(self, r: int, tries_left: int) -> None:
+        """Decode's write timer (the spec's RevokeRelease): nobody knows a write lost this
+        way is lost, so decode gives up on the request's short count, revokes its pages and
+        releases them, once the core allows it (the final word is in and no write of the
+        request is on the wire). A real decode arms it on a final word that announces more
+        writes than landed; the simulator arms it at the loss and tries again every
+        write_timeout_s while the request lives (at most REVOKE_TRIES_MAX times)."""
+        sim = self.sim
+        if r not in sim.cluster.rows or sim.offer_if_enabled("RevokeRelease", r) is not None:
+            return
+        if tries_left > 1:
+            sim.later(sim.sc.timeouts.write_timeout_s, self._revoke, r, tries_left - 1)
+
+
+REVOKE_TRIES_MAX = 100  # write timer firings per lost write before the shell stops trying
 
 
 class SimDecode:

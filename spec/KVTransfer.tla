@@ -73,7 +73,7 @@ BugNames == {"FinishedNotRejected", "NoCountCheck", "EagerRelease", "SourceReuse
              "NoAbortNotice", "NoTimeout", "PoolBelowContext", "NoGenBump",
              "NoChecksum", "NoTombstone", "NoCancel", "AdmitBeforeReserve",
              "StopwatchTimeout", "EarlyDone", "NoLandedCount", "GenerationReset",
-             "NoEpochCheck", "NoRetransmit"}
+             "NoEpochCheck", "NoRetransmit", "NoRevoke"}
 
 LossKinds == {"Bootstrap", "FinalWord", "Cancel", "Write"}
 
@@ -676,29 +676,64 @@ LossStep == \/ \E r \in Requests : LoseBootstrap(r) \/ LoseFinalWord(r) \/ LoseC
 (* write lost with its poster told it completed is not retransmitted: nobody knows it is   *)
 (* lost (see spec/README.md). NoRetransmit removes both.                                 *)
 BootstrapUnanswered(r) == ~boot[r] /\ dst[r] = "None"
+BootstrapResendDue(r) == client[r] = "Waiting" /\ BootstrapUnanswered(r)
 
 ResendBootstrap(r) ==
     /\ "NoRetransmit" \notin Bugs
-    /\ client[r] = "Waiting"
-    /\ BootstrapUnanswered(r)
+    /\ BootstrapResendDue(r)
     /\ boot' = [boot EXCEPT ![r] = TRUE]
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, fwMsg, dfw, cancel, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, fwCount,
                    announced, landed>>
 
 CancelUnanswered(r) == ~cancel[r] /\ fwMsg[r] = "None"
+CancelResendDue(r) == dst[r] = "Closing" /\ ~dfw[r] /\ CancelUnanswered(r)
 
 ResendCancel(r) ==
     /\ "NoRetransmit" \notin Bugs
     /\ "NoCancel" \notin Bugs
-    /\ dst[r] = "Closing"
-    /\ ~dfw[r]
-    /\ CancelUnanswered(r)
+    /\ CancelResendDue(r)
     /\ cancel' = [cancel EXCEPT ![r] = TRUE]
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, fwCount,
                    announced, landed>>
 
+
+(* A page write lost with its poster told it completed (Losses contains "Write": an       *)
+(* unreliable transport, a post that failed silently) is sent again by nobody: nobody     *)
+(* knows it is lost, and decode's count never reaches what the final word announced. On  *)
+(* such a transport decode arms a write timer: when it lapses, decode revokes the         *)
+(* registration of the request's pages (a write that arrives later fails at the NIC and    *)
+(* lands nowhere) and releases them; a transfer it had not accepted fails (ErrTransfer,   *)
+(* the count check). The revocation is what makes the release safe; in the spec it is the *)
+(* timing assumption WritesGone (the timer outlasts any write's flight, so no write of the *)
+(* request is on the wire by then). Where writes are not lost silently (Losses without     *)
+(* "Write") no such timer is armed: there a short count only means writes still on their  *)
+(* way. NoRevoke removes it.                                                               *)
+WritesGone(r) == WritesOf(r) = {}
+
+RevokeRelease(r) ==
+    /\ "Write" \in Losses
+    /\ "NoRevoke" \notin Bugs
+    /\ IF dst[r] = "Waiting"
+         THEN /\ fwMsg[r] = "Done"
+              /\ ~Counted(r, fwCount[r])
+              /\ fwMsg' = [fwMsg EXCEPT ![r] = "None"]
+              /\ fwCount' = [fwCount EXCEPT ![r] = 0]
+              /\ dfw' = [dfw EXCEPT ![r] = TRUE]
+              /\ announced' = [announced EXCEPT ![r] = fwCount[r]]
+              /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTransfer")]
+         ELSE /\ dst[r] = "Closing"
+              /\ dfw[r]
+              /\ ~Counted(r, announced[r])
+              /\ UNCHANGED <<fwMsg, fwCount, dfw, announced, client>>
+    /\ WritesGone(r)
+    /\ dst' = [dst EXCEPT ![r] = "Released"]
+    /\ owner' = [owner EXCEPT ![dworker[r]] =
+                   [p \in DPages |-> IF @[p] = r /\ p \in {table[r][i].page : i \in DOMAIN table[r]}
+                                     THEN NoReq ELSE @[p]]]
+    /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, table, boot, cancel, leaked, gen,
+                   content, powner, pdata, writes, ptable, landed>>
 
 -----------------------------------------------------------------------------
 (* The protocol's own actions are taken fairly; arrivals, client aborts, prefill        *)
@@ -714,7 +749,7 @@ ProtocolStep(r) ==
     \/ DecodeAbort(r) \/ Release(r)
 
 FairNext == \E r \in Requests : ProtocolStep(r) \/ Timeout(r)
-                                \/ ResendBootstrap(r) \/ ResendCancel(r)
+                                \/ ResendBootstrap(r) \/ ResendCancel(r) \/ RevokeRelease(r)
 
 Next ==
     \/ FairNext
@@ -776,9 +811,12 @@ RejectedIsError == \A r \in Requests : Overlong(r) => client[r] # "Ok" /\ dst[r]
 (* place (no bug switch) and no fault that corrupts data (this spec has none: crashes     *)
 (* flush writes together with the requests they belong to, and a write the network loses *)
 (* (Losses) is never counted as landed, so decode never verifies it), none of them ever   *)
-(* fires. A protocol that lost writes on its own path would fail requests here.           *)
+(* fires, except the count check where the network may lose a write silently: the write   *)
+(* timer then fails the transfer (RevokeRelease). A protocol that lost writes on its own   *)
+(* path would fail requests here.                                                         *)
 NoGuardTripWithoutFault ==
-    Bugs = {} => \A r \in Requests : client[r] \notin {"ErrTransfer", "ErrTag"}
+    Bugs = {} => \A r \in Requests :
+        client[r] \notin {"ErrTag"} \cup (IF "Write" \in Losses THEN {} ELSE {"ErrTransfer"})
 
 (* At rest no fair action is enabled: only the environment could move the system. *)
 AtRest == ~ENABLED Progress
@@ -797,8 +835,8 @@ Ended(r) == /\ client[r] # "Waiting"
 (* forgot a final word it heard would look like one, and retransmission would hide it).   *)
 NoResendWithoutLoss ==
     Bugs = {} => \A r \in Requests :
-        /\ ENABLED ResendBootstrap(r) => "Bootstrap" \in Losses
-        /\ ENABLED ResendCancel(r) => Losses \cap {"Cancel", "FinalWord"} # {}
+        /\ BootstrapResendDue(r) => "Bootstrap" \in Losses
+        /\ CancelResendDue(r) => Losses \cap {"Cancel", "FinalWord"} # {}
 
 NoLeakAtRest == AtRest => AllFree
 
@@ -816,8 +854,11 @@ QuietButTimers == /\ ~ENABLED (\E r \in Requests : ProtocolStep(r))
 
 (* A timeout is a fault's outcome only where timers may fire early: with timely timers a  *)
 (* fitting request that times out was failed by the protocol.                             *)
+(* Where writes may be lost silently, a transfer failed by the write timer is a fault's    *)
+(* outcome too.                                                                          *)
 FaultOutcomes == {"Gone", "ErrPrefill", "ErrDecode"}
                  \cup (IF EarlyTimeouts THEN {"ErrTimeout"} ELSE {})
+                 \cup (IF "Write" \in Losses THEN {"ErrTransfer"} ELSE {})
 
 Fits(r) == prompt[r] <= Min(Advertised, Min(PrefillPages, DecodePages))
 
@@ -825,6 +866,7 @@ Fits(r) == prompt[r] <= Min(Advertised, Min(PrefillPages, DecodePages))
 (* for a final word lost while decode waits, decode's timeout (the prefill has gone silent *)
 (* on the request; the cancel has the final word repeated).                               *)
 LossRecoveryDue(r) == \/ ENABLED ResendBootstrap(r) \/ ENABLED ResendCancel(r)
+                      \/ ENABLED RevokeRelease(r)
                       \/ "FinalWord" \in Losses /\ dst[r] = "Waiting" /\ PrefillSilent(r)
 
 RecoveringFromFault == \E r \in Requests : \/ client[r] \in FaultOutcomes /\ dst[r] = "Waiting"

@@ -842,12 +842,49 @@ def resend_cancel(m: Model, s: State, r: int) -> Change | str:
     return _one(r, _row(row, CANCEL, 1))
 
 
+def writes_gone(s: State, r: int) -> bool:
+    """No write of r is on the wire (the spec's WritesGone: the write timer's assumption)."""
+    return not any(w[0] == r for w in s.writes)
+
+
+def revoke_release(m: Model, s: State, r: int) -> Change | str:
+    """Where the network may lose a write with its poster told it completed, decode's write
+    timer: revoke the registration of r's pages (a late write lands nowhere), release them,
+    and fail a transfer not yet accepted (the spec's RevokeRelease)."""
+    if "Write" not in m.losses:
+        return "this network loses no write silently: no write timer is armed"
+    if "NoRevoke" in m.bugs:
+        return "decode never revokes (NoRevoke)"
+    row = s.requests[r]
+    if row[DST] == D_WAITING:
+        if row[FW] != MSG_DONE:
+            return "no Done is in flight"
+        if _counted(m, row, row[FW_COUNT]):
+            return "every write the Done announces has landed: nothing to give up on"
+        row = _row(row, FW, NO_MSG, FW_COUNT, 0, DFW, 1, ANNOUNCED, row[FW_COUNT],
+                   CLIENT, _client_error(row, ERR_TRANSFER))
+    elif row[DST] == CLOSING:
+        if not row[DFW]:
+            return "the prefill's final word has not arrived"
+        if _counted(m, row, row[ANNOUNCED]):
+            return "every write the final word announced has landed: Release frees the pages"
+    else:
+        return f"the decode state is {DECODE_NAMES[row[DST]]}, not Waiting or Closing"
+    if not writes_gone(s, r):
+        return "a write of this request is still on the wire"
+    pool = s.decode_pool
+    freed = tuple((page, (NONE, *pool[page][1:])) for page, _ in row[TABLE]
+                  if pool[page][0] == r)
+    return Change(((r, _row(row, DST, RELEASED)),), decode=freed)
+
+
 def loss_recovery_due(m: Model, s: State, r: int) -> bool:
     """A message of r was lost and a timer is the designed recovery (the spec's
     LossRecoveryDue): its resend, or, for a final word lost while decode waits, decode's
     timeout (the prefill has gone silent on r: its cancel has the final word repeated)."""
     if not isinstance(resend_bootstrap(m, s, r), str) \
-            or not isinstance(resend_cancel(m, s, r), str):
+            or not isinstance(resend_cancel(m, s, r), str) \
+            or not isinstance(revoke_release(m, s, r), str):
         return True
     return "FinalWord" in m.losses and s.requests[r][DST] == D_WAITING \
         and prefill_silent(s, r)
@@ -1011,6 +1048,9 @@ ResendBootstrap = _simple("ResendBootstrap", "The router re-sends a bootstrap de
                           "answered (a timer).")
 ResendCancel = _simple("ResendCancel", "Decode re-sends a cancel the prefill has not answered "
                        "(a timer).")
+RevokeRelease = _simple("RevokeRelease", "Decode's write timer: it revokes a request's pages "
+                        "from the NIC and releases them (a timer, where writes can be lost "
+                        "silently).")
 
 # ---------------------------------------------------------------------------------------
 # The action table: one row per TLA+ action, in the order the checker enumerates them.
@@ -1033,6 +1073,7 @@ class ActionInfo:
     consumes: tuple = ()        # the messages it takes off the wire, in dispatch order
     argument: str = ""          # the event's field besides the request, if any
     observed: Callable | None = None  # the oracle for the verdict the data path reports
+    after_loss: bool = False    # a recovery from a loss: never enabled where nothing is lost
 
     @property
     def fair(self) -> bool:
@@ -1070,8 +1111,9 @@ ACTION_TABLE: tuple[ActionInfo, ...] = (
     ActionInfo(LoseFinalWord, "network", "fault"),
     ActionInfo(LoseCancel, "network", "fault"),
     ActionInfo(LoseWrite, "network", "fault", argument="page"),
-    ActionInfo(ResendBootstrap, "router", "timer"),
-    ActionInfo(ResendCancel, "decode", "timer"),
+    ActionInfo(ResendBootstrap, "router", "timer", after_loss=True),
+    ActionInfo(ResendCancel, "decode", "timer", after_loss=True),
+    ActionInfo(RevokeRelease, "decode", "timer", after_loss=True),
 )
 
 # Action type -> its function. A dict rather than a table column so that a test can swap
@@ -1084,7 +1126,7 @@ ACTIONS: dict[type, Callable] = {
     DecodeAbort: decode_abort, Timeout: timeout, Release: release, PrefillCrash: prefill_crash,
     DecodeCrash: decode_crash, LoseBootstrap: lose_bootstrap, LoseFinalWord: lose_final_word,
     LoseCancel: lose_cancel, LoseWrite: lose_write, ResendBootstrap: resend_bootstrap,
-    ResendCancel: resend_cancel,
+    ResendCancel: resend_cancel, RevokeRelease: revoke_release,
 }
 assert tuple(ACTIONS) == tuple(info.event for info in ACTION_TABLE)
 INFO = {info.event: info for info in ACTION_TABLE}
@@ -1098,6 +1140,9 @@ FAULT_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE if info.k
 LOSS_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE
                           if info.kind == "fault" and info.worker == "network")
 TIMER_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE if info.kind == "timer")
+# The recoveries from a loss (resends, decode's write timer): never enabled without Losses.
+LOSS_RECOVERY_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE
+                                  if info.after_loss)
 # The events that are signs of progress of a request's prefill and renew decode's transfer
 # lease (LeaseLapsed in the spec; the shells' timers): the prefill's own actions on the
 # request and its writes landing. A crash is a sign of nothing.

@@ -112,6 +112,13 @@ BUG_SWITCHES: dict[str, tuple[str, str, str]] = {
         "reserves, or never hears the final word, and the request and its pages hang",
         "kvproof guard removal (a lossy network's requests hang for ever)",
     ),
+    "NoRevoke": (
+        "decode's write timer: revoke the pages' registration, then release",
+        "a page write lost with its poster told it completed leaves decode's count short for "
+        "ever, and decode holds the request's pages (rightly, without a revocation: the "
+        "write could still land)",
+        "kvproof guard removal (unreliable RDMA transports: a lost write completes as sent)",
+    ),
 }
 
 ALL_BUGS = frozenset(BUG_SWITCHES)

@@ -138,10 +138,13 @@ def RejectedIsError(m: Model, s: State) -> bool:
 
 def NoGuardTripWithoutFault(m: Model, s: State) -> bool:
     """With every guard in place and no data-corrupting fault (the spec has none), the count
-    check, the checksums and the tag check never fire: they are backstops."""
+    check, the checksums and the tag check never fire: they are backstops. Where the network
+    may lose a write silently, the write timer fails the transfer on the count (ErrTransfer)."""
     if m.bugs:
         return True
-    return not any(row[CLIENT] == ERR_TRANSFER or row[CLIENT] == ERR_TAG for row in s.requests)
+    transfer_trips = "Write" not in m.losses
+    return not any(row[CLIENT] == ERR_TAG or transfer_trips and row[CLIENT] == ERR_TRANSFER
+                   for row in s.requests)
 
 
 def NoResendWithoutLoss(m: Model, s: State) -> bool:
@@ -200,6 +203,8 @@ def FittingRequestsSucceed(m: Model, s: State) -> bool:
     while decode waits, decode's timeout has it repeated)."""
     fits = min(m.advertised_context_pages, m.prefill_pages, m.decode_pages)
     faults = _FAULT_OUTCOMES if m.early_timeouts else _FAULT_OUTCOMES_TIMELY
+    if "Write" in m.losses:  # a transfer the write timer failed: the lost write's outcome
+        faults = faults + (ERR_TRANSFER,)
     for row in s.requests:  # a timer that recovers from a fault is the one excuse
         if row[CLIENT] in faults and row[DST] == D_WAITING:
             return True

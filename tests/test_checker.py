@@ -157,9 +157,14 @@ def test_every_action_fires_in_the_default_model_except_the_reject_paths():
     result = checked("default", frozenset())
     never = {a for a in core.ACTION_NAMES if result.action_transitions.get(a, 0) == 0}
     assert never == {"Reject", "DecodeReject", "PrefillCrash", "DecodeCrash", "LoseBootstrap",
-                     "LoseFinalWord", "LoseCancel", "LoseWrite"}
+                     "LoseFinalWord", "LoseCancel", "LoseWrite", "ResendBootstrap",
+                     "ResendCancel", "RevokeRelease"}
     crash = checked("crash", frozenset())
     assert crash.action_transitions["PrefillCrash"] > 0
+    lossy = checked("lossy", frozenset())  # the network's losses and what recovers from them
+    assert all(lossy.action_transitions.get(a, 0) > 0
+               for a in ("LoseBootstrap", "LoseFinalWord", "LoseCancel", "LoseWrite",
+                         "ResendBootstrap", "ResendCancel", "RevokeRelease"))
 
 
 def test_reject_paths_model_holds_and_exercises_both_reject_paths():

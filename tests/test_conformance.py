@@ -41,9 +41,10 @@ STATES = {
     "bug-EarlyDone": 1612, "bug-NoLandedCount": 33198, "bug-GenerationReset": 1626,
     "bug-NoEpochCheck": 2806, "zoo-early-done": 1281, "zoo-revived-bootstrap": 1708,
     # A network that loses things for good (issue 25), on solo-crash's constants, with the
-    # resends of lost messages (lossy: every message lost; bug-NoRetransmit: on lossy).
-    "loss-Bootstrap": 1264, "loss-FinalWord": 1492, "loss-Cancel": 1432, "loss-Write": 1780,
-    "lossy-safety": 2404, "lossy": 1594, "bug-NoRetransmit": 1582,
+    # resends of lost messages and decode's write timer (lossy: every kind of loss;
+    # bug-NoRetransmit and bug-NoRevoke: on lossy).
+    "loss-Bootstrap": 1264, "loss-FinalWord": 1492, "loss-Cancel": 1432, "loss-Write": 2011,
+    "lossy": 2635, "bug-NoRetransmit": 2605, "bug-NoRevoke": 2404,
     # Worker sets (issue 25): one request, every placement, each worker crashing alone.
     "workers-1x2": 5284, "workers-2x1": 5284, "workers-2x2": 10566,
 }

@@ -40,9 +40,9 @@ def test_the_old_guards_are_flagged():
 
 def test_a_guard_that_reads_a_ghost_is_flagged():
     text = SPEC_PATH.read_text()
-    old = "    /\\ dst' = [dst EXCEPT ![r] = \"Released\"]"
+    old = "Release(r) ==\n    /\\ dst[r] = \"Closing\"\n"
     assert text.count(old) == 1
-    mutant = text.replace(old, "    /\\ r \\notin leaked\n" + old)
+    mutant = text.replace(old, old + "    /\\ r \\notin leaked\n")
     assert locality.violations(mutant) == [
         "Release (decode) reads leaked: leaked is a ghost (history for the properties)"]
 
@@ -207,7 +207,8 @@ def test_every_pool_a_checked_action_indexes_is_its_own_workers():
     pools = {name: row.pools_at for name, row in rows.items() if row.pools_at}
     assert pools == {"Admit": ("pworker[r]",), "SendPage": ("pworker[r]",),
                      "SendDone": ("pworker[r]",), "PrefillAbort": ("pworker[r]",),
-                     "Reserve": ("dworker[r]",), "Release": ("dworker[r]",)}
+                     "Reserve": ("dworker[r]",), "Release": ("dworker[r]",),
+                     "RevokeRelease": ("dworker[r]",)}
 
 
 def _mutant(old: str, new: str) -> str:

@@ -236,15 +236,15 @@ TLC_FIGURES = {
     "bug-NoEpochCheck": ('TombstonesStay', 4),
     "bug-NoLandedCount": (66384, 23),
     "bug-NoRetransmit": ('FittingRequestsSucceed', 2),
+    "bug-NoRevoke": ('FittingRequestsSucceed', 6),
     "zoo-early-done": ('NoWriteIntoForeign', 7),
     "zoo-revived-bootstrap": ('NoLeakAtRest', 5),
     # issue 25: a network that loses things for good
     "loss-Bootstrap": (1264, 14),
     "loss-Cancel": (1432, 14),
     "loss-FinalWord": (1492, 14),
-    "loss-Write": ('FittingRequestsSucceed', 6),
-    "lossy": (1594, 14),
-    "lossy-safety": (2404, 14),
+    "loss-Write": (2011, 14),
+    "lossy": (2635, 14),
     # issue 25: worker sets (one request; each worker may crash alone)
     "workers-1x2": (5284, 14),
     "workers-2x1": (5284, 14),

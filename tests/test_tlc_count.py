@@ -40,11 +40,11 @@ MODELS: dict[str, tuple[Model, tuple[int, int, int]]] = {
     # three ways to lose something at a decode crash (NoEpochCheck)
     "solo-decode-crash-later": (Model(bugs=LATER | {"NoTimeout"}, **BASES["solo-decode-crash"]),
                                 (1783, 3755, 3674)),
-    # every kind of loss (and the resends of lost messages), and the prefill crash that an
-    # early Done's writes enable
+    # every kind of loss (with the resends of lost messages and the write timer), and the
+    # prefill crash that an early Done's writes enable
     "solo-crash-lossy": (Model(bugs={"EarlyDone"}, losses={"Bootstrap", "FinalWord", "Cancel",
                                                             "Write"}, **BASES["solo-crash"]),
-                         (2782, 7706, 7661)),
+                         (3013, 8216, 8171)),
     # two requests a decode crash can catch at once
     "tiny-decode-crash": (Model(decode_crashes=True, bugs={"NoTimeout"}, **TINY),
                           (24709, 58841, 56313)),

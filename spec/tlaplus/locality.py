@@ -121,9 +121,12 @@ ASSUMPTIONS = {
     "CancelUnanswered": "decode's resend timer outlasts a cancel's round trip: it fires only "
                         "once neither the cancel nor the final word answering it is on the "
                         "wire (one was lost); decode sees only its clock",
+    "WritesGone": "decode's write timer outlasts any write's flight, and it revokes the "
+                  "pages' registration before it releases (a later write lands nowhere): no "
+                  "write of the request is on the wire by then; decode sees only its clock",
 }
 CORE_ASSUMPTIONS = {"lease_lapsed": "LeaseLapsed", "bootstrap_unanswered": "BootstrapUnanswered",
-                    "cancel_unanswered": "CancelUnanswered"}
+                    "cancel_unanswered": "CancelUnanswered", "writes_gone": "WritesGone"}
 # How each owner is described in the table.
 MEANING = {
     "writes": "its send queue: writes posted whose completion has not come back",
