@@ -607,14 +607,17 @@ Timeout(r) ==
 (* many of the request's writes land as that word announced: then none of them can still *)
 (* land in the pages. Decode counts landed writes itself (landed); the writes in flight   *)
 (* are the prefill's send queue, which decode cannot see.                                 *)
+(* Decode's pool with the pages of r's table that r still owns free again. *)
+FreedPages(r) == [owner EXCEPT ![dworker[r]] =
+                    [p \in DPages |-> IF @[p] = r /\ p \in {table[r][i].page : i \in DOMAIN table[r]}
+                                      THEN NoReq ELSE @[p]]]
+
 Release(r) ==
     /\ dst[r] = "Closing"
     /\ \/ "EagerRelease" \in Bugs
        \/ dfw[r] /\ Counted(r, announced[r])
     /\ dst' = [dst EXCEPT ![r] = "Released"]
-    /\ owner' = [owner EXCEPT ![dworker[r]] =
-                   [p \in DPages |-> IF @[p] = r /\ p \in {table[r][i].page : i \in DOMAIN table[r]}
-                                     THEN NoReq ELSE @[p]]]
+    /\ owner' = FreedPages(r)
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, table, boot, fwMsg, dfw, cancel,
                    leaked, gen, content, powner, pdata, writes, ptable, fwCount,
                    announced, landed>>
@@ -729,9 +732,7 @@ RevokeRelease(r) ==
               /\ UNCHANGED <<fwMsg, fwCount, dfw, announced, client>>
     /\ WritesGone(r)
     /\ dst' = [dst EXCEPT ![r] = "Released"]
-    /\ owner' = [owner EXCEPT ![dworker[r]] =
-                   [p \in DPages |-> IF @[p] = r /\ p \in {table[r][i].page : i \in DOMAIN table[r]}
-                                     THEN NoReq ELSE @[p]]]
+    /\ owner' = FreedPages(r)
     /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, table, boot, cancel, leaked, gen,
                    content, powner, pdata, writes, ptable, landed>>
 
@@ -862,9 +863,10 @@ FaultOutcomes == {"Gone", "ErrPrefill", "ErrDecode"}
 
 Fits(r) == prompt[r] <= Min(Advertised, Min(PrefillPages, DecodePages))
 
-(* A lost message is a fault as well, and a timer its designed recovery: its resend, or    *)
-(* for a final word lost while decode waits, decode's timeout (the prefill has gone silent *)
-(* on the request; the cancel has the final word repeated).                               *)
+(* A loss is a fault as well, and a timer its designed recovery: a message's resend,      *)
+(* decode's write timer for a write lost silently, or for a final word lost while decode   *)
+(* waits, decode's timeout (the prefill has gone silent on the request; the cancel has the *)
+(* final word repeated).                                                                   *)
 LossRecoveryDue(r) == \/ ENABLED ResendBootstrap(r) \/ ENABLED ResendCancel(r)
                       \/ ENABLED RevokeRelease(r)
                       \/ "FinalWord" \in Losses /\ dst[r] = "Waiting" /\ PrefillSilent(r)

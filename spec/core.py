@@ -664,6 +664,12 @@ def release(m: Model, s: State, r: int) -> Change | str:
         if not _counted(m, row, row[ANNOUNCED]):
             return (f"{row[LANDED]} of the {row[ANNOUNCED]} writes the final word announced "
                     "have landed")
+    return _released(s, r, row)
+
+
+def _released(s: State, r: int, row: tuple) -> Change:
+    """`row` Released, and the pages of its table that r still owns free again (their
+    generation and memory kept: pages are never zeroed)."""
     pool = s.decode_pool
     freed = []
     for page, _ in row[TABLE]:
@@ -818,28 +824,38 @@ def cancel_unanswered(row: tuple) -> bool:
     return not row[CANCEL] and row[FW] == NO_MSG
 
 
+def bootstrap_resend_due(row: tuple) -> bool:
+    """The router's resend timer would fire (the spec's BootstrapResendDue)."""
+    return row[CLIENT] == WAITING and bootstrap_unanswered(row)
+
+
+def cancel_resend_due(row: tuple) -> bool:
+    """Decode's resend timer would fire (the spec's CancelResendDue)."""
+    return row[DST] == CLOSING and not row[DFW] and cancel_unanswered(row)
+
+
 def resend_bootstrap(m: Model, s: State, r: int) -> Change | str:
     if "NoRetransmit" in m.bugs:
         return "the router does not retransmit (NoRetransmit)"
     row = s.requests[r]
+    if bootstrap_resend_due(row):
+        return _one(r, _row(row, BOOT, 1))
     if row[CLIENT] != WAITING:
         return f"the client is {CLIENT_NAMES[row[CLIENT]]}, not Waiting"
-    if not bootstrap_unanswered(row):
-        return "the bootstrap is on the wire or decode has answered it"
-    return _one(r, _row(row, BOOT, 1))
+    return "the bootstrap is on the wire or decode has answered it"
 
 
 def resend_cancel(m: Model, s: State, r: int) -> Change | str:
     if "NoRetransmit" in m.bugs or "NoCancel" in m.bugs:
         return "decode does not retransmit a cancel (NoRetransmit or NoCancel)"
     row = s.requests[r]
+    if cancel_resend_due(row):
+        return _one(r, _row(row, CANCEL, 1))
     if row[DST] != CLOSING:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not Closing"
     if row[DFW]:
         return "decode holds the prefill's final word"
-    if not cancel_unanswered(row):
-        return "the cancel or its answer is on the wire"
-    return _one(r, _row(row, CANCEL, 1))
+    return "the cancel or its answer is on the wire"
 
 
 def writes_gone(s: State, r: int) -> bool:
@@ -872,16 +888,14 @@ def revoke_release(m: Model, s: State, r: int) -> Change | str:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not Waiting or Closing"
     if not writes_gone(s, r):
         return "a write of this request is still on the wire"
-    pool = s.decode_pool
-    freed = tuple((page, (NONE, *pool[page][1:])) for page, _ in row[TABLE]
-                  if pool[page][0] == r)
-    return Change(((r, _row(row, DST, RELEASED)),), decode=freed)
+    return _released(s, r, row)
 
 
 def loss_recovery_due(m: Model, s: State, r: int) -> bool:
-    """A message of r was lost and a timer is the designed recovery (the spec's
-    LossRecoveryDue): its resend, or, for a final word lost while decode waits, decode's
-    timeout (the prefill has gone silent on r: its cancel has the final word repeated)."""
+    """Something of r was lost and a timer is the designed recovery (the spec's
+    LossRecoveryDue): a message's resend; decode's write timer for a write lost silently;
+    or, for a final word lost while decode waits, decode's timeout (the prefill has gone
+    silent on r: its cancel has the final word repeated)."""
     if not isinstance(resend_bootstrap(m, s, r), str) \
             or not isinstance(resend_cancel(m, s, r), str) \
             or not isinstance(revoke_release(m, s, r), str):

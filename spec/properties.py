@@ -18,7 +18,7 @@ from spec.core import (
     ANNOUNCED, DW, FW_COUNT, LANDED, PTABLE, PW,
     BOOT, CANCEL, CLIENT, CLOSING, DECODING, DST, D_WAITING, ERR_DECODE, ERR_PREFILL, ERR_TAG,
     ERR_TIMEOUT, ERR_TRANSFER, FW, GEN, GONE, IDLE, LEAKED, NONE, NO_MSG, OK, OWNER, PROMPT, PST, QUEUED, RELEASED, RUNNING, SENT, SRC,
-    TABLE, TOMB, WAITING, State, loss_recovery_due, resend_bootstrap, resend_cancel,
+    TABLE, TOMB, WAITING, State, bootstrap_resend_due, cancel_resend_due, loss_recovery_due,
 )
 from spec.model import Model
 
@@ -158,10 +158,10 @@ def NoResendWithoutLoss(m: Model, s: State) -> bool:
     cancel_lost = "Cancel" in m.losses or "FinalWord" in m.losses
     if bootstrap_lost and cancel_lost:
         return True
-    for r in range(len(s.requests)):
-        if not bootstrap_lost and type(resend_bootstrap(m, s, r)) is not str:
+    for row in s.requests:
+        if not bootstrap_lost and bootstrap_resend_due(row):
             return False
-        if not cancel_lost and type(resend_cancel(m, s, r)) is not str:
+        if not cancel_lost and cancel_resend_due(row):
             return False
     return True
 
