@@ -4,7 +4,9 @@ Theory of operation. A message (bootstrap, final word, cancel, page table) is de
 after the link's latency, with loss (each loss costs a retransmission, retransmit_after_s;
 a bootstrap, final word or cancel lost on message_retransmits_max retransmissions as well is
 lost for good, the spec's Lose* action, and the protocol sends it again after
-timeouts.resend_after_s, the spec's ResendBootstrap or ResendCancel) and extra delay as faults, each drawn from the run's "links" stream; a request the fuzzer
+timeouts.resend_after_s, the spec's ResendBootstrap or ResendCancel; a decode crash's notice
+is the prefill's failure detector and is never lost for good) and extra delay as faults,
+each drawn from the run's "links" stream; a request the fuzzer
 holds (`Simulation.hold`) waits until its stall ends, and a worker that is restarting
 gets its messages once it is back (the sender re-sends). On delivery the receiving
 worker takes the action the core names for the message (Simulation.deliver). Page writes
@@ -51,7 +53,7 @@ class SimLink:
         while f.message_loss_probability and rng.random() < f.message_loss_probability:
             lost += 1
             sim.fault_hits.fired("MessageLoss", hits.stressful_message(message))
-            if lost > f.message_retransmits_max and message in LOSS:
+            if lost > f.message_retransmits_max and message in LOSS and not self._notice(r):
                 sim.fault_hits.fired("MessageLostForGood", hits.stressful_message(message))
                 sim.later(delay, self._lose, r, message)
                 return
@@ -63,6 +65,12 @@ class SimLink:
         if loop is not None:
             delay += loop.wait_s(sim.env.now + delay)
         sim.later(delay, self._deliver, handler, r, worker, to_prefill)
+
+    def _notice(self, r: int) -> bool:
+        """A decode crash's cancel is the prefill's failure detector, not a message: it is
+        late on a bad link but never lost for good (the core's crash_notice)."""
+        row = self.sim.cluster.rows.get(r)
+        return row is not None and core.crash_notice(self.sim.model, row)
 
     def _lose(self, r: int, message: str) -> None:
         """The last attempt is lost too: the message is gone, if the core still has it in

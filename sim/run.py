@@ -425,7 +425,10 @@ class Simulation(ShellRuntime):
         self.deliver(core.BOOTSTRAP, r)
 
     def on_final_word(self, r: int, d: int) -> None:
-        self.deliver(core.FINAL_WORD_MSG, r)
+        if not self.deliver(core.FINAL_WORD_MSG, r):
+            # A Done whose writes have not all landed: decode takes it once they have, or
+            # once it stops waiting (a timeout, its write timer) and only notes it.
+            self.want(r, "decode", core.FINAL_WORD_MSG)
 
     def offer_decode_abort(self, r: int) -> None:
         """The client-gone notice reaches decode: DecodeAbort if decode still holds r."""

@@ -73,7 +73,7 @@ BugNames == {"FinishedNotRejected", "NoCountCheck", "EagerRelease", "SourceReuse
              "NoAbortNotice", "NoTimeout", "PoolBelowContext", "NoGenBump",
              "NoChecksum", "NoTombstone", "NoCancel", "AdmitBeforeReserve",
              "StopwatchTimeout", "EarlyDone", "NoLandedCount", "GenerationReset",
-             "NoEpochCheck", "NoRetransmit", "NoRevoke"}
+             "NoEpochCheck", "NoRetransmit", "NoRevoke", "NoFailureDetector"}
 
 LossKinds == {"Bootstrap", "FinalWord", "Cancel", "Write"}
 
@@ -379,7 +379,8 @@ PrefillCrash(q) ==
 (* bootstrap never reserves again). Its pool is free again, but generations survive the   *)
 (* restart, so no stale tag can look current. Writes in flight into the old memory        *)
 (* registration fail and are flushed; the prefill learns from the broken connection       *)
-(* (modelled as a cancel) and stops or repeats its final word, which decode ignores.      *)
+(* (modelled as a cancel; see CrashNotice) and stops or repeats its final word, which      *)
+(* decode ignores.                                                                         *)
 (*                                                                                        *)
 (* Two bug switches break the restart. GenerationReset: the restarted decode issues        *)
 (* generations from zero again (its tag counter died with the process), so a stale page's *)
@@ -646,9 +647,18 @@ LoseFinalWord(r) ==
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, dfw, cancel, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, announced, landed>>
 
+(* The cancel a decode crash stands for is no message on the wire: the prefill's own       *)
+(* failure detector (its transport's broken connection, a lapsed heartbeat) tells it, and   *)
+(* a detector fires on the prefill's side however much the network loses. Decode itself    *)
+(* sends no cancel for a tombstone, so a cancel in flight at a tombstone is that notice (a  *)
+(* cancel decode sent before the crash is overtaken by it). NoFailureDetector: the prefill *)
+(* learns of the crash only from a message, which the network may lose.                   *)
+CrashNotice(r) == dst[r] = "Tomb" /\ "NoFailureDetector" \notin Bugs
+
 LoseCancel(r) ==
     /\ "Cancel" \in Losses
     /\ cancel[r]
+    /\ ~CrashNotice(r)
     /\ cancel' = [cancel EXCEPT ![r] = FALSE]
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, fwCount,

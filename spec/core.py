@@ -712,8 +712,9 @@ def decode_crash(m: Model, s: State, d: int = 0) -> Change | str:
     bootstrap can never reserve again). Its pool is free again, but page generations
     survive the restart (they are issued from a counter that outlives the process), so no
     stale tag can look current. Writes in flight into the old memory registration fail and
-    are flushed; the prefill learns from the broken connection (modelled as a cancel) and
-    stops or repeats its final word, which the restarted decode ignores. Each decode worker
+    are flushed; the prefill learns from the broken connection (modelled as a cancel that no
+    network loses: crash_notice) and stops or repeats its final word, which the restarted
+    decode ignores. Each decode worker
     has epochs of its own: a crash of decode worker d touches only d's requests, pages and
     the writes into them."""
     if not m.decode_crashes:
@@ -786,12 +787,23 @@ def lose_final_word(m: Model, s: State, r: int) -> Change | str:
     return _one(r, _row(row, FW, NO_MSG, FW_COUNT, 0))
 
 
+def crash_notice(m: Model, row: tuple) -> bool:
+    """The cancel in flight for r is a decode crash's notice (the spec's CrashNotice): the
+    prefill's own failure detector (the broken connection, a lapsed heartbeat), which no
+    network loses. Decode sends no cancel for a tombstone, so one in flight there is that
+    notice. NoFailureDetector makes it a message like any other."""
+    return row[DST] == TOMB and "NoFailureDetector" not in m.bugs
+
+
 def lose_cancel(m: Model, s: State, r: int) -> Change | str:
     if "Cancel" not in m.losses:
         return "this network loses no cancel"
     row = s.requests[r]
     if not row[CANCEL]:
         return "no cancel is in flight"
+    if crash_notice(m, row):
+        return ("the prefill learns of decode's crash from its own failure detector: "
+                "nothing on the wire to lose")
     return _one(r, _row(row, CANCEL, 0))
 
 

@@ -119,6 +119,13 @@ BUG_SWITCHES: dict[str, tuple[str, str, str]] = {
         "write could still land)",
         "kvproof guard removal (unreliable RDMA transports: a lost write completes as sent)",
     ),
+    "NoFailureDetector": (
+        "the prefill's own detection of a decode crash (the broken connection, a heartbeat)",
+        "the prefill learns of a decode crash only from a message, which a lossy network may "
+        "lose: the restarted decode keeps a tombstone and asks nothing, so the prefill holds "
+        "the request and its pages for ever",
+        "kvproof guard removal (a prefill that waits on a dead decode with no heartbeat)",
+    ),
 }
 
 ALL_BUGS = frozenset(BUG_SWITCHES)

@@ -45,6 +45,9 @@ STATES = {
     # bug-NoRetransmit and bug-NoRevoke: on lossy).
     "loss-Bootstrap": 1264, "loss-FinalWord": 1492, "loss-Cancel": 1432, "loss-Write": 2011,
     "lossy": 2635, "bug-NoRetransmit": 2605, "bug-NoRevoke": 2404,
+    # Both kinds of crash on that network: a decode crash's notice is the prefill's failure
+    # detector, which no network loses (bug-NoFailureDetector: a message it may lose).
+    "lossy-decode-crash": 4380, "bug-NoFailureDetector": 4519,
     # Worker sets (issue 25): one request, every placement, each worker crashing alone.
     "workers-1x2": 5284, "workers-2x1": 5284, "workers-2x2": 10566,
 }

@@ -12,6 +12,8 @@ from spec.check.guardtable import recovering_switches
 from spec.check.zoo import BASES, LOSS_BASE, LOSSES
 from spec.model import LOSS_KINDS, Model, ModelError
 from spec.properties import STATE_INVARIANTS
+from sim.run import simulate
+from sim.scenario import load_scenario
 
 
 LOSS_STATES = {"Bootstrap": 1264, "FinalWord": 1492, "Cancel": 1432, "Write": 2011}
@@ -38,6 +40,44 @@ def test_every_kind_lost_and_recovered_still_ends_every_request():
     assert result.distinct_states == 2635
     assert result.witness  # some behaviour ends with the client answered Ok
     assert "SPECIFICATION LossyFairSpec" in (MODELS_DIR / "lossy.cfg").read_text()
+
+
+def test_a_decode_crash_on_a_lossy_network_still_ends_every_request():
+    """A decode crash's notice is the prefill's own failure detector, which no network
+    loses (core.crash_notice, the spec's CrashNotice); as a message (NoFailureDetector) it
+    is lost, the restarted decode holds only a tombstone and asks nothing, and the prefill
+    holds the request for ever."""
+    result = check(Model(**BASES["lossy-decode-crash"]))
+    assert result.ok, result.violation
+    assert result.distinct_states == 4380
+    broken = check(Model(bugs={"NoFailureDetector"}, **BASES["lossy-decode-crash"]))
+    assert broken.violation.property == "NoStuckRequest"
+    assert [e.action for e, _ in broken.violation.trace[1:]] == ["Arrive", "DecodeCrash",
+                                                                "LoseCancel"]
+
+
+LOSSY_SEEDS = range(1, 41)
+
+
+@pytest.mark.parametrize("scenario", ["lossy-pair", "lossy-cluster"])
+def test_every_lossy_simulator_run_ends_at_rest(scenario):
+    """Forty seeds of each lossy scenario (crashes of both kinds, aborts, every kind of
+    loss): every run ends with every request ended and no oracle violated. Two shell bugs
+    left runs at their horizon: a decode crash's notice lost for good (now the failure
+    detector's), and a Done that reached decode before its writes' count and was dropped
+    instead of waiting (sim/run.py on_final_word)."""
+    for seed in LOSSY_SEEDS:
+        print(f"kvproof sim {scenario} --seed {seed}")
+        out, sim = simulate(load_scenario(scenario).model_copy(update={"seed": seed}))
+        assert out["violations"] == {} and not sim.cluster.rows, (seed, out["violations"])
+
+
+def test_a_crash_notice_lost_as_a_message_strands_its_request_in_the_simulator():
+    """lossy-pair at seed 5 loses a decode crash's notice when NoFailureDetector makes it a
+    message: the run ends at its horizon with the request stuck."""
+    out, _ = simulate(load_scenario("lossy-pair").model_copy(
+        update={"seed": 5, "bugs": ("NoFailureDetector",)}))
+    assert out["violations"] == {"NoStuckRequest": 1}
 
 
 def test_a_lost_and_resent_bootstrap_is_a_cycle_only_through_the_loss():

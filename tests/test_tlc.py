@@ -237,6 +237,7 @@ TLC_FIGURES = {
     "bug-NoLandedCount": (66384, 23),
     "bug-NoRetransmit": ('FittingRequestsSucceed', 2),
     "bug-NoRevoke": ('FittingRequestsSucceed', 6),
+    "bug-NoFailureDetector": ('NoStuckRequest', 3),
     "zoo-early-done": ('NoWriteIntoForeign', 7),
     "zoo-revived-bootstrap": ('NoLeakAtRest', 5),
     # issue 25: a network that loses things for good
@@ -245,6 +246,7 @@ TLC_FIGURES = {
     "loss-FinalWord": (1492, 14),
     "loss-Write": (2011, 14),
     "lossy": (2635, 14),
+    "lossy-decode-crash": (4380, 14),
     # issue 25: worker sets (one request; each worker may crash alone)
     "workers-1x2": (5284, 14),
     "workers-2x1": (5284, 14),

@@ -66,6 +66,13 @@ BASES: dict[str, dict[str, int]] = {
     "lossy": dict(requests=1, max_prompt_pages=3, context_pages=3, prefill_pages=2,
                   decode_pages=3, crashes=True,
                   losses=frozenset({"Bootstrap", "FinalWord", "Cancel", "Write"})),
+    # The lossy network beside both kinds of crash: a decode crash's notice reaches the
+    # prefill through its own failure detector (the broken connection), which the network
+    # cannot lose; every property holds (NoFailureDetector shows what the detector keeps).
+    "lossy-decode-crash": dict(requests=1, max_prompt_pages=3, context_pages=3,
+                               prefill_pages=2, decode_pages=3, crashes=True,
+                               decode_crashes=True,
+                               losses=frozenset({"Bootstrap", "FinalWord", "Cancel", "Write"})),
     # Three requests for the benchmark and scheduled runs.
     "large": dict(requests=3, max_prompt_pages=2, context_pages=2, prefill_pages=1,
                   decode_pages=2),
@@ -113,6 +120,9 @@ BASE_NOTES = {
     "lossy": "One request, the prefill may crash, and the network may lose any bootstrap, "
              "final word, cancel or page write: retransmission and decode's write timer end "
              "every request, under finitely many losses.",
+    "lossy-decode-crash": "The lossy model with decode crashes too: the prefill learns of a "
+                          "decode crash from its own failure detector (the broken connection), "
+                          "which the network cannot lose, and every request ends.",
     "timely": "The default model with timely timers: decode's lease lapses only once the "
               "prefill has gone silent on the request, so no request that fits may time out.",
     "timely-crash": "The timely model, and the prefill may crash and restart empty at any "
@@ -307,6 +317,10 @@ ALONE: tuple[Alone, ...] = (
     Alone("NoRevoke", breaks="FittingRequestsSucceed", length=6, base="lossy",
           masked_by="a network that loses no page write silently: only there is decode's "
                     "write timer armed"),
+    Alone("NoFailureDetector", breaks="NoStuckRequest", length=3,
+          base="lossy-decode-crash",
+          masked_by="a network that loses no cancel: the crash's notice, sent as a message, "
+                    "then arrives"),
     Alone("NoLandedCount", masked_by="the final word only once the prefill's writes have "
                                      "completed (every write it announces has landed by then)",
           exposed_by="early-done", base="small"),
