@@ -24,7 +24,7 @@ import pytest
 from spec import codec, core
 from spec.check.zoo import BASES
 from spec.model import Model
-from spec.parts import AUTHORITY, HELD, LocalityBreach, Split, Taken
+from spec.parts import AUTHORITY, HELD, LocalityBreach, Split, Taken, replay
 from spec.roles import DECODE, PREFILL, ROUTER
 from spec.core import ROW_FIELDS
 
@@ -253,9 +253,10 @@ TRANSFER = [core.Arrive(0, 1, 0, 1), core.Reserve(0, (3,)), core.Admit(0, (0,)),
 
 
 def _run_transfer() -> None:
-    split = Split(Model(name="workers-2x2", **BASES["workers-2x2"]))
-    for event in TRANSFER:
-        assert type(split.take(event)) is not core.Refusal, event
+    m = Model(name="workers-2x2", **BASES["workers-2x2"])
+    split, outcomes = replay(m, TRANSFER)
+    assert [type(out) is core.Refusal for out in outcomes] == [False] * len(TRANSFER)
+    assert split.whole().requests[0][core.CLIENT] == core.OK
 
 
 @pytest.mark.parametrize("function, action, old, new, message", [
