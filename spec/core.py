@@ -1203,6 +1203,14 @@ def decide(m: Model, s: State, event: Event) -> Change | Refusal:
     """The Change `event` makes in `s`, with the commands a shell carries out
     (spec/commands.py), or a Refusal naming why the protocol does not allow it. `s` is a
     core.View: a State, or a store's view of one worker pair."""
+    out = change_for(m, s, event)
+    return out if type(out) is Refusal else _with_commands(s, out)
+
+
+def change_for(m: Model, s: State, event: Event) -> Change | Refusal:
+    """The Change `event` makes in `s` without the shells' commands, or a Refusal. What a
+    role's part of a split state decides on (spec/parts.py): commands are derived from whole
+    rows, and a part holds only its own fields."""
     kind = type(event)
     fn = ACTIONS.get(kind)
     if fn is None:
@@ -1212,7 +1220,7 @@ def decide(m: Model, s: State, event: Event) -> Change | Refusal:
         if not 0 <= event.worker < workers:
             raise ProtocolMisuse(f"{event.action} names worker {event.worker}, of {workers}")
         out = fn(m, s, event.worker)
-        return Refusal(event, out) if type(out) is str else _with_commands(s, out)
+        return Refusal(event, out) if type(out) is str else out
     r = event.request
     if not s.has_request(r):
         raise ProtocolMisuse(f"request {r} does not exist ({len(s.requests)} requests)")
@@ -1238,9 +1246,7 @@ def decide(m: Model, s: State, event: Event) -> Change | Refusal:
         if not isinstance(event.pages, tuple):
             raise ProtocolMisuse(f"{event.action}.pages must be a tuple of page numbers")
         out = fn(m, s, r, event.pages)
-    if type(out) is str:
-        return Refusal(event, out)
-    return _with_commands(s, out)
+    return Refusal(event, out) if type(out) is str else out
 
 
 _new_tuple = tuple.__new__  # a NamedTuple from a tuple of all its fields, no checks

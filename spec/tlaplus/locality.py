@@ -76,82 +76,16 @@ from pathlib import Path
 import tla
 
 from spec import core
+from spec.roles import (ASSUMPTIONS, CORE_ASSUMPTIONS, DECODE, GHOST, GRANTS, OWNERS,  # noqa: F401
+                        PREFILL, ROUTER, VIEW_PARTS, WIRE, WIRE_OWNER, may_read, why_not)
 
 SPEC_PATH = Path(__file__).resolve().parent.parent / "KVTransfer.tla"
-ROUTER, PREFILL, DECODE, WIRE_OWNER, GHOST = "router", "prefill", "decode", "wire", "ghost"
-
-# Variable -> its owner. Per-request variables split a request's row by who knows each part.
-OWNERS = {
-    "client": ROUTER, "prompt": ROUTER, "pworker": ROUTER, "dworker": ROUTER,
-    "pst": PREFILL, "sent": PREFILL, "src": PREFILL, "ptable": PREFILL, "powner": PREFILL,
-    "pdata": PREFILL, "writes": PREFILL,
-    "dst": DECODE, "table": DECODE, "dfw": DECODE, "announced": DECODE, "landed": DECODE,
-    "owner": DECODE, "gen": DECODE, "content": DECODE,
-    "boot": WIRE_OWNER, "fwMsg": WIRE_OWNER, "fwCount": WIRE_OWNER, "cancel": WIRE_OWNER,
-    "leaked": GHOST,
-}
-# A message variable -> (sender, receiver).
-WIRE = {"boot": (ROUTER, DECODE), "fwMsg": (PREFILL, DECODE), "fwCount": (PREFILL, DECODE),
-        "cancel": (DECODE, PREFILL)}
-# (worker, variable it does not own) -> how the fact reaches that worker.
-GRANTS = {
-    (PREFILL, "prompt"): "the queue entry the router hands the prefill carries the prompt",
-    (DECODE, "prompt"): "the bootstrap carries the prompt's length",
-    (PREFILL, "pworker"): "the queue entry reaches the prefill worker the router chose: a "
-                          "worker knows which requests are its own",
-    (DECODE, "dworker"): "the bootstrap reaches the decode worker the router chose",
-    (PREFILL, "client"): "the serving edge's client-gone notice (PrefillAbort), and its "
-                         "first-answer rule: an answer sent to a client who has one is "
-                         "dropped by the edge (ClientError)",
-    (DECODE, "client"): "the serving edge's client-gone notice (DecodeAbort), and its "
-                        "first-answer rule (ClientError)",
-}
-# Operators (spec) and helpers (core) that state the environment's timing assumption under
-# which a timer fires, not a guard its worker evaluates: a timer fires when time has passed,
-# and what it may assume about the other side in that time is the synchrony assumption a
-# lease rests on. Their reads are the environment's; the rule skips them, and the table says
-# so. Every other read of a timer's guard is checked like any worker's.
-ASSUMPTIONS = {
-    "LeaseLapsed": "decode's lease lapses only after the prefill's silence (a working "
-                   "prefill renews it within lease_s): the environment's assumption, decode "
-                   "sees only its clock",
-    "BootstrapUnanswered": "the router's resend timer outlasts a bootstrap's round trip: it "
-                           "fires only once the bootstrap is off the wire unanswered (lost); "
-                           "the router sees only its clock",
-    "CancelUnanswered": "decode's resend timer outlasts a cancel's round trip: it fires only "
-                        "once neither the cancel nor the final word answering it is on the "
-                        "wire (one was lost); decode sees only its clock",
-    "WritesGone": "decode's write timer outlasts any write's flight, and it revokes the "
-                  "pages' registration before it releases (a later write lands nowhere): no "
-                  "write of the request is on the wire by then; decode sees only its clock",
-}
-CORE_ASSUMPTIONS = {"lease_lapsed": "LeaseLapsed", "bootstrap_unanswered": "BootstrapUnanswered",
-                    "cancel_unanswered": "CancelUnanswered", "writes_gone": "WritesGone"}
 # How each owner is described in the table.
 MEANING = {
     "writes": "its send queue: writes posted whose completion has not come back",
     "ptable": "decode's page table as received (delivered with Reserve)",
 }
 CHECKED_KINDS = ("protocol", "timer")
-
-
-def may_read(worker: str, variable: str) -> bool:
-    owner = OWNERS[variable]
-    if owner == worker:
-        return True
-    if owner == WIRE_OWNER:
-        return WIRE[variable][1] == worker
-    return (worker, variable) in GRANTS
-
-
-def why_not(worker: str, variable: str) -> str:
-    owner = OWNERS[variable]
-    if owner == GHOST:
-        return f"{variable} is a ghost (history for the properties)"
-    if owner == WIRE_OWNER:
-        sender, receiver = WIRE[variable]
-        return f"{variable} is a message {sender} -> {receiver}, not addressed to the {worker}"
-    return f"{variable} is the {owner}'s"
 
 
 @dataclass
@@ -556,8 +490,6 @@ ROW_CONSTANTS = {name: core.ROW_FIELDS[getattr(core, name)] for name in (
     "CLIENT", "PROMPT", "PST", "SENT", "SRC", "DST", "TABLE", "BOOT", "FW", "DFW", "CANCEL",
     "PTABLE", "FW_COUNT", "ANNOUNCED", "LANDED", "LEAKED", "PW", "DW")}
 assert sorted(ROW_CONSTANTS.values()) == sorted(core.ROW_FIELDS)
-VIEW_PARTS = {"decode_pool": ("owner", "gen", "content"), "prefill_pool": ("powner", "pdata"),
-              "writes": ("writes",)}
 
 
 def core_reads(source: str | None = None) -> dict[str, set]:
