@@ -158,9 +158,9 @@ def _flat(m: Model, event: core.Event, placement: dict) -> core.Event:
 
 
 @pytest.mark.parametrize("scenario, seed, events", [
-    ("lossy-cluster", 1, 64),   # 2x2: losses of every kind, both crashes, resends
+    ("lossy-cluster", 1, 67),   # 2x2: losses of every kind, both crashes, resends
     ("lossy-cluster", 3, 51),
-    ("lossy-pair", 2, 49),      # a lost bootstrap resent, an abort, both crashes
+    ("lossy-pair", 2, 48),      # a lost bootstrap resent, an abort, both crashes
 ])
 def test_a_simulator_run_splits_and_decides_as_the_whole(tmp_path, scenario, seed, events):
     from sim.run import simulate
