@@ -158,7 +158,7 @@ def _flat(m: Model, event: core.Event, placement: dict) -> core.Event:
 
 
 @pytest.mark.parametrize("scenario, seed, events", [
-    ("lossy-cluster", 1, 67),   # 2x2: losses of every kind, both crashes, resends
+    ("lossy-cluster", 1, 67),   # 2x2: losses of every kind, a decode crash, resends
     ("lossy-cluster", 3, 51),
     ("lossy-pair", 2, 48),      # a lost bootstrap resent, an abort, both crashes
 ])
