@@ -637,7 +637,7 @@ class Channel:
         message = message_from(record.get("body"))
         if self._misaddressed(record.get("to")):
             return
-        self._deliver(Delivered(link.peer, link.epoch, message, link.seq_in))
+        self._deliver(link, Delivered(link.peer, link.epoch, message, link.seq_in))
 
     def _misaddressed(self, to_epoch) -> bool:
         """A message meant for another epoch of this process: dropped and counted."""
@@ -648,8 +648,10 @@ class Channel:
         log.info("%s: dropped a message for epoch %r", self, to_epoch)
         return True
 
-    def _deliver(self, event: Delivered) -> None:
-        """Into the inbox, waiting for room at most suspect_after_s."""
+    def _deliver(self, link: _Link, event: Delivered) -> None:
+        """Into the inbox, waiting for room at most suspect_after_s. A message read after
+        another thread declared its connection down is dropped (counted stale): PeerDown
+        comes after every message its connection delivered."""
         deadline = time.monotonic() + self.config.suspect_after_s
         with self._ready:
             while self._inbox_messages >= self.config.inbox_messages_max:
@@ -659,6 +661,9 @@ class Channel:
                         f"this process left inbox_messages_max ({self.config.inbox_messages_max})"
                         f" messages untaken for suspect_after_s ({self.config.suspect_after_s} s)")
                 self._ready.wait(remaining)
+            if link.down:
+                self.counts.stale_dropped += 1
+                return
             self._inbox_messages += 1
             self._push(event)
 

@@ -7,8 +7,9 @@ PYTHONPATH. The config names the identity, epoch, bounds and the port to dial. C
 for requests r, r+1, ... to the peer; {"do": "exit"}. Reports (one JSON object a line on
 stdout): "up", "msg" (each message received, echoed back when "echo" is set), "sent",
 "down", "refused", "connect_failed". When its peer is declared down it redials in the same
-epoch (unless "rejoin" is false: then it exits); refused, it restarts in the next epoch (a new Channel: a restarted process is empty),
-which is the runtime's rule for a refused epoch. It exits when stdin closes.
+epoch (unless "rejoin" is false: then it exits); refused, it restarts in the next epoch (a
+new Channel: a restarted process is empty), which is the runtime's rule for a refused
+epoch. It exits when stdin closes.
 """
 
 from __future__ import annotations

@@ -133,6 +133,7 @@ def test_messages_come_back_in_order_and_both_ends_learn_a_close():
     with running(child, channel):
         up, _ = next_event(channel, PeerUp)
         assert (up.peer, up.epoch) == (PREFILL, 1)
+        assert channel.receive(2 * SUSPECT_S) is None      # quiet but alive: never down
         sent = messages(200)
         assert all(channel.send(PREFILL, m, 1) for m in sent)
         back = [next_event(channel, Delivered)[0] for _ in sent]
