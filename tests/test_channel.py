@@ -38,10 +38,10 @@ WAIT_S = 10.0        # the longest any step waits for a process
 PREFILL = Peer("prefill", 0)
 
 
-def host(epoch: int = 1, **bounds) -> Channel:
+def host(epoch: int = 1, on_down=None, **bounds) -> Channel:
     config = ChannelConfig("decode", 0, epoch, heartbeat_s=HEARTBEAT_S,
                            suspect_after_s=SUSPECT_S, **bounds)
-    channel = Channel(config)
+    channel = Channel(config, on_down=on_down)
     channel.listen()
     return channel
 
@@ -149,7 +149,8 @@ def test_messages_come_back_in_order_and_both_ends_learn_a_close():
 # -- the failure detector ----------------------------------------------------------------
 
 def test_a_killed_peer_is_declared_down_within_the_bound():
-    channel = host()
+    called = []
+    channel = host(on_down=called.append)
     child = Child(channel.port)
     with running(child, channel):
         next_event(channel, PeerUp)
@@ -161,6 +162,8 @@ def test_a_killed_peer_is_declared_down_within_the_bound():
         assert "the connection broke" in down.reason       # the kernel closed its socket
         assert channel.send(PREFILL, Message(core.CANCEL_MSG, 1), 1) is False
         assert channel.counts.unsent == 1 and channel.counts.peers_down == 1
+        wait_until(lambda: called)                          # it runs after the event is in
+        assert called == [down]                             # the callback, once
 
 
 def test_a_stopped_peer_is_declared_down_and_must_rejoin_in_a_new_epoch():
