@@ -206,16 +206,29 @@ class ChannelConfig:
     bugs: frozenset = frozenset()
 
     def __post_init__(self) -> None:
-        assert self.role in ROLES, f"role must be one of {ROLES}, not {self.role!r}"
-        assert type(self.worker) is int and self.worker >= 0, self.worker
-        assert type(self.epoch) is int and self.epoch >= 1, "epochs start at 1"
-        assert self.heartbeat_s > 0, self.heartbeat_s
-        assert self.suspect_after_s >= 3 * self.heartbeat_s, (
-            "suspect_after_s must cover at least three heartbeats, so that one late "
-            "heartbeat never declares a live peer down")
-        assert self.connect_timeout_s > 0 and self.frame_bytes_max >= 256
-        assert self.inbox_messages_max >= 1 and self.connections_max >= 1
-        assert self.bugs <= BUGS, f"unknown channel bug switches {set(self.bugs - BUGS)}"
+        """A bad bound is a clear ValueError (they will come from flags), never an assert
+        that `python -O` would drop."""
+        problems = [
+            (self.role not in ROLES, f"role must be one of {ROLES}, not {self.role!r}"),
+            (type(self.worker) is not int or self.worker < 0,
+             f"worker must be an index >= 0, not {self.worker!r}"),
+            (type(self.epoch) is not int or self.epoch < 1,
+             f"epochs start at 1, not {self.epoch!r}"),
+            (not self.heartbeat_s > 0, f"heartbeat_s must be > 0, not {self.heartbeat_s!r}"),
+            (not self.suspect_after_s >= 3 * self.heartbeat_s,
+             "suspect_after_s must cover at least three heartbeats, so that one late "
+             "heartbeat never declares a live peer down"),
+            (not self.connect_timeout_s > 0,
+             f"connect_timeout_s must be > 0, not {self.connect_timeout_s!r}"),
+            (self.frame_bytes_max < 256,
+             f"frame_bytes_max must be >= 256, not {self.frame_bytes_max!r}"),
+            (self.inbox_messages_max < 1 or self.connections_max < 1,
+             "inbox_messages_max and connections_max must be >= 1"),
+            (not self.bugs <= BUGS, f"unknown channel bug switches {set(self.bugs) - BUGS}"),
+        ]
+        for bad, why in problems:
+            if bad:
+                raise ValueError(why)
 
     @property
     def identity(self) -> Peer:
@@ -309,12 +322,17 @@ def _short(value, limit: int = 120) -> str:
 
 
 class _FrameReader:
-    """Frames off one socket; the length is checked before the body is read."""
+    """Frames off one socket; the length is checked before the body is read, and a frame
+    must be whole within `frame_s_max` of its first byte (the socket's timeout bounds only
+    the silence between bytes: a peer trickling one byte at a time would never time out)."""
 
-    def __init__(self, sock: socket.socket, frame_bytes_max: int):
+    def __init__(self, sock: socket.socket, frame_bytes_max: int, frame_s_max: float):
         self.sock, self.limit, self.buffer = sock, frame_bytes_max, bytearray()
+        self.frame_s_max = frame_s_max
+        self.started: float | None = None  # when the frame being read began to arrive
 
     def next_record(self) -> dict:
+        self.started = time.monotonic() if self.buffer else None
         (size,) = LENGTH.unpack(self._take(LENGTH.size))
         if size > self.limit:
             raise FrameError(f"a frame of {size} bytes is over frame_bytes_max ({self.limit})")
@@ -325,7 +343,11 @@ class _FrameReader:
             chunk = self.sock.recv(max(65536, n - len(self.buffer)))
             if not chunk:
                 raise _PeerClosed("the peer closed the connection")
+            self.started = self.started or time.monotonic()
             self.buffer += chunk
+            if len(self.buffer) < n and time.monotonic() - self.started > self.frame_s_max:
+                raise FrameError(f"a frame not whole {self.frame_s_max} s after its first "
+                                 "byte: the peer trickles it")
         out = bytes(self.buffer[:n])
         del self.buffer[:n]
         return out
@@ -403,7 +425,7 @@ class Channel:
             sock = socket.create_connection((host, port), timeout=self.config.connect_timeout_s)
         except OSError as error:
             raise ChannelError(f"{self}: cannot connect to {host}:{port}: {error}") from None
-        reader = _FrameReader(sock, self.config.frame_bytes_max)
+        reader = _FrameReader(sock, self.config.frame_bytes_max, self.config.suspect_after_s)
         try:
             sock.sendall(encode_frame(self._stamped(HELLO, v=WIRE_VERSION),
                                       self.config.frame_bytes_max))
@@ -525,7 +547,7 @@ class Channel:
 
     def _handshake(self, sock: socket.socket) -> _Link | None:
         sock.settimeout(self.config.connect_timeout_s)
-        reader = _FrameReader(sock, self.config.frame_bytes_max)
+        reader = _FrameReader(sock, self.config.frame_bytes_max, self.config.suspect_after_s)
         try:
             record = reader.next_record()
             if record["k"] != HELLO or record.get("v") != WIRE_VERSION:

@@ -320,6 +320,35 @@ def test_bad_frames_drop_only_their_connection(caplog):
         assert next_event(channel, Delivered)[0].message.request == 99
 
 
+def test_a_peer_that_trickles_a_frame_is_dropped_within_the_bound():
+    """Each byte comes well within suspect_after_s of the last, so only the frame's own
+    bound (suspect_after_s from its first byte) ends it."""
+    channel = host()
+    try:
+        forger = Forger(channel.port)
+        forger.hello()
+        next_event(channel, PeerUp)
+        frame = encode_frame({"k": MSG, "from": forger.identity, "to": 1, "seq": 1,
+                              "body": message_record(Message(core.CANCEL_MSG, 7))}, 4096)
+        assert len(frame) * SUSPECT_S / 8 > SUSPECT_S + SLACK_S  # it outlasts the bound
+        started, down = time.monotonic(), None
+        for byte in frame[:-1]:
+            try:
+                forger.raw(bytes([byte]))
+            except OSError:                                 # the channel has closed it
+                pass
+            event = channel.receive(SUSPECT_S / 8)          # the pause between bytes
+            if type(event) is PeerDown or time.monotonic() - started > SUSPECT_S + SLACK_S:
+                down = event
+                break
+        elapsed = time.monotonic() - started
+        assert type(down) is PeerDown and "trickles" in down.reason, down
+        assert SUSPECT_S <= elapsed < SUSPECT_S + SLACK_S, elapsed
+        forger.close()
+    finally:
+        channel.close()
+
+
 def test_an_inbox_left_full_declares_the_peer_down():
     channel = host(inbox_messages_max=2)
     child = Child(channel.port, rejoin=False)  # a rejoin in epoch 2 would make them stale
@@ -335,11 +364,13 @@ def test_an_inbox_left_full_declares_the_peer_down():
 # -- no process ----------------------------------------------------------------------------
 
 def test_config_and_messages_are_checked():
-    with pytest.raises(AssertionError, match="three heartbeats"):
+    with pytest.raises(ValueError, match="three heartbeats"):
         ChannelConfig("decode", 0, 1, heartbeat_s=1.0, suspect_after_s=2.0)
-    with pytest.raises(AssertionError, match="role"):
+    with pytest.raises(ValueError, match="role"):
         ChannelConfig("client", 0, 1)
-    with pytest.raises(AssertionError, match="unknown channel bug"):
+    with pytest.raises(ValueError, match="epochs start at 1"):
+        ChannelConfig("decode", 0, 0)
+    with pytest.raises(ValueError, match="unknown channel bug"):
         ChannelConfig("decode", 0, 1, bugs=frozenset({"NoCountCheck"}))
     with pytest.raises(ValueError, match="unknown message"):
         Message("hello", 1)
