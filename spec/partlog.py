@@ -134,11 +134,16 @@ class PartLogs:
         if taker is None:
             self._log(ENVIRONMENT, event, self._environment_touched(event), split.reached)
         else:
-            stands_on = list(split.reached)
-            if taker.read_assumption:
-                stands_on += [part for part in self._request_parts(event) if part is not taker]
-            self._log(taker.name, event, stands_on, split.reached)
+            self._log(taker.name, event, self._stands_on(taker, event), split.reached)
         return out
+
+    def _stands_on(self, taker: Part, event: core.Event) -> list[Part]:
+        """The parts a part's step is ordered after besides its own past: those it sent to
+        (the one-slot wire), and every part of the request if a timer's assumption was read."""
+        parts = list(self.split.reached)
+        if taker.read_assumption:
+            parts += [part for part in self._request_parts(event) if part is not taker]
+        return parts
 
     def _request_parts(self, event: core.Event) -> list[Part]:
         r = getattr(event, "request", None)
@@ -329,11 +334,10 @@ def _takers(m: Model, run: list[tuple[dict, Origin]]) -> None:
             taker = ROUTER
         elif role == ROUTER:
             taker = ROUTER
+        elif event.request not in placement:
+            continue  # before its request arrived: the spec refuses it (runcheck)
         else:
-            placed = placement.get(event.request)
-            if placed is None:
-                raise MergeError(f"{where}: {event.label()} before its request arrived in the "
-                                 "merged run")
+            placed = placement[event.request]
             taker = f"{role} {placed[0] if role == PREFILL else placed[1]}"
         if record["part"] != taker:
             raise MergeError(f"{where}: {event.label()} is {taker}'s to take, but "
