@@ -503,6 +503,10 @@ class Split:
         self.prefills = [Part(m, PREFILL, q) for q in range(m.prefill_workers)]
         self.decodes = [Part(m, DECODE, d) for d in range(m.decode_workers)]
         self.ghost: dict[int, dict[int, object]] = {}   # request -> ghost fields
+        # What the last step did besides its state change (see `take`).
+        self.carried: list[tuple[Part, tuple]] = []
+        self.reached: list[Part] = []
+        self.absorbed: list[Message] = []
 
     def parts(self) -> list[Part]:
         return [self.router, *self.prefills, *self.decodes]
@@ -602,12 +606,12 @@ class Split:
         failed prefill; a decode crash's notice, credited to the crashed decode)."""
         rows = []
         for r, new in change.rows:
+            if part is not self.placed(r, part.role):
+                continue
             old = whole.requests[r]
             sent_old = {k: old[k] for k, role in SENT_FIELDS.items()
                         if role == part.role and new[k] != old[k] and new[k] != EMPTY_ROW[k]}
             sent_new = {k: new[k] for k in sent_old}
-            if part is not self.placed(r, part.role):
-                continue
             if part.rows.get(r, part.blank) == before[r] and not sent_old:
                 continue
             rows.append((r, part.seen(before[r], sent_old),
@@ -651,6 +655,7 @@ class Split:
         twin.prefills = [part.copy() for part in self.prefills]
         twin.decodes = [part.copy() for part in self.decodes]
         twin.ghost = {r: dict(fields) for r, fields in self.ghost.items()}
+        twin.carried, twin.reached, twin.absorbed = [], [], []
         return twin
 
     def snapshot(self) -> tuple:
