@@ -268,3 +268,12 @@ def test_without_the_one_slot_rule_some_merges_are_not_runs(monkeypatch):
         part for part in self._request_parts(event) if part is not taker]
         if taker.read_assumption else [])
     assert _random_runs(300) == (3, 2907)
+
+
+def test_a_missing_log_is_refused(deployment, tmp_path):
+    _, parts = deployment
+
+    def edit(logs):
+        del logs["decode-1.ndjson"]
+    folder, _ = _forge(parts, tmp_path, edit)
+    assert _refused(folder).startswith("no log of this deployment ends decode 1's")
