@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from api.clikit import (ENGINE_LOG, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EXIT_VIOLATION,
-                        ITF_TRACE, FUZZ_FAILURE, SIM_LOG, UsageError, plural, readable_file, sniff, writable_file,
+                        PART_LOG, ITF_TRACE, FUZZ_FAILURE, SIM_LOG, UsageError, plural, readable_file, sniff, writable_file,
                         wrong_kind)
 from spec.check.cfgfile import CfgError, load, model_description, model_names
 from spec.check.report import describe_model, format_coverage, format_summary, format_trace
@@ -550,13 +550,61 @@ def _validate_run(run) -> int:
     return EXIT_OK if verdict.ok else EXIT_VIOLATION
 
 
+def _part_logs(paths: list[str]) -> list[str] | None:
+    """The part logs of one deployment that `kvproof validate` was given (several files, or
+    a folder of them), or None for one file of another kind."""
+    if len(paths) == 1 and Path(paths[0]).is_dir():
+        found = sorted(str(p) for p in Path(paths[0]).glob("*.ndjson") if sniff(p) == PART_LOG)
+        if found:
+            return found
+    for path in paths:
+        readable_file(path, path)
+    if len(paths) == 1 and sniff(paths[0]) != PART_LOG:
+        return None
+    for path in paths:
+        if sniff(path) != PART_LOG:
+            raise UsageError(f"{path} is not a part log: several files are validated as the "
+                             "logs of one split deployment, each a part's")
+    return paths
+
+
+def _validate_part_logs(paths: list[str]) -> int:
+    from sim.trace import read_part_logs
+    from spec.partlog import merge
+    from spec.tlaplus.runcheck import check_part_logs, merged_run
+
+    model, logs = read_part_logs(paths)
+    merged = merge(model, logs)
+    verdict = check_part_logs(merged)
+    run = merged_run(merged)
+    print(f"{plural(len(paths), 'log')} of one deployment merged: "
+          + ", ".join(f"{name} {plural(n, 'step')}" for name, n in merged.parts.items()))
+    print(f"{run.prefill_workers} x {run.decode_workers} workers, "
+          f"{plural(len(run.records), 'protocol event')}")
+    print(model.describe())
+    print(verdict.message)
+    return EXIT_OK if verdict.ok else EXIT_VIOLATION
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     from fuzz.replay import ReplayError
+    from spec.partlog import MergeError
     from spec.tlaplus.runcheck import RunError
     from spec.tlaplus.validate import TraceError, validate
     from sim.fold import LogError as SimLogError
     from engine.eventlog import LogError as EngineLogError
 
+    try:
+        paths = _part_logs(args.trace)
+        if paths is not None:
+            return _validate_part_logs(paths)
+    except MergeError as error:
+        print(f"kvproof validate: the logs do not make one run: {error}")
+        return EXIT_VIOLATION
+    except (RunError, SimLogError, ModelError, UsageError) as error:
+        print(f"kvproof validate: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    args.trace = args.trace[0]
     try:
         readable_file(args.trace, args.trace)
         kind = sniff(args.trace)

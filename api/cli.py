@@ -4,7 +4,7 @@ one line and exit status 2.
     kvproof check       [--model NAME|FILE] [--bug NAME ...] [--property NAME ...] [--symmetry]
                         [--workers N] [--continue] [--simulate --depth D --traces N --seed S]
                         [--itf FILE] [--json FILE] [--dump-dot FILE] [--full-trace]
-    kvproof validate    LOG|TRACE [--model NAME|FILE] [--bug NAME ...]
+    kvproof validate    LOG|TRACE|PART-LOG... [--model NAME|FILE] [--bug NAME ...]
     kvproof conformance [--model NAME|FILE] [--bug NAME ...] [--symmetry]
     kvproof sim         SCENARIO [--seed N] [--bug NAME ...] [--set FIELD=VALUE ...] ...
     kvproof sim calibrate [--model PATH] --out FILE [--prompt-tokens N,...] ...
@@ -136,9 +136,13 @@ def _add_validate(commands) -> None:
         ["kvproof sim one-pair --log run.ndjson && kvproof validate run.ndjson",
          "kvproof validate engine-run.log",
          "kvproof validate cex.itf.json",
+         "kvproof validate logs/router.ndjson logs/prefill-0.ndjson ...",
+         "kvproof validate logs/",
          "kvproof validate apalache-trace.itf.json --model solo"])
-    validate.add_argument("trace", help="a simulator or engine log, a core-target fuzz "
-                          "failure, or an ITF JSON trace")
+    validate.add_argument("trace", nargs="+", help="a simulator or engine log, a "
+                          "core-target fuzz failure, or an ITF JSON trace; or the part logs "
+                          "of one split deployment (several files, or a folder of them), "
+                          "merged and checked as one run")
     validate.add_argument("--model", default=None, metavar="NAME|FILE",
                           help="the model (default: the one recorded in the trace)")
     validate.add_argument("--bug", action="append", default=[], metavar="NAME",

@@ -172,9 +172,9 @@ def plural(count: int, word: str, words: str | None = None) -> str:
 
 # -- files -------------------------------------------------------------------------------
 
-SIM_LOG, FUZZ_FAILURE, ITF_TRACE, CFG_FILE, TOML_FILE, ENGINE_LOG = (
+SIM_LOG, FUZZ_FAILURE, ITF_TRACE, CFG_FILE, TOML_FILE, ENGINE_LOG, PART_LOG = (
     "a simulator log", "a saved fuzz failure", "an ITF trace", "a TLC model (.cfg)",
-    "a scenario (TOML)", "an engine event log")
+    "a scenario (TOML)", "an engine event log", "a part's event log")
 WHAT_TO_DO = {
     SIM_LOG: "replay it with kvproof sim --replay {path}",
     FUZZ_FAILURE: "replay it with kvproof fuzz --replay {path}",
@@ -182,6 +182,7 @@ WHAT_TO_DO = {
     CFG_FILE: "check it with kvproof check --model {path}",
     TOML_FILE: "run it with kvproof sim {path}",
     ENGINE_LOG: "check it against the spec with kvproof validate {path}",
+    PART_LOG: "check it with the other logs of its deployment: kvproof validate {path} ...",
 }
 
 
@@ -202,6 +203,9 @@ def sniff(path: str | Path) -> str | None:
     if first_line.startswith("{") and '"format"' in first_line \
             and "kvproof-engine-log" in first_line:
         return ENGINE_LOG
+    if first_line.startswith("{") and '"format"' in first_line \
+            and "kvproof-part-log" in first_line:
+        return PART_LOG
     if text.startswith("{"):
         return _sniff_json(path)
     if path.suffix == ".cfg" or text.startswith(("CONSTANT", "\\*", "SPECIFICATION")):

@@ -9,13 +9,16 @@ and `kvproof validate` then checks every step, label and state against the spec.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 from spec import core
 from spec.core import Refusal
 from spec.tlaplus.runcheck import Run
 from spec.tlaplus.itf import trace_to_itf
-from spec.model import Model
+from spec.model import Model, ModelError
+from spec.partlog import FORMAT as PART_LOG_FORMAT, PartLogs, header
 from sim.fold import FIRST_TOKEN, RUN_END, LogError, event_of, model_for, read_log
 
 
@@ -70,3 +73,56 @@ def _requests(events: list[tuple[int, dict]]) -> int:
     """One spec request per request id of the run (ids are 0, 1, ... in arrival order)."""
     ids = [record["request"] for _, record in events if type(record.get("request")) is int]
     return max(1, 1 + max(ids, default=0))
+
+
+# -- the per-part logs of a split deployment (spec/partlog.py) ------------------------------
+
+def write_part_logs(logs: PartLogs, directory: str | Path) -> list[Path]:
+    """Each part's log as its own file in `directory` (one per process of a deployment),
+    the deployment's header first."""
+    head = header(logs.model)
+    paths = []
+    for name, records in logs.logs().items():
+        path = Path(directory) / f"{name.replace(' ', '-')}.ndjson"
+        path.write_text("".join(json.dumps(x) + "\n" for x in [head, *records]))
+        paths.append(path)
+    return paths
+
+
+def read_part_logs(paths: list[str | Path]) -> tuple[Model, list]:
+    """The deployment's model and each file's (line, record) pairs, for spec/partlog.merge.
+    Every file must be a part log of the same constants."""
+    model, logs, first = None, [], None
+    for path in paths:
+        try:
+            lines = Path(path).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as error:
+            raise LogError(f"cannot read {path}: {error}") from None
+        try:
+            head = json.loads(lines[0]) if lines else {}
+        except json.JSONDecodeError as error:
+            raise LogError(f"{path} line 1: malformed header ({error.msg})") from None
+        if not isinstance(head, dict) or head.get("format") != PART_LOG_FORMAT:
+            raise LogError(f"{path}: not a kvproof part log (its first line names no format "
+                           f"{PART_LOG_FORMAT!r})")
+        if model is None:
+            try:
+                model = Model.from_tla_constants(head.get("constants") or {},
+                                                 str(head.get("name", "deployment")))
+            except ModelError as error:
+                raise LogError(f"{path} line 1: {error}") from None
+            first = (path, head.get("constants"))
+        elif head.get("constants") != first[1]:
+            raise LogError(f"{path}: its constants differ from {first[0]}'s: the logs of "
+                           "one deployment share them")
+        records = []
+        for k, line in enumerate(lines[1:], start=2):
+            try:
+                records.append((k, json.loads(line)))
+            except json.JSONDecodeError as error:
+                raise LogError(f"{path} line {k}: malformed record ({error.msg}): the log is "
+                               "cut or damaged there") from None
+        logs.append((str(path), records))
+    if model is None:
+        raise LogError("no part log given")
+    return model, logs

@@ -13,6 +13,18 @@ action can forget one (an answer is sent whenever a client's state becomes final
 action did it). The derivation order is the order a shell carries them out in: messages,
 then the prefill's work, then the client, then decode's, then freed pages.
 
+Who carries each command out (`carrier`: the router, a prefill, a decode, or the serving
+edge the client talks to) is a table here too, and it is what lets one worker derive its own
+commands from its own part of the state (`part_effects`, for spec/parts.py's processes): the
+same row derivation, run on that worker's fields before and after and on the messages it
+sent, keeping the commands it carries. The whole-row `effects` is the union of those, worker
+by worker (tests/test_commands_parts.py), with one exception the process view exposes: a
+final word repeated (AnswerCancel) while the same word is still on the wire. The spec's wire
+holds one message per request, so the repeat is absorbed by the one in flight and
+`effects`, which sees the slot unchanged, asks for no Send; the prefill cannot see the slot
+(it is decode's inbox) and sends again. spec/README.md ("Commands per part") says what a
+real transport must do with that duplicate.
+
 Pure like the core: no I/O, no clock.
 """
 
@@ -20,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import Iterable
 
 from spec.core import (
     BOOT, CANCEL, CLIENT, CLIENT_GONE, CLIENT_NAMES, CLOSING, DECODING, DST, D_WAITING, FW,
@@ -180,3 +193,55 @@ def _freed(out: list, r: int, pool_name: str, pool, changes: tuple) -> None:
     pages = [p for p, page in changes if page[0] == NONE and pool[p][0] != NONE]
     if pages:
         out.append(FreePages(r, pool_name, tuple(pages)))
+
+
+# -- who carries a command out, and one worker's own commands -----------------------------
+
+# A message is its sender's to send; the serving edge ("client": the router's process in a
+# deployment) sends the client-gone notice and answers. Freed pages are the pool's owner's.
+SENDERS = {BOOTSTRAP: "router", FINAL_WORD_MSG: "prefill", CANCEL_MSG: "decode",
+           PAGE_TABLE: "decode", CLIENT_GONE: "client"}
+CARRIERS = {Queue: "prefill", Compute: "prefill", Post: "prefill", ArmTimer: "decode",
+            CancelTimer: "decode", StartDecoding: "decode", StopDecoding: "decode",
+            ReleaseWhenReady: "decode", Answer: "client"}
+# The row fields that are messages on the wire, by their sender: a sender does not hold its
+# message's slot (it is the receiver's inbox), so for a command it had nothing there before.
+SENT_FIELDS = {BOOT: "router", FW: "prefill", CANCEL: "decode"}
+
+
+def carrier(command: Command) -> str:
+    """The worker ("router", "prefill", "decode" or "client") that carries out `command`."""
+    kind = type(command)
+    if kind is Send:
+        return SENDERS[command.message]
+    if kind is FreePages:
+        return command.pool
+    return CARRIERS[kind]
+
+
+def freed_by(change: Change) -> int:
+    """The request a FreePages of `change` names (the first it changed; NONE if none)."""
+    if change.rows:
+        return change.rows[0][0]
+    return change.landed[0][0] if change.landed else NONE
+
+
+def part_effects(carriers: frozenset, rows: Iterable[tuple[int, tuple, tuple]],
+                 pool_name: str = "", pool=(), pages: tuple = (), posted: tuple = (),
+                 by: int = NONE) -> tuple[Command, ...]:
+    """The commands a worker carrying out `carriers` (its carrier names) carries out for one
+    step it took or saw, in carrying-out order, from its own part alone: `rows` are
+    (request, old, new) of the fields it holds (every other field as in core.EMPTY_ROW on
+    both sides), with each message it sent written into the new row and absent from the
+    old; `pages` the changes of its own pool `pool` (named `pool_name`), `posted` its
+    writes, `by` the request FreePages names (`freed_by` of the step's change). The same
+    derivation as `effects`, kept to this worker's commands."""
+    out: list[Command] = []
+    for r, old, new in rows:
+        if _MESSAGES_AND_STATES(new) != _MESSAGES_AND_STATES(old):
+            _row_effects(out, r, old, new)
+    for w in posted:
+        out.append(Post(w[0], w))
+    if pages:
+        _freed(out, by, pool_name, pool, pages)
+    return tuple(c for c in out if carrier(c) in carriers)

@@ -68,10 +68,46 @@ Who takes which action (`taker`):
   event, as the data path measured them; the oracle that judges them is the environment's
   (core.observation_conflict on the reassembled state).
 
+Commands (what each worker carries out; spec/commands.py). A part derives its worker's
+commands from its own part alone (`commands.part_effects`: the one row derivation, run on
+the fields it holds before and after, with each message it sent written in, and kept to
+the commands `commands.carrier` gives its worker; the router's process is the serving edge
+too): its own decision's come back in `Taken.commands`, and a message asks its receiver
+for some (`receive`: a queue entry makes the prefill Queue, an answer makes the edge
+Answer). tests/test_commands_parts.py shows, on every reachable edge of workers-2x2 and
+lossy, that the parts' commands are the whole-row `effects`, each from the part of the
+worker that carries it out, in its order, except one: a final word repeated by
+AnswerCancel while the same word is still on the wire. The spec's one-slot wire absorbs it
+(the Split reports it in `absorbed`), and `effects` asks for no Send; the prefill cannot
+see decode's inbox, and sends (792 such edges of workers-2x2's 16,933, 138 of lossy's 6,046).
+
+What each process observes of the environment's actions (`Split._environment`: the
+change's rows as the part holds them, its pool and send queue, and the messages of its
+role the action put on the wire; the commands follow from those like any others):
+- LandWrite: decode d counts the landing (`landed`, the page's contents and tag); the
+  prefill sees its write complete (it leaves the send queue; with EarlyDone its source
+  page is freed: FreePages). No other command.
+- LoseWrite: the prefill's false completion (the same as a landing, to it); decode sees
+  nothing.
+- LoseBootstrap, LoseFinalWord, LoseCancel: nobody observes a loss; the receiver's inbox
+  slot is empty again (in a deployment the message simply never arrives).
+- DecodeCrash(d): decode d restarts: its requests become tombstones, its pool free
+  (CancelTimer or StopDecoding, FreePages); every prefill with a request on d sees its
+  connection to d break: the page table dropped and, for a request it still runs, the
+  crash's notice in its inbox (core.crash_notice). The Send(cancel) that notice is in the
+  shells' commands is credited to the crashed decode, its carrier; in a deployment no
+  process sends it (the transport reports the broken connection to the prefill). The edge
+  answers the client ErrDecode (Answer).
+- PrefillFail: the prefill fails the request: its final word to decode (Send), its pages
+  (FreePages); the edge answers ErrPrefill unless it has answered already.
+
 `Split` holds the router, P prefill and D decode parts, routes each event to its taker,
 delivers the messages a decision sends (addressed by role and request: the network knows
 the placement the router chose) and reassembles the whole core State (`whole`), which
-tests/test_parts.py compares with the core's own after every step.
+tests/test_parts.py compares with the core's own after every step. After each step it
+says which parts carry out which commands (`carried`), which parts the step reached
+besides its taker (`reached`: what spec/partlog.py orders the logs by) and which messages
+changed nothing at their receiver (`absorbed`).
 
 Pure like the core: no I/O, no clock, no randomness.
 """
@@ -84,6 +120,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from spec import core
+from spec.commands import SENT_FIELDS, Command, freed_by, part_effects
 from spec.core import (CLIENT, CLIENT_GONE, DW, EMPTY_ROW, GONE, NONE, PW, ROW_FIELDS, Change,
                        Refusal, State)
 from spec.model import Model
@@ -98,10 +135,23 @@ HELD = {role: frozenset(k for k, name in enumerate(ROW_FIELDS) if may_read(role,
 AUTHORITY = {role: frozenset(k for k in HELD[role] if (role, ROW_FIELDS[k]) not in GRANTS)
              for role in ROLES}
 GHOST_FIELDS = frozenset(k for k, name in enumerate(ROW_FIELDS) if OWNERS[name] == GHOST)
+# Role -> the carriers (spec/commands.py `carrier`) whose commands its worker carries out:
+# the router's process is the serving edge too.
+CARRIES = {ROUTER: frozenset({"router", "client"}), PREFILL: frozenset({PREFILL}),
+           DECODE: frozenset({DECODE})}
 # The actions the environment takes (see the module's docstring for why each).
 ENVIRONMENT = frozenset({info.event for info in core.ACTION_TABLE if info.worker == "network"}
                         | {core.PrefillFail, core.DecodeCrash})
 _ASSUMPTION_CODE = frozenset(getattr(core, name).__code__ for name in CORE_ASSUMPTIONS)
+
+
+def role_of(event: core.Event) -> str | None:
+    """The role whose part takes `event`; None for the environment's."""
+    kind = type(event)
+    if kind in ENVIRONMENT:
+        return None
+    worker = core.INFO[kind].worker
+    return ROUTER if worker == "client" else worker
 
 
 class LocalityBreach(AssertionError):
@@ -197,8 +247,9 @@ class _View:
 
     def __init__(self, part: "Part", environment: Callable[[], State] | None) -> None:
         self.environment = environment
+        self.read_assumption = False  # a timing assumption answered from the environment
         self.requests = {}
-        for r, row in part.rows.items():
+        for r, row in sorted(part.rows.items()):  # in request order, as the whole has them
             view_row = _Row(row)
             view_row.view, view_row.request = self, r
             self.requests[r] = view_row
@@ -210,6 +261,7 @@ class _View:
     def assumed(self, sentinel: _Foreign, read: Callable[[State], object]):
         if self.environment is None or not _in_assumption():
             sentinel._read()
+        self.read_assumption = True
         return read(self.environment())
 
     def has_request(self, r: int) -> bool:
@@ -236,11 +288,12 @@ class Message:
 @dataclass(frozen=True)
 class Taken:
     """A part's decision: its own update (a core Change of its own fields, pages and send
-    queue) and the messages it sends."""
+    queue), the messages it sends and the commands its worker carries out."""
 
     event: core.Event
     own: Change
     messages: tuple
+    commands: tuple = ()
 
 
 class Part:
@@ -258,6 +311,7 @@ class Part:
         self.pool = [fresh[role]] * pages[role] if role in pages else []
         self.base = worker * len(self.pool)   # its first page in the core's flat pool
         self.sending: list[tuple] = []        # a prefill's send queue
+        self.read_assumption = False          # its last decision rested on a timing assumption
         self._foreign_page = _Foreign(f"a page of another worker's pool, not "
                                       f"{self.name}'s own")
 
@@ -282,15 +336,50 @@ class Part:
         update is applied here, the messages are returned for the network to deliver.
         `environment` answers only the timing assumptions (see the module's docstring)."""
         where = f"{event.action} ({self.name})"
+        view = _View(self, environment)
         try:
-            out = core.change_for(self.model, _View(self, environment), event)
+            out = core.change_for(self.model, view, event)
         except LocalityBreach as breach:
             raise LocalityBreach(f"{where} {breach}") from None
+        self.read_assumption = view.read_assumption
         if type(out) is Refusal:
             return out
-        taken = Taken(event, *self._split(where, out))
-        self.apply(taken.own)
-        return taken
+        own, messages = self._split(where, out)
+        before = {r: self.rows[r] for r, _ in own.rows}
+        pool = self.pool_before()
+        self.apply(own)
+        sent: dict[int, dict] = {}
+        for message in messages:
+            for k, value in message.fields:
+                if SENT_FIELDS.get(k) == self.role:
+                    sent.setdefault(message.request, {})[k] = value
+        rows = [(r, self.seen(before[r]), self.seen(row, sent.get(r))) for r, row in own.rows]
+        return Taken(event, own, messages, self.commands(rows, pool, out, freed_by(out)))
+
+    # -- its commands ---------------------------------------------------------------------
+
+    def seen(self, row: tuple, sent: dict | None = None) -> tuple:
+        """A row as this worker's command derivation reads it: the fields it holds, the
+        messages it sent (`sent`: field -> value), and every other field as in EMPTY_ROW."""
+        held = HELD[self.role]
+        out = [row[k] if k in held else EMPTY_ROW[k] for k in range(len(ROW_FIELDS))]
+        for k, value in (sent or {}).items():
+            out[k] = value
+        return tuple(out)
+
+    def pool_before(self) -> dict:
+        """Its own pages by their index in the core's flat pool (what FreePages compares)."""
+        return {self.base + i: page for i, page in enumerate(self.pool)}
+
+    def commands(self, rows: list, pool: dict, change: Change, by: int) -> tuple[Command, ...]:
+        """The commands this worker carries out for a step that changed `rows` (request,
+        old, new as `seen`), its pool (as it was: `pool`) by `change`'s pages, and posted
+        `change`'s writes if it is the prefill that posts them."""
+        pages = tuple(c for c in (change.prefill if self.role == PREFILL else change.decode)
+                      if c[0] in pool) if self.role != ROUTER else ()
+        posted = tuple(w for w in change.posted if w[1] in pool) \
+            if self.role == PREFILL else ()
+        return part_effects(CARRIES[self.role], rows, self.role, pool, pages, posted, by)
 
     def _split(self, where: str, change: Change) -> tuple[Change, tuple]:
         rows, messages = [], []
@@ -374,15 +463,19 @@ class Part:
         for w in own.posted:
             insort(self.sending, w)
 
-    def receive(self, message: Message) -> None:
+    def receive(self, message: Message) -> tuple[Command, ...]:
         """A message into this part's inbox or its copy of a fact (a worker hears of a
-        request with its first message). The router keeps a client's first answer."""
-        row = self.rows.get(message.request, self.blank)
+        request with its first message). The router keeps a client's first answer. The
+        commands the message asks of this worker (the prefill queues a queue entry, the
+        edge answers its client) come back."""
+        old = row = self.rows.get(message.request, self.blank)
         for k, value in message.fields:
             if k == CLIENT and self.role == ROUTER:
                 value = core._client_error(row, value)  # the edge's first-answer rule
             row = core._row(row, k, value)
         self.rows[message.request] = row
+        return part_effects(CARRIES[self.role],
+                            ((message.request, self.seen(old), self.seen(row)),))
 
     def install(self, r: int, k: int, value) -> None:
         """The environment writes field k of r (a crash, the network)."""
@@ -410,6 +503,10 @@ class Split:
         self.prefills = [Part(m, PREFILL, q) for q in range(m.prefill_workers)]
         self.decodes = [Part(m, DECODE, d) for d in range(m.decode_workers)]
         self.ghost: dict[int, dict[int, object]] = {}   # request -> ghost fields
+        # What the last step did besides its state change (see `take`).
+        self.carried: list[tuple[Part, tuple]] = []
+        self.reached: list[Part] = []
+        self.absorbed: list[Message] = []
 
     def parts(self) -> list[Part]:
         return [self.router, *self.prefills, *self.decodes]
@@ -427,20 +524,23 @@ class Split:
     def taker(self, event: core.Event) -> Part | str | None:
         """The part that takes `event`; None for the environment; a sentence when the
         request is placed on no worker of the role (nothing there can take it)."""
-        kind = type(event)
-        if kind in ENVIRONMENT:
+        role = role_of(event)
+        if role is None:
             return None
-        if kind is core.PrefillCrash:
+        if type(event) is core.PrefillCrash:
             return self.prefills[event.worker]
-        role = {"router": ROUTER, "client": ROUTER}.get(core.INFO[kind].worker,
-                                                         core.INFO[kind].worker)
         if not 0 <= event.request < self.model.requests:
             raise core.ProtocolMisuse(f"request {event.request} does not exist")
         return self.placed(event.request, role) or (
             f"request {event.request} is placed on no {role} worker")
 
     def take(self, event: core.Event) -> Taken | Change | Refusal:
-        """Decide `event` where it belongs and deliver what it sends."""
+        """Decide `event` where it belongs and deliver what it sends. After it, `carried`
+        holds (part, commands) for each part with commands to carry out, in the order they
+        arose, `reached` the parts it delivered to or changed besides the taker (for the
+        environment: every part it changed), and `absorbed` the messages that changed
+        nothing at their receiver (a word repeated while the same is on the wire)."""
+        self.carried, self.reached, self.absorbed = [], [], []
         taker = self.taker(event)
         if type(taker) is str:
             return Refusal(event, taker)
@@ -448,9 +548,14 @@ class Split:
             return self._environment(event)
         out = taker.take(event, self.whole)
         if type(out) is Taken:
+            self._carry(taker, out.commands)
             for message in out.messages:
                 self._deliver(message)
         return out
+
+    def _carry(self, part: Part, commands: tuple) -> None:
+        if commands:
+            self.carried.append((part, commands))
 
     def _deliver(self, message: Message) -> None:
         if message.to == GHOST:
@@ -458,15 +563,24 @@ class Split:
             return
         part = self.placed(message.request, message.to)
         assert part is not None, f"{message} to a request placed on no {message.to} worker"
-        part.receive(message)
+        before = part.rows.get(message.request)
+        self._carry(part, part.receive(message))
+        if part.rows[message.request] == before:
+            self.absorbed.append(message)
+        if part not in self.reached:
+            self.reached.append(part)
 
     def _environment(self, event: core.Event) -> Change | Refusal:
         """The environment's action, decided on the whole state and written into every
-        part that holds what it changes."""
+        part that holds what it changes; each part derives the commands its worker carries
+        out for what it observes of it (the module docstring says what that is)."""
         whole = self.whole()
         out = core.change_for(self.model, whole, event)
         if type(out) is Refusal:
             return out
+        parts = self.parts()
+        before = [({r: part.rows.get(r, part.blank) for r, _ in out.rows}, part.pool_before(),
+                   tuple(part.sending)) for part in parts]
         for r, row in out.rows:
             old = whole.requests[r]
             for k, value in enumerate(row):
@@ -478,7 +592,31 @@ class Split:
                               flushed=out.flushed))
         for part in self.decodes:
             part.apply(Change(decode=tuple(c for c in out.decode if part.owns_page(c[0]))))
+        for part, (rows, pool, sending) in zip(parts, before):
+            seen = self._observed(part, whole, out, rows)
+            self._carry(part, part.commands(seen, pool, out, freed_by(out)))
+            if seen or part.pool_before() != pool or tuple(part.sending) != sending:
+                self.reached.append(part)
         return out
+
+    def _observed(self, part: Part, whole: State, change: Change, before: dict) -> list:
+        """The rows of an environment step as `part` observes it: the fields it holds as
+        they changed (a crash's tombstones, a landing counted, a notice in its inbox), and
+        the messages its role sends that the step put on the wire (the final word of a
+        failed prefill; a decode crash's notice, credited to the crashed decode)."""
+        rows = []
+        for r, new in change.rows:
+            if part is not self.placed(r, part.role):
+                continue
+            old = whole.requests[r]
+            sent_old = {k: old[k] for k, role in SENT_FIELDS.items()
+                        if role == part.role and new[k] != old[k] and new[k] != EMPTY_ROW[k]}
+            sent_new = {k: new[k] for k in sent_old}
+            if part.rows.get(r, part.blank) == before[r] and not sent_old:
+                continue
+            rows.append((r, part.seen(before[r], sent_old),
+                         part.seen(part.rows[r], sent_new)))
+        return rows
 
     def _install(self, r: int, k: int, value) -> None:
         if k in GHOST_FIELDS:
@@ -517,6 +655,7 @@ class Split:
         twin.prefills = [part.copy() for part in self.prefills]
         twin.decodes = [part.copy() for part in self.decodes]
         twin.ghost = {r: dict(fields) for r, fields in self.ghost.items()}
+        twin.carried, twin.reached, twin.absorbed = [], [], []
         return twin
 
     def snapshot(self) -> tuple:

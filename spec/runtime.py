@@ -197,22 +197,7 @@ class ShellRuntime:
         self.dirty.clear()
 
 
-# Who carries out a command (spec/commands.py): the worker whose turn it is. A message is
-# the sender's; freed pages the pool's owner. Commands of different carriers in one
+# Who carries out a command: the worker whose turn it is (spec/commands.py's table, with
+# which each worker of a split state derives its own). Commands of different carriers in one
 # decision run concurrently in a distributed deployment (the simulator's `order`).
-_SENDERS = {core.BOOTSTRAP: "router", core.FINAL_WORD_MSG: "prefill", core.CANCEL_MSG: "decode",
-            cmd.PAGE_TABLE: "decode", core.CLIENT_GONE: "client"}
-_CARRIERS = {cmd.Queue: "prefill", cmd.Compute: "prefill", cmd.Post: "prefill",
-             cmd.ArmTimer: "decode", cmd.CancelTimer: "decode",
-             cmd.StartDecoding: "decode", cmd.StopDecoding: "decode",
-             cmd.ReleaseWhenReady: "decode", cmd.Answer: "client"}
-
-
-def carrier(command: cmd.Command) -> str:
-    """The worker ("router", "prefill", "decode" or "client") that carries out `command`."""
-    kind = type(command)
-    if kind is cmd.Send:
-        return _SENDERS[command.message]
-    if kind is cmd.FreePages:
-        return command.pool
-    return _CARRIERS[kind]
+carrier = cmd.carrier

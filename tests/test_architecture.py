@@ -18,7 +18,8 @@ STDLIB = frozenset(sys.stdlib_module_names)
 
 # The protocol: the pure core and what every shell shares with it. Standard library only.
 PROTOCOL = ("spec.core", "spec.commands", "spec.model", "spec.properties", "spec.store",
-            "spec.codec", "spec.runtime", "spec.interfaces", "spec.roles", "spec.parts")
+            "spec.codec", "spec.runtime", "spec.interfaces", "spec.roles", "spec.parts",
+            "spec.partlog")
 # The TLA+ evaluator: the parser and the standard library only.
 EVALUATOR = ("spec.tlaplus.tlaeval", "spec.tlaplus.tlacompile", "spec.tlaplus.tlaexpr",
              "spec.tlaplus.tlaaction", "spec.tlaplus.tlavalues")

@@ -12,7 +12,6 @@ pool or write another role's field are caught at the action and field they name.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import os
 import random
@@ -24,6 +23,7 @@ import pytest
 from spec import codec, core
 from spec.check.zoo import BASES
 from spec.model import Model
+from spec.partlog import flat_event
 from spec.parts import AUTHORITY, HELD, LocalityBreach, Split, Taken, replay
 from spec.roles import DECODE, PREFILL, ROUTER
 from spec.core import ROW_FIELDS
@@ -139,24 +139,6 @@ def test_random_sequences_with_refused_events_decide_as_the_whole():
 
 # -- simulator runs ------------------------------------------------------------------------
 
-def _flat(m: Model, event: core.Event, placement: dict) -> core.Event:
-    """A shell's event (pages numbered within their worker's pool) with the core's flat page
-    numbers (worker w's pages after every page of the workers before it)."""
-    if type(event) is core.Arrive:
-        placement[event.request] = (event.prefill_worker, event.decode_worker)
-        return event
-    p, d = placement.get(getattr(event, "request", None), (0, 0))
-    if type(event) is core.Admit:
-        return dataclasses.replace(event, pages=tuple(k + p * m.prefill_pages
-                                                      for k in event.pages))
-    if type(event) is core.Reserve:
-        return dataclasses.replace(event, pages=tuple(k + d * m.decode_pages
-                                                      for k in event.pages))
-    if type(event) in (core.LandWrite, core.LoseWrite):
-        return dataclasses.replace(event, page=event.page + d * m.decode_pages)
-    return event
-
-
 @pytest.mark.parametrize("scenario, seed, events", [
     ("lossy-cluster", 1, 67),   # 2x2: losses of every kind, a decode crash, resends
     ("lossy-cluster", 3, 51),
@@ -175,7 +157,7 @@ def test_a_simulator_run_splits_and_decides_as_the_whole(tmp_path, scenario, see
     m, where = run.model, {}
     s, split = core.initial_state(m), Split(m)
     for line, record in run.records:
-        event = _flat(m, placed(run, line, record, codec.decode(record)), where)
+        event = flat_event(m, placed(run, line, record, codec.decode(record)), where)
         whole = core.change_for(m, s, event)
         assert type(whole) is not core.Refusal, f"line {line}: {whole}"
         out = split.take(event)

@@ -42,6 +42,7 @@ from typing import Callable
 from spec import codec, core
 from spec.core import Refusal, State
 from spec.model import Model
+from spec.partlog import Merged
 from spec.properties import STATE_INVARIANTS
 from spec.store import Store
 from spec.tlaplus.conformance import _Keys, from_view, spec_for
@@ -374,3 +375,34 @@ def check_run(run: Run) -> RunVerdict:
     return RunVerdict(True, steps, f"run OK: {steps} steps, each a step of KVTransfer.tla "
                       f"with the action its record names, no state invariant violated",
                       observations=found)
+
+
+def merged_run(merged: Merged, description: str = "") -> Run:
+    """The merged logs of a split deployment (spec/partlog.py) as a run: its events
+    numbered in merged order, the spec's constants those the logs were written with."""
+    m = merged.model
+    return Run("the merged run", m, m, list(enumerate(merged.records, start=1)),
+               m.prefill_workers, m.decode_workers,
+               description or f"the merged logs of {', '.join(merged.parts)}", unit="event")
+
+
+def check_part_logs(merged: Merged) -> RunVerdict:
+    """check_run on the merged run, its first bad step named by the file and line of the
+    log that holds it (and its place in the merged run)."""
+    run = merged_run(merged)
+    prefix = f"{run.source} {run.unit} "
+
+    def where(line: int) -> str:
+        return f"{merged.origins[line - 1]} (merged event {line})"
+    try:
+        verdict = check_run(run)
+    except RunError as error:
+        text = str(error)
+        if text.startswith(prefix):
+            line = int(text[len(prefix):].split(":", 1)[0])
+            text = where(line) + text[len(prefix) + len(str(line)):]
+        raise RunError(text) from None
+    if verdict.line:
+        verdict.message = verdict.message.replace(f"{prefix}{verdict.line}:",
+                                                  f"{where(verdict.line)}:", 1)
+    return verdict
