@@ -20,12 +20,14 @@ from collections import Counter, deque
 import pytest
 
 from spec import codec, core
+from spec.check.simulate import behaviour
 from spec.check.zoo import BASES
 from spec.commands import FreePages, Send, carrier
 from spec.model import Model
 from spec.partlog import flat_event
 from spec.parts import CARRIES, Split
 from spec.roles import DECODE, PREFILL, ROUTER
+from tests.parts_cases import TWO_REQUESTS_LOSSY_2X2
 
 ROLE_OF_CARRIER = {name: role for role, names in CARRIES.items() for name in names}
 
@@ -90,20 +92,12 @@ def test_random_sequences_the_parts_commands_are_the_wholes():
     seed = int(os.environ.get("KVPROOF_PARTS_SEED") or random.randrange(2**32))
     print(f"replay with KVPROOF_PARTS_SEED={seed}")
     rng = random.Random(seed)
-    m = Model(name="workers-2x2-two", **{**BASES["workers-2x2"], "requests": 2,
-                                          "losses": frozenset({"Bootstrap", "FinalWord",
-                                                               "Cancel", "Write"})})
-    steps = 0
+    m, steps = TWO_REQUESTS_LOSSY_2X2, 0
     for _ in range(300):
-        s, split = core.initial_state(m), Split(m)
-        for _ in range(40):
-            enabled = [e for e, _ in core.successors(m, s)]
-            if not enabled:
-                break
-            event = rng.choice(enabled)
+        split = Split(m)
+        for s, event, _ in behaviour(m, rng, 40):
             split.take(event)
             _agree(m, s, event, split)
-            s = core.apply(m, s, event)
             steps += 1
     assert steps > 2500, steps
 

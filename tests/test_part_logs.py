@@ -20,10 +20,12 @@ from pathlib import Path
 import pytest
 
 from spec import codec, core
+from spec.check.simulate import behaviour
 from spec.partlog import MergeError, PartLogs, flat_event, merge
 from spec.tlaplus.runcheck import check_part_logs, check_run, placed
 from sim.trace import log_run, read_part_logs, write_part_logs
 from tests.cli_cases import run as cli
+from tests.parts_cases import TWO_REQUESTS_LOSSY_2X2
 
 STEPS = 67  # lossy-cluster seed 1 (tests/test_parts.py pins the same run)
 
@@ -228,23 +230,11 @@ def test_the_cli_refuses_a_file_that_is_not_a_part_log_among_them(capsys, deploy
 def _random_runs(runs: int) -> tuple[int, int]:
     """Seeds 0..runs-1 of 40 enabled events on two requests over 2 x 2 workers with every
     loss and crash: (runs whose merged logs the core refuses somewhere, events taken)."""
-    from spec.check.zoo import BASES
-    from spec.model import Model
-
-    m = Model(name="workers-2x2-two", **{**BASES["workers-2x2"], "requests": 2,
-                                          "losses": frozenset({"Bootstrap", "FinalWord",
-                                                               "Cancel", "Write"})})
-    refused = taken = 0
+    m, refused, taken = TWO_REQUESTS_LOSSY_2X2, 0, 0
     for seed in range(runs):
-        rng = random.Random(seed)
-        logs, s = PartLogs(m), core.initial_state(m)
-        for _ in range(40):
-            enabled = [e for e, _ in core.successors(m, s)]
-            if not enabled:
-                break
-            event = rng.choice(enabled)
+        logs = PartLogs(m)
+        for _, event, _ in behaviour(m, random.Random(seed), 40):
             logs.take(event)
-            s = core.apply(m, s, event)
             taken += 1
         merged = merge(m, [(name, list(enumerate(records, start=2)))
                            for name, records in logs.logs().items()])

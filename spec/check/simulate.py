@@ -40,6 +40,19 @@ def _violated(m: Model, s, names: tuple[str, ...], table: dict) -> str | None:
     return None
 
 
+def behaviour(m: Model, rng: random.Random, depth_max: int):
+    """A behaviour of m drawn step by step: (state, event, the state after) for at most
+    `depth_max` steps, each event drawn uniformly from those enabled, until none is."""
+    state = core.initial_state(m)
+    for _ in range(depth_max):
+        enabled = list(core.successors(m, state))
+        if not enabled:
+            return
+        event, after = enabled[rng.randrange(len(enabled))]
+        yield state, event, after
+        state = after
+
+
 def walk(m: Model, seed: int, depth_max: int, invariants: tuple[str, ...]):
     """One behaviour: its steps taken and its first violation, or None."""
     rng = random.Random(seed)
