@@ -18,6 +18,7 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,18 +53,40 @@ print(json.dumps(dict(states=result.distinct_states, seconds=seconds, rss_mib=rs
 
 
 def measure(name: str, symmetry: bool, workers: int, timeout_s: float) -> dict:
+    """One run in a fresh process. Its progress lines (every 10 s) are shown as they come,
+    so a long run is seen to move; past `timeout_s` it is stopped and the last one is how
+    far it got."""
+    label = f"{name} symmetry={'yes' if symmetry else 'no'} workers={workers}"
+    child = subprocess.Popen([sys.executable, "-c", CHILD, name, str(int(symmetry)),
+                              str(workers)], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+
+    def show() -> None:
+        for line in child.stderr:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("{"):
+                print(f"  {label}: {line.strip()}", file=sys.stderr, flush=True)
+
+    reader = threading.Thread(target=show, daemon=True)
+    reader.start()
     try:
-        out = subprocess.run([sys.executable, "-c", CHILD, name, str(int(symmetry)),
-                              str(workers)], cwd=ROOT, capture_output=True, text=True,
-                             timeout=timeout_s)
-    except subprocess.TimeoutExpired as stopped:
-        # How far it got: the last progress line the child printed (every 10 s).
-        lines = (stopped.stderr or b"").decode().strip().splitlines()
-        last = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+        child.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        reader.join(5)
+        last = next((json.loads(x) for x in reversed(lines) if x.startswith("{")), {})
         return {"timeout": timeout_s, "reached": last}
-    if out.returncode:
-        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr else "failed"}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    reader.join(5)
+    stdout = child.stdout.read()
+    if child.returncode:
+        return {"error": lines[-1] if lines else "failed"}
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
