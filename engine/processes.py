@@ -94,8 +94,8 @@ class Deployment:
     compute_s: float = 0.0    # the modelled prefill's compute time per request
     arrive_every_s: float = 0.005
     seed: int = 0
-    heartbeat_s: float = 0.1
-    suspect_after_s: float = 0.6
+    heartbeat_s: float = 0.25
+    suspect_after_s: float = 2.0
     settle_s_max: float = 5.0  # stop: the longest a process takes to finish its work
     log_dir: str = ""
 
@@ -349,7 +349,7 @@ class RouterProcess(Process):
         name = f"{DECODE} {d}"
         steps, clock = close_dead_log(log_path(self.deployment, name), name)
         here = [r for r, (_, dd) in self.placement.items() if dd == d]
-        if not any(self.part.rows[r][core.CLIENT] == core.WAITING for r in here):
+        if all(self.part.rows[r][core.CLIENT] != core.WAITING for r in here):
             return  # the crash lost no request: the spec has no such step (nothing to log)
         causes = [[name, steps, clock], self.log.stamp(), *reports.values()]
         stamp = self.environment_step(core.DecodeCrash(d), causes)
@@ -477,6 +477,7 @@ def _pump(process: Process, timeout_s: float) -> bool:
     if type(event) is Delivered:
         process.on_envelope(event.peer, event.message.fields["body"])
     elif type(event) is PeerDown:
+        report(ev="peer_down", peer=str(event.peer), reason=event.reason, at_s=time.time())
         process.on_peer_down(event.peer)
     return event is not None
 
@@ -510,7 +511,8 @@ def main(setup: dict) -> int:
         process.settle()
         if role == ROUTER and not process.reported and process.done():
             process.reported = True
-            report(ev="done", outcomes=process.outcomes())
+            report(ev="done", outcomes=process.outcomes(),
+                   placement=[process.placement[r] for r in range(len(deployment.prompts))])
         now = time.monotonic()
         if stopping is not None and not stopped and (
                 now - last_busy > QUIET_S or now - stopping > deployment.settle_s_max):
@@ -536,11 +538,13 @@ class Child:
             env={**os.environ, "PYTHONPATH": str(root)}, text=True, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self.stderr)
         self.reports: queue.Queue = queue.Queue()
+        self.seen: list[dict] = []   # every report, in order (expect() skips some)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         for line in self.process.stdout:
-            self.reports.put(json.loads(line))
+            self.seen.append(json.loads(line))
+            self.reports.put(self.seen[-1])
 
     def expect(self, ev: str, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -590,8 +594,9 @@ class Launched:
                     for k in range(d.prefill_workers)]
         self._spawn(ROUTER, 0, prefills + decodes, timeout_s)
 
-    def wait_done(self, timeout_s: float) -> list[str]:
-        return self.children[ROUTER].expect("done", timeout_s)["outcomes"]
+    def wait_done(self, timeout_s: float) -> dict:
+        """The router's "done": every client's answer and every request's placement."""
+        return self.children[ROUTER].expect("done", timeout_s)
 
     def kill(self, name: str) -> None:
         self.children[name].kill()
