@@ -193,6 +193,7 @@ class Process:
         self.ready_at: dict[int, float] = {}  # a prefill: when a request's compute is done
         self.unsent = 0
         self.reported = False
+        self.stopped = False
 
     @property
     def role(self) -> str:
@@ -472,8 +473,11 @@ def _stdin_commands() -> queue.Queue:
 
 
 def _pump(process: Process, timeout_s: float) -> bool:
-    """One channel event handled; whether there was one."""
+    """One channel event handled; whether there was one. A stopped process has ended its
+    log and handles nothing more (its peers closing as they exit is no crash)."""
     event = process.channel.receive(timeout_s)
+    if process.stopped:
+        return event is not None
     if type(event) is Delivered:
         process.on_envelope(event.peer, event.message.fields["body"])
     elif type(event) is PeerDown:
@@ -494,7 +498,7 @@ def main(setup: dict) -> int:
     for port in ports:  # prefills dial the decodes; the router dials every worker
         process.channel.connect(port)
     report(ev="listening", port=process.channel.listen())
-    stopping, stopped, last_busy = None, False, time.monotonic()
+    stopping, last_busy = None, time.monotonic()
     while True:
         try:
             command = todo.get_nowait()["do"]
@@ -508,18 +512,19 @@ def main(setup: dict) -> int:
             last_busy = time.monotonic()
         if stopping is None and role == ROUTER:
             process.tick()
-        process.settle()
+        if not process.stopped:
+            process.settle()
         if role == ROUTER and not process.reported and process.done():
             process.reported = True
             report(ev="done", outcomes=process.outcomes(),
                    placement=[process.placement[r] for r in range(len(deployment.prompts))])
         now = time.monotonic()
-        if stopping is not None and not stopped and (
+        if stopping is not None and not process.stopped and (
                 now - last_busy > QUIET_S or now - stopping > deployment.settle_s_max):
             process.log.end()
             report(ev="stopped", steps=process.log.k, unsent=process.unsent,
                    **process.finish())
-            stopped = True
+            process.stopped = True
     process.channel.close()
     return 0
 
