@@ -25,6 +25,9 @@ SEED = 7
 REQUESTS = 20
 WAIT_S = 20.0     # the longest any step waits for the processes
 SLACK_S = 1.0     # scheduling on 2 loaded cores: a detection may come this much late
+# A live process starved of the CPU this long would be declared down: far above what a
+# loaded CI runner does, and a SIGKILL is detected at once anyway (its connections break).
+SUSPECT_S = 3.0
 
 
 def workload(seed: int = SEED) -> tuple:
@@ -38,7 +41,7 @@ def deployment(tmp_path: Path, prefills: int, decodes: int, **options) -> Deploy
     print(f"deployment {prefills} x {decodes}, router seed={SEED}, logs in {tmp_path}")
     return Deployment(prompts=workload(), prefill_workers=prefills, decode_workers=decodes,
                       prefill_pages=4, decode_pages=4, seed=SEED, log_dir=str(tmp_path),
-                      **options)
+                      heartbeat_s=0.25, suspect_after_s=SUSPECT_S, **options)
 
 
 def run_to_the_end(d: Deployment) -> tuple[dict, dict]:
