@@ -91,6 +91,7 @@ ROLES = (ROUTER, PREFILL, DECODE)
 BUGS = frozenset({"NoEpochCheck"})
 HELLO, WELCOME, REFUSED, BEAT, MSG = "hello", "welcome", "refused", "beat", "msg"
 FINAL_WORDS = core.MESSAGE_NAMES[1:]  # Done, Reject, Abort: the final word a prefill sends
+ENVELOPE = "envelope"
 
 # The protocol's messages, by the spec's name for each, and their fields besides `request`.
 # A kind of value: "count" (an int >= 0), "word" (a final word's name), "pages" (a list of
@@ -101,6 +102,11 @@ MESSAGE_FIELDS = {
     core.FINAL_WORD_MSG: {"word": "word", "count": "count"},
     core.CANCEL_MSG: {},
     core.CLIENT_GONE: {},
+    # engine/processes.py's envelope: a part's message (spec/parts.py Message) with the
+    # sender's log stamp, a modelled page write and its landing and completion, a crash's
+    # record. Its body is one JSON object, checked by the receiving process
+    # (engine/processes.py `envelope_problem`), not here.
+    ENVELOPE: {"body": "object"},
 }
 
 
@@ -255,6 +261,8 @@ def message_problem(kind, record: dict) -> str:
 def _value_problem(value_kind: str, value) -> str:
     if value_kind == "count":
         return "" if _is_count(value) else f"must be an integer >= 0, got {value!r}"
+    if value_kind == "object":
+        return "" if isinstance(value, dict) else f"must be a JSON object, got {_short(value)}"
     if value_kind == "word":
         return "" if value in FINAL_WORDS else f"must be one of {FINAL_WORDS}, got {value!r}"
     ok = isinstance(value, (list, tuple)) and all(_is_count(v) for v in value)

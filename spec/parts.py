@@ -477,6 +477,47 @@ class Part:
         return part_effects(CARRIES[self.role],
                             ((message.request, self.seen(old), self.seen(row)),))
 
+    # -- the environment's actions as one process observes them (issue 29's processes) ----
+    # A deployment has no whole state to decide LandWrite or DecodeCrash on: each process
+    # applies its own share, the share `Split._environment` writes into its part, from what
+    # its data path or its failure detector reports. The environment's step itself is
+    # logged once, by whoever sequences it (engine/processes.py: the router's process).
+
+    def land(self, write: tuple, data) -> None:
+        """Decode's share of LandWrite: the write counted, the page's contents and tag (the
+        source page's `data`, read by the sender's NIC)."""
+        assert self.role == DECODE and self.owns_page(write[2]), f"{self.name} lands {write}"
+        r, _, page, tag = write
+        row = self.rows[r]
+        self.rows[r] = core._row(row, core.LANDED, row[core.LANDED] + 1)
+        owner, gen, _, _ = self.pool[page - self.base]
+        self.pool[page - self.base] = (owner, gen, data, tag)
+
+    def completed(self, write: tuple) -> None:
+        """The prefill's share of LandWrite: its write completed (with EarlyDone a landing
+        may free a source page too, which this share does not model)."""
+        assert self.role == PREFILL and "EarlyDone" not in self.model.bugs
+        self.sending.remove(write)
+
+    def decode_crashed(self, requests: Iterable[int]) -> None:
+        """The router's or a prefill's share of DecodeCrash(d), for `requests`, those placed
+        on d: the router answers a waiting client ErrDecode (the first answer stands); the
+        prefill sees its connection break: the crash's notice (core.crash_notice) for a
+        request it still runs, its copy of the page table dropped, its writes into d
+        failed. A request a prefill has finished with keeps its table: the spec drops it
+        only for a request decode still held, which the prefill cannot tell apart."""
+        assert self.role in (ROUTER, PREFILL), f"{self.name} observes no decode crash"
+        for r in requests:
+            row = self.rows.get(r)
+            if row is None:
+                continue
+            if self.role == ROUTER:
+                self.rows[r] = core._row(row, CLIENT, core._client_error(row, core.ERR_DECODE))
+            elif row[core.PST] in (core.QUEUED, core.RUNNING):
+                self.rows[r] = core._row(row, core.PTABLE, (), core.CANCEL, 1)
+        here = frozenset(requests)
+        self.sending = [w for w in self.sending if w[0] not in here]
+
     def install(self, r: int, k: int, value) -> None:
         """The environment writes field k of r (a crash, the network)."""
         self.rows[r] = core._row(self.rows.get(r, self.blank), k, value)

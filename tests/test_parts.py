@@ -292,3 +292,66 @@ def test_a_timer_reads_the_other_side_only_through_its_timing_assumption(monkeyp
             "if not prefill_silent(s, r):", core.Timeout)
     with pytest.raises(LocalityBreach, match=r"^Timeout \(decode 1\) reads pst"):
         split.take(core.Timeout(0))
+
+
+# -- the environment's actions as each process applies them (engine/processes.py) ------------
+
+def _shares_agree(split: Split, s: core.State, event: core.Event) -> list[str]:
+    """What each process applies of LandWrite or DecodeCrash by itself (Part.land,
+    completed, decode_crashed) against what the Split writes into its part; the parts that
+    differ, by name."""
+    after = split.copy()
+    after.take(event)
+    pairs = []
+    if type(event) is core.LandWrite:
+        w = next(w for w in s.writes if w[0] == event.request and w[2] == event.page)
+        q, d = s.requests[w[0]][core.PW], s.requests[w[0]][core.DW]
+        decode, prefill = split.decodes[d].copy(), split.prefills[q].copy()
+        decode.land(w, s.prefill_pool[w[1]][1])
+        prefill.completed(w)
+        pairs = [(decode, after.decodes[d]), (prefill, after.prefills[q])]
+    else:
+        here = [r for r, row in split.router.rows.items() if row[core.DW] == event.worker]
+        for mine, theirs in zip([split.router, *split.prefills],
+                                [after.router, *after.prefills]):
+            mine = mine.copy()
+            mine.decode_crashed(here)
+            pairs.append((mine, theirs))
+    return [mine.name for mine, theirs in pairs if _known(mine) != _known(theirs)]
+
+
+def _known(part) -> tuple:
+    """A part's snapshot, but the page table of a request its prefill has finished with:
+    after a decode crash the spec drops it only where decode still held the request, which
+    the prefill cannot tell; nothing reads it again (Admit and SendPage need Queued or
+    Running). engine/README.md lists this among the findings."""
+    part = part.copy()
+    if part.role == PREFILL:
+        for r, row in part.rows.items():
+            if row[core.PST] not in (core.QUEUED, core.RUNNING):
+                part.rows[r] = core._row(row, core.PTABLE, ())
+    return part.snapshot()
+
+
+def test_each_process_applies_its_share_of_a_landing_and_a_decode_crash():
+    """engine/processes.py has no whole state: decode lands a write, the prefill sees it
+    complete, the router and each prefill see a decode crash, each on its own part. On
+    every reachable LandWrite and DecodeCrash edge of workers-2x2 those shares are what
+    the Split (the reference) writes into the same parts."""
+    m = Model(name="workers-2x2", **BASES["workers-2x2"])
+    init = core.initial_state(m)
+    seen, frontier = {init: Split(m)}, deque([init])
+    checked = {core.LandWrite: 0, core.DecodeCrash: 0}
+    while frontier:
+        s = frontier.popleft()
+        split = seen[s]
+        for event, t in core.successors(m, s):
+            if type(event) in checked:
+                assert _shares_agree(split, s, event) == [], f"{event} in {s}"
+                checked[type(event)] += 1
+            if t not in seen:
+                twin = split.copy()
+                twin.take(event)
+                seen[t] = twin
+                frontier.append(t)
+    assert checked == {core.LandWrite: 336, core.DecodeCrash: 3796}

@@ -1,0 +1,628 @@
+"""The protocol in worker processes: one router and P prefill + D decode OS processes on
+127.0.0.1, each holding exactly one spec/parts.py `Part`, with a modelled data path.
+
+Theory of operation
+-------------------
+Each process (`Process`) holds one part and one engine/channel.py `Channel`, and runs one
+loop: take what the channel delivers (a part's message, a modelled page write, a landing,
+a crash's record, a PeerDown), hand it to its part, then let its part decide whatever its
+own actions now allow (`settle`), log every step it takes to its own part log (the format
+of spec/partlog.py, one JSON line flushed before anything the step sends leaves the
+process, so a killed process leaves every step whose effects anyone saw) and send what
+each step sends. Protocol decisions are the core's, through `Part.take`; what a process
+observes of the environment's actions is applied by its part (`Part.land`,
+`Part.completed`, `Part.decode_crashed`).
+
+What runs where:
+- the router: the workload (Arrive, placing each request on a prefill and a live decode
+  from a seeded generator), the serving edge (its part keeps each client's first answer),
+  and the environment's log: every environment step is sequenced and logged here, once
+  (spec/partlog.py wants one "environment" part with steps 1..n);
+- prefill q: Admit when its pool has room and decode's page table has come, then after
+  `compute_s` (the modelled prefill) SendPage for each page; each Post is a page write
+  sent over the channel to decode; SendDone once every write completed;
+- decode d: Reserve when its pool has room, Accept (checksums observed OK), Finish at once
+  (tags observed OK: the modelled decode), Release when the core allows it.
+
+The modelled data path, as spec/parts.py `Split._environment` decomposes LandWrite: the
+prefill's write (request, source page, decode page, tag, and the source page's contents)
+goes to decode, which lands it (its share: the landing counted, the page's contents and
+tag) and tells the router; the router logs LandWrite as the environment's step, after the
+posting and landing steps, and tells the prefill its write completed (its share). So the
+prefill's next step (SendDone) is stamped after the landing, as the spec orders them.
+
+A decode crash (SIGKILL): each surviving process learns it from its own failure detector
+(PeerDown). A prefill stops taking steps for the requests placed on the dead decode and
+reports its last step to the router; once the router has its own PeerDown and every live
+prefill's report, it closes the dead decode's log (as a supervisor would: a torn last line
+cut, a LogEnd with the steps it holds), logs DecodeCrash after every step of the dead
+decode, of itself and of each prefill's report, answers the dead decode's waiting clients
+ErrDecode, and sends each prefill the crash's record, on which the prefill applies the
+crash notice (core.crash_notice) and goes on (AnswerCancel or PrefillAbort, their final
+word to a dead peer unsent). The spec's DecodeCrash is one atomic step seen by decode, the
+router and every prefill at once; this barrier is what makes the merged logs one run:
+without it a prefill's SendPage taken after the router's record but before its own
+detector fired would follow DecodeCrash in the merge, where the spec refuses it (the
+crash dropped its page table).
+
+Timers are off: no lease, no timeouts, no resends (none is needed without losses; a lost
+message is only what a crash loses, and the crash's record ends those requests).
+
+Pure orchestration: no protocol decision is made here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from engine.channel import (
+    ENVELOPE, Channel, ChannelConfig, Delivered, Message, Peer, PeerDown, PeerUp,
+)
+from spec import codec, core
+from spec.core import NONE, Refusal
+from spec.model import Model
+from spec.partlog import ENVIRONMENT, LOG_END, header, local_event
+from spec.parts import Message as PartMessage, Part, Taken
+from spec.roles import DECODE, GHOST, PREFILL, ROUTER
+
+POLL_S = 0.01
+QUIET_S = 0.3          # stop: a process finishes once its inbox stayed empty this long
+FINAL_CLIENT = frozenset(range(len(core.CLIENT_NAMES))) - {core.IDLE, core.WAITING}
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One deployment's shape, workload and bounds (all in the names' units)."""
+
+    prompts: tuple            # prompt pages of request 0, 1, ...
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    prefill_pages: int = 4
+    decode_pages: int = 4
+    context_pages: int = 3
+    max_prompt_pages: int = 3
+    compute_s: float = 0.0    # the modelled prefill's compute time per request
+    arrive_every_s: float = 0.005
+    seed: int = 0
+    heartbeat_s: float = 0.25
+    suspect_after_s: float = 2.0
+    settle_s_max: float = 5.0  # stop: the longest a process takes to finish its work
+    log_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.prompts or not all(1 <= n <= self.max_prompt_pages for n in self.prompts):
+            raise ValueError(f"prompts must be 1..{self.max_prompt_pages} pages each")
+        if self.prefill_workers < 1 or self.decode_workers < 1:
+            raise ValueError("a deployment needs a prefill and a decode worker")
+        object.__setattr__(self, "prompts", tuple(self.prompts))
+
+    def model(self) -> Model:
+        """The spec's constants every log of the deployment is written with."""
+        return Model(requests=len(self.prompts), max_prompt_pages=self.max_prompt_pages,
+                     context_pages=self.context_pages, prefill_pages=self.prefill_pages,
+                     decode_pages=self.decode_pages, decode_crashes=True, name="processes",
+                     prefill_workers=self.prefill_workers,
+                     decode_workers=self.decode_workers)
+
+
+def log_path(deployment: Deployment, name: str) -> Path:
+    return Path(deployment.log_dir) / f"{name.replace(' ', '-')}.ndjson"
+
+
+# -- one part's log ---------------------------------------------------------------------------
+
+class PartLog:
+    """One part's log: the header, then each step stamped (spec/partlog.py: part, k, Lamport
+    clock c, after) and flushed at once, LogEnd when the process stops."""
+
+    def __init__(self, path: Path, name: str, m: Model) -> None:
+        self.name, self.k, self.c, self.heard = name, 0, 0, []
+        self.file = open(path, "w")
+        self.file.write(json.dumps(header(m)) + "\n")
+        self.file.flush()
+
+    def heard_from(self, stamp) -> None:
+        """A message stamped by another part's step: the next step follows it."""
+        part, k, c = stamp
+        self.c = max(self.c, c)
+        if k and [part, k] not in self.heard:
+            self.heard.append([part, k])
+
+    def step(self, record: dict) -> list:
+        self.k += 1
+        self.c += 1
+        record.update(part=self.name, k=self.k, c=self.c, after=self.heard)
+        self.heard = []
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()  # before anything the step sends leaves: a kill loses no step seen
+        return self.stamp()
+
+    def stamp(self) -> list:
+        return [self.name, self.k, self.c]
+
+    def end(self) -> None:
+        self.file.write(json.dumps({"a": LOG_END, "part": self.name, "steps": self.k}) + "\n")
+        self.file.close()
+
+
+def close_dead_log(path: Path, name: str) -> tuple[int, int]:
+    """A killed process's log closed by its supervisor: a torn last line cut, LogEnd with
+    the steps the file holds. Returns (steps, the last step's clock)."""
+    text = path.read_text()
+    whole = text[:text.rfind("\n") + 1]
+    records = [json.loads(line) for line in whole.splitlines()[1:]]
+    steps = [x for x in records if x.get("part") == name and x.get("a") != LOG_END]
+    with open(path, "w") as file:
+        file.write(whole)
+        file.write(json.dumps({"a": LOG_END, "part": name, "steps": len(steps)}) + "\n")
+    return len(steps), steps[-1]["c"] if steps else 0
+
+
+def _tuples(value):
+    """JSON's lists back as the core's tuples."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+# -- one process ------------------------------------------------------------------------------
+
+class Process:
+    """One worker process: its part, its channel, its log, its loop."""
+
+    ROLE = ""
+
+    def __init__(self, deployment: Deployment, worker: int = 0) -> None:
+        role = self.ROLE
+        self.deployment, self.model = deployment, deployment.model()
+        self.part = Part(self.model, role, worker)
+        self.channel = Channel(ChannelConfig(role, worker, 1,
+                                             heartbeat_s=deployment.heartbeat_s,
+                                             suspect_after_s=deployment.suspect_after_s))
+        self.log = PartLog(log_path(deployment, self.part.name), self.part.name, self.model)
+        self.placement: dict[int, tuple[int, int]] = {}  # request -> (prefill, decode)
+        self.dead_decodes: set[int] = set()   # a prefill: decodes its detector declared down
+        self.ready_at: dict[int, float] = {}  # a prefill: when a request's compute is done
+        self.unsent = 0
+        self.reported = False
+        self.stopped = False
+
+    @property
+    def role(self) -> str:
+        return self.part.role
+
+    # -- messages ------------------------------------------------------------------------
+
+    def send(self, peer: Peer, body: dict) -> bool:
+        epoch = self.channel.epoch_of(peer)
+        if epoch is None or not self.channel.send(peer, Message(ENVELOPE, body.get(
+                "request", 0), {"body": body}), epoch):
+            self.unsent += 1   # to a peer that is down: lost with it, as the spec says
+            return False
+        return True
+
+    def send_part_message(self, message: PartMessage, stamp: list) -> None:
+        if message.to == GHOST:
+            return  # history for the properties: the validator recomputes it
+        q, d = self.placement[message.request]
+        worker = {ROUTER: 0, PREFILL: q, DECODE: d}[message.to]
+        self.send(Peer(message.to, worker), {
+            "t": "msg", "stamp": stamp, "request": message.request, "to": message.to,
+            "fields": [list(f) for f in message.fields], "names": list(message.names),
+            "placement": [q, d]})
+
+    def on_peer_down(self, peer: Peer) -> None:
+        """Another process's epoch is down; only a decode's death matters to the protocol."""
+
+    def on_envelope(self, peer: Peer, body: dict) -> None:
+        handler = getattr(self, f"on_{body['t']}", None)
+        assert handler is not None, f"{self.part.name}: no handler for {body['t']!r}"
+        handler(peer, body)
+
+    def on_msg(self, peer: Peer, body: dict) -> None:
+        self.log.heard_from(body["stamp"])
+        r = body["request"]
+        self.placement[r] = tuple(body["placement"])
+        message = PartMessage(r, body["to"], tuple((k, _tuples(v)) for k, v in body["fields"]),
+                              tuple(body["names"]))
+        self.carry(self.part.receive(message), self.log.stamp())
+
+    # -- steps ---------------------------------------------------------------------------
+
+    def step(self, event: core.Event) -> bool:
+        """One of this part's own actions, if the core allows it: logged, then sent."""
+        out = self.part.take(event)
+        if type(out) is Refusal:
+            return False
+        assert type(out) is Taken
+        worker = self.part.worker
+        local = local_event(self.model, event, {event.request: (worker, worker)}
+                            if self.role != ROUTER else {})
+        stamp = self.log.step(codec.encode(local))
+        for message in out.messages:
+            self.send_part_message(message, stamp)
+        self.carry(out.commands, stamp)
+        return True
+
+    def carry(self, commands: tuple, stamp: list) -> None:
+        for command in commands:
+            handler = getattr(self, f"do_{command.name}", None)
+            if handler is not None:  # the others need nothing of a modelled worker
+                handler(command, stamp)
+
+    def free_pages(self, need: int) -> tuple | None:
+        free = [self.part.base + i for i, page in enumerate(self.part.pool) if page[0] == NONE]
+        return tuple(free[:need]) if len(free) >= need else None
+
+    def settle(self) -> None:
+        """Take every action the part's state now allows, until none is left."""
+        progress = True
+        while progress:
+            progress = False
+            for r in sorted(self.part.rows):
+                for event in self.candidates(r):
+                    if self.step(event):
+                        progress = True
+                        break
+
+
+class RouterProcess(Process):
+    """The router, the serving edge, and the environment's log."""
+
+    ROLE = ROUTER
+
+    def __init__(self, deployment: Deployment, worker: int = 0) -> None:
+        super().__init__(deployment)
+        self.environment = PartLog(log_path(deployment, ENVIRONMENT), ENVIRONMENT, self.model)
+        self.random = random.Random(deployment.seed)
+        self.arrived = 0
+        self.next_arrival_s = 0.0
+        self.dead: set[int] = set()              # decodes declared down here
+        self.crash_reports: dict[int, dict] = {}  # decode -> {prefill: its last step}
+        self.crashes_logged: list[int] = []
+
+    def candidates(self, r: int) -> tuple:
+        return ()
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if self.arrived < len(self.deployment.prompts) and now >= self.next_arrival_s:
+            live = [d for d in range(self.deployment.decode_workers) if d not in self.dead]
+            r = self.arrived
+            q = self.random.randrange(self.deployment.prefill_workers)
+            d = self.random.choice(live)
+            self.placement[r] = (q, d)
+            self.arrived += 1
+            self.next_arrival_s = now + self.deployment.arrive_every_s
+            assert self.step(core.Arrive(r, self.deployment.prompts[r], q, d))
+
+    def done(self) -> bool:
+        return self.arrived == len(self.deployment.prompts) and all(
+            row[core.CLIENT] in FINAL_CLIENT for row in self.part.rows.values())
+
+    def outcomes(self) -> list[str]:
+        return [core.CLIENT_NAMES[self.part.rows[r][core.CLIENT]]
+                for r in range(len(self.deployment.prompts))]
+
+    def environment_step(self, event: core.Event, causes: list) -> list:
+        for stamp in causes:
+            self.environment.heard_from(stamp)
+        r = getattr(event, "request", None)
+        placement = {r: self.placement[r]} if r is not None else {}
+        return self.environment.step(codec.encode(local_event(self.model, event, placement)))
+
+    def on_landed(self, peer: Peer, body: dict) -> None:
+        """Decode landed a write: the environment's LandWrite, after the write's posting and
+        its landing; then the prefill's completion."""
+        write = _tuples(body["write"])
+        stamp = self.environment_step(core.LandWrite(write[0], write[2]),
+                                      [body["poster"], body["stamp"]])
+        self.send(Peer(PREFILL, self.placement[write[0]][0]),
+                  {"t": "completed", "request": write[0], "write": list(write), "stamp": stamp})
+
+    def on_peer_down(self, peer: Peer) -> None:
+        if peer.role == DECODE:
+            self.dead.add(peer.worker)
+            self.crash_reports.setdefault(peer.worker, {})
+            self.record_crash(peer.worker)
+
+    def on_down(self, peer: Peer, body: dict) -> None:
+        """A prefill's detector declared a decode down; it stopped its requests there."""
+        self.crash_reports.setdefault(body["decode"], {})[peer.worker] = body["stamp"]
+        self.record_crash(body["decode"])
+
+    def record_crash(self, d: int) -> None:
+        """DecodeCrash(d), once the router and every live prefill have seen it (the module's
+        docstring says why)."""
+        reports = self.crash_reports[d]
+        live = set(range(self.deployment.prefill_workers)) - set(self.down_prefills())
+        if d not in self.dead or not live <= set(reports) or d in self.crashes_logged:
+            return
+        self.crashes_logged.append(d)
+        name = f"{DECODE} {d}"
+        steps, clock = close_dead_log(log_path(self.deployment, name), name)
+        here = [r for r, (_, dd) in self.placement.items() if dd == d]
+        if all(self.part.rows[r][core.CLIENT] != core.WAITING for r in here):
+            return  # the crash lost no request: the spec has no such step (nothing to log)
+        causes = [[name, steps, clock], self.log.stamp(), *reports.values()]
+        stamp = self.environment_step(core.DecodeCrash(d), causes)
+        self.log.heard_from(stamp)
+        self.part.decode_crashed(here)
+        for q in live:
+            self.send(Peer(PREFILL, q), {"t": "crash", "decode": d, "requests": here,
+                                         "stamp": stamp})
+
+    def down_prefills(self) -> list[int]:
+        up = self.channel.peers()
+        return [q for q in range(self.deployment.prefill_workers)
+                if Peer(PREFILL, q) not in up]
+
+    def finish(self) -> dict:
+        self.environment.end()
+        return {"outcomes": self.outcomes(), "crashes": self.crashes_logged,
+                "environment_steps": self.environment.k}
+
+
+class PrefillProcess(Process):
+    ROLE = PREFILL
+
+    def candidates(self, r: int) -> tuple:
+        row = self.part.rows[r]
+        if self.placement[r][1] in self.dead_decodes:
+            return ()  # frozen until the crash's record comes (the module's docstring)
+        pst = row[core.PST]
+        if pst in (core.P_DONE, core.REJECTED, core.ABORTED) and not row[core.CANCEL]:
+            return ()
+        out = []
+        need = core.pages_to_admit(self.model, row)
+        pages = self.free_pages(need) if type(need) is int else None
+        if pages is not None:
+            out.append(core.Admit(r, pages))
+        out.append(core.Reject(r))
+        if time.monotonic() >= self.ready_at.get(r, float("inf")):
+            out.append(core.SendPage(r))
+        return (*out, core.SendDone(r), core.AnswerCancel(r), core.PrefillAbort(r))
+
+    def do_Compute(self, command, stamp) -> None:
+        self.ready_at[command.request] = time.monotonic() + self.deployment.compute_s
+
+    def do_Post(self, command, stamp) -> None:
+        """The modelled NIC: the write, with its source page's contents, to decode."""
+        r, source, _, _ = command.write
+        data = self.part.pool[source - self.part.base][1]
+        self.send(Peer(DECODE, self.placement[r][1]), {
+            "t": "write", "request": r, "write": list(command.write), "data": data,
+            "stamp": stamp, "placement": list(self.placement[r])})
+
+    def on_completed(self, peer: Peer, body: dict) -> None:
+        self.log.heard_from(body["stamp"])
+        self.part.completed(_tuples(body["write"]))
+
+    def on_peer_down(self, peer: Peer) -> None:
+        if peer.role == DECODE:
+            self.dead_decodes.add(peer.worker)
+            self.send(Peer(ROUTER, 0), {"t": "down", "decode": peer.worker,
+                                        "stamp": self.log.stamp()})
+
+    def on_crash(self, peer: Peer, body: dict) -> None:
+        self.log.heard_from(body["stamp"])
+        self.part.decode_crashed(body["requests"])
+        self.dead_decodes.discard(body["decode"])   # its requests may act on the notice
+        for r in body["requests"]:
+            self.placement[r] = (self.placement.get(r, (self.part.worker, 0))[0], NONE)
+
+    def finish(self) -> dict:
+        return {"pages_held": sum(page[0] != NONE for page in self.part.pool),
+                "sending": len(self.part.sending)}
+
+
+class DecodeProcess(Process):
+    ROLE = DECODE
+
+    def candidates(self, r: int) -> tuple:
+        row = self.part.rows[r]
+        if row[core.DST] in (core.RELEASED, core.TOMB) and row[core.FW] == core.NO_MSG \
+                and not row[core.BOOT]:
+            return ()
+        out = []
+        need = core.pages_to_reserve(self.model, row)
+        pages = self.free_pages(need) if type(need) is int else None
+        if pages is not None:
+            out.append(core.Reserve(r, pages))
+        return (*out, core.DecodeReject(r), core.DropBootstrap(r), core.Accept(r, True),
+                core.Notice(r), core.Finish(r, True), core.Release(r))
+
+    def on_write(self, peer: Peer, body: dict) -> None:
+        """The modelled landing: decode's share, then the router sequences LandWrite."""
+        write = _tuples(body["write"])
+        self.placement[write[0]] = tuple(body["placement"])
+        self.part.land(write, body["data"])
+        self.send(Peer(ROUTER, 0), {"t": "landed", "request": write[0], "write": list(write),
+                                    "poster": body["stamp"], "stamp": self.log.stamp()})
+
+    def finish(self) -> dict:
+        return {"pages_held": sum(page[0] != NONE for page in self.part.pool)}
+
+
+KINDS = {ROUTER: RouterProcess, PREFILL: PrefillProcess, DECODE: DecodeProcess}
+
+
+# -- the process's main loop -----------------------------------------------------------------
+
+def report(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def _stdin_commands() -> queue.Queue:
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in sys.stdin:
+            lines.put(json.loads(line))
+        lines.put({"do": "exit"})
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def _pump(process: Process, timeout_s: float) -> bool:
+    """One channel event handled; whether there was one. A stopped process has ended its
+    log and handles nothing more (its peers closing as they exit is no crash)."""
+    event = process.channel.receive(timeout_s)
+    if process.stopped:
+        return event is not None
+    if type(event) is Delivered:
+        process.on_envelope(event.peer, event.message.fields["body"])
+    elif type(event) is PeerDown:
+        report(ev="peer_down", peer=str(event.peer), reason=event.reason, at_s=time.time())
+        process.on_peer_down(event.peer)
+    return event is not None
+
+
+def main(setup: dict) -> int:
+    """One process of a deployment: `python -m engine.processes '<json>'` (the Deployment's
+    fields, its role and worker, and the ports it dials). Reports JSON lines on stdout
+    ("listening", the router's "done", "stopped"); takes {"do": "stop"} (finish the work
+    at hand, end the log, report) and {"do": "exit"} on stdin; exits when stdin closes."""
+    role, worker, ports = setup.pop("role"), setup.pop("worker"), setup.pop("ports")
+    deployment = Deployment(**setup)
+    process = KINDS[role](deployment, worker)
+    todo = _stdin_commands()
+    for port in ports:  # prefills dial the decodes; the router dials every worker
+        process.channel.connect(port)
+    report(ev="listening", port=process.channel.listen())
+    stopping, last_busy = None, time.monotonic()
+    while True:
+        try:
+            command = todo.get_nowait()["do"]
+        except queue.Empty:
+            command = None
+        if command == "exit":
+            break
+        if command == "stop" and stopping is None:
+            stopping = time.monotonic()
+        if _pump(process, POLL_S):
+            last_busy = time.monotonic()
+        if stopping is None and role == ROUTER:
+            process.tick()
+        if not process.stopped:
+            process.settle()
+        if role == ROUTER and not process.reported and process.done():
+            process.reported = True
+            report(ev="done", outcomes=process.outcomes(),
+                   placement=[process.placement[r] for r in range(len(deployment.prompts))])
+        now = time.monotonic()
+        if stopping is not None and not process.stopped and (
+                now - last_busy > QUIET_S or now - stopping > deployment.settle_s_max):
+            process.log.end()
+            report(ev="stopped", steps=process.log.k, unsent=process.unsent,
+                   **process.finish())
+            process.stopped = True
+    process.channel.close()
+    return 0
+
+
+# -- the launcher: every process of a deployment, started and stopped -------------------------
+
+class Child:
+    """One process of the deployment and its reports."""
+
+    def __init__(self, name: str, setup: dict, stderr_path: Path) -> None:
+        root = Path(__file__).resolve().parents[1]
+        self.name = name
+        self.stderr = open(stderr_path, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "engine.processes", json.dumps(setup)], cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root)}, text=True, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self.stderr)
+        self.reports: queue.Queue = queue.Queue()
+        self.seen: list[dict] = []   # every report, in order (expect() skips some)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.seen.append(json.loads(line))
+            self.reports.put(self.seen[-1])
+
+    def expect(self, ev: str, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                got = self.reports.get(timeout=remaining)
+            except queue.Empty:
+                break
+            if got["ev"] == ev:
+                return got
+        raise TimeoutError(f"{self.name}: no {ev!r} within {timeout_s} s (exit code "
+                           f"{self.process.poll()})")
+
+    def tell(self, do: str) -> None:
+        try:
+            self.process.stdin.write(json.dumps({"do": do}) + "\n")
+            self.process.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # it is dead already: the caller learns from its exit code
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+        self.stderr.close()
+
+
+@dataclass
+class Launched:
+    """A running deployment: start() every process, wait for the router's "done", stop()
+    them (each ends its log), kill() one, close() whatever is left (always call it)."""
+
+    deployment: Deployment
+    children: dict = field(default_factory=dict)
+
+    def _spawn(self, role: str, worker: int, ports: list, timeout_s: float) -> int:
+        name = role if role == ROUTER else f"{role} {worker}"
+        setup = {**asdict(self.deployment), "role": role, "worker": worker, "ports": ports}
+        child = Child(name, setup, log_path(self.deployment, name).with_suffix(".stderr"))
+        self.children[name] = child
+        return child.expect("listening", timeout_s)["port"]
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        d = self.deployment
+        decodes = [self._spawn(DECODE, k, [], timeout_s) for k in range(d.decode_workers)]
+        prefills = [self._spawn(PREFILL, k, decodes, timeout_s)
+                    for k in range(d.prefill_workers)]
+        self._spawn(ROUTER, 0, prefills + decodes, timeout_s)
+
+    def wait_done(self, timeout_s: float) -> dict:
+        """The router's "done": every client's answer and every request's placement."""
+        return self.children[ROUTER].expect("done", timeout_s)
+
+    def kill(self, name: str) -> None:
+        self.children[name].kill()
+
+    def stop(self, timeout_s: float = 10.0) -> dict[str, dict]:
+        """Every live process finishes, ends its log and reports; then each exits. Returns
+        the reports and each process's exit code."""
+        live = {name: c for name, c in self.children.items() if c.process.poll() is None}
+        for child in live.values():
+            child.tell("stop")
+        reports = {name: child.expect("stopped", timeout_s) for name, child in live.items()}
+        for child in live.values():
+            child.tell("exit")
+        for name, child in live.items():
+            reports[name]["exit_code"] = child.process.wait(timeout=timeout_s)
+        return reports
+
+    def close(self) -> None:
+        for child in self.children.values():
+            child.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main(json.loads(sys.argv[1])))

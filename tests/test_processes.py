@@ -1,0 +1,179 @@
+"""The protocol across real processes (engine/processes.py): a router and P prefill + D
+decode OS processes on 127.0.0.1, each holding one part, a modelled data path, one log
+per process. Each test runs a bounded workload to the end, stops every process (each ends
+its log and exits 0), and hands the folder of logs to `kvproof validate`, which merges
+them and checks the run against the spec. Every process is killed in a finally, every
+wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections import Counter
+from pathlib import Path
+
+from engine.processes import Deployment, Launched, log_path
+from sim.trace import read_part_logs
+from spec import codec, core
+from spec.partlog import merge
+from spec.tlaplus.runcheck import check_part_logs
+from tests.cli_cases import run as cli
+
+SEED = 7
+REQUESTS = 20
+WAIT_S = 20.0     # the longest any step waits for the processes
+SLACK_S = 1.0     # scheduling on 2 loaded cores: a detection may come this much late
+# A live process starved of the CPU this long would be declared down: far above what a
+# loaded CI runner does, and a SIGKILL is detected at once anyway (its connections break).
+SUSPECT_S = 3.0
+
+
+def workload(seed: int = SEED) -> tuple:
+    """20 prompts of 1-3 pages; with pools of 4 pages per worker, requests wait for room."""
+    print(f"workload seed={seed}")
+    rng = random.Random(seed)
+    return tuple(rng.randint(1, 3) for _ in range(REQUESTS))
+
+
+def deployment(tmp_path: Path, prefills: int, decodes: int, **options) -> Deployment:
+    print(f"deployment {prefills} x {decodes}, router seed={SEED}, logs in {tmp_path}")
+    return Deployment(prompts=workload(), prefill_workers=prefills, decode_workers=decodes,
+                      prefill_pages=4, decode_pages=4, seed=SEED, log_dir=str(tmp_path),
+                      heartbeat_s=0.25, suspect_after_s=SUSPECT_S, **options)
+
+
+def run_to_the_end(d: Deployment) -> tuple[dict, dict]:
+    """The router's "done" report and every process's "stopped" report."""
+    launched = Launched(d)
+    try:
+        launched.start()
+        done = launched.wait_done(WAIT_S)
+        return done, launched.stop()
+    finally:
+        launched.close()
+
+
+def merged_run(folder: Path):
+    m, logs = read_part_logs(sorted(folder.glob("*.ndjson")))
+    merged = merge(m, logs)
+    verdict = check_part_logs(merged)
+    assert verdict.ok, verdict.message
+    return merged, verdict
+
+
+def assert_whole(stopped: dict) -> None:
+    """Every process exited 0; every surviving pool is free; no write is left in flight."""
+    for name, report in stopped.items():
+        assert report["exit_code"] == 0, (name, report)
+        assert report.get("pages_held", 0) == 0, (name, report)
+        assert report.get("sending", 0) == 0, (name, report)
+
+
+def expected_steps(prompts, placement, prefills: int, decodes: int) -> dict:
+    """Fault-free, per part: Arrive; Admit, SendPage per page, SendDone; Reserve, Accept,
+    Finish, Release; LandWrite per page."""
+    out = {"router": len(prompts), "environment": sum(prompts)}
+    for q in range(prefills):
+        out[f"prefill {q}"] = sum(2 + n for n, (p, _) in zip(prompts, placement) if p == q)
+    for k in range(decodes):
+        out[f"decode {k}"] = 4 * sum(1 for _, d in placement if d == k)
+    return out
+
+
+def test_one_router_one_prefill_one_decode(tmp_path, capsys):
+    d = deployment(tmp_path, 1, 1)
+    started = time.monotonic()
+    done, stopped = run_to_the_end(d)
+    print(f"ran in {time.monotonic() - started:.2f} s")
+    assert done["outcomes"] == ["Ok"] * REQUESTS
+    assert_whole(stopped)
+    merged, verdict = merged_run(tmp_path)
+    assert sum(d.prompts) == 33
+    assert merged.parts == {"router": 20, "prefill 0": 73, "decode 0": 80, "environment": 33}
+    assert verdict.steps == 206
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0, out + err
+    assert "run OK: 206 steps" in out
+
+
+def test_two_prefills_two_decodes(tmp_path):
+    d = deployment(tmp_path, 2, 2)
+    done, stopped = run_to_the_end(d)
+    placement = [tuple(x) for x in done["placement"]]
+    assert done["outcomes"] == ["Ok"] * REQUESTS
+    assert {p for p, _ in placement} == {0, 1} and {k for _, k in placement} == {0, 1}
+    assert_whole(stopped)
+    merged, verdict = merged_run(tmp_path)
+    assert merged.parts == expected_steps(d.prompts, placement, 2, 2)
+    assert verdict.steps == 206
+
+
+def _decode_log(path: Path) -> Counter:
+    """(action, request) of every whole record of a decode's log, counted."""
+    records = [json.loads(line) for line in path.read_text().splitlines()[1:]
+               if line.endswith("}")]
+    return Counter((x["a"], x.get("request")) for x in records)
+
+
+def _reserved_unfinished(path: Path) -> list[int]:
+    """Requests the decode's log shows reserved and not yet accepted."""
+    actions = _decode_log(path)
+    return [r for a, r in actions if a == "Reserve" and ("Accept", r) not in actions]
+
+
+def test_a_killed_decode_ends_its_requests_and_the_rest_finish(tmp_path, capsys):
+    """Decode 1 is killed while it holds two reserved requests (workload seed 7 places
+    requests 5 and 10 there, one page each, 0.1 s apart; each computes 0.4 s)."""
+    d = deployment(tmp_path, 2, 2, compute_s=0.4, arrive_every_s=0.02)
+    victim = "decode 1"
+    launched = Launched(d)
+    try:
+        launched.start()
+        deadline = time.monotonic() + WAIT_S
+        while len(_reserved_unfinished(log_path(d, victim))) < 2:
+            assert time.monotonic() < deadline, f"{victim} never reserved"
+            time.sleep(0.005)
+        killed_at = time.time()
+        launched.kill(victim)
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop()
+        detected = {name: [x for x in launched.children[name].seen
+                           if x["ev"] == "peer_down" and x["peer"] == victim]
+                    for name in ("router", "prefill 0", "prefill 1")}
+    finally:
+        launched.close()
+    # Every survivor learnt it from its own failure detector, within the bound.
+    for name, downs in detected.items():
+        assert len(downs) == 1, (name, downs)
+        late_s = downs[0]["at_s"] - killed_at
+        print(f"{name} declared {victim} down after {late_s:.3f} s: {downs[0]['reason']}")
+        assert late_s < d.suspect_after_s + SLACK_S
+    # The requests the dead decode held end ErrDecode; every other one finishes.
+    placement = [tuple(x) for x in done["placement"]]
+    outcomes = dict(enumerate(done["outcomes"]))
+    lost = {r for r, outcome in outcomes.items() if outcome == "ErrDecode"}
+    print(f"ErrDecode: {sorted(lost)}; on {victim}: "
+          f"{sorted(r for r, (_, k) in enumerate(placement) if k == 1)}")
+    assert len(lost) >= 2 and all(placement[r][1] == 1 for r in lost)
+    assert all(outcome == "Ok" for r, outcome in outcomes.items() if r not in lost)
+    # A client of the dead decode got Ok exactly when its log holds the Finish.
+    finished = _decode_log(log_path(d, victim))
+    assert {r for r, (_, k) in enumerate(placement) if k == 1 and ("Finish", r) in finished} \
+        == {r for r, (_, k) in enumerate(placement) if k == 1} - lost
+    assert set(stopped) == {"router", "prefill 0", "prefill 1", "decode 0"}
+    assert_whole(stopped)
+    assert stopped["router"]["crashes"] == [1]
+    # The dead decode's log, closed by the router, merges with the others into one run.
+    merged, verdict = merged_run(tmp_path)
+    assert verdict.steps == sum(merged.parts.values())
+    crashes = [x for x in merged.records if x["a"] == "DecodeCrash"]
+    assert len(crashes) == 1 and codec.decode(crashes[0]) == core.DecodeCrash(1)
+    after = merged.records[merged.records.index(crashes[0]) + 1:]
+    assert not [x for x in after if x.get("request") in lost and x["a"] in ("SendPage",
+                                                                            "SendDone")]
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+    print(f"seed={SEED}: ErrDecode {sorted(lost)}, merged run of {verdict.steps} steps, "
+          f"detected after {[round(x[0]['at_s'] - killed_at, 3) for x in detected.values()]} s")
