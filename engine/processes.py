@@ -461,7 +461,9 @@ def report(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def _stdin_commands() -> queue.Queue:
+def stdin_commands() -> queue.Queue:
+    """stdin's commands (a JSON object a line), read on a thread; an "exit" when stdin
+    closes (whoever started the process has gone)."""
     lines: queue.Queue = queue.Queue()
 
     def read() -> None:
@@ -494,7 +496,7 @@ def main(setup: dict) -> int:
     role, worker, ports = setup.pop("role"), setup.pop("worker"), setup.pop("ports")
     deployment = Deployment(**setup)
     process = KINDS[role](deployment, worker)
-    todo = _stdin_commands()
+    todo = stdin_commands()
     for port in ports:  # prefills dial the decodes; the router dials every worker
         process.channel.connect(port)
     report(ev="listening", port=process.channel.listen())

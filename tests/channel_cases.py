@@ -17,31 +17,17 @@ from __future__ import annotations
 import json
 import queue
 import sys
-import threading
 from dataclasses import replace
 
 from engine.channel import (
     Channel, ChannelConfig, ChannelError, Delivered, Message, PeerDown, PeerRefused, PeerUp,
 )
+from engine.processes import report, stdin_commands
 from spec import core
 
 POLL_S = 0.02
 
 
-def report(**fields) -> None:
-    print(json.dumps(fields), flush=True)
-
-
-def commands() -> queue.Queue:
-    """stdin's commands, read on a thread; an "exit" when stdin closes (the test ended)."""
-    lines: queue.Queue = queue.Queue()
-
-    def read() -> None:
-        for line in sys.stdin:
-            lines.put(json.loads(line))
-        lines.put({"do": "exit"})
-    threading.Thread(target=read, daemon=True).start()
-    return lines
 
 
 def joined(config: ChannelConfig, port: int) -> Channel | None:
@@ -87,7 +73,7 @@ def main() -> None:
     config = ChannelConfig(setup["role"], setup["worker"], setup["epoch"],
                            heartbeat_s=setup["heartbeat_s"],
                            suspect_after_s=setup["suspect_after_s"])
-    todo = commands()
+    todo = stdin_commands()
     channel = joined(config, setup["port"])
     while channel is not None:
         try:
