@@ -71,7 +71,7 @@ from engine.channel import (
 from spec import codec, core
 from spec.core import NONE, Refusal
 from spec.model import Model
-from spec.partlog import ENVIRONMENT, LOG_END, header, local_event
+from spec.partlog import ENVIRONMENT, LOG_END, PartClock, header, local_event, log_end
 from spec.parts import Message as PartMessage, Part, Taken
 from spec.roles import DECODE, GHOST, PREFILL, ROUTER
 
@@ -122,36 +122,30 @@ def log_path(deployment: Deployment, name: str) -> Path:
 # -- one part's log ---------------------------------------------------------------------------
 
 class PartLog:
-    """One part's log: the header, then each step stamped (spec/partlog.py: part, k, Lamport
-    clock c, after) and flushed at once, LogEnd when the process stops."""
+    """One part's log: the header, then each step stamped by its spec/partlog.py PartClock
+    and flushed at once, LogEnd when the process stops."""
 
     def __init__(self, path: Path, name: str, m: Model) -> None:
-        self.name, self.k, self.c, self.heard = name, 0, 0, []
+        self.name, self.clock = name, PartClock(name)
         self.file = open(path, "w")
         self.file.write(json.dumps(header(m)) + "\n")
         self.file.flush()
 
     def heard_from(self, stamp) -> None:
         """A message stamped by another part's step: the next step follows it."""
-        part, k, c = stamp
-        self.c = max(self.c, c)
-        if k and [part, k] not in self.heard:
-            self.heard.append([part, k])
+        self.clock.hear(*stamp)
 
     def step(self, record: dict) -> list:
-        self.k += 1
-        self.c += 1
-        record.update(part=self.name, k=self.k, c=self.c, after=self.heard)
-        self.heard = []
+        stamp = self.clock.stamp(record)
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()  # before anything the step sends leaves: a kill loses no step seen
-        return self.stamp()
+        return stamp
 
     def stamp(self) -> list:
-        return [self.name, self.k, self.c]
+        return self.clock.last()
 
     def end(self) -> None:
-        self.file.write(json.dumps({"a": LOG_END, "part": self.name, "steps": self.k}) + "\n")
+        self.file.write(json.dumps(log_end(self.name, self.clock.k)) + "\n")
         self.file.close()
 
 
@@ -164,7 +158,7 @@ def close_dead_log(path: Path, name: str) -> tuple[int, int]:
     steps = [x for x in records if x.get("part") == name and x.get("a") != LOG_END]
     with open(path, "w") as file:
         file.write(whole)
-        file.write(json.dumps({"a": LOG_END, "part": name, "steps": len(steps)}) + "\n")
+        file.write(json.dumps(log_end(name, len(steps))) + "\n")
     return len(steps), steps[-1]["c"] if steps else 0
 
 
@@ -368,7 +362,7 @@ class RouterProcess(Process):
     def finish(self) -> dict:
         self.environment.end()
         return {"outcomes": self.outcomes(), "crashes": self.crashes_logged,
-                "environment_steps": self.environment.k}
+                "environment_steps": self.environment.clock.k}
 
 
 class PrefillProcess(Process):
@@ -524,7 +518,7 @@ def main(setup: dict) -> int:
         if stopping is not None and not process.stopped and (
                 now - last_busy > QUIET_S or now - stopping > deployment.settle_s_max):
             process.log.end()
-            report(ev="stopped", steps=process.log.k, unsent=process.unsent,
+            report(ev="stopped", steps=process.log.clock.k, unsent=process.unsent,
                    **process.finish())
             process.stopped = True
     process.channel.close()

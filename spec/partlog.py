@@ -109,6 +109,41 @@ def _moved(m: Model, event: core.Event, placement: dict, sign: int) -> core.Even
 
 # -- writing: a Split whose parts log ---------------------------------------------------------
 
+def log_end(name: str, steps: int) -> dict:
+    """The record that closes a part's log: how many steps it took."""
+    return {"a": LOG_END, "part": name, "steps": steps}
+
+
+class PartClock:
+    """One part's stamp (the module docstring): its step count k, its Lamport clock c, and
+    the steps of other parts its next step follows ("after"). A PartLogs keeps one per
+    part; a process of a deployment (engine/processes.py) keeps its own."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.k, self.c, self.heard = name, 0, 0, []
+
+    def hear(self, part: str, k: int, c: int) -> None:
+        """Step k of `part`, at clock c, is one this part's next step follows (it sent a
+        message here, changed this part, or this part stands on it): the clock moves past
+        it. A part that has taken no step (k 0) only moves the clock."""
+        self.c = max(self.c, c)
+        if k and [part, k] not in self.heard:
+            self.heard.append([part, k])
+
+    def stamp(self, record: dict) -> list:
+        """Stamp `record` as this part's next step; its [part, k, c], which whoever it
+        reaches hears."""
+        self.k += 1
+        self.c += 1
+        record.update(part=self.name, k=self.k, c=self.c, after=self.heard)
+        self.heard = []
+        return self.last()
+
+    def last(self) -> list:
+        """[part, k, c] of the last step (k 0 before any)."""
+        return [self.name, self.k, self.c]
+
+
 class PartLogs:
     """A Split (spec/parts.py) whose every part, and the environment, logs the events it
     takes, stamped (the module's docstring says how). `take` takes an event in the core's
@@ -118,9 +153,7 @@ class PartLogs:
         self.model = m
         self.split = Split(m)
         self.names = part_names(m)
-        self.clock = dict.fromkeys(self.names, 0)
-        self.steps = dict.fromkeys(self.names, 0)
-        self.heard: dict[str, list] = {name: [] for name in self.names}  # "after", pending
+        self.clocks = {name: PartClock(name) for name in self.names}
         self.records: dict[str, list[dict]] = {name: [] for name in self.names}
         self.placement: dict[int, tuple[int, int]] = {}
 
@@ -167,35 +200,21 @@ class PartLogs:
 
     def _log(self, name: str, event: core.Event, stands_on: list[Part],
              receivers: list[Part]) -> None:
-        after = list(self.heard[name])
-        clock = self.clock[name]
+        clock, clocks = self.clocks[name], self.clocks
         for part in dict.fromkeys(stands_on):
-            if part.name == name:
-                continue
-            clock = max(clock, self.clock[part.name])
-            last = self._last(part.name)
-            if last is not None and last not in after:
-                after.append(last)
-        clock += 1
-        self.steps[name] += 1
-        k = self.steps[name]
-        self.clock[name] = clock
-        self.heard[name] = []
+            if part.name != name:
+                clock.hear(*clocks[part.name].last())
         record = codec.encode(local_event(self.model, event, self.placement))
-        record.update(part=name, k=k, c=clock, after=[list(x) for x in after])
+        stamp = clock.stamp(record)
         self.records[name].append(record)
         targets = receivers if name != ENVIRONMENT else stands_on
         for part in dict.fromkeys(targets):
             if part.name != name:
-                self.clock[part.name] = max(self.clock[part.name], clock)
-                self.heard[part.name].append((name, k))
-
-    def _last(self, name: str) -> tuple[str, int] | None:
-        return (name, self.steps[name]) if self.steps[name] else None
+                clocks[part.name].hear(*stamp)
 
     def logs(self) -> dict[str, list[dict]]:
         """Each part's records, its LogEnd last."""
-        return {name: records + [{"a": LOG_END, "part": name, "steps": self.steps[name]}]
+        return {name: records + [log_end(name, self.clocks[name].k)]
                 for name, records in self.records.items()}
 
 
