@@ -256,6 +256,11 @@ class Process:
         free = [self.part.base + i for i, page in enumerate(self.part.pool) if page[0] == NONE]
         return tuple(free[:need]) if len(free) >= need else None
 
+    def candidates(self, r: int) -> tuple:
+        """What this process offers its part for r (the router's part takes no protocol
+        action of its own: it has none to offer)."""
+        return self.part.offers(r, self.free_pages)
+
     def settle(self) -> None:
         """Take every action the part's state now allows, until none is left."""
         progress = True
@@ -282,9 +287,6 @@ class RouterProcess(Process):
         self.dead: set[int] = set()              # decodes declared down here
         self.crash_reports: dict[int, dict] = {}  # decode -> {prefill: its last step}
         self.crashes_logged: list[int] = []
-
-    def candidates(self, r: int) -> tuple:
-        return ()
 
     def tick(self) -> None:
         now = time.monotonic()
@@ -369,21 +371,13 @@ class PrefillProcess(Process):
     ROLE = PREFILL
 
     def candidates(self, r: int) -> tuple:
-        row = self.part.rows[r]
+        """Its part's offers, but nothing for a request on a decode its detector declared
+        down (frozen until the crash's record comes: the module's docstring), and no
+        SendPage before the modelled compute is done."""
         if self.placement[r][1] in self.dead_decodes:
-            return ()  # frozen until the crash's record comes (the module's docstring)
-        pst = row[core.PST]
-        if pst in (core.P_DONE, core.REJECTED, core.ABORTED) and not row[core.CANCEL]:
             return ()
-        out = []
-        need = core.pages_to_admit(self.model, row)
-        pages = self.free_pages(need) if type(need) is int else None
-        if pages is not None:
-            out.append(core.Admit(r, pages))
-        out.append(core.Reject(r))
-        if time.monotonic() >= self.ready_at.get(r, float("inf")):
-            out.append(core.SendPage(r))
-        return (*out, core.SendDone(r), core.AnswerCancel(r), core.PrefillAbort(r))
+        ready = time.monotonic() >= self.ready_at.get(r, float("inf"))
+        return tuple(e for e in super().candidates(r) if ready or type(e) is not core.SendPage)
 
     def do_Compute(self, command, stamp) -> None:
         self.ready_at[command.request] = time.monotonic() + self.deployment.compute_s
@@ -420,19 +414,6 @@ class PrefillProcess(Process):
 
 class DecodeProcess(Process):
     ROLE = DECODE
-
-    def candidates(self, r: int) -> tuple:
-        row = self.part.rows[r]
-        if row[core.DST] in (core.RELEASED, core.TOMB) and row[core.FW] == core.NO_MSG \
-                and not row[core.BOOT]:
-            return ()
-        out = []
-        need = core.pages_to_reserve(self.model, row)
-        pages = self.free_pages(need) if type(need) is int else None
-        if pages is not None:
-            out.append(core.Reserve(r, pages))
-        return (*out, core.DecodeReject(r), core.DropBootstrap(r), core.Accept(r, True),
-                core.Notice(r), core.Finish(r, True), core.Release(r))
 
     def on_write(self, peer: Peer, body: dict) -> None:
         """The modelled landing: decode's share, then the router sequences LandWrite."""

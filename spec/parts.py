@@ -330,6 +330,28 @@ class Part:
 
     # -- deciding -----------------------------------------------------------------------
 
+    def offers(self, r: int, pages_for: Callable[[int], tuple | None],
+               verdict: bool = True) -> tuple[core.Event, ...]:
+        """The events of its role's protocol actions for request r, in the core's table
+        order (core.ACTION_TABLE): what a process offers its part whenever something may
+        have changed; the core refuses those it does not enable. An allocation names the
+        pages `pages_for(need)` picks once the core says how many it needs (none: not
+        offered now); an observed action carries `verdict`, the data path's."""
+        out = []
+        for info in core.ACTION_TABLE:
+            if info.worker != self.role or info.kind != "protocol":
+                continue
+            if info.argument == "pages":
+                need = core.allocation_need(self.model, _View(self, None), info.event, r)
+                pages = pages_for(need) if type(need) is int else None
+                if pages is not None:
+                    out.append(info.event(r, pages))
+            elif info.observed is not None:
+                out.append(info.event(r, verdict))
+            else:
+                out.append(info.event(r))
+        return tuple(out)
+
     def take(self, event: core.Event,
              environment: Callable[[], State] | None = None) -> Taken | Refusal:
         """Decide one of this part's own actions on its own part, through the core; its
