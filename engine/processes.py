@@ -71,7 +71,8 @@ from engine.channel import (
 from spec import codec, core
 from spec.core import NONE, Refusal
 from spec.model import Model
-from spec.partlog import ENVIRONMENT, LOG_END, PartClock, header, local_event, log_end
+from spec.partlog import (ENVIRONMENT, LOG_END, PartClock, file_name, header, local_event,
+                          log_end)
 from spec.parts import Message as PartMessage, Part, Taken
 from spec.roles import DECODE, GHOST, PREFILL, ROUTER
 
@@ -116,7 +117,7 @@ class Deployment:
 
 
 def log_path(deployment: Deployment, name: str) -> Path:
-    return Path(deployment.log_dir) / f"{name.replace(' ', '-')}.ndjson"
+    return Path(deployment.log_dir) / file_name(name)
 
 
 # -- one part's log ---------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from spec.core import Refusal
 from spec.tlaplus.runcheck import Run
 from spec.tlaplus.itf import trace_to_itf
 from spec.model import Model, ModelError
-from spec.partlog import FORMAT as PART_LOG_FORMAT, PartLogs, header
+from spec.partlog import FORMAT as PART_LOG_FORMAT, PartLogs, file_name, header
 from sim.fold import FIRST_TOKEN, RUN_END, LogError, event_of, model_for, read_log
 
 
@@ -83,7 +83,7 @@ def write_part_logs(logs: PartLogs, directory: str | Path) -> list[Path]:
     head = header(logs.model)
     paths = []
     for name, records in logs.logs().items():
-        path = Path(directory) / f"{name.replace(' ', '-')}.ndjson"
+        path = Path(directory) / file_name(name)
         path.write_text("".join(json.dumps(x) + "\n" for x in [head, *records]))
         paths.append(path)
     return paths

@@ -109,6 +109,12 @@ def _moved(m: Model, event: core.Event, placement: dict, sign: int) -> core.Even
 
 # -- writing: a Split whose parts log ---------------------------------------------------------
 
+def file_name(name: str) -> str:
+    """The file a part's log is written to in a deployment's folder ("decode 1" ->
+    decode-1.ndjson)."""
+    return f"{name.replace(' ', '-')}.ndjson"
+
+
 def log_end(name: str, steps: int) -> dict:
     """The record that closes a part's log: how many steps it took."""
     return {"a": LOG_END, "part": name, "steps": steps}
