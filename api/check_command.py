@@ -434,6 +434,14 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     except (CfgError, ModelError, UsageError) as error:
         print(f"kvproof conformance: {error}", file=sys.stderr)
         return EXIT_USAGE
+    if args.walks is None and args.seed is not None:
+        print("kvproof conformance: --seed is for --walks (the whole graph draws nothing)",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if args.walks is not None and args.symmetry:
+        print("kvproof conformance: --symmetry is for the whole graph (a walk visits states, "
+              "not orbits)", file=sys.stderr)
+        return EXIT_USAGE
     print(describe_model(model), flush=True)
     last = [0.0]
 
@@ -444,18 +452,35 @@ def cmd_conformance(args: argparse.Namespace) -> int:
                   f"{seconds:.0f} s", file=sys.stderr, flush=True)
 
     try:
-        result = check_conformance(model, progress=progress, symmetry=args.symmetry)
+        if args.walks is None:
+            result = check_conformance(model, progress=progress, symmetry=args.symmetry)
+        else:
+            result = _sampled_conformance(args, model, progress)
     except EvalError as error:
         print(f"kvproof conformance: the spec cannot be evaluated: {error}", file=sys.stderr)
         return EXIT_USAGE
     if result.ok:
-        print(f"KVTransfer.tla and spec/core.py have the same state graph: {result.states:,} "
+        what = ("the same state graph" if args.walks is None
+                else f"the same successors on every state of {args.walks:,} random walks")
+        print(f"KVTransfer.tla and spec/core.py have {what}: {result.states:,} "
               f"states, {result.edges:,} labelled edges, {len(result.labels)} actions, "
               f"{result.seconds:.1f} s ({result.states / max(result.seconds, 1e-9):,.0f} "
               "states/s)")
         return EXIT_OK
     print(result.disagreement.report(model))
     return EXIT_VIOLATION
+
+
+def _sampled_conformance(args: argparse.Namespace, model, progress):
+    from fuzz.runner import random_seed
+    from spec.tlaplus.conformance import sample_conformance
+
+    if args.seed is None:
+        args.seed = random_seed()
+    print(f"{args.walks:,} random walks, seed {args.seed} (replay: kvproof conformance "
+          f"--model {args.model} --walks {args.walks} --seed {args.seed}"
+          + "".join(f" --bug {b}" for b in args.bug or ()) + ")", flush=True)
+    return sample_conformance(model, walks=args.walks, seed=args.seed, progress=progress)
 
 
 # -- validate ------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import argparse
 import sys
 
 from api.clikit import (EXIT_INTERRUPTED, EXIT_USAGE, Parser, UsageError, add_subcommand,
-                        interrupts_kept, positive_int, process_count,
+                        interrupts_kept, positive_int, non_negative_int, process_count,
                         quietly_closed_stdout)
 from api import check_command
 
@@ -160,10 +160,16 @@ def _add_conformance(commands) -> None:
         "default model this takes about 80 s here (the TLA+ evaluator is slow); "
         "--model solo takes a second.",
         ["kvproof conformance --model solo", "kvproof conformance --symmetry",
-         "kvproof conformance --model solo --bug NoCountCheck"])
+         "kvproof conformance --model solo --bug NoCountCheck",
+         "kvproof conformance --model large --walks 1000 --seed 0"])
     _add_model_options(conformance)
     conformance.add_argument("--symmetry", action="store_true",
                              help="compare one state per orbit under renaming of requests")
+    conformance.add_argument("--walks", type=positive_int, metavar="N",
+                             help="compare the states of N random walks instead of the whole "
+                             "graph (for models whose graph takes minutes)")
+    conformance.add_argument("--seed", type=non_negative_int, metavar="N",
+                             help="the walks' seed (default: a fresh one, printed)")
     conformance.add_argument("--quiet", action="store_true", help="no progress lines")
     _add_list_options(conformance, models=True)
     conformance.set_defaults(func=check_command.cmd_conformance)

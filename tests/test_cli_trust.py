@@ -87,6 +87,10 @@ BAD_INPUTS = [
     (["conformance", "--model", "{not_utf8}"], "not a text file"),
     (["conformance", "--model", "solo", "--bug", "Bogus"], "unknown bug switch(es) Bogus"),
     (["conformance", "--modle", "solo"], "did you mean --model?"),
+    (["conformance", "--model", "solo", "--seed", "3"], "--seed is for --walks"),
+    (["conformance", "--model", "solo", "--walks", "3", "--symmetry"],
+     "--symmetry is for the whole graph"),
+    (["conformance", "--model", "solo", "--walks", "0"], "must be at least 1, got 0"),
     # sim
     (["sim", "nope"], "no scenario 'nope'"),
     (["sim"], "name a scenario"),

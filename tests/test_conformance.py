@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
 
 from spec import core
 from spec.check.cfgfile import load, model_names
-from spec.tlaplus.conformance import SPEC_PATH, check_conformance, spec_for
+from spec.tlaplus.conformance import (SPEC_PATH, check_conformance, sample_conformance,
+                                      spec_for)
 from spec.model import ALL_BUGS, Model
 from spec.tlaplus.tlaeval import EvalError, Spec, explore
 from spec.tlaplus.tlaview import ModelValue
@@ -60,20 +62,89 @@ def _cost(model: Model) -> int:
     return STATES[MODELS[model][0]] * model.requests
 
 
+# The models whose whole graph costs most of a minute or more of one core (together ten
+# minutes: 6.9 M orbits, half of the suite's time) are compared along random walks in CI,
+# every state on a walk exactly as the whole-graph check compares it; every other model,
+# default among them, is compared whole. KVPROOF_FULL_CONFORMANCE=1 compares every model
+# whole (`python -m spec.tlaplus.conformance --all` does too, printing progress). Each
+# sampled model's switch set is compared whole on the two-request model of BASES["small"]
+# (test_each_sampled_switch_set_conforms_whole_on_the_small_model), and every switch at
+# once there too; what only walks see is the larger pools, prompts and placements.
+SAMPLED_ABOVE_ORBITS = 400_000
+FULL = os.environ.get("KVPROOF_FULL_CONFORMANCE") == "1"
+WALKS, WALK_SEED = 1000, 0
+# States each sampled model's walks compare (the core lists successors in one order in
+# every process, so the walks are the same under any PYTHONHASHSEED).
+SAMPLED_STATES = {
+    "bug-AdmitBeforeReserve": 14676, "bug-EagerRelease": 16114,
+    "bug-PoolBelowContext": 18836, "bug-SourceReuse": 12858, "crash": 11049,
+    "incident": 19234, "large": 17069, "zoo-late-write-looks-current": 16112,
+    "zoo-rejected-decodes": 19239, "zoo-source-reuse-unverified": 12858,
+}
+# Orbits of each sampled model's switch set on BASES["small"], compared whole.
+SMALL_STATES = {
+    ("AdmitBeforeReserve",): 38234, ("EagerRelease",): 87783,
+    ("EagerRelease", "NoGenBump"): 81891,
+    ("FinishedNotRejected", "NoCountCheck", "NoGenBump", "PoolBelowContext"): 56298,
+    ("FinishedNotRejected", "NoCountCheck", "PoolBelowContext"): 57601,
+    ("NoChecksum", "SourceReuse"): 45896, ("PoolBelowContext",): 47128,
+    ("SourceReuse",): 45136,
+}
+
+
 @pytest.mark.alone  # each model is a unit of work of its own for pytest-xdist (conftest.py)
 @pytest.mark.parametrize("model", sorted(MODELS, key=_cost, reverse=True),
                          ids=lambda model: "=".join(MODELS[model]))
 @pytest.mark.slow
-def test_every_model_conforms(model):
+def test_every_model_conforms(model, capsys):
     """The largest first, so that the parallel run ends on the small ones. About 20 s of
-    one core per 400k orbits here; all of them together several minutes of one core."""
+    one core per 400k orbits here."""
     names = MODELS[model]
     model = replace(model, name=names[0])
+    if STATES[names[0]] > SAMPLED_ABOVE_ORBITS and not FULL:
+        result = sample_conformance(model, walks=WALKS, seed=WALK_SEED)
+        with capsys.disabled():
+            print(f"\n{names[0]}: {WALKS} random walks, seed {WALK_SEED}: {result.states:,} "
+                  f"states compared of {STATES[names[0]]:,} orbits "
+                  "(KVPROOF_FULL_CONFORMANCE=1: all)")
+        assert result.ok, result.disagreement.report(model)
+        assert result.states == SAMPLED_STATES[names[0]]
+        return
     result = check_conformance(model, symmetry=model.requests > 1)
     assert result.ok, result.disagreement.report(model)
     assert result.states == STATES[names[0]]
     if names[0] == "default":
         assert result.edges == 1041251
+
+
+def test_the_sampled_models_are_the_ones_whose_switches_are_compared_whole():
+    sampled = {tuple(sorted(m.bugs)) for m, names in MODELS.items()
+               if STATES[names[0]] > SAMPLED_ABOVE_ORBITS}
+    assert set(SAMPLED_STATES) == {names[0] for names in MODELS.values()
+                                   if STATES[names[0]] > SAMPLED_ABOVE_ORBITS}
+    assert sampled - {()} == set(SMALL_STATES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bugs", sorted(SMALL_STATES), ids="+".join)
+def test_each_sampled_switch_set_conforms_whole_on_the_small_model(bugs):
+    model = Model(bugs=frozenset(bugs), **BASES["small"])
+    result = check_conformance(model, symmetry=True)
+    assert result.ok, result.disagreement.report(model)
+    assert result.states == SMALL_STATES[bugs]
+
+
+def test_random_walks_catch_a_mutated_core_on_a_large_model(monkeypatch):
+    """The walks have teeth: the Release mutant below is found on `large` within the CI
+    walks (on its first walks: most runs end in a Release)."""
+    mutated = tuple((cls, _patched_release if fn is core.release else fn)
+                    for cls, fn in core._SIMPLE_ACTIONS)
+    monkeypatch.setattr(core, "_SIMPLE_ACTIONS", mutated)
+    monkeypatch.setattr(core, "_CACHES", {})
+    model = next(replace(m, name="large") for m, names in MODELS.items() if "large" in names)
+    result = sample_conformance(model, walks=WALKS, seed=WALK_SEED)
+    assert not result.ok
+    assert "the core allows, the spec does not:\n  Release:" in result.disagreement.report(model)
 
 
 @pytest.mark.slow
@@ -197,3 +268,18 @@ def test_the_evaluator_computes_spec_level_definitions():
     assert spec.value("DPages") == frozenset({1, 2, 3})
     assert spec.value("BugNames") == ALL_BUGS
     assert spec.constants["Requests"] == frozenset({ModelValue("r1"), ModelValue("r2")})
+
+
+def test_the_cli_walks_print_their_seed_and_replay_from_it(capsys):
+    from api.cli import main
+
+    assert main(["conformance", "--model", "small", "--walks", "50", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    replay = out.split("(replay: kvproof ")[1].split(")")[0].split()
+    assert replay[:5] == ["conformance", "--model", "small", "--walks", "50"]
+    first = out.splitlines()[-1]
+    assert "the same successors on every state of 50 random walks" in first
+    assert main(replay + ["--quiet"]) == 0
+    again = capsys.readouterr().out.splitlines()[-1]
+    states = first.split(":")[1].split(" states")[0]
+    assert again.split(":")[1].split(" states")[0] == states

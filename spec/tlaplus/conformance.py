@@ -11,6 +11,8 @@ each side allows there that the other does not.
 
 from __future__ import annotations
 
+import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,14 +174,10 @@ def check_conformance(m: Model, spec: Spec | None = None, max_states: int | None
     meter = WalkMeter(progress, max_states)
     init = core.initial_state(m)
     view_key = _Keys(m)
-    spec_inits = {_key(s) for s in spec.initial_states()}
     core_init = view_key(init)
-    if spec_inits != {core_init}:
-        result.disagreement = Disagreement([(None, init)], [("Init", core_init)],
-                                           [("Init", k) for k in spec_inits - {core_init}])
+    result.disagreement = _initial_disagreement(spec, init, core_init)
+    if result.disagreement is not None:
         return result
-    if tuple(spec.variables) != VARIABLES:
-        raise EvalError(f"the spec's variables {spec.variables} are not tlaview's {VARIABLES}")
     spec_next = spec.next_function()
     # Every state visited or queued -> [parent, event, its spec key once computed]: the key
     # of a state seen before is reused when the state comes up again as a successor.
@@ -187,24 +185,10 @@ def check_conformance(m: Model, spec: Spec | None = None, max_states: int | None
     queue = deque([init])
     while queue:
         s = queue.popleft()
-        entry = seen[s]
-        if entry[2] is None:
-            entry[2] = view_key(s)
-        try:
-            spec_edges = spec_next(entry[2])
-        except EvalError as error:
-            result.disagreement = Disagreement(_path(seen, s), [], [], spec_error=str(error))
+        core_next = _compare(m, s, seen, spec_next, view_key, result, lambda: _path(seen, s))
+        if core_next is None:
             break
-        core_next = _core_successors(m, s, seen, view_key)
-        core_edges = [(e.action, k) for e, _, k, _ in core_next]
-        if not _same_edges(spec_edges, core_edges):
-            result.disagreement = Disagreement(
-                _path(seen, s), sorted({e for e in core_edges if e not in spec_edges}, key=repr),
-                sorted({e for e in spec_edges if e not in core_edges}, key=repr))
-            break
-        result.edges += _distinct(core_edges)
         for event, n, k, known in core_next:
-            result.labels.add(event.action)
             if known is not None:
                 continue
             if symmetry:
@@ -217,6 +201,82 @@ def check_conformance(m: Model, spec: Spec | None = None, max_states: int | None
         meter.count(len(seen))
     result.states, result.seconds = len(seen), meter.seconds()
     return result
+
+
+def sample_conformance(m: Model, walks: int, seed: int, depth_max: int = 200,
+                       spec: Spec | None = None,
+                       progress: Callable[[int, float], None] | None = None) -> Conformance:
+    """Conformance along `walks` random walks instead of over the whole graph: from the
+    initial state, compare the two sides' successors, step to one of the core's successors
+    at random, and go on until a state without successors (or `depth_max` steps). Every state
+    on a walk is compared exactly as check_conformance compares it; what is given up is the
+    states no walk reaches. For the models whose whole graph costs minutes (CI samples them;
+    tests/test_conformance.py says which). Deterministic for a seed: the core lists its
+    successors in the same order in every process."""
+    spec = spec or spec_for(m)
+    result = Conformance(m)
+    started = time.perf_counter()
+    view_key = _Keys(m)
+    init = core.initial_state(m)
+    result.disagreement = _initial_disagreement(spec, init, view_key(init))
+    if result.disagreement is not None:
+        return result
+    spec_next = spec.next_function()
+    seen: dict[State, list] = {init: [None, None, view_key(init)]}
+    rng = random.Random(seed)
+    for _ in range(walks):
+        path: list[tuple[Event | None, State]] = [(None, init)]
+        for _ in range(depth_max):
+            s = path[-1][1]
+            core_next = _compare(m, s, seen, spec_next, view_key, result, lambda: list(path))
+            if not core_next:
+                break
+            for _event, n, k, known in core_next:
+                if known is None:
+                    seen[n] = [None, None, k]
+            event, n, _, _ = core_next[rng.randrange(len(core_next))]
+            path.append((event, n))
+        if result.disagreement is not None:
+            break
+        if progress is not None:
+            progress(len(seen), time.perf_counter() - started)
+    result.states, result.seconds = len(seen), time.perf_counter() - started
+    return result
+
+
+def _initial_disagreement(spec: Spec, init: State, core_init: tuple) -> Disagreement | None:
+    spec_inits = {_key(s) for s in spec.initial_states()}
+    if spec_inits != {core_init}:
+        return Disagreement([(None, init)], [("Init", core_init)],
+                            [("Init", k) for k in spec_inits - {core_init}])
+    if tuple(spec.variables) != VARIABLES:
+        raise EvalError(f"the spec's variables {spec.variables} are not tlaview's {VARIABLES}")
+    return None
+
+
+def _compare(m: Model, s: State, seen: dict, spec_next: Callable, view_key: _Keys,
+             result: Conformance, path: Callable[[], list]) -> list[tuple] | None:
+    """Compare the spec's and the core's successors of `s` (in `seen`), counting its edges
+    and labels into `result`: the core's successors, or None with `result.disagreement` set
+    (`path()` gives the steps to `s` for the report)."""
+    entry = seen[s]
+    if entry[2] is None:
+        entry[2] = view_key(s)
+    try:
+        spec_edges = spec_next(entry[2])
+    except EvalError as error:
+        result.disagreement = Disagreement(path(), [], [], spec_error=str(error))
+        return None
+    core_next = _core_successors(m, s, seen, view_key)
+    core_edges = [(e.action, k) for e, _, k, _ in core_next]
+    if not _same_edges(spec_edges, core_edges):
+        result.disagreement = Disagreement(
+            path(), sorted({e for e in core_edges if e not in spec_edges}, key=repr),
+            sorted({e for e in spec_edges if e not in core_edges}, key=repr))
+        return None
+    result.edges += _distinct(core_edges)
+    result.labels.update(e.action for e, _, _, _ in core_next)
+    return core_next
 
 
 def _core_successors(m: Model, s: State, seen: dict, view_key: _Keys) -> list[tuple]:
