@@ -105,6 +105,9 @@ MALFORMED = [  # (endpoint, body, the field the 400 must name)
     ("/v1/chat/completions", CHAT | {"max_completion_tokens": -3}, "max_completion_tokens"),
     ("/v1/chat/completions", CHAT | {"stream_options": {"include_usage": "often"}},
      "stream_options.include_usage"),
+    ("/v1/completions", {"prompt": "x", "cache_salt": ""}, "cache_salt"),
+    ("/v1/chat/completions", CHAT | {"cache_salt": "s" * 257}, "cache_salt"),
+    ("/v1/chat/completions", CHAT | {"cache_salt": 7}, "cache_salt"),
 ]
 
 

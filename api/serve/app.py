@@ -31,6 +31,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.serve import generation
+from api.serve.auth import ApiKeys, RequireApiKey
 from api.serve.errors import ApiError, framework_error, not_json, validation_error
 from api.serve.intake import (ADMITTED, REQUEST_BODY_BYTES_MAX, AdmissionGate, BodyLimit,
                               Tokenizing)
@@ -45,7 +46,7 @@ DASHBOARD = Path(__file__).with_name("dashboard.html")
 INITIAL_STATE = '<script id="initial-state" type="application/json">null</script>'
 MODEL_ALIASES = ("default",)  # besides the engine's own model name
 ERROR_RESPONSES = {status: {"model": ErrorResponse}
-                   for status in (400, 404, 413, 415, 500, 503, 504)}
+                   for status in (400, 401, 404, 413, 415, 500, 503, 504)}
 # A stream's events as Schemathesis and OpenAPI 3.2 read them: each event an object whose
 # `data` is one JSON chunk (chat.completion.chunk / text_completion / an error) or [DONE].
 SSE_EVENT = {"type": "object", "required": ["data"],
@@ -75,7 +76,8 @@ class EngineLifetime:
 
 
 def create_app(engine, *, drain_s: float = 0.0, start_engine: bool = True,
-               request_body_bytes_max: int = REQUEST_BODY_BYTES_MAX) -> FastAPI:
+               request_body_bytes_max: int = REQUEST_BODY_BYTES_MAX,
+               api_keys: ApiKeys | None = None) -> FastAPI:
     lifetime = EngineLifetime(engine)
     metrics = ServerMetrics(engine)
     tokenizing = Tokenizing()
@@ -101,6 +103,10 @@ def create_app(engine, *, drain_s: float = 0.0, start_engine: bool = True,
     app.add_middleware(AdmissionGate, engine=engine, pending_max=tokenizing.waiting_max,
                        on_refused=lambda scope:
                        metrics.responses.labels(scope["path"], "503").inc())
+    if api_keys is not None:  # outside the gate: a request without a key learns nothing more
+        app.add_middleware(RequireApiKey, keys=api_keys, on_refused=lambda scope:
+                           metrics.responses.labels(endpoint_label(scope, app.routes),
+                                                    "401").inc())
     app.openapi = lambda: _openapi_without_422(app, engine)
     return app
 

@@ -42,6 +42,7 @@ import threading
 from api import engine_options
 from api.clikit import (EXIT_OK, EXIT_USAGE, UsageError, nice_increment, non_negative_float,
                         port_number, positive_float, positive_int)
+from api.serve.auth import load_keys
 
 DEFAULT_FACTORY = "engine.serving:build_engine"
 EXAMPLES = [
@@ -49,6 +50,7 @@ EXAMPLES = [
     "kvproof serve --model path/to/model.gguf --port 8080 --device cuda --dtype bfloat16",
     "kvproof serve --disaggregated --prefill-workers 2 --decode-workers 3",
     "kvproof serve --threads 1                       # one torch thread (a busy machine)",
+    "kvproof serve --api-key-file keys.txt           # 401 for requests without a key",
     "kvproof serve --lease-s 60 --lower-context-to-fit   # a slow machine: what its timers allow",
 ]
 EXIT_CODES = """exit status:
@@ -118,6 +120,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "loop, so that a burst's 503s are answered while it computes; "
                              "it counts against every process of the shell's session, so 0 "
                              "beside other busy work (0 to 19, default 10)")
+    keys = parser.add_argument_group(
+        "API keys", "with keys, the OpenAI endpoints answer 401 unless the request carries "
+        "'Authorization: Bearer KEY' with one of them; each key is a tenant of its own "
+        "(api/serve/auth.py). /health, /metrics, the dashboard and /v1/kvproof/state stay open")
+    keys.add_argument("--api-key", action="append", metavar="KEY",
+                      help="a key the server takes (repeatable; a file keeps keys out of ps)")
+    keys.add_argument("--api-key-file", action="append", metavar="FILE",
+                      help="a file of keys, one per line, # comments (repeatable)")
     parser.add_argument("--engine-factory", default=DEFAULT_FACTORY, metavar="MODULE:FUNCTION",
                         help=f"the engine's build function (default: {DEFAULT_FACTORY})")
 
@@ -148,6 +158,7 @@ def _check(args: argparse.Namespace):
         raise Refusal("--prefill-workers and --decode-workers need --disaggregated")
     try:
         threads = engine_options.prepare(args)
+        args.api_keys = load_keys(args.api_key, args.api_key_file)
     except UsageError as error:
         raise Refusal(str(error)) from None
     factory, config_type = _factory(args.engine_factory)
@@ -173,7 +184,7 @@ def _build(args: argparse.Namespace, checked=None):
         raise Refusal(f"not supported yet by this engine: {error}") from None
     except Exception as error:  # the engine's startup checks (capacity): its own words
         raise Refusal(f"the engine refused to start: {error}") from None
-    return create_app(engine), engine
+    return create_app(engine, api_keys=getattr(args, "api_keys", None)), engine
 
 
 def _factory(spec: str):

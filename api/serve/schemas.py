@@ -31,6 +31,7 @@ STOP_MAX = 4
 LOGPROBS_MAX = 5  # completions: top alternatives per token
 TOP_LOGPROBS_MAX = 20  # chat
 PROMPTS_MAX = 16
+CACHE_SALT_LENGTH_MAX = 256
 # Beyond any context: the app writes the context's own bound over it in the published
 # schema and checks that bound (api/serve/app.py), the engine checks prompt + max_tokens.
 MAX_TOKENS_MAX = 1 << 20
@@ -89,6 +90,11 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=CACHE_SALT_LENGTH_MAX,
+        description="requests share cached KV only when their prefix and salt both match "
+        "(vLLM's and TensorRT-LLM's name). This server caches no prefix yet, so nothing is "
+        "shared whatever the salt; an empty salt is refused")
     presence_penalty: float = _not_served(0.0, "presence_penalty", ge=0.0, le=0.0)
     frequency_penalty: float = _not_served(0.0, "frequency_penalty", ge=0.0, le=0.0)
     logit_bias: dict[str, float] | None = _not_served(None, "logit_bias", max_length=0)
