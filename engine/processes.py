@@ -99,6 +99,15 @@ class Deployment:
     suspect_after_s: float = 2.0
     settle_s_max: float = 5.0  # stop: the longest a process takes to finish its work
     log_dir: str = ""
+    # The real data path (engine/process_data.py), when model_dir names an HF folder:
+    # requests[r] = (prompt token ids, max_tokens), prompts[r] its pages (`with_model`).
+    model_dir: str = ""
+    requests: tuple = ()
+    page_tokens: int = 4
+    prefill_chunk_tokens: int = 8
+    max_batch: int = 8
+    transport_timeout_s: float = 10.0  # every wait on a live peer's page or completion
+    join_timeout_s: float = 60.0       # the gloo world: every worker process joins within
 
     def __post_init__(self) -> None:
         if not self.prompts or not all(1 <= n <= self.max_prompt_pages for n in self.prompts):
@@ -106,6 +115,25 @@ class Deployment:
         if self.prefill_workers < 1 or self.decode_workers < 1:
             raise ValueError("a deployment needs a prefill and a decode worker")
         object.__setattr__(self, "prompts", tuple(self.prompts))
+        object.__setattr__(self, "requests", tuple((tuple(ids), int(n))
+                                                   for ids, n in self.requests))
+        if self.model_dir and len(self.requests) != len(self.prompts):
+            raise ValueError("a deployment with a model needs requests (prompt ids, "
+                             "max_tokens), one per prompt: build it with Deployment.with_model")
+
+    @classmethod
+    def with_model(cls, model_dir: str, requests, page_tokens: int = 4, **options):
+        """A deployment on the real data path: each request (prompt token ids, max_tokens)
+        takes the pages of its prompt and every output but the last, as in-process."""
+        from engine.generate import pages_needed  # torch: only for the real data path
+        requests = tuple((tuple(ids), int(n)) for ids, n in requests)
+        if not requests or not all(ids and n >= 1 for ids, n in requests):
+            raise ValueError("requests must each have a prompt token and max_tokens >= 1")
+        prompts = tuple(pages_needed(len(ids), n, page_tokens) for ids, n in requests)
+        options.setdefault("max_prompt_pages", max(prompts))
+        options.setdefault("context_pages", max(prompts))
+        return cls(prompts=prompts, model_dir=str(model_dir), requests=requests,
+                   page_tokens=page_tokens, **options)
 
     def model(self) -> Model:
         """The spec's constants every log of the deployment is written with."""
@@ -186,9 +214,26 @@ class Process:
         self.placement: dict[int, tuple[int, int]] = {}  # request -> (prefill, decode)
         self.dead_decodes: set[int] = set()   # a prefill: decodes its detector declared down
         self.ready_at: dict[int, float] = {}  # a prefill: when a request's compute is done
+        self.payload: dict[int, object] = {}  # a worker: request -> its Payload (real path)
+        self.data = None                      # its real data path (engine/process_data.py)
+        self.first: dict[int, int] = {}       # decode: request -> first token (final word)
         self.unsent = 0
         self.reported = False
         self.stopped = False
+
+    def join_data_path(self) -> None:
+        """The real data path's transport (after listening: the world waits for all)."""
+        if self.data is not None:
+            self.data.join()
+
+    def work(self) -> bool:
+        """The data path's own progress this turn (compute, landings, decode steps);
+        whether it did anything. The modelled data path has none."""
+        return False
+
+    def busy(self) -> bool:
+        """Whether the data path has work waiting (the loop then does not idle)."""
+        return self.data is not None and self.data.busy()
 
     @property
     def role(self) -> str:
@@ -212,7 +257,11 @@ class Process:
         self.send(Peer(message.to, worker), {
             "t": "msg", "stamp": stamp, "request": message.request, "to": message.to,
             "fields": [list(f) for f in message.fields], "names": list(message.names),
-            "placement": [q, d]})
+            "placement": [q, d], **self.riders(message)})
+
+    def riders(self, message: PartMessage) -> dict:
+        """What the data path adds to a part's message (none on the modelled path)."""
+        return {}
 
     def on_peer_down(self, peer: Peer) -> None:
         """Another process's epoch is down; only a decode's death matters to the protocol."""
@@ -226,6 +275,11 @@ class Process:
         self.log.heard_from(body["stamp"])
         r = body["request"]
         self.placement[r] = tuple(body["placement"])
+        if "payload" in body:
+            from engine.process_data import Payload
+            self.payload[r] = Payload(*body["payload"])
+        if "first" in body:
+            self.first[r] = body["first"]
         message = PartMessage(r, body["to"], tuple((k, _tuples(v)) for k, v in body["fields"]),
                               tuple(body["names"]))
         self.carry(self.part.receive(message), self.log.stamp())
@@ -286,6 +340,7 @@ class RouterProcess(Process):
         self.arrived = 0
         self.next_arrival_s = 0.0
         self.dead: set[int] = set()              # decodes declared down here
+        self.tokens: dict[int, list] = {}        # request -> the tokens its decode generated
         self.crash_reports: dict[int, dict] = {}  # decode -> {prefill: its last step}
         self.crashes_logged: list[int] = []
 
@@ -300,6 +355,17 @@ class RouterProcess(Process):
             self.arrived += 1
             self.next_arrival_s = now + self.deployment.arrive_every_s
             assert self.step(core.Arrive(r, self.deployment.prompts[r], q, d))
+
+    def riders(self, message: PartMessage) -> dict:
+        """The request's payload, with each message to a worker (the first one is what
+        counts: a worker hears of a request with its first message)."""
+        requests = self.deployment.requests
+        return {"payload": list(requests[message.request])} if requests else {}
+
+    def on_tokens(self, peer: Peer, body: dict) -> None:
+        """A decode's tokens for a request whose decoding ended (before its answer: one
+        connection, in order)."""
+        self.tokens[body["request"]] = body["tokens"]
 
     def done(self) -> bool:
         return self.arrived == len(self.deployment.prompts) and all(
@@ -371,6 +437,28 @@ class RouterProcess(Process):
 class PrefillProcess(Process):
     ROLE = PREFILL
 
+    def __init__(self, deployment: Deployment, worker: int = 0) -> None:
+        super().__init__(deployment, worker)
+        if deployment.model_dir:
+            from engine.process_data import PrefillData
+            self.data = PrefillData(deployment, worker)
+
+    def work(self) -> bool:
+        """A chunked prefill step: a request whose prompt is computed may send its pages."""
+        if self.data is None:
+            return False
+        self.data.poll()
+        for r in self.data.step():
+            self.ready_at[r] = 0.0
+        return self.data.busy()
+
+    def riders(self, message: PartMessage) -> dict:
+        """The first token, sampled here, with the final word to decode."""
+        first = self.data.first.get(message.request) if self.data is not None else None
+        if message.to == DECODE and core.FINAL_WORD_MSG in message.names and first is not None:
+            return {"first": first}
+        return {}
+
     def candidates(self, r: int) -> tuple:
         """Its part's offers, but nothing for a request on a decode its detector declared
         down (frozen until the crash's record comes: the module's docstring), and no
@@ -381,11 +469,24 @@ class PrefillProcess(Process):
         return tuple(e for e in super().candidates(r) if ready or type(e) is not core.SendPage)
 
     def do_Compute(self, command, stamp) -> None:
-        self.ready_at[command.request] = time.monotonic() + self.deployment.compute_s
+        r = command.request
+        if self.data is None:
+            self.ready_at[r] = time.monotonic() + self.deployment.compute_s
+        else:
+            self.data.compute(r, self.payload[r], self.part.rows[r][core.SRC])
+
+    def do_FreePages(self, command, stamp) -> None:
+        if self.data is not None:
+            self.data.stop(command.request)
 
     def do_Post(self, command, stamp) -> None:
-        """The modelled NIC: the write, with its source page's contents, to decode."""
+        """The write: on the real data path posted over DistTransport (its bytes read when
+        decode lands it), and announced to decode over the channel with the step's stamp
+        and the source page's contents in the spec's terms (decode's share of LandWrite);
+        on the modelled path the announcement is the write."""
         r, source, _, _ = command.write
+        if self.data is not None:
+            self.data.post(command.write, self.placement[r][1])
         data = self.part.pool[source - self.part.base][1]
         self.send(Peer(DECODE, self.placement[r][1]), {
             "t": "write", "request": r, "write": list(command.write), "data": data,
@@ -416,16 +517,83 @@ class PrefillProcess(Process):
 class DecodeProcess(Process):
     ROLE = DECODE
 
+    def __init__(self, deployment: Deployment, worker: int = 0) -> None:
+        super().__init__(deployment, worker)
+        self.announced: dict[tuple, dict] = {}  # real path: write -> its announcement
+        if deployment.model_dir:
+            from engine.process_data import DecodeData
+            self.data = DecodeData(deployment, worker)
+
     def on_write(self, peer: Peer, body: dict) -> None:
-        """The modelled landing: decode's share, then the router sequences LandWrite."""
+        """A write's announcement. Modelled: it is the landing. Real: the landing comes when
+        the transport has the write too (`work`)."""
         write = _tuples(body["write"])
         self.placement[write[0]] = tuple(body["placement"])
+        if self.data is None:
+            self.landed(write, body)
+        else:
+            self.announced[write] = body
+
+    def landed(self, write: tuple, body: dict) -> None:
+        """Decode's share of LandWrite, then the router sequences the environment's step."""
         self.part.land(write, body["data"])
         self.send(Peer(ROUTER, 0), {"t": "landed", "request": write[0], "write": list(write),
                                     "poster": body["stamp"], "stamp": self.log.stamp()})
 
+    def work(self) -> bool:
+        """Land what the transport and the announcements both have; one decode step."""
+        if self.data is None:
+            return False
+        landed = self.data.land(self.announced)
+        for write in landed:
+            self.landed(write, self.announced.pop(write))
+        for r, tokens in self.data.step():
+            self.send_tokens(r, tokens)
+        return bool(landed) or self.data.busy()
+
+    def send_tokens(self, r: int, tokens: list) -> None:
+        self.send(Peer(ROUTER, 0), {"t": "tokens", "request": r, "tokens": tokens})
+
+    def candidates(self, r: int) -> tuple:
+        """Real path: Accept with the checksums' verdict over what landed, Finish once
+        decoding ended, with the tags' verdict (both observed by DecodeData)."""
+        offers = super().candidates(r)
+        if self.data is None:
+            return offers
+        out = []
+        for event in offers:
+            if type(event) is core.Accept:
+                announced = self.part.rows[r][core.FW_COUNT]
+                out.append(core.Accept(r, self.data.transfer_ok(r, announced)))
+            elif type(event) is core.Finish:
+                if r in self.data.done:
+                    out.append(core.Finish(r, self.data.done[r]))
+            else:
+                out.append(event)
+        return tuple(out)
+
+    def do_StartDecoding(self, command, stamp) -> None:
+        r = command.request
+        if self.data is not None:
+            tokens = self.data.start(r, self.payload[r], self.part.rows[r][core.TABLE],
+                                     self.first[r])
+            if tokens is not None:
+                self.send_tokens(r, tokens)
+
+    def do_StopDecoding(self, command, stamp) -> None:
+        if self.data is not None:
+            self.data.stop(command.request)
+
+    def do_FreePages(self, command, stamp) -> None:
+        if self.data is not None:
+            self.data.stop(command.request)
+            self.data.done.pop(command.request, None)
+
     def finish(self) -> dict:
-        return {"pages_held": sum(page[0] != NONE for page in self.part.pool)}
+        out = {"pages_held": sum(page[0] != NONE for page in self.part.pool)}
+        if self.data is not None:
+            out["bytes_landed"] = self.data.bytes_landed
+        return out
 
 
 KINDS = {ROUTER: RouterProcess, PREFILL: PrefillProcess, DECODE: DecodeProcess}
@@ -476,6 +644,7 @@ def main(setup: dict) -> int:
     for port in ports:  # prefills dial the decodes; the router dials every worker
         process.channel.connect(port)
     report(ev="listening", port=process.channel.listen())
+    process.join_data_path()
     stopping, last_busy = None, time.monotonic()
     while True:
         try:
@@ -486,16 +655,19 @@ def main(setup: dict) -> int:
             break
         if command == "stop" and stopping is None:
             stopping = time.monotonic()
-        if _pump(process, POLL_S):
+        if _pump(process, 0.0 if process.busy() else POLL_S):
             last_busy = time.monotonic()
         if stopping is None and role == ROUTER:
             process.tick()
         if not process.stopped:
+            if process.work():
+                last_busy = time.monotonic()
             process.settle()
         if role == ROUTER and not process.reported and process.done():
             process.reported = True
             report(ev="done", outcomes=process.outcomes(),
-                   placement=[process.placement[r] for r in range(len(deployment.prompts))])
+                   placement=[process.placement[r] for r in range(len(deployment.prompts))],
+                   tokens=[process.tokens.get(r) for r in range(len(deployment.prompts))])
         now = time.monotonic()
         if stopping is not None and not process.stopped and (
                 now - last_busy > QUIET_S or now - stopping > deployment.settle_s_max):
@@ -504,6 +676,8 @@ def main(setup: dict) -> int:
                    **process.finish())
             process.stopped = True
     process.channel.close()
+    if process.data is not None:
+        process.data.close()
     return 0
 
 
@@ -603,4 +777,7 @@ class Launched:
 
 
 if __name__ == "__main__":
-    sys.exit(main(json.loads(sys.argv[1])))
+    code = main(json.loads(sys.argv[1]))
+    sys.stdout.flush()
+    # Not sys.exit: tearing a gloo world down waits on peers that may have exited first.
+    os._exit(code)
