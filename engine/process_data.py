@@ -209,29 +209,28 @@ class DecodeData(_Data):
         """Accept's observed verdict: the count and every landed page's checksum."""
         return self.worker.transfer_fault(r, announced) == ""
 
-    def start(self, r: int, payload: Payload, table: tuple, first: int) -> list | None:
+    def start(self, r: int, payload: Payload, table: tuple, first: int) -> bool:
         """StartDecoding (the core's command): the sequence on its reserved pages, the
-        prefill's first token its first output; its tokens if that already ends it."""
+        prefill's first token its first output; whether that already ends it."""
         local = tuple((self.local(page), gen) for page, gen in table)
         sequence = self.worker.start(payload.request(r), local, None)
         sequence.output_ids.append(first)
-        return list(sequence.output_ids) if self._maybe_done(sequence) else None
+        return self._maybe_done(sequence)
 
     def busy(self) -> bool:
         return bool(self.worker.running) or bool(self.arrived)
 
-    def step(self) -> list[tuple[int, list]]:
-        """One decode step: (request, its tokens) for each request that ended now (its tags
-        verdict in `done`)."""
-        ended = []
+    def step(self) -> list[tuple[int, int | None, bool]]:
+        """One decode step: (request, its new token or None after a failed tag check,
+        whether it ended now: its tags verdict is then in `done`) per sequence stepped."""
+        out = []
         for sequence, ok, logits in self.worker.step():
-            r = sequence.request.request_id
+            token = None
             if ok:
                 token, = sample(logits[None], [sequence.request.sampling], [None])
                 sequence.output_ids.append(token)
-            if self._maybe_done(sequence, ok):
-                ended.append((r, list(sequence.output_ids)))
-        return ended
+            out.append((sequence.request.request_id, token, self._maybe_done(sequence, ok)))
+        return out
 
     def _maybe_done(self, sequence, ok: bool = True) -> bool:
         """A sequence ends at max_tokens or on a failed tag check; it leaves the batch at

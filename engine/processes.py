@@ -340,7 +340,9 @@ class RouterProcess(Process):
         self.arrived = 0
         self.next_arrival_s = 0.0
         self.dead: set[int] = set()              # decodes declared down here
-        self.tokens: dict[int, list] = {}        # request -> the tokens its decode generated
+        self.tokens: dict[int, list] = {}        # request -> the tokens streamed so far
+        self.arrived_at: dict[int, float] = {}   # request -> its Arrive (monotonic s)
+        self.token_at: dict[int, list] = {}      # request -> when each token came here
         self.crash_reports: dict[int, dict] = {}  # decode -> {prefill: its last step}
         self.crashes_logged: list[int] = []
 
@@ -354,6 +356,7 @@ class RouterProcess(Process):
             self.placement[r] = (q, d)
             self.arrived += 1
             self.next_arrival_s = now + self.deployment.arrive_every_s
+            self.arrived_at[r] = now
             assert self.step(core.Arrive(r, self.deployment.prompts[r], q, d))
 
     def riders(self, message: PartMessage) -> dict:
@@ -362,10 +365,18 @@ class RouterProcess(Process):
         requests = self.deployment.requests
         return {"payload": list(requests[message.request])} if requests else {}
 
-    def on_tokens(self, peer: Peer, body: dict) -> None:
-        """A decode's tokens for a request whose decoding ended (before its answer: one
-        connection, in order)."""
-        self.tokens[body["request"]] = body["tokens"]
+    def on_token(self, peer: Peer, body: dict) -> None:
+        """A token streamed by the request's decode (None: a tag check failed)."""
+        r = body["request"]
+        if body["token"] is not None:
+            self.tokens.setdefault(r, []).append(body["token"])
+            self.token_at.setdefault(r, []).append(time.monotonic())
+
+    def timings(self) -> list:
+        """Per request: seconds from its Arrive to its first token and to its last."""
+        return [[round(at[0] - self.arrived_at[r], 6), round(at[-1] - self.arrived_at[r], 6)]
+                if (at := self.token_at.get(r)) else None
+                for r in range(len(self.deployment.prompts))]
 
     def done(self) -> bool:
         return self.arrived == len(self.deployment.prompts) and all(
@@ -547,12 +558,14 @@ class DecodeProcess(Process):
         landed = self.data.land(self.announced)
         for write in landed:
             self.landed(write, self.announced.pop(write))
-        for r, tokens in self.data.step():
-            self.send_tokens(r, tokens)
+        for r, token, ended in self.data.step():
+            self.stream(r, token, ended)
         return bool(landed) or self.data.busy()
 
-    def send_tokens(self, r: int, tokens: list) -> None:
-        self.send(Peer(ROUTER, 0), {"t": "tokens", "request": r, "tokens": tokens})
+    def stream(self, r: int, token: int | None, last: bool) -> None:
+        """A token to the serving edge as it is made (before the answer: one connection,
+        in order)."""
+        self.send(Peer(ROUTER, 0), {"t": "token", "request": r, "token": token, "last": last})
 
     def candidates(self, r: int) -> tuple:
         """Real path: Accept with the checksums' verdict over what landed, Finish once
@@ -575,10 +588,9 @@ class DecodeProcess(Process):
     def do_StartDecoding(self, command, stamp) -> None:
         r = command.request
         if self.data is not None:
-            tokens = self.data.start(r, self.payload[r], self.part.rows[r][core.TABLE],
-                                     self.first[r])
-            if tokens is not None:
-                self.send_tokens(r, tokens)
+            ended = self.data.start(r, self.payload[r], self.part.rows[r][core.TABLE],
+                                    self.first[r])
+            self.stream(r, self.first[r], ended)
 
     def do_StopDecoding(self, command, stamp) -> None:
         if self.data is not None:
@@ -667,7 +679,8 @@ def main(setup: dict) -> int:
             process.reported = True
             report(ev="done", outcomes=process.outcomes(),
                    placement=[process.placement[r] for r in range(len(deployment.prompts))],
-                   tokens=[process.tokens.get(r) for r in range(len(deployment.prompts))])
+                   tokens=[process.tokens.get(r) for r in range(len(deployment.prompts))],
+                   timings=process.timings())
         now = time.monotonic()
         if stopping is not None and not process.stopped and (
                 now - last_busy > QUIET_S or now - stopping > deployment.settle_s_max):
