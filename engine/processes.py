@@ -1,5 +1,7 @@
 """The protocol in worker processes: one router and P prefill + D decode OS processes on
-127.0.0.1, each holding exactly one spec/parts.py `Part`, with a modelled data path.
+127.0.0.1, each holding exactly one spec/parts.py `Part`, with a modelled data path, or the
+real one (engine/process_data.py: a model and a KV pool per worker process, page writes
+over DistTransport) when the deployment names a model.
 
 Theory of operation
 -------------------
@@ -23,6 +25,10 @@ What runs where:
   sent over the channel to decode; SendDone once every write completed;
 - decode d: Reserve when its pool has room, Accept (checksums observed OK), Finish at once
   (tags observed OK: the modelled decode), Release when the core allows it.
+
+The real data path keeps this shape: the channel still carries each write's announcement
+(its stamp and contents in the spec's terms) while the bytes go over DistTransport, and
+decode lands a write when it has both (engine/process_data.py says the rest).
 
 The modelled data path, as spec/parts.py `Split._environment` decomposes LandWrite: the
 prefill's write (request, source page, decode page, tag, and the source page's contents)
