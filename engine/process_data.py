@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from engine.dist_transport import DECODE, PREFILL, DistTransport, DistTransportConfig
-from engine.generate import Request
+from engine.generate import Generator, GeneratorConfig, Request
 from engine.model import LlamaModel
 from engine.pool import PoolConfig
 from engine.sampling import SamplingParams, sample
@@ -75,9 +75,17 @@ def join_world(deployment, role: str, worker: int) -> None:
         timeout=datetime.timedelta(seconds=deployment.join_timeout_s))
 
 
+def warm_up(model: LlamaModel) -> None:
+    """One short request through the model in a scratch pool of its own: the first calls'
+    one-off costs (kernel selection, the rotary table) are paid before any traffic."""
+    scratch = Generator(model, GeneratorConfig(num_pages=4, page_tokens=4))
+    scratch.run([Request(0, tuple(range(1, 9)), SamplingParams(max_tokens=2))])
+
+
 def _worker_parts(deployment, role: str) -> tuple[LlamaModel, PoolConfig]:
     torch.set_num_threads(1)  # P + D + 1 processes share the machine's cores
     model = LlamaModel(load_checkpoint(deployment.model_dir))
+    warm_up(model)
     pages = deployment.prefill_pages if role == PREFILL else deployment.decode_pages
     return model, PoolConfig.for_model(model.config, pages, deployment.page_tokens,
                                        model.dtype, model.device)

@@ -378,6 +378,11 @@ class RouterProcess(Process):
             self.tokens.setdefault(r, []).append(body["token"])
             self.token_at.setdefault(r, []).append(time.monotonic())
 
+    def span_s(self) -> float:
+        """From the first Arrive to the last token streamed here."""
+        last = [at[-1] for at in self.token_at.values()]
+        return round(max(last) - min(self.arrived_at.values()), 6) if last else 0.0
+
     def timings(self) -> list:
         """Per request: seconds from its Arrive to its first token and to its last."""
         return [[round(at[0] - self.arrived_at[r], 6), round(at[-1] - self.arrived_at[r], 6)]
@@ -662,7 +667,9 @@ def main(setup: dict) -> int:
     for port in ports:  # prefills dial the decodes; the router dials every worker
         process.channel.connect(port)
     report(ev="listening", port=process.channel.listen())
-    process.join_data_path()
+    if process.data is not None:
+        process.join_data_path()
+        report(ev="joined")
     stopping, last_busy = None, time.monotonic()
     while True:
         try:
@@ -686,7 +693,7 @@ def main(setup: dict) -> int:
             report(ev="done", outcomes=process.outcomes(),
                    placement=[process.placement[r] for r in range(len(deployment.prompts))],
                    tokens=[process.tokens.get(r) for r in range(len(deployment.prompts))],
-                   timings=process.timings())
+                   timings=process.timings(), span_s=process.span_s())
         now = time.monotonic()
         if stopping is not None and not process.stopped and (
                 now - last_busy > QUIET_S or now - stopping > deployment.settle_s_max):
@@ -768,6 +775,9 @@ class Launched:
         decodes = [self._spawn(DECODE, k, [], timeout_s) for k in range(d.decode_workers)]
         prefills = [self._spawn(PREFILL, k, decodes, timeout_s)
                     for k in range(d.prefill_workers)]
+        if d.model_dir:  # the real data path: every transport up before the first request
+            for child in list(self.children.values()):
+                child.expect("joined", d.join_timeout_s)
         self._spawn(ROUTER, 0, prefills + decodes, timeout_s)
 
     def wait_done(self, timeout_s: float) -> dict:
