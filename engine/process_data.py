@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.dist_transport import DECODE, PREFILL, DistTransport, DistTransportConfig
+from engine.dist_transport import (DECODE, PREFILL, DistTransport, DistTransportConfig,
+                                   TransportError)
 from engine.generate import Generator, GeneratorConfig, Request
 from engine.model import LlamaModel
 from engine.pool import PoolConfig
@@ -118,8 +119,12 @@ class _Data:
             handshake_timeout_s=d.join_timeout_s))
 
     def close(self) -> None:
+        """CLOSE to every peer; one that died refuses it, and this process is leaving."""
         if self.transport is not None:
-            self.transport.close()
+            try:
+                self.transport.close()
+            except TransportError:
+                pass
 
 
 class PrefillData(_Data):
@@ -133,6 +138,7 @@ class PrefillData(_Data):
         self.worker = PrefillWorker(model, pool, deployment.prefill_chunk_tokens,
                                     name=f"prefill-{worker}")
         self.first: dict[int, int] = {}  # request -> the first token, sampled here
+        self.writes_lost = 0  # posts a dead decode refused (its crash's record fails them)
 
     def join(self) -> None:
         super().join(self.worker.pool)
@@ -159,9 +165,15 @@ class PrefillData(_Data):
         """The core's Post: the write (flat page numbers) with the source's checksum now."""
         r, source, page, tag = write
         local = self.local(source)
-        self.transport.post(PageWrite(r, local, page - decode * self.deployment.decode_pages,
-                                      tag, self.worker.checksum(local), self.worker_index,
-                                      decode))
+        try:
+            self.transport.post(PageWrite(r, local, page - decode * self.deployment.decode_pages,
+                                          tag, self.worker.checksum(local), self.worker_index,
+                                          decode))
+        except TransportError:
+            # A decode that died before this process's detector said so: the write is lost
+            # with it, as the spec's DecodeCrash flushes it; the crash's record ends the
+            # request here (engine/processes.py), so nothing waits for this write.
+            self.writes_lost += 1
 
     def poll(self) -> None:
         """Completions free the transport's window; the protocol's completion is the

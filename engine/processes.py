@@ -98,7 +98,8 @@ class Deployment:
     decode_pages: int = 4
     context_pages: int = 3
     max_prompt_pages: int = 3
-    compute_s: float = 0.0    # the modelled prefill's compute time per request
+    compute_s: float = 0.0    # the modelled prefill's compute time per request; on the
+    #                           real data path a hold after the compute (tests widen windows)
     arrive_every_s: float = 0.005
     seed: int = 0
     heartbeat_s: float = 0.25
@@ -471,7 +472,7 @@ class PrefillProcess(Process):
             return False
         self.data.poll()
         for r in self.data.step():
-            self.ready_at[r] = 0.0
+            self.ready_at[r] = time.monotonic() + self.deployment.compute_s
         return self.data.busy()
 
     def riders(self, message: PartMessage) -> dict:
@@ -532,8 +533,11 @@ class PrefillProcess(Process):
             self.placement[r] = (self.placement.get(r, (self.part.worker, 0))[0], NONE)
 
     def finish(self) -> dict:
-        return {"pages_held": sum(page[0] != NONE for page in self.part.pool),
-                "sending": len(self.part.sending)}
+        out = {"pages_held": sum(page[0] != NONE for page in self.part.pool),
+               "sending": len(self.part.sending)}
+        if self.data is not None:
+            out["writes_lost"] = self.data.writes_lost
+        return out
 
 
 class DecodeProcess(Process):

@@ -29,7 +29,10 @@ from engine.sampling import SamplingParams  # noqa: E402
 from engine.service import GenerationRequest, TokenOut  # noqa: E402
 from engine.weights import load_checkpoint  # noqa: E402
 from engine_cases import make_hf_model  # noqa: E402
-from test_processes import assert_whole, expected_steps, merged_run  # noqa: E402
+from test_processes import (_decode_log, _reserved_unfinished, assert_whole,  # noqa: E402
+                            expected_steps, merged_run)
+from engine.processes import log_path  # noqa: E402
+from spec import codec, core  # noqa: E402
 from tests.cli_cases import run as cli  # noqa: E402
 
 MODEL_SEED = 0
@@ -122,12 +125,14 @@ def run_to_the_end(d: Deployment) -> tuple[dict, dict, float]:
         launched.close()
 
 
-def deployment(model_dir, tmp_path, prefills: int, decodes: int) -> Deployment:
-    print(f"deployment {prefills} x {decodes}, router seed=7, logs in {tmp_path}")
+def deployment(model_dir, tmp_path, prefills: int, decodes: int, seed: int = 7,
+               **options) -> Deployment:
+    print(f"deployment {prefills} x {decodes}, router seed={seed}, logs in {tmp_path}, "
+          f"{options}")
     return Deployment.with_model(
         str(model_dir), requests(), page_tokens=PAGE_TOKENS, prefill_workers=prefills,
-        decode_workers=decodes, prefill_pages=16, decode_pages=16, seed=7,
-        log_dir=str(tmp_path), suspect_after_s=10.0, heartbeat_s=0.5)
+        decode_workers=decodes, prefill_pages=16, decode_pages=16, seed=seed,
+        log_dir=str(tmp_path), suspect_after_s=10.0, heartbeat_s=0.5, **options)
 
 
 # Pages per request: its prompt and every output but the last, 4 tokens a page.
@@ -167,3 +172,49 @@ def test_two_prefill_two_decode_processes_give_the_judges_tokens(model_dir, tmp_
     placement = [tuple(x) for x in done["placement"]]
     assert {p for p, _ in placement} == {0, 1} and {k for _, k in placement} == {0, 1}
     check_run(d, done, stopped, tmp_path, expected)
+
+
+def test_a_killed_decode_process_ends_its_requests_and_the_rest_give_the_judges_tokens(
+        model_dir, tmp_path, expected, capsys):
+    """2 x 2 on the real data path; decode 1 is SIGKILLed once it holds two reserved
+    requests whose pages have not come (router seed 2 places requests 1 and 2 there first,
+    0.02 s apart; each prefill holds its pages 0.4 s after the compute, so the kill finds
+    them reserved and unwritten)."""
+    d = deployment(model_dir, tmp_path, 2, 2, seed=2, compute_s=0.4, arrive_every_s=0.02)
+    victim = "decode 1"
+    launched = Launched(d)
+    try:
+        launched.start(timeout_s=WAIT_S)
+        deadline = time.monotonic() + 30.0
+        while len(_reserved_unfinished(log_path(d, victim))) < 2:
+            assert time.monotonic() < deadline, f"{victim} never held two reserved requests"
+            time.sleep(0.005)
+        launched.kill(victim)
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop(timeout_s=WAIT_S)
+    finally:
+        launched.close()
+    placement = [tuple(x) for x in done["placement"]]
+    outcomes = dict(enumerate(done["outcomes"]))
+    lost = {r for r, outcome in outcomes.items() if outcome == "ErrDecode"}
+    on_victim = {r for r, (_, k) in enumerate(placement) if k == 1}
+    print(f"ErrDecode: {sorted(lost)}; on {victim}: {sorted(on_victim)}")
+    assert {1, 2} <= lost <= on_victim
+    # Every other request is Ok with the judge's tokens; a client of the dead decode got
+    # Ok exactly when its log holds the Finish.
+    for r, outcome in outcomes.items():
+        if r not in lost:
+            assert outcome == "Ok" and done["tokens"][r] == expected[r], r
+    finished = _decode_log(log_path(d, victim))
+    assert {r for r in on_victim if ("Finish", r) in finished} == on_victim - lost
+    assert set(stopped) == {"router", "prefill 0", "prefill 1", "decode 0"}
+    assert_whole(stopped)
+    assert stopped["router"]["crashes"] == [1]
+    merged, verdict = merged_run(tmp_path)
+    crashes = [x for x in merged.records if x["a"] == "DecodeCrash"]
+    assert len(crashes) == 1 and codec.decode(crashes[0]) == core.DecodeCrash(1)
+    after = merged.records[merged.records.index(crashes[0]) + 1:]
+    assert not [x for x in after if x.get("request") in lost and x["a"] in ("SendPage",
+                                                                            "SendDone")]
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
