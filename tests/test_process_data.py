@@ -218,3 +218,66 @@ def test_a_killed_decode_process_ends_its_requests_and_the_rest_give_the_judges_
                                                                             "SendDone")]
     code, out, err = cli(capsys, "validate", str(tmp_path))
     assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+
+
+def _actions(path) -> list[tuple]:
+    """(action, request) of every whole record of a part log, in order."""
+    import json
+    return [(x["a"], x.get("request")) for x in
+            (json.loads(line) for line in path.read_text().splitlines()[1:]
+             if line.endswith("}"))]
+
+
+def test_a_decode_killed_with_page_writes_in_flight_loses_only_its_requests(
+        model_dir, tmp_path, expected, capsys):
+    """Mid-transfer: decode 1 is stopped (SIGSTOP) once it holds requests 1 and 2 reserved
+    (router seed 2), so prefill 0's page writes for them are posted and none can land;
+    once every page of both is posted, decode 1 is SIGKILLed. The writes in flight die
+    with it: both requests end ErrDecode, no LandWrite of theirs is logged, prefill 0 ends
+    with nothing in flight, and everything else finishes with the judge's tokens."""
+    import signal
+    d = deployment(model_dir, tmp_path, 2, 2, seed=2, compute_s=0.4, arrive_every_s=0.02)
+    victim, lost_expected = "decode 1", {1, 2}
+    launched = Launched(d)
+    try:
+        launched.start(timeout_s=WAIT_S)
+        deadline = time.monotonic() + 30.0
+        while set(_reserved_unfinished(log_path(d, victim))) != lost_expected:
+            assert time.monotonic() < deadline, f"{victim} never held requests 1 and 2"
+            time.sleep(0.005)
+        launched.children[victim].process.send_signal(signal.SIGSTOP)
+        prefill_log = log_path(d, "prefill 0")
+        while sum(1 for a, r in _actions(prefill_log)
+                  if a == "SendPage" and r in lost_expected) < PAGES[1] + PAGES[2]:
+            assert time.monotonic() < deadline, "prefill 0 never posted the pages"
+            time.sleep(0.005)
+        launched.kill(victim)
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop(timeout_s=WAIT_S)
+    finally:
+        launched.close()
+    outcomes = dict(enumerate(done["outcomes"]))
+    lost = {r for r, outcome in outcomes.items() if outcome == "ErrDecode"}
+    # Requests placed on decode 1 while it was stopped (the router cannot tell a stopped
+    # process from a slow one before the kill) are lost with it too, and only those.
+    on_victim = {r for r, (_, k) in enumerate(done["placement"]) if k == 1}
+    print(f"ErrDecode: {sorted(lost)}; on {victim}: {sorted(on_victim)}")
+    assert lost_expected <= lost == on_victim, outcomes
+    for r, outcome in outcomes.items():
+        if r not in lost:
+            assert outcome == "Ok" and done["tokens"][r] == expected[r], r
+    assert_whole(stopped)
+    assert stopped["prefill 0"]["writes_lost"] == 0  # every post went out before the kill
+    merged, verdict = merged_run(tmp_path)
+    actions = [(x["a"], x.get("request")) for x in merged.records]
+    assert not [r for a, r in actions if a == "LandWrite" and r in lost]
+    assert [r for a, r in actions if a == "SendPage" and r in lost] == [1] * 3 + [2] * 3
+    assert [r for a, r in actions if a == "Reserve" and r in lost] == [1, 2]
+    assert actions.count(("DecodeCrash", None)) == 1
+    # Their writes never completed, so prefill 0 could say Done only once the crash had
+    # flushed them (the spec allows it then: the final word to a dead peer, unsent).
+    crash = actions.index(("DecodeCrash", None))
+    assert [i > crash for i, (a, r) in enumerate(actions)
+            if a == "SendDone" and r in lost_expected] == [True, True]
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
