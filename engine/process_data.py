@@ -210,14 +210,16 @@ class DecodeData(_Data):
         flat write tuples it has told about; the landing needs its poster's stamp), in
         arrival order; returns the flat tuples landed."""
         self.arrived += self.transport.ready()
-        batch = []
+        batch, waiting = [], set()   # waiting: prefills with a write not yet announced
         for write in self.arrived:
-            if self.flat(write) not in announced:
-                break  # a peer's writes land in their order: wait for its notice
+            if write.prefill in waiting or self.flat(write) not in announced:
+                waiting.add(write.prefill)  # a peer's writes land in their order
+                continue
             batch.append(write)
         if not batch:
             return []
-        del self.arrived[:len(batch)]
+        self.arrived = [write for write in self.arrived if write.prefill in waiting
+                        and write not in batch]
         moved = self.transport.land_many(batch)
         for write, count in zip(batch, moved):
             assert count > 0, f"{write} moved no byte"
