@@ -84,6 +84,10 @@ from spec.roles import DECODE, GHOST, PREFILL, ROUTER
 
 POLL_S = 0.01
 QUIET_S = 0.3          # stop: a process finishes once its inbox stayed empty this long
+# Channel events handled per loop turn, at most: every one waiting, so that a turn's data-path
+# work (a prefill chunk, a decode step: ~0.1-1 s on the default model) is not paid once per
+# message (one event a turn held 32 streams' announcements behind as many decode steps).
+EVENTS_PER_TURN_MAX = 1024
 FINAL_CLIENT = frozenset(range(len(core.CLIENT_NAMES))) - {core.IDLE, core.WAITING}
 
 
@@ -686,6 +690,9 @@ def main(setup: dict) -> int:
             stopping = time.monotonic()
         if _pump(process, 0.0 if process.busy() else POLL_S):
             last_busy = time.monotonic()
+            for _ in range(EVENTS_PER_TURN_MAX - 1):
+                if not _pump(process, 0.0):
+                    break
         if stopping is None and role == ROUTER:
             process.tick()
         if not process.stopped:
