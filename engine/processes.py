@@ -664,8 +664,8 @@ def _pump(process: Process, timeout_s: float) -> bool:
 
 
 def main(setup: dict) -> int:
-    """One process of a deployment: `python -m engine.processes '<json>'` (the Deployment's
-    fields, its role and worker, and the ports it dials). Reports JSON lines on stdout
+    """One process of a deployment: `python -m engine.processes SETUP.json` (the
+    Deployment's fields, its role and worker, and the ports it dials). Reports JSON lines on stdout
     ("listening", the router's "done", "stopped"); takes {"do": "stop"} (finish the work
     at hand, end the log, report) and {"do": "exit"} on stdin; exits when stdin closes."""
     role, worker, ports = setup.pop("role"), setup.pop("worker"), setup.pop("ports")
@@ -727,8 +727,11 @@ class Child:
         root = Path(__file__).resolve().parents[1]
         self.name = name
         self.stderr = open(stderr_path, "w")
+        # The setup goes by file: a workload's prompts outgrow one argument (128 KiB).
+        setup_path = stderr_path.with_suffix(".setup.json")
+        setup_path.write_text(json.dumps(setup))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "engine.processes", json.dumps(setup)], cwd=root,
+            [sys.executable, "-m", "engine.processes", str(setup_path)], cwd=root,
             env={**os.environ, "PYTHONPATH": str(root)}, text=True, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self.stderr)
         self.reports: queue.Queue = queue.Queue()
@@ -817,7 +820,7 @@ class Launched:
 
 
 if __name__ == "__main__":
-    code = main(json.loads(sys.argv[1]))
+    code = main(json.loads(Path(sys.argv[1]).read_text()))
     sys.stdout.flush()
     # Not sys.exit: tearing a gloo world down waits on peers that may have exited first.
     os._exit(code)
