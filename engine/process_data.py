@@ -46,7 +46,7 @@ from engine.pool import PoolConfig
 from engine.sampling import SamplingParams, sample
 from engine.transport import PageWrite
 from engine.weights import load_checkpoint
-from engine.workers import DecodeWorker, PrefillWorker
+from engine.workers import DecodeWorker, PrefillWorker, kv_rows
 
 
 @dataclass(frozen=True)
@@ -261,8 +261,22 @@ class DecodeData(_Data):
         if ok and len(sequence.output_ids) < sequence.request.sampling.max_tokens:
             return False
         self.done[r] = ok and self.worker.tags_current(sequence)
+        if self.deployment.keep_kv:
+            self.keep_read_kv(sequence)
         self.worker.running.remove(sequence)
         return True
 
     def stop(self, r: int) -> None:
         self.worker.stop(r)
+
+    def keep_read_kv(self, sequence) -> None:
+        """The leak oracle's evidence (tests): the prompt KV this decode read for the
+        request, [tokens, layers, 2, kv_heads, dim], saved beside the logs, for an oracle
+        that computes the request's own KV by a path sharing nothing with this one but the
+        model."""
+        read = kv_rows(self.worker.pool, sequence.pages, len(sequence.prompt_ids))
+        torch.save(read, read_kv_path(self.deployment, sequence.request.request_id))
+
+
+def read_kv_path(deployment, r: int) -> str:
+    return os.path.join(deployment.log_dir, f"read-kv-{r}.pt")

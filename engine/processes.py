@@ -105,6 +105,7 @@ class Deployment:
     compute_s: float = 0.0    # the modelled prefill's compute time per request; on the
     #                           real data path a hold after the compute (tests widen windows)
     arrive_every_s: float = 0.005
+    arrive_after_s: tuple = ()  # the wait before request r + 1 arrives, when given
     seed: int = 0
     heartbeat_s: float = 0.25
     suspect_after_s: float = 2.0
@@ -119,6 +120,8 @@ class Deployment:
     max_batch: int = 8
     transport_timeout_s: float = 10.0  # every wait on a live peer's page or completion
     join_timeout_s: float = 60.0       # the gloo world: every worker process joins within
+    keep_kv: bool = False  # the leak oracle's evidence: decode saves the prompt KV it read
+    bugs: tuple = ()       # the zoo's switches (spec/model.py), in every part and log
 
     def __post_init__(self) -> None:
         if not self.prompts or not all(1 <= n <= self.max_prompt_pages for n in self.prompts):
@@ -126,6 +129,10 @@ class Deployment:
         if self.prefill_workers < 1 or self.decode_workers < 1:
             raise ValueError("a deployment needs a prefill and a decode worker")
         object.__setattr__(self, "prompts", tuple(self.prompts))
+        object.__setattr__(self, "bugs", tuple(sorted(self.bugs)))
+        object.__setattr__(self, "arrive_after_s", tuple(self.arrive_after_s))
+        if any(not 0 <= s for s in self.arrive_after_s):
+            raise ValueError("arrive_after_s must be waits of 0 s or more")
         object.__setattr__(self, "requests", tuple((tuple(ids), int(n))
                                                    for ids, n in self.requests))
         if self.model_dir and len(self.requests) != len(self.prompts):
@@ -151,6 +158,7 @@ class Deployment:
         return Model(requests=len(self.prompts), max_prompt_pages=self.max_prompt_pages,
                      context_pages=self.context_pages, prefill_pages=self.prefill_pages,
                      decode_pages=self.decode_pages, decode_crashes=True, name="processes",
+                     bugs=frozenset(self.bugs),
                      prefill_workers=self.prefill_workers,
                      decode_workers=self.decode_workers)
 
@@ -367,6 +375,8 @@ class RouterProcess(Process):
             self.placement[r] = (q, d)
             self.arrived += 1
             self.next_arrival_s = now + self.deployment.arrive_every_s
+            if r < len(self.deployment.arrive_after_s):
+                self.next_arrival_s = now + self.deployment.arrive_after_s[r]
             self.arrived_at[r] = now
             assert self.step(core.Arrive(r, self.deployment.prompts[r], q, d))
 

@@ -14,6 +14,7 @@ finally, every wait is bounded, seeds are printed.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -29,6 +30,9 @@ from engine.sampling import SamplingParams  # noqa: E402
 from engine.service import GenerationRequest, TokenOut  # noqa: E402
 from engine.weights import load_checkpoint  # noqa: E402
 from engine_cases import make_hf_model  # noqa: E402
+from sim.trace import read_part_logs  # noqa: E402
+from spec.partlog import merge  # noqa: E402
+from spec.tlaplus.runcheck import check_part_logs  # noqa: E402
 from test_processes import (_decode_log, _reserved_unfinished, assert_whole,  # noqa: E402
                             expected_steps, merged_run)
 from engine.processes import log_path  # noqa: E402
@@ -281,3 +285,99 @@ def test_a_decode_killed_with_page_writes_in_flight_loses_only_its_requests(
             if a == "SendDone" and r in lost_expected] == [True, True]
     code, out, err = cli(capsys, "validate", str(tmp_path))
     assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+
+
+# -- the incident across processes: the bug switches still bite ------------------------------
+
+INCIDENT_BASE = ("PoolBelowContext",)  # the startup check off: a prefill pool of 12 pages
+#                                        below a 14-page context joins the deployment
+LONG = 3  # the over-long request: 52 tokens + 4 outputs = 14 pages, the prefill pool 12
+
+
+def incident_requests() -> list[tuple[tuple, int]]:
+    """Three requests that fill all 20 decode pages with their KV (8 + 8 + 4 pages, at
+    once) and finish; 1 s later the over-long prompt, and a request beside it."""
+    print(f"incident prompt seed={PROMPT_SEED}")
+    generator = torch.Generator().manual_seed(PROMPT_SEED)
+    return [(tuple(torch.randint(0, 211, (n,), generator=generator).tolist()), max_tokens)
+            for n, max_tokens in [(30, 3), (30, 3), (14, 3), (52, 4), (10, 4)]]
+
+
+@torch.inference_mode()
+def own_kv(model: LlamaModel, prompt_ids: tuple) -> torch.Tensor:
+    """The judge's KV of a prompt computed alone, [tokens, layers, 2, kv_heads, dim]: the
+    whole prompt in one prefill call into a pool of its own, pages in order."""
+    config = model.config
+    pages = -(-len(prompt_ids) // PAGE_TOKENS)
+    pool = SimpleNamespace(
+        kv=torch.zeros(pages, config.num_layers, 2, config.num_kv_heads, PAGE_TOKENS,
+                       config.head_dim),
+        tags=torch.zeros(pages, dtype=torch.int64))
+    model.prefill(pool, [PrefillChunk(torch.tensor(prompt_ids), 0,
+                                      torch.arange(len(prompt_ids)),
+                                      torch.arange(pages, dtype=torch.int32))])
+    kv = pool.kv.permute(0, 4, 1, 2, 3, 5)  # [pages, tokens, layers, 2, heads, dim]
+    return kv.reshape(-1, *kv.shape[2:])[:len(prompt_ids)]
+
+
+def incident(model_dir, tmp_path, bugs: tuple) -> tuple[dict, Deployment]:
+    print(f"incident: 1 x 1, bugs={sorted(INCIDENT_BASE + bugs)}, logs in {tmp_path}")
+    d = Deployment.with_model(
+        str(model_dir), incident_requests(), page_tokens=PAGE_TOKENS, prefill_pages=12,
+        decode_pages=20, seed=7, log_dir=str(tmp_path), suspect_after_s=10.0,
+        heartbeat_s=0.5, arrive_after_s=(0.0, 0.0, 1.0, 0.0), keep_kv=True,
+        bugs=INCIDENT_BASE + bugs)
+    assert d.prompts == (8, 8, 4, 14, 4)
+    done, stopped, _ = run_to_the_end(d)
+    assert_whole(stopped)
+    return done, d
+
+
+def spec_verdict(folder):
+    """The merged logs checked against the spec with the deployment's switches."""
+    m, logs = read_part_logs(sorted(folder.glob("*.ndjson")))
+    return check_part_logs(merge(m, logs))
+
+
+@pytest.mark.parametrize("bugs,outcome", [
+    ((), "ErrTooLong"),                                        # the prefill rejects it
+    (("FinishedNotRejected", "NoCountCheck"), "ErrTag"),       # the tag check catches it
+    (("FinishedNotRejected", "NoCountCheck", "NoGenBump"), "Ok"),  # HTTP 200 over foreign KV
+])
+def test_the_incident_across_processes(model_dir, tmp_path, expected, bugs, outcome):
+    from engine.process_data import read_kv_path
+    done, d = incident(model_dir, tmp_path, bugs)
+    assert done["outcomes"] == ["Ok", "Ok", "Ok", outcome, "Ok"]
+    # The merged run is a behaviour of the spec with these switches; with them on, the
+    # spec's own property names the step where it went wrong: decode accepting the
+    # transfer of a request the guards would have rejected.
+    verdict = spec_verdict(tmp_path)
+    if not bugs:
+        assert verdict.ok, verdict.message
+    else:
+        assert (verdict.ok, verdict.action, verdict.violated) == (
+            False, "Accept", "RejectedIsError"), verdict.message
+        assert "is a legal step" in verdict.message and f"Accept(r{LONG + 1}," in verdict.message
+    model = LlamaModel(load_checkpoint(model_dir))
+    work = incident_requests()
+    for r in (0, 1, 2, 4):  # every other request: the judge's tokens
+        assert done["tokens"][r] == greedy_alone(model, *work[r]), r
+    path = Path(read_kv_path(d, LONG))
+    if outcome == "ErrTooLong":
+        assert not path.exists()  # it never decoded
+        return
+    read, own = torch.load(path), own_kv(model, work[LONG][0])
+    assert read.shape == own.shape == (52, 2, 2, 2, 16)
+    # The placeholder's one page is its own KV (the prefill computed 4 of 52 tokens)...
+    assert torch.allclose(read[:PAGE_TOKENS], own[:PAGE_TOKENS], atol=1e-4)
+    # ...and every later position was never written for it: decode read other requests'
+    # KV there, nothing like its own...
+    for position in range(PAGE_TOKENS, 52):
+        assert not torch.allclose(read[position], own[position], atol=1e-2), position
+    # ...but exactly what the three earlier requests' prompts and outputs left in those
+    # pages (each row one of theirs; the judge recomputes theirs alone).
+    theirs = torch.cat([own_kv(model, work[r][0] + tuple(done["tokens"][r][:-1]))
+                        for r in range(3)])
+    for position in range(PAGE_TOKENS, 52):
+        closest = (theirs - read[position]).abs().flatten(1).max(dim=1).values.min()
+        assert closest < 1e-4, (position, float(closest))
