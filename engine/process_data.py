@@ -65,13 +65,20 @@ def rank_of(deployment, role: str, worker: int) -> int:
     return worker if role == DECODE else deployment.decode_workers + worker
 
 
+def rendezvous_path(deployment) -> str:
+    """The FileStore the worker processes meet at. The launcher removes a stale one before
+    it starts them: a store left by an earlier deployment in the same folder (processes
+    leave with os._exit, so nobody deletes it) would hold its keys."""
+    return os.path.join(os.path.abspath(deployment.log_dir), "gloo.rendezvous")
+
+
 def join_world(deployment, role: str, worker: int) -> None:
     """Join the gloo world of the worker processes (blocks until every one has joined, at
     most join_timeout_s)."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # 127.0.0.1 only
-    store = os.path.join(os.path.abspath(deployment.log_dir), "gloo.rendezvous")
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank_of(deployment, role, worker),
+        "gloo", init_method=f"file://{rendezvous_path(deployment)}",
+        rank=rank_of(deployment, role, worker),
         world_size=deployment.prefill_workers + deployment.decode_workers,
         timeout=datetime.timedelta(seconds=deployment.join_timeout_s))
 

@@ -796,6 +796,9 @@ class Launched:
 
     def start(self, timeout_s: float = 10.0) -> None:
         d = self.deployment
+        if d.model_dir:
+            from engine.process_data import rendezvous_path
+            Path(rendezvous_path(d)).unlink(missing_ok=True)
         decodes = [self._spawn(DECODE, k, [], timeout_s) for k in range(d.decode_workers)]
         prefills = [self._spawn(PREFILL, k, decodes, timeout_s)
                     for k in range(d.prefill_workers)]

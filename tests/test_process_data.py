@@ -381,3 +381,14 @@ def test_the_incident_across_processes(model_dir, tmp_path, expected, bugs, outc
     for position in range(PAGE_TOKENS, 52):
         closest = (theirs - read[position]).abs().flatten(1).max(dim=1).values.min()
         assert closest < 1e-4, (position, float(closest))
+
+
+def test_a_second_deployment_in_the_same_folder_starts(model_dir, tmp_path):
+    """The gloo FileStore a deployment leaves behind (its processes leave with os._exit)
+    would hold the next one's rendezvous: the launcher removes it first."""
+    d = Deployment.with_model(str(model_dir), [((1, 2, 3), 2)], log_dir=str(tmp_path),
+                              page_tokens=PAGE_TOKENS, join_timeout_s=15.0)
+    for _ in range(2):
+        done, stopped, _ = run_to_the_end(d)
+        assert done["outcomes"] == ["Ok"] and len(done["tokens"][0]) == 2
+        assert_whole(stopped)
