@@ -746,7 +746,8 @@ class Child:
             stdout=subprocess.PIPE, stderr=self.stderr)
         self.reports: queue.Queue = queue.Queue()
         self.seen: list[dict] = []   # every report, in order (expect() skips some)
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         for line in self.process.stdout:
@@ -757,9 +758,13 @@ class Child:
         deadline = time.monotonic() + timeout_s
         while (remaining := deadline - time.monotonic()) > 0:
             try:
-                got = self.reports.get(timeout=remaining)
+                got = self.reports.get(timeout=min(remaining, 0.1))
             except queue.Empty:
-                break
+                if not self.reader.is_alive() and self.reports.empty():
+                    raise ProcessLookupError(  # it exited: waiting on would change nothing
+                        f"{self.name}: exited with code {self.process.wait()} before "
+                        f"{ev!r} (its stderr: {self.stderr.name})") from None
+                continue
             if got["ev"] == ev:
                 return got
         raise TimeoutError(f"{self.name}: no {ev!r} within {timeout_s} s (exit code "
