@@ -31,8 +31,12 @@ per-repeat ratios (each repeat's batch against that repeat's raw, measured next 
 sensitive to a neighbour's load drifting over the run). The default page is the default model's
 (SmolLM2-135M: 30 layers, 3 KV heads, head dim 64, 16 tokens, fp32: 720 KiB).
 
-Part 2 (multi-process vs in-process serving at 32 streams: tokens/s, TTFT p50/p99) waits for
-the process split (issue 29 items 1 and 3): there is no multi-process engine to serve yet.
+Part 2, after part 1 in the same run (bench/serving_processes.py): serving through a router,
+a prefill and a decode process (engine/processes.py on the real data path) against the
+in-process engine, `--streams` streams (32) on the default model: tokens/s and TTFT p50/p99.
+`--streams 0` skips it; `--serving-only` skips part 1.
+
+    python bench/transport_bench.py --serving-only --streams 32 --max-tokens 32
 The machine this was written on is shared: read the ratio, and rerun on a quiet machine.
 Bounded: `--time-s-max` stops the repeats early (the medians are over those run), every
 transport wait has a timeout, and the test harness kills both processes past its limit.
@@ -162,7 +166,31 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--time-s-max", type=float, default=120.0)
     parser.add_argument("--timeout-s", type=float, default=60.0)
+    parser.add_argument("--streams", type=int, default=32, help="part 2's streams (0: skip)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="part 2: outputs a stream")
+    parser.add_argument("--model", default="", help="part 2's model (default: the default)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="part 2: the in-process engine's torch threads")
+    parser.add_argument("--seed", type=int, default=0, help="part 2's prompts")
+    parser.add_argument("--serving-only", action="store_true", help="skip part 1")
     args = parser.parse_args()
+    if args.streams < 0 or args.max_tokens < 1 or args.threads < 1:
+        parser.error("--streams must be >= 0, --max-tokens and --threads positive")
+    code = 0 if args.serving_only else bandwidth(args, parser)
+    if code == 0 and args.streams:
+        code = part_two(args)
+    return code
+
+
+def part_two(args) -> int:
+    from bench.serving_processes import serving
+    from engine.load import default_model_path
+    model = args.model or str(default_model_path())
+    return serving(model, args.streams, args.max_tokens, args.seed, 16, args.threads,
+                   max(args.timeout_s, 120.0))
+
+
+def bandwidth(args, parser) -> int:
     if args.pages < 1 or args.page_kib < 1 or args.repeats < 1 or args.window < 1:
         parser.error("--pages, --page-kib, --repeats and --window must be positive")
     if args.page_kib * 1024 % (2 * 64 * 4):

@@ -1,5 +1,7 @@
 """The protocol in worker processes: one router and P prefill + D decode OS processes on
-127.0.0.1, each holding exactly one spec/parts.py `Part`, with a modelled data path.
+127.0.0.1, each holding exactly one spec/parts.py `Part`, with a modelled data path, or the
+real one (engine/process_data.py: a model and a KV pool per worker process, page writes
+over DistTransport) when the deployment names a model.
 
 Theory of operation
 -------------------
@@ -23,6 +25,10 @@ What runs where:
   sent over the channel to decode; SendDone once every write completed;
 - decode d: Reserve when its pool has room, Accept (checksums observed OK), Finish at once
   (tags observed OK: the modelled decode), Release when the core allows it.
+
+The real data path keeps this shape: the channel still carries each write's announcement
+(its stamp and contents in the spec's terms) while the bytes go over DistTransport, and
+decode lands a write when it has both (engine/process_data.py says the rest).
 
 The modelled data path, as spec/parts.py `Split._environment` decomposes LandWrite: the
 prefill's write (request, source page, decode page, tag, and the source page's contents)
@@ -78,6 +84,10 @@ from spec.roles import DECODE, GHOST, PREFILL, ROUTER
 
 POLL_S = 0.01
 QUIET_S = 0.3          # stop: a process finishes once its inbox stayed empty this long
+# Channel events handled per loop turn, at most: every one waiting, so that a turn's data-path
+# work (a prefill chunk, a decode step: ~0.1-1 s on the default model) is not paid once per
+# message (one event a turn held 32 streams' announcements behind as many decode steps).
+EVENTS_PER_TURN_MAX = 1024
 FINAL_CLIENT = frozenset(range(len(core.CLIENT_NAMES))) - {core.IDLE, core.WAITING}
 
 
@@ -92,13 +102,26 @@ class Deployment:
     decode_pages: int = 4
     context_pages: int = 3
     max_prompt_pages: int = 3
-    compute_s: float = 0.0    # the modelled prefill's compute time per request
+    compute_s: float = 0.0    # the modelled prefill's compute time per request; on the
+    #                           real data path a hold after the compute (tests widen windows)
     arrive_every_s: float = 0.005
+    arrive_after_s: tuple = ()  # the wait before request r + 1 arrives, when given
     seed: int = 0
     heartbeat_s: float = 0.25
     suspect_after_s: float = 2.0
     settle_s_max: float = 5.0  # stop: the longest a process takes to finish its work
     log_dir: str = ""
+    # The real data path (engine/process_data.py), when model_dir names an HF folder:
+    # requests[r] = (prompt token ids, max_tokens), prompts[r] its pages (`with_model`).
+    model_dir: str = ""
+    requests: tuple = ()
+    page_tokens: int = 4
+    prefill_chunk_tokens: int = 8
+    max_batch: int = 8
+    transport_timeout_s: float = 10.0  # every wait on a live peer's page or completion
+    join_timeout_s: float = 60.0       # the gloo world: every worker process joins within
+    keep_kv: bool = False  # the leak oracle's evidence: decode saves the prompt KV it read
+    bugs: tuple = ()       # the zoo's switches (spec/model.py), in every part and log
 
     def __post_init__(self) -> None:
         if not self.prompts or not all(1 <= n <= self.max_prompt_pages for n in self.prompts):
@@ -106,12 +129,36 @@ class Deployment:
         if self.prefill_workers < 1 or self.decode_workers < 1:
             raise ValueError("a deployment needs a prefill and a decode worker")
         object.__setattr__(self, "prompts", tuple(self.prompts))
+        object.__setattr__(self, "bugs", tuple(sorted(self.bugs)))
+        object.__setattr__(self, "arrive_after_s", tuple(self.arrive_after_s))
+        if any(not 0 <= s for s in self.arrive_after_s):
+            raise ValueError("arrive_after_s must be waits of 0 s or more")
+        object.__setattr__(self, "requests", tuple((tuple(ids), int(n))
+                                                   for ids, n in self.requests))
+        if self.model_dir and len(self.requests) != len(self.prompts):
+            raise ValueError("a deployment with a model needs requests (prompt ids, "
+                             "max_tokens), one per prompt: build it with Deployment.with_model")
+
+    @classmethod
+    def with_model(cls, model_dir: str, requests, page_tokens: int = 4, **options):
+        """A deployment on the real data path: each request (prompt token ids, max_tokens)
+        takes the pages of its prompt and every output but the last, as in-process."""
+        from engine.generate import pages_needed  # torch: only for the real data path
+        requests = tuple((tuple(ids), int(n)) for ids, n in requests)
+        if not requests or not all(ids and n >= 1 for ids, n in requests):
+            raise ValueError("requests must each have a prompt token and max_tokens >= 1")
+        prompts = tuple(pages_needed(len(ids), n, page_tokens) for ids, n in requests)
+        options.setdefault("max_prompt_pages", max(prompts))
+        options.setdefault("context_pages", max(prompts))
+        return cls(prompts=prompts, model_dir=str(model_dir), requests=requests,
+                   page_tokens=page_tokens, **options)
 
     def model(self) -> Model:
         """The spec's constants every log of the deployment is written with."""
         return Model(requests=len(self.prompts), max_prompt_pages=self.max_prompt_pages,
                      context_pages=self.context_pages, prefill_pages=self.prefill_pages,
                      decode_pages=self.decode_pages, decode_crashes=True, name="processes",
+                     bugs=frozenset(self.bugs),
                      prefill_workers=self.prefill_workers,
                      decode_workers=self.decode_workers)
 
@@ -186,9 +233,26 @@ class Process:
         self.placement: dict[int, tuple[int, int]] = {}  # request -> (prefill, decode)
         self.dead_decodes: set[int] = set()   # a prefill: decodes its detector declared down
         self.ready_at: dict[int, float] = {}  # a prefill: when a request's compute is done
+        self.payload: dict[int, object] = {}  # a worker: request -> its Payload (real path)
+        self.data = None                      # its real data path (engine/process_data.py)
+        self.first: dict[int, int] = {}       # decode: request -> first token (final word)
         self.unsent = 0
         self.reported = False
         self.stopped = False
+
+    def join_data_path(self) -> None:
+        """The real data path's transport (after listening: the world waits for all)."""
+        if self.data is not None:
+            self.data.join()
+
+    def work(self) -> bool:
+        """The data path's own progress this turn (compute, landings, decode steps);
+        whether it did anything. The modelled data path has none."""
+        return False
+
+    def busy(self) -> bool:
+        """Whether the data path has work waiting (the loop then does not idle)."""
+        return self.data is not None and self.data.busy()
 
     @property
     def role(self) -> str:
@@ -212,7 +276,11 @@ class Process:
         self.send(Peer(message.to, worker), {
             "t": "msg", "stamp": stamp, "request": message.request, "to": message.to,
             "fields": [list(f) for f in message.fields], "names": list(message.names),
-            "placement": [q, d]})
+            "placement": [q, d], **self.riders(message)})
+
+    def riders(self, message: PartMessage) -> dict:
+        """What the data path adds to a part's message (none on the modelled path)."""
+        return {}
 
     def on_peer_down(self, peer: Peer) -> None:
         """Another process's epoch is down; only a decode's death matters to the protocol."""
@@ -226,6 +294,11 @@ class Process:
         self.log.heard_from(body["stamp"])
         r = body["request"]
         self.placement[r] = tuple(body["placement"])
+        if "payload" in body:
+            from engine.process_data import Payload
+            self.payload[r] = Payload(*body["payload"])
+        if "first" in body:
+            self.first[r] = body["first"]
         message = PartMessage(r, body["to"], tuple((k, _tuples(v)) for k, v in body["fields"]),
                               tuple(body["names"]))
         self.carry(self.part.receive(message), self.log.stamp())
@@ -286,6 +359,9 @@ class RouterProcess(Process):
         self.arrived = 0
         self.next_arrival_s = 0.0
         self.dead: set[int] = set()              # decodes declared down here
+        self.tokens: dict[int, list] = {}        # request -> the tokens streamed so far
+        self.arrived_at: dict[int, float] = {}   # request -> its Arrive (monotonic s)
+        self.token_at: dict[int, list] = {}      # request -> when each token came here
         self.crash_reports: dict[int, dict] = {}  # decode -> {prefill: its last step}
         self.crashes_logged: list[int] = []
 
@@ -299,7 +375,34 @@ class RouterProcess(Process):
             self.placement[r] = (q, d)
             self.arrived += 1
             self.next_arrival_s = now + self.deployment.arrive_every_s
+            if r < len(self.deployment.arrive_after_s):
+                self.next_arrival_s = now + self.deployment.arrive_after_s[r]
+            self.arrived_at[r] = now
             assert self.step(core.Arrive(r, self.deployment.prompts[r], q, d))
+
+    def riders(self, message: PartMessage) -> dict:
+        """The request's payload, with each message to a worker (the first one is what
+        counts: a worker hears of a request with its first message)."""
+        requests = self.deployment.requests
+        return {"payload": list(requests[message.request])} if requests else {}
+
+    def on_token(self, peer: Peer, body: dict) -> None:
+        """A token streamed by the request's decode (None: a tag check failed)."""
+        r = body["request"]
+        if body["token"] is not None:
+            self.tokens.setdefault(r, []).append(body["token"])
+            self.token_at.setdefault(r, []).append(time.monotonic())
+
+    def span_s(self) -> float:
+        """From the first Arrive to the last token streamed here."""
+        last = [at[-1] for at in self.token_at.values()]
+        return round(max(last) - min(self.arrived_at.values()), 6) if last else 0.0
+
+    def timings(self) -> list:
+        """Per request: seconds from its Arrive to its first token and to its last."""
+        return [[round(at[0] - self.arrived_at[r], 6), round(at[-1] - self.arrived_at[r], 6)]
+                if (at := self.token_at.get(r)) else None
+                for r in range(len(self.deployment.prompts))]
 
     def done(self) -> bool:
         return self.arrived == len(self.deployment.prompts) and all(
@@ -371,6 +474,28 @@ class RouterProcess(Process):
 class PrefillProcess(Process):
     ROLE = PREFILL
 
+    def __init__(self, deployment: Deployment, worker: int = 0) -> None:
+        super().__init__(deployment, worker)
+        if deployment.model_dir:
+            from engine.process_data import PrefillData
+            self.data = PrefillData(deployment, worker)
+
+    def work(self) -> bool:
+        """A chunked prefill step: a request whose prompt is computed may send its pages."""
+        if self.data is None:
+            return False
+        self.data.poll()
+        for r in self.data.step():
+            self.ready_at[r] = time.monotonic() + self.deployment.compute_s
+        return self.data.busy()
+
+    def riders(self, message: PartMessage) -> dict:
+        """The first token, sampled here, with the final word to decode."""
+        first = self.data.first.get(message.request) if self.data is not None else None
+        if message.to == DECODE and core.FINAL_WORD_MSG in message.names and first is not None:
+            return {"first": first}
+        return {}
+
     def candidates(self, r: int) -> tuple:
         """Its part's offers, but nothing for a request on a decode its detector declared
         down (frozen until the crash's record comes: the module's docstring), and no
@@ -381,11 +506,24 @@ class PrefillProcess(Process):
         return tuple(e for e in super().candidates(r) if ready or type(e) is not core.SendPage)
 
     def do_Compute(self, command, stamp) -> None:
-        self.ready_at[command.request] = time.monotonic() + self.deployment.compute_s
+        r = command.request
+        if self.data is None:
+            self.ready_at[r] = time.monotonic() + self.deployment.compute_s
+        else:
+            self.data.compute(r, self.payload[r], self.part.rows[r][core.SRC])
+
+    def do_FreePages(self, command, stamp) -> None:
+        if self.data is not None:
+            self.data.stop(command.request)
 
     def do_Post(self, command, stamp) -> None:
-        """The modelled NIC: the write, with its source page's contents, to decode."""
+        """The write: on the real data path posted over DistTransport (its bytes read when
+        decode lands it), and announced to decode over the channel with the step's stamp
+        and the source page's contents in the spec's terms (decode's share of LandWrite);
+        on the modelled path the announcement is the write."""
         r, source, _, _ = command.write
+        if self.data is not None:
+            self.data.post(command.write, self.placement[r][1])
         data = self.part.pool[source - self.part.base][1]
         self.send(Peer(DECODE, self.placement[r][1]), {
             "t": "write", "request": r, "write": list(command.write), "data": data,
@@ -409,23 +547,94 @@ class PrefillProcess(Process):
             self.placement[r] = (self.placement.get(r, (self.part.worker, 0))[0], NONE)
 
     def finish(self) -> dict:
-        return {"pages_held": sum(page[0] != NONE for page in self.part.pool),
-                "sending": len(self.part.sending)}
+        out = {"pages_held": sum(page[0] != NONE for page in self.part.pool),
+               "sending": len(self.part.sending)}
+        if self.data is not None:
+            out["writes_lost"] = self.data.writes_lost
+        return out
 
 
 class DecodeProcess(Process):
     ROLE = DECODE
 
+    def __init__(self, deployment: Deployment, worker: int = 0) -> None:
+        super().__init__(deployment, worker)
+        self.announced: dict[tuple, dict] = {}  # real path: write -> its announcement
+        if deployment.model_dir:
+            from engine.process_data import DecodeData
+            self.data = DecodeData(deployment, worker)
+
     def on_write(self, peer: Peer, body: dict) -> None:
-        """The modelled landing: decode's share, then the router sequences LandWrite."""
+        """A write's announcement. Modelled: it is the landing. Real: the landing comes when
+        the transport has the write too (`work`)."""
         write = _tuples(body["write"])
         self.placement[write[0]] = tuple(body["placement"])
+        if self.data is None:
+            self.landed(write, body)
+        else:
+            self.announced[write] = body
+
+    def landed(self, write: tuple, body: dict) -> None:
+        """Decode's share of LandWrite, then the router sequences the environment's step."""
         self.part.land(write, body["data"])
         self.send(Peer(ROUTER, 0), {"t": "landed", "request": write[0], "write": list(write),
                                     "poster": body["stamp"], "stamp": self.log.stamp()})
 
+    def work(self) -> bool:
+        """Land what the transport and the announcements both have; one decode step."""
+        if self.data is None:
+            return False
+        landed = self.data.land(self.announced)
+        for write in landed:
+            self.landed(write, self.announced.pop(write))
+        for r, token, ended in self.data.step():
+            self.stream(r, token, ended)
+        return bool(landed) or self.data.busy()
+
+    def stream(self, r: int, token: int | None, last: bool) -> None:
+        """A token to the serving edge as it is made (before the answer: one connection,
+        in order)."""
+        self.send(Peer(ROUTER, 0), {"t": "token", "request": r, "token": token, "last": last})
+
+    def candidates(self, r: int) -> tuple:
+        """Real path: Accept with the checksums' verdict over what landed, Finish once
+        decoding ended, with the tags' verdict (both observed by DecodeData)."""
+        offers = super().candidates(r)
+        if self.data is None:
+            return offers
+        out = []
+        for event in offers:
+            if type(event) is core.Accept:
+                announced = self.part.rows[r][core.FW_COUNT]
+                out.append(core.Accept(r, self.data.transfer_ok(r, announced)))
+            elif type(event) is core.Finish:
+                if r in self.data.done:
+                    out.append(core.Finish(r, self.data.done[r]))
+            else:
+                out.append(event)
+        return tuple(out)
+
+    def do_StartDecoding(self, command, stamp) -> None:
+        r = command.request
+        if self.data is not None:
+            ended = self.data.start(r, self.payload[r], self.part.rows[r][core.TABLE],
+                                    self.first[r])
+            self.stream(r, self.first[r], ended)
+
+    def do_StopDecoding(self, command, stamp) -> None:
+        if self.data is not None:
+            self.data.stop(command.request)
+
+    def do_FreePages(self, command, stamp) -> None:
+        if self.data is not None:
+            self.data.stop(command.request)
+            self.data.done.pop(command.request, None)
+
     def finish(self) -> dict:
-        return {"pages_held": sum(page[0] != NONE for page in self.part.pool)}
+        out = {"pages_held": sum(page[0] != NONE for page in self.part.pool)}
+        if self.data is not None:
+            out["bytes_landed"] = self.data.bytes_landed
+        return out
 
 
 KINDS = {ROUTER: RouterProcess, PREFILL: PrefillProcess, DECODE: DecodeProcess}
@@ -465,8 +674,8 @@ def _pump(process: Process, timeout_s: float) -> bool:
 
 
 def main(setup: dict) -> int:
-    """One process of a deployment: `python -m engine.processes '<json>'` (the Deployment's
-    fields, its role and worker, and the ports it dials). Reports JSON lines on stdout
+    """One process of a deployment: `python -m engine.processes SETUP.json` (the
+    Deployment's fields, its role and worker, and the ports it dials). Reports JSON lines on stdout
     ("listening", the router's "done", "stopped"); takes {"do": "stop"} (finish the work
     at hand, end the log, report) and {"do": "exit"} on stdin; exits when stdin closes."""
     role, worker, ports = setup.pop("role"), setup.pop("worker"), setup.pop("ports")
@@ -476,6 +685,9 @@ def main(setup: dict) -> int:
     for port in ports:  # prefills dial the decodes; the router dials every worker
         process.channel.connect(port)
     report(ev="listening", port=process.channel.listen())
+    if process.data is not None:
+        process.join_data_path()
+        report(ev="joined")
     stopping, last_busy = None, time.monotonic()
     while True:
         try:
@@ -486,16 +698,23 @@ def main(setup: dict) -> int:
             break
         if command == "stop" and stopping is None:
             stopping = time.monotonic()
-        if _pump(process, POLL_S):
+        if _pump(process, 0.0 if process.busy() else POLL_S):
             last_busy = time.monotonic()
+            for _ in range(EVENTS_PER_TURN_MAX - 1):
+                if not _pump(process, 0.0):
+                    break
         if stopping is None and role == ROUTER:
             process.tick()
         if not process.stopped:
+            if process.work():
+                last_busy = time.monotonic()
             process.settle()
         if role == ROUTER and not process.reported and process.done():
             process.reported = True
             report(ev="done", outcomes=process.outcomes(),
-                   placement=[process.placement[r] for r in range(len(deployment.prompts))])
+                   placement=[process.placement[r] for r in range(len(deployment.prompts))],
+                   tokens=[process.tokens.get(r) for r in range(len(deployment.prompts))],
+                   timings=process.timings(), span_s=process.span_s())
         now = time.monotonic()
         if stopping is not None and not process.stopped and (
                 now - last_busy > QUIET_S or now - stopping > deployment.settle_s_max):
@@ -504,6 +723,8 @@ def main(setup: dict) -> int:
                    **process.finish())
             process.stopped = True
     process.channel.close()
+    if process.data is not None:
+        process.data.close()
     return 0
 
 
@@ -516,13 +737,17 @@ class Child:
         root = Path(__file__).resolve().parents[1]
         self.name = name
         self.stderr = open(stderr_path, "w")
+        # The setup goes by file: a workload's prompts outgrow one argument (128 KiB).
+        setup_path = stderr_path.with_suffix(".setup.json")
+        setup_path.write_text(json.dumps(setup))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "engine.processes", json.dumps(setup)], cwd=root,
+            [sys.executable, "-m", "engine.processes", str(setup_path)], cwd=root,
             env={**os.environ, "PYTHONPATH": str(root)}, text=True, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self.stderr)
         self.reports: queue.Queue = queue.Queue()
         self.seen: list[dict] = []   # every report, in order (expect() skips some)
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         for line in self.process.stdout:
@@ -533,9 +758,13 @@ class Child:
         deadline = time.monotonic() + timeout_s
         while (remaining := deadline - time.monotonic()) > 0:
             try:
-                got = self.reports.get(timeout=remaining)
+                got = self.reports.get(timeout=min(remaining, 0.1))
             except queue.Empty:
-                break
+                if not self.reader.is_alive() and self.reports.empty():
+                    raise ProcessLookupError(  # it exited: waiting on would change nothing
+                        f"{self.name}: exited with code {self.process.wait()} before "
+                        f"{ev!r} (its stderr: {self.stderr.name})") from None
+                continue
             if got["ev"] == ev:
                 return got
         raise TimeoutError(f"{self.name}: no {ev!r} within {timeout_s} s (exit code "
@@ -572,9 +801,15 @@ class Launched:
 
     def start(self, timeout_s: float = 10.0) -> None:
         d = self.deployment
+        if d.model_dir:
+            from engine.process_data import rendezvous_path
+            Path(rendezvous_path(d)).unlink(missing_ok=True)
         decodes = [self._spawn(DECODE, k, [], timeout_s) for k in range(d.decode_workers)]
         prefills = [self._spawn(PREFILL, k, decodes, timeout_s)
                     for k in range(d.prefill_workers)]
+        if d.model_dir:  # the real data path: every transport up before the first request
+            for child in list(self.children.values()):
+                child.expect("joined", d.join_timeout_s)
         self._spawn(ROUTER, 0, prefills + decodes, timeout_s)
 
     def wait_done(self, timeout_s: float) -> dict:
@@ -603,4 +838,7 @@ class Launched:
 
 
 if __name__ == "__main__":
-    sys.exit(main(json.loads(sys.argv[1])))
+    code = main(json.loads(Path(sys.argv[1]).read_text()))
+    sys.stdout.flush()
+    # Not sys.exit: tearing a gloo world down waits on peers that may have exited first.
+    os._exit(code)

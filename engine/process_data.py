@@ -1,0 +1,289 @@
+"""The real data path of the worker processes (engine/processes.py): a model, a KV pool and a
+DistTransport in each prefill and decode process, in place of the modelled one.
+
+Theory of operation
+-------------------
+A worker process keeps deciding nothing: its part (spec/parts.py, through the core) says
+when to compute, which pages to send where, when to decode and when to release; these
+classes only carry out those commands on tensors and report what they observe.
+
+- Each process loads the model from the same folder (`Deployment.model_dir`, an HF folder
+  written once by whoever starts the deployment), so every process holds identical
+  weights, and runs engine/workers.py's PrefillWorker or DecodeWorker on its own KVPool:
+  the very data path the in-process engine runs (chunked prefill, checksums sealed at the
+  end of a prompt, decode attention that checks every page's tag).
+- The page writes go over engine/dist_transport.py (gloo on 127.0.0.1): one world of the
+  P + D worker processes (decode d is rank d, prefill q is rank D + q; the router moves no
+  KV and is not in it), joined through a FileStore in the deployment's log folder (no port
+  to pick, so no race for one). The source page is read when decode lands the write, as an
+  RDMA NIC would read it.
+- Pages are named two ways: the core's flat page numbers (worker w's pages are w * pages ..
+  w * pages + pages - 1, spec/parts.py `Part.base`) and each pool's own indexes; the
+  conversion is here and nowhere else.
+- The request's payload (its prompt's token ids and max_tokens) comes with its first
+  message from the router; the first token, which the prefill samples at the end of the
+  prompt, travels with the prefill's final word (engine/processes.py), as a disaggregated
+  server sends it with its transfer's status.
+
+Decoding is greedy with no end-of-sequence or stop strings (the payload has no sampling
+parameters yet): a request decodes exactly max_tokens tokens.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.dist_transport import (DECODE, PREFILL, DistTransport, DistTransportConfig,
+                                   TransportError)
+from engine.generate import Generator, GeneratorConfig, Request
+from engine.model import LlamaModel
+from engine.pool import PoolConfig
+from engine.sampling import SamplingParams, sample
+from engine.transport import PageWrite
+from engine.weights import load_checkpoint
+from engine.workers import DecodeWorker, PrefillWorker, kv_rows
+
+
+@dataclass(frozen=True)
+class Payload:
+    """What a worker needs of a request besides the protocol: its prompt and length."""
+
+    prompt_ids: tuple
+    max_tokens: int
+
+    def request(self, r: int) -> Request:
+        return Request(r, tuple(self.prompt_ids),
+                       SamplingParams(max_tokens=self.max_tokens, ignore_eos=True))
+
+
+def rank_of(deployment, role: str, worker: int) -> int:
+    return worker if role == DECODE else deployment.decode_workers + worker
+
+
+def rendezvous_path(deployment) -> str:
+    """The FileStore the worker processes meet at. The launcher removes a stale one before
+    it starts them: a store left by an earlier deployment in the same folder (processes
+    leave with os._exit, so nobody deletes it) would hold its keys."""
+    return os.path.join(os.path.abspath(deployment.log_dir), "gloo.rendezvous")
+
+
+def join_world(deployment, role: str, worker: int) -> None:
+    """Join the gloo world of the worker processes (blocks until every one has joined, at
+    most join_timeout_s)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # 127.0.0.1 only
+    dist.init_process_group(
+        "gloo", init_method=f"file://{rendezvous_path(deployment)}",
+        rank=rank_of(deployment, role, worker),
+        world_size=deployment.prefill_workers + deployment.decode_workers,
+        timeout=datetime.timedelta(seconds=deployment.join_timeout_s))
+
+
+def warm_up(model: LlamaModel) -> None:
+    """One short request through the model in a scratch pool of its own: the first calls'
+    one-off costs (kernel selection, the rotary table) are paid before any traffic."""
+    scratch = Generator(model, GeneratorConfig(num_pages=4, page_tokens=4))
+    scratch.run([Request(0, tuple(range(1, 9)), SamplingParams(max_tokens=2))])
+
+
+def _worker_parts(deployment, role: str) -> tuple[LlamaModel, PoolConfig]:
+    torch.set_num_threads(1)  # P + D + 1 processes share the machine's cores
+    model = LlamaModel(load_checkpoint(deployment.model_dir))
+    warm_up(model)
+    pages = deployment.prefill_pages if role == PREFILL else deployment.decode_pages
+    return model, PoolConfig.for_model(model.config, pages, deployment.page_tokens,
+                                       model.dtype, model.device)
+
+
+class _Data:
+    """What both roles share: the pool's place in the core's flat pool, the transport."""
+
+    ROLE = ""
+
+    def __init__(self, deployment, worker: int) -> None:
+        self.deployment, self.worker_index = deployment, worker
+        self.pages = (deployment.prefill_pages if self.ROLE == PREFILL
+                      else deployment.decode_pages)
+        self.base = worker * self.pages
+        self.transport: DistTransport | None = None
+
+    def local(self, page: int) -> int:
+        assert self.base <= page < self.base + self.pages, f"page {page} is not this pool's"
+        return page - self.base
+
+    def join(self, pool) -> None:
+        d = self.deployment
+        join_world(d, self.ROLE, self.worker_index)
+        other, count = (DECODE, d.decode_workers) if self.ROLE == PREFILL else (
+            PREFILL, d.prefill_workers)
+        peers = tuple((k, rank_of(d, other, k)) for k in range(count))
+        self.transport = DistTransport(pool, DistTransportConfig(
+            self.ROLE, self.worker_index, peers, timeout_s=d.transport_timeout_s,
+            handshake_timeout_s=d.join_timeout_s))
+
+    def close(self) -> None:
+        """CLOSE to every peer; one that died refuses it, and this process is leaving."""
+        if self.transport is not None:
+            try:
+                self.transport.close()
+            except TransportError:
+                pass
+
+
+class PrefillData(_Data):
+    """A prefill process's data path: PrefillWorker on its pool, posts over DistTransport."""
+
+    ROLE = PREFILL
+
+    def __init__(self, deployment, worker: int) -> None:
+        super().__init__(deployment, worker)
+        model, pool = _worker_parts(deployment, PREFILL)
+        self.worker = PrefillWorker(model, pool, deployment.prefill_chunk_tokens,
+                                    name=f"prefill-{worker}")
+        self.first: dict[int, int] = {}  # request -> the first token, sampled here
+        self.writes_lost = 0  # posts a dead decode refused (its crash's record fails them)
+
+    def join(self) -> None:
+        super().join(self.worker.pool)
+
+    def compute(self, r: int, payload: Payload, sources: tuple) -> None:
+        """Compute (the core's command) into the admitted source pages."""
+        self.worker.start(payload.request(r), tuple(self.local(p) for p in sources))
+
+    def busy(self) -> bool:
+        return bool(self.worker.computing)
+
+    def step(self) -> list[int]:
+        """One chunked prefill step: the requests whose prompt is now computed (their
+        pages sealed, their first token kept)."""
+        if not self.worker.computing:
+            return []
+        completed, faults = self.worker.step()
+        assert not faults, f"prefill compute failed: {[f.detail for f in faults]}"
+        for sequence, token, _ in completed:
+            self.first[sequence.request.request_id] = token
+        return [sequence.request.request_id for sequence, _, _ in completed]
+
+    def post(self, write: tuple, decode: int) -> None:
+        """The core's Post: the write (flat page numbers) with the source's checksum now."""
+        r, source, page, tag = write
+        local = self.local(source)
+        try:
+            self.transport.post(PageWrite(r, local, page - decode * self.deployment.decode_pages,
+                                          tag, self.worker.checksum(local), self.worker_index,
+                                          decode))
+        except TransportError:
+            # A decode that died before this process's detector said so: the write is lost
+            # with it, as the spec's DecodeCrash flushes it; the crash's record ends the
+            # request here (engine/processes.py), so nothing waits for this write.
+            self.writes_lost += 1
+
+    def poll(self) -> None:
+        """Completions free the transport's window; the protocol's completion is the
+        router's LandWrite (engine/processes.py), not this."""
+        self.transport.completed()
+
+    def stop(self, r: int) -> None:
+        self.worker.stop(r)
+
+
+class DecodeData(_Data):
+    """A decode process's data path: lands writes into its pool, decodes greedily."""
+
+    ROLE = DECODE
+
+    def __init__(self, deployment, worker: int) -> None:
+        super().__init__(deployment, worker)
+        model, pool = _worker_parts(deployment, DECODE)
+        self.worker = DecodeWorker(model, pool, deployment.max_batch, name=f"decode-{worker}")
+        self.arrived: list[PageWrite] = []   # ready, not landed yet, in arrival order
+        self.done: dict[int, bool] = {}      # request -> tags verdict, decoding ended
+        self.bytes_landed = 0
+
+    def join(self) -> None:
+        super().join(self.worker.pool)
+
+    def flat(self, write: PageWrite) -> tuple:
+        """The core's write tuple (flat page numbers) of a transport write."""
+        return (write.request, write.prefill * self.deployment.prefill_pages + write.source_page,
+                self.base + write.decode_page, write.tag)
+
+    def land(self, announced) -> list[tuple]:
+        """Land the ready writes whose posting the prefill has announced (`announced`: the
+        flat write tuples it has told about; the landing needs its poster's stamp), in
+        arrival order; returns the flat tuples landed."""
+        self.arrived += self.transport.ready()
+        batch, waiting = [], set()   # waiting: prefills with a write not yet announced
+        for write in self.arrived:
+            if write.prefill in waiting or self.flat(write) not in announced:
+                waiting.add(write.prefill)  # a peer's writes land in their order
+                continue
+            batch.append(write)
+        if not batch:
+            return []
+        self.arrived = [write for write in self.arrived if write.prefill in waiting
+                        and write not in batch]
+        moved = self.transport.land_many(batch)
+        for write, count in zip(batch, moved):
+            assert count > 0, f"{write} moved no byte"
+            self.bytes_landed += count
+            self.worker.landed(write.request, write.decode_page, write.checksum, write.tag)
+        return [self.flat(write) for write in batch]
+
+    def transfer_ok(self, r: int, announced: int) -> bool:
+        """Accept's observed verdict: the count and every landed page's checksum."""
+        return self.worker.transfer_fault(r, announced) == ""
+
+    def start(self, r: int, payload: Payload, table: tuple, first: int) -> bool:
+        """StartDecoding (the core's command): the sequence on its reserved pages, the
+        prefill's first token its first output; whether that already ends it."""
+        local = tuple((self.local(page), gen) for page, gen in table)
+        sequence = self.worker.start(payload.request(r), local, None)
+        sequence.output_ids.append(first)
+        return self._maybe_done(sequence)
+
+    def busy(self) -> bool:
+        return bool(self.worker.running) or bool(self.arrived)
+
+    def step(self) -> list[tuple[int, int | None, bool]]:
+        """One decode step: (request, its new token or None after a failed tag check,
+        whether it ended now: its tags verdict is then in `done`) per sequence stepped."""
+        out = []
+        for sequence, ok, logits in self.worker.step():
+            token = None
+            if ok:
+                token, = sample(logits[None], [sequence.request.sampling], [None])
+                sequence.output_ids.append(token)
+            out.append((sequence.request.request_id, token, self._maybe_done(sequence, ok)))
+        return out
+
+    def _maybe_done(self, sequence, ok: bool = True) -> bool:
+        """A sequence ends at max_tokens or on a failed tag check; it leaves the batch at
+        once (its next position has no reserved page), and Finish (the core's) follows."""
+        r = sequence.request.request_id
+        if ok and len(sequence.output_ids) < sequence.request.sampling.max_tokens:
+            return False
+        self.done[r] = ok and self.worker.tags_current(sequence)
+        if self.deployment.keep_kv:
+            self.keep_read_kv(sequence)
+        self.worker.running.remove(sequence)
+        return True
+
+    def stop(self, r: int) -> None:
+        self.worker.stop(r)
+
+    def keep_read_kv(self, sequence) -> None:
+        """The leak oracle's evidence (tests): the prompt KV this decode read for the
+        request, [tokens, layers, 2, kv_heads, dim], saved beside the logs, for an oracle
+        that computes the request's own KV by a path sharing nothing with this one but the
+        model."""
+        read = kv_rows(self.worker.pool, sequence.pages, len(sequence.prompt_ids))
+        torch.save(read, read_kv_path(self.deployment, sequence.request.request_id))
+
+
+def read_kv_path(deployment, r: int) -> str:
+    return os.path.join(deployment.log_dir, f"read-kv-{r}.pt")
