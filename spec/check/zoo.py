@@ -87,6 +87,15 @@ BASES: dict[str, dict[str, int]] = {
     "workers-2x2": dict(requests=1, max_prompt_pages=3, context_pages=3, prefill_pages=2,
                         decode_pages=3, crashes=True, decode_crashes=True, prefill_workers=2,
                         decode_workers=2),
+    # Prefix caching (issue 27): two requests, each a prompt of one or two pages of one
+    # token kind and one of two salts, so that a request may hit all, part or none of what
+    # the other left cached, or share pages with a request of another tenant but for the
+    # salt; decode pool of 2 pages so that allocation evicts.
+    "prefix": dict(requests=2, max_prompt_pages=2, context_pages=2, prefill_pages=2,
+                   decode_pages=2, prefix_cache=True, tokens=1, tenants=2),
+    "prefix-crash": dict(requests=2, max_prompt_pages=2, context_pages=2, prefill_pages=2,
+                         decode_pages=2, prefix_cache=True, tokens=1, tenants=2, crashes=True,
+                         decode_crashes=True),
 }
 # Two requests on worker sets, one-page pools and prompts, both kinds of crash: where two
 # requests share or split workers. Too large for conformance in CI and for TLC's table here
@@ -133,6 +142,11 @@ BASE_NOTES = {
                    "may crash alone: the router places the request on either decode.",
     "workers-2x2": "One request, two prefill and two decode workers, each worker may crash "
                    "alone: every placement of the request is explored.",
+    "prefix": "Prefix caching: two requests with prompts of 1..2 pages (one token kind) and "
+              "one of two salts, pools of 2 pages: hits full, partial and none, sharing, "
+              "release to the cache, eviction.",
+    "prefix-crash": "The prefix model, and either worker may crash and restart: a decode "
+                    "restart loses its cache index and every reference.",
 }
 
 
@@ -336,6 +350,11 @@ ALONE: tuple[Alone, ...] = (
           masked_by="for the state and rest invariants: decode timeout with cancel (the "
                     "revived reservation times out and is released)",
           exposed_by="revived-bootstrap"),
+    # Prefix caching (issue 27), on the prefix model.
+    Alone("StaleHitLength", base="prefix", masked_by="TBD"),
+    Alone("NoRefCount", base="prefix", breaks="ReadersAreLive", length=0),
+    Alone("FullHitNoNotice", base="prefix", breaks="NoStuckRequest", length=0),
+    Alone("NoSalt", base="prefix", breaks="Isolation", length=0),
 )
 assert {a.switch for a in ALONE} == set(BUG_SWITCHES)
 
