@@ -223,6 +223,24 @@ ENTRIES: tuple[Entry, ...] = (
           story="The prefill fails and its Abort overtakes the bootstrap (a tombstone); decode "
                 "crashes, and the restarted decode, which does not check epochs, takes the "
                 "old bootstrap as new and reserves pages for a request nobody will ever end."),
+    # Prefix caching (issue 27).
+    Entry("stale-hit-reads-unwritten", frozenset({"StaleHitLength", "NoGenBump"}),
+          "Isolation", 14, base="prefix", invariants=("Isolation", "OkIsClean"),
+          story="SGLang PR #31881: decode counts a cached page it does not hold (a stale "
+                "storage-hit length), tells the prefill, which skips it, and reads the page "
+                "nobody wrote; without tag bumps its stale tag passes the check, and the "
+                "request decodes from another prompt's KV."),
+    Entry("no-refcount", frozenset({"NoRefCount"}), "ExclusiveOwner", 11, base="prefix",
+          story="LMCache-Ascend #250: pages deduplicated by content key with no count of "
+                "readers; the first reader's release frees a page the second still reads."),
+    Entry("full-hit-no-notice", frozenset({"FullHitNoNotice"}), "NoStuckRequest", 13,
+          base="prefix",
+          story="vLLM PR #43509, PR #18632: on a full decode-side hit no word goes to the "
+                "prefill, which holds the request (and in vLLM its source pages) until an "
+                "expiry."),
+    Entry("no-salt", frozenset({"NoSalt"}), "SaltsApart", 9, base="prefix",
+          story="The cache key leaves out the salt: a request of another tenant with the "
+                "same prefix hits, and reads, the first tenant's pages."),
 )
 ENTRY_BY_NAME = {e.name: e for e in ENTRIES}
 
@@ -350,11 +368,20 @@ ALONE: tuple[Alone, ...] = (
           masked_by="for the state and rest invariants: decode timeout with cancel (the "
                     "revived reservation times out and is released)",
           exposed_by="revived-bootstrap"),
-    # Prefix caching (issue 27), on the prefix model.
-    Alone("StaleHitLength", base="prefix", masked_by="TBD"),
-    Alone("NoRefCount", base="prefix", breaks="ReadersAreLive", length=0),
-    Alone("FullHitNoNotice", base="prefix", breaks="NoStuckRequest", length=0),
-    Alone("NoSalt", base="prefix", breaks="Isolation", length=0),
+    # Prefix caching (issue 27), on the prefix model (without a prefix cache they change
+    # nothing). A stale hit length leaves a reserved page unwritten: the tag check fails the
+    # read (a fitting request fails, no leak); without tag bumps the page's stale tag
+    # passes, and the request reads another prompt's KV.
+    Alone("StaleHitLength", breaks="FittingRequestsSucceed", length=7, base="prefix",
+          masked_by="for safety: page generation tags checked on every read (the page "
+                    "nobody wrote carries an older tag)",
+          exposed_by="stale-hit-reads-unwritten"),
+    # The first reader's release frees the page under the second: its table holds a page
+    # it neither owns nor reads. With two requests nobody reuses the page before the
+    # second reader finishes, so no data leaks here.
+    Alone("NoRefCount", breaks="ExclusiveOwner", length=11, base="prefix"),
+    Alone("FullHitNoNotice", breaks="NoStuckRequest", length=13, base="prefix"),
+    Alone("NoSalt", breaks="SaltsApart", length=9, base="prefix"),
 )
 assert {a.switch for a in ALONE} == set(BUG_SWITCHES)
 
