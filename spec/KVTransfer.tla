@@ -549,22 +549,23 @@ Reserve(r, S) ==
     /\ S \subseteq FreeDecode(dworker[r])
     /\ Cardinality(S) = prompt[r] - HitLen(r)
     /\ \A i \in 1..HitLen(r) : HitPage(r, i) \notin S
-    /\ LET d == dworker[r]
-           k == HitLen(r)
+    /\ LET k == HitLen(r)
            h == [i \in 1..k |-> HitPage(r, i)]
            g == [p \in DPages |-> IF p \in S /\ "NoGenBump" \notin Bugs
-                                    THEN gen[d][p] + 1 ELSE gen[d][p]]
+                                    THEN gen[dworker[r]][p] + 1 ELSE gen[dworker[r]][p]]
            q == Ascending(S)
            t == [i \in 1..prompt[r] |-> IF i <= k THEN [page |-> h[i], gen |-> g[h[i]]]
                                                 ELSE [page |-> q[i - k], gen |-> g[q[i - k]]]]
            silent == k = prompt[r] /\ "FullHitNoNotice" \in Bugs
-       IN /\ gen' = [gen EXCEPT ![d] = g]
+       IN /\ gen' = [gen EXCEPT ![dworker[r]] = g]
           /\ table' = [table EXCEPT ![r] = t]
           /\ hit' = [hit EXCEPT ![r] = ToldHit(r, k)]
-          /\ owner' = [owner EXCEPT ![d] = [p \in DPages |-> IF p \in S THEN r ELSE @[p]]]
-          /\ readers' = [readers EXCEPT ![d] =
+          /\ owner' = [owner EXCEPT ![dworker[r]] =
+                         [p \in DPages |-> IF p \in S THEN r ELSE @[p]]]
+          /\ readers' = [readers EXCEPT ![dworker[r]] =
                            [p \in DPages |-> IF p \in Range(h) THEN @[p] \cup {r} ELSE @[p]]]
-          /\ ident' = [ident EXCEPT ![d] = [p \in DPages |-> IF p \in S THEN NoIdent ELSE @[p]]]
+          /\ ident' = [ident EXCEPT ![dworker[r]] =
+                         [p \in DPages |-> IF p \in S THEN NoIdent ELSE @[p]]]
           /\ IF silent
                THEN /\ dst' = [dst EXCEPT ![r] = "Decoding"]
                     /\ dfw' = [dfw EXCEPT ![r] = TRUE]
@@ -647,15 +648,13 @@ SealedBy(r) == {table[r][i].page : i \in hit[r] + 1..Len(table[r])}
 
 Seal(r) ==
     IF PrefixCache
-      THEN LET d == dworker[r]
-           IN /\ owner' = [owner EXCEPT ![d] =
-                             [p \in DPages |-> IF p \in SealedBy(r) THEN NoReq ELSE @[p]]]
-              /\ readers' = [readers EXCEPT ![d] =
-                               [p \in DPages |-> IF p \in SealedBy(r) THEN {r} ELSE @[p]]]
-              /\ ident' = [ident EXCEPT ![d] =
-                             [p \in DPages |-> IF p \in SealedBy(r)
-                                               THEN CacheKey(r, PageIndex(r, p))
-                                               ELSE @[p]]]
+      THEN /\ owner' = [owner EXCEPT ![dworker[r]] =
+                          [p \in DPages |-> IF p \in SealedBy(r) THEN NoReq ELSE @[p]]]
+           /\ readers' = [readers EXCEPT ![dworker[r]] =
+                            [p \in DPages |-> IF p \in SealedBy(r) THEN {r} ELSE @[p]]]
+           /\ ident' = [ident EXCEPT ![dworker[r]] =
+                          [p \in DPages |-> IF p \in SealedBy(r)
+                                            THEN CacheKey(r, PageIndex(r, p)) ELSE @[p]]]
       ELSE UNCHANGED <<owner, readers, ident>>
 
 Accept(r, checksumsOk) ==
@@ -773,14 +772,13 @@ FreedPages(r) == [owner EXCEPT ![dworker[r]] =
 (* requests still read them.                                                              *)
 DropReferences(r) ==
     IF PrefixCache
-      THEN LET d == dworker[r]
-               mine == {p \in TablePages(r) : r \in readers[d][p]}
-           IN /\ readers' = [readers EXCEPT ![d] =
+      THEN LET mine == {p \in TablePages(r) : r \in readers[dworker[r]][p]}
+           IN /\ readers' = [readers EXCEPT ![dworker[r]] =
                                [p \in DPages |-> IF p \notin mine THEN @[p]
                                                  ELSE IF "NoRefCount" \in Bugs THEN {}
                                                  ELSE @[p] \ {r}]]
               /\ ident' = IF "NoRefCount" \in Bugs
-                            THEN [ident EXCEPT ![d] =
+                            THEN [ident EXCEPT ![dworker[r]] =
                                     [p \in DPages |-> IF p \in mine THEN NoIdent ELSE @[p]]]
                             ELSE ident
       ELSE UNCHANGED <<readers, ident>>

@@ -366,6 +366,6 @@ class Model:
             f"{', decode crashes' if self.decode_crashes else ''}"
             f"{'' if self.early_timeouts else ', timely timers'}"
             f"{', the network loses ' + ', '.join(sorted(self.losses)) if self.losses else ''}"
-            f"{f', prefix cache ({self.tokens} tokens, {self.tenants} tenants)' if self.prefix_cache else ''}"
+            f"{f', prefix cache ({self.tokens} token kinds, {self.tenants} salts)' if self.prefix_cache else ''}"
             f"; bugs: {bugs}"
         )

@@ -116,5 +116,6 @@ def why_not(worker: str, variable: str) -> str:
 
 
 # The core's view attributes -> the spec variables they stand for (a pool is its role's).
-VIEW_PARTS = {"decode_pool": ("owner", "gen", "content"), "prefill_pool": ("powner", "pdata"),
+VIEW_PARTS = {"decode_pool": ("owner", "gen", "content", "readers", "ident", "kv"),
+              "prefill_pool": ("powner", "pdata"),
               "writes": ("writes",)}

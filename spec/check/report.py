@@ -31,7 +31,9 @@ def describe_model(m: Model) -> str:
             f"{pages(m.prefill_pages)}, decode pool {pages(m.decode_pages)}"
             f"{', prefill crashes' if m.crashes else ''}"
             f"{', decode crashes' if m.decode_crashes else ''}"
-            f"{'' if m.early_timeouts else ', timely timers'}; bugs: {bugs}")
+            f"{'' if m.early_timeouts else ', timely timers'}"
+            f"{f', prefix cache ({m.tokens} token kinds, {m.tenants} salts)' if m.prefix_cache else ''}"
+            f"; bugs: {bugs}")
 
 
 def format_trace(m: Model, violation: Violation, full: bool = False, shortest: bool = True) -> str:
