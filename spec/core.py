@@ -573,22 +573,24 @@ def reserve(m: Model, s: State, r: int, pages: tuple) -> Change | str:
     for p in pages:
         if pool[p][READERS] or p in hits:
             return f"decode page {p + 1} is cached and read: it is not free"
+    changes, table = _referenced(pool, r, hits), tuple((p, pool[p][GEN]) for p in hits)
     bump = 0 if "NoGenBump" in m.bugs else 1
-    changes = [(p, pool[p][:READERS] + (tuple(sorted(pool[p][READERS] + (r,))),)
-                + pool[p][IDENT:]) for p in hits]
-    table = [(p, pool[p][GEN]) for p in hits]
-    for p in pages:  # allocating a cached page nobody reads evicts it
-        _, gen, data, tag, readers, _, kv = pool[p]
-        changes.append((p, (r, gen + bump, data, tag, readers, NO_IDENT, kv)))
-        table.append((p, gen + bump))
-    table = tuple(table)
+    changes += tuple((p, (r, gen + bump, data, tag, readers, NO_IDENT, kv))  # evicts a cached
+                     for p in pages for _, gen, data, tag, readers, _, kv in (pool[p],))
+    table += tuple((p, pool[p][GEN] + bump) for p in pages)
     told = told_hit(m, row, len(hits))
     if len(hits) == row[PROMPT] and "FullHitNoNotice" in m.bugs:  # the bug: no word to prefill
         new = _row(row, BOOT, 0, DST, DECODING, DFW, 1, TABLE, table, HIT, told)
     else:  # published: the prefill receives the same table and hit length (PTABLE, PHIT)
         new = _row(row, BOOT, 0, DST, D_WAITING, TABLE, table, PTABLE, table, HIT, told,
                    PHIT, told)
-    return Change(((r, new),), decode=tuple(changes))
+    return Change(((r, new),), decode=changes)
+
+
+def _referenced(pool, r: int, hits: tuple) -> tuple:
+    """The cached pages `hits` with r among their readers."""
+    return tuple((p, pool[p][:READERS] + (tuple(sorted(pool[p][READERS] + (r,))),)
+                  + pool[p][IDENT:]) for p in hits)
 
 
 def decode_reject(m: Model, s: State, r: int) -> Change | str:

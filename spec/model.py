@@ -184,6 +184,10 @@ def _positive(label: str, value) -> None:
         raise ModelError(f"{label} must be an integer >= 1, got {value!r}")
 
 
+def _s(n: int) -> str:
+    return "" if n == 1 else "s"
+
+
 @dataclass(frozen=True)
 class ProtocolConfig:
     """What a deployment is configured with, and all its guards read besides the state: the
@@ -366,6 +370,6 @@ class Model:
             f"{', decode crashes' if self.decode_crashes else ''}"
             f"{'' if self.early_timeouts else ', timely timers'}"
             f"{', the network loses ' + ', '.join(sorted(self.losses)) if self.losses else ''}"
-            f"{f', prefix cache ({self.tokens} token kinds, {self.tenants} salts)' if self.prefix_cache else ''}"
+            f"{f', prefix cache ({self.tokens} token kind{_s(self.tokens)}, {self.tenants} salt{_s(self.tenants)})' if self.prefix_cache else ''}"
             f"; bugs: {bugs}"
         )
