@@ -673,9 +673,9 @@ def accept(m: Model, s: State, r: int, checksums_ok: bool) -> Change | str:
         if _transfer_fault(m, row, checksums_ok):
             row = _row(row, FW, NO_MSG, FW_COUNT, 0, DST, CLOSING, DFW, 1, ANNOUNCED, count,
                        CLIENT, _client_error(row, ERR_TRANSFER))
-        else:
-            return Change(((r, _row(row, FW, NO_MSG, FW_COUNT, 0, DST, DECODING, DFW, 1,
-                                    ANNOUNCED, count)),), decode=_sealed(m, s, r, row))
+        else:  # good: with a prefix cache the pages it wrote are sealed
+            row = _row(row, FW, NO_MSG, FW_COUNT, 0, DST, DECODING, DFW, 1, ANNOUNCED, count)
+            return Change(((r, row),), decode=_sealed(m, s, r, row))
     else:
         row = _receive_final_word(m, s, r, row)
     return _one(r, row)
@@ -1253,6 +1253,7 @@ class ActionInfo:
     argument: str = ""          # the event's field besides the request, if any
     observed: Callable | None = None  # the oracle for the verdict the data path reports
     after_loss: bool = False    # a recovery from a loss: never enabled where nothing is lost
+    prefix_cache: bool = False  # a prefix cache's: never enabled without one
 
     @property
     def fair(self) -> bool:
@@ -1294,7 +1295,7 @@ ACTION_TABLE: tuple[ActionInfo, ...] = (
     ActionInfo(ResendCancel, "decode", "timer", after_loss=True),
     ActionInfo(RevokeRelease, "decode", "timer", after_loss=True),
     # The cache's policy: not fair (a cache need not evict), not a fault.
-    ActionInfo(Evict, "decode", "policy", argument="page"),
+    ActionInfo(Evict, "decode", "policy", argument="page", prefix_cache=True),
 )
 
 # Action type -> its function. A dict rather than a table column so that a test can swap
@@ -1324,6 +1325,9 @@ TIMER_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE if info.k
 # The recoveries from a loss (resends, decode's write timer): never enabled without Losses.
 LOSS_RECOVERY_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE
                                   if info.after_loss)
+# The prefix cache's own actions (Evict): never enabled without PrefixCache.
+PREFIX_CACHE_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE
+                                 if info.prefix_cache)
 # The events that are signs of progress of a request's prefill and renew decode's transfer
 # lease (LeaseLapsed in the spec; the shells' timers): the prefill's own actions on the
 # request and its writes landing. A crash is a sign of nothing.

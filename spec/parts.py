@@ -592,6 +592,10 @@ class Split:
             return None
         if type(event) is core.PrefillCrash:
             return self.prefills[event.worker]
+        if type(event) is core.Evict:  # prefix caching: not split by role yet (issue 27)
+            if self.model.prefix_cache:
+                raise core.ProtocolMisuse("the split state has no prefix cache yet")
+            return "this model has no prefix cache"
         if not 0 <= event.request < self.model.requests:
             raise core.ProtocolMisuse(f"request {event.request} does not exist")
         return self.placed(event.request, role) or (
