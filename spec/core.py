@@ -25,6 +25,13 @@ ended prefill answers a cancel by repeating its final word (AnswerCancel). Messa
 each other: a final word can reach decode before the bootstrap, so decode keeps a tombstone
 and drops the late bootstrap (DropBootstrap).
 
+With a prefix cache (the model's prefix_cache; the spec's PrefixCache) a prompt is a sequence
+of abstract tokens with a salt (its tenant), and a page's content identity is (salt, the tokens
+of that page and of every page before it). Decode seals the pages of an accepted transfer under
+their identity (Accept), a later request with the same salt and prefix references them at
+Reserve (its first HIT pages; the prefill, told PHIT, sends only the tail, into the right
+pages), Release drops the reference and Evict forgets a sealed page nobody reads.
+
 Pages keep their last content when freed; nothing is zeroed. A fresh pool's pages carry an
 invalid tag (-1) that no allocation ever issues.
 
