@@ -1029,8 +1029,8 @@ SaltsApart == \A d \in DecodeWorkers : \A p \in DPages : \A r \in readers[d][p] 
 (* worker whose table has it and that do not own it (never fewer: a release would free it *)
 (* under a reader; never more: a reference nobody drops pins the page for ever).          *)
 ReadersAreLive == \A d \in DecodeWorkers : \A p \in DPages : \A r \in Requests :
-                      r \in readers[d][p] <=> /\ HoldsPages(r) /\ dworker[r] = d
-                                              /\ p \in TablePages(r) /\ owner[d][p] # r
+                      (r \in readers[d][p]) = (/\ HoldsPages(r) /\ dworker[r] = d
+                                                /\ p \in TablePages(r) /\ owner[d][p] # r)
 
 (* A page with readers is sealed and owned by nobody, and no write is on its way into a   *)
 (* sealed page: no eviction or allocation can take a page with readers or a write pending. *)
