@@ -52,7 +52,8 @@ STATES = {
     "workers-1x2": 5284, "workers-2x1": 5284, "workers-2x2": 10566,
     # Prefix caching, decode side (issue 27): the prefix models and the graphs of its
     # switches (each zoo-X of one switch is bug-X's graph).
-    "prefix": 420895, "prefix-crash": 1094048, "bug-StaleHitLength": 196137,
+    "prefix": 420895, "prefix-chain": 633677, "prefix-crash": 1094048,
+    "bug-StaleHitLength": 196137,
     "bug-NoRefCount": 401311, "bug-FullHitNoNotice": 412907, "bug-NoSalt": 436279,
     "zoo-stale-hit-reads-unwritten": 189172,
 }

@@ -253,6 +253,7 @@ TLC_FIGURES = {
     "workers-2x2": (10566, 14),
     # issue 27: prefix caching, decode side
     "prefix": (841757, 27),
+    "prefix-chain": (1267305, 27),
     "prefix-crash": (2187923, 27),
     "bug-StaleHitLength": ('FittingRequestsSucceed', 7),
     "bug-NoRefCount": ('ExclusiveOwner', 11),

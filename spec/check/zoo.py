@@ -93,8 +93,14 @@ BASES: dict[str, dict[str, int]] = {
     # salt; decode pool of 2 pages so that allocation evicts.
     "prefix": dict(requests=2, max_prompt_pages=2, context_pages=2, prefill_pages=2,
                    decode_pages=2, prefix_cache=True, tokens=1, tenants=2),
+    # Two token kinds and one salt: prompts that share page 1 and differ on page 2 (a
+    # partial hit whose tail is another prompt's), and prompts that differ on page 1 and
+    # agree on page 2 (no hit at all: the key of page 2 covers page 1).
+    "prefix-chain": dict(requests=2, max_prompt_pages=2, context_pages=2, prefill_pages=2,
+                         decode_pages=2, prefix_cache=True, tokens=2, tenants=1),
     # Its crash variant keeps one salt (the prefix model keeps tenants apart): with two it
-    # is past 10 M states at depth 12; with one, 1,094,048 orbits in about a minute.
+    # had 719,161 orbits at depth 12 of 27 after 38 s and was stopped; with one it has
+    # 1,094,048 orbits in all, checked in about a minute.
     "prefix-crash": dict(requests=2, max_prompt_pages=2, context_pages=2, prefill_pages=2,
                          decode_pages=2, prefix_cache=True, tokens=1, tenants=1, crashes=True,
                          decode_crashes=True),
@@ -147,6 +153,8 @@ BASE_NOTES = {
     "prefix": "Prefix caching: two requests with prompts of 1..2 pages (one token kind) and "
               "one of two salts, pools of 2 pages: hits full, partial and none, sharing, "
               "release to the cache, eviction.",
+    "prefix-chain": "Prefix caching with two token kinds and one salt: prompts that share "
+                    "page 1 and differ on page 2, or differ on page 1 and agree on page 2.",
     "prefix-crash": "The prefix model with one salt, and either worker may crash and "
                     "restart: a decode restart loses its cache index and every reference, a "
                     "prefill restart a tail transfer.",
