@@ -41,7 +41,10 @@ def _field_names(cls: type) -> tuple[str, ...]:
 _SIMPLE_CLASSES = tuple(cls for cls, _ in core._SIMPLE_ACTIONS)
 # A worker's own events (its crash) have the worker as their one argument: listed once per
 # worker of its kind. (Reading "no fields" here lost every crash once they gained a worker.)
-_GLOBAL_CLASSES = tuple(cls for cls in core.ACTIONS if issubclass(cls, core.WorkerEvent))
+# Evict (a cached page, prefix caching) is left out: the fuzz models have no prefix cache
+# yet, so it is never enabled here (issue 27's fuzzer slice will list it per page).
+_GLOBAL_CLASSES = tuple(cls for cls in core.ACTIONS
+                        if issubclass(cls, core.WorkerEvent) and cls is not core.Evict)
 assert {f for cls in _GLOBAL_CLASSES for f in _field_names(cls)} == {"worker"}, _GLOBAL_CLASSES
 _NAMES = core.ACTION_NAMES  # moves are listed in the core's action order
 _ALLOCATIONS = (core.Admit, core.Reserve)

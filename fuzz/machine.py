@@ -157,11 +157,12 @@ def draw_setup(data, profile: Profile, bugs: frozenset[str],
                   prefill_pages=prefill, decode_pages=decode, bugs=bugs, crashes=True,
                   decode_crashes=True, name="fuzz")
     # Actions the target can never list get no weight (and no draw); nor do the recoveries
-    # from a loss, since these models lose nothing (so every seed draws what it drew before
-    # those actions existed).
+    # from a loss, since these models lose nothing, nor a prefix cache's actions, since they
+    # have none (so every seed draws what it drew before those actions existed).
     weights = tuple((a, data.draw(st.sampled_from(LEVELS[kind(a)][1]), label=a))
                     for a in VOCABULARY if a in vocabulary
-                    and (model.losses or a not in core.LOSS_RECOVERY_ACTIONS))
+                    and (model.losses or a not in core.LOSS_RECOVERY_ACTIONS)
+                    and (model.prefix_cache or a not in core.PREFIX_CACHE_ACTIONS))
     policy = data.draw(st.sampled_from(POLICIES), label="allocation")
     prompt_pages_max = data.draw(st.integers(1, model.max_prompt_pages), label="prompt cap")
     order = data.draw(st.sampled_from(ORDERS), label="delivery")

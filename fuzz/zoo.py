@@ -83,6 +83,12 @@ NOT_RUN: dict[tuple[str, str], str] = {
        "simulator's lossy scenarios catch it"
        for row in ("NoRetransmit alone", "NoRevoke alone", "NoFailureDetector alone")
        for target in ("core", "sim")},
+    **{(row, target): "the fuzz targets' models have no prefix cache yet (issue 27: prefix "
+       "moves for the core and sim targets are a later slice), so the switch changes "
+       "nothing there; the checker's prefix model catches it"
+       for row in ("stale-hit-reads-unwritten", "StaleHitLength alone", "no-refcount",
+                   "full-hit-no-notice", "no-salt")
+       for target in ("core", "sim")},
 }
 
 

@@ -40,6 +40,13 @@
 (* requests, its pool and its writes with it; each decode worker has its   *)
 (* own epochs (its tombstones).                                            *)
 (*                                                                         *)
+(* Prefix caching (PrefixCache, off in most models): decode keeps the      *)
+(* pages of an accepted transfer sealed under their content identity       *)
+(* <<salt, tokens of the page and every page before it>>, a later request  *)
+(* with the same salt and prefix references them at Reserve, and the       *)
+(* prefill sends only the tail; Release drops the reference, Evict forgets *)
+(* a page no request reads. See "Prefix caching" below and spec/README.md. *)
+(*                                                                         *)
 (* Every guard can be switched off by an element of the constant Bugs, so  *)
 (* one spec serves the correct protocol and every bug of the zoo. The      *)
 (* Python core (spec/core.py) implements the same actions with the same    *)
@@ -67,13 +74,19 @@ CONSTANTS
     EarlyTimeouts,   \* whether a decode timer may fire while the prefill is still at work
                      \*   on the request (BOOLEAN; see Timeout)
     Losses,          \* what the network may lose for good (a subset of LossKinds; see Lose)
+    PrefixCache,     \* whether decode caches sealed pages by content identity and shares
+                     \*   them between requests (BOOLEAN; see "Prefix caching")
+    Tokens,          \* with PrefixCache: how many distinct abstract tokens a prompt page
+                     \*   may hold (a prompt is a sequence of them, one per page)
+    Tenants,         \* with PrefixCache: how many salts (tenants) a request may carry
     Bugs             \* the bug switches that are on (a set of strings)
 
 BugNames == {"FinishedNotRejected", "NoCountCheck", "EagerRelease", "SourceReuse",
              "NoAbortNotice", "NoTimeout", "PoolBelowContext", "NoGenBump",
              "NoChecksum", "NoTombstone", "NoCancel", "AdmitBeforeReserve",
              "StopwatchTimeout", "EarlyDone", "NoLandedCount", "GenerationReset",
-             "NoEpochCheck", "NoRetransmit", "NoRevoke", "NoFailureDetector"}
+             "NoEpochCheck", "NoRetransmit", "NoRevoke", "NoFailureDetector",
+             "StaleHitLength", "NoRefCount", "FullHitNoNotice", "NoSalt"}
 
 LossKinds == {"Bootstrap", "FinalWord", "Cancel", "Write"}
 
@@ -89,6 +102,9 @@ ASSUME /\ NoReq \notin Requests
        /\ Crashes \in BOOLEAN
        /\ DecodeCrashes \in BOOLEAN
        /\ EarlyTimeouts \in BOOLEAN
+       /\ PrefixCache \in BOOLEAN
+       /\ Tokens \in Nat \ {0}
+       /\ Tenants \in Nat \ {0}
 
 PPages == 1..PrefillPages
 DPages == 1..DecodePages
@@ -130,9 +146,22 @@ VARIABLES
     pworker,  \* router: the prefill worker it placed the request on (NoWorker: none); the
               \*   queue entry reaches that worker, which so knows its own requests
     dworker,  \* router: the decode worker it placed the request on; the bootstrap reaches it
+    tokens,   \* router: the prompt's tokens, one abstract token per page (<<>> before
+              \*   arrival, and without PrefixCache); queue entry and bootstrap carry them
+    salt,     \* router: the request's salt, its tenant (0 before arrival, and without
+              \*   PrefixCache); queue entry and bootstrap carry it
+    hit,      \* decode: how many leading pages of the prompt it holds cached for the
+              \*   request (it reads them, the prefill sends none of them)
+    phit,     \* prefill: the hit length decode told it with the page table
     owner,    \* decode: owner of each page of each worker's pool, owner[d][p]
     gen,      \* decode: generation (ownership tag) of each page, gen[d][p]
     content,  \* decode: each page's memory, <<whose data, tag it was written with>>
+    readers,  \* decode: the requests that read each sealed page, readers[d][p]
+    ident,    \* decode: each page's content identity in its cache index, ident[d][p]:
+              \*   <<>> for a page not cached, else <<salt, tokens of the page and of
+              \*   every page before it>> (a page with one is sealed: immutable, shared)
+    kv,       \* decode: the content identity of the KV each page's memory holds
+              \*   (<<>> until a write lands in it; never cleared)
     powner,   \* prefill: owner of each page of each worker's pool, powner[q][p]
     pdata,    \* prefill: each page's memory (whose KV it holds)
     writes    \* prefill: its send queue, the writes it posted whose completion has not
@@ -140,8 +169,8 @@ VARIABLES
               \*   request's workers' pools
 
 vars == <<client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel, ptable,
-          fwCount, announced, landed, leaked, pworker, dworker, owner, gen, content, powner,
-          pdata, writes>>
+          fwCount, announced, landed, leaked, pworker, dworker, tokens, salt, hit, phit, owner,
+          gen, content, readers, ident, kv, powner, pdata, writes>>
 
 Range(q) == {q[i] : i \in DOMAIN q}
 (* A finite set of integers as the ascending sequence of its elements. Not SortSeq:  *)
@@ -152,7 +181,9 @@ Range(q) == {q[i] : i \in DOMAIN q}
 Ascending(S) == [i \in 1..Cardinality(S) |->
                    CHOOSE x \in S : Cardinality({y \in S : y < x}) = i - 1]
 FreePrefill(q) == {p \in PPages : powner[q][p] = NoReq}
-FreeDecode(d) == {p \in DPages : owner[d][p] = NoReq}
+(* Pages decode may allocate: owned by no request and read by none. With PrefixCache a   *)
+(* free page may still be cached (sealed, no readers): allocating it evicts it.         *)
+FreeDecode(d) == {p \in DPages : owner[d][p] = NoReq /\ readers[d][p] = {}}
 WritesOf(r) == {w \in writes : w.req = r}
 ClientError(r, e) == IF client[r] = "Waiting" THEN e ELSE client[r]
 (* powner with r's sources at its prefill worker freed. *)
@@ -171,6 +202,43 @@ FreeUnreadSources(r) == [powner EXCEPT ![pworker[r]] =
 Counted(r, n) == IF "NoLandedCount" \in Bugs THEN TRUE ELSE landed[r] >= n
 HoldsPages(r) == dst[r] \in {"Waiting", "Decoding", "Closing"}
 Overlong(r) == prompt[r] > Min(PrefillPages, DecodePages)
+
+(* Prefix caching (PrefixCache; spec/README.md "Prefix caching"). A prompt is a sequence   *)
+(* of abstract tokens, one per page, and a request carries a salt (its tenant). A page's   *)
+(* content identity is <<salt, the tokens of that page and of every page before it>>: the *)
+(* hash chain vLLM keys its blocks by, without the hashing (collisions are out of scope:   *)
+(* the identity is the chain itself). Without PrefixCache tokens are <<>>, salts 0, and    *)
+(* no page is ever cached, so every model without it has the state graph it had.         *)
+PromptsOf(n) == IF PrefixCache THEN [1..n -> 1..Tokens] ELSE {<<>>}
+SaltsOf == IF PrefixCache THEN 1..Tenants ELSE {0}
+NoIdent == <<>>
+(* What page i of r holds: the identity of its data. *)
+TrueIdent(r, i) == <<salt[r], [j \in 1..i |-> tokens[r][j]]>>
+(* The key decode's cache index files page i of r under. NoSalt leaves the salt out. *)
+CacheKey(r, i) == <<IF "NoSalt" \in Bugs THEN 0 ELSE salt[r], [j \in 1..i |-> tokens[r][j]]>>
+Cached(d, key) == {p \in DPages : ident[d][p] = key}
+(* The longest prefix of r's prompt whose every page decode has cached. *)
+HitLen(r) == IF ~PrefixCache THEN 0
+             ELSE CHOOSE k \in 0..prompt[r] :
+                    /\ \A i \in 1..k : Cached(dworker[r], CacheKey(r, i)) # {}
+                    /\ k = prompt[r] \/ Cached(dworker[r], CacheKey(r, k + 1)) = {}
+(* The cached page decode references for page i of r: the lowest-numbered page filed     *)
+(* under the key (two requests that missed together may both have sealed one).          *)
+HitPage(r, i) == LET P == Cached(dworker[r], CacheKey(r, i))
+                 IN CHOOSE p \in P : \A o \in P : p <= o
+(* What decode tells the prefill it holds. StaleHitLength: a length one page too long  *)
+(* (a storage hit counted before the load failed or the page went): decode believes it *)
+(* and reserves a fresh page for it that nobody writes.                                 *)
+ToldHit(r, k) == IF "StaleHitLength" \in Bugs /\ PrefixCache /\ k < prompt[r] THEN k + 1 ELSE k
+(* The pages the prefill sends: those after the hit decode told it. *)
+ToSend(r) == IF Len(src[r]) > phit[r] THEN Len(src[r]) - phit[r] ELSE 0
+TablePages(r) == {table[r][i].page : i \in DOMAIN table[r]}
+IndexOf(s, x) == CHOOSE i \in DOMAIN s : s[i] = x
+PageIndex(r, p) == CHOOSE i \in DOMAIN table[r] : table[r][i].page = p
+(* The identity of the KV prefill page p of worker q holds, which a write carries. *)
+SourceIdent(q, p) == LET x == pdata[q][p]
+                     IN IF x = NoReq \/ p \notin Range(src[x]) THEN NoIdent
+                        ELSE TrueIdent(x, IndexOf(src[x], p))
 
 TypeOK ==
     /\ client \in [Requests -> ClientStates]
@@ -198,6 +266,11 @@ TypeOK ==
     /\ powner \in [PrefillWorkers -> [PPages -> Requests \cup {NoReq}]]
     /\ pdata \in [PrefillWorkers -> [PPages -> Requests \cup {NoReq}]]
     /\ \A w \in writes : w.req \in Requests /\ w.src \in PPages /\ w.dst \in DPages
+    /\ \A r \in Requests : tokens[r] \in Seq(1..Tokens) /\ Len(tokens[r]) <= MaxPromptPages
+    /\ salt \in [Requests -> 0..Tenants]
+    /\ hit \in [Requests -> 0..MaxPromptPages]
+    /\ phit \in [Requests -> 0..MaxPromptPages]
+    /\ readers \in [DecodeWorkers -> [DPages -> SUBSET Requests]]
 
 Init ==
     /\ client = [r \in Requests |-> "Idle"]
@@ -224,16 +297,25 @@ Init ==
     /\ powner = [q \in PrefillWorkers |-> [p \in PPages |-> NoReq]]
     /\ pdata = [q \in PrefillWorkers |-> [p \in PPages |-> NoReq]]
     /\ writes = {}
+    /\ tokens = [r \in Requests |-> <<>>]
+    /\ salt = [r \in Requests |-> 0]
+    /\ hit = [r \in Requests |-> 0]
+    /\ phit = [r \in Requests |-> 0]
+    /\ readers = [d \in DecodeWorkers |-> [p \in DPages |-> {}]]
+    /\ ident = [d \in DecodeWorkers |-> [p \in DPages |-> NoIdent]]
+    /\ kv = [d \in DecodeWorkers |-> [p \in DPages |-> NoIdent]]
 
 -----------------------------------------------------------------------------
 (* Router and client. *)
 
 (* The router admits the prompt and places it on prefill worker q and decode worker d, *)
 (* any of them (every worker has room: see Advertised). A prompt it refuses is placed  *)
-(* nowhere.                                                                           *)
-Arrive(r, n, q, d) ==
+(* nowhere. With PrefixCache the prompt is the tokens t, and the request's salt is s.  *)
+Arrive(r, n, q, d, t, s) ==
     /\ client[r] = "Idle"
     /\ prompt' = [prompt EXCEPT ![r] = n]
+    /\ tokens' = [tokens EXCEPT ![r] = t]
+    /\ salt' = [salt EXCEPT ![r] = s]
     /\ IF n > Advertised
          THEN /\ client' = [client EXCEPT ![r] = "ErrTooLong"]
               /\ UNCHANGED <<pst, boot, pworker, dworker>>
@@ -243,14 +325,16 @@ Arrive(r, n, q, d) ==
               /\ pworker' = [pworker EXCEPT ![r] = q]
               /\ dworker' = [dworker EXCEPT ![r] = d]
     /\ UNCHANGED <<sent, src, dst, table, fwMsg, dfw, cancel, leaked, owner, gen, content,
-                   powner, pdata, writes, ptable, fwCount, announced, landed>>
+                   powner, pdata, writes, ptable, fwCount, announced, landed,
+                   hit, phit, readers, ident, kv>>
 
 Abort(r) ==
     /\ client[r] = "Waiting"
     /\ client' = [client EXCEPT ![r] = "Gone"]
     /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, fwCount,
-                   announced, landed>>
+                   announced, landed,
+                   tokens, salt, hit, phit, readers, ident, kv>>
 
 -----------------------------------------------------------------------------
 (* Prefill. *)
@@ -274,7 +358,8 @@ Admit(r, S) ==
     /\ pdata' = [pdata EXCEPT ![pworker[r]] = [p \in PPages |-> IF p \in S THEN r ELSE @[p]]]
     /\ UNCHANGED <<pworker, dworker, client, prompt, sent, dst, table, boot, fwMsg, dfw, cancel, leaked,
                    owner, gen, content, writes, ptable, fwCount, announced,
-                   landed>>
+                   landed,
+                   tokens, salt, hit, phit, readers, ident, kv>>
 
 Reject(r) ==
     /\ pst[r] = "Queued"
@@ -285,42 +370,51 @@ Reject(r) ==
     /\ fwCount' = [fwCount EXCEPT ![r] = sent[r]]
     /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTooLong")]
     /\ UNCHANGED <<pworker, dworker, prompt, sent, src, dst, table, boot, dfw, cancel, leaked, owner, gen,
-                   content, powner, pdata, writes, ptable, announced, landed>>
+                   content, powner, pdata, writes, ptable, announced, landed,
+                   tokens, salt, hit, phit, readers, ident, kv>>
 
+(* The prefill sends only the pages after the hit decode told it (phit), page i of its   *)
+(* sources into entry i of decode's table: the tail, into the right pages.                *)
 SendPage(r) ==
     /\ pst[r] = "Running"
     /\ ptable[r] # <<>>
-    /\ sent[r] < Len(src[r])
-    /\ LET i == sent[r] + 1
+    /\ sent[r] < ToSend(r)
+    /\ LET i == phit[r] + sent[r] + 1
        IN /\ writes' = writes \cup {[req |-> r, src |-> src[r][i],
                                      dst |-> ptable[r][i].page, gen |-> ptable[r][i].gen]}
-          /\ sent' = [sent EXCEPT ![r] = i]
+          /\ sent' = [sent EXCEPT ![r] = sent[r] + 1]
           /\ powner' = IF i = Len(src[r]) /\ "SourceReuse" \in Bugs
                          THEN FreeSources(r) ELSE powner
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, src, dst, table, boot, fwMsg, dfw, cancel, leaked,
-                   owner, gen, content, pdata, ptable, fwCount, announced, landed>>
+                   owner, gen, content, pdata, ptable, fwCount, announced, landed,
+                   tokens, salt, hit, phit, readers, ident, kv>>
 
 LandWrite(w) ==
     /\ w \in writes
     /\ content' = [content EXCEPT ![dworker[w.req]][w.dst] =
                      <<pdata[pworker[w.req]][w.src], w.gen>>]
+    /\ kv' = IF PrefixCache
+              THEN [kv EXCEPT ![dworker[w.req]][w.dst] = SourceIdent(pworker[w.req], w.src)]
+              ELSE kv
     /\ writes' = writes \ {w}
     /\ landed' = [landed EXCEPT ![w.req] = landed[w.req] + 1]
     /\ powner' = IF pst[w.req] # "Running" /\ powner[pworker[w.req]][w.src] = w.req
                    THEN [powner EXCEPT ![pworker[w.req]][w.src] = NoReq] ELSE powner
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel,
-                   leaked, owner, gen, pdata, ptable, fwCount, announced>>
+                   leaked, owner, gen, pdata, ptable, fwCount, announced,
+                   tokens, salt, hit, phit, readers, ident>>
 
 SendDone(r) ==
     /\ pst[r] = "Running"
-    /\ sent[r] = Len(src[r])
+    /\ sent[r] = ToSend(r)
     /\ IF "EarlyDone" \in Bugs THEN TRUE ELSE WritesOf(r) = {}
     /\ pst' = [pst EXCEPT ![r] = "Done"]
     /\ fwMsg' = [fwMsg EXCEPT ![r] = "Done"]
     /\ fwCount' = [fwCount EXCEPT ![r] = sent[r]]
     /\ powner' = FreeUnreadSources(r)
     /\ UNCHANGED <<pworker, dworker, client, prompt, sent, src, dst, table, boot, dfw, cancel, leaked,
-                   owner, gen, content, pdata, writes, ptable, announced, landed>>
+                   owner, gen, content, pdata, writes, ptable, announced, landed,
+                   tokens, salt, hit, phit, readers, ident, kv>>
 
 (* A prefill that stops because of a cancel answers it; NoAbortNotice drops only the   *)
 (* notice a prefill owes decode when it stops on its own or on a client abort.         *)
@@ -334,7 +428,8 @@ StopPrefill(r, c) ==
     /\ client' = [client EXCEPT ![r] = c]
     /\ powner' = FreeSources(r)
     /\ UNCHANGED <<pworker, dworker, prompt, sent, src, dst, table, boot, dfw, leaked, owner, gen, content,
-                   pdata, writes, ptable, announced, landed>>
+                   pdata, writes, ptable, announced, landed,
+                   tokens, salt, hit, phit, readers, ident, kv>>
 
 PrefillCanStop(r) == pst[r] \in {"Queued", "Running"} /\ WritesOf(r) = {}
 
@@ -371,7 +466,8 @@ PrefillCrash(q) ==
     /\ powner' = [powner EXCEPT ![q] = [p \in PPages |-> NoReq]]
     /\ writes' = {w \in writes : pworker[w.req] # q}
     /\ UNCHANGED <<pworker, dworker, prompt, src, dst, table, boot, fwMsg, dfw, cancel, leaked, owner, gen,
-                   content, pdata, ptable, fwCount, announced, landed>>
+                   content, pdata, ptable, fwCount, announced, landed,
+                   tokens, salt, hit, phit, readers, ident, kv>>
 
 (* A decode worker d dies and restarts empty, in a new epoch of its own. Every request it knew of, or had a  *)
 (* bootstrap for in flight, is lost: its client sees an error and decode keeps it as a    *)
@@ -423,8 +519,11 @@ DecodeCrash(d) ==
                                          /\ ~Active(powner[q][p])
                                       THEN NoReq ELSE powner[q][p]]]
     /\ writes' = {w \in writes : dworker[w.req] # d}
+    /\ readers' = IF PrefixCache THEN [readers EXCEPT ![d] = [p \in DPages |-> {}]] ELSE readers
+    /\ ident' = IF PrefixCache THEN [ident EXCEPT ![d] = [p \in DPages |-> NoIdent]] ELSE ident
     /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, fwMsg, leaked, content, pdata, fwCount,
-                   landed>>
+                   landed,
+                   tokens, salt, hit, phit, kv>>
 
 FinalWordOf(s) == CASE s = "Done" -> "Done"
                     [] s = "Rejected" -> "Reject"
@@ -437,29 +536,55 @@ AnswerCancel(r) ==
     /\ fwMsg' = [fwMsg EXCEPT ![r] = FinalWordOf(pst[r])]
     /\ fwCount' = [fwCount EXCEPT ![r] = sent[r]]
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, dfw, leaked, owner,
-                   gen, content, powner, pdata, writes, ptable, announced, landed>>
+                   gen, content, powner, pdata, writes, ptable, announced, landed,
+                   tokens, salt, hit, phit, readers, ident, kv>>
 
 -----------------------------------------------------------------------------
 (* Decode. *)
 
+(* Decode takes the bootstrap. With PrefixCache it first looks the prompt up: it holds   *)
+(* the first k pages cached (HitLen), references them (it becomes one of their readers) and *)
+(* reserves fresh pages S only for the n - k it lacks; it tells the prefill k with the     *)
+(* page table, whose first k entries are the cached pages. A full hit (k = n) still         *)
+(* publishes the table: the prefill computes (it samples the first token), sends nothing   *)
+(* and says Done, so its final word flows and nothing of it is stranded. FullHitNoNotice:  *)
+(* on a full hit decode decodes at once and tells the prefill nothing.                    *)
 Reserve(r, S) ==
     /\ boot[r]
     /\ dst[r] = "None"
     /\ prompt[r] <= DecodePages
     /\ S \subseteq FreeDecode(dworker[r])
-    /\ Cardinality(S) = prompt[r]
-    /\ LET g == [p \in DPages |-> IF p \in S /\ "NoGenBump" \notin Bugs
+    /\ Cardinality(S) = prompt[r] - HitLen(r)
+    /\ \A i \in 1..HitLen(r) : HitPage(r, i) \notin S
+    /\ LET k == HitLen(r)
+           h == [i \in 1..k |-> HitPage(r, i)]
+           g == [p \in DPages |-> IF p \in S /\ "NoGenBump" \notin Bugs
                                     THEN gen[dworker[r]][p] + 1 ELSE gen[dworker[r]][p]]
            q == Ascending(S)
-           t == [i \in 1..Len(q) |-> [page |-> q[i], gen |-> g[q[i]]]]
+           t == [i \in 1..prompt[r] |-> IF i <= k THEN [page |-> h[i], gen |-> g[h[i]]]
+                                                ELSE [page |-> q[i - k], gen |-> g[q[i - k]]]]
+           silent == k = prompt[r] /\ "FullHitNoNotice" \in Bugs
        IN /\ gen' = [gen EXCEPT ![dworker[r]] = g]
           /\ table' = [table EXCEPT ![r] = t]
-          /\ ptable' = [ptable EXCEPT ![r] = t]
-    /\ owner' = [owner EXCEPT ![dworker[r]] = [p \in DPages |-> IF p \in S THEN r ELSE @[p]]]
+          /\ hit' = [hit EXCEPT ![r] = ToldHit(r, k)]
+          /\ owner' = [owner EXCEPT ![dworker[r]] =
+                         [p \in DPages |-> IF p \in S THEN r ELSE @[p]]]
+          /\ readers' = [readers EXCEPT ![dworker[r]] =
+                           [p \in DPages |-> IF p \in Range(h) THEN @[p] \cup {r} ELSE @[p]]]
+          /\ ident' = [ident EXCEPT ![dworker[r]] =
+                         [p \in DPages |-> IF p \in S THEN NoIdent ELSE @[p]]]
+          /\ IF silent
+               THEN /\ dst' = [dst EXCEPT ![r] = "Decoding"]
+                    /\ dfw' = [dfw EXCEPT ![r] = TRUE]
+                    /\ UNCHANGED <<ptable, phit>>
+               ELSE /\ dst' = [dst EXCEPT ![r] = "Waiting"]
+                    /\ ptable' = [ptable EXCEPT ![r] = t]
+                    /\ phit' = [phit EXCEPT ![r] = ToldHit(r, k)]
+                    /\ UNCHANGED dfw
     /\ boot' = [boot EXCEPT ![r] = FALSE]
-    /\ dst' = [dst EXCEPT ![r] = "Waiting"]
-    /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, fwMsg, dfw, cancel, leaked, content,
-                   powner, pdata, writes, fwCount, announced, landed>>
+    /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, fwMsg, cancel, leaked, content,
+                   powner, pdata, writes, fwCount, announced, landed,
+                   tokens, salt, kv>>
 
 DecodeReject(r) ==
     /\ boot[r]
@@ -470,7 +595,8 @@ DecodeReject(r) ==
     /\ cancel' = IF "NoCancel" \in Bugs THEN cancel ELSE [cancel EXCEPT ![r] = TRUE]
     /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTooLong")]
     /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, table, fwMsg, dfw, leaked, owner, gen, content,
-                   powner, pdata, writes, ptable, fwCount, announced, landed>>
+                   powner, pdata, writes, ptable, fwCount, announced, landed,
+                   tokens, salt, hit, phit, readers, ident, kv>>
 
 DropBootstrap(r) ==
     /\ boot[r]
@@ -478,7 +604,8 @@ DropBootstrap(r) ==
     /\ boot' = [boot EXCEPT ![r] = FALSE]
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, fwMsg, dfw, cancel, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, fwCount,
-                   announced, landed>>
+                   announced, landed,
+                   tokens, salt, hit, phit, readers, ident, kv>>
 
 (* Decode's handling of a final word it cannot accept as a transfer. *)
 (* Decode keeps the final word and the count of writes it announces.                  *)
@@ -510,15 +637,32 @@ ReceiveFinalWord(r) ==
 (* data path is modelled by the abstract page contents: Next passes the observation those    *)
 (* contents imply (ChecksumsMatch, TagsMatch), which is also the oracle a shell's reported   *)
 (* observation is compared with (spec/core.py observation_conflict).                        *)
-ChecksumsMatch(r) == \A i \in 1..Min(sent[r], Len(table[r])) :
-                         content[dworker[r]][table[r][i].page][1] = r
+(* The pages sent are the entries after the hit decode believes it holds.              *)
+ChecksumsMatch(r) == \A i \in 1..Min(sent[r], Len(table[r]) - hit[r]) :
+                         content[dworker[r]][table[r][hit[r] + i].page][1] = r
 
 TagsMatch(r) == \A i \in DOMAIN table[r] :
                     content[dworker[r]][table[r][i].page][2] = table[r][i].gen
 
 TransferFault(r, checksumsOk) ==
-    \/ "NoCountCheck" \notin Bugs /\ fwCount[r] # Len(table[r])
+    \/ "NoCountCheck" \notin Bugs /\ fwCount[r] # Len(table[r]) - hit[r]
     \/ "NoChecksum" \notin Bugs /\ ~checksumsOk
+
+(* With PrefixCache, an accepted transfer seals the pages it wrote: decode files each     *)
+(* under its content identity, and the request becomes their first reader (it no longer   *)
+(* owns them alone: another request with the same salt and prefix may read them now).     *)
+SealedBy(r) == {table[r][i].page : i \in hit[r] + 1..Len(table[r])}
+
+Seal(r) ==
+    IF PrefixCache
+      THEN /\ owner' = [owner EXCEPT ![dworker[r]] =
+                          [p \in DPages |-> IF p \in SealedBy(r) THEN NoReq ELSE @[p]]]
+           /\ readers' = [readers EXCEPT ![dworker[r]] =
+                            [p \in DPages |-> IF p \in SealedBy(r) THEN {r} ELSE @[p]]]
+           /\ ident' = [ident EXCEPT ![dworker[r]] =
+                          [p \in DPages |-> IF p \in SealedBy(r)
+                                            THEN CacheKey(r, PageIndex(r, p)) ELSE @[p]]]
+      ELSE UNCHANGED <<owner, readers, ident>>
 
 Accept(r, checksumsOk) ==
     /\ fwMsg[r] = "Done"
@@ -531,20 +675,32 @@ Accept(r, checksumsOk) ==
               /\ IF TransferFault(r, checksumsOk)
                    THEN /\ dst' = [dst EXCEPT ![r] = "Closing"]
                         /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTransfer")]
+                        /\ UNCHANGED <<owner, readers, ident>>
                    ELSE /\ dst' = [dst EXCEPT ![r] = "Decoding"]
                         /\ UNCHANGED client
-         ELSE ReceiveFinalWord(r)
-    /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, table, boot, cancel, leaked, owner, gen,
-                   content, powner, pdata, writes, ptable, landed>>
+                        /\ Seal(r)
+         ELSE /\ ReceiveFinalWord(r)
+              /\ UNCHANGED <<owner, readers, ident>>
+    /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, table, boot, cancel, leaked, gen,
+                   content, powner, pdata, writes, ptable, landed,
+                   tokens, salt, hit, phit, kv>>
 
 Notice(r) ==
     /\ fwMsg[r] \in {"Reject", "Abort"}
     /\ ReceiveFinalWord(r)
     /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, table, boot, cancel, leaked, owner, gen,
-                   content, powner, pdata, writes, ptable, landed>>
+                   content, powner, pdata, writes, ptable, landed,
+                   tokens, salt, hit, phit, readers, ident, kv>>
 
+(* Whether r read what is not its own: without PrefixCache, a page whose content is not  *)
+(* r's at the page's current generation; with it, a page whose memory does not hold the  *)
+(* content identity r's own tokens and salt imply (content, not ownership: a shared page  *)
+(* was written by another request).                                                      *)
 Foreign(r) == \E i \in DOMAIN table[r] :
-                  content[dworker[r]][table[r][i].page] # <<r, gen[dworker[r]][table[r][i].page]>>
+                  IF PrefixCache
+                    THEN kv[dworker[r]][table[r][i].page] # TrueIdent(r, i)
+                    ELSE content[dworker[r]][table[r][i].page]
+                           # <<r, gen[dworker[r]][table[r][i].page]>>
 
 (* The last decode step: read every page, checking its tag, and answer the client. The    *)
 (* tag check is the data path's observation tagsOk; leaked is history, for the properties.  *)
@@ -558,7 +714,8 @@ Finish(r, tagsOk) ==
               /\ leaked' = IF Foreign(r) THEN leaked \cup {r} ELSE leaked
     /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, table, boot, fwMsg, dfw, cancel, owner, gen,
                    content, powner, pdata, writes, ptable, fwCount, announced,
-                   landed>>
+                   landed,
+                   tokens, salt, hit, phit, readers, ident, kv>>
 
 DecodeAbort(r) ==
     /\ client[r] = "Gone"
@@ -567,7 +724,8 @@ DecodeAbort(r) ==
     /\ cancel' = IF dfw[r] \/ "NoCancel" \in Bugs THEN cancel ELSE [cancel EXCEPT ![r] = TRUE]
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, table, boot, fwMsg, dfw, leaked, owner,
                    gen, content, powner, pdata, writes, ptable, fwCount, announced,
-                   landed>>
+                   landed,
+                   tokens, salt, hit, phit, readers, ident, kv>>
 
 (* Decode's transfer deadline is a lease: every sign of progress from the prefill on the   *)
 (* request (admitted, a chunk computed, a page posted; while it is queued, the prefill's   *)
@@ -602,7 +760,8 @@ Timeout(r) ==
     /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTimeout")]
     /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, table, boot, fwMsg, dfw, leaked, owner, gen,
                    content, powner, pdata, writes, ptable, fwCount, announced,
-                   landed>>
+                   landed,
+                   tokens, salt, hit, phit, readers, ident, kv>>
 
 (* Decode frees a request's pages once it holds the prefill's final word and has seen as *)
 (* many of the request's writes land as that word announced: then none of them can still *)
@@ -613,15 +772,50 @@ FreedPages(r) == [owner EXCEPT ![dworker[r]] =
                     [p \in DPages |-> IF @[p] = r /\ p \in {table[r][i].page : i \in DOMAIN table[r]}
                                       THEN NoReq ELSE @[p]]]
 
+(* With PrefixCache, r stops reading the cached pages of its table: it leaves their        *)
+(* readers, and the pages stay cached (sealed) for the next request with their prefix,    *)
+(* until an eviction. NoRefCount: pages are deduplicated by content key with no count of  *)
+(* their readers, so the release frees them (uncached, nobody reading) however many other *)
+(* requests still read them.                                                              *)
+DropReferences(r) ==
+    IF PrefixCache
+      THEN LET mine == {p \in TablePages(r) : r \in readers[dworker[r]][p]}
+           IN /\ readers' = [readers EXCEPT ![dworker[r]] =
+                               [p \in DPages |-> IF p \notin mine THEN @[p]
+                                                 ELSE IF "NoRefCount" \in Bugs THEN {}
+                                                 ELSE @[p] \ {r}]]
+              /\ ident' = IF "NoRefCount" \in Bugs
+                            THEN [ident EXCEPT ![dworker[r]] =
+                                    [p \in DPages |-> IF p \in mine THEN NoIdent ELSE @[p]]]
+                            ELSE ident
+      ELSE UNCHANGED <<readers, ident>>
+
 Release(r) ==
     /\ dst[r] = "Closing"
     /\ \/ "EagerRelease" \in Bugs
        \/ dfw[r] /\ Counted(r, announced[r])
     /\ dst' = [dst EXCEPT ![r] = "Released"]
     /\ owner' = FreedPages(r)
+    /\ DropReferences(r)
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, table, boot, fwMsg, dfw, cancel,
                    leaked, gen, content, powner, pdata, writes, ptable, fwCount,
-                   announced, landed>>
+                   announced, landed,
+                   tokens, salt, hit, phit, kv>>
+
+(* Decode forgets a cached page: any sealed page no request reads. Which one it picks     *)
+(* (least recently used, ...) is an implementation's policy: the spec allows every choice, *)
+(* so every policy's behaviours are behaviours of the spec, and the properties hold for    *)
+(* all of them. No write is pending into a sealed page (it was sealed once the writes into *)
+(* it were counted and accepted; NoEvictInUse checks it), and a page a request still       *)
+(* writes is owned, not sealed. Not fair: a cache need not evict (an allocation evicts     *)
+(* what it needs, see FreeDecode). The cache index forgets; the memory keeps its KV.      *)
+Evict(d, p) ==
+    /\ ident[d][p] # NoIdent
+    /\ readers[d][p] = {}
+    /\ ident' = [ident EXCEPT ![d][p] = NoIdent]
+    /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw,
+                   cancel, leaked, owner, gen, content, powner, pdata, writes, ptable, fwCount,
+                   announced, landed, tokens, salt, hit, phit, readers, kv>>
 
 -----------------------------------------------------------------------------
 (* A network that loses things for good (Losses; none in the shipped models but the lossy  *)
@@ -637,7 +831,8 @@ LoseBootstrap(r) ==
     /\ boot' = [boot EXCEPT ![r] = FALSE]
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, fwMsg, dfw, cancel, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, fwCount,
-                   announced, landed>>
+                   announced, landed,
+                   tokens, salt, hit, phit, readers, ident, kv>>
 
 LoseFinalWord(r) ==
     /\ "FinalWord" \in Losses
@@ -645,7 +840,8 @@ LoseFinalWord(r) ==
     /\ fwMsg' = [fwMsg EXCEPT ![r] = "None"]
     /\ fwCount' = [fwCount EXCEPT ![r] = 0]
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, dfw, cancel, leaked,
-                   owner, gen, content, powner, pdata, writes, ptable, announced, landed>>
+                   owner, gen, content, powner, pdata, writes, ptable, announced, landed,
+                   tokens, salt, hit, phit, readers, ident, kv>>
 
 (* The cancel a decode crash stands for is no message on the wire: the prefill's own       *)
 (* failure detector (its transport's broken connection, a lapsed heartbeat) tells it, and   *)
@@ -662,7 +858,8 @@ LoseCancel(r) ==
     /\ cancel' = [cancel EXCEPT ![r] = FALSE]
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, fwCount,
-                   announced, landed>>
+                   announced, landed,
+                   tokens, salt, hit, phit, readers, ident, kv>>
 
 (* Its false completion frees a source the prefill kept for it, as a landing's does.       *)
 LoseWrite(w) ==
@@ -672,7 +869,8 @@ LoseWrite(w) ==
     /\ powner' = IF pst[w.req] # "Running" /\ powner[pworker[w.req]][w.src] = w.req
                    THEN [powner EXCEPT ![pworker[w.req]][w.src] = NoReq] ELSE powner
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel,
-                   leaked, owner, gen, content, pdata, ptable, fwCount, announced, landed>>
+                   leaked, owner, gen, content, pdata, ptable, fwCount, announced, landed,
+                   tokens, salt, hit, phit, readers, ident, kv>>
 
 LossStep == \/ \E r \in Requests : LoseBootstrap(r) \/ LoseFinalWord(r) \/ LoseCancel(r)
             \/ \E w \in writes : LoseWrite(w)
@@ -697,7 +895,8 @@ ResendBootstrap(r) ==
     /\ boot' = [boot EXCEPT ![r] = TRUE]
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, fwMsg, dfw, cancel, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, fwCount,
-                   announced, landed>>
+                   announced, landed,
+                   tokens, salt, hit, phit, readers, ident, kv>>
 
 CancelUnanswered(r) == ~cancel[r] /\ fwMsg[r] = "None"
 CancelResendDue(r) == dst[r] = "Closing" /\ ~dfw[r] /\ CancelUnanswered(r)
@@ -709,7 +908,8 @@ ResendCancel(r) ==
     /\ cancel' = [cancel EXCEPT ![r] = TRUE]
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, fwCount,
-                   announced, landed>>
+                   announced, landed,
+                   tokens, salt, hit, phit, readers, ident, kv>>
 
 
 (* A page write lost with its poster told it completed (Losses contains "Write": an       *)
@@ -743,8 +943,10 @@ RevokeRelease(r) ==
     /\ WritesGone(r)
     /\ dst' = [dst EXCEPT ![r] = "Released"]
     /\ owner' = FreedPages(r)
+    /\ DropReferences(r)
     /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, table, boot, cancel, leaked, gen,
-                   content, powner, pdata, writes, ptable, landed>>
+                   content, powner, pdata, writes, ptable, landed,
+                   tokens, salt, hit, phit, kv>>
 
 -----------------------------------------------------------------------------
 (* The protocol's own actions are taken fairly; arrivals, client aborts, prefill        *)
@@ -766,7 +968,9 @@ Next ==
     \/ FairNext
     \/ \E w \in writes : LandWrite(w)
     \/ \E r \in Requests : \E n \in 1..MaxPromptPages :
-          \E q \in PrefillWorkers : \E d \in DecodeWorkers : Arrive(r, n, q, d)
+          \E q \in PrefillWorkers : \E d \in DecodeWorkers :
+             \E t \in PromptsOf(n) : \E s \in SaltsOf : Arrive(r, n, q, d, t, s)
+    \/ \E d \in DecodeWorkers : \E p \in DPages : Evict(d, p)
     \/ \E r \in Requests : Abort(r) \/ PrefillFail(r)
     \/ \E q \in PrefillWorkers : PrefillCrash(q)
     \/ \E d \in DecodeWorkers : DecodeCrash(d)
@@ -804,7 +1008,8 @@ ExclusiveOwner ==
           /\ dworker[owner[d][p]] = d
           /\ [page |-> p, gen |-> gen[d][p]] \in Range(table[owner[d][p]])
     /\ \A r \in Requests : HoldsPages(r) =>
-          \A i \in DOMAIN table[r] : /\ owner[dworker[r]][table[r][i].page] = r
+          \A i \in DOMAIN table[r] : /\ \/ owner[dworker[r]][table[r][i].page] = r
+                                        \/ r \in readers[dworker[r]][table[r][i].page]
                                      /\ gen[dworker[r]][table[r][i].page] = table[r][i].gen
     /\ \A q \in PrefillWorkers : \A p \in PPages : powner[q][p] # NoReq =>
           /\ pworker[powner[q][p]] = q
@@ -813,6 +1018,27 @@ ExclusiveOwner ==
 
 NoWriteIntoForeign == \A w \in writes : /\ owner[dworker[w.req]][w.dst] = w.req
                                         /\ gen[dworker[w.req]][w.dst] = w.gen
+
+(* Prefix caching (true at once without PrefixCache: nothing is ever cached). A page is   *)
+(* shared only within a salt: every reader of a page, and the request whose KV its memory *)
+(* holds, have one salt.                                                                 *)
+SaltsApart == \A d \in DecodeWorkers : \A p \in DPages : \A r \in readers[d][p] :
+                  kv[d][p] # NoIdent /\ kv[d][p][1] = salt[r]
+
+(* A page's readers are exactly its live readers: the requests holding pages at its      *)
+(* worker whose table has it and that do not own it (never fewer: a release would free it *)
+(* under a reader; never more: a reference nobody drops pins the page for ever).          *)
+ReadersAreLive == \A d \in DecodeWorkers : \A p \in DPages : \A r \in Requests :
+                      (r \in readers[d][p]) = (/\ HoldsPages(r) /\ dworker[r] = d
+                                                /\ p \in TablePages(r) /\ owner[d][p] # r)
+
+(* A page with readers is sealed and owned by nobody, and no write is on its way into a   *)
+(* sealed page: no eviction or allocation can take a page with readers or a write pending. *)
+SealedIsQuiet == \A d \in DecodeWorkers : \A p \in DPages :
+                     /\ readers[d][p] # {} => ident[d][p] # NoIdent
+                     /\ ident[d][p] # NoIdent =>
+                          /\ owner[d][p] = NoReq
+                          /\ ~\E w \in writes : dworker[w.req] = d /\ w.dst = p
 
 SourceHeld == \A w \in writes : powner[pworker[w.req]][w.src] = w.req
 

@@ -25,6 +25,13 @@ ended prefill answers a cancel by repeating its final word (AnswerCancel). Messa
 each other: a final word can reach decode before the bootstrap, so decode keeps a tombstone
 and drops the late bootstrap (DropBootstrap).
 
+With a prefix cache (the model's prefix_cache; the spec's PrefixCache) a prompt is a sequence
+of abstract tokens with a salt (its tenant), and a page's content identity is (salt, the tokens
+of that page and of every page before it). Decode seals the pages of an accepted transfer under
+their identity (Accept), a later request with the same salt and prefix references them at
+Reserve (its first HIT pages; the prefill, told PHIT, sends only the tail, into the right
+pages), Release drops the reference and Evict forgets a sealed page nobody reads.
+
 Pages keep their last content when freed; nothing is zeroed. A fresh pool's pages carry an
 invalid tag (-1) that no allocation ever issues.
 
@@ -40,7 +47,9 @@ States are plain nested tuples of small ints so that they hash, compare and copy
 hash the same in every process. A state is (requests, decode_pool, prefill_pool, writes):
 - requests: one row per request (the fields named by the constants CLIENT..LEAKED below);
   rows mention pages but never other requests, which makes symmetry reduction cheap.
-- decode_pool: per page (owner, gen, data, tag); data/tag are the page's last content.
+- decode_pool: per page (owner, gen, data, tag, readers, ident, kv); data/tag are the page's
+  last content; readers (a sorted tuple of requests), ident (the cache key, () if not cached)
+  and kv (the content identity its memory holds) are prefix caching's (all empty without it).
 - prefill_pool: per page (owner, data).
 - writes: the in-flight writes, sorted, each (request, source page, decode page, tag).
 Requests and pages are 0-based here; the TLA+ view (spec/tlaplus/tlaview.py) maps them to the spec.
@@ -59,7 +68,7 @@ from __future__ import annotations
 
 from bisect import insort
 from dataclasses import dataclass
-from itertools import combinations
+from itertools import combinations, product
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Protocol, Sequence, Union
 
 from spec.model import Model
@@ -90,16 +99,22 @@ FINAL_WORD = {P_DONE: MSG_DONE, REJECTED: MSG_REJECT, ABORTED: MSG_ABORT}
 # tests/test_locality.py checks every action of the spec against it.
 # PW and DW are the router's placement: the prefill and the decode worker it chose at
 # Arrive (NONE before, and for a prompt it refused), fixed for the request's life.
+# TOKENS and SALT are the router's (the prompt's tokens, one per page, and its tenant), HIT
+# decode's (the leading pages it holds cached for the request) and PHIT the prefill's copy
+# of it: prefix caching's, () and 0 without it.
 (CLIENT, PROMPT, PST, SENT, SRC, DST, TABLE, BOOT, FW, DFW, CANCEL, PTABLE, FW_COUNT,
- ANNOUNCED, LANDED, LEAKED, PW, DW) = range(18)
+ ANNOUNCED, LANDED, LEAKED, PW, DW, TOKENS, SALT, HIT, PHIT) = range(22)
 ROW_FIELDS = ("client", "prompt", "pst", "sent", "src", "dst", "table", "boot", "fwMsg",
               "dfw", "cancel", "ptable", "fwCount", "announced", "landed", "leaked",
-              "pworker", "dworker")
-EMPTY_ROW = (IDLE, 0, P_NONE, 0, (), D_NONE, (), 0, NO_MSG, 0, 0, (), 0, 0, 0, 0, NONE, NONE)
+              "pworker", "dworker", "tokens", "salt", "hit", "phit")
+EMPTY_ROW = (IDLE, 0, P_NONE, 0, (), D_NONE, (), 0, NO_MSG, 0, 0, (), 0, 0, 0, 0, NONE, NONE,
+             (), 0, 0, 0)
 
-# Fields of a decode page.
-OWNER, GEN, DATA, TAG = range(4)
-FRESH_DECODE_PAGE = (NONE, 0, NONE, NONE)
+# Fields of a decode page. A content identity (IDENT, KV) is (salt, tokens of the page and
+# of every page before it), or () for none.
+OWNER, GEN, DATA, TAG, READERS, IDENT, KV = range(7)
+NO_IDENT = ()
+FRESH_DECODE_PAGE = (NONE, 0, NONE, NONE, (), NO_IDENT, NO_IDENT)
 FRESH_PREFILL_PAGE = (NONE, NONE)
 
 
@@ -287,7 +302,8 @@ def _client_error(row: tuple, error: int) -> int:
 # Environment and faults: Arrive, Abort, PrefillFail, PrefillCrash. Everything else is the
 # protocol's own (fair) action.
 
-def arrive(m: Model, s: State, r: int, n: int, p: int = 0, d: int = 0) -> Change | str:
+def arrive(m: Model, s: State, r: int, n: int, p: int = 0, d: int = 0, tokens: tuple = (),
+           salt: int = 0) -> Change | str:
     """The router admits the prompt and places it on prefill worker p and decode worker d.
     Any worker has room: the startup check makes every worker's pools hold the advertised
     context (all pools are alike), so every worker can hold every prompt the router admits;
@@ -298,9 +314,65 @@ def arrive(m: Model, s: State, r: int, n: int, p: int = 0, d: int = 0) -> Change
         return "the request has already arrived"
     if not 1 <= n <= m.max_prompt_pages:
         return f"a prompt of {n} pages is outside 1..{m.max_prompt_pages}"
-    if n > m.advertised_context_pages:
-        return _one(r, _row(row, CLIENT, ERR_TOO_LONG, PROMPT, n))  # placed nowhere
-    return _one(r, _row(row, CLIENT, WAITING, PROMPT, n, PST, QUEUED, BOOT, 1, PW, p, DW, d))
+    bad = _prompt_content_error(m, n, tokens, salt)
+    if bad:
+        return bad
+    if n > m.advertised_context_pages:  # placed nowhere
+        return _one(r, _row(row, CLIENT, ERR_TOO_LONG, PROMPT, n, TOKENS, tokens, SALT, salt))
+    return _one(r, _row(row, CLIENT, WAITING, PROMPT, n, PST, QUEUED, BOOT, 1, PW, p, DW, d,
+                        TOKENS, tokens, SALT, salt))
+
+
+def _prompt_content_error(m: Model, n: int, tokens: tuple, salt: int) -> str:
+    """Why a prompt's tokens and salt are not ones the model's router may send, or ""."""
+    if not m.prefix_cache:
+        return "" if tokens == () and salt == 0 else "without a prefix cache a prompt has no tokens"
+    if len(tokens) != n or not all(1 <= x <= m.tokens for x in tokens):
+        return f"a prompt of {n} pages has {n} tokens from 1..{m.tokens}"
+    return "" if 1 <= salt <= m.tenants else f"the salt must be in 1..{m.tenants}"
+
+
+# Prefix caching (the spec's "Prefix caching" definitions). A page's content identity is
+# (salt, the tokens of the page and of every page before it): the hash chain, unhashed.
+
+def true_ident(row: tuple, i: int) -> tuple:
+    """What page i (1-based) of the request holds (the spec's TrueIdent)."""
+    return (row[SALT], row[TOKENS][:i])
+
+
+def cache_key(m: Model, row: tuple, i: int) -> tuple:
+    """The key decode files page i under (the spec's CacheKey); NoSalt leaves the salt out."""
+    return (0 if "NoSalt" in m.bugs else row[SALT], row[TOKENS][:i])
+
+
+def hit_pages(m: Model, s: "View", row: tuple) -> tuple:
+    """Decode's lookup (the spec's HitLen and HitPage): for each leading page of the prompt,
+    as long as decode has one cached under its key, the lowest-numbered such page."""
+    if not m.prefix_cache:
+        return ()
+    pool = s.decode_pool
+    mine = decode_pages_of(m, s, row)
+    hits = []
+    for i in range(1, row[PROMPT] + 1):
+        key = cache_key(m, row, i)
+        page = next((p for p in mine if pool[p][IDENT] == key), None)
+        if page is None:
+            break
+        hits.append(page)
+    return tuple(hits)
+
+
+def told_hit(m: Model, row: tuple, k: int) -> int:
+    """The hit length decode believes and tells the prefill (the spec's ToldHit):
+    StaleHitLength counts one page more than decode holds."""
+    if "StaleHitLength" in m.bugs and m.prefix_cache and k < row[PROMPT]:
+        return k + 1
+    return k
+
+
+def to_send(row: tuple) -> int:
+    """How many pages the prefill sends: those after the hit decode told it (ToSend)."""
+    return max(len(row[SRC]) - row[PHIT], 0)
 
 
 WAITS_FOR_TABLE = "decode has not reserved yet: the prefill admits once it has the page table"
@@ -374,15 +446,16 @@ def send_page(m: Model, s: State, r: int) -> Change | str:
         return "the prefill has not received decode's page table"
     i = row[SENT]
     src = row[SRC]
-    if i >= len(src):
+    if i >= to_send(row):
         return "every source page has been posted"
-    page, tag = table[i]
+    k = row[PHIT] + i  # the pages decode holds cached are not sent: the tail, in place
+    page, tag = table[k]
     freed = ()
-    if i + 1 == len(src) and "SourceReuse" in m.bugs:
+    if k + 1 == len(src) and "SourceReuse" in m.bugs:
         # The bug: the sources are freed when the last write is posted, not when it lands.
         freed = _free_prefill_of(s.prefill_pool, r, src)
     return Change(((r, _row(row, SENT, i + 1)),), prefill=freed,
-                  posted=((r, src[i], page, tag),))
+                  posted=((r, src[k], page, tag),))
 
 
 def land_write(m: Model, s: State, r: int, page: int) -> Change | str:
@@ -393,22 +466,34 @@ def land_write(m: Model, s: State, r: int, page: int) -> Change | str:
         return (f"no write of this request into decode page {page + 1} is in flight (it "
                 "landed already, or a crash flushed it while it was on the wire)")
     data = s.prefill_pool[w[1]][1]  # the NIC reads the source page now, not at post time
-    owner, gen, _, _ = s.decode_pool[page]
+    owner, gen, _, _, readers, ident, kv = s.decode_pool[page]
+    if m.prefix_cache:
+        kv = _source_ident(s, w[1])
     row = s.requests[r]  # decode counts the write (its completion carries the request)
     freed = ()
     if row[PST] != RUNNING and s.prefill_pool[w[1]][0] == r:
         # The completion frees a source the prefill kept only for this write (EarlyDone).
         freed = ((w[1], (NONE, data)),)
     return Change(((r, _row(row, LANDED, row[LANDED] + 1)),),
-                  decode=((page, (owner, gen, data, w[3])),), prefill=freed, landed=(w,))
+                  decode=((page, (owner, gen, data, w[3], readers, ident, kv)),), prefill=freed,
+                  landed=(w,))
+
+
+def _source_ident(s: State, source: int) -> tuple:
+    """The content identity of the KV a prefill page holds (the spec's SourceIdent)."""
+    x = s.prefill_pool[source][1]
+    if x == NONE or source not in s.requests[x][SRC]:
+        return NO_IDENT
+    row = s.requests[x]
+    return true_ident(row, row[SRC].index(source) + 1)
 
 
 def send_done(m: Model, s: State, r: int) -> Change | str:
     row = s.requests[r]
     if row[PST] != RUNNING:
         return f"the prefill state is {PREFILL_NAMES[row[PST]]}, not Running"
-    if row[SENT] != len(row[SRC]):
-        return f"{row[SENT]} of {len(row[SRC])} pages posted"
+    if row[SENT] != to_send(row):
+        return f"{row[SENT]} of {to_send(row)} pages posted"
     if "EarlyDone" not in m.bugs and _writes_of(s, r):
         return "writes of this request are still in flight"
     return Change(((r, _row(row, PST, P_DONE, FW, MSG_DONE, FW_COUNT, row[SENT])),),
@@ -465,35 +550,54 @@ def answer_cancel(m: Model, s: State, r: int) -> Change | str:
     return _one(r, _row(row, CANCEL, 0, FW, word, FW_COUNT, row[SENT]))
 
 
-def _reserve_need(m: Model, row: tuple) -> int | str:
+def _reserve_need(m: Model, row: tuple, s: "View | None" = None) -> int | str:
+    """How many fresh pages Reserve takes: the prompt's, less the pages decode holds cached
+    (with a prefix cache, given the view `s` to look them up in)."""
     if not row[BOOT]:
         return "no bootstrap is in flight"
     if row[DST] != D_NONE:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not None"
     if row[PROMPT] > m.decode_pages:
         return "the prompt is longer than the decode pool: it must be rejected"
+    if m.prefix_cache and s is not None:
+        return row[PROMPT] - len(hit_pages(m, s, row))
     return row[PROMPT]
 
 
 def reserve(m: Model, s: State, r: int, pages: tuple) -> Change | str:
+    """Decode takes the bootstrap: it references the pages it holds cached for the prompt's
+    first k pages (prefix cache) and reserves `pages`, fresh, for the rest, each with a
+    fresh tag; it tells the prefill k with the table (a full hit too, but FullHitNoNotice)."""
     row = s.requests[r]
-    need = _reserve_need(m, row)
+    need = _reserve_need(m, row, s)
     if type(need) is str:
         return need
     pool = s.decode_pool
     bad = _check_pages(pool, decode_pages_of(m, s, row), pages, need, "decode")
     if bad:
         return bad
-    bump = 0 if "NoGenBump" in m.bugs else 1
-    changes = []
-    table = []
+    hits = hit_pages(m, s, row)
     for p in pages:
-        _, gen, data, tag = pool[p]
-        changes.append((p, (r, gen + bump, data, tag)))
-        table.append((p, gen + bump))
-    table = tuple(table)  # published: the prefill receives the same table (PTABLE)
-    return Change(((r, _row(row, BOOT, 0, DST, D_WAITING, TABLE, table, PTABLE, table)),),
-                  decode=tuple(changes))
+        if pool[p][READERS] or p in hits:
+            return f"decode page {p + 1} is cached and read: it is not free"
+    changes, table = _referenced(pool, r, hits), tuple((p, pool[p][GEN]) for p in hits)
+    bump = 0 if "NoGenBump" in m.bugs else 1
+    changes += tuple((p, (r, gen + bump, data, tag, readers, NO_IDENT, kv))  # evicts a cached
+                     for p in pages for _, gen, data, tag, readers, _, kv in (pool[p],))
+    table += tuple((p, pool[p][GEN] + bump) for p in pages)
+    told = told_hit(m, row, len(hits))
+    if len(hits) == row[PROMPT] and "FullHitNoNotice" in m.bugs:  # the bug: no word to prefill
+        new = _row(row, BOOT, 0, DST, DECODING, DFW, 1, TABLE, table, HIT, told)
+    else:  # published: the prefill receives the same table and hit length (PTABLE, PHIT)
+        new = _row(row, BOOT, 0, DST, D_WAITING, TABLE, table, PTABLE, table, HIT, told,
+                   PHIT, told)
+    return Change(((r, new),), decode=changes)
+
+
+def _referenced(pool, r: int, hits: tuple) -> tuple:
+    """The cached pages `hits` with r among their readers."""
+    return tuple((p, pool[p][:READERS] + (tuple(sorted(pool[p][READERS] + (r,))),)
+                  + pool[p][IDENT:]) for p in hits)
 
 
 def decode_reject(m: Model, s: State, r: int) -> Change | str:
@@ -523,8 +627,9 @@ def checksums_match(s: State, r: int) -> bool:
     row = s.requests[r]
     pool = s.decode_pool
     table = row[TABLE]
-    for k in range(min(row[SENT], len(table))):  # a crash can empty the table
-        if pool[table[k][0]][DATA] != r:
+    hit = row[HIT]  # the pages sent are those after the hit decode believes it holds
+    for k in range(min(row[SENT], len(table) - hit)):  # a crash can empty the table
+        if pool[table[hit + k][0]][DATA] != r:
             return False
     return True
 
@@ -541,7 +646,7 @@ def tags_match(s: State, r: int) -> bool:
 
 def _transfer_fault(m: Model, row: tuple, checksums_ok: bool) -> bool:
     """Decode's checks on Done: the count, then the checksums the data path verified."""
-    if "NoCountCheck" not in m.bugs and row[FW_COUNT] != len(row[TABLE]):
+    if "NoCountCheck" not in m.bugs and row[FW_COUNT] != len(row[TABLE]) - row[HIT]:
         return True
     return "NoChecksum" not in m.bugs and not checksums_ok
 
@@ -575,11 +680,23 @@ def accept(m: Model, s: State, r: int, checksums_ok: bool) -> Change | str:
         if _transfer_fault(m, row, checksums_ok):
             row = _row(row, FW, NO_MSG, FW_COUNT, 0, DST, CLOSING, DFW, 1, ANNOUNCED, count,
                        CLIENT, _client_error(row, ERR_TRANSFER))
-        else:
+        else:  # good: with a prefix cache the pages it wrote are sealed
             row = _row(row, FW, NO_MSG, FW_COUNT, 0, DST, DECODING, DFW, 1, ANNOUNCED, count)
+            return Change(((r, row),), decode=_sealed(m, s, r, row))
     else:
         row = _receive_final_word(m, s, r, row)
     return _one(r, row)
+
+
+def _sealed(m: Model, s: State, r: int, row: tuple) -> tuple:
+    """With a prefix cache, the pages an accepted transfer wrote, sealed (the spec's Seal):
+    filed under their keys, owned by nobody, read by r."""
+    if not m.prefix_cache:
+        return ()
+    pool = s.decode_pool
+    return tuple((p, (NONE, gen, data, tag, (r,), cache_key(m, row, i + 1), kv))
+                 for i, (p, _) in enumerate(row[TABLE]) if i >= row[HIT]
+                 for _, gen, data, tag, _, _, kv in (pool[p],))
 
 
 def notice(m: Model, s: State, r: int) -> Change | str:
@@ -597,8 +714,11 @@ def finish(m: Model, s: State, r: int, tags_ok: bool) -> Change | str:
         return _one(r, _row(row, DST, CLOSING, CLIENT, _client_error(row, ERR_TAG)))
     pool = s.decode_pool
     foreign = 0  # history for the properties: what the client really got
-    for page, _ in row[TABLE]:
-        if pool[page][DATA] != r or pool[page][TAG] != pool[page][GEN]:
+    for i, (page, _) in enumerate(row[TABLE]):
+        if m.prefix_cache:  # content, not ownership: a shared page another request wrote
+            if pool[page][KV] != true_ident(row, i + 1):
+                foreign = 1
+        elif pool[page][DATA] != r or pool[page][TAG] != pool[page][GEN]:
             foreign = 1
     return _one(r, _row(row, DST, CLOSING, CLIENT, _client_error(row, OK),
                         *((LEAKED, 1) if foreign else ())))
@@ -664,18 +784,25 @@ def release(m: Model, s: State, r: int) -> Change | str:
         if not _counted(m, row, row[ANNOUNCED]):
             return (f"{row[LANDED]} of the {row[ANNOUNCED]} writes the final word announced "
                     "have landed")
-    return _released(s, r, row)
+    return _released(m, s, r, row)
 
 
-def _released(s: State, r: int, row: tuple) -> Change:
+def _released(m: Model, s: State, r: int, row: tuple) -> Change:
     """`row` Released, and the pages of its table that r still owns free again (their
-    generation and memory kept: pages are never zeroed)."""
+    generation and memory kept: pages are never zeroed). The cached pages it reads lose r
+    as a reader and stay cached (the spec's DropReferences); NoRefCount frees them."""
     pool = s.decode_pool
     freed = []
     for page, _ in row[TABLE]:
-        owner, gen, data, tag = pool[page]
+        owner, gen, data, tag, readers, ident, kv = pool[page]
         if owner == r:
-            freed.append((page, (NONE, gen, data, tag)))
+            freed.append((page, (NONE, gen, data, tag, readers, ident, kv)))
+        elif r in readers:
+            if "NoRefCount" in m.bugs:  # the bug: no count of readers, the page goes
+                freed.append((page, (owner, gen, data, tag, (), NO_IDENT, kv)))
+            else:
+                left = tuple(x for x in readers if x != r)
+                freed.append((page, (owner, gen, data, tag, left, ident, kv)))
     return Change(((r, _row(row, DST, RELEASED)),), decode=tuple(freed))
 
 
@@ -740,9 +867,11 @@ def decode_crash(m: Model, s: State, d: int = 0) -> Change | str:
         return "decode knows of no request: a crash loses nothing"
     reset = "GenerationReset" in m.bugs  # the bug: the tag counter died with the process
     pool = s.decode_pool
-    freed = tuple((k, (NONE, 0 if reset else gen, data, tag))
+    # The cache index and its readers die with the process; the memory keeps its KV.
+    freed = tuple((k, (NONE, 0 if reset else gen, data, tag, (), NO_IDENT, kv))
                   for k in s.pages_of(d, m.decode_pages)
-                  for owner, gen, data, tag in (pool[k],) if owner != NONE or (reset and gen))
+                  for owner, gen, data, tag, readers, ident, kv in (pool[k],)
+                  if owner != NONE or (reset and gen) or readers or ident)
     held = _sources_of_failed_writes(s, here) if "EarlyDone" in m.bugs else ()
     return Change(tuple(lost), decode=freed, prefill=held, flushed=here)
 
@@ -763,6 +892,21 @@ def _sources_of_failed_writes(s: State, here: tuple) -> tuple:
         if pst != QUEUED and pst != RUNNING:
             freed[p] = (NONE, pool[p][1])
     return tuple(sorted(freed.items()))
+
+
+def evict(m: Model, s: State, d: int, page: int) -> Change | str:
+    """Decode forgets cached page `page` (0-based, of worker d's pool): any sealed page no
+    request reads. Which one (least recently used, ...) is the implementation's policy; the
+    spec allows every choice. The memory keeps its KV; the page is free for Reserve."""
+    if not m.prefix_cache:
+        return "this model has no prefix cache"
+    p = s.pages_of(d, m.decode_pages)[page]
+    owner, gen, data, tag, readers, ident, kv = s.decode_pool[p]
+    if ident == NO_IDENT:
+        return f"decode page {page + 1} is not cached"
+    if readers:
+        return f"decode page {page + 1} has readers: it cannot be evicted"
+    return Change(decode=((p, (owner, gen, data, tag, readers, NO_IDENT, kv)),))
 
 
 # A network that loses things for good (the model's losses; the spec's Losses). Faults: a
@@ -900,7 +1044,7 @@ def revoke_release(m: Model, s: State, r: int) -> Change | str:
         return f"the decode state is {DECODE_NAMES[row[DST]]}, not Waiting or Closing"
     if not writes_gone(s, r):
         return "a write of this request is still on the wire"
-    return _released(s, r, row)
+    return _released(m, s, r, row)
 
 
 def loss_recovery_due(m: Model, s: State, r: int) -> bool:
@@ -968,17 +1112,33 @@ class DecodeCrash(WorkerEvent):
 
 
 @dataclass(frozen=True, slots=True)
+class Evict(WorkerEvent):
+    """Decode forgets a cached page nobody reads (its cache's policy, not a fault)."""
+
+    page: int = 0  # 0-based, in the decode worker's pool
+
+    def label(self, m: Model | None = None) -> str:
+        if m is None or m.one_pair:
+            return f"Evict(page {self.page + 1})"
+        return f"Evict({m.decode_worker_names[self.worker]}, page {self.page + 1})"
+
+
+@dataclass(frozen=True, slots=True)
 class Arrive(RequestEvent):
     prompt_pages: int
     prefill_worker: int = 0  # the router's placement (ignored for a prompt it refuses)
     decode_worker: int = 0
+    tokens: tuple = ()  # with a prefix cache: the prompt, one abstract token per page
+    salt: int = 0       # with a prefix cache: the request's tenant
 
     def label(self, m: Model | None = None) -> str:
         name = m.request_names[self.request] if m else f"r{self.request + 1}"
+        content = (f", tokens {''.join(map(str, self.tokens))}, salt {self.salt}"
+                   if self.tokens else "")
         if m is None or m.one_pair:
-            return f"Arrive({name}, {self.prompt_pages})"
+            return f"Arrive({name}, {self.prompt_pages}{content})"
         return (f"Arrive({name}, {self.prompt_pages}, {m.prefill_worker_names[self.prefill_worker]}"
-                f", {m.decode_worker_names[self.decode_worker]})")
+                f", {m.decode_worker_names[self.decode_worker]}{content})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -1100,6 +1260,7 @@ class ActionInfo:
     argument: str = ""          # the event's field besides the request, if any
     observed: Callable | None = None  # the oracle for the verdict the data path reports
     after_loss: bool = False    # a recovery from a loss: never enabled where nothing is lost
+    prefix_cache: bool = False  # a prefix cache's: never enabled without one
 
     @property
     def fair(self) -> bool:
@@ -1140,6 +1301,8 @@ ACTION_TABLE: tuple[ActionInfo, ...] = (
     ActionInfo(ResendBootstrap, "router", "timer", after_loss=True),
     ActionInfo(ResendCancel, "decode", "timer", after_loss=True),
     ActionInfo(RevokeRelease, "decode", "timer", after_loss=True),
+    # The cache's policy: not fair (a cache need not evict), not a fault.
+    ActionInfo(Evict, "decode", "policy", argument="page", prefix_cache=True),
 )
 
 # Action type -> its function. A dict rather than a table column so that a test can swap
@@ -1152,7 +1315,7 @@ ACTIONS: dict[type, Callable] = {
     DecodeAbort: decode_abort, Timeout: timeout, Release: release, PrefillCrash: prefill_crash,
     DecodeCrash: decode_crash, LoseBootstrap: lose_bootstrap, LoseFinalWord: lose_final_word,
     LoseCancel: lose_cancel, LoseWrite: lose_write, ResendBootstrap: resend_bootstrap,
-    ResendCancel: resend_cancel, RevokeRelease: revoke_release,
+    ResendCancel: resend_cancel, RevokeRelease: revoke_release, Evict: evict,
 }
 assert tuple(ACTIONS) == tuple(info.event for info in ACTION_TABLE)
 INFO = {info.event: info for info in ACTION_TABLE}
@@ -1169,6 +1332,9 @@ TIMER_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE if info.k
 # The recoveries from a loss (resends, decode's write timer): never enabled without Losses.
 LOSS_RECOVERY_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE
                                   if info.after_loss)
+# The prefix cache's own actions (Evict): never enabled without PrefixCache.
+PREFIX_CACHE_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE
+                                 if info.prefix_cache)
 # The events that are signs of progress of a request's prefill and renew decode's transfer
 # lease (LeaseLapsed in the spec; the shells' timers): the prefill's own actions on the
 # request and its writes landing. A crash is a sign of nothing.
@@ -1184,7 +1350,7 @@ DELIVERY_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE
 # Message -> the actions that consume it, in the order `consumer` tries them.
 CONSUMERS = {message: tuple(info.event for info in ACTION_TABLE if message in info.consumes)
              for message in (BOOTSTRAP, FINAL_WORD_MSG, CANCEL_MSG, WRITE, CLIENT_GONE)}
-_WORKER_ACTIONS = (PrefillCrash, DecodeCrash)  # no request argument
+_WORKER_ACTIONS = (PrefillCrash, DecodeCrash, Evict)  # no request argument
 # Per-request actions other than Arrive, the allocations and LandWrite (which are enumerated
 # over their arguments), in table order; an observed action is enumerated with the verdict
 # its oracle gives.
@@ -1215,6 +1381,11 @@ def change_for(m: Model, s: State, event: Event) -> Change | Refusal:
     fn = ACTIONS.get(kind)
     if fn is None:
         raise ProtocolMisuse(f"{event!r} is not a protocol event")
+    if kind is Evict:
+        if not (0 <= event.worker < m.decode_workers and 0 <= event.page < m.decode_pages):
+            raise ProtocolMisuse(f"{event.label(m)} names no page of the decode workers")
+        out = fn(m, s, event.worker, event.page)
+        return Refusal(event, out) if type(out) is str else out
     if kind is PrefillCrash or kind is DecodeCrash:
         workers = m.prefill_workers if kind is PrefillCrash else m.decode_workers
         if not 0 <= event.worker < workers:
@@ -1241,7 +1412,8 @@ def change_for(m: Model, s: State, event: Event) -> Change | Refusal:
             raise ProtocolMisuse(f"{event.label()} places the request on prefill "
                                  f"{event.prefill_worker}, decode {event.decode_worker}: of "
                                  f"{m.prefill_workers} x {m.decode_workers} workers")
-        out = fn(m, s, r, event.prompt_pages, event.prefill_worker, event.decode_worker)
+        out = fn(m, s, r, event.prompt_pages, event.prefill_worker, event.decode_worker,
+                 tuple(event.tokens), event.salt)
     else:
         if not isinstance(event.pages, tuple):
             raise ProtocolMisuse(f"{event.action}.pages must be a tuple of page numbers")
@@ -1366,7 +1538,7 @@ def allocation_need(m: Model, s: State, action: type, r: int) -> int | str:
     if action is Admit:
         return pages_to_admit(m, s.requests[r])
     if action is Reserve:
-        return pages_to_reserve(m, s.requests[r])
+        return _reserve_need(m, s.requests[r], s)
     raise ProtocolMisuse(f"{action!r} is not an allocation (Admit or Reserve)")
 
 
@@ -1412,9 +1584,14 @@ class _EventCache:
     def __init__(self, m: Model) -> None:
         self.placements = tuple((p, d) for p in range(m.prefill_workers)
                                 for d in range(m.decode_workers))
-        # Arrive(r, n) for a prompt the router refuses (placed nowhere), then one per placement.
-        self.arrive = [[(Arrive(r, n), tuple(Arrive(r, n, p, d) for p, d in self.placements))
+        # Arrive(r, n) for a prompt the router refuses (placed nowhere), then one per placement;
+        # with a prefix cache, each for every prompt of n tokens and every salt.
+        self.arrive = [[(tuple(Arrive(r, n, 0, 0, t, salt) for t, salt in _contents(m, n)),
+                         tuple(Arrive(r, n, p, d, t, salt) for p, d in self.placements
+                               for t, salt in _contents(m, n)))
                         for n in range(m.max_prompt_pages + 1)] for r in range(m.requests)]
+        self.evict = tuple(Evict(d, p) for d in range(m.decode_workers)
+                           for p in range(m.decode_pages))
         pages = m.decode_pages * m.decode_workers
         self.land = [[LandWrite(r, p) for p in range(pages)] for r in range(m.requests)]
         self.lose = [[LoseWrite(r, p) for p in range(pages)] for r in range(m.requests)]
@@ -1424,6 +1601,14 @@ class _EventCache:
                         for cls, fn in _SIMPLE_ACTIONS] for r in range(m.requests)]
         self.admit: dict[tuple, Admit] = {}
         self.reserve: dict[tuple, Reserve] = {}
+
+
+def _contents(m: Model, n: int) -> tuple:
+    """Every (tokens, salt) a prompt of n pages may carry (the spec's PromptsOf, SaltsOf)."""
+    if not m.prefix_cache:
+        return (((), 0),)
+    return tuple((t, salt) for t in product(range(1, m.tokens + 1), repeat=n)
+                 for salt in range(1, m.tenants + 1))
 
 
 _CACHES: dict[Model, _EventCache] = {}
@@ -1447,10 +1632,12 @@ def _allocations(m: Model, s: State, r: int, cache: _EventCache):
             event = cache.admit.get((r, pages)) or cache.admit.setdefault((r, pages),
                                                                           Admit(r, pages))
             yield event, commit(s, admit(m, s, r, pages))
-    need = _reserve_need(m, row)
+    need = _reserve_need(m, row, s)
     if type(need) is int:
         pool = s.decode_pool
-        free = [p for p in decode_pages_of(m, s, row) if pool[p][OWNER] == NONE]
+        hits = hit_pages(m, s, row)
+        free = [p for p in decode_pages_of(m, s, row)
+                if pool[p][OWNER] == NONE and not pool[p][READERS] and p not in hits]
         for pages in combinations(free, need):
             event = cache.reserve.get((r, pages)) or cache.reserve.setdefault(
                 (r, pages), Reserve(r, pages))
@@ -1464,11 +1651,10 @@ def successors(m: Model, s: State) -> Iterator[tuple[Event, State]]:
         if s.requests[r][CLIENT] == IDLE:
             row_arrive = cache.arrive[r]
             for n in range(1, m.max_prompt_pages + 1):
-                if n > m.advertised_context_pages:
-                    yield row_arrive[n][0], commit(s, arrive(m, s, r, n))
-                    continue
-                for event, (p, d) in zip(row_arrive[n][1], cache.placements):
-                    yield event, commit(s, arrive(m, s, r, n, p, d))
+                refused, placed = row_arrive[n]
+                for event in (refused if n > m.advertised_context_pages else placed):
+                    yield event, commit(s, arrive(m, s, r, n, event.prefill_worker,
+                                                  event.decode_worker, event.tokens, event.salt))
             continue
         yield from _allocations(m, s, r, cache)
         for events, fn, observed in cache.simple[r]:
@@ -1490,6 +1676,11 @@ def successors(m: Model, s: State) -> Iterator[tuple[Event, State]]:
     if "Write" in m.losses:
         for w in s.writes:
             yield cache.lose[w[0]][w[2]], commit(s, lose_write(m, s, w[0], w[2]))
+    if m.prefix_cache:
+        for event in cache.evict:
+            out = evict(m, s, event.worker, event.page)
+            if type(out) is not str:
+                yield event, commit(s, out)
 
 
 

@@ -126,6 +126,31 @@ BUG_SWITCHES: dict[str, tuple[str, str, str]] = {
         "the request and its pages for ever",
         "kvproof guard removal (a prefill that waits on a dead decode with no heartbeat)",
     ),
+    # Prefix caching (issue 27): switches of models with prefix_cache only; without it they
+    # change nothing.
+    "StaleHitLength": (
+        "the hit length decode tells the prefill is the one it holds",
+        "decode counts one more cached page than it holds, reserves a fresh page for it that "
+        "nobody writes, and the prefill skips it: decode reads a page nobody wrote",
+        "SGLang PR #31881 (a stale storage-hit length)",
+    ),
+    "NoRefCount": (
+        "a reference count per shared page (its readers)",
+        "pages are deduplicated by content key with no count of readers, so the first "
+        "reader's release frees pages a second reader still relies on",
+        "LMCache-Ascend #250",
+    ),
+    "FullHitNoNotice": (
+        "the page table and final word flow on a full decode-side hit too",
+        "on a full hit decode decodes at once and tells the prefill nothing: the prefill "
+        "waits for a page table that never comes, holding the request until its expiry",
+        "vLLM PR #43509, PR #18632",
+    ),
+    "NoSalt": (
+        "the salt (tenant) in every page's content identity",
+        "the cache key leaves the salt out, so two tenants with the same prefix share pages",
+        "issue 27 (the cross-tenant sharing public trackers report)",
+    ),
 }
 
 ALL_BUGS = frozenset(BUG_SWITCHES)
@@ -146,7 +171,8 @@ LOSS_KINDS: dict[str, str] = {
 TLA_CONSTANTS = {"max_prompt_pages": "MaxPromptPages", "context_pages": "ContextPages",
                  "prefill_pages": "PrefillPages", "decode_pages": "DecodePages",
                  "crashes": "Crashes", "decode_crashes": "DecodeCrashes",
-                 "early_timeouts": "EarlyTimeouts"}
+                 "early_timeouts": "EarlyTimeouts", "prefix_cache": "PrefixCache",
+                 "tokens": "Tokens", "tenants": "Tenants"}
 
 
 class ModelError(ValueError):
@@ -156,6 +182,10 @@ class ModelError(ValueError):
 def _positive(label: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ModelError(f"{label} must be an integer >= 1, got {value!r}")
+
+
+def _s(n: int) -> str:
+    return "" if n == 1 else "s"
 
 
 @dataclass(frozen=True)
@@ -219,16 +249,24 @@ class Model:
     # decode_pages pages. The router places every admitted request on one of each.
     prefill_workers: int = 1
     decode_workers: int = 1
+    # Prefix caching (the spec's PrefixCache, Tokens, Tenants): decode caches sealed pages by
+    # content identity and shares them between requests of one salt. A prompt is a sequence
+    # of abstract tokens from 1..tokens, one per page; a request's salt is from 1..tenants.
+    prefix_cache: bool = False
+    tokens: int = 1
+    tenants: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "protocol", ProtocolConfig(
             self.context_pages, self.prefill_pages, self.decode_pages, frozenset(self.bugs)))
-        for label in ("requests", "max_prompt_pages", "prefill_workers", "decode_workers"):
+        for label in ("requests", "max_prompt_pages", "prefill_workers", "decode_workers",
+                      "tokens", "tenants"):
             _positive(label, getattr(self, label))
         if self.request_names and len(self.request_names) != self.requests:
             raise ModelError("request_names must name every request")
         for label, value in (("crashes", self.crashes), ("decode_crashes", self.decode_crashes),
-                             ("early_timeouts", self.early_timeouts)):
+                             ("early_timeouts", self.early_timeouts),
+                             ("prefix_cache", self.prefix_cache)):
             if not isinstance(value, bool):
                 raise ModelError(f"{label} must be TRUE or FALSE, got {value!r}")
         object.__setattr__(self, "bugs", frozenset(self.bugs))
@@ -291,7 +329,7 @@ class Model:
         DecodeCrashes, EarlyTimeouts, Losses, PrefillWorkers and DecodeWorkers may be absent
         (files written before decode crashes, timely timers, lossy networks and worker sets
         existed: FALSE, TRUE, {}, {p1} and {d1}, what those files meant)."""
-        optional = {"DecodeCrashes", "EarlyTimeouts"}
+        optional = {"DecodeCrashes", "EarlyTimeouts", "PrefixCache", "Tokens", "Tenants"}
         try:
             names = tuple(str(n) for n in constants["Requests"])
             fields = {field: constants[constant] for field, constant in TLA_CONSTANTS.items()
@@ -313,6 +351,8 @@ class Model:
         return cls(requests=len(names), request_names=names, bugs=bugs, name=name, **workers,
                    decode_crashes=constants.get("DecodeCrashes", False),
                    early_timeouts=constants.get("EarlyTimeouts", True),
+                   prefix_cache=constants.get("PrefixCache", False),
+                   tokens=constants.get("Tokens", 1), tenants=constants.get("Tenants", 1),
                    losses=frozenset(constants.get("Losses", ())), **fields)
 
     def with_bugs(self, bugs: frozenset[str] | set[str], name: str | None = None) -> "Model":
@@ -330,5 +370,6 @@ class Model:
             f"{', decode crashes' if self.decode_crashes else ''}"
             f"{'' if self.early_timeouts else ', timely timers'}"
             f"{', the network loses ' + ', '.join(sorted(self.losses)) if self.losses else ''}"
+            f"{f', prefix cache ({self.tokens} token kind{_s(self.tokens)}, {self.tenants} salt{_s(self.tenants)})' if self.prefix_cache else ''}"
             f"; bugs: {bugs}"
         )

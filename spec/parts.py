@@ -512,8 +512,8 @@ class Part:
         r, _, page, tag = write
         row = self.rows[r]
         self.rows[r] = core._row(row, core.LANDED, row[core.LANDED] + 1)
-        owner, gen, _, _ = self.pool[page - self.base]
-        self.pool[page - self.base] = (owner, gen, data, tag)
+        owner, gen, _, _, readers, ident, kv = self.pool[page - self.base]
+        self.pool[page - self.base] = (owner, gen, data, tag, readers, ident, kv)
 
     def completed(self, write: tuple) -> None:
         """The prefill's share of LandWrite: its write completed (with EarlyDone a landing
@@ -592,6 +592,10 @@ class Split:
             return None
         if type(event) is core.PrefillCrash:
             return self.prefills[event.worker]
+        if type(event) is core.Evict:  # prefix caching: not split by role yet (issue 27)
+            if self.model.prefix_cache:
+                raise core.ProtocolMisuse("the split state has no prefix cache yet")
+            return "this model has no prefix cache"
         if not 0 <= event.request < self.model.requests:
             raise core.ProtocolMisuse(f"request {event.request} does not exist")
         return self.placed(event.request, role) or (

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from spec.core import (
-    ANNOUNCED, DW, FW_COUNT, LANDED, PTABLE, PW,
+    ANNOUNCED, DW, FW_COUNT, IDENT, KV, LANDED, NO_IDENT, PTABLE, PW, READERS, SALT,
     BOOT, CANCEL, CLIENT, CLOSING, DECODING, DST, D_WAITING, ERR_DECODE, ERR_PREFILL, ERR_TAG,
     ERR_TIMEOUT, ERR_TRANSFER, FW, GEN, GONE, IDLE, LEAKED, NONE, NO_MSG, OK, OWNER, PROMPT, PST, QUEUED, RELEASED, RUNNING, SENT, SRC,
     TABLE, TOMB, WAITING, State, bootstrap_resend_due, cancel_resend_due, loss_recovery_due,
@@ -60,7 +60,7 @@ def TypeOK(m: Model, s: State) -> bool:
                 and 0 <= row[ANNOUNCED] <= m.max_prompt_pages and row[LANDED] >= 0
                 and -1 <= row[PW] < m.prefill_workers and -1 <= row[DW] < m.decode_workers):
             return False
-    for owner, gen, data, tag in s.decode_pool:
+    for owner, gen, data, tag, _, _, _ in s.decode_pool:
         if not (-1 <= owner < n and gen >= 0 and -1 <= data < n):
             return False
     for owner, data in s.prefill_pool:
@@ -99,8 +99,8 @@ def ExclusiveOwner(m: Model, s: State) -> bool:
             return False
     for r, row in enumerate(rows):
         if holds_decode_pages(row):
-            for p, gen in row[TABLE]:
-                if pool[p][OWNER] != r or pool[p][GEN] != gen:
+            for p, gen in row[TABLE]:  # its own page, or a cached page it reads
+                if (pool[p][OWNER] != r and r not in pool[p][READERS]) or pool[p][GEN] != gen:
                     return False
     for p, (r, _) in enumerate(s.prefill_pool):
         if r == NONE:
@@ -119,6 +119,43 @@ def NoWriteIntoForeign(m: Model, s: State) -> bool:
         if pool[page][OWNER] != r or pool[page][GEN] != tag:
             return False
     return True
+
+
+def SaltsApart(m: Model, s: State) -> bool:
+    """A page is shared only within a salt: every reader of a page has the salt of the KV its
+    memory holds (prefix caching; nothing is read shared without it)."""
+    rows = s.requests
+    for page in s.decode_pool:
+        for r in page[READERS]:
+            if page[KV] == NO_IDENT or page[KV][0] != rows[r][SALT]:
+                return False
+    return True
+
+
+def ReadersAreLive(m: Model, s: State) -> bool:
+    """A page's readers are exactly its live readers: the requests holding pages at its
+    worker whose table has it and that do not own it. Never fewer (a release would free it
+    under a reader), never more (a reference nobody drops pins the page for ever)."""
+    pool = s.decode_pool
+    live = {}
+    for r, row in enumerate(s.requests):
+        if holds_decode_pages(row):
+            for p, _ in row[TABLE]:
+                if pool[p][OWNER] != r:
+                    live.setdefault(p, set()).add(r)
+    return all(set(page[READERS]) == live.get(p, set()) for p, page in enumerate(pool))
+
+
+def SealedIsQuiet(m: Model, s: State) -> bool:
+    """A page with readers is sealed, and a sealed page has no owner and no write on its way
+    into it: nothing frees or evicts a page that is read or written."""
+    pool = s.decode_pool
+    for page in pool:
+        if page[READERS] and page[IDENT] == NO_IDENT:
+            return False
+        if page[IDENT] != NO_IDENT and page[OWNER] != NONE:
+            return False
+    return all(pool[dst][IDENT] == NO_IDENT for _, _, dst, _ in s.writes)
 
 
 def SourceHeld(m: Model, s: State) -> bool:
@@ -225,6 +262,9 @@ STATE_INVARIANTS: dict[str, Predicate] = {
     "ExclusiveOwner": ExclusiveOwner,
     "NoWriteIntoForeign": NoWriteIntoForeign,
     "SourceHeld": SourceHeld,
+    "SaltsApart": SaltsApart,
+    "ReadersAreLive": ReadersAreLive,
+    "SealedIsQuiet": SealedIsQuiet,
     "RejectedIsError": RejectedIsError,
     "NoGuardTripWithoutFault": NoGuardTripWithoutFault,
     "NoResendWithoutLoss": NoResendWithoutLoss,

@@ -28,6 +28,8 @@ ROUTER, PREFILL, DECODE, WIRE_OWNER, GHOST = "router", "prefill", "decode", "wir
 # Variable -> its owner. Per-request variables split a request's row by who knows each part.
 OWNERS = {
     "client": ROUTER, "prompt": ROUTER, "pworker": ROUTER, "dworker": ROUTER,
+    "tokens": ROUTER, "salt": ROUTER, "phit": PREFILL, "hit": DECODE, "readers": DECODE,
+    "ident": DECODE, "kv": DECODE,
     "pst": PREFILL, "sent": PREFILL, "src": PREFILL, "ptable": PREFILL, "powner": PREFILL,
     "pdata": PREFILL, "writes": PREFILL,
     "dst": DECODE, "table": DECODE, "dfw": DECODE, "announced": DECODE, "landed": DECODE,
@@ -42,6 +44,10 @@ WIRE = {"boot": (ROUTER, DECODE), "fwMsg": (PREFILL, DECODE), "fwCount": (PREFIL
 GRANTS = {
     (PREFILL, "prompt"): "the queue entry the router hands the prefill carries the prompt",
     (DECODE, "prompt"): "the bootstrap carries the prompt's length",
+    (PREFILL, "tokens"): "the queue entry carries the prompt's tokens",
+    (DECODE, "tokens"): "the bootstrap carries the prompt's tokens (decode looks them up)",
+    (PREFILL, "salt"): "the queue entry carries the request's salt",
+    (DECODE, "salt"): "the bootstrap carries the request's salt (decode keys its cache by it)",
     (PREFILL, "pworker"): "the queue entry reaches the prefill worker the router chose: a "
                           "worker knows which requests are its own",
     (DECODE, "dworker"): "the bootstrap reaches the decode worker the router chose",
@@ -78,6 +84,7 @@ CORE_ASSUMPTIONS = {"lease_lapsed": "LeaseLapsed", "bootstrap_unanswered": "Boot
 DELIVERIES = {
     (ROUTER, "pst"): QUEUE_ENTRY,        # Arrive hands the request to its prefill's queue
     (DECODE, "ptable"): PAGE_TABLE,      # Reserve publishes the page table to the prefill
+    (DECODE, "phit"): PAGE_TABLE,        # ... with the hit length decode holds cached
     (PREFILL, "client"): ANSWER,         # the serving edge keeps a client's first answer
     (DECODE, "client"): ANSWER,
 }
@@ -109,5 +116,6 @@ def why_not(worker: str, variable: str) -> str:
 
 
 # The core's view attributes -> the spec variables they stand for (a pool is its role's).
-VIEW_PARTS = {"decode_pool": ("owner", "gen", "content"), "prefill_pool": ("powner", "pdata"),
+VIEW_PARTS = {"decode_pool": ("owner", "gen", "content", "readers", "ident", "kv"),
+              "prefill_pool": ("powner", "pdata"),
               "writes": ("writes",)}

@@ -420,8 +420,9 @@ class Store:
             row[PTABLE] = tuple((x + d * dp, g) for x, g in row[PTABLE])
             rows.append(tuple(row))
         rows.append(core.EMPTY_ROW)
-        decode = tuple((who(o), g, who(data), t) for pool in self.decode_pools
-                       for o, g, data, t in pool)
+        decode = tuple((who(o), g, who(data), t, tuple(who(x) for x in readers), ident, kv)
+                       for pool in self.decode_pools
+                       for o, g, data, t, readers, ident, kv in pool)
         prefill = tuple((who(o), who(data)) for pool in self.prefill_pools for o, data in pool)
         writes = tuple(sorted((index[r], s + self.placement[r][0] * pp, t + d * dp, tag)
                               for d, ws in enumerate(self.writes_into) for r, s, t, tag in ws))

@@ -52,6 +52,12 @@ STATES = {
     "lossy-decode-crash": 4380, "bug-NoFailureDetector": 4519,
     # Worker sets (issue 25): one request, every placement, each worker crashing alone.
     "workers-1x2": 5284, "workers-2x1": 5284, "workers-2x2": 10566,
+    # Prefix caching, decode side (issue 27): the prefix models and the graphs of its
+    # switches (each zoo-X of one switch is bug-X's graph).
+    "prefix": 420895, "prefix-chain": 633677, "prefix-crash": 1094048,
+    "bug-StaleHitLength": 196137,
+    "bug-NoRefCount": 401311, "bug-FullHitNoNotice": 412907, "bug-NoSalt": 436279,
+    "zoo-stale-hit-reads-unwritten": 189172,
 }
 # The switches of an early final word and of a decode restart came after the pinned
 # every-switch figure: it stays pinned for the thirteen before them.

@@ -62,7 +62,9 @@ def test_a_message_read_by_its_sender_is_flagged():
 def test_the_release_guard_reads_decode_state_only():
     release = {row.action: row for row in locality.analyse()}["Release"]
     assert release.access.guard_reads == {"dst", "dfw", "landed", "announced"}
-    assert release.access.writes == {"dst", "owner"}
+    # With a prefix cache the release also drops the request's references (readers) and,
+    # with NoRefCount, the cache entries (ident): decode's own pool.
+    assert release.access.writes == {"dst", "owner", "readers", "ident"}
 
 
 def test_every_variable_has_one_owner_and_the_spec_says_the_same():
@@ -121,13 +123,14 @@ def test_the_cores_actions_break_no_locality_either():
 def test_a_core_that_reads_the_other_workers_fields_is_flagged():
     source = locality.CORE_PATH.read_text()
     old_send = "table = row[PTABLE]  # the prefill's copy, received from decode"
-    old_accept = 'if "NoCountCheck" not in m.bugs and row[FW_COUNT] != len(row[TABLE]):'
+    old_accept = ('if "NoCountCheck" not in m.bugs and row[FW_COUNT] != len(row[TABLE]) - '
+                  'row[HIT]:')
     old_release = "        if not _counted(m, row, row[ANNOUNCED]):\n"
     for old in (old_send, old_accept, old_release):
         assert source.count(old) == 1
     mutant = (source.replace(old_send, "table = row[TABLE]")
               .replace(old_accept, 'if "NoCountCheck" not in m.bugs and row[SENT] != '
-                                   'len(row[TABLE]):')
+                                   'len(row[TABLE]) - row[HIT]:')
               .replace(old_release, "        if _writes_of(s, r):\n"))
     assert locality.core_violations(mutant) == [
         "SendPage (prefill) reads table: table is the decode's",
@@ -208,7 +211,11 @@ def test_every_pool_a_checked_action_indexes_is_its_own_workers():
     assert pools == {"Admit": ("pworker[r]",), "SendPage": ("pworker[r]",),
                      "SendDone": ("pworker[r]",), "PrefillAbort": ("pworker[r]",),
                      "Reserve": ("dworker[r]",), "Release": ("dworker[r]",),
-                     "RevokeRelease": ("dworker[r]",)}
+                     "RevokeRelease": ("dworker[r]",),
+                     # Sealing the pages of an accepted transfer (prefix cache).
+                     "Accept": ("dworker[r]",),
+                     # A worker's own action names its worker by its parameter.
+                     "Evict": ("d",)}
 
 
 def _mutant(old: str, new: str) -> str:
@@ -226,7 +233,9 @@ def test_a_decode_guard_that_reads_another_decode_workers_pool_is_flagged():
                                      "e # dworker[r]) # {}\n")
     assert locality.violations(mutant) == [
         "Reserve (decode) reads owner[CHOOSE e \\in DecodeWorkers : e # dworker[r]]: not its "
-        "own decode worker's pool owner[dworker[r]]"]
+        "own decode worker's pool owner[dworker[r]]",
+        "Reserve (decode) reads readers[CHOOSE e \\in DecodeWorkers : e # dworker[r]]: not its "
+        "own decode worker's pool readers[dworker[r]]"]
 
 
 def test_a_prefill_that_writes_another_prefill_workers_pool_is_flagged():

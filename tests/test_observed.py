@@ -70,7 +70,7 @@ def _store_with_clean_transfer() -> Store:
 def test_the_store_flags_clean_reported_over_foreign_data():
     store = _store_with_clean_transfer()
     # The page now holds another request's bytes (what a late foreign write leaves behind).
-    owner, gen, _, tag = store.decode_pools[0][2]
+    owner, gen, _, tag = store.decode_pools[0][2][:4]
     store.decode_pools[0][2] = (owner, gen, 1, tag)
     out = store.take(0, Accept(0, True))
     assert not isinstance(out, core.Refusal)

@@ -36,15 +36,17 @@ def names(fields) -> set:
 
 
 def test_each_part_holds_what_its_role_may_read_and_no_more():
-    assert names(HELD[ROUTER]) == {"client", "prompt", "pworker", "dworker"}
-    assert names(HELD[PREFILL]) == {"pst", "sent", "src", "ptable", "cancel",
-                                    "client", "prompt", "pworker"}
+    # tokens, salt (the router's), phit and hit: prefix caching's (issue 27).
+    assert names(HELD[ROUTER]) == {"client", "prompt", "pworker", "dworker", "tokens", "salt"}
+    assert names(HELD[PREFILL]) == {"pst", "sent", "src", "ptable", "cancel", "phit",
+                                    "client", "prompt", "pworker", "tokens", "salt"}
     assert names(HELD[DECODE]) == {"dst", "table", "dfw", "announced", "landed", "boot",
-                                   "fwMsg", "fwCount", "client", "prompt", "dworker"}
+                                   "fwMsg", "fwCount", "hit", "client", "prompt", "dworker",
+                                   "tokens", "salt"}
     # The granted facts are copies: the router is the one authority on them.
-    assert names(AUTHORITY[PREFILL]) == {"pst", "sent", "src", "ptable", "cancel"}
+    assert names(AUTHORITY[PREFILL]) == {"pst", "sent", "src", "ptable", "cancel", "phit"}
     assert names(AUTHORITY[DECODE]) == {"dst", "table", "dfw", "announced", "landed", "boot",
-                                        "fwMsg", "fwCount"}
+                                        "fwMsg", "fwCount", "hit"}
     # Every field has one authority, except the ghost, which the split keeps.
     counted = sorted(k for role in AUTHORITY for k in AUTHORITY[role])
     assert [ROW_FIELDS[k] for k in range(len(ROW_FIELDS)) if k not in counted] == ["leaked"]
@@ -191,7 +193,7 @@ def test_a_transfer_sends_exactly_the_messages_of_the_protocol():
         ("Arrive", "router", [
             ("decode", ("bootstrap",), ("boot", "client", "dworker", "prompt")),
             ("prefill", ("queue entry",), ("client", "prompt", "pst", "pworker"))]),
-        ("Reserve", "decode 0", [("prefill", ("page table",), ("ptable",))]),
+        ("Reserve", "decode 0", [("prefill", ("page table",), ("phit", "ptable"))]),
         ("Admit", "prefill 1", []),
         ("SendPage", "prefill 1", []),
         ("LandWrite", "environment", []),

@@ -159,10 +159,10 @@ def test_the_store_flags_a_changed_answer_and_a_revived_tombstone():
 def test_the_store_flags_a_generation_that_goes_back():
     m = Model(**BASES["solo"])
     store = Store(m, prefill_workers=1, decode_workers=1)
-    owner, gen, data, tag = store.decode_pools[0][0]
-    store.decode_pools[0][0] = (owner, 5, data, tag)
+    owner, gen, data, tag, *cache = store.decode_pools[0][0]
+    store.decode_pools[0][0] = (owner, 5, data, tag, *cache)
     store.arrive(0, 0, 0)
-    store.commit(0, core.Change(decode=((0, (owner, 4, data, tag)),)))
+    store.commit(0, core.Change(decode=((0, (owner, 4, data, tag, *cache)),)))
     # (The hand-made change also unbalances the free list: the first report is the step.)
     assert [v.property for v in store.violations][:1] == ["GenerationsNeverGoBack"]
 

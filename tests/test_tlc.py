@@ -251,6 +251,18 @@ TLC_FIGURES = {
     "workers-1x2": (5284, 14),
     "workers-2x1": (5284, 14),
     "workers-2x2": (10566, 14),
+    # issue 27: prefix caching, decode side
+    "prefix": (841757, 27),
+    "prefix-chain": (1267305, 27),
+    "prefix-crash": (2187923, 27),
+    "bug-StaleHitLength": ('FittingRequestsSucceed', 7),
+    "bug-NoRefCount": ('ExclusiveOwner', 11),
+    "bug-FullHitNoNotice": ('NoStuckRequest', 13),
+    "bug-NoSalt": ('SaltsApart', 9),
+    "zoo-stale-hit-reads-unwritten": ('Isolation', 14),
+    "zoo-no-refcount": ('ExclusiveOwner', 11),
+    "zoo-full-hit-no-notice": ('NoStuckRequest', 13),
+    "zoo-no-salt": ('SaltsApart', 9),
 }
 
 

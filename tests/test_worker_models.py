@@ -141,7 +141,7 @@ def test_the_sample_catches_a_crash_that_frees_another_workers_pages(monkeypatch
         out = real(m, s, d)
         if isinstance(out, str):
             return out
-        freed = tuple((k, (core.NONE, g, data, tag)) for k, (o, g, data, tag)
+        freed = tuple((k, (core.NONE, g, data, tag, *cache)) for k, (o, g, data, tag, *cache)
                       in enumerate(s.decode_pool) if o != core.NONE)
         return out._replace(decode=freed)
 

@@ -38,7 +38,7 @@ CONSTANT_FIELDS = {"Requests": "requests", "NoReq": None,
                    **{constant: field for field, constant in TLA_CONSTANTS.items()},
                    "Losses": "losses", "Bugs": "bugs"}
 _SIZES = tuple((field, constant) for field, constant in TLA_CONSTANTS.items()
-               if field.endswith("_pages"))
+               if field.endswith("_pages") or field in ("tokens", "tenants"))
 _FLAGS = tuple((field, constant) for field, constant in TLA_CONSTANTS.items()
                if field not in dict(_SIZES))
 
@@ -275,6 +275,8 @@ def cfg_for(model: Model, invariants: tuple[str, ...], properties: tuple[str, ..
              f"    Crashes = {'TRUE' if model.crashes else 'FALSE'}",
              f"    DecodeCrashes = {'TRUE' if model.decode_crashes else 'FALSE'}",
              f"    EarlyTimeouts = {'TRUE' if model.early_timeouts else 'FALSE'}",
+             f"    PrefixCache = {'TRUE' if model.prefix_cache else 'FALSE'}",
+             f"    Tokens = {model.tokens}", f"    Tenants = {model.tenants}",
              f"    Losses = {{{', '.join(chr(34) + k + chr(34) for k in sorted(model.losses))}}}",
              f"    Bugs = {{{bugs}}}",
              f"SPECIFICATION {'LossyFairSpec' if model.losses else 'FairSpec'}", "INVARIANTS",

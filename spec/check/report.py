@@ -17,6 +17,10 @@ KIND_TEXT = {
 }
 
 
+def _s(n: int) -> str:
+    return "" if n == 1 else "s"
+
+
 def describe_model(m: Model) -> str:
     """Model.describe() in words that agree with their numbers ("1 request", "1 page")."""
     def pages(n: int) -> str:
@@ -31,7 +35,9 @@ def describe_model(m: Model) -> str:
             f"{pages(m.prefill_pages)}, decode pool {pages(m.decode_pages)}"
             f"{', prefill crashes' if m.crashes else ''}"
             f"{', decode crashes' if m.decode_crashes else ''}"
-            f"{'' if m.early_timeouts else ', timely timers'}; bugs: {bugs}")
+            f"{'' if m.early_timeouts else ', timely timers'}"
+            f"{f', prefix cache ({m.tokens} token kind{_s(m.tokens)}, {m.tenants} salt{_s(m.tenants)})' if m.prefix_cache else ''}"
+            f"; bugs: {bugs}")
 
 
 def format_trace(m: Model, violation: Violation, full: bool = False, shortest: bool = True) -> str:

@@ -87,6 +87,23 @@ BASES: dict[str, dict[str, int]] = {
     "workers-2x2": dict(requests=1, max_prompt_pages=3, context_pages=3, prefill_pages=2,
                         decode_pages=3, crashes=True, decode_crashes=True, prefill_workers=2,
                         decode_workers=2),
+    # Prefix caching (issue 27): two requests, each a prompt of one or two pages of one
+    # token kind and one of two salts, so that a request may hit all, part or none of what
+    # the other left cached, or share pages with a request of another tenant but for the
+    # salt; decode pool of 2 pages so that allocation evicts.
+    "prefix": dict(requests=2, max_prompt_pages=2, context_pages=2, prefill_pages=2,
+                   decode_pages=2, prefix_cache=True, tokens=1, tenants=2),
+    # Two token kinds and one salt: prompts that share page 1 and differ on page 2 (a
+    # partial hit whose tail is another prompt's), and prompts that differ on page 1 and
+    # agree on page 2 (no hit at all: the key of page 2 covers page 1).
+    "prefix-chain": dict(requests=2, max_prompt_pages=2, context_pages=2, prefill_pages=2,
+                         decode_pages=2, prefix_cache=True, tokens=2, tenants=1),
+    # Its crash variant keeps one salt (the prefix model keeps tenants apart): with two it
+    # had 719,161 orbits at depth 12 of 27 after 38 s and was stopped; with one it has
+    # 1,094,048 orbits in all, checked in about a minute.
+    "prefix-crash": dict(requests=2, max_prompt_pages=2, context_pages=2, prefill_pages=2,
+                         decode_pages=2, prefix_cache=True, tokens=1, tenants=1, crashes=True,
+                         decode_crashes=True),
 }
 # Two requests on worker sets, one-page pools and prompts, both kinds of crash: where two
 # requests share or split workers. Too large for conformance in CI and for TLC's table here
@@ -133,6 +150,14 @@ BASE_NOTES = {
                    "may crash alone: the router places the request on either decode.",
     "workers-2x2": "One request, two prefill and two decode workers, each worker may crash "
                    "alone: every placement of the request is explored.",
+    "prefix": "Prefix caching: two requests with prompts of 1..2 pages (one token kind) and "
+              "one of two salts, pools of 2 pages: hits full, partial and none, sharing, "
+              "release to the cache, eviction.",
+    "prefix-chain": "Prefix caching with two token kinds and one salt: prompts that share "
+                    "page 1 and differ on page 2, or differ on page 1 and agree on page 2.",
+    "prefix-crash": "The prefix model with one salt, and either worker may crash and "
+                    "restart: a decode restart loses its cache index and every reference, a "
+                    "prefill restart a tail transfer.",
 }
 
 
@@ -209,6 +234,24 @@ ENTRIES: tuple[Entry, ...] = (
           story="The prefill fails and its Abort overtakes the bootstrap (a tombstone); decode "
                 "crashes, and the restarted decode, which does not check epochs, takes the "
                 "old bootstrap as new and reserves pages for a request nobody will ever end."),
+    # Prefix caching (issue 27).
+    Entry("stale-hit-reads-unwritten", frozenset({"StaleHitLength", "NoGenBump"}),
+          "Isolation", 14, base="prefix", invariants=("Isolation", "OkIsClean"),
+          story="SGLang PR #31881: decode counts a cached page it does not hold (a stale "
+                "storage-hit length), tells the prefill, which skips it, and reads the page "
+                "nobody wrote; without tag bumps its stale tag passes the check, and the "
+                "request decodes from another prompt's KV."),
+    Entry("no-refcount", frozenset({"NoRefCount"}), "ExclusiveOwner", 11, base="prefix",
+          story="LMCache-Ascend #250: pages deduplicated by content key with no count of "
+                "readers; the first reader's release frees a page the second still reads."),
+    Entry("full-hit-no-notice", frozenset({"FullHitNoNotice"}), "NoStuckRequest", 13,
+          base="prefix",
+          story="vLLM PR #43509, PR #18632: on a full decode-side hit no word goes to the "
+                "prefill, which holds the request (and in vLLM its source pages) until an "
+                "expiry."),
+    Entry("no-salt", frozenset({"NoSalt"}), "SaltsApart", 9, base="prefix",
+          story="The cache key leaves out the salt: a request of another tenant with the "
+                "same prefix hits, and reads, the first tenant's pages."),
 )
 ENTRY_BY_NAME = {e.name: e for e in ENTRIES}
 
@@ -336,6 +379,20 @@ ALONE: tuple[Alone, ...] = (
           masked_by="for the state and rest invariants: decode timeout with cancel (the "
                     "revived reservation times out and is released)",
           exposed_by="revived-bootstrap"),
+    # Prefix caching (issue 27), on the prefix model (without a prefix cache they change
+    # nothing). A stale hit length leaves a reserved page unwritten: the tag check fails the
+    # read (a fitting request fails, no leak); without tag bumps the page's stale tag
+    # passes, and the request reads another prompt's KV.
+    Alone("StaleHitLength", breaks="FittingRequestsSucceed", length=7, base="prefix",
+          masked_by="for safety: page generation tags checked on every read (the page "
+                    "nobody wrote carries an older tag)",
+          exposed_by="stale-hit-reads-unwritten"),
+    # The first reader's release frees the page under the second: its table holds a page
+    # it neither owns nor reads. With two requests nobody reuses the page before the
+    # second reader finishes, so no data leaks here.
+    Alone("NoRefCount", breaks="ExclusiveOwner", length=11, base="prefix"),
+    Alone("FullHitNoNotice", breaks="NoStuckRequest", length=13, base="prefix"),
+    Alone("NoSalt", breaks="SaltsApart", length=9, base="prefix"),
 )
 assert {a.switch for a in ALONE} == set(BUG_SWITCHES)
 

@@ -85,7 +85,8 @@ MEANING = {
     "writes": "its send queue: writes posted whose completion has not come back",
     "ptable": "decode's page table as received (delivered with Reserve)",
 }
-CHECKED_KINDS = ("protocol", "timer")
+# A cache's policy (Evict) is its worker's own decision too: checked like the protocol's.
+CHECKED_KINDS = ("protocol", "timer", "policy")
 
 
 @dataclass
@@ -202,7 +203,7 @@ class _Walker:
 # reading its own role's variable, whichever worker's slice it reads. So the variables are
 # also sorted by what indexes them, and every subscript a checked action uses is checked.
 WORKER_INDEXED = {"powner": PREFILL, "pdata": PREFILL, "owner": DECODE, "gen": DECODE,
-                  "content": DECODE}
+                  "content": DECODE, "readers": DECODE, "ident": DECODE, "kv": DECODE}
 SEND_QUEUE = "writes"   # the prefill's, one set of records: a write is its request's worker's
 UNINDEXED = {"leaked"}  # the ghost, a set
 PLACEMENT = {PREFILL: "pworker", DECODE: "dworker"}  # how a request names its worker
@@ -363,8 +364,11 @@ class _Indices:
                 go(getattr(node, name))
 
 
-def index_violations(name: str, worker: str, request: str, uses: list[Use]) -> list[str]:
-    """The per-worker rule for one checked action (see the module's docstring)."""
+def index_violations(name: str, worker: str, request: str, uses: list[Use],
+                     by_worker: bool = False) -> list[str]:
+    """The per-worker rule for one checked action (see the module's docstring). An action of
+    a worker as a whole (`by_worker`: Evict(d, p)) names its worker by its first parameter,
+    and has no request's row to read."""
     out = []
     for use in uses:
         var, sub = use.variable, use.subscript
@@ -375,7 +379,7 @@ def index_violations(name: str, worker: str, request: str, uses: list[Use]) -> l
         elif var in WORKER_INDEXED:
             if WORKER_INDEXED[var] != worker:
                 continue  # another role's: the owner rule's to flag
-            own = f"{PLACEMENT[worker]}[{request}]"
+            own = request if by_worker else f"{PLACEMENT[worker]}[{request}]"
             if sub is None:
                 out.append(f"{name} ({worker}) reads {var} whole: every {worker} worker's "
                            f"pool, not only its own {var}[{own}]")
@@ -437,7 +441,8 @@ def analyse(text: str | None = None) -> list[Row]:
             pools_at: tuple[str, ...] = ()
             if indices is not None:
                 request, uses = indices.uses(name)
-                bad += tuple(index_violations(name, info.worker, request, uses))
+                bad += tuple(index_violations(name, info.worker, request, uses,
+                                              issubclass(info.event, core.WorkerEvent)))
                 pools_at = tuple(sorted({u.subscript or "(whole)" for u in uses
                                          if WORKER_INDEXED.get(u.variable) == info.worker}))
             row = Row(name, info.worker, info.kind, access, bad, pools_at)
@@ -488,7 +493,8 @@ def actions_table(rows: list[Row]) -> str:
 CORE_PATH = SPEC_PATH.parent / "core.py"
 ROW_CONSTANTS = {name: core.ROW_FIELDS[getattr(core, name)] for name in (
     "CLIENT", "PROMPT", "PST", "SENT", "SRC", "DST", "TABLE", "BOOT", "FW", "DFW", "CANCEL",
-    "PTABLE", "FW_COUNT", "ANNOUNCED", "LANDED", "LEAKED", "PW", "DW")}
+    "PTABLE", "FW_COUNT", "ANNOUNCED", "LANDED", "LEAKED", "PW", "DW", "TOKENS", "SALT", "HIT",
+    "PHIT")}
 assert sorted(ROW_CONSTANTS.values()) == sorted(core.ROW_FIELDS)
 
 
@@ -560,6 +566,17 @@ def core_pool_violations(m, states) -> list[str]:
         for event, _ in core.successors(m, s):
             info = core.INFO[type(event)]
             if info.kind not in CHECKED_KINDS or info.worker not in (PREFILL, DECODE):
+                continue
+            if isinstance(event, core.WorkerEvent):  # Evict: its own worker's pages only
+                seen = set()
+                pool = _RecordingPool(s.decode_pool, seen)
+                change = core.ACTIONS[type(event)](
+                    m, core.State(s.requests, pool, s.prefill_pool, s.writes), event.worker,
+                    event.page)
+                own = set(s.pages_of(event.worker, m.decode_pages))
+                if not (seen | {p for p, _ in change.decode}) <= own or change.rows:
+                    out[f"{event.action} ({info.worker}) reads or changes what is not its "
+                        "worker's pool"] = None
                 continue
             r, name = event.request, event.action
             seen = {PREFILL: set(), DECODE: set()}

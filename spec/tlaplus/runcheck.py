@@ -112,6 +112,11 @@ BINDINGS: dict[str, Callable[[Model, core.Event, tuple], object]] = {
     "w": _write,
     "q": _prefill_worker,  # an Arrive's placement, a prefill crash's worker
     "d": _decode_worker,
+    # Prefix caching: an Arrive's tokens and salt (<<>> and 0 without a prefix cache),
+    # an Evict's page.
+    "t": lambda m, e, s: from_view(tuple(e.tokens)),
+    "s": lambda m, e, s: e.salt,
+    "p": lambda m, e, s: e.page + 1,
 }
 
 

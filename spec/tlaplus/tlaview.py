@@ -15,16 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spec.core import (
-    ANNOUNCED, BOOT, CANCEL, CLIENT, CLIENT_NAMES, DECODE_NAMES, DFW, DST, DW, FW, FW_COUNT,
-    LANDED, LEAKED, MESSAGE_NAMES, NONE, PREFILL_NAMES, PROMPT, PST, PTABLE, PW, SENT, SRC,
-    TABLE, State,
+    ANNOUNCED, BOOT, CANCEL, CLIENT, CLIENT_NAMES, DECODE_NAMES, DFW, DST, DW, FW, FW_COUNT, HIT,
+    LANDED, LEAKED, MESSAGE_NAMES, NONE, PHIT, PREFILL_NAMES, PROMPT, PST, PTABLE, PW, SALT,
+    SENT, SRC, TABLE, TOKENS, State,
 )
 from spec.model import Model
 from spec.tlaplus.tlavalues import ModelValue
 
 VARIABLES = ("client", "prompt", "pst", "sent", "src", "dst", "table", "boot", "fwMsg", "dfw",
-             "cancel", "ptable", "fwCount", "announced", "landed", "leaked", "pworker", "dworker", "owner", "gen",
-             "content", "powner", "pdata", "writes")
+             "cancel", "ptable", "fwCount", "announced", "landed", "leaked", "pworker", "dworker",
+             "tokens", "salt", "hit", "phit", "owner", "gen", "content", "readers", "ident", "kv",
+             "powner", "pdata", "writes")
 
 
 NO_REQ = ModelValue("NoReq")
@@ -77,6 +78,11 @@ def _page_table(m: Model, entries: tuple) -> tuple:
     return tuple(Record((("page", p % size + 1), ("gen", g))) for p, g in entries)
 
 
+def _ident(m: Model, ident: tuple) -> tuple:
+    """A content identity (salt, tokens) as <<salt, <<tokens>>>>; none is <<>>."""
+    return ident and (ident[0], tuple(ident[1]))
+
+
 def _decode_pool(s: State) -> tuple:
     return s.decode_pool
 
@@ -112,12 +118,22 @@ MAPPING = {
                                           if f)),
     "pworker": _per_request(PW, _worker("prefill_worker_names"), True),
     "dworker": _per_request(DW, _worker("decode_worker_names"), True),
+    "tokens": _per_request(TOKENS, tuple),
+    "salt": _per_request(SALT, lambda v: v),
+    "hit": _per_request(HIT, lambda v: v),
+    "phit": _per_request(PHIT, lambda v: v),
     "owner": (_decode_pool, _per_worker("decode_pages", "decode_worker_names",
                                         lambda m, page: _req(m, page[0]))),
     "gen": (_decode_pool, _per_worker("decode_pages", "decode_worker_names",
                                       lambda m, page: page[1])),
     "content": (_decode_pool, _per_worker("decode_pages", "decode_worker_names",
                                           lambda m, page: (_req(m, page[2]), page[3]))),
+    "readers": (_decode_pool, _per_worker("decode_pages", "decode_worker_names",
+                                          lambda m, page: frozenset(_req(m, x) for x in page[4]))),
+    "ident": (_decode_pool, _per_worker("decode_pages", "decode_worker_names",
+                                        lambda m, page: _ident(m, page[5]))),
+    "kv": (_decode_pool, _per_worker("decode_pages", "decode_worker_names",
+                                     lambda m, page: _ident(m, page[6]))),
     "powner": (_prefill_pool, _per_worker("prefill_pages", "prefill_worker_names",
                                           lambda m, page: _req(m, page[0]))),
     "pdata": (_prefill_pool, _per_worker("prefill_pages", "prefill_worker_names",
