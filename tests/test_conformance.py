@@ -68,17 +68,20 @@ def _cost(model: Model) -> int:
     return STATES[MODELS[model][0]] * model.requests
 
 
-# The models whose whole graph costs most of a minute or more of one core (together ten
-# minutes: 6.9 M orbits, half of the suite's time) are compared along random walks in CI,
-# every state on a walk exactly as the whole-graph check compares it; every other model,
-# default among them, is compared whole. KVPROOF_FULL_CONFORMANCE=1 compares every model
-# whole (`python -m spec.tlaplus.conformance --all` does too, printing progress). Each
-# sampled model's switch set is compared whole on the two-request model of BASES["small"]
-# (test_each_sampled_switch_set_conforms_whole_on_the_small_model), and every switch at
-# once there too; what only walks see is the larger pools, prompts and placements.
+# The models whose whole graph costs most of a minute or more of one core (together about
+# ten minutes here: half of the suite's time) are compared along random walks in CI, every
+# state on a walk exactly as the whole-graph check compares it; every other model, default
+# and the prefix models without a switch among them, is compared whole.
+# KVPROOF_FULL_CONFORMANCE=1 compares every model whole (`python -m spec.tlaplus.conformance
+# --all` does too, printing progress). Each sampled model has a companion compared whole:
+# its switches (and its prefix cache, crashes and token kinds) on smaller pools (`companion`),
+# so what only walks see is the larger pools, prompts and placements.
 SAMPLED_ABOVE_ORBITS = 400_000
+ALWAYS_WHOLE = frozenset({"prefix", "prefix-chain"})  # a companion would lose their tails
 FULL = os.environ.get("KVPROOF_FULL_CONFORMANCE") == "1"
 WALKS, WALK_SEED = 1000, 0
+SAMPLED = frozenset(names[0] for names in MODELS.values()
+                    if STATES[names[0]] > SAMPLED_ABOVE_ORBITS and names[0] not in ALWAYS_WHOLE)
 # States each sampled model's walks compare (the core lists successors in one order in
 # every process, so the walks are the same under any PYTHONHASHSEED).
 SAMPLED_STATES = {
@@ -86,16 +89,35 @@ SAMPLED_STATES = {
     "bug-PoolBelowContext": 18836, "bug-SourceReuse": 12858, "crash": 11049,
     "incident": 19234, "large": 17069, "zoo-late-write-looks-current": 16112,
     "zoo-rejected-decodes": 19239, "zoo-source-reuse-unverified": 12858,
+    "bug-FullHitNoNotice": 18287, "bug-NoRefCount": 17918, "bug-NoSalt": 18277,
+    "prefix-crash": 11121,
 }
-# Orbits of each sampled model's switch set on BASES["small"], compared whole.
-SMALL_STATES = {
-    ("AdmitBeforeReserve",): 38234, ("EagerRelease",): 87783,
-    ("EagerRelease", "NoGenBump"): 81891,
-    ("FinishedNotRejected", "NoCountCheck", "NoGenBump", "PoolBelowContext"): 56298,
-    ("FinishedNotRejected", "NoCountCheck", "PoolBelowContext"): 57601,
-    ("NoChecksum", "SourceReuse"): 45896, ("PoolBelowContext",): 47128,
-    ("SourceReuse",): 45136,
+
+
+def companion(model: Model) -> Model:
+    """A sampled model's companion, compared whole. Without a prefix cache: its switches on
+    the two-request small model (pools of 1 and 2 pages, prefill crashes). With one: the
+    model itself with a one-page prefill pool (one-page prompts served: hits, misses,
+    evictions and salts, but no tail after a partial hit: the prefix model, compared whole,
+    has those)."""
+    if model.prefix_cache:
+        return replace(model, name="", prefill_pages=1)
+    return Model(bugs=model.bugs, **BASES["small"])
+
+
+# Orbits of each companion, by the sampled models it stands for.
+COMPANION_STATES = {
+    ("bug-AdmitBeforeReserve",): 38234, ("bug-EagerRelease",): 87783,
+    ("bug-PoolBelowContext",): 47128, ("bug-SourceReuse",): 45136,
+    ("crash", "large"): 33198, ("incident",): 56298, ("zoo-late-write-looks-current",): 81891,
+    ("zoo-rejected-decodes",): 57601, ("zoo-source-reuse-unverified",): 45896,
+    ("bug-FullHitNoNotice",): 92514, ("bug-NoRefCount",): 90458, ("bug-NoSalt",): 95882,
+    ("prefix-crash",): 166284,
 }
+COMPANIONS: dict[Model, list[str]] = {}
+for _model, _names in MODELS.items():
+    if _names[0] in SAMPLED:
+        COMPANIONS.setdefault(companion(_model), []).append(_names[0])
 
 
 @pytest.mark.alone  # each model is a unit of work of its own for pytest-xdist (conftest.py)
@@ -107,7 +129,7 @@ def test_every_model_conforms(model, capsys):
     one core per 400k orbits here."""
     names = MODELS[model]
     model = replace(model, name=names[0])
-    if STATES[names[0]] > SAMPLED_ABOVE_ORBITS and not FULL:
+    if names[0] in SAMPLED and not FULL:
         result = sample_conformance(model, walks=WALKS, seed=WALK_SEED)
         with capsys.disabled():
             print(f"\n{names[0]}: {WALKS} random walks, seed {WALK_SEED}: {result.states:,} "
@@ -123,21 +145,18 @@ def test_every_model_conforms(model, capsys):
         assert result.edges == 1041251
 
 
-def test_the_sampled_models_are_the_ones_whose_switches_are_compared_whole():
-    sampled = {tuple(sorted(m.bugs)) for m, names in MODELS.items()
-               if STATES[names[0]] > SAMPLED_ABOVE_ORBITS}
-    assert set(SAMPLED_STATES) == {names[0] for names in MODELS.values()
-                                   if STATES[names[0]] > SAMPLED_ABOVE_ORBITS}
-    assert sampled - {()} == set(SMALL_STATES)
+def test_every_sampled_model_has_its_walks_and_its_companion_pinned():
+    assert set(SAMPLED_STATES) == SAMPLED
+    assert {tuple(names) for names in COMPANIONS.values()} == set(COMPANION_STATES)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bugs", sorted(SMALL_STATES), ids="+".join)
-def test_each_sampled_switch_set_conforms_whole_on_the_small_model(bugs):
-    model = Model(bugs=frozenset(bugs), **BASES["small"])
+@pytest.mark.parametrize("names", sorted(COMPANION_STATES), ids="+".join)
+def test_each_sampled_models_companion_conforms_whole(names):
+    model = next(m for m, stands_for in COMPANIONS.items() if tuple(stands_for) == names)
     result = check_conformance(model, symmetry=True)
     assert result.ok, result.disagreement.report(model)
-    assert result.states == SMALL_STATES[bugs]
+    assert result.states == COMPANION_STATES[names]
 
 
 def test_random_walks_catch_a_mutated_core_on_a_large_model(monkeypatch):
