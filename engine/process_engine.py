@@ -199,6 +199,12 @@ class ProcessEngine:
                     return
             time.sleep(0.01)
 
+    def workers_line(self) -> str:
+        """One line for the operator: every process started, with its pid."""
+        pids = ", ".join(f"{name} pid {child.process.pid}"
+                         for name, child in self.launched.children.items())
+        return f"processes: {pids}; logs in {self.deployment.log_dir}"
+
     # -- requests -------------------------------------------------------------------------
 
     def submit(self, request, on_event) -> int:
@@ -298,7 +304,7 @@ class ProcessEngine:
                             "pid": child.process.pid, "alive": alive,
                             "exit_code": child.process.poll(), **{
                                 k: pool.get(k) for k in ("pages", "free", "held",
-                                                         "writes_in_flight", "requests")}})
+                                                         "writes_in_flight", "requests_known")}})
             if role != "router":
                 pages = pool.get("pages", 0)
                 pools.append(PoolSnapshot(name.replace(" ", "-"), pages, pool.get("free", pages),

@@ -358,7 +358,7 @@ class Process:
         free = sum(page[0] == NONE for page in self.part.pool)
         return {"pages": len(self.part.pool), "free": free, "held": len(self.part.pool) - free,
                 "writes_in_flight": len(self.part.sending),
-                "requests": sum(1 for r in self.part.rows)}
+                "requests_known": len(self.part.rows)}  # every one heard of, settled too
 
     def settle(self) -> None:
         """Take every action the part's state now allows, until none is left."""

@@ -312,9 +312,14 @@ def _serve(app, engine, listener: socket.socket, drain_s: float, threads: int) -
               f"{engine.config.max_queued} requests and {engine.queued_tokens_max} prompt "
               f"tokens waiting (about {engine.config.queue_wait_s_max:g} s of prefill), "
               "beyond that 503 at once", flush=True)
+    workers = getattr(engine, "workers_line", None)
+    if workers is not None:
+        print(f"  {workers()}", flush=True)
+    # Worker processes decode greedily only, and OpenAI's default temperature is 1.
+    greedy = ", \"temperature\": 0" if workers is not None else ""
     print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
           f"'{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
-          f"\"max_tokens\": 32}}'", flush=True)
+          f"\"max_tokens\": 32{greedy}}}'", flush=True)
     server = DrainingServer(uvicorn.Config(app, log_level="warning", lifespan="on",
                                            timeout_graceful_shutdown=drain_s + 5))
     sys.setswitchinterval(SWITCH_INTERVAL_S)

