@@ -794,6 +794,10 @@ def main(setup: dict) -> int:
     ("listening", the router's "done", "stopped"); takes {"do": "stop"} (finish the work
     at hand, end the log, report) and {"do": "exit"} on stdin; exits when stdin closes."""
     role, worker, ports = setup.pop("role"), setup.pop("worker"), setup.pop("ports")
+    # Its launcher stops it (stdin's "stop" and "exit", or stdin closing) or kills it; a
+    # Ctrl-C in the launcher's terminal reaches the whole process group, and the launcher
+    # (kvproof serve --processes) then drains before it stops its processes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     deployment = Deployment(**setup)
     refusal = capacity_refusal(deployment, role, worker)
     if refusal is not None:

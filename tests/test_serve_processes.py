@@ -213,3 +213,47 @@ def test_serve_processes_answers_paris_and_sigterm_stops_every_process():
             process.kill()
             process.wait(timeout=10)
         kill_all(pid for pid in pids if not gone(pid))
+
+
+def test_serve_processes_on_the_tiny_model_stops_every_process_on_ctrl_c(tmp_path):
+    """The command itself (`python -m api.cli serve --processes --model DIR`), stopped as a
+    terminal's Ctrl-C does: SIGINT to its whole process group, workers included (they
+    leave the stopping to the server, which drains, then stops each)."""
+    model = make_tiny_chat_model(tmp_path / "tiny")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "api.cli", "serve", "--processes", "--model", str(model),
+         "--prefill-workers", "1", "--decode-workers", "2", "--port", "0"], cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env=os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in process.stdout),
+                     daemon=True).start()
+    pids: list[int] = []
+    try:
+        wait_until(lambda: any("curl " in line for line in lines) or process.poll() is not None,
+                   60, "the curl line")
+        assert process.poll() is None, "\n".join(lines)
+        url = lines[0].split(" at ", 1)[1].split(" ", 1)[0]
+        pids = [int(pid) for pid in re.findall(r"pid (\d+)", lines[1])]
+        assert len(pids) == 4, lines  # decode 0, decode 1, prefill 0, router
+        reply = httpx.post(f"{url}/v1/completions", timeout=REPLY_S_MAX, json={
+            "model": "default", "prompt": "Hello", "max_tokens": 5, "temperature": 0})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
+        too_long = httpx.post(f"{url}/v1/completions", timeout=REPLY_S_MAX, json={
+            "model": "default", "prompt": "Hello", "max_tokens": 600, "temperature": 0})
+        assert too_long.status_code == 400, too_long.text   # context 512
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(timeout=STOP_S_MAX) == 0, "\n".join(lines)
+        wait_until(lambda: all(gone(pid) for pid in pids), 10, "every worker gone",
+                   lambda: [pid for pid in pids if not gone(pid)])
+        assert lines[-1] == "kvproof serve: stopped", lines
+        # Each stopped by the server, not by the SIGINT: no worker's stderr holds it.
+        logs = Path(lines[1].split("logs in ", 1)[1])
+        stderr = {path.name: path.read_text() for path in logs.glob("*.stderr")}
+        assert len(stderr) == 4 and not any("KeyboardInterrupt" in text
+                                            for text in stderr.values()), stderr
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+        kill_all(pid for pid in pids if not gone(pid))
