@@ -120,7 +120,7 @@ def test_worker_counts_need_disaggregated(capsys):
     code, output = run_cli(capsys, "--prefill-workers", "2")
     assert code == 2
     assert output == ("kvproof serve: --prefill-workers and --decode-workers need "
-                      "--disaggregated\n")
+                      "--disaggregated or --processes\n")
 
 
 def test_a_failed_capacity_check_is_printed_and_exits_2(capsys, tmp_path):
