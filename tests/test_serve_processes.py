@@ -257,3 +257,43 @@ def test_serve_processes_on_the_tiny_model_stops_every_process_on_ctrl_c(tmp_pat
             process.kill()
             process.wait(timeout=10)
         kill_all(pid for pid in pids if not gone(pid))
+
+
+def test_an_abort_across_processes_ends_gone_and_the_logs_validate(tiny_model, tmp_path):
+    """The client's abort goes through the router's part (the core's Abort): the request
+    ends Gone mid-decode, the other one Ok, every pool whole; after the stop the
+    deployment's logs merge into a run `kvproof validate` accepts."""
+    from engine.process_engine import EngineConfig, build_engine
+    from engine.sampling import SamplingParams
+    from engine.service import Finished, GenerationRequest, TokenOut
+
+    log_dir = str(tmp_path / "logs")
+    engine = build_engine(tiny_model, EngineConfig(
+        page_tokens=4, prefill_pool_tokens=512, decode_pool_tokens=512,
+        prefill_chunk_tokens=8, max_batch=8, log_dir=log_dir))
+    events: dict[int, list] = {0: [], 1: []}
+    ids = tuple(tiny_model.tokenizer.encode("The quick brown fox"))
+
+    def on_event(event) -> None:
+        events[event.request_id].append(event)
+        if event.request_id == 0 and isinstance(event, TokenOut) and len(events[0]) == 2:
+            engine.abort(0)   # 400 tokens without EOS to go: the abort lands mid-decode
+    try:
+        engine.submit(GenerationRequest(ids, SamplingParams(max_tokens=400, ignore_eos=True)),
+                      on_event)
+        engine.submit(GenerationRequest(ids, SamplingParams(max_tokens=8)), on_event)
+        wait_until(lambda: all(e and isinstance(e[-1], Finished) for e in events.values()),
+                   30, "both answers")
+        gone_, ok = events[0][-1], events[1][-1]
+        assert (gone_.outcome, ok.outcome) == ("Gone", "Ok"), (gone_, ok)
+        assert 2 <= gone_.completion_tokens < 400
+        wait_until(lambda: all(p.free == p.pages == 128 for p in engine.snapshot().pools),
+                   10, "every pool whole", lambda: engine.snapshot().pools)
+    finally:
+        engine.stop(drain_s=1)
+        kill_all(deployment_pids(log_dir))
+    validated = subprocess.run([sys.executable, "-m", "api.cli", "validate", log_dir], cwd=ROOT,
+                               capture_output=True, text=True, timeout=120,
+                               env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert validated.returncode == 0, validated.stdout + validated.stderr
+    assert "run OK" in validated.stdout and "Abort" in Path(log_dir, "router.ndjson").read_text()
