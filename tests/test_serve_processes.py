@@ -17,6 +17,7 @@ Bounded: every wait has a limit below; every process is killed in a finally.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -31,6 +32,7 @@ import openai
 import pytest
 
 from tests.api_cases import LiveServer, make_tiny_chat_model, protocol_engine, wait_until
+from tests.test_api_dashboard import browser  # noqa: F401  (a fixture: headless Chromium)
 
 ROOT = Path(__file__).resolve().parents[1]
 START_S_MAX = 240   # the default model loaded three times (API, prefill, decode), 2 cores
@@ -297,3 +299,39 @@ def test_an_abort_across_processes_ends_gone_and_the_logs_validate(tiny_model, t
                                env=os.environ | {"PYTHONPATH": str(ROOT)})
     assert validated.returncode == 0, validated.stdout + validated.stderr
     assert "run OK" in validated.stdout and "Abort" in Path(log_dir, "router.ndjson").read_text()
+
+
+def test_the_dashboard_lists_every_process_and_a_dead_one(tiny_model, browser, tmp_path):
+    """The dashboard's process table (drawn only when serving with processes): every
+    process with its pid and pool, alive; a decode SIGKILLed shows as not alive, with its
+    exit status."""
+    from api.serve.app import create_app
+    from engine.process_engine import EngineConfig, build_engine
+    from tests.test_api_dashboard import PAGE_S_MAX, open_page
+
+    log_dir = str(tmp_path / "logs")
+    engine = build_engine(tiny_model, EngineConfig(
+        page_tokens=4, prefill_pool_tokens=512, decode_pool_tokens=512, log_dir=log_dir,
+        stop_timeout_s=5))
+    pids = {name.replace(" ", "-"): c.process.pid
+            for name, c in engine.launched.children.items()}
+    rows = """JSON.stringify([...document.querySelectorAll('#processes tbody tr')].map(
+      r => [...r.children].map(c => c.textContent)))"""
+    try:
+        with LiveServer(create_app(engine)) as server:
+            open_page(browser, f"{server.url}/?poll_ms=100")
+
+            def shown():
+                value = browser.evaluate(rows)
+                return {row[0]: row for row in json.loads(value)} if value else {}
+            wait_until(lambda: len(shown()) == 3 and shown()["decode-0"][4] == "128",
+                       PAGE_S_MAX, "the process table", shown)
+            assert {name: (row[1], int(row[2]), row[3]) for name, row in shown().items()} == {
+                name: (name.split("-")[0], pid, "yes") for name, pid in pids.items()}
+            os.kill(pids["decode-0"], signal.SIGKILL)
+            wait_until(lambda: shown()["decode-0"][3] == "no (exit -9)", PAGE_S_MAX,
+                       "the dead decode shown", shown)
+            assert [shown()[n][3] for n in ("prefill-0", "router")] == ["yes", "yes"]
+    finally:
+        kill_all(deployment_pids(log_dir))
+
