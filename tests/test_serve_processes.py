@@ -335,3 +335,36 @@ def test_the_dashboard_lists_every_process_and_a_dead_one(tiny_model, browser, t
     finally:
         kill_all(deployment_pids(log_dir))
 
+
+
+def test_stop_drains_then_aborts_and_leaves_no_process(tiny_model, tmp_path):
+    """engine.stop(drain_s), what SIGTERM calls: a request that ends within the drain
+    ends Ok; one that cannot (400 tokens, no EOS, drain 0 s) is aborted through the
+    protocol and ends Gone; either way every process of the deployment is gone after."""
+    from engine.process_engine import EngineConfig, build_engine
+    from engine.sampling import SamplingParams
+    from engine.service import Finished, GenerationRequest, TokenOut
+
+    ids = tuple(tiny_model.tokenizer.encode("The quick brown fox"))
+    for drain_s, max_tokens, outcome in ((20.0, 40, "Ok"), (0.0, 400, "Gone")):
+        log_dir = str(tmp_path / f"logs-{outcome}")
+        engine = build_engine(tiny_model, EngineConfig(
+            page_tokens=4, prefill_pool_tokens=512, decode_pool_tokens=512, log_dir=log_dir))
+        pids = [c.process.pid for c in engine.launched.children.values()]
+        events: list = []
+        try:
+            engine.submit(GenerationRequest(ids, SamplingParams(max_tokens=max_tokens,
+                                                                ignore_eos=True)),
+                          events.append)
+            wait_until(lambda: any(isinstance(e, TokenOut) for e in events), 20,
+                       "the first token")
+            began = time.monotonic()
+            engine.stop(drain_s=drain_s)
+            print(f"drain {drain_s} s: stopped in {time.monotonic() - began:.2f} s")
+            finished = events[-1]
+            assert isinstance(finished, Finished) and finished.outcome == outcome, events[-1]
+            tokens = sum(isinstance(e, TokenOut) for e in events)
+            assert tokens == 40 if outcome == "Ok" else 1 <= tokens < 400
+            wait_until(lambda: all(gone(pid) for pid in pids), 10, "every process gone")
+        finally:
+            kill_all(deployment_pids(log_dir))
