@@ -25,6 +25,9 @@ this module is a shell around it and decides nothing:
 - Workers report their pool's occupancy when it changes ("pool", at most every
   `pool_report_s`); `snapshot` lists every process with its pid, role, pool and liveness
   (alive: the OS process runs and the router has not declared its epoch down).
+- The router's exit (not a stop's) ends every live request ErrDecode, naming it, and the
+  engine takes no request after (a router that died took its part, the clients' state,
+  with it; the contract has no outcome of its own for that).
 - `stop(drain_s)`: no new request; live ones run for up to drain_s; the rest are aborted
   through the router and answered within `abort_s_max`; then every process is told to
   stop (each ends its log) and whatever is left is killed.
@@ -166,6 +169,23 @@ class ProcessEngine:
         except BaseException:
             self.launched.close()
             raise
+        threading.Thread(target=self._watch_router, name="kvproof-router-watch",
+                         daemon=True).start()
+
+    def _watch_router(self) -> None:
+        """The router's exit: nothing can answer the live requests any more (their state
+        was its part's), so each gets ErrDecode naming it, and no request is taken after.
+        A stop empties the live table first, so a stop's exit answers nobody."""
+        router = self.launched.children["router"]
+        code = router.process.wait()
+        router.reader.join(timeout=5)   # its last reports (answers) first
+        with self._lock:
+            self._stopping = True
+            left, self._live = self._live, {}
+        for live in left.values():
+            live.on_event(Finished(live.request_id, "ErrDecode", None, None,
+                                   live.prompt_tokens, len(live.output_ids),
+                                   f"the router process exited (status {code})"))
 
     def start(self) -> None:
         """Nothing: build_engine started the processes (their start is the capacity check)."""

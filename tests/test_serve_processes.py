@@ -368,3 +368,28 @@ def test_stop_drains_then_aborts_and_leaves_no_process(tiny_model, tmp_path):
             wait_until(lambda: all(gone(pid) for pid in pids), 10, "every process gone")
         finally:
             kill_all(deployment_pids(log_dir))
+
+
+def test_a_router_killed_while_serving_fails_its_live_requests_at_once(tiny_model, tmp_path):
+    from engine.process_engine import EngineConfig, build_engine
+    from engine.sampling import SamplingParams
+    from engine.service import EngineStopped, Finished, GenerationRequest, TokenOut
+
+    log_dir = str(tmp_path / "logs")
+    engine = build_engine(tiny_model, EngineConfig(
+        page_tokens=4, prefill_pool_tokens=512, decode_pool_tokens=512, log_dir=log_dir,
+        stop_timeout_s=5))
+    ids = tuple(tiny_model.tokenizer.encode("The quick brown fox"))
+    events: list = []
+    try:
+        engine.submit(GenerationRequest(ids, SamplingParams(max_tokens=400, ignore_eos=True)),
+                      events.append)
+        wait_until(lambda: any(isinstance(e, TokenOut) for e in events), 20, "the first token")
+        os.kill(engine.launched.children["router"].process.pid, signal.SIGKILL)
+        wait_until(lambda: isinstance(events[-1], Finished), 10, "the request's answer")
+        assert events[-1].outcome == "ErrDecode" and "router" in events[-1].detail
+        with pytest.raises(EngineStopped):
+            engine.submit(GenerationRequest(ids, SamplingParams(max_tokens=4)), events.append)
+    finally:
+        engine.stop(drain_s=0)
+        kill_all(deployment_pids(log_dir))
