@@ -175,6 +175,11 @@ def _check(args: argparse.Namespace):
     if args.processes:
         if args.engine_factory != DEFAULT_FACTORY:
             raise Refusal("--processes and --engine-factory: give one of them")
+        if args.device != "cpu" or args.dtype != "float32":
+            # Each worker loads the model itself, on the CPU in float32 (engine/
+            # process_data.py): another device or dtype would be silently ignored there.
+            raise Refusal(f"--processes runs its workers on the CPU in float32 for now, "
+                          f"not --device {args.device} --dtype {args.dtype}")
         args.engine_factory = PROCESSES_FACTORY
     try:
         threads = engine_options.prepare(args)
