@@ -5,6 +5,9 @@ answer's latency (whole, greedy, `--repeats` times), and `--streams` concurrent 
 completions of `--max-tokens` tokens (tokens/s, TTFT p50 from the stream).
 
     python bench/serve_processes_bench.py [--repeats 5] [--streams 8] [--max-tokens 32]
+                                          [--prefill-workers N --decode-workers M]
+
+(the worker counts are the --processes server's; the in-process one runs 1 x 1)
 """
 
 from __future__ import annotations
@@ -107,9 +110,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--prefill-workers", type=int, default=1)
+    parser.add_argument("--decode-workers", type=int, default=1)
     args = parser.parse_args()
+    shape = ["--prefill-workers", str(args.prefill_workers), "--decode-workers",
+             str(args.decode_workers)]
     print(f"load average {os.getloadavg()[0]:.1f}", flush=True)
-    for name, extra in (("in-process", []), ("--processes", ["--processes"])):
+    for name, extra in (("in-process", []), ("--processes", ["--processes", *shape])):
         out = one_server(extra, args)
         print(f"{name:12} " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else
                                         f"{k} {v!r}" for k, v in out.items()), flush=True)
