@@ -146,7 +146,8 @@ class Deployment:
             raise ValueError("arrive_after_s must be waits of 0 s or more")
         object.__setattr__(self, "requests", tuple((tuple(ids), int(n))
                                                    for ids, n in self.requests))
-        if self.model_dir and len(self.requests) != len(self.prompts) and not self.serving_requests_max:
+        if (self.model_dir and not self.serving_requests_max
+                and len(self.requests) != len(self.prompts)):
             raise ValueError("a deployment with a model needs requests (prompt ids, "
                              "max_tokens), one per prompt: build it with Deployment.with_model")
 
@@ -166,8 +167,9 @@ class Deployment:
 
     def model(self) -> Model:
         """The spec's constants every log of the deployment is written with."""
-        return Model(requests=self.serving_requests_max or len(self.prompts), max_prompt_pages=self.max_prompt_pages,
-                     context_pages=self.context_pages, prefill_pages=self.prefill_pages,
+        return Model(requests=self.serving_requests_max or len(self.prompts),
+                     max_prompt_pages=self.max_prompt_pages, context_pages=self.context_pages,
+                     prefill_pages=self.prefill_pages,
                      decode_pages=self.decode_pages, decode_crashes=True, name="processes",
                      bugs=frozenset(self.bugs),
                      prefill_workers=self.prefill_workers,
@@ -463,8 +465,9 @@ class RouterProcess(Process):
     def riders(self, message: PartMessage) -> dict:
         """The request's payload, with each message to a worker (the first one is what
         counts: a worker hears of a request with its first message)."""
-        if self.deployment.serving_requests_max:
-            return {"payload": self.payloads[message.request]}
+        if self.deployment.serving_requests_max:  # answered: its workers have it already
+            payload = self.payloads.get(message.request)
+            return {"payload": payload} if payload is not None else {}
         requests = self.deployment.requests
         return {"payload": list(requests[message.request])} if requests else {}
 
