@@ -25,8 +25,10 @@ classes only carry out those commands on tensors and report what they observe.
   prompt, travels with the prefill's final word (engine/processes.py), as a disaggregated
   server sends it with its transfer's status.
 
-Decoding is greedy with no end-of-sequence or stop strings (the payload has no sampling
-parameters yet): a request decodes exactly max_tokens tokens.
+Decoding is greedy (the payload has no other sampling parameters yet: the serving edge
+refuses them, engine/process_engine.py) and ends at max_tokens or at one of the payload's
+end-of-sequence token ids (none in the tests' fixed workloads: exactly max_tokens). Stop
+strings need the text, and the worker has no tokenizer: not served across processes yet.
 """
 
 from __future__ import annotations
@@ -51,10 +53,12 @@ from engine.workers import DecodeWorker, PrefillWorker, kv_rows
 
 @dataclass(frozen=True)
 class Payload:
-    """What a worker needs of a request besides the protocol: its prompt and length."""
+    """What a worker needs of a request besides the protocol: its prompt, its length and
+    the token ids that end it early (the tokenizer's end of sequence; none: max_tokens)."""
 
     prompt_ids: tuple
     max_tokens: int
+    eos_ids: tuple = ()
 
     def request(self, r: int) -> Request:
         return Request(r, tuple(self.prompt_ids),
@@ -202,6 +206,7 @@ class DecodeData(_Data):
         self.worker = DecodeWorker(model, pool, deployment.max_batch, name=f"decode-{worker}")
         self.arrived: list[PageWrite] = []   # ready, not landed yet, in arrival order
         self.done: dict[int, bool] = {}      # request -> tags verdict, decoding ended
+        self.eos: dict[int, frozenset] = {}  # request -> the token ids that end it
         self.bytes_landed = 0
 
     def join(self) -> None:
@@ -242,6 +247,8 @@ class DecodeData(_Data):
         """StartDecoding (the core's command): the sequence on its reserved pages, the
         prefill's first token its first output; whether that already ends it."""
         local = tuple((self.local(page), gen) for page, gen in table)
+        if payload.eos_ids:
+            self.eos[r] = frozenset(payload.eos_ids)
         sequence = self.worker.start(payload.request(r), local, None)
         sequence.output_ids.append(first)
         return self._maybe_done(sequence)
@@ -262,11 +269,14 @@ class DecodeData(_Data):
         return out
 
     def _maybe_done(self, sequence, ok: bool = True) -> bool:
-        """A sequence ends at max_tokens or on a failed tag check; it leaves the batch at
-        once (its next position has no reserved page), and Finish (the core's) follows."""
+        """A sequence ends at max_tokens, at an end-of-sequence token (which the serving edge
+        does not output) or on a failed tag check; it leaves the batch at once (its next
+        position has no reserved page), and Finish (the core's) follows."""
         r = sequence.request.request_id
-        if ok and len(sequence.output_ids) < sequence.request.sampling.max_tokens:
+        eos = sequence.output_ids[-1] in self.eos.get(r, ()) if sequence.output_ids else False
+        if ok and not eos and len(sequence.output_ids) < sequence.request.sampling.max_tokens:
             return False
+        self.eos.pop(r, None)
         self.done[r] = ok and self.worker.tags_current(sequence)
         if self.deployment.keep_kv:
             self.keep_read_kv(sequence)
@@ -275,6 +285,7 @@ class DecodeData(_Data):
 
     def stop(self, r: int) -> None:
         self.worker.stop(r)
+        self.eos.pop(r, None)
 
     def keep_read_kv(self, sequence) -> None:
         """The leak oracle's evidence (tests): the prompt KV this decode read for the

@@ -122,9 +122,20 @@ class Deployment:
     join_timeout_s: float = 60.0       # the gloo world: every worker process joins within
     keep_kv: bool = False  # the leak oracle's evidence: decode saves the prompt KV it read
     bugs: tuple = ()       # the zoo's switches (spec/model.py), in every part and log
+    # Serving (engine/process_engine.py): no workload; the router takes each request from
+    # its stdin ("arrive", "abort") and reports its tokens and answer on stdout. The spec's
+    # request numbers are fixed at start (every part's rows), so a deployment serves at
+    # most `serving_requests_max` requests in its life.
+    serving_requests_max: int = 0
+    context_tokens: int = 0    # the advertised context: a worker whose pool is below it
+    #                            refuses to join (the startup capacity check)
+    pool_report_s: float = 0.5  # a worker reports its pool's occupancy this often, at most
 
     def __post_init__(self) -> None:
-        if not self.prompts or not all(1 <= n <= self.max_prompt_pages for n in self.prompts):
+        if self.serving_requests_max < 0 or self.context_tokens < 0:
+            raise ValueError("serving_requests_max and context_tokens must not be negative")
+        if not (self.prompts or self.serving_requests_max) or not all(
+                1 <= n <= self.max_prompt_pages for n in self.prompts):
             raise ValueError(f"prompts must be 1..{self.max_prompt_pages} pages each")
         if self.prefill_workers < 1 or self.decode_workers < 1:
             raise ValueError("a deployment needs a prefill and a decode worker")
@@ -135,7 +146,8 @@ class Deployment:
             raise ValueError("arrive_after_s must be waits of 0 s or more")
         object.__setattr__(self, "requests", tuple((tuple(ids), int(n))
                                                    for ids, n in self.requests))
-        if self.model_dir and len(self.requests) != len(self.prompts):
+        if (self.model_dir and not self.serving_requests_max
+                and len(self.requests) != len(self.prompts)):
             raise ValueError("a deployment with a model needs requests (prompt ids, "
                              "max_tokens), one per prompt: build it with Deployment.with_model")
 
@@ -155,8 +167,9 @@ class Deployment:
 
     def model(self) -> Model:
         """The spec's constants every log of the deployment is written with."""
-        return Model(requests=len(self.prompts), max_prompt_pages=self.max_prompt_pages,
-                     context_pages=self.context_pages, prefill_pages=self.prefill_pages,
+        return Model(requests=self.serving_requests_max or len(self.prompts),
+                     max_prompt_pages=self.max_prompt_pages, context_pages=self.context_pages,
+                     prefill_pages=self.prefill_pages,
                      decode_pages=self.decode_pages, decode_crashes=True, name="processes",
                      bugs=frozenset(self.bugs),
                      prefill_workers=self.prefill_workers,
@@ -335,12 +348,26 @@ class Process:
         action of its own: it has none to offer)."""
         return self.part.offers(r, self.free_pages)
 
+    def settle_rows(self) -> list[int]:
+        return sorted(self.part.rows)
+
+    def command(self, command: dict) -> None:
+        """A command from stdin other than stop and exit (serving: the router's)."""
+        raise ValueError(f"{self.part.name}: no command {command.get('do')!r}")
+
+    def pool_report(self) -> dict:
+        """Its pool's occupancy, as /v1/kvproof/state shows it (a worker's)."""
+        free = sum(page[0] == NONE for page in self.part.pool)
+        return {"pages": len(self.part.pool), "free": free, "held": len(self.part.pool) - free,
+                "writes_in_flight": len(self.part.sending),
+                "requests_known": len(self.part.rows)}  # every one heard of, settled too
+
     def settle(self) -> None:
         """Take every action the part's state now allows, until none is left."""
         progress = True
         while progress:
             progress = False
-            for r in sorted(self.part.rows):
+            for r in self.settle_rows():
                 for event in self.candidates(r):
                     if self.step(event):
                         progress = True
@@ -364,9 +391,64 @@ class RouterProcess(Process):
         self.token_at: dict[int, list] = {}      # request -> when each token came here
         self.crash_reports: dict[int, dict] = {}  # decode -> {prefill: its last step}
         self.crashes_logged: list[int] = []
+        self.payloads: dict[int, list] = {}      # serving: request -> its payload
+        self.live: set[int] = set()              # serving: arrived, not answered yet
+
+    # -- serving: requests from stdin, tokens and answers on stdout ----------------------
+
+    def command(self, command: dict) -> None:
+        if not self.deployment.serving_requests_max:
+            super().command(command)
+        elif command["do"] == "arrive":
+            self.arrive(command)
+        elif command["do"] == "abort":
+            self.abort(command["request"])
+        else:
+            super().command(command)
+
+    def arrive(self, command: dict) -> None:
+        """A request from the serving edge: placed on a prefill and a live decode (seeded),
+        then Arrive, as the workload's arrivals are."""
+        r = command["request"]
+        live = [d for d in range(self.deployment.decode_workers) if d not in self.dead]
+        if r in self.arrived_at or not 0 <= r < self.deployment.serving_requests_max or not live:
+            report(ev="answer", request=r, outcome="ErrDecode",
+                   detail="no live decode worker" if not live else "a request number "
+                   "this deployment cannot take")
+            return
+        q = self.random.randrange(self.deployment.prefill_workers)
+        self.placement[r] = (q, self.random.choice(live))
+        self.payloads[r] = command["payload"]
+        self.arrived_at[r] = time.monotonic()
+        self.live.add(r)
+        assert self.step(core.Arrive(r, command["pages"], *self.placement[r]))
+
+    def abort(self, r: int) -> None:
+        """The client went away: the core's Abort (refused, and nothing changes, once the
+        request has its answer)."""
+        if r in self.live:
+            self.step(core.Abort(r))
+
+    def answers(self) -> None:
+        """Each request whose client state turned final: its answer on stdout, once."""
+        for r in sorted(self.live):
+            client = self.part.rows[r][core.CLIENT]
+            if client in FINAL_CLIENT:
+                self.live.discard(r)
+                self.payloads.pop(r, None)
+                report(ev="answer", request=r, outcome=core.CLIENT_NAMES[client])
+
+    def settle_rows(self) -> list[int]:
+        """Serving: only live requests (its rows hold every request number of the
+        deployment's life)."""
+        if self.deployment.serving_requests_max:
+            return sorted(self.live)
+        return super().settle_rows()
 
     def tick(self) -> None:
         now = time.monotonic()
+        if self.deployment.serving_requests_max:
+            return  # arrivals come from stdin
         if self.arrived < len(self.deployment.prompts) and now >= self.next_arrival_s:
             live = [d for d in range(self.deployment.decode_workers) if d not in self.dead]
             r = self.arrived
@@ -383,12 +465,18 @@ class RouterProcess(Process):
     def riders(self, message: PartMessage) -> dict:
         """The request's payload, with each message to a worker (the first one is what
         counts: a worker hears of a request with its first message)."""
+        if self.deployment.serving_requests_max:  # answered: its workers have it already
+            payload = self.payloads.get(message.request)
+            return {"payload": payload} if payload is not None else {}
         requests = self.deployment.requests
         return {"payload": list(requests[message.request])} if requests else {}
 
     def on_token(self, peer: Peer, body: dict) -> None:
         """A token streamed by the request's decode (None: a tag check failed)."""
         r = body["request"]
+        if self.deployment.serving_requests_max:
+            report(ev="token", request=r, token=body["token"])
+            return
         if body["token"] is not None:
             self.tokens.setdefault(r, []).append(body["token"])
             self.token_at.setdefault(r, []).append(time.monotonic())
@@ -405,6 +493,8 @@ class RouterProcess(Process):
                 for r in range(len(self.deployment.prompts))]
 
     def done(self) -> bool:
+        if self.deployment.serving_requests_max:
+            return False
         return self.arrived == len(self.deployment.prompts) and all(
             row[core.CLIENT] in FINAL_CLIENT for row in self.part.rows.values())
 
@@ -673,13 +763,49 @@ def _pump(process: Process, timeout_s: float) -> bool:
     return event is not None
 
 
+def capacity_refusal(deployment: Deployment, role: str, worker: int) -> str | None:
+    """The startup capacity check, a worker's own: its pool must hold the advertised
+    context (unless the zoo's PoolBelowContext switch is on); why not, naming it."""
+    if role == ROUTER or not deployment.context_tokens or "PoolBelowContext" in deployment.bugs:
+        return None
+    pages = deployment.prefill_pages if role == PREFILL else deployment.decode_pages
+    pool_tokens = pages * deployment.page_tokens
+    if pool_tokens >= deployment.context_tokens:
+        return None
+    return (f"{role}-{worker}'s KV pool holds {pool_tokens} tokens, less than the advertised "
+            f"context of {deployment.context_tokens} tokens; it refuses to join")
+
+
+def _commands(todo: queue.Queue, process: Process) -> str | None:
+    """Every command waiting on stdin: serving's to the process, the last stop or exit
+    returned."""
+    last = None
+    while True:
+        try:
+            command = todo.get_nowait()
+        except queue.Empty:
+            return last
+        if command["do"] in ("stop", "exit"):
+            last = "exit" if "exit" in (last, command["do"]) else "stop"
+        else:
+            process.command(command)
+
+
 def main(setup: dict) -> int:
     """One process of a deployment: `python -m engine.processes SETUP.json` (the
     Deployment's fields, its role and worker, and the ports it dials). Reports JSON lines on stdout
     ("listening", the router's "done", "stopped"); takes {"do": "stop"} (finish the work
     at hand, end the log, report) and {"do": "exit"} on stdin; exits when stdin closes."""
     role, worker, ports = setup.pop("role"), setup.pop("worker"), setup.pop("ports")
+    # Its launcher stops it (stdin's "stop" and "exit", or stdin closing) or kills it; a
+    # Ctrl-C in the launcher's terminal reaches the whole process group, and the launcher
+    # (kvproof serve --processes) then drains before it stops its processes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     deployment = Deployment(**setup)
+    refusal = capacity_refusal(deployment, role, worker)
+    if refusal is not None:
+        report(ev="refused", reason=refusal)
+        return 1
     process = KINDS[role](deployment, worker)
     todo = stdin_commands()
     for port in ports:  # prefills dial the decodes; the router dials every worker
@@ -689,11 +815,9 @@ def main(setup: dict) -> int:
         process.join_data_path()
         report(ev="joined")
     stopping, last_busy = None, time.monotonic()
+    pool, pool_at = None, 0.0
     while True:
-        try:
-            command = todo.get_nowait()["do"]
-        except queue.Empty:
-            command = None
+        command = _commands(todo, process)
         if command == "exit":
             break
         if command == "stop" and stopping is None:
@@ -709,6 +833,13 @@ def main(setup: dict) -> int:
             if process.work():
                 last_busy = time.monotonic()
             process.settle()
+        if role == ROUTER and deployment.serving_requests_max and not process.stopped:
+            process.answers()
+        if role != ROUTER and time.monotonic() - pool_at >= deployment.pool_report_s:
+            pool_at = time.monotonic()
+            if process.pool_report() != pool:
+                pool = process.pool_report()
+                report(ev="pool", at_s=time.time(), **pool)
         if role == ROUTER and not process.reported and process.done():
             process.reported = True
             report(ev="done", outcomes=process.outcomes(),
@@ -730,12 +861,19 @@ def main(setup: dict) -> int:
 
 # -- the launcher: every process of a deployment, started and stopped -------------------------
 
+class WorkerRefused(RuntimeError):
+    """A worker refused to join (the startup capacity check); its reason names it."""
+
+
 class Child:
     """One process of the deployment and its reports."""
 
-    def __init__(self, name: str, setup: dict, stderr_path: Path) -> None:
+    def __init__(self, name: str, setup: dict, stderr_path: Path, on_report=None) -> None:
         root = Path(__file__).resolve().parents[1]
         self.name = name
+        # Serving: each report goes to on_report first; one it takes (returns True) is
+        # neither kept nor queued, so a long-lived process's reports do not pile up.
+        self.on_report = on_report
         self.stderr = open(stderr_path, "w")
         # The setup goes by file: a workload's prompts outgrow one argument (128 KiB).
         setup_path = stderr_path.with_suffix(".setup.json")
@@ -751,8 +889,11 @@ class Child:
 
     def _read(self) -> None:
         for line in self.process.stdout:
-            self.seen.append(json.loads(line))
-            self.reports.put(self.seen[-1])
+            got = json.loads(line)
+            if self.on_report is not None and self.on_report(self.name, got):
+                continue
+            self.seen.append(got)
+            self.reports.put(got)
 
     def expect(self, ev: str, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -767,6 +908,8 @@ class Child:
                 continue
             if got["ev"] == ev:
                 return got
+            if got["ev"] == "refused":
+                raise WorkerRefused(f"{self.name}: {got['reason']}")
         raise TimeoutError(f"{self.name}: no {ev!r} within {timeout_s} s (exit code "
                            f"{self.process.poll()})")
 
@@ -791,11 +934,13 @@ class Launched:
 
     deployment: Deployment
     children: dict = field(default_factory=dict)
+    on_report: object = None   # serving: every child's reports go here first (Child)
 
     def _spawn(self, role: str, worker: int, ports: list, timeout_s: float) -> int:
         name = role if role == ROUTER else f"{role} {worker}"
         setup = {**asdict(self.deployment), "role": role, "worker": worker, "ports": ports}
-        child = Child(name, setup, log_path(self.deployment, name).with_suffix(".stderr"))
+        child = Child(name, setup, log_path(self.deployment, name).with_suffix(".stderr"),
+                      self.on_report)
         self.children[name] = child
         return child.expect("listening", timeout_s)["port"]
 

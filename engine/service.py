@@ -83,6 +83,10 @@ class EngineStopped(Refused):
     pass
 
 
+class Unsupported(Refused):
+    """The request asks for what this engine cannot do yet (an HTTP 400 naming it)."""
+
+
 @dataclass(frozen=True)
 class PoolSnapshot:
     worker: str  # "prefill-0", "decode-0", ...
@@ -113,6 +117,9 @@ class Snapshot:
     outcomes: dict = field(default_factory=dict)  # final outcome -> count
     transfers: int = 0  # page writes landed
     transfer_bytes: int = 0
+    # Serving with worker processes (engine/process_engine.py): one dict per process, its
+    # name, role, pid, liveness and pool occupancy; empty in process.
+    workers: tuple = ()
 
 
 class Engine(Protocol):

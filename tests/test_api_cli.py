@@ -120,7 +120,17 @@ def test_worker_counts_need_disaggregated(capsys):
     code, output = run_cli(capsys, "--prefill-workers", "2")
     assert code == 2
     assert output == ("kvproof serve: --prefill-workers and --decode-workers need "
-                      "--disaggregated\n")
+                      "--disaggregated or --processes\n")
+
+
+def test_processes_refuse_what_their_workers_would_ignore(capsys):
+    code, output = run_cli(capsys, "--processes", "--dtype", "bfloat16")
+    assert code == 2
+    assert output == ("kvproof serve: --processes runs its workers on the CPU in float32 "
+                      "for now, not --device cpu --dtype bfloat16\n")
+    code, output = run_cli(capsys, "--processes", "--engine-factory", "engine.serving")
+    assert (code, output) == (2, "kvproof serve: --processes and --engine-factory: give one "
+                                 "of them\n")
 
 
 def test_a_failed_capacity_check_is_printed_and_exits_2(capsys, tmp_path):

@@ -3,6 +3,7 @@
     kvproof serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--device cpu|cuda]
                   [--dtype float32|bfloat16|float16] [--threads N] [--drain-s S]
                   [--disaggregated --prefill-workers N --decode-workers M]
+                  [--processes --prefill-workers N --decode-workers M]
 
 Every option is checked before the model loads (10-25 s for the default model): the
 values, the device and the model path (api/engine_options.py), the engine's config, and the
@@ -22,6 +23,13 @@ moved between their pools by a transport); `--prefill-workers N --decode-workers
 how many of each (default one of each), in this process, each with a pool of its own; the
 router places every request on one prefill and one decode worker. Each worker's pool must
 hold the advertised context (the startup capacity check).
+
+`--processes` runs those workers as OS processes of their own on 127.0.0.1 (engine/
+process_engine.py over engine/processes.py: one router process and N + M worker processes,
+each loading the model, KV moved over gloo), every one stopped when the server stops;
+each worker's own capacity check runs before the server takes traffic. Decoding across
+processes is greedy (temperature, top_p, top_k, stop strings and logprobs are refused with
+a 400) and ends at max_tokens or the end of sequence.
 
 Startup prints the URL and a curl line. SIGTERM (or Ctrl-C) stops taking requests, lets live
 ones finish for up to --drain-s seconds, aborts the rest through the protocol
@@ -45,10 +53,12 @@ from api.clikit import (EXIT_OK, EXIT_USAGE, UsageError, nice_increment, non_neg
 from api.serve.auth import load_keys
 
 DEFAULT_FACTORY = "engine.serving:build_engine"
+PROCESSES_FACTORY = "engine.process_engine:build_engine"
 EXAMPLES = [
     "kvproof serve                                   # the default model on 127.0.0.1:8000",
     "kvproof serve --model path/to/model.gguf --port 8080 --device cuda --dtype bfloat16",
     "kvproof serve --disaggregated --prefill-workers 2 --decode-workers 3",
+    "kvproof serve --processes --prefill-workers 2 --decode-workers 2   # OS processes",
     "kvproof serve --threads 1                       # one torch thread (a busy machine)",
     "kvproof serve --api-key-file keys.txt           # 401 for requests without a key",
     "kvproof serve --lease-s 60 --lower-context-to-fit   # a slow machine: what its timers allow",
@@ -83,9 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disaggregated", action="store_true",
                         help="separate prefill and decode workers, KV moved between their "
                              "pools (what the engine always is; one of each by default)")
+    parser.add_argument("--processes", action="store_true",
+                        help="run the prefill and decode workers (and the router) as OS "
+                             "processes of their own on 127.0.0.1, KV moved over gloo; "
+                             "greedy decoding only")
     parser.add_argument("--prefill-workers", type=positive_int, default=None, metavar="N",
                         help="prefill workers, each with its own KV pool (needs "
-                             "--disaggregated; default 1)")
+                             "--disaggregated or --processes; default 1)")
     parser.add_argument("--decode-workers", type=positive_int, default=None, metavar="M",
                         help="decode workers, each with its own KV pool (needs "
                              "--disaggregated; default 1)")
@@ -154,8 +168,19 @@ def run(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace):
     """Everything that can be refused without the model: (build function, engine config,
     torch threads), torch's threads set."""
-    if (args.prefill_workers or args.decode_workers) and not args.disaggregated:
-        raise Refusal("--prefill-workers and --decode-workers need --disaggregated")
+    if (args.prefill_workers or args.decode_workers) and not (args.disaggregated
+                                                                or args.processes):
+        raise Refusal("--prefill-workers and --decode-workers need --disaggregated or "
+                      "--processes")
+    if args.processes:
+        if args.engine_factory != DEFAULT_FACTORY:
+            raise Refusal("--processes and --engine-factory: give one of them")
+        if args.device != "cpu" or args.dtype != "float32":
+            # Each worker loads the model itself, on the CPU in float32 (engine/
+            # process_data.py): another device or dtype would be silently ignored there.
+            raise Refusal(f"--processes runs its workers on the CPU in float32 for now, "
+                          f"not --device {args.device} --dtype {args.dtype}")
+        args.engine_factory = PROCESSES_FACTORY
     try:
         threads = engine_options.prepare(args)
         args.api_keys = load_keys(args.api_key, args.api_key_file)
@@ -215,7 +240,7 @@ def _engine_config(config_type, args: argparse.Namespace):
     module has no EngineConfig: bench/api_bench.py's null engine) the options go as a dict;
     an option the config has no field for is refused, never dropped."""
     wanted = {}
-    if args.disaggregated:
+    if args.disaggregated or getattr(args, "processes", False):
         wanted = dict(disaggregated=True, prefill_workers=args.prefill_workers or 1,
                       decode_workers=args.decode_workers or 1)
     for option in TIMER_OPTIONS:
@@ -292,9 +317,14 @@ def _serve(app, engine, listener: socket.socket, drain_s: float, threads: int) -
               f"{engine.config.max_queued} requests and {engine.queued_tokens_max} prompt "
               f"tokens waiting (about {engine.config.queue_wait_s_max:g} s of prefill), "
               "beyond that 503 at once", flush=True)
+    workers = getattr(engine, "workers_line", None)
+    if workers is not None:
+        print(f"  {workers()}", flush=True)
+    # Worker processes decode greedily only, and OpenAI's default temperature is 1.
+    greedy = ", \"temperature\": 0" if workers is not None else ""
     print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
           f"'{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
-          f"\"max_tokens\": 32}}'", flush=True)
+          f"\"max_tokens\": 32{greedy}}}'", flush=True)
     server = DrainingServer(uvicorn.Config(app, log_level="warning", lifespan="on",
                                            timeout_graceful_shutdown=drain_s + 5))
     sys.setswitchinterval(SWITCH_INTERVAL_S)

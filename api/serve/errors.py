@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from engine.service import (ContextTooLong, EngineStopped, Finished, OUTCOMES, Overloaded,
-                            Refused)
+                            Refused, Unsupported)
 
 from api.serve.schemas import NOT_SERVED
 
@@ -66,6 +66,7 @@ REFUSAL_ANSWERS: dict[type, Answer] = {
     ContextTooLong: Answer(400, "invalid_request_error", "context_length_exceeded", ""),
     Overloaded: Answer(503, "server_error", "overloaded", ""),
     EngineStopped: Answer(503, "server_error", "engine_stopped", "the server is stopping"),
+    Unsupported: Answer(400, "invalid_request_error", "unsupported_parameter", ""),
 }
 
 
