@@ -275,8 +275,9 @@ def test_a_decode_killed_with_page_writes_in_flight_loses_only_its_requests(
     merged, verdict = merged_run(tmp_path)
     actions = [(x["a"], x.get("request")) for x in merged.records]
     assert not [r for a, r in actions if a == "LandWrite" and r in lost]
-    assert [r for a, r in actions if a == "SendPage" and r in lost] == [1] * 3 + [2] * 3
-    assert [r for a, r in actions if a == "Reserve" and r in lost] == [1, 2]
+    # Three pages each; the two requests' pages may interleave (both computed in one turn).
+    assert sorted(r for a, r in actions if a == "SendPage" and r in lost) == [1] * 3 + [2] * 3
+    assert sorted(r for a, r in actions if a == "Reserve" and r in lost) == [1, 2]
     assert actions.count(("DecodeCrash", None)) == 1
     # Their writes never completed, so prefill 0 could say Done only once the crash had
     # flushed them (the spec allows it then: the final word to a dead peer, unsent).
