@@ -153,18 +153,21 @@ def test_reserve_is_refused_for_a_prompt_longer_than_the_decode_pool():
 def test_every_action_fires_in_the_default_model_except_the_reject_paths():
     """Coverage: a guard whose action never fires proves nothing. The default model's
     startup check keeps over-long prompts at the router, so the workers' reject paths are
-    exercised by the reject-paths model instead (next test); crashes by the crash models."""
+    exercised by the reject-paths model instead (next test); crashes by the crash models,
+    losses by the lossy one, eviction by the prefix model."""
     result = checked("default", frozenset())
     never = {a for a in core.ACTION_NAMES if result.action_transitions.get(a, 0) == 0}
     assert never == {"Reject", "DecodeReject", "PrefillCrash", "DecodeCrash", "LoseBootstrap",
                      "LoseFinalWord", "LoseCancel", "LoseWrite", "ResendBootstrap",
-                     "ResendCancel", "RevokeRelease"}
+                     "ResendCancel", "RevokeRelease", "Evict"}
     crash = checked("crash", frozenset())
     assert crash.action_transitions["PrefillCrash"] > 0
     lossy = checked("lossy", frozenset())  # the network's losses and what recovers from them
     assert all(lossy.action_transitions.get(a, 0) > 0
                for a in ("LoseBootstrap", "LoseFinalWord", "LoseCancel", "LoseWrite",
                          "ResendBootstrap", "ResendCancel", "RevokeRelease"))
+    prefix = checked("prefix", frozenset())  # a prefix cache evicts
+    assert prefix.action_transitions["Evict"] > 0
 
 
 def test_reject_paths_model_holds_and_exercises_both_reject_paths():
