@@ -20,6 +20,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from spec.check.guardtable import run_check as checked  # noqa: F401  (cached model checks)
 
 
+FIRST_FILES = ["tests/test_zoo.py", "tests/test_cli.py", "tests/test_checker.py"]
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "alone: a unit of work of its own for pytest-xdist")
     config.addinivalue_line("markers", "slow: more than ~5 s here; the fast tier "
@@ -35,3 +38,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         alone = item.get_closest_marker("alone") is not None
         item.add_marker(pytest.mark.xdist_group(item.nodeid if alone else item.location[0]))
+    # The groups are handed out in collection order, and test_zoo.py, the largest by far
+    # (the guard table checks every switch: about 8 minutes of one core), comes last
+    # alphabetically: started last, it kept one worker busy minutes after the other had
+    # finished. The largest groups go first.
+    items.sort(key=lambda item: FIRST_FILES.index(item.location[0])
+               if item.location[0] in FIRST_FILES else len(FIRST_FILES))
