@@ -308,3 +308,19 @@ def test_the_cli_walks_print_their_seed_and_replay_from_it(capsys):
     again = capsys.readouterr().out.splitlines()[-1]
     states = first.split(":")[1].split(" states")[0]
     assert again.split(":")[1].split(" states")[0] == states
+
+
+def test_a_large_subset_is_tested_not_enumerated():
+    """TypeOK's `readers[d][p] \\in SUBSET Requests` on a run's model of 10,000 requests
+    (engine/process_engine.py) enumerated 2^10,000 subsets: above 16 elements SUBSET is
+    only tested for membership, as TLC does; enumerating it is an error that says so."""
+    spec = Spec(_module("S == 1..40", "Small == SUBSET (1..3)", "Init == x = {2, 40}",
+                        "Next == x' = x", "Typed == x \\in SUBSET S",
+                        "Outside == {41} \\in SUBSET S",
+                        "Each == \\A T \\in SUBSET S : 1 \\notin T"), {})
+    (init,) = spec.initial_states()
+    assert len(spec.value("Small")) == 8
+    assert spec.value("Outside") is False
+    assert spec.value("Typed", init) is True
+    with pytest.raises(EvalError, match="cannot enumerate SUBSET"):
+        spec.value("Each")

@@ -34,9 +34,8 @@ from sim.trace import read_part_logs  # noqa: E402
 from spec.partlog import merge  # noqa: E402
 from spec.tlaplus.runcheck import check_part_logs  # noqa: E402
 from test_processes import (_decode_log, _reserved_unfinished, assert_whole,  # noqa: E402
-                            expected_steps, merged_run)
+                            assert_one_decode_crash_validates, expected_steps, merged_run)
 from engine.processes import log_path  # noqa: E402
-from spec import codec, core  # noqa: E402
 from tests.cli_cases import run as cli  # noqa: E402
 
 MODEL_SEED = 0
@@ -211,17 +210,7 @@ def test_a_killed_decode_process_ends_its_requests_and_the_rest_give_the_judges_
             assert outcome == "Ok" and done["tokens"][r] == expected[r], r
     finished = _decode_log(log_path(d, victim))
     assert {r for r in on_victim if ("Finish", r) in finished} == on_victim - lost
-    assert set(stopped) == {"router", "prefill 0", "prefill 1", "decode 0"}
-    assert_whole(stopped)
-    assert stopped["router"]["crashes"] == [1]
-    merged, verdict = merged_run(tmp_path)
-    crashes = [x for x in merged.records if x["a"] == "DecodeCrash"]
-    assert len(crashes) == 1 and codec.decode(crashes[0]) == core.DecodeCrash(1)
-    after = merged.records[merged.records.index(crashes[0]) + 1:]
-    assert not [x for x in after if x.get("request") in lost and x["a"] in ("SendPage",
-                                                                            "SendDone")]
-    code, out, err = cli(capsys, "validate", str(tmp_path))
-    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+    assert_one_decode_crash_validates(tmp_path, lost, stopped, capsys)
 
 
 def _actions(path) -> list[tuple]:

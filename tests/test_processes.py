@@ -71,6 +71,26 @@ def assert_whole(stopped: dict) -> None:
         assert report.get("sending", 0) == 0, (name, report)
 
 
+def assert_one_decode_crash_validates(folder: Path, lost: set[int], stopped: dict, capsys):
+    """After decode 1 of a 2 x 2 deployment was killed: the survivors whole, the router's
+    one crash record, and the logs (the dead decode's closed by the router) merging into
+    one run with one DecodeCrash, no SendPage or SendDone of a lost request after it, that
+    `kvproof validate` accepts. The merged run and its verdict."""
+    assert set(stopped) == {"router", "prefill 0", "prefill 1", "decode 0"}
+    assert_whole(stopped)
+    assert stopped["router"]["crashes"] == [1]
+    merged, verdict = merged_run(folder)
+    assert verdict.steps == sum(merged.parts.values())
+    crashes = [x for x in merged.records if x["a"] == "DecodeCrash"]
+    assert len(crashes) == 1 and codec.decode(crashes[0]) == core.DecodeCrash(1)
+    after = merged.records[merged.records.index(crashes[0]) + 1:]
+    assert not [x for x in after if x.get("request") in lost and x["a"] in ("SendPage",
+                                                                            "SendDone")]
+    code, out, err = cli(capsys, "validate", str(folder))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+    return merged, verdict
+
+
 def expected_steps(prompts, placement, prefills: int, decodes: int) -> dict:
     """Fault-free, per part: Arrive; Admit, SendPage per page, SendDone; Reserve, Accept,
     Finish, Release; LandWrite per page."""
@@ -162,18 +182,7 @@ def test_a_killed_decode_ends_its_requests_and_the_rest_finish(tmp_path, capsys)
     finished = _decode_log(log_path(d, victim))
     assert {r for r, (_, k) in enumerate(placement) if k == 1 and ("Finish", r) in finished} \
         == {r for r, (_, k) in enumerate(placement) if k == 1} - lost
-    assert set(stopped) == {"router", "prefill 0", "prefill 1", "decode 0"}
-    assert_whole(stopped)
-    assert stopped["router"]["crashes"] == [1]
     # The dead decode's log, closed by the router, merges with the others into one run.
-    merged, verdict = merged_run(tmp_path)
-    assert verdict.steps == sum(merged.parts.values())
-    crashes = [x for x in merged.records if x["a"] == "DecodeCrash"]
-    assert len(crashes) == 1 and codec.decode(crashes[0]) == core.DecodeCrash(1)
-    after = merged.records[merged.records.index(crashes[0]) + 1:]
-    assert not [x for x in after if x.get("request") in lost and x["a"] in ("SendPage",
-                                                                            "SendDone")]
-    code, out, err = cli(capsys, "validate", str(tmp_path))
-    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+    merged, verdict = assert_one_decode_crash_validates(tmp_path, lost, stopped, capsys)
     print(f"seed={SEED}: ErrDecode {sorted(lost)}, merged run of {verdict.steps} steps, "
           f"detected after {[round(x[0]['at_s'] - killed_at, 3) for x in detected.values()]} s")

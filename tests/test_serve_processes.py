@@ -72,6 +72,37 @@ def kill_all(pids) -> None:
             pass
 
 
+class ServeCommand:
+    """`python -m api.cli serve --processes ARGS` started and up (its curl line printed);
+    `close()` (in a finally) kills it and every process it names that is still there."""
+
+    def __init__(self, args: list[str], start_s_max: float, **popen):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "api.cli", "serve", "--processes", *args, "--port", "0"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}, **popen)
+        self.lines: list[str] = []
+        self.pids: list[int] = []
+        threading.Thread(target=lambda: self.lines.extend(
+            line.rstrip("\n") for line in self.process.stdout), daemon=True).start()
+        try:
+            wait_until(lambda: any("curl " in line for line in self.lines)
+                       or self.process.poll() is not None, start_s_max, "the curl line")
+            assert self.process.poll() is None, "\n".join(self.lines)
+            self.url = self.lines[0].split(" at ", 1)[1].split(" ", 1)[0]
+            started = next(line for line in self.lines if "processes: " in line)
+            self.pids = [int(pid) for pid in re.findall(r"pid (\d+)", started)]
+        except BaseException:
+            self.close()  # a command that never came up is stopped too
+            raise
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        kill_all(pid for pid in self.pids if not gone(pid))
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     from engine.load import load_model
@@ -165,22 +196,11 @@ def test_serve_processes_answers_paris_and_sigterm_stops_every_process():
         default_model_path()
     except DefaultModelMissing:
         pytest.skip(f"the default model is not installed: {DEFAULT_MODEL_INSTALL}")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve", "--processes", "--port", "0"], cwd=ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in process.stdout),
-                     daemon=True).start()
-    pids: list[int] = []
+    served = None
     try:
-        wait_until(lambda: any("curl " in line for line in lines) or process.poll() is not None,
-                   START_S_MAX, "the curl line")
-        assert process.poll() is None, "\n".join(lines)
-        url = lines[0].split(" at ", 1)[1].split(" ", 1)[0]
-        started = next(line for line in lines if "processes: " in line)
-        pids = [int(pid) for pid in re.findall(r"pid (\d+)", started)]
-        assert len(pids) == 3, started  # decode 0, prefill 0, router
+        served = ServeCommand([], START_S_MAX)
+        process, lines, url, pids = served.process, served.lines, served.url, served.pids
+        assert len(pids) == 3, lines  # decode 0, prefill 0, router
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
                                timeout=REPLY_S_MAX)
         began = time.monotonic()
@@ -211,10 +231,8 @@ def test_serve_processes_answers_paris_and_sigterm_stops_every_process():
                    lambda: [pid for pid in pids if not gone(pid)])
         print("\n".join(lines))
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
-        kill_all(pid for pid in pids if not gone(pid))
+        if served is not None:
+            served.close()
 
 
 def test_serve_processes_on_the_tiny_model_stops_every_process_on_ctrl_c(tmp_path):
@@ -222,21 +240,11 @@ def test_serve_processes_on_the_tiny_model_stops_every_process_on_ctrl_c(tmp_pat
     terminal's Ctrl-C does: SIGINT to its whole process group, workers included (they
     leave the stopping to the server, which drains, then stops each)."""
     model = make_tiny_chat_model(tmp_path / "tiny")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve", "--processes", "--model", str(model),
-         "--prefill-workers", "1", "--decode-workers", "2", "--port", "0"], cwd=ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env=os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in process.stdout),
-                     daemon=True).start()
-    pids: list[int] = []
+    served = None
     try:
-        wait_until(lambda: any("curl " in line for line in lines) or process.poll() is not None,
-                   60, "the curl line")
-        assert process.poll() is None, "\n".join(lines)
-        url = lines[0].split(" at ", 1)[1].split(" ", 1)[0]
-        pids = [int(pid) for pid in re.findall(r"pid (\d+)", lines[1])]
+        served = ServeCommand(["--model", str(model), "--prefill-workers", "1",
+                               "--decode-workers", "2"], 60, start_new_session=True)
+        process, lines, url, pids = served.process, served.lines, served.url, served.pids
         assert len(pids) == 4, lines  # decode 0, decode 1, prefill 0, router
         reply = httpx.post(f"{url}/v1/completions", timeout=REPLY_S_MAX, json={
             "model": "default", "prompt": "Hello", "max_tokens": 5, "temperature": 0})
@@ -255,10 +263,8 @@ def test_serve_processes_on_the_tiny_model_stops_every_process_on_ctrl_c(tmp_pat
         assert len(stderr) == 4 and not any("KeyboardInterrupt" in text
                                             for text in stderr.values()), stderr
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
-        kill_all(pid for pid in pids if not gone(pid))
+        if served is not None:
+            served.close()
 
 
 def test_an_abort_across_processes_ends_gone_and_the_logs_validate(tiny_model, tmp_path):

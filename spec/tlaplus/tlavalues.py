@@ -204,8 +204,30 @@ def interval(a: int, b: int) -> frozenset:
     return frozenset(range(a, b + 1))
 
 
-def subsets(s) -> frozenset:
+# SUBSET S is enumerated up to this many elements of S (65,536 subsets); above it, it is a
+# set that is only tested for membership, as TLC does: a run's model may have thousands
+# of requests (engine/process_engine.py numbers 10,000), and TypeOK's `SUBSET Requests`
+# must not enumerate 2^10,000 subsets to say that readers[d][p] is one.
+SUBSET_ENUMERATED_MAX = 16
+
+
+class PowerSet:
+    """SUBSET S of a large S: testable, not enumerable."""
+
+    def __init__(self, base: frozenset) -> None:
+        self.base = base
+
+    def __contains__(self, x: object) -> bool:
+        return type(x) is frozenset and x <= self.base
+
+    def __repr__(self) -> str:
+        return f"SUBSET {self.base!r}"
+
+
+def subsets(s) -> frozenset | PowerSet:
     items = sorted_values(s)
+    if len(items) > SUBSET_ENUMERATED_MAX:
+        return PowerSet(frozenset(items))
     return frozenset(frozenset(x for x, keep in zip(items, mask) if keep)
                      for mask in product((False, True), repeat=len(items)))
 
