@@ -18,6 +18,7 @@ import difflib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from spec.check.pool import cpus_available
@@ -303,6 +304,8 @@ class interrupts_kept:
     one lands while it sets a test up): `seen` lets the caller still call it an interrupt."""
 
     seen = False
+    active = False
+    REARM_S, REARM_TIMES = 3.0, 10
 
     def __enter__(self):
         import signal
@@ -319,13 +322,35 @@ class interrupts_kept:
     def __exit__(self, *exc) -> None:
         import signal
 
+        self.active = False
         sys.unraisablehook = self.previous
         if self.handler is not None:
             signal.signal(signal.SIGINT, self.handler)
 
     def _interrupt(self, signum, frame) -> None:
+        if not self.seen:
+            self._rearm()
         self.seen = True
         raise KeyboardInterrupt
+
+    def _rearm(self) -> None:
+        """A KeyboardInterrupt can also be swallowed where no hook sees it (a library's
+        broad except on its way out): a fuzz run in CI went on for its whole budget after
+        Ctrl-C. While the run has not unwound, interrupt it again, every REARM_S, at most
+        REARM_TIMES times; an interrupt that did its work is never repeated (the unwind
+        left the `with` first: __exit__ clears `active`)."""
+        import _thread
+        import threading
+
+        self.active = True
+
+        def again() -> None:
+            for _ in range(self.REARM_TIMES):
+                time.sleep(self.REARM_S)
+                if not self.active:
+                    return
+                _thread.interrupt_main()
+        threading.Thread(target=again, daemon=True).start()
 
     def _hook(self, unraisable) -> None:
         if not issubclass(unraisable.exc_type, KeyboardInterrupt):

@@ -254,3 +254,33 @@ def test_fuzz_help_documents_the_missed_exit_code(capsys):
     codes = out[out.index("exit status:"):]
     assert "\n  4  (--zoo) a zoo entry was MISSED" in codes
     assert "\n  1  a property is violated" in codes and "\n  3  the shell crashed" in codes
+
+
+def test_an_interrupt_a_library_swallows_is_delivered_again():
+    """Ctrl-C that a library's broad except swallows is raised again (api/clikit.py
+    interrupts_kept._rearm): the loop below swallows the first KeyboardInterrupt, as
+    Hypothesis did in a CI fuzz run that then went on for its whole budget."""
+    import _thread
+
+    from api.clikit import interrupts_kept
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    kept, swallowed = interrupts_kept(), 0
+    kept.REARM_S = 0.2
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with kept:
+                deadline, sent = time.monotonic() + 10, False
+                while time.monotonic() < deadline:
+                    try:
+                        if not sent:
+                            sent = True
+                            _thread.interrupt_main()
+                        time.sleep(0.01)
+                    except KeyboardInterrupt:
+                        if swallowed:
+                            raise
+                        swallowed += 1
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert swallowed == 1 and kept.seen and not kept.active

@@ -240,6 +240,7 @@ def test_a_decode_killed_with_page_writes_in_flight_loses_only_its_requests(
             time.sleep(0.005)
         launched.children[victim].process.send_signal(signal.SIGSTOP)
         prefill_log = log_path(d, "prefill 0")
+        deadline = time.monotonic() + 60.0  # its own bound: the first wait may take long
         while sum(1 for a, r in _actions(prefill_log)
                   if a == "SendPage" and r in lost_expected) < PAGES[1] + PAGES[2]:
             assert time.monotonic() < deadline, "prefill 0 never posted the pages"
