@@ -223,17 +223,24 @@ def sample_conformance(m: Model, walks: int, seed: int, depth_max: int = 200,
         return result
     spec_next = spec.next_function()
     seen: dict[State, list] = {init: [None, None, view_key(init)]}
+    compared: dict[State, list] = {}  # a state's core successors, once it was compared
     rng = random.Random(seed)
     for _ in range(walks):
         path: list[tuple[Event | None, State]] = [(None, init)]
         for _ in range(depth_max):
             s = path[-1][1]
-            core_next = _compare(m, s, seen, spec_next, view_key, result, lambda: list(path))
+            core_next = compared.get(s)
+            if core_next is None:  # walks share their first steps: each state compared once
+                core_next = _compare(m, s, seen, spec_next, view_key, result,
+                                     lambda: list(path))
+                if core_next is None:
+                    break
+                compared[s] = core_next
+                for _event, n, k, known in core_next:
+                    if known is None:
+                        seen[n] = [None, None, k]
             if not core_next:
                 break
-            for _event, n, k, known in core_next:
-                if known is None:
-                    seen[n] = [None, None, k]
             event, n, _, _ = core_next[rng.randrange(len(core_next))]
             path.append((event, n))
         if result.disagreement is not None:
