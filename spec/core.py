@@ -375,6 +375,13 @@ def to_send(row: tuple) -> int:
     return max(len(row[SRC]) - row[PHIT], 0)
 
 
+def pages_to_compute(m: Model, row: tuple) -> int:
+    """How many prompt pages the prefill computes for the request. The prefill keeps no
+    cache of its own (only decode does), so it computes every page of the prompt, whatever
+    decode holds: the suffix's KV needs the prefix's."""
+    return row[PROMPT]
+
+
 WAITS_FOR_TABLE = "decode has not reserved yet: the prefill admits once it has the page table"
 
 
