@@ -104,8 +104,9 @@ MESSAGE_FIELDS = {
     core.CLIENT_GONE: {},
     # engine/processes.py's envelope: a part's message (spec/parts.py Message) with the
     # sender's log stamp, a modelled page write and its landing and completion, a crash's
-    # record. Its body is one JSON object, checked by the receiving process
-    # (engine/processes.py `envelope_problem`), not here.
+    # record. Its body is one JSON object, checked by the receiving process's
+    # `body_problem` (engine/processes.py `envelope_problem`) on the reader's thread: a bad
+    # body is a bad frame like any other.
     ENVELOPE: {"body": "object"},
 }
 
@@ -393,12 +394,15 @@ class Channel:
     channel. `send(peer, message, to_epoch)` sends, `receive(timeout_s)` returns the next
     event (Delivered, PeerUp, PeerDown) or None. `on_down`, if given, is called once per
     peer epoch declared down, on the channel's thread that declared it (it must not block).
+    `body_problem(peer, body)`, if given, says what is wrong with an envelope's body ("" when
+    nothing is), on the reader's thread; a problem drops the connection as a bad frame does.
     """
 
-    def __init__(self, config: ChannelConfig, on_down=None):
+    def __init__(self, config: ChannelConfig, on_down=None, body_problem=None):
         self.config = config
         self.counts = ChannelCounts()
         self._on_down = on_down
+        self._body_problem = body_problem
         self._lock = threading.RLock()
         self._ready = threading.Condition(self._lock)
         self._inbox: deque = deque()
@@ -665,6 +669,10 @@ class Channel:
                              "out of order on one connection")
         link.seq_in += 1
         message = message_from(record.get("body"))
+        if message.kind == ENVELOPE and self._body_problem is not None:
+            problem = self._body_problem(link.peer, message.fields["body"])
+            if problem:
+                raise FrameError(f"envelope: {problem}")
         if self._misaddressed(record.get("to")):
             return
         self._deliver(link, Delivered(link.peer, link.epoch, message, link.seq_in))

@@ -228,6 +228,93 @@ def _tuples(value):
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
+# -- envelopes ---------------------------------------------------------------------------------
+# Every envelope a process sends: its sender's and receiver's roles (None: any), its fields
+# and the kind of each value, and the fields it may carry besides. The receiving process
+# checks each body against this table on its channel's reader thread (`envelope_problem`): a
+# body that is not what its kind says is a bad frame, so its connection is dropped and its
+# peer declared down, as engine/channel.py does for a bad message. A handler never sees it.
+
+ENVELOPES = {
+    "msg": (None, None, {"stamp": "stamp", "request": "request", "to": "role",
+                         "fields": "pairs", "names": "names", "placement": "placement"},
+            {"payload": "payload", "first": "count"}),
+    "write": (PREFILL, DECODE, {"request": "request", "write": "write", "data": "data",
+                                "stamp": "stamp", "placement": "placement"}, {}),
+    "landed": (DECODE, ROUTER, {"request": "request", "write": "write", "poster": "stamp",
+                                "stamp": "stamp"}, {}),
+    "completed": (ROUTER, PREFILL, {"request": "request", "write": "write", "stamp": "stamp"},
+                  {}),
+    "down": (PREFILL, ROUTER, {"decode": "count", "stamp": "stamp"}, {}),
+    "crash": (ROUTER, PREFILL, {"decode": "count", "requests": "requests", "stamp": "stamp"},
+              {}),
+    "token": (DECODE, ROUTER, {"request": "request", "token": "token", "last": "bool"}, {}),
+}
+
+
+def envelope_problem(m: Model, receiver: Peer, sender: Peer, body) -> str:
+    """What is wrong with an envelope `sender` sent `receiver` ("" when nothing is): its kind,
+    its fields, the kind and range of each value (a request of this deployment, a write of
+    that request), and for a part's message, that it is meant for the receiver's role."""
+    if not isinstance(body, dict) or body.get("t") not in ENVELOPES:
+        kind = body.get("t") if isinstance(body, dict) else body
+        return f"unknown envelope {_short(kind)} (the kinds are {sorted(ENVELOPES)})"
+    kind = body["t"]
+    source, target, need, may = ENVELOPES[kind]
+    if source not in (None, sender.role) or target not in (None, receiver.role):
+        return f"a {kind} goes from {source or 'any'} to {target}, not {sender} to {receiver}"
+    fields = set(body) - {"t"}
+    if not set(need) <= fields <= set(need) | set(may):
+        return (f"a {kind} has the fields {sorted(need)} (and may have {sorted(may)}), got "
+                f"{sorted(fields)}")
+    for name in sorted(fields):
+        problem = _envelope_value_problem(m, (need | may)[name], body[name])
+        if problem:
+            return f"{kind}.{name} {problem}"
+    if "write" in body and body["write"][0] != body["request"]:
+        return f"{kind}.write is a write of request {body['write'][0]}, not {body['request']}"
+    if kind == "msg" and body["to"] != receiver.role:
+        return f"a part's message to {body['to']} came to {receiver}"
+    return ""
+
+
+def _envelope_value_problem(m: Model, value_kind: str, value) -> str:
+    def count(x) -> bool:
+        return type(x) is int and x >= 0
+
+    def ints(x, n=None) -> bool:
+        return (isinstance(x, list) and (n is None or len(x) == n)
+                and all(type(v) is int for v in x))
+    ok = {
+        "count": lambda: count(value),
+        "request": lambda: count(value) and value < m.requests,
+        "requests": lambda: isinstance(value, list) and all(
+            count(r) and r < m.requests for r in value),
+        "bool": lambda: type(value) is bool,
+        "token": lambda: value is None or count(value),
+        "role": lambda: value in (ROUTER, PREFILL, DECODE),
+        "stamp": lambda: (isinstance(value, list) and len(value) == 3
+                          and isinstance(value[0], str) and count(value[1])
+                          and count(value[2])),
+        "placement": lambda: ints(value, 2) and all(v >= NONE for v in value),
+        "write": lambda: ints(value, 4) and count(value[0]) and value[0] < m.requests
+        and all(v >= NONE for v in value),
+        "names": lambda: isinstance(value, list) and all(isinstance(v, str) for v in value),
+        "pairs": lambda: isinstance(value, list) and all(  # (row field index, its value)
+            isinstance(v, list) and len(v) == 2 and type(v[0]) is int
+            and 0 <= v[0] < len(core.ROW_FIELDS) for v in value),
+        "payload": lambda: isinstance(value, list) and 2 <= len(value) <= 3
+        and ints(value[0]) and count(value[1]) and (len(value) == 2 or ints(value[2])),
+        "data": lambda: type(value) is int or ints(value),
+    }[value_kind]()
+    return "" if ok else f"must be a {value_kind.replace('_', ' ')}, got {_short(value)}"
+
+
+def _short(value, limit: int = 80) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 # -- one process ------------------------------------------------------------------------------
 
 class Process:
@@ -241,7 +328,8 @@ class Process:
         self.part = Part(self.model, role, worker)
         self.channel = Channel(ChannelConfig(role, worker, 1,
                                              heartbeat_s=deployment.heartbeat_s,
-                                             suspect_after_s=deployment.suspect_after_s))
+                                             suspect_after_s=deployment.suspect_after_s),
+                               body_problem=self.envelope_problem)
         self.log = PartLog(log_path(deployment, self.part.name), self.part.name, self.model)
         self.placement: dict[int, tuple[int, int]] = {}  # request -> (prefill, decode)
         self.dead_decodes: set[int] = set()   # a prefill: decodes its detector declared down
@@ -298,10 +386,16 @@ class Process:
     def on_peer_down(self, peer: Peer) -> None:
         """Another process's epoch is down; only a decode's death matters to the protocol."""
 
+    def envelope_problem(self, peer: Peer, body) -> str:
+        """The channel's check of an envelope's body, before this process takes it: the
+        table's, and that a write lands in this decode's own pool."""
+        problem = envelope_problem(self.model, self.channel.config.identity, peer, body)
+        if not problem and body["t"] == "write" and not self.part.owns_page(body["write"][2]):
+            return f"write {body['write']} is into page {body['write'][2]}, not one of {self.part.name}'s"
+        return problem
+
     def on_envelope(self, peer: Peer, body: dict) -> None:
-        handler = getattr(self, f"on_{body['t']}", None)
-        assert handler is not None, f"{self.part.name}: no handler for {body['t']!r}"
-        handler(peer, body)
+        getattr(self, f"on_{body['t']}")(peer, body)
 
     def on_msg(self, peer: Peer, body: dict) -> None:
         self.log.heard_from(body["stamp"])

@@ -38,10 +38,10 @@ WAIT_S = 10.0        # the longest any step waits for a process
 PREFILL = Peer("prefill", 0)
 
 
-def host(epoch: int = 1, on_down=None, **bounds) -> Channel:
+def host(epoch: int = 1, on_down=None, body_problem=None, **bounds) -> Channel:
     config = ChannelConfig("decode", 0, epoch, heartbeat_s=HEARTBEAT_S,
                            suspect_after_s=SUSPECT_S, **bounds)
-    channel = Channel(config, on_down=on_down)
+    channel = Channel(config, on_down=on_down, body_problem=body_problem)
     channel.listen()
     return channel
 
