@@ -47,50 +47,27 @@ from dataclasses import dataclass, field
 
 from engine.generate import pages_needed
 from engine.processes import Deployment, Launched, WorkerRefused
+from engine.serving import Shape, advertised_context
 from engine.service import (ContextTooLong, EngineStopped, Finished, Overloaded, PoolSnapshot,
                             Snapshot, TokenOut, Unsupported)
 from engine.tokenizer import IncrementalText
 
-POOL_TOKENS_DEFAULT = 16384
-
-
 @dataclass(frozen=True)
-class EngineConfig:
-    disaggregated: bool = True      # always: the workers are processes of their own
-    prefill_workers: int = 1
-    decode_workers: int = 1
-    context_length: int | None = None  # None: the model's max_position_embeddings
-    lower_context_to_fit: bool = False  # advertise what the smallest pool holds instead
-    page_tokens: int = 16
-    prefill_pool_tokens: int = POOL_TOKENS_DEFAULT
-    decode_pool_tokens: int = POOL_TOKENS_DEFAULT
-    max_batch: int = 64
-    prefill_chunk_tokens: int = 512
-    max_queued: int = 256           # live requests (placed, not answered), at most
+class EngineConfig(Shape):
+    """The shape (engine/serving.py), and what a deployment of processes adds: its life's
+    request numbers, its start and stop bounds, its logs. The pools are each worker's: the
+    router lowers the context to them when asked (`advertised_context`), and a worker whose
+    pool is below it refuses to join itself (engine/processes.py capacity_refusal), as a
+    worker on another machine must."""
+
     requests_max: int = 10_000      # requests in one deployment's life (the spec's numbers)
     start_timeout_s: float = 300.0  # each process up (the model loaded) within this
     abort_s_max: float = 10.0       # stop: aborted requests answered within this
     stop_timeout_s: float = 30.0    # stop: every process ends its log and exits within this
     log_dir: str = ""               # the deployment's logs ("": a fresh temporary folder)
-    bugs: frozenset = frozenset()   # the zoo's switches: tests only
 
-    def __post_init__(self) -> None:
-        for name in ("prefill_workers", "decode_workers", "page_tokens", "prefill_pool_tokens",
-                     "decode_pool_tokens", "max_batch", "prefill_chunk_tokens", "max_queued",
-                     "requests_max", "start_timeout_s", "abort_s_max", "stop_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive")
-        object.__setattr__(self, "bugs", frozenset(self.bugs))
-
-
-def advertised_context(config: EngineConfig, model_context: int) -> int:
-    """The context the server advertises: the model's or the configured one, lowered to
-    the smallest pool when asked; the workers themselves refuse a pool below it."""
-    context = config.context_length or model_context
-    if config.lower_context_to_fit:
-        smallest = min(config.prefill_pool_tokens, config.decode_pool_tokens)
-        context = min(context, smallest // config.page_tokens * config.page_tokens)
-    return context
+    POSITIVE = Shape.POSITIVE + ("requests_max", "start_timeout_s", "abort_s_max",
+                                 "stop_timeout_s")
 
 
 def deployment_for(model_path, config: EngineConfig, context: int) -> Deployment:
@@ -101,8 +78,8 @@ def deployment_for(model_path, config: EngineConfig, context: int) -> Deployment
     return Deployment(
         prompts=(), serving_requests_max=config.requests_max, context_tokens=context,
         prefill_workers=config.prefill_workers, decode_workers=config.decode_workers,
-        prefill_pages=config.prefill_pool_tokens // pt,
-        decode_pages=config.decode_pool_tokens // pt, context_pages=context_pages,
+        prefill_pages=config.prefill_pages, decode_pages=config.decode_pages,
+        context_pages=context_pages,
         max_prompt_pages=context_pages, page_tokens=pt,
         prefill_chunk_tokens=config.prefill_chunk_tokens, max_batch=config.max_batch,
         model_dir=str(model_path), join_timeout_s=config.start_timeout_s,

@@ -138,7 +138,11 @@ class CapacityError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class Shape:
+    """What every engine a server runs is configured with, in-process or over worker
+    processes (engine/process_engine.py's EngineConfig extends it too): the workers, their
+    pools, pages and batches, the context advertised, the admission bound, the switches."""
+
     context_length: int | None = None  # None: the model's max_position_embeddings
     lower_context_to_fit: bool = False  # advertise what the smallest pool holds instead
     page_tokens: int = 16
@@ -146,7 +150,36 @@ class EngineConfig:
     decode_pool_tokens: int = POOL_TOKENS_DEFAULT
     max_batch: int = 64
     prefill_chunk_tokens: int = 512
-    max_queued: int = 256  # requests admitted by submit and not yet computing
+    max_queued: int = 256  # requests admitted and not yet computing (processes: not answered)
+    bugs: frozenset = frozenset()  # bug switches (spec/model.py): tests of the zoo only
+    disaggregated: bool = True  # always: prefill and decode workers with pools of their own
+    prefill_workers: int = 1  # each with a pool of prefill_pool_tokens
+    decode_workers: int = 1  # each with a pool of decode_pool_tokens
+
+    POSITIVE = ("page_tokens", "prefill_pool_tokens", "decode_pool_tokens", "max_batch",
+                "prefill_chunk_tokens", "max_queued", "prefill_workers", "decode_workers")
+
+    def __post_init__(self) -> None:
+        for name in self.POSITIVE:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.context_length is not None and not self.context_length > 0:
+            raise ValueError(f"context_length must be positive, got {self.context_length!r}")
+        object.__setattr__(self, "bugs", frozenset(self.bugs))
+
+    @property
+    def prefill_pages(self) -> int:
+        return self.prefill_pool_tokens // self.page_tokens
+
+    @property
+    def decode_pages(self) -> int:
+        return self.decode_pool_tokens // self.page_tokens
+
+
+@dataclass(frozen=True)
+class EngineConfig(Shape):
+    """The in-process engine's configuration: the shape, and its timers and admission."""
+
     max_queued_tokens: int = 65536  # their prompt tokens, all prefill workers together
     # ... and no more than the prefill workers compute in this long, at the rate the
     # startup check measured: what is admitted starts within about this bound.
@@ -162,41 +195,43 @@ class EngineConfig:
     # can catch a request queued, mid-prefill or mid-stream (0: never).
     step_delay_s: float = 0.0
     loop_nice: int = ENGINE_NICE_INCREMENT  # the loop thread's nice increment, 0..19
-    bugs: frozenset = frozenset()  # bug switches (spec/model.py): tests of the zoo only
     transport_seed: int | None = None
-    disaggregated: bool = True  # always: prefill and decode workers with pools of their own
-    prefill_workers: int = 1  # each with a pool of prefill_pool_tokens
-    decode_workers: int = 1  # each with a pool of decode_pool_tokens
+
+    POSITIVE = Shape.POSITIVE + ("max_queued_tokens", "lease_s", "transfer_timeout_s",
+                                 "queue_wait_s_max", "idle_wait_s")
 
     def __post_init__(self) -> None:
-        for name in ("page_tokens", "prefill_pool_tokens", "decode_pool_tokens", "max_batch",
-                     "prefill_chunk_tokens", "max_queued", "max_queued_tokens",
-                     "prefill_workers", "decode_workers", "lease_s", "transfer_timeout_s",
-                     "queue_wait_s_max"):
-            assert getattr(self, name) > 0, f"{name} must be positive"
-        assert self.context_prefill_s is None or self.context_prefill_s >= 0
-        assert self.context_length is None or self.context_length > 0
-        assert self.step_delay_s >= 0 and self.idle_wait_s > 0
-        assert 0 <= self.loop_nice <= 19, "loop_nice must be 0 to 19"
-        object.__setattr__(self, "bugs", frozenset(self.bugs))
+        super().__post_init__()
+        if self.context_prefill_s is not None and self.context_prefill_s < 0:
+            raise ValueError("context_prefill_s must be >= 0")
+        if self.step_delay_s < 0:
+            raise ValueError("step_delay_s must be >= 0")
+        if not 0 <= self.loop_nice <= 19:
+            raise ValueError("loop_nice must be 0 to 19")
 
 
-def advertised_context(config: EngineConfig, model_context: int) -> tuple[int, int, int]:
-    """(context tokens, prefill pages, decode pages) after the startup capacity check."""
-    pt = config.page_tokens
-    prefill_pages = config.prefill_pool_tokens // pt
-    decode_pages = config.decode_pool_tokens // pt
-    context = config.context_length or model_context
-    if "PoolBelowContext" in config.bugs:
-        return context, prefill_pages, decode_pages
-    nodes = [(f"prefill-{k}", prefill_pages) for k in range(config.prefill_workers)]
-    nodes += [(f"decode-{k}", decode_pages) for k in range(config.decode_workers)]
+def advertised_context(shape: Shape, model_context: int) -> int:
+    """The context the server advertises: the model's or the configured one, lowered to
+    what the smallest pool holds when asked (`lower_context_to_fit`; PoolBelowContext, the
+    startup check turned off, never lowers it). Whether every pool holds it is
+    `check_capacity`'s (in-process) or each worker's own (processes)."""
+    context = shape.context_length or model_context
+    if shape.lower_context_to_fit and "PoolBelowContext" not in shape.bugs:
+        smallest = min(shape.prefill_pages, shape.decode_pages) * shape.page_tokens
+        context = min(context, smallest)
+    return context
+
+
+def check_capacity(shape: Shape, context: int) -> None:
+    """CapacityError naming the first worker whose pool holds less than `context` tokens
+    (unless PoolBelowContext, the zoo's switch, turns the check off)."""
+    if "PoolBelowContext" in shape.bugs:
+        return
+    nodes = [(f"prefill-{k}", shape.prefill_pages) for k in range(shape.prefill_workers)]
+    nodes += [(f"decode-{k}", shape.decode_pages) for k in range(shape.decode_workers)]
     for node, pages in nodes:
-        if context > pages * pt:
-            if not config.lower_context_to_fit:
-                raise CapacityError(node, pages * pt, context)
-            context = pages * pt
-    return context, prefill_pages, decode_pages
+        if context > pages * shape.page_tokens:
+            raise CapacityError(node, pages * shape.page_tokens, context)
 
 
 def build_engine(loaded_model, config: EngineConfig | dict | None = None) -> "ThreadedEngine":
@@ -207,10 +242,11 @@ def build_engine(loaded_model, config: EngineConfig | dict | None = None) -> "Th
     elif isinstance(config, dict):
         config = EngineConfig(**config)
     model = loaded_model.model
-    context, prefill_pages, decode_pages = advertised_context(
-        config, model.config.max_position_embeddings)
+    context = advertised_context(config, model.config.max_position_embeddings)
+    check_capacity(config, context)
     runtime = Runtime(model, RuntimeConfig(
-        prefill_pages=prefill_pages, decode_pages=decode_pages, page_tokens=config.page_tokens,
+        prefill_pages=config.prefill_pages, decode_pages=config.decode_pages,
+        page_tokens=config.page_tokens,
         context_tokens=context, max_batch=config.max_batch,
         prefill_chunk_tokens=config.prefill_chunk_tokens, lease_s=config.lease_s,
         transfer_timeout_s=config.transfer_timeout_s, bugs=config.bugs,

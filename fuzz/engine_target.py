@@ -473,5 +473,6 @@ def _startup(model: Model) -> tuple[int, int, int]:
                           prefill_pool_tokens=model.prefill_pages * PAGE_TOKENS,
                           decode_pool_tokens=model.decode_pages * PAGE_TOKENS,
                           max_batch=MAX_BATCH, bugs=model.bugs)
-    return advertised_context(config, model.context_pages * PAGE_TOKENS)
+    context = advertised_context(config, model.context_pages * PAGE_TOKENS)
+    return context, config.prefill_pages, config.decode_pages
 

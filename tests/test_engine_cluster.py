@@ -223,7 +223,7 @@ def test_the_threaded_engine_serves_on_every_worker_and_checks_every_pool(model)
 
 
 def test_worker_counts_must_be_positive():
-    with pytest.raises(AssertionError, match="decode_workers must be positive"):
+    with pytest.raises(ValueError, match="decode_workers must be positive"):
         EngineConfig(loop_nice=0, decode_workers=0)
 
 
