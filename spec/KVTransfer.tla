@@ -1027,10 +1027,15 @@ SaltsApart == \A d \in DecodeWorkers : \A p \in DPages : \A r \in readers[d][p] 
 
 (* A page's readers are exactly its live readers: the requests holding pages at its      *)
 (* worker whose table has it and that do not own it (never fewer: a release would free it *)
-(* under a reader; never more: a reference nobody drops pins the page for ever).          *)
-ReadersAreLive == \A d \in DecodeWorkers : \A p \in DPages : \A r \in Requests :
-                      (r \in readers[d][p]) = (/\ HoldsPages(r) /\ dworker[r] = d
-                                                /\ p \in TablePages(r) /\ owner[d][p] # r)
+(* under a reader; never more: a reference nobody drops pins the page for ever). Stated   *)
+(* as its two directions, each over what it is about (a page's readers; a live request's *)
+(* table), not over every request for every page: the same formula, but a deployment's    *)
+(* run with 10,000 request slots is checked in a second instead of a minute.              *)
+ReadersAreLive ==
+    /\ \A d \in DecodeWorkers : \A p \in DPages : \A r \in readers[d][p] :
+          HoldsPages(r) /\ dworker[r] = d /\ p \in TablePages(r) /\ owner[d][p] # r
+    /\ \A r \in Requests : HoldsPages(r) /\ dworker[r] \in DecodeWorkers =>
+          \A p \in TablePages(r) : owner[dworker[r]][p] # r => r \in readers[dworker[r]][p]
 
 (* A page with readers is sealed and owned by nobody, and no write is on its way into a   *)
 (* sealed page: no eviction or allocation can take a page with readers or a write pending. *)
