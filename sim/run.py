@@ -63,6 +63,7 @@ from sim.compute import compute_model
 from sim.link import SimLink
 from sim.schedule import Scheduler
 from sim.workers import SimDecode, SimPrefill
+from sim.report import prefix_summary
 from sim.workload import PromptMaker, TraceRequest, load_workload  # noqa: F401  (a type)
 from spec.codec import encode as encode_event
 
@@ -581,6 +582,7 @@ def result_of(sc: Scenario, folder: Folder, refusals: dict, stopped: str | None,
         "fault_hits": fault_hits or {},
         "stopped": stopped, "drained": drained, "crash": crashed,
         "unsettled_requests": len(cluster.rows),
+        **({"prefix": prefix_summary(folder.metrics, sc)} if sc.prefix.shape != "none" else {}),
     }
 
 
