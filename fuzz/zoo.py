@@ -86,6 +86,11 @@ NOT_RUN: dict[tuple[str, str], str] = {
        "simulator's lossy scenarios catch it"
        for row in ("NoRetransmit alone", "NoRevoke alone", "NoFailureDetector alone")
        for target in ("core", "sim")},
+    **{(row, "hybrid"): "the engine's pools keep no prefix cache yet (issue 27's engine "
+       "slice): the hybrid target's real pages would judge shared pages by their writer; "
+       "the core and sim targets catch it"
+       for row in ("stale-hit-reads-unwritten", "StaleHitLength alone", "no-refcount",
+                   "full-hit-no-notice", "no-salt", "none (prefix cache)")},
 }
 
 
