@@ -341,7 +341,8 @@ def _replay(args: argparse.Namespace) -> int:
     given = [flag for flag, value in (("--zoo", args.zoo), ("--bug", args.bug),
                                       ("--property", args.property), ("--seed", args.seed),
                                       ("--target", args.target),
-                                      ("--prefix-cache", args.prefix_cache)) if value not in (False, [], None)]
+                                      ("--prefix-cache", args.prefix_cache))
+             if value not in (False, [], None)]
     if given:
         raise UsageError("--replay takes the target, model, switches and properties from the "
                          f"file; it combines with no other option (drop {', '.join(given)})")

@@ -337,7 +337,9 @@ def _compare_prefix_cache(args: argparse.Namespace) -> int:
             from sim.report import write_json
             write_json(args.json, on)
         if args.plot:
-            print(f"wrote {write_prefix_plot(args.plot, sim_on.folder.metrics, sim_off.folder.metrics, comparison)}")
+            path = write_prefix_plot(args.plot, sim_on.folder.metrics,
+                                     sim_off.folder.metrics, comparison)
+            print(f"wrote {path}")
     except OSError as error:
         print(f"kvproof sim: cannot write the results: {error.strerror}: {error.filename}",
               file=sys.stderr)

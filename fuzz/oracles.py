@@ -11,9 +11,10 @@ Three layers, each blind to the others' mistakes:
   core's page `data` is the writer's request id), so whatever decode read can be traced to
   who wrote it. With a prefix cache pages are shared, so the oracle judges content instead:
   each page read must hold the identity the request's own tokens and salt imply (the
-  spec's TrueIdent, computed from what the client sent, not from the cache's keys). A request whose client got Ok must have read only its own pages, and so must
-  a request that is decoding for a waiting client, at every moment its reads would pass the
-  tag check (a real decode reads at every token; a read the tag check refuses ends the
+  spec's TrueIdent, computed from what the client sent, not from the cache's keys). A
+  request whose client got Ok must have read only its own pages, and so must a request
+  that is decoding for a waiting client, at every moment its reads would pass the tag
+  check (a real decode reads at every token; a read the tag check refuses ends the
   request with a clear error instead). This does not look at the core's LEAKED flag: if
   the core's own accounting of a leak were wrong, this would still see the leak.
 
