@@ -1,7 +1,8 @@
 """`kvproof fuzz`: the command line of the fuzzer (api/cli.py hands the subcommand here).
 
     kvproof fuzz [--target NAME ...] [--seed N] [--examples N | --seconds S] [--bug NAME ...]
-                 [--property NAME ...] [--profile NAME] [--itf FILE] [--jobs N]
+                 [--property NAME ...] [--profile NAME] [--prefix-cache] [--itf FILE]
+                 [--jobs N]
     kvproof fuzz --zoo [--target NAME ...] [--seed N] [--examples N | --seconds S] [--jobs N]
     kvproof fuzz --replay FILE
 
@@ -75,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default=None, choices=sorted(PROFILES),
                         help="model sizes and steps per example (default: "
                              "$KVPROOF_FUZZ_PROFILE or 'default')")
+    parser.add_argument("--prefix-cache", action="store_true",
+                        help="models with a decode-side prefix cache: prompts carry tokens "
+                             "and a salt (two of each), decode hits and evicts (issue 27)")
     parser.add_argument("--shrink-seconds", type=float, default=None, metavar="S",
                         help="time Hypothesis may spend shrinking a failure (0: none; "
                              f"default {SHRINK_SECONDS_DEFAULT:g}, {ZOO_SHRINK_SECONDS_DEFAULT:g}"
@@ -157,9 +161,9 @@ def _campaign(args: argparse.Namespace):
     if args.ray:
         from api.campaigns import require_ray
         require_ray()
-    if args.zoo and (args.bug or args.property or args.out):
-        raise UsageError("--zoo sets the switches and properties of each entry itself and "
-                         "saves nothing; drop --bug, --property and --itf")
+    if args.zoo and (args.bug or args.property or args.out or args.prefix_cache):
+        raise UsageError("--zoo sets the switches, properties and model of each entry itself "
+                         "and saves nothing; drop --bug, --property, --prefix-cache and --itf")
     if args.out:
         writable_file(args.out, "--itf")
     if args.examples is not None and args.examples < 1:
@@ -183,7 +187,8 @@ def _campaign(args: argparse.Namespace):
                     profile=PROFILES[profile],
                     seed=args.seed if args.seed is not None else random_seed(),
                     examples=examples, seconds=args.seconds,
-                    shrink_seconds=shrink_s, minimize_seconds=minimize_s)
+                    shrink_seconds=shrink_s, minimize_seconds=minimize_s,
+                    prefix_cache=args.prefix_cache)
 
 
 def _targets(args: argparse.Namespace) -> list[str]:
@@ -335,7 +340,9 @@ def _replay(args: argparse.Namespace) -> int:
 
     given = [flag for flag, value in (("--zoo", args.zoo), ("--bug", args.bug),
                                       ("--property", args.property), ("--seed", args.seed),
-                                      ("--target", args.target)) if value not in (False, [], None)]
+                                      ("--target", args.target),
+                                      ("--prefix-cache", args.prefix_cache))
+             if value not in (False, [], None)]
     if given:
         raise UsageError("--replay takes the target, model, switches and properties from the "
                          f"file; it combines with no other option (drop {', '.join(given)})")

@@ -95,6 +95,11 @@ def add_parser(commands) -> None:
                      help="make every worker real: the engine's KV pools, compute and page "
                           "writes on a tiny model (the scenario's [hybrid] section names "
                           "workers one by one; sim/README.md)")
+    sim.add_argument("--compare-prefix-cache", action="store_true",
+                     help="run the scenario twice, decode's prefix cache on and off (same "
+                          "seed, arrivals and prompts), and report the hit rate, pages saved "
+                          "and TTFT of each (a scenario whose prompts share prefixes: "
+                          "system-prompt, multi-turn, shared-document)")
     sim.add_argument("--quiet", action="store_true", help="no progress lines")
     sim.set_defaults(func=cmd_sim)
 
@@ -198,6 +203,13 @@ def _preflight(args: argparse.Namespace) -> None:
     if args.hybrid and args.sweep:
         raise UsageError("--hybrid runs one scenario on the engine; --sweep is for simulated "
                          "runs")
+    if args.compare_prefix_cache:
+        clash = [flag for flag, given in (("--replay", args.replay), ("--sweep", args.sweep),
+                                          ("--hybrid", args.hybrid), ("--log", args.log),
+                                          ("--itf", args.itf), ("--csv", args.csv)) if given]
+        if clash:
+            raise UsageError("--compare-prefix-cache runs the scenario twice and compares the "
+                             f"runs; it takes no {', '.join(clash)} (one run's options)")
 
 
 def _preflight_replay(args: argparse.Namespace) -> None:
@@ -239,6 +251,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
         if args.sweep:
             from api.sweep import run_sweep
             return run_sweep(args)
+        if args.compare_prefix_cache:
+            return _compare_prefix_cache(args)
         result, metrics = _replay(args) if args.replay else _run(args)
     except (ScenarioError, LogError, UsageError) as error:
         print(f"kvproof sim: {error}", file=sys.stderr)
@@ -288,6 +302,48 @@ def _run(args: argparse.Namespace):
     elif args.itf:
         _write_itf(args.log, args.itf)
     return result, sim.folder.metrics
+
+
+def _compare_prefix_cache(args: argparse.Namespace) -> int:
+    """The scenario with decode's prefix cache on, then off, from the same seed (the
+    prompts' tokens come from their own random stream, so both runs see the same arrivals
+    and prompts); the cache-on run's report, then the comparison (and its plot)."""
+    from sim.report import compare_prefix_cache, prefix_comparison_table, write_prefix_plot
+    from sim.run import simulate
+
+    scenario = build_scenario(args)
+    if scenario.prefix.shape == "none":
+        raise UsageError(f"--compare-prefix-cache: the prompts of scenario {scenario.name} "
+                         "share nothing (prefix.shape is none); try system-prompt, multi-turn "
+                         "or shared-document, or --set prefix.shape=system-prompt")
+    runs = {}
+    for cache in (True, False):
+        variant = scenario.with_options(prefix={**scenario.prefix.model_dump(), "cache": cache})
+        print(f"kvproof sim: scenario {scenario.name}, seed {scenario.seed}, "
+              f"{plural(scenario.requests, 'request')}, prefix cache {'on' if cache else 'off'}",
+              flush=True)
+        runs[cache] = simulate(variant, progress=not args.quiet)
+    (on, sim_on), (off, sim_off) = runs[True], runs[False]
+    for result in (on, off):
+        if result["crash"] is not None:
+            return _verdict(args, result)
+    _report(args, on, sim_on.folder.metrics)
+    comparison = compare_prefix_cache(on, off)
+    print("")
+    print(prefix_comparison_table(comparison))
+    on["prefix_comparison"] = comparison
+    try:
+        if args.json:
+            from sim.report import write_json
+            write_json(args.json, on)
+        if args.plot:
+            path = write_prefix_plot(args.plot, sim_on.folder.metrics,
+                                     sim_off.folder.metrics, comparison)
+            print(f"wrote {path}")
+    except OSError as error:
+        print(f"kvproof sim: cannot write the results: {error.strerror}: {error.filename}",
+              file=sys.stderr)
+    return max(_verdict(args, on), _verdict(args, off))
 
 
 def crash_log_path(scenario) -> str:

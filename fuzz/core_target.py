@@ -28,7 +28,7 @@ from spec.model import Model
 from spec.properties import request_ended
 
 from fuzz.target import (Delay, Move, Observation, Open, PoolView, Target, TargetRefused,
-                         decoding_reads, register)
+                         read_field, decoding_reads, expected_reads, owned_pages, register)
 
 
 def _field_names(cls: type) -> tuple[str, ...]:
@@ -41,8 +41,8 @@ def _field_names(cls: type) -> tuple[str, ...]:
 _SIMPLE_CLASSES = tuple(cls for cls, _ in core._SIMPLE_ACTIONS)
 # A worker's own events (its crash) have the worker as their one argument: listed once per
 # worker of its kind. (Reading "no fields" here lost every crash once they gained a worker.)
-# Evict (a cached page, prefix caching) is left out: the fuzz models have no prefix cache
-# yet, so it is never enabled here (issue 27's fuzzer slice will list it per page).
+# Evict (a cached page, prefix caching) has a page too: it is listed per cached page apart
+# (`_evictions`), and only on a model with a prefix cache.
 _GLOBAL_CLASSES = tuple(cls for cls in core.ACTIONS
                         if issubclass(cls, core.WorkerEvent) and cls is not core.Evict)
 assert {f for cls in _GLOBAL_CLASSES for f in _field_names(cls)} == {"worker"}, _GLOBAL_CLASSES
@@ -74,6 +74,9 @@ class CoreTarget(Target):
         self._since: dict[object, int] = {}  # move -> step at which it became enabled
         self._memo: list = [None] * model.requests  # per request: its last listing
         self._arrive = core.ACTIONS[core.Arrive]
+        # Whether a request may arrive is asked with a one-page prompt (the fuzzer picks the
+        # real one): with a prefix cache it has a token and a salt.
+        self._probe = ((1,), 1) if model.prefix_cache else ((), 0)
         # The action functions are looked up at reset, not at import, so that a test can
         # swap one of core.ACTIONS for a broken copy and see whether the fuzzer notices.
         self._simple = tuple((cls.__name__, core.ACTIONS[cls], core.INFO[cls].observed)
@@ -109,8 +112,25 @@ class CoreTarget(Target):
             if type(out) is not str:
                 self._next[event] = core.commit(s, out)
                 moves[name].append(event)
+        if m.prefix_cache:
+            moves["Evict"] = self._evictions()
         self._hold(moves)
         return self._oldest_first({name: listed for name, listed in moves.items() if listed})
+
+    def _evictions(self) -> list[core.Event]:
+        """An Evict for every decode page the core lets decode forget now (a cached page
+        nobody reads: core.evict decides). Pages that are not cached are not asked about:
+        the core refuses every one of them."""
+        m, s, evict, listed = self.model, self.state, core.ACTIONS[core.Evict], []
+        for p, page in enumerate(s.decode_pool):
+            if page[core.IDENT] == core.NO_IDENT:
+                continue
+            out = evict(m, s, 0, p)
+            if type(out) is not str:
+                event = core.Evict(0, p)
+                self._next[event] = core.commit(s, out)
+                listed.append(event)
+        return listed
 
     def _hold(self, moves: dict[str, list[Move]]) -> None:
         """Take the deliveries of held requests off the list, and list a Delay for every
@@ -138,7 +158,7 @@ class CoreTarget(Target):
         and leave the pools alone, and this skips asking the core again for the others."""
         m, s = self.model, self.state
         row = s.requests[r]
-        if type(self._arrive(m, s, r, 1)) is not str:
+        if type(self._arrive(m, s, r, 1, 0, 0, *self._probe)) is not str:
             return [("Arrive", Open("Arrive", r, 0, self._prompts))]
         if request_ended(row):
             return []  # nothing of an ended request is enabled (its writes are listed apart)
@@ -152,8 +172,12 @@ class CoreTarget(Target):
             if type(need) is int:
                 if free[which] is None:
                     free[which] = self._free_pages(which)
-                if len(free[which]) >= need:
-                    listed.append((cls.__name__, Open(cls.__name__, r, need, free[which])))
+                options = free[which]
+                if which == 1 and m.prefix_cache:  # not the pages r is about to hit
+                    hits = core.hit_pages(m, s, row)
+                    options = tuple(p for p in options if p not in hits) if hits else options
+                if len(options) >= need:
+                    listed.append((cls.__name__, Open(cls.__name__, r, need, options)))
         for k, (name, fn, observed) in enumerate(self._simple):
             event, out = core.step_with_oracle(m, s, r, fn, observed, self._events[r][k])
             if type(out) is not str:
@@ -182,6 +206,8 @@ class CoreTarget(Target):
         pool = self.state.prefill_pool if which == 0 else self.state.decode_pool
         freed_at = self._freed_at[which]
         free = [p for p, page in enumerate(pool) if page[0] == NONE]
+        if which == 1 and self.model.prefix_cache:  # a page read from the cache is not free
+            free = [p for p in free if not pool[p][core.READERS]]
         free.sort(key=freed_at.__getitem__)  # stable: ascending among equals
         return tuple(free)
 
@@ -208,9 +234,9 @@ class CoreTarget(Target):
         self._observation = None
         self._note_frees(before, out)
         if isinstance(event, core.Finish) and before.requests[event.request][DST] == DECODING:
-            pool = before.decode_pool
+            pool, read = before.decode_pool, read_field(self.model)
             self._reads[event.request] = tuple(
-                pool[p][DATA] for p, _ in before.requests[event.request][TABLE])
+                pool[p][read] for p, _ in before.requests[event.request][TABLE])
 
     def _note_frees(self, before: core.State, after: core.State) -> None:
         step = len(self._trace)
@@ -236,8 +262,8 @@ class CoreTarget(Target):
         rows = s.requests
         decode = PoolView(
             "decode", tuple(page[OWNER] for page in s.decode_pool),
-            tuple(tuple(p for p, _ in row[TABLE]) if row[DST] in _HOLDS_DECODE_PAGES else ()
-                  for row in rows))
+            tuple(owned_pages(row, s.decode_pool, r) if row[DST] in _HOLDS_DECODE_PAGES else ()
+                  for r, row in enumerate(rows)))
         prefill = PoolView(
             "prefill", tuple(page[0] for page in s.prefill_pool),
             tuple(row[SRC] if row[PST] == RUNNING else () for row in rows))
@@ -245,7 +271,8 @@ class CoreTarget(Target):
             pools=(prefill, decode),
             writes=tuple((w[0], w[2]) for w in s.writes),
             outcomes=tuple(CLIENT_NAMES[row[CLIENT]] for row in rows),
-            reads=dict(self._reads), decoding=decoding_reads(rows, s.decode_pool))
+            reads=dict(self._reads), decoding=decoding_reads(rows, s.decode_pool, self.model),
+            expected=expected_reads(self.model, rows))
 
     def trace(self) -> list[core.Event]:
         return list(self._trace)

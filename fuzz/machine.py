@@ -98,12 +98,38 @@ LEVELS = {
     "protocol": ({"normal": 8, "rare": 1}, ("normal", "normal", "rare")),
     "decode": ({"normal": 1, "quick": 8}, ("normal", "quick")),
     "arrival": ({"normal": 8, "rare": 1}, ("normal", "rare")),
+    # A prefix cache's evictions (its policy, only on models with one): rare, so that pages
+    # stay cached long enough to be hit, or off, or as often as the protocol's own steps
+    # (every cached page goes soon after its last reader leaves: pool pressure).
+    "evict": ({"rare": 1, "off": 0, "normal": 8}, ("rare", "off", "rare", "normal")),
 }
 FAULTS = core.FAULT_ACTIONS | TIMERS | ENVIRONMENT_FAULTS
 WORKER_CRASHES = frozenset(cls.__name__ for cls in core._WORKER_ACTIONS)
 # The drain's actions: the protocol's own, and the arrivals still to come (so that every
 # example runs all its requests through the protocol; each arrives once, so it ends).
-DRAINED = frozenset(VOCABULARY) - core.FAULT_ACTIONS - ENVIRONMENT_FAULTS
+# Evictions are the cache's policy, not owed: the drain leaves cached pages for the requests
+# still to come (an allocation evicts what it needs).
+DRAINED = (frozenset(VOCABULARY) - core.FAULT_ACTIONS - ENVIRONMENT_FAULTS
+           - core.PREFIX_CACHE_ACTIONS)
+
+# A prefix-cache model's prompt alphabet: two token kinds and two salts (tenants). Each
+# prompt is `b` pages of token 1 then token 2 to its end (`arrival`), so prompts share
+# prefixes often: a prompt of all 1s is a system prompt every same-tenant prompt that
+# starts with 1s hits (a full hit when it is no longer than one cached), and two prompts
+# whose 1s end at the same page share everything up to the shorter's end. Two salts are
+# the fewest that can be kept apart (spec/README.md, Prefix caching).
+PREFIX_MODEL = dict(prefix_cache=True, tokens=2, tenants=2)
+
+
+def arrival(move: Open, n: int, model: Model, pick: Callable[[int], int]) -> core.Event:
+    """The Arrive of `move` with a prompt of n pages. With a prefix cache it also carries
+    the prompt's tokens and salt, chosen by `pick(k)` (a choice below k), after the length:
+    a model without one asks `pick` nothing more, so its examples draw what they drew."""
+    if not model.prefix_cache:
+        return move.close(n)
+    ones = min(pick(n + 2), n)  # n + 2: a prompt of all 1s (the shared one) twice as likely
+    salt = 1 + pick(model.tenants)
+    return core.Arrive(move.request, n, tokens=(1,) * ones + (2,) * (n - ones), salt=salt)
 
 
 def kind(action: str) -> str:
@@ -111,6 +137,8 @@ def kind(action: str) -> str:
         return "arrival"
     if action == "Finish":
         return "decode"
+    if action in core.PREFIX_CACHE_ACTIONS:
+        return "evict"
     if action in WORKER_CRASHES:
         return "crash"
     return "fault" if action in FAULTS else "protocol"
@@ -145,7 +173,8 @@ class Setup:
 
 
 def draw_setup(data, profile: Profile, bugs: frozenset[str],
-               vocabulary: frozenset[str] = frozenset(VOCABULARY)) -> Setup:
+               vocabulary: frozenset[str] = frozenset(VOCABULARY),
+               prefix_cache: bool = False) -> Setup:
     requests = data.draw(st.integers(*profile.requests), label="requests")
     prefill = data.draw(st.integers(*profile.prefill_pages), label="prefill pages")
     decode = data.draw(st.integers(*profile.decode_pages), label="decode pages")
@@ -155,11 +184,12 @@ def draw_setup(data, profile: Profile, bugs: frozenset[str],
                         label="context pages")
     model = Model(requests=requests, max_prompt_pages=context + 2, context_pages=context,
                   prefill_pages=prefill, decode_pages=decode, bugs=bugs, crashes=True,
-                  decode_crashes=True, name="fuzz")
+                  decode_crashes=True, name="fuzz",
+                  **(PREFIX_MODEL if prefix_cache else {}))
     # Actions the target can never list get no weight (and no draw); nor do the recoveries
-    # from a loss, since these models lose nothing, nor a prefix cache's actions, since they
-    # have none (so every seed draws what it drew before those actions existed).
-    weights = tuple((a, data.draw(st.sampled_from(LEVELS[kind(a)][1]), label=a))
+    # from a loss, since these models lose nothing, nor a prefix cache's actions where the
+    # model has none (so every seed draws what it drew before those actions existed).
+    weights = tuple((a, data.draw(st.sampled_from(_levels(a, model)), label=a))
                     for a in VOCABULARY if a in vocabulary
                     and (model.losses or a not in core.LOSS_RECOVERY_ACTIONS)
                     and (model.prefix_cache or a not in core.PREFIX_CACHE_ACTIONS))
@@ -170,6 +200,18 @@ def draw_setup(data, profile: Profile, bugs: frozenset[str],
     drain = data.draw(st.sampled_from(DRAINS), label="drain")
     seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
     return Setup(model, weights, policy, prompt_pages_max, order, latency, drain, seed)
+
+
+def _levels(action: str, model: Model) -> tuple[str, ...]:
+    """The levels an action's weight is drawn from. With a prefix cache arrivals are mostly
+    rare: a hit needs a request that arrives after an earlier one with its prefix was
+    accepted (its pages sealed), and requests that all arrive at once reserve before any."""
+    if model.prefix_cache and action == "Arrive":
+        return PREFIX_ARRIVALS
+    return LEVELS[kind(action)][1]
+
+
+PREFIX_ARRIVALS = ("rare", "rare", "normal")
 
 
 def allocate(move: Open, policy: str, rng: random.Random | None) -> tuple[int, ...]:
@@ -223,6 +265,7 @@ class FuzzMachine(RuleBasedStateMachine):
     bugs: frozenset[str]
     checks: Checks
     recorder: Recorder
+    prefix_cache: bool = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -235,7 +278,8 @@ class FuzzMachine(RuleBasedStateMachine):
 
     @initialize(data=st.data())
     def configure(self, data) -> None:
-        self.setup = draw_setup(data, self.profile, self.bugs, self.target.vocabulary)
+        self.setup = draw_setup(data, self.profile, self.bugs, self.target.vocabulary,
+                                self.prefix_cache)
         self.weight = self.setup.weight_table()
         self._guarded(self.target.reset, self.setup.model, seed=self.setup.seed)
         self._check()
@@ -304,7 +348,8 @@ class FuzzMachine(RuleBasedStateMachine):
             return move.close(move.options[digits.below(len(move.options))])
         if move.action == "Arrive":
             allowed = [n for n in move.options if n <= self.setup.prompt_pages_max]
-            return move.close((allowed or move.options)[digits.below(len(allowed) or 1)])
+            n = (allowed or move.options)[digits.below(len(allowed) or 1)]
+            return arrival(move, n, self.setup.model, digits.below)
         rng = random.Random(digits.value) if self.setup.policy == "random" else None
         return move.close(allocate(move, self.setup.policy, rng))
 
@@ -336,9 +381,10 @@ class FuzzMachine(RuleBasedStateMachine):
                 moves = enabled[action]
                 move = self._pick(moves, lambda: rng.randrange(len(moves)))
             if isinstance(move, Open):
-                move = move.close(rng.randint(1, self.setup.prompt_pages_max)
-                                  if move.action == "Arrive" else
-                                  allocate(move, self.setup.policy, rng))
+                move = (arrival(move, rng.randint(1, self.setup.prompt_pages_max),
+                                self.setup.model, rng.randrange)
+                        if move.action == "Arrive" else
+                        move.close(allocate(move, self.setup.policy, rng)))
             self._guarded(target.step, move, move=move)
             self.drained.add(len(target.trace()) - 1)
             self.recorder.drain_steps += 1
@@ -407,8 +453,11 @@ def _weighted(digits: Digits, offered: list[tuple[str, int]]) -> str:
 
 
 def make_machine(target_factory: Callable[[], Target], profile: Profile,
-                 bugs: frozenset[str], checks: Checks, recorder: Recorder) -> type:
-    """A machine class for one campaign: the vocabulary's rules over one target."""
+                 bugs: frozenset[str], checks: Checks, recorder: Recorder,
+                 prefix_cache: bool = False) -> type:
+    """A machine class for one campaign: the vocabulary's rules over one target (with
+    prefix_cache, on models with a prefix cache)."""
     namespace = dict(target_factory=staticmethod(target_factory), profile=profile,
-                     bugs=frozenset(bugs), checks=checks, recorder=recorder)
+                     bugs=frozenset(bugs), checks=checks, recorder=recorder,
+                     prefix_cache=prefix_cache)
     return type(f"Fuzz_{getattr(target_factory, 'name', 'target')}", (FuzzMachine,), namespace)

@@ -9,9 +9,12 @@ Three layers, each blind to the others' mistakes:
   total; and every write in flight goes into a page its request owns;
 - the leak oracle, on canaries: a writer leaves its identity in every page it writes (the
   core's page `data` is the writer's request id), so whatever decode read can be traced to
-  who wrote it. A request whose client got Ok must have read only its own pages, and so must
-  a request that is decoding for a waiting client, at every moment its reads would pass the
-  tag check (a real decode reads at every token; a read the tag check refuses ends the
+  who wrote it. With a prefix cache pages are shared, so the oracle judges content instead:
+  each page read must hold the identity the request's own tokens and salt imply (the
+  spec's TrueIdent, computed from what the client sent, not from the cache's keys). A
+  request whose client got Ok must have read only its own pages, and so must a request
+  that is decoding for a waiting client, at every moment its reads would pass the tag
+  check (a real decode reads at every token; a read the tag check refuses ends the
   request with a clear error instead). This does not look at the core's LEAKED flag: if
   the core's own accounting of a leak were wrong, this would still see the leak.
 
@@ -78,18 +81,40 @@ def page_conservation(m: Model, obs: Observation) -> list[str]:
 def leak_oracle(m: Model, obs: Observation) -> list[str]:
     problems = []
     for r, outcome in enumerate(obs.outcomes):
+        own = obs.expected.get(r)
         if outcome == "Ok":
             reads = obs.reads.get(r)
             if reads is None:
                 problems.append(f"{_name(m, r)} got Ok, but decode never read its pages")
-            elif _foreign(r, reads):
+            elif _wrong(r, reads, own):
                 problems.append(f"{_name(m, r)} got Ok, but decode read {len(reads)} pages of "
-                                f"which {_foreign(r, reads, m)}")
-        elif outcome == "Waiting" and _foreign(r, obs.decoding.get(r, ())):
+                                f"which {_wrong(r, reads, own, m)}")
+        elif outcome == "Waiting" and _wrong(r, obs.decoding.get(r, ()), own):
             reads = obs.decoding[r]
             problems.append(f"{_name(m, r)} is decoding, and its next read passes the tag "
-                            f"check on {len(reads)} pages of which {_foreign(r, reads, m)}")
+                            f"check on {len(reads)} pages of which {_wrong(r, reads, own, m)}")
     return problems
+
+
+def _wrong(r: int, reads: tuple, own: tuple | None, m: Model | None = None):
+    """_foreign, or with a prefix cache (`own`: the identity each page must hold) how many
+    pages hold another prompt's or tenant's KV (with m, as words; else a count)."""
+    if own is None:
+        return _foreign(r, reads, m)
+    bad = [(i, got) for i, got in enumerate(reads) if i >= len(own) or got != own[i]]
+    if m is None:
+        return len(bad)
+    shown = "; ".join(f"page {i + 1} holds {_ident(got)}, not {_ident(own[i])}"
+                      if i < len(own) else f"page {i + 1} is beyond the prompt"
+                      for i, got in bad[:3])
+    return f"{len(bad)} hold other KV ({shown})"
+
+
+def _ident(ident: tuple) -> str:
+    if not ident:
+        return "nothing ever written"
+    salt, tokens = ident
+    return f"salt {salt}, tokens {''.join(map(str, tokens))}"
 
 
 def _foreign(r: int, writers: tuple[int, ...], m: Model | None = None):

@@ -47,6 +47,7 @@ class Campaign:
     seconds: float | None = None      # the budget in seconds (batches of `examples`)
     shrink_seconds: float = 20.0      # Hypothesis shrinking; 0: no shrinking
     minimize_seconds: float = 10.0    # cutting the shrunk sequence down
+    prefix_cache: bool = False        # models with a decode-side prefix cache (issue 27)
 
     def __post_init__(self) -> None:
         assert self.target in TARGETS, f"unknown target {self.target}"
@@ -59,8 +60,9 @@ class Campaign:
                   else f"{self.examples} examples")
         bugs = ", ".join(sorted(self.bugs)) or "none"
         props = ", ".join(self.properties) if self.properties else "all"
+        cache = "; prefix cache" if self.prefix_cache else ""
         return (f"target {self.target}, seed {self.seed}, {budget}, then "
-                f"{self.shrink_budget()}; profile {self.profile.name}; bugs: {bugs}; "
+                f"{self.shrink_budget()}; profile {self.profile.name}{cache}; bugs: {bugs}; "
                 f"properties: {props}")
 
     def shrink_budget(self) -> str:
@@ -174,7 +176,8 @@ def run_campaign(c: Campaign, progress: Callable[[str], None] | None = None) -> 
 
 def _run_batch(c: Campaign, batch_seed: int, recorder: Recorder) -> FuzzFailure | None:
     checks = Checks.for_properties(c.properties)
-    machine = make_machine(TARGETS[c.target], c.profile, c.bugs, checks, recorder)
+    machine = make_machine(TARGETS[c.target], c.profile, c.bugs, checks, recorder,
+                           c.prefix_cache)
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if c.shrink_seconds else [])
     options = settings(max_examples=c.examples, database=None, deadline=None,
                        stateful_step_count=c.profile.steps_max, phases=phases,
@@ -203,8 +206,9 @@ def reproduce_command(c: Campaign, outcome: Outcome) -> str:
     properties = "".join(f" --property {p}" for p in c.properties or ())
     seed = outcome.batch_seed if outcome.batch_seed is not None else c.seed
     examples = outcome.batch_examples or c.examples
+    cache = " --prefix-cache" if c.prefix_cache else ""
     return (f"kvproof fuzz --target {c.target} --seed {seed} --examples "
-            f"{examples} --profile {c.profile.name}{bugs}{properties}")
+            f"{examples} --profile {c.profile.name}{cache}{bugs}{properties}")
 
 
 def format_failure(c: Campaign, outcome: Outcome) -> str:

@@ -54,7 +54,8 @@ from sim.run import Simulation
 from sim.scenario import Scenario
 
 from fuzz.target import (AtWorker, Delay, MidStep, Observation, Open, PoolView, Target,
-                         TargetRefused, Violation, Wait, decoding_reads, listed, register)
+                         TargetRefused, Violation, Wait, decoding_reads, expected_reads, listed,
+                         owned_pages, read_field, register)
 
 PAGE_TOKENS = 16
 # SimPy steps one Wait may take before it must have committed a protocol event: the
@@ -133,8 +134,10 @@ def scenario_for(model: Model, seed: int) -> tuple[Scenario, Model, dict]:
 
 @register("sim")
 class SimTarget(Target):
+    # Evict: with a prefix cache, the fuzzer may make decode forget any idle cached page
+    # now (the simulator's own LRU evicts under pool pressure besides).
     vocabulary = frozenset({"Arrive", "Abort", "PrefillFail", "Timeout", "PrefillCrash",
-                            "DecodeCrash", "Wait", "Delay"})
+                            "DecodeCrash", "Wait", "Delay", "Evict"})
 
     def reset(self, model: Model, seed: int) -> None:
         self.model = model
@@ -209,6 +212,8 @@ class SimTarget(Target):
                 moves.setdefault("PrefillCrash", []).append(AtWorker(core.PrefillCrash(), p))
         if type(self.cluster.decide_crash("decode", 0)) is not core.Refusal:
             moves["DecodeCrash"] = [AtWorker(core.DecodeCrash(), 0)]
+        if m.prefix_cache and self.cluster.idle_cached(0):
+            moves["Evict"] = [core.Evict(0, p) for p in self.cluster.idle_cached(0)]
         if sim.env.peek() != float("inf"):
             moves["Wait"] = [Wait()]
         return moves
@@ -254,7 +259,12 @@ class SimTarget(Target):
         if cls is Wait:
             self._wait()
         elif cls is core.Arrive:
-            sim.new_request(prompt_pages=event.prompt_pages)
+            sim.new_request(prompt_pages=event.prompt_pages, tokens=event.tokens,
+                            salt=event.salt)
+        elif cls is core.Evict:
+            if not sim.evict(event.worker, event.page):
+                raise TargetRefused(f"the core refused {event.label(self.model)}, listed")
+            sim.decodes[event.worker].kick_waiting()  # a page came free
         elif cls is Delay:
             sim.hold(event.request, event.stall / 1000)
         elif cls is MidStep:
@@ -333,7 +343,8 @@ class SimTarget(Target):
         if type(event) is core.Finish:
             r = event.request
             row, pool = self.cluster.rows[r], self.cluster.decode_pools[0]
-            self._reads[r] = tuple(pool[page][DATA] for page, _ in row[TABLE])
+            read = read_field(self.model)
+            self._reads[r] = tuple(pool[page][read] for page, _ in row[TABLE])
 
     def _note(self, what: str) -> None:
         self._story.append(f"{self.sim.env.now * 1000:9.3f} ms  {what}")
@@ -379,8 +390,8 @@ class SimTarget(Target):
         decode = PoolView(
             "decode", tuple(core.NONE if p in decode_free else page[OWNER]
                             for p, page in enumerate(c.decode_pools[0])),
-            tuple(tuple(p for p, _ in row[TABLE]) if holds_decode_pages(row) else ()
-                  for row in rows))
+            tuple(owned_pages(row, c.decode_pools[0], r) if holds_decode_pages(row) else ()
+                  for r, row in enumerate(rows)))
         prefill = PoolView(
             "prefill", tuple(core.NONE if p in prefill_free else page[0] for p, page in
                              enumerate(page for pool in c.prefill_pools for page in pool)),
@@ -388,7 +399,9 @@ class SimTarget(Target):
         return Observation(
             pools=(prefill, decode), writes=tuple((w[0], w[2]) for w in c.writes_into[0]),
             outcomes=tuple(CLIENT_NAMES[row[core.CLIENT]] for row in rows),
-            reads=dict(self._reads), decoding=decoding_reads(rows, c.decode_pools[0]))
+            reads=dict(self._reads),
+            decoding=decoding_reads(rows, c.decode_pools[0], self.model),
+            expected=expected_reads(self.model, rows))
 
     def check(self) -> list[Violation]:
         """The simulator's own runtime oracles (spec/store.py), which watch every commit;

@@ -158,19 +158,47 @@ class Observation:
     # is what its next read returns. A real decode reads at every token between taking the
     # KV and answering, so any of those moments is a read.
     decoding: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    # With a prefix cache, pages are shared, so `reads` and `decoding` hold the content
+    # identity of each page read rather than its writer, and this holds, per request, the
+    # identity each of its pages must have: (its salt, its tokens up to the page), the
+    # spec's TrueIdent, from what the client sent. Empty without a prefix cache: there a
+    # request must read only what it wrote itself.
+    expected: Mapping[int, tuple] = field(default_factory=dict)
 
 
+def read_field(m) -> int:
+    """What a read of a decode page returns to the oracle: the content identity of its KV
+    with a prefix cache (a shared page was written by whoever first computed that prefix),
+    else its writer's canary."""
+    return core.KV if m is not None and m.prefix_cache else core.DATA
 
 
-def decoding_reads(rows, decode_pool) -> dict[int, tuple[int, ...]]:
-    """Per request decoding now, the writer of each page its next read returns, when every
-    page's tag matches the generation decode reserved it at (else the read fails the
-    request, as core.finish does, and returns nothing)."""
-    found = {}
+def owned_pages(row, decode_pool, r: int) -> tuple[int, ...]:
+    """The pages of r's table that r holds as their owner: all of them, but those it reads
+    from the prefix cache (shared, owned by nobody, r among their readers)."""
+    return tuple(p for p, _ in row[core.TABLE] if r not in decode_pool[p][core.READERS])
+
+
+def expected_reads(m, rows) -> dict[int, tuple]:
+    """Per request that arrived with tokens, the identity of each of its pages
+    (core.true_ident, the spec's definition: its salt and its tokens up to the page); empty
+    without a prefix cache."""
+    if m is None or not m.prefix_cache:
+        return {}
+    return {r: tuple(core.true_ident(row, i) for i in range(1, len(row[core.TOKENS]) + 1))
+            for r, row in enumerate(rows) if row[core.TOKENS]}
+
+
+def decoding_reads(rows, decode_pool, m=None) -> dict[int, tuple]:
+    """Per request decoding now, what its next read returns page by page (read_field: the
+    writer, or with a prefix cache the content identity), when every page's tag matches the
+    generation decode reserved it at (else the read fails the request, as core.finish
+    does, and returns nothing)."""
+    found, read = {}, read_field(m)
     for r, row in enumerate(rows):
         if row[core.DST] == core.DECODING and all(
                 decode_pool[p][core.TAG] == gen for p, gen in row[core.TABLE]):
-            found[r] = tuple(decode_pool[p][core.DATA] for p, _ in row[core.TABLE])
+            found[r] = tuple(decode_pool[p][read] for p, _ in row[core.TABLE])
     return found
 
 

@@ -21,11 +21,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from spec import codec, core
-from spec.core import CLIENT, OK, PST, RUNNING, Change, Refusal
+from spec.core import CLIENT, HIT, OK, PROMPT, PST, RUNNING, Change, Refusal
 from spec.model import Model, ProtocolConfig
 from spec.store import Store
 from sim.metrics import Metrics
 from sim.scenario import Scenario, ScenarioError, scenario_from_dict
+from sim.workload import TOKENS_MAX
 
 LOG_FORMAT = "kvproof-sim-log/2"  # /2: events in spec/codec.py's records
 FIRST_TOKEN = "FirstToken"
@@ -44,11 +45,24 @@ def model_for(scenario: Scenario) -> Model:
     c = scenario.cluster
     protocol = ProtocolConfig(context_pages=c.context_pages, prefill_pages=c.prefill_pages,
                               decode_pages=c.decode_pages, bugs=frozenset(scenario.bugs))
-    shell = Model.for_shell(protocol, -(-scenario.workload.prompt.max_tokens // c.page_tokens),
-                            name=scenario.name,
+    shell = Model.for_shell(protocol, prompt_pages_max(scenario), name=scenario.name,
                             crashes=scenario.faults.prefill_crash_rate_per_s > 0,
                             decode_crashes=scenario.faults.decode_crash_rate_per_s > 0)
-    return replace(shell, losses=losses_of(scenario.faults))
+    cache = (dict(prefix_cache=True, tokens=TOKENS_MAX, tenants=scenario.prefix.tenants)
+             if scenario.prefix.cache else {})
+    return replace(shell, losses=losses_of(scenario.faults), **cache)
+
+
+def prompt_pages_max(scenario: Scenario) -> int:
+    """The longest prompt the scenario's clients send: the workload's longest, and with a
+    prefix shape that as a prompt's own part after the shared one (sim/workload.py; a
+    session grows up to the context, then starts over)."""
+    c, prefix = scenario.cluster, scenario.prefix
+    own = -(-scenario.workload.prompt.max_tokens // c.page_tokens)
+    if prefix.shape == "none":
+        return own
+    longest = own + -(-prefix.shared_tokens // c.page_tokens)
+    return max(longest, c.context_pages) if prefix.shape == "sessions" else longest
 
 
 def losses_of(faults) -> frozenset[str]:
@@ -101,6 +115,8 @@ class Folder:
         if action == "DecodeCrash":
             return self._crash(t, self.cluster.crash_decode, record["d"])
         event = event_of(record)
+        if type(event) is core.Evict:
+            return self.evict(t, event)
         if action == "Arrive":
             return self.arrive(t, event, record["p"], record["d"], record["out"])
         r = event.request
@@ -126,6 +142,14 @@ class Folder:
         self.accept(t, r, out, event)
         return out
 
+    def evict(self, t: float, event: core.Evict) -> Change | Refusal:
+        """The prefix cache forgets a page (a record's, or the live decode's LRU pick)."""
+        out = self.cluster.evict(event.worker, event.page)
+        if type(out) is not Refusal:
+            self.events += 1
+            self.metrics.evicted_pages += 1
+        return out
+
     def accept(self, t: float, r: int, change: Change, event: core.Event) -> None:
         """Commit a change the core decided for request r, and fold it into the metrics:
         the one path by which a live run and a replay change anything."""
@@ -142,6 +166,11 @@ class Folder:
         new = cluster.rows[r]
         if change.landed:
             m.pages_written += len(change.landed)
+        kind = type(event)
+        if kind is core.Reserve:
+            m.reserved(new[PROMPT], new[HIT])
+        elif kind is core.Admit:
+            m.admitted(new[PROMPT], core.pages_to_compute(self.model, new))
         if cluster.moved_decode:  # an owner changed (a landing write changes no count)
             d = self.last_placement[1]
             m.decode_pages_changed(t, cluster.decode_pages_used, d, cluster.decode_used(d))
@@ -175,6 +204,8 @@ def write_header(out, scenario: Scenario) -> None:
     dump = scenario.model_dump(mode="json")
     if not scenario.hybrid.enabled:
         del dump["hybrid"]  # a fully simulated run's header as before hybrid runs existed
+    if scenario.prefix.shape == "none":
+        del dump["prefix"]  # and before prompts had tokens
     header = {"format": LOG_FORMAT, "seed": scenario.seed, "scenario": dump}
     out.write(json.dumps(header, sort_keys=True, separators=(",", ":")) + "\n")
 

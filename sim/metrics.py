@@ -67,6 +67,16 @@ class Metrics:
     fitting_outcomes: dict = field(default_factory=dict)  # their answers, name -> count
     leaks_over_time: list = field(default_factory=list)   # (t, request), as errors are
     request_rows: dict = field(default_factory=dict)      # request -> row, first ones only
+    # Prefix caching (issue 27): at each Reserve, the prompt's pages and how many decode
+    # held cached (its hit); at each Admit, the prompt's pages and how many the prefill
+    # computes (core.pages_to_compute: all of them until the prefill has a cache of its
+    # own); pages the cache evicted. Zero hits without a cache.
+    reserved_prompt_pages: int = 0
+    hit_pages: int = 0
+    full_hits: int = 0
+    admitted_prompt_pages: int = 0
+    computed_pages: int = 0
+    evicted_pages: int = 0
 
     def arrive(self, t: float, r: int, prompt_pages: int, output_tokens: int) -> None:
         self.arrived += 1
@@ -82,6 +92,15 @@ class Metrics:
                 "request": r, "arrival_s": t, "prompt_pages": prompt_pages,
                 "output_tokens": output_tokens, "over_pool": r in self.over_pool,
                 "ttft_s": None, "e2e_s": None, "tpot_s": None, "answer": None, "leaked": False}
+
+    def reserved(self, prompt_pages: int, hit_pages: int) -> None:
+        self.reserved_prompt_pages += prompt_pages
+        self.hit_pages += hit_pages
+        self.full_hits += hit_pages == prompt_pages
+
+    def admitted(self, prompt_pages: int, computed_pages: int) -> None:
+        self.admitted_prompt_pages += prompt_pages
+        self.computed_pages += computed_pages
 
     def first_token(self, t: float, r: int) -> None:
         self.first_token_s[r] = t

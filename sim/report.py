@@ -79,6 +79,8 @@ def summary_table(result: dict) -> str:
     for k, (kind, hit) in enumerate(sorted(result.get("fault_hits", {}).items())):
         lines.append(f"{'fault hits' if k == 0 else '':<17}{kind}: {hit['hits']:,} of "
                      f"{hit['fired']:,} fired {hit['target']}")
+    if "prefix" in result:
+        lines.append(prefix_line(result["prefix"]))
     if "slo" in result:
         after_latencies = next(k for k, line in enumerate(lines) if line.startswith("end-to-end"))
         lines.insert(after_latencies + 1, _slo_line(result["slo"]))
@@ -178,3 +180,111 @@ def write_plots(directory: str | Path, metrics: Metrics, result: dict) -> list[P
     ax.set(xlabel="simulated time (s)", ylabel="answers so far")
     save(fig, ax, "errors_over_time.png", "errors and leaked responses", not (by_kind or leaks))
     return paths
+
+
+# -- prefix caching (issue 27) ---------------------------------------------------------------
+
+def prefix_summary(metrics: Metrics, scenario) -> dict:
+    """How much the prefix cache saved in one run. The hit rate is the decode-side hit: of
+    the prompt pages decode reserved for, how many it held cached. Transfer pages saved are
+    the hits (the prefill sends only the rest, core.to_send); compute pages saved are the
+    admitted prompt pages the prefill did not compute (core.pages_to_compute: none while
+    only decode caches)."""
+    m = metrics
+    return {"shape": scenario.prefix.shape, "cache": scenario.prefix.cache,
+            "tenants": scenario.prefix.tenants,
+            "prompt_pages": m.reserved_prompt_pages, "hit_pages": m.hit_pages,
+            "hit_rate": m.hit_pages / m.reserved_prompt_pages if m.reserved_prompt_pages else 0.0,
+            "full_hits": m.full_hits, "pages_sent": m.pages_written,
+            "transfer_pages_saved": m.hit_pages,
+            "admitted_prompt_pages": m.admitted_prompt_pages, "pages_computed": m.computed_pages,
+            "compute_pages_saved": m.admitted_prompt_pages - m.computed_pages,
+            "pages_evicted": m.evicted_pages}
+
+
+def prefix_line(p: dict) -> str:
+    if not p["cache"]:
+        return f"prefix cache     off ({p['shape']} prompts): every page sent and computed"
+    return (f"prefix cache     hit rate {p['hit_rate']:.1%} ({p['hit_pages']:,} of "
+            f"{p['prompt_pages']:,} prompt pages, {p['full_hits']:,} full hits); "
+            f"{p['pages_evicted']:,} pages evicted")
+
+
+def compare_prefix_cache(on: dict, off: dict) -> dict:
+    """The same workload (seed, arrivals, prompts) with decode's prefix cache on and off:
+    what the cache saved, in pages and in time to first token."""
+    def ttft(result: dict) -> dict:
+        q = result["summary"]["ttft_s"]
+        return {"p50": q["p50"], "p99": q["p99"], "count": q["count"]}
+    p_on, p_off = on["prefix"], off["prefix"]
+    return {"scenario": on["scenario"], "seed": on["seed"], "shape": p_on["shape"],
+            "hit_rate": p_on["hit_rate"], "hit_pages": p_on["hit_pages"],
+            "prompt_pages": p_on["prompt_pages"], "full_hits": p_on["full_hits"],
+            "pages_sent": {"on": p_on["pages_sent"], "off": p_off["pages_sent"]},
+            "pages_computed": {"on": p_on["pages_computed"], "off": p_off["pages_computed"]},
+            "transfer_pages_saved": p_off["pages_sent"] - p_on["pages_sent"],
+            "compute_pages_saved": p_off["pages_computed"] - p_on["pages_computed"],
+            "pages_evicted": p_on["pages_evicted"],
+            "ttft_s": {"on": ttft(on), "off": ttft(off)},
+            "answers": {"on": on["summary"]["outcomes"], "off": off["summary"]["outcomes"]}}
+
+
+def prefix_comparison_table(c: dict) -> str:
+    """The comparison, and where the TTFT gain comes from: pages not sent (decode's cache)
+    and pages not computed (a prefill-side cache; zero while only decode caches)."""
+    sent, computed, t_on, t_off = c["pages_sent"], c["pages_computed"], *c["ttft_s"].values()
+
+    def saved(off: int, on: int) -> str:
+        return f"saved {off - on:,} ({(off - on) / off:.1%})" if off else "saved 0"
+    source = []
+    if c["transfer_pages_saved"]:
+        source.append(f"{c['transfer_pages_saved']:,} transfer pages not sent")
+    if c["compute_pages_saved"]:
+        source.append(f"{c['compute_pages_saved']:,} prompt pages not computed")
+    if not c["compute_pages_saved"]:
+        source.append("no compute saved: only decode caches, the prefill computes every "
+                      "prompt page (core.pages_to_compute)")
+    return "\n".join([
+        f"prefix cache on vs off: scenario {c['scenario']} ({c['shape']}), seed {c['seed']}, "
+        "same arrivals and prompts",
+        f"{'':<18}{'on':>14}{'off':>14}",
+        f"{'TTFT p50 (ms)':<18}{_ms(t_on['p50']):>14}{_ms(t_off['p50']):>14}",
+        f"{'TTFT p99 (ms)':<18}{_ms(t_on['p99']):>14}{_ms(t_off['p99']):>14}",
+        f"{'pages sent':<18}{sent['on']:>14,}{sent['off']:>14,}   {saved(sent['off'], sent['on'])}",
+        f"{'pages computed':<18}{computed['on']:>14,}{computed['off']:>14,}   "
+        f"{saved(computed['off'], computed['on'])}",
+        f"hit rate          {c['hit_rate']:.1%} ({c['hit_pages']:,} of {c['prompt_pages']:,} "
+        f"prompt pages hit at decode, {c['full_hits']:,} full hits, "
+        f"{c['pages_evicted']:,} pages evicted)",
+        "the TTFT gain comes from: " + "; ".join(source)])
+
+
+def write_prefix_plot(directory: str | Path, on: Metrics, off: Metrics, c: dict) -> Path:
+    """TTFT CDFs with the cache on and off, and the pages sent and computed in each."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    fig, (cdf, bars) = plt.subplots(1, 2, figsize=(10, 4))
+    for metrics, label in ((on, "cache on"), (off, "cache off")):
+        ttft_ms = sorted(v * 1000 for v in metrics.ttft_s)
+        cdf.plot(ttft_ms, [(k + 1) / len(ttft_ms) for k in range(len(ttft_ms))], label=label)
+    cdf.set(xlabel="time to first token (ms)", ylabel="fraction of requests")
+    cdf.legend(fontsize=8)
+    kinds = ("pages sent", "pages computed")
+    values = {"cache on": (c["pages_sent"]["on"], c["pages_computed"]["on"]),
+              "cache off": (c["pages_sent"]["off"], c["pages_computed"]["off"])}
+    for k, (label, heights) in enumerate(values.items()):
+        bars.bar([x + 0.4 * k for x in range(len(kinds))], heights, width=0.4, label=label)
+    bars.set_xticks([x + 0.2 for x in range(len(kinds))], kinds)
+    bars.set(ylabel="pages")
+    bars.legend(fontsize=8)
+    fig.suptitle(f"prefix cache on vs off: {c['scenario']} ({c['shape']}), seed {c['seed']}; "
+                 f"hit rate {c['hit_rate']:.1%}", fontsize=9)
+    fig.tight_layout()
+    path = out / "prefix_cache.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

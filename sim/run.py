@@ -63,7 +63,9 @@ from sim.compute import compute_model
 from sim.link import SimLink
 from sim.schedule import Scheduler
 from sim.workers import SimDecode, SimPrefill
-from sim.workload import TraceRequest, load_workload  # noqa: F401  (TraceRequest: a type)
+from sim.report import prefix_summary
+from sim.workload import PromptMaker, TraceRequest, load_workload  # noqa: F401  (a type)
+from spec.codec import encode as encode_event
 
 
 class StopSimulation(Exception):
@@ -91,7 +93,8 @@ class Simulation(ShellRuntime):
         self.progress = progress
         seed = scenario.seed
         self.rng = {k: random.Random(f"{seed}:{k}") for k in
-                    ("arrivals", "lengths", "faults", "links", "crashes", "reactions")}
+                    ("arrivals", "lengths", "faults", "links", "crashes", "reactions",
+                     "prompts")}
         c = scenario.cluster
         self.page_tokens = c.page_tokens
         self.compute = compute_model(scenario)  # sim/compute.py
@@ -124,6 +127,11 @@ class Simulation(ShellRuntime):
                       if scenario.workload.arrival == "trace" else None)
         self.requests_total = (min(scenario.requests, len(self.trace.requests))
                                if self.trace is not None else scenario.requests)
+        # Prompts' tokens and salts (sim/workload.py), drawn whatever the cache: the core
+        # sees them only when the model has a prefix cache.
+        self.prompts = (PromptMaker(scenario.prefix, c.page_tokens, c.context_pages,
+                                    self.rng["prompts"])
+                        if scenario.prefix.shape != "none" else None)
         self.wall_start = time.perf_counter()
         self.next_progress = self.wall_start + 2.0
         # _checked has work when a violation is new, or at a multiple of these events (the
@@ -211,7 +219,26 @@ class Simulation(ShellRuntime):
         return bool(self.offer(cls.__name__, r))
 
     def _arrive(self, r: int, args: dict) -> core.Change | None:
-        return self.take_arrival(core.Arrive(r, args["prompt_pages"]), args["p"], args["d"])
+        event = core.Arrive(r, args["prompt_pages"], tokens=args.get("tokens", ()),
+                            salt=args.get("salt", 0))
+        return self.take_arrival(event, args["p"], args["d"])
+
+    def evict(self, d: int, page: int) -> bool:
+        """Decode worker d's prefix cache forgets `page` (its LRU pick under pool
+        pressure), if the core allows it: logged and checked like a crash, a worker's
+        event with no request."""
+        event = core.Evict(d, page)
+        record = {"t": self.env.now, **encode_event(event)}
+        out = self.folder.apply(record)
+        if type(out) is Refusal:
+            self.refused(out)
+            return False
+        if self.log is not None:
+            self.log.write(encode(record) + "\n")
+        if self.on_commit is not None:
+            self.on_commit(event, out)
+        self._checked()
+        return True
 
     def checked(self) -> None:
         """The oracles after a commit: at once when a violation is new, and the sweep and
@@ -459,9 +486,12 @@ class Simulation(ShellRuntime):
         return p, d
 
     def new_request(self, prompt_pages: int | None = None,
-                    traced: "TraceRequest | None" = None) -> simpy.Event | None:
+                    traced: "TraceRequest | None" = None, tokens: tuple = (),
+                    salt: int = 0) -> simpy.Event | None:
         """The next client request, now; its prompt drawn from the workload, or
-        `prompt_pages` long (the fuzzer's choice), or as a trace file's row says."""
+        `prompt_pages` long (the fuzzer's choice, with its tokens and salt on a prefix
+        cache), or as a trace file's row says. With a prefix shape the workload's prompt
+        length is the prompt's own part, after what it shares (sim/workload.py)."""
         if self.next_request >= self.requests_total:
             return None
         r = self.next_request
@@ -471,8 +501,12 @@ class Simulation(ShellRuntime):
         self.output[r] = output
         answered = self.client.waiter(r)
         pages = -(-prompt // self.page_tokens)
+        if self.prompts is not None and not tokens:
+            tokens, salt = self.prompts.next(pages)
+            pages = len(tokens)
+        content = dict(tokens=tokens, salt=salt) if self.model.prefix_cache else {}
         self.folder.last_placement = (p, d)
-        if not self.offer("Arrive", r, prompt_pages=pages, p=p, d=d, out=output):
+        if not self.offer("Arrive", r, prompt_pages=pages, p=p, d=d, out=output, **content):
             raise AssertionError(f"the core refused the arrival of request {r}")
         self.client.may_abort(r)
         return answered
@@ -548,6 +582,7 @@ def result_of(sc: Scenario, folder: Folder, refusals: dict, stopped: str | None,
         "fault_hits": fault_hits or {},
         "stopped": stopped, "drained": drained, "crash": crashed,
         "unsettled_requests": len(cluster.rows),
+        **({"prefix": prefix_summary(folder.metrics, sc)} if sc.prefix.shape != "none" else {}),
     }
 
 

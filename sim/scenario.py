@@ -97,6 +97,28 @@ class Workload(_Strict):
         return self
 
 
+class Prefix(_Strict):
+    """Shared prefixes in the prompts and decode's prefix cache (issue 27; spec/README.md,
+    Prefix caching). A prompt is a sequence of abstract page tokens with a salt (its
+    tenant): `shape` says how prompts share pages (sim/workload.py, PromptMaker), and the
+    workload's prompt lengths are then the length of each prompt's own part (its question,
+    its new turn). `cache` turns decode's cache on; off, the same prompts arrive at the
+    same moments and every page is sent (what --compare-prefix-cache compares)."""
+    shape: Literal["none", "system-prompt", "sessions", "document"] = "none"
+    cache: bool = False
+    tenants: int = Field(2, ge=1, le=1_000_000)       # salts; requests draw one uniformly
+    shared_tokens: int = Field(4096, ge=1)            # the system prompt, or each document
+    documents: int = Field(4, ge=1, le=1_000_000)     # document: how many, drawn uniformly
+    sessions: int = Field(16, ge=1, le=1_000_000)     # sessions: conversations, drawn uniformly
+
+    @model_validator(mode="after")
+    def _cache_needs_prompts(self) -> "Prefix":
+        if self.cache and self.shape == "none":
+            raise ValueError("prefix.cache needs prompts with tokens: set prefix.shape "
+                             "(system-prompt, sessions or document)")
+        return self
+
+
 class Compute(_Strict):
     prefill_tokens_per_s: float = Field(20000.0, gt=0)
     # A prompt is computed in one stretch of prompt/throughput seconds; each chunk of this
@@ -240,6 +262,7 @@ class Scenario(_Strict):
     faults: Faults = Faults()
     oracles: Oracles = Oracles()
     hybrid: Hybrid = Hybrid()
+    prefix: Prefix = Prefix()
 
     @model_validator(mode="after")
     def _real_workers_exist(self) -> "Scenario":

@@ -47,7 +47,8 @@ def log_to_itf(path: str) -> tuple[Model, dict]:
 def _constants(m: Model) -> dict:
     return {"max_prompt_pages": m.max_prompt_pages, "context_pages": m.context_pages,
             "prefill_pages": m.prefill_pages, "decode_pages": m.decode_pages,
-            "bugs": m.bugs, "crashes": m.crashes, "name": m.name}
+            "bugs": m.bugs, "crashes": m.crashes, "name": m.name,
+            "prefix_cache": m.prefix_cache, "tokens": m.tokens, "tenants": m.tenants}
 
 
 def log_run(path: str) -> Run:

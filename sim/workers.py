@@ -68,7 +68,10 @@ class SimPrefill:
         """Compute: the prompt's KV, for prompt/throughput seconds (prefill fail may strike
         within them)."""
         sim = self.sim
-        pages = len(sim.cluster.rows[r][SRC])
+        row = sim.cluster.rows[r]
+        # With a prefix cache the core says how much of the prompt is computed (a cache of
+        # the prefill's own would skip what it holds); else every page it admitted.
+        pages = core.pages_to_compute(sim.model, row) if sim.model.prefix_cache else len(row[SRC])
         self.busy = True
         compute_s = self.compute_seconds(r, pages)
         f = sim.sc.faults
@@ -326,17 +329,40 @@ class SimDecode:
         while waiting:
             r = waiting[0]
             row = cluster.rows.get(r)
-            need = core.pages_to_reserve(sim.model, row) if row else "settled"
+            need = self._need(r, row) if row else "settled"
             if type(need) is str:
                 waiting.popleft()  # a decode crash tombstoned it while it waited
                 if row is not None:
                     sim.deliver(core.BOOTSTRAP, r)
                 continue
             pages = cluster.allocate("decode", self.index, need)
+            if pages is None and sim.model.prefix_cache and self._evict_for(r, row, need):
+                pages = cluster.allocate("decode", self.index, need)
             if pages is None:
                 return
             waiting.popleft()
             sim.offer("Reserve", r, pages=pages)
+
+    def _need(self, r: int, row: tuple) -> int | str:
+        """Fresh pages r's Reserve takes: with a prefix cache, fewer by what decode holds
+        cached for its prompt (the core looks it up)."""
+        sim = self.sim
+        if not sim.model.prefix_cache:
+            return core.pages_to_reserve(sim.model, row)
+        return core.allocation_need(sim.model, sim.cluster.view(r), core.Reserve, r)
+
+    def _evict_for(self, r: int, row: tuple, need: int) -> bool:
+        """Pool pressure with a prefix cache: evict the least recently released cached
+        pages nobody reads (LRU), but not those r is about to hit, until `need` pages are
+        free; the core decides each Evict. False (nothing evicted) if the idle cache
+        cannot make up the difference: r waits for pages as without a cache."""
+        sim, cluster = self.sim, self.sim.cluster
+        short = need - cluster.free_pages("decode", self.index)
+        hits = set(core.hit_pages(sim.model, cluster.view(r), row))
+        victims = [p for p in cluster.idle_cached(self.index) if p not in hits][:short]
+        if len(victims) < short:
+            return False
+        return all([sim.evict(self.index, page) for page in victims])
 
     def restart(self, restart_s: float) -> None:
         """The restarted decode's queues are empty; messages reach it once it is back."""

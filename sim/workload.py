@@ -128,3 +128,59 @@ def load_workload(path: str | Path) -> TraceWorkload:
     if not requests:
         raise ScenarioError(f"{path}: no requests")
     return TraceWorkload(str(path), tuple(requests))
+
+
+# ---------------------------------------------------------------------------------------
+# Prompts with shared prefixes (issue 27): the tokens and salt of each prompt.
+#
+# A prompt is one abstract token per page (spec/core.py, Prefix caching): a page's content
+# identity is its salt and the tokens up to it, so two prompts share the KV of their first
+# k pages exactly when they have the same salt and the same first k tokens. Shared parts
+# use small tokens (the system prompt is token 1 on every page, document j is token j + 1),
+# and every page of a prompt's own part (a question, a new turn) gets a fresh token from a
+# counter, so no two requests share it by chance.
+
+FRESH_TOKENS_FROM = 1 << 20  # below: shared parts' tokens; from here: a prompt's own pages
+TOKENS_MAX = 1 << 62         # the core's Tokens bound for a simulated prefix cache
+
+
+class PromptMaker:
+    """Draws each request's tokens and salt for a scenario's prefix shape, from its own
+    random stream (so the arrivals and lengths are the same with the cache on or off):
+
+    - system-prompt: a fleet-wide system prompt of `shared_tokens`, then the request's own
+      part; the tenant (salt) is drawn per request, so each tenant caches its own copy;
+    - document: one of `documents` shared documents of `shared_tokens` each, then a
+      question (the request's own part);
+    - sessions: one of `sessions` conversations, each with its tenant; a turn's prompt is
+      the session's previous prompt plus the new part (the previous answer and the next
+      message), so every turn extends the last; a session whose next prompt would exceed
+      the context starts over with the system prompt.
+    """
+
+    def __init__(self, prefix, page_tokens: int, context_pages: int, rng) -> None:
+        self.prefix, self.rng = prefix, rng
+        self.shared_pages = -(-prefix.shared_tokens // page_tokens)
+        self.context_pages = context_pages
+        self.fresh = FRESH_TOKENS_FROM
+        self.history: dict[int, tuple] = {}  # session -> its last prompt's tokens
+
+    def next(self, own_pages: int) -> tuple[tuple[int, ...], int]:
+        """(tokens, salt) of the next request, whose own part is `own_pages` pages."""
+        shape, rng = self.prefix.shape, self.rng
+        if shape == "sessions":
+            session = rng.randrange(self.prefix.sessions)
+            salt = 1 + session % self.prefix.tenants
+            before = self.history.get(session) or (1,) * self.shared_pages
+            if len(before) + own_pages > self.context_pages:
+                before = (1,) * self.shared_pages
+            tokens = before + self._own(own_pages)
+            self.history[session] = tokens
+            return tokens, salt
+        salt = 1 + rng.randrange(self.prefix.tenants)
+        shared = 1 if shape == "system-prompt" else 2 + rng.randrange(self.prefix.documents)
+        return (shared,) * self.shared_pages + self._own(own_pages), salt
+
+    def _own(self, pages: int) -> tuple[int, ...]:
+        start, self.fresh = self.fresh, self.fresh + pages
+        return tuple(range(start, start + pages))

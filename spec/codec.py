@@ -21,7 +21,7 @@ from spec import core
 ACTION_KEY = "a"
 _TYPES = {"request": int, "prompt_pages": int, "page": int, "pages": tuple,
           "checksums_ok": bool, "tags_ok": bool, "prefill_worker": int, "decode_worker": int,
-          "worker": int}
+          "worker": int, "tokens": tuple, "salt": int}
 
 
 class CodecError(ValueError):
@@ -60,8 +60,8 @@ def _field(cls: type, name: str, value):
     want = _TYPES.get(name)
     if want is tuple:
         if not isinstance(value, list) or not all(_is_int(v) for v in value):
-            raise CodecError(f"{cls.__name__}.{name} must be a list of page numbers, "
-                             f"got {value!r}")
+            raise CodecError(f"{cls.__name__}.{name} must be a list of integers (page "
+                             f"numbers, tokens), got {value!r}")
         return tuple(value)
     if want is bool:
         if type(value) is not bool:

@@ -27,9 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from spec import core
-from spec.core import (CLIENT, CLIENT_NAMES, DATA, DECODE_NAMES, DECODING, DST, GEN, LEAKED,
-                       NONE, OK, OWNER, PROMPT, PST, PTABLE, RUNNING, SRC, TABLE, TAG, Change, Refusal,
-                       State)
+from spec.core import (CLIENT, CLIENT_NAMES, DATA, DECODE_NAMES, DECODING, DST, GEN, IDENT, KV,
+                       LEAKED, NONE, OK, OWNER, PROMPT, PST, PTABLE, READERS, RUNNING, SRC, TABLE,
+                       TAG, Change, Refusal, State)
 from spec.model import Model
 from spec.properties import (REST_INVARIANTS, ROW_STEP_PROPERTIES, STATE_INVARIANTS,
                              Violation, holds_decode_pages)
@@ -89,6 +89,15 @@ class Store:
                              for _ in range(self.prefill_workers)]
         self.decode_free = [list(range(m.decode_pages - 1, -1, -1))
                             for _ in range(self.decode_workers)]
+        # With a prefix cache (the spec's PrefixCache) a decode page may be cached: sealed,
+        # owned by nobody, read by the requests that hit it. The free stack then holds only
+        # pages that are neither owned, read nor cached; a cached page nobody reads waits
+        # in `decode_idle`, oldest release first (the order an LRU policy evicts in, with
+        # an Evict event the core decides, `evict`), and `decode_refs` counts, per page,
+        # the live rows whose tables name it: conservation is free + idle + referenced.
+        self.prefix_cache = m.prefix_cache
+        self.decode_idle: list[dict] = [{} for _ in range(self.decode_workers)]
+        self.decode_refs: list[dict] = [{} for _ in range(self.decode_workers)]
         self.pool_pages_min = min(m.prefill_pages, m.decode_pages)
         self.decode_pages_total = m.decode_pages * self.decode_workers
         self.decode_pages_used = 0
@@ -237,6 +246,8 @@ class Store:
             if row[DST] != old[DST] or row[TABLE] is not old[TABLE]:
                 self.decode_claimed[self.placement[r][1]] += _claim(row) - _claim(old)
                 self.claims_moved = True
+                if self.prefix_cache:
+                    _count_refs(self.decode_refs[self.placement[r][1]], old, row)
             if row[PST] != old[PST] or row[SRC] is not old[SRC]:
                 self.prefill_claimed[self.placement[r][0]] += (_source_claim(row)
                                                               - _source_claim(old))
@@ -252,8 +263,12 @@ class Store:
                 if value[GEN] < pool[page][GEN]:
                     self._violate("GenerationsNeverGoBack", f"decode {d} page {page}: "
                                   f"generation {pool[page][GEN]} -> {value[GEN]}")
-            self.decode_pages_used -= _put_pages(self.decode_pools[d], self.decode_free[d],
-                                                 c.decode, self.moved_decode)
+            if self.prefix_cache:
+                self.decode_pages_used -= _put_cached_pages(
+                    pool, self.decode_free[d], self.decode_idle[d], c.decode, self.moved_decode)
+            else:
+                self.decode_pages_used -= _put_pages(pool, self.decode_free[d], c.decode,
+                                                     self.moved_decode)
         writes = self.writes_into[d]
         for w in c.landed:
             writes.remove(w)
@@ -332,7 +347,9 @@ class Store:
         imbalance = len(self.prefill_free[p]) + self.prefill_claimed[p] - self.model.prefill_pages
         if imbalance != self._imbalance["prefill"][p]:
             self._imbalanced("prefill", p, imbalance)
-        imbalance = len(self.decode_free[d]) + self.decode_claimed[d] - self.model.decode_pages
+        held = (len(self.decode_idle[d]) + len(self.decode_refs[d]) if self.prefix_cache
+                else self.decode_claimed[d])
+        imbalance = len(self.decode_free[d]) + held - self.model.decode_pages
         if imbalance != self._imbalance["decode"][d]:
             self._imbalanced("decode", d, imbalance)
 
@@ -391,10 +408,30 @@ class Store:
 
     def leak_check(self, r: int) -> bool:
         """The leak oracle, independent of the core's flag: did request r's decode read a
-        page whose content is not its own at the page's current generation?"""
+        page whose content is not its own at the page's current generation? With a prefix
+        cache pages are shared, and "its own" is content: each page must hold the KV of
+        r's own tokens and salt up to it (core.true_ident, the spec's TrueIdent)."""
         row = self.rows[r]
         pool = self.decode_pools[self.placement[r][1]]
+        if self.prefix_cache:
+            return any(pool[page][KV] != core.true_ident(row, i + 1) or pool[page][TAG] != gen
+                       for i, (page, gen) in enumerate(row[TABLE]))
         return any(pool[page][DATA] != r or pool[page][TAG] != gen for page, gen in row[TABLE])
+
+    def evict(self, d: int, page: int) -> Change | Refusal:
+        """Evict at decode worker d (prefix caching: the cache forgets `page`), if the core
+        allows it (a cached page nobody reads); the page goes back to the free stack."""
+        rows = {r: self.rows[r] for r, (_, e) in self.placement.items() if e == d}
+        view = View(rows, self.decode_pools[d], [], self.writes_into[d])
+        out = core.decide(self.model, view, core.Evict(d, page))
+        if type(out) is not Refusal:
+            self._commit(0, d, out)
+            self._check_conservation(0, d)
+        return out
+
+    def idle_cached(self, d: int) -> list[int]:
+        """Decode worker d's cached pages nobody reads, least recently released first."""
+        return list(self.decode_idle[d])
 
     # -- the whole cluster as one core State -----------------------------------------------
 
@@ -459,6 +496,53 @@ def _unstack(stack: list, page: int) -> None:
             del stack[k]
             return
     raise AssertionError(f"page {page} is not on the free stack")
+
+
+def _count_refs(refs: dict, old: tuple, row: tuple) -> None:
+    """Move a row's references (the pages its table names while it holds decode pages)
+    from its old table to its new one."""
+    if holds_decode_pages(old):
+        for page, _ in old[TABLE]:
+            left = refs[page] - 1
+            if left:
+                refs[page] = left
+            else:
+                del refs[page]
+    if holds_decode_pages(row):
+        for page, _ in row[TABLE]:
+            refs[page] = refs.get(page, 0) + 1
+
+
+def _put_cached_pages(pool: list, stack: list, idle: dict, changes: tuple, moved: list) -> int:
+    """_put_pages for a decode pool with a prefix cache: a page is on the free stack when
+    nobody owns it, reads it or has it cached, and in `idle` (re-inserted last: most recent)
+    when it is cached and nobody owns or reads it; return pages freed minus taken."""
+    freed = 0
+    for page, value in changes:
+        before = pool[page]
+        pool[page] = value
+        if before[OWNER] != value[OWNER] or before[GEN] != value[GEN]:
+            moved.append(page)
+        was, now = _cache_state(before), _cache_state(value)
+        if was == now:
+            continue
+        if was == "free":
+            _unstack(stack, page)
+            freed -= 1
+        elif now == "free":
+            stack.append(page)
+            freed += 1
+        if was == "idle":
+            del idle[page]
+        elif now == "idle":
+            idle[page] = None
+    return freed
+
+
+def _cache_state(page: tuple) -> str:
+    if page[OWNER] != NONE or page[READERS]:
+        return "held"
+    return "idle" if page[IDENT] else "free"
 
 
 def _put_pages(pool: list, stack: list, changes: tuple, moved: list) -> int:
