@@ -1140,7 +1140,10 @@ class Arrive(RequestEvent):
 
     def label(self, m: Model | None = None) -> str:
         name = m.request_names[self.request] if m else f"r{self.request + 1}"
-        content = (f", tokens {''.join(map(str, self.tokens))}, salt {self.salt}"
+        # A checker's tokens are digits, written together (tokens 112); a shell's are hashes,
+        # written apart (tokens 1 1 1048576), so that the label names one prompt.
+        sep = "" if all(t < 10 for t in self.tokens) else " "
+        content = (f", tokens {sep.join(map(str, self.tokens))}, salt {self.salt}"
                    if self.tokens else "")
         if m is None or m.one_pair:
             return f"Arrive({name}, {self.prompt_pages}{content})"
@@ -1588,7 +1591,7 @@ def observation_conflict(s: State, event: Event) -> str:
 class _EventCache:
     """Interned event objects, so that enumeration allocates no events."""
 
-    def __init__(self, m: Model) -> None:
+    def __init__(self, m: Model, arrivals: bool = True) -> None:
         self.placements = tuple((p, d) for p in range(m.prefill_workers)
                                 for d in range(m.decode_workers))
         # Arrive(r, n) for a prompt the router refuses (placed nowhere), then one per placement;
@@ -1596,7 +1599,8 @@ class _EventCache:
         self.arrive = [[(tuple(Arrive(r, n, 0, 0, t, salt) for t, salt in _contents(m, n)),
                          tuple(Arrive(r, n, p, d, t, salt) for p, d in self.placements
                                for t, salt in _contents(m, n)))
-                        for n in range(m.max_prompt_pages + 1)] for r in range(m.requests)]
+                        for n in range(m.max_prompt_pages + 1)] for r in range(m.requests)
+                       ] if arrivals else []
         self.evict = tuple(Evict(d, p) for d in range(m.decode_workers)
                            for p in range(m.decode_pages))
         pages = m.decode_pages * m.decode_workers
@@ -1608,6 +1612,24 @@ class _EventCache:
                         for cls, fn in _SIMPLE_ACTIONS] for r in range(m.requests)]
         self.admit: dict[tuple, Admit] = {}
         self.reserve: dict[tuple, Reserve] = {}
+
+
+def _arrivals(r: int, n: int, contents, placements) -> tuple[tuple, tuple]:
+    """Arrive(r, n) with each of these contents: refused (placed nowhere), then placed."""
+    contents = tuple(contents)
+    return (tuple(Arrive(r, n, 0, 0, t, salt) for t, salt in contents),
+            tuple(Arrive(r, n, p, d, t, salt) for p, d in placements for t, salt in contents))
+
+
+_CACHES_WITHOUT_ARRIVALS: dict[Model, "_EventCache"] = {}
+
+
+def _cache_without_arrivals(m: Model) -> "_EventCache":
+    """The event cache of a model with a prefix cache, its arrivals left to the caller."""
+    cache = _CACHES_WITHOUT_ARRIVALS.get(m)
+    if cache is None:
+        cache = _CACHES_WITHOUT_ARRIVALS[m] = _EventCache(m, arrivals=False)
+    return cache
 
 
 def _contents(m: Model, n: int) -> tuple:
@@ -1651,14 +1673,19 @@ def _allocations(m: Model, s: State, r: int, cache: _EventCache):
             yield event, commit(s, reserve(m, s, r, pages))
 
 
-def successors(m: Model, s: State) -> Iterator[tuple[Event, State]]:
-    """Every enabled event with the state it leads to, in a fixed order."""
-    cache = _cache(m)
+def successors(m: Model, s: State, contents=None) -> Iterator[tuple[Event, State]]:
+    """Every enabled event with the state it leads to, in a fixed order. `contents(r, n)`,
+    when given, names the (tokens, salt) an Arrive of r with n pages may carry, instead of
+    every prompt over 1..Tokens with every salt (a shell's Tokens is too many to list: a
+    trace validator passes what its recorded state shows)."""
+    cache = _cache(m) if contents is None else _cache_without_arrivals(m)
     for r in range(m.requests):
         if s.requests[r][CLIENT] == IDLE:
-            row_arrive = cache.arrive[r]
             for n in range(1, m.max_prompt_pages + 1):
-                refused, placed = row_arrive[n]
+                if contents is None:
+                    refused, placed = cache.arrive[r][n]
+                else:
+                    refused, placed = _arrivals(r, n, contents(r, n), cache.placements)
                 for event in (refused if n > m.advertised_context_pages else placed):
                     yield event, commit(s, arrive(m, s, r, n, event.prefill_worker,
                                                   event.decode_worker, event.tokens, event.salt))

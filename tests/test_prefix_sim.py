@@ -114,3 +114,34 @@ def test_fuzz_with_a_prefix_cache_prints_its_seed_and_replays(capsys, tmp_path):
     assert "Reproduced: SaltsApart" in capsys.readouterr().out
     assert main(["fuzz", "--zoo", "--prefix-cache"]) == 2
     assert "drop --bug, --property, --prefix-cache and --itf" in capsys.readouterr().err
+
+
+def test_a_prefix_runs_log_and_its_itf_trace_validate_with_hashed_tokens(capsys, tmp_path):
+    """The simulator's tokens are hashes (Tokens is 2^62): `kvproof validate` checks its
+    log against the spec's text (1..Tokens tested, never built) and its ITF trace through
+    the core (each Arrive's prompt read off the recorded state, never enumerated), and a
+    trace whose Arrive claims another prompt than its state is refused."""
+    import json
+    log, itf = tmp_path / "run.ndjson", tmp_path / "run.itf.json"
+    small = ["--set", "cluster.prefill_workers=1", "--set", "cluster.decode_workers=1",
+             "--set", "cluster.page_tokens=2048", "--set", "cluster.prefill_pool_tokens=16384",
+             "--set", "cluster.decode_pool_tokens=16384", "--set", "cluster.context_tokens=8192"]
+    assert main(["sim", "system-prompt", "--requests", "4", *small, "--log", str(log),
+                 "--itf", str(itf), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["validate", str(log)]) == 0
+    assert "run OK" in capsys.readouterr().out
+    assert main(["validate", str(itf)]) == 0
+    out = capsys.readouterr().out
+    assert "trace OK" in out and "4611686018427387904 token kinds" in out
+    trace = json.loads(itf.read_text())
+    arrived = next(s for s in trace["states"][1:] if s["#meta"]["action"] == "Arrive")
+    assert " 1048576 " in arrived["#meta"]["label"] or "1048576," in arrived["#meta"]["label"]
+    pairs = arrived["tokens"]["#map"]
+    name, tokens = next((k, v) for k, v in pairs if v)
+    arrived["tokens"]["#map"] = [[k, [*v[:-1], v[-1] + 1] if k == name else v]
+                                 for k, v in pairs]
+    forged = tmp_path / "forged.itf.json"
+    forged.write_text(json.dumps(trace))
+    assert main(["validate", str(forged)]) != 0
+    assert "illegal" in capsys.readouterr().out

@@ -200,7 +200,29 @@ def cardinality(s) -> int:
     return len(s)
 
 
-def interval(a: int, b: int) -> frozenset:
+# a..b is built as a set up to this many elements; above it, it is only tested for
+# membership, as TLC does for a large interval: a shell's run may carry a constant like the
+# simulator's Tokens (2^62 token kinds: a page's token is a hash), and `1..Tokens` in
+# PromptsOf and TypeOK must not be built to say that a token is in it.
+INTERVAL_ENUMERATED_MAX = 1 << 16
+
+
+class Interval:
+    """a..b of many integers: testable, not enumerable."""
+
+    def __init__(self, a: int, b: int) -> None:
+        self.a, self.b = a, b
+
+    def __contains__(self, x: object) -> bool:
+        return type(x) is int and self.a <= x <= self.b
+
+    def __repr__(self) -> str:
+        return f"{self.a}..{self.b}"
+
+
+def interval(a: int, b: int) -> frozenset | Interval:
+    if b - a + 1 > INTERVAL_ENUMERATED_MAX:
+        return Interval(a, b)
     return frozenset(range(a, b + 1))
 
 

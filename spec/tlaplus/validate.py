@@ -113,7 +113,38 @@ def _broken_everywhere(m: Model, states: set[State], table: dict) -> str | None:
 
 
 def _at_rest(m: Model, s: State) -> bool:
-    return all(event.action in core.UNFAIR_ACTIONS for event, _ in core.successors(m, s))
+    """No fair action is enabled (an arrival is not fair: none is listed)."""
+    return all(event.action in core.UNFAIR_ACTIONS
+               for event, _ in core.successors(m, s, _NO_ARRIVALS))
+
+
+def _NO_ARRIVALS(r: int, n: int) -> tuple:
+    return ()
+
+
+def _recorded_contents(m: Model, observed: dict):
+    """With a prefix cache, the (tokens, salt) an Arrive of r may carry: what the recorded
+    state shows for r (a prompt is not guessed from 1..Tokens: a shell's Tokens is 2^62);
+    None (every prompt) without a prefix cache or without both variables recorded."""
+    if not m.prefix_cache or "tokens" not in observed or "salt" not in observed:
+        return None
+    tokens, salts = _by_request(observed["tokens"]), _by_request(observed["salt"])
+
+    def contents(r: int, n: int) -> tuple:
+        name = m.request_names[r]
+        t, salt = tokens.get(name), salts.get(name)
+        if not isinstance(t, list) or len(t) != n or not isinstance(salt, int):
+            return ()
+        return ((tuple(t), salt),)
+    return contents
+
+
+def _by_request(value) -> dict:
+    """An ITF function of requests (normalized: {"#map": [[name, value], ...]}) as a dict."""
+    if not isinstance(value, dict) or not isinstance(value.get("#map"), list):
+        return {}
+    return {pair[0]: pair[1] for pair in value["#map"]
+            if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)}
 
 
 def _step(m: Model, frontier: set[State], index: int, recorded: dict):
@@ -124,8 +155,9 @@ def _step(m: Model, frontier: set[State], index: int, recorded: dict):
     observed = _observed(recorded)
     successors: set[State] = set()
     closest: tuple[int, str, list[str]] | None = None
+    contents = _recorded_contents(m, observed)
     for s in frontier:
-        for event, nxt in core.successors(m, s):
+        for event, nxt in core.successors(m, s, contents):
             if action and (event.action != action or (label and event.label(m) != label)):
                 continue
             diff = _differences(m, nxt, observed)
