@@ -289,20 +289,27 @@ def test_core_target_lists_exactly_the_core_enabled_events(bugs):
     m = Model(requests=2, max_prompt_pages=3, context_pages=3, prefill_pages=2,
               decode_pages=3, crashes=True, bugs=bugs)
     rng = random.Random(7)
-    for _ in range(30):
+    _walk_comparing_listings(m, lambda target, expected: rng.choice(sorted(expected, key=repr)))
+
+
+def _walk_comparing_listings(m, choose, walks: int = 30, steps: int = 40) -> None:
+    """Seeded walks of the core target on m; at every step what it lists (every Open move
+    expanded, the fuzzer's Delay left out) equals core.successors; choose(target, expected)
+    picks the next event."""
+    for _ in range(walks):
         target = CoreTarget()
         target.reset(m, seed=0)
-        for _ in range(40):
+        for _ in range(steps):
             expected = {e for e, _ in core.successors(m, target.protocol_state())}
             listed = set()
             for action, moves in target.enabled().items():
                 for move in moves:
                     if action != "Delay":  # the fuzzer's scheduling, not a core event
-                        listed |= _expand(move)
+                        listed |= _expand(move, m)
             assert listed == expected
             if not expected:
                 break
-            target.step(rng.choice(sorted(expected, key=repr)))
+            target.step(choose(target, expected))
 
 
 PREFIX_ENTRIES = [e for e in ENTRIES if e.base == "prefix"]
@@ -320,30 +327,21 @@ def test_core_target_lists_exactly_the_core_enabled_events_with_a_prefix_cache(b
 
     m = Model(**{**BASES["prefix-crash"], "tenants": 2}, bugs=bugs)
     rng = random.Random(7)
-    evicted = hits = 0
-    for _ in range(30):
-        target = CoreTarget()
-        target.reset(m, seed=0)
-        for _ in range(40):
-            expected = {e for e, _ in core.successors(m, target.protocol_state())}
-            listed = set()
-            for action, moves in target.enabled().items():
-                for move in moves:
-                    if action != "Delay":
-                        listed |= _expand(move, m)
-            assert listed == expected
-            if not expected:
-                break
-            # Faults and timers rarely, evictions often: the walks must reach sealed pages.
-            ordered = sorted(expected, key=repr)
-            evictions = [e for e in ordered if type(e) is core.Evict]
-            own = [e for e in ordered if e.action not in core.FAULT_ACTIONS | core.TIMER_ACTIONS]
-            event = rng.choice(evictions if evictions and rng.random() < 0.5 else
-                               own if own and rng.random() < 0.9 else ordered)
-            evicted += type(event) is core.Evict
-            target.step(event)
-            hits += (type(event) is core.Reserve
-                     and target.protocol_state().requests[event.request][core.HIT] > 0)
+    seen = {"evicted": 0, "hit": 0}
+
+    def choose(target, expected):
+        """Faults and timers rarely, evictions often: the walks must reach sealed pages."""
+        s = target.protocol_state()
+        seen["hit"] += any(row[core.HIT] > 0 for row in s.requests)
+        ordered = sorted(expected, key=repr)
+        evictions = [e for e in ordered if type(e) is core.Evict]
+        own = [e for e in ordered if e.action not in core.FAULT_ACTIONS | core.TIMER_ACTIONS]
+        event = rng.choice(evictions if evictions and rng.random() < 0.5 else
+                           own if own and rng.random() < 0.9 else ordered)
+        seen["evicted"] += type(event) is core.Evict
+        return event
+    _walk_comparing_listings(m, choose)
+    evicted, hits = seen["evicted"], seen["hit"]
     # The walks reached the cache's own moves (without reference counts a release frees
     # the pages it read outright: nothing stays cached to evict).
     assert hits and (evicted or "NoRefCount" in bugs)
