@@ -104,6 +104,11 @@ BASES: dict[str, dict[str, int]] = {
     "prefix-crash": dict(requests=2, max_prompt_pages=2, context_pages=2, prefill_pages=2,
                          decode_pages=2, prefix_cache=True, tokens=1, tenants=1, crashes=True,
                          decode_crashes=True),
+    # The prefill caches too (PrefillCache): a request may hit at the prefill, at decode,
+    # at both or at neither, and send from a cached source page another request computed.
+    "prefix-prefill": dict(requests=2, max_prompt_pages=2, context_pages=2, prefill_pages=2,
+                           decode_pages=2, prefix_cache=True, tokens=1, tenants=1,
+                           prefill_cache=True),
 }
 # Two requests on worker sets, one-page pools and prompts, both kinds of crash: where two
 # requests share or split workers. Too large for conformance in CI and for TLC's table here
@@ -158,6 +163,10 @@ BASE_NOTES = {
     "prefix-crash": "The prefix model with one salt, and either worker may crash and "
                     "restart: a decode restart loses its cache index and every reference, a "
                     "prefill restart a tail transfer.",
+    "prefix-prefill": "Prefix caching at both workers: two requests with prompts of 1..2 "
+                      "pages (one token kind, one salt), pools of 2 pages; the prefill "
+                      "computes only the suffix it does not hold and sends from cached "
+                      "sources, seals at SendDone, evicts what nobody reads or sends from.",
 }
 
 
@@ -393,6 +402,11 @@ ALONE: tuple[Alone, ...] = (
     Alone("NoRefCount", breaks="ExclusiveOwner", length=11, base="prefix"),
     Alone("FullHitNoNotice", breaks="NoStuckRequest", length=13, base="prefix"),
     Alone("NoSalt", breaks="SaltsApart", length=9, base="prefix"),
+    # A cached source a request still reads is evicted: the page is no longer sealed under
+    # its reader. With two requests nobody reallocates it before the send completes (the
+    # only other request sealed it and is done), so no data leaks here;
+    # tests/test_prefix.py shows a third request's allocation carrying foreign KV to decode.
+    Alone("EvictWhileSending", breaks="SealedIsQuiet", length=10, base="prefix-prefill"),
 )
 assert {a.switch for a in ALONE} == set(BUG_SWITCHES)
 
