@@ -382,7 +382,7 @@ Arrive(r, n, q, d, t, s) ==
               /\ dworker' = [dworker EXCEPT ![r] = d]
     /\ UNCHANGED <<sent, src, dst, table, fwMsg, dfw, cancel, leaked, owner, gen, content,
                    powner, pdata, writes, ptable, fwCount, announced, landed,
-                   hit, phit, readers, ident, kv>>
+                   hit, phit, readers, ident, kv, pcached, preaders, pident>>
 
 Abort(r) ==
     /\ client[r] = "Waiting"
@@ -412,9 +412,12 @@ Admit(r, S) ==
     /\ S \subseteq FreePrefill(pworker[r])
     /\ Cardinality(S) = AdmitNeed(r) - PHitLen(r)
     /\ \A i \in 1..PHitLen(r) : PHitPage(r, i) \notin S
-    /\ LET h == [i \in 1..PHitLen(r) |-> PHitPage(r, i)]
-       IN /\ src' = [src EXCEPT ![r] = h \o Ascending(S)]
-          /\ pcached' = [pcached EXCEPT ![r] = PHitLen(r)]
+    /\ LET k == PHitLen(r)
+           h == [i \in 1..k |-> PHitPage(r, i)]
+           a == Ascending(S)
+       IN /\ src' = [src EXCEPT ![r] = [i \in 1..k + Cardinality(S) |->
+                                           IF i <= k THEN h[i] ELSE a[i - k]]]
+          /\ pcached' = [pcached EXCEPT ![r] = k]
           /\ preaders' = IF PrefillCache
                             THEN [preaders EXCEPT ![pworker[r]] =
                                     [p \in PPages |-> IF p \in Range(h) THEN @[p] \cup {r}
