@@ -87,7 +87,7 @@ NOT_RUN: dict[tuple[str, str], str] = {
        "moves for the core and sim targets are a later slice), so the switch changes "
        "nothing there; the checker's prefix model catches it"
        for row in ("stale-hit-reads-unwritten", "StaleHitLength alone", "no-refcount",
-                   "full-hit-no-notice", "no-salt")
+                   "full-hit-no-notice", "no-salt", "evict-while-sending")
        for target in ("core", "sim")},
 }
 

@@ -58,6 +58,9 @@ STATES = {
     "bug-StaleHitLength": 196137,
     "bug-NoRefCount": 401311, "bug-FullHitNoNotice": 412907, "bug-NoSalt": 436279,
     "zoo-stale-hit-reads-unwritten": 189172,
+    # Prefix caching at the prefill too (issue 27): the prefix model with one salt and the
+    # prefill's own cache, and EvictWhileSending on it (zoo-evict-while-sending's graph).
+    "prefix-prefill": 211869, "bug-EvictWhileSending": 215997,
 }
 # The switches of an early final word and of a decode restart came after the pinned
 # every-switch figure: it stays pinned for the thirteen before them.

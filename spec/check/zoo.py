@@ -261,6 +261,12 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("no-salt", frozenset({"NoSalt"}), "SaltsApart", 9, base="prefix",
           story="The cache key leaves out the salt: a request of another tenant with the "
                 "same prefix hits, and reads, the first tenant's pages."),
+    Entry("evict-while-sending", frozenset({"EvictWhileSending"}), "SealedIsQuiet", 10,
+          base="prefix-prefill",
+          story="TRT-LLM #12542, vLLM #52360: the prefill's cache evicts a cached source "
+                "page while a request that hit it still sends from it (the page leaves the "
+                "cache under its reader); a third request's allocation would overwrite it "
+                "before the async send reads it, and decode would take another prompt's KV."),
 )
 ENTRY_BY_NAME = {e.name: e for e in ENTRIES}
 
