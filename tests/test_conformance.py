@@ -60,7 +60,7 @@ STATES = {
     "zoo-stale-hit-reads-unwritten": 189172,
     # Prefix caching at the prefill too (issue 27): the prefix model with one salt and the
     # prefill's own cache, and EvictWhileSending on it (zoo-evict-while-sending's graph).
-    "prefix-prefill": 211869, "bug-EvictWhileSending": 215997,
+    "prefix-prefill": 211869, "bug-EvictWhileSending": 215997, "prefix-prefill-crash": 280919,
 }
 # The switches of an early final word and of a decode restart came after the pinned
 # every-switch figure: it stays pinned for the thirteen before them.

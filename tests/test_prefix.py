@@ -10,6 +10,7 @@ from spec import core
 from spec.core import (Accept, Admit, Arrive, Evict, Finish, LandWrite, Refusal, Release,
                        Reserve, SendDone, SendPage, apply, initial_state)
 from spec.check.zoo import BASES
+from spec.properties import SaltsApart
 from spec.model import Model
 
 M = Model(name="prefix", **BASES["prefix"])
@@ -185,3 +186,13 @@ def test_evictWhileSending_makes_decode_read_another_prompts_kv():
     s = run(unverified, [SendPage(1), LandWrite(1, 1), SendDone(1), Accept(1, False),
                          Finish(1, True)], out)
     assert s.requests[1][core.CLIENT] == core.OK and s.requests[1][core.LEAKED]  # Isolation
+
+
+def test_the_prefill_cache_keeps_salts_apart_and_noSalt_shares_across_tenants():
+    s = run(PP3, [Arrive(1, 1, 0, 0, (1,), 2), Reserve(1, (1,))], prefill_sealed(PP3))
+    assert core.allocation_need(PP3, s, Admit, 1) == 1  # tenant 2 holds nothing cached
+    nosalt = PP3.with_bugs({"NoSalt"})
+    s = run(nosalt, [Arrive(1, 1, 0, 0, (1,), 2), Reserve(1, (1,)), Admit(1, ())],
+            prefill_sealed(nosalt))
+    assert s.requests[1][core.SRC] == (0,)  # the bug: tenant 1's page as tenant 2's source
+    assert not SaltsApart(nosalt, s) and SaltsApart(PP3, prefill_sealed(PP3))

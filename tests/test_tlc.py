@@ -265,6 +265,7 @@ TLC_FIGURES = {
     "zoo-no-salt": ('SaltsApart', 9),
     # issue 27: prefix caching at the prefill too
     "prefix-prefill": (423721, 30),
+    "prefix-prefill-crash": (561817, 30),
     "bug-EvictWhileSending": ('SealedIsQuiet', 10),
     "zoo-evict-while-sending": ('SealedIsQuiet', 10),
 }

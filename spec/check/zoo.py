@@ -109,6 +109,12 @@ BASES: dict[str, dict[str, int]] = {
     "prefix-prefill": dict(requests=2, max_prompt_pages=2, context_pages=2, prefill_pages=2,
                            decode_pages=2, prefix_cache=True, tokens=1, tenants=1,
                            prefill_cache=True),
+    # Its crash variant: the prefill may crash, which wipes its cache index and every
+    # reference (decode crashes, which wipe decode's, are prefix-crash's; both together
+    # would cost about twice prefix-crash's 1,094,048 orbits).
+    "prefix-prefill-crash": dict(requests=2, max_prompt_pages=2, context_pages=2,
+                                 prefill_pages=2, decode_pages=2, prefix_cache=True, tokens=1,
+                                 tenants=1, prefill_cache=True, crashes=True),
 }
 # Two requests on worker sets, one-page pools and prompts, both kinds of crash: where two
 # requests share or split workers. Too large for conformance in CI and for TLC's table here
@@ -167,6 +173,9 @@ BASE_NOTES = {
                       "pages (one token kind, one salt), pools of 2 pages; the prefill "
                       "computes only the suffix it does not hold and sends from cached "
                       "sources, seals at SendDone, evicts what nobody reads or sends from.",
+    "prefix-prefill-crash": "The prefix-prefill model, and the prefill may crash and restart: "
+                            "its restart loses its cache index and every reference, and the "
+                            "requests it ran.",
 }
 
 
