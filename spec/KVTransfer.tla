@@ -46,6 +46,11 @@
 (* with the same salt and prefix references them at Reserve, and the       *)
 (* prefill sends only the tail; Release drops the reference, Evict forgets *)
 (* a page no request reads. See "Prefix caching" below and spec/README.md. *)
+(* With PrefillCache the prefill caches what it computed too: Admit        *)
+(* references the longest cached prefix and computes only the rest,       *)
+(* SendPage may read a shared cached source, SendDone seals, PrefillEvict  *)
+(* forgets a page nobody reads or sends from (EvictWhileSending ignores    *)
+(* that), and a prefill crash wipes its cache.                             *)
 (*                                                                         *)
 (* Every guard can be switched off by an element of the constant Bugs, so  *)
 (* one spec serves the correct protocol and every bug of the zoo. The      *)
@@ -478,6 +483,8 @@ LandWrite(w) ==
                    leaked, owner, gen, pdata, ptable, fwCount, announced,
                    tokens, salt, hit, phit, readers, ident, pcached, preaders, pident>>
 
+(* With PrefillCache the prefill seals the pages r computed (PSeals: see there why here)  *)
+(* and r stops reading the cached sources it hit; they stay cached.                      *)
 SendDone(r) ==
     /\ pst[r] = "Running"
     /\ sent[r] = ToSend(r)

@@ -30,7 +30,12 @@ of abstract tokens with a salt (its tenant), and a page's content identity is (s
 of that page and of every page before it). Decode seals the pages of an accepted transfer under
 their identity (Accept), a later request with the same salt and prefix references them at
 Reserve (its first HIT pages; the prefill, told PHIT, sends only the tail, into the right
-pages), Release drops the reference and Evict forgets a sealed page nobody reads.
+pages), Release drops the reference and Evict forgets a sealed page nobody reads. With a
+prefill-side cache too (prefill_cache; the spec's PrefillCache) the prefill keeps the pages it
+computed under the same keys: Admit references the longest cached prefix (PCACHED pages) and
+computes only the rest, its sources are the cached pages then the new ones, SendDone seals
+what it computed, PrefillEvict forgets a page nobody reads and no write reads out of, and a
+prefill crash wipes its cache.
 
 Pages keep their last content when freed; nothing is zeroed. A fresh pool's pages carry an
 invalid tag (-1) that no allocation ever issues.
