@@ -580,9 +580,10 @@ def send_done(m: Model, s: State, r: int) -> Change | str:
         return f"{row[SENT]} of {to_send(row)} pages posted"
     if "EarlyDone" not in m.bugs and _writes_of(s, r):
         return "writes of this request are still in flight"
-    pages = _free_unread_of(s, r, row[SRC])
-    if m.prefill_cache:
+    if m.prefill_cache and row[PROMPT] <= m.prefill_pages:
         pages = _prefill_sealed(m, s, r, row) + _prefill_unreferenced(s, r, row)
+    else:  # a placeholder's page (FinishedNotRejected) holds no prompt's KV: never sealed
+        pages = _free_unread_of(s, r, row[SRC])
     return Change(((r, _row(row, PST, P_DONE, FW, MSG_DONE, FW_COUNT, row[SENT])),),
                   prefill=pages)
 
@@ -590,11 +591,9 @@ def send_done(m: Model, s: State, r: int) -> Change | str:
 def _prefill_sealed(m: Model, s: State, r: int, row: tuple) -> tuple:
     """The pages r computed and still owns, sealed (the spec's PSeals): filed under their
     keys, owned by nobody. Each was written at Admit, and every write out of it has
-    completed by SendDone, so no page is findable before its KV is whole. A placeholder's
-    page (FinishedNotRejected) holds no prompt's KV: it is freed, never sealed."""
+    completed by SendDone, so no page is findable before its KV is whole."""
     pool = s.prefill_pool
-    sealing = row[PROMPT] <= m.prefill_pages
-    return tuple((p, (NONE, data, readers, cache_key(m, row, i + 1) if sealing else NO_IDENT))
+    return tuple((p, (NONE, data, readers, cache_key(m, row, i + 1)))
                  for i, p in enumerate(row[SRC]) if i >= row[PCACHED] and pool[p][0] == r
                  for _, data, readers, _ in (pool[p],))
 
