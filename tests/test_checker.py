@@ -168,6 +168,8 @@ def test_every_action_fires_in_the_default_model_except_the_reject_paths():
                          "ResendBootstrap", "ResendCancel", "RevokeRelease"))
     prefix = checked("prefix", frozenset())  # a prefix cache evicts
     assert prefix.action_transitions["Evict"] > 0
+    prefill = checked("prefix-prefill", frozenset())  # and so does the prefill's own cache
+    assert prefill.action_transitions["PrefillEvict"] > 0
 
 
 def test_reject_paths_model_holds_and_exercises_both_reject_paths():
