@@ -1598,7 +1598,9 @@ def apply(m: Model, s: State, event: Event) -> Result:
 # messages an event put in flight, and when nothing more can happen to a request.
 
 def pages_to_admit(m: Model, row: tuple) -> int | str:
-    """How many source pages the prefill must allocate to admit this request, or why not."""
+    """How many source pages the prefill must allocate to admit this request, or why not.
+    From the row alone: a prefill-side cache's hits are not looked up (allocation_need
+    does, on a view); the shells keep no prefill-side cache."""
     return _admit_need(m, row)
 
 
