@@ -196,3 +196,17 @@ def test_the_prefill_cache_keeps_salts_apart_and_noSalt_shares_across_tenants():
             prefill_sealed(nosalt))
     assert s.requests[1][core.SRC] == (0,)  # the bug: tenant 1's page as tenant 2's source
     assert not SaltsApart(nosalt, s) and SaltsApart(PP3, prefill_sealed(PP3))
+
+
+def test_a_page_a_write_still_reads_out_of_is_not_evicted_even_with_no_reader():
+    """With an early Done (EarlyDone) the prefill seals a source its write still reads, and
+    nobody reads it as a cached page: the write in flight alone keeps it from eviction and
+    reallocation (without the bug the writes have all completed by SendDone)."""
+    early = PP.with_bugs({"EarlyDone"})
+    s = run(early, [Arrive(0, 1, 0, 0, (1,), 1), Reserve(0, (0,)), Admit(0, (0,)),
+                    SendPage(0), SendDone(0)])
+    assert s.prefill_pool[0][core.P_IDENT] == (1, (1,)) and s.writes
+    assert "by a write in flight" in apply(early, s, core.PrefillEvict(0, 0)).reason
+    assert not core.prefill_free(early, s, 0)
+    s = run(early, [LandWrite(0, 0), core.PrefillEvict(0, 0)], s)
+    assert s.prefill_pool[0][core.P_IDENT] == ()
