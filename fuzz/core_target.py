@@ -44,7 +44,7 @@ _SIMPLE_CLASSES = tuple(cls for cls, _ in core._SIMPLE_ACTIONS)
 # Evict (a cached page, prefix caching) has a page too: it is listed per cached page apart
 # (`_evictions`), and only on a model with a prefix cache.
 _GLOBAL_CLASSES = tuple(cls for cls in core.ACTIONS
-                        if issubclass(cls, core.WorkerEvent) and cls is not core.Evict)
+                        if issubclass(cls, core.WorkerEvent) and not core.INFO[cls].prefix_cache)
 assert {f for cls in _GLOBAL_CLASSES for f in _field_names(cls)} == {"worker"}, _GLOBAL_CLASSES
 _NAMES = core.ACTION_NAMES  # moves are listed in the core's action order
 _ALLOCATIONS = (core.Admit, core.Reserve)

@@ -46,6 +46,11 @@
 (* with the same salt and prefix references them at Reserve, and the       *)
 (* prefill sends only the tail; Release drops the reference, Evict forgets *)
 (* a page no request reads. See "Prefix caching" below and spec/README.md. *)
+(* With PrefillCache the prefill caches what it computed too: Admit        *)
+(* references the longest cached prefix and computes only the rest,       *)
+(* SendPage may read a shared cached source, SendDone seals, PrefillEvict  *)
+(* forgets a page nobody reads or sends from (EvictWhileSending ignores    *)
+(* that), and a prefill crash wipes its cache.                             *)
 (*                                                                         *)
 (* Every guard can be switched off by an element of the constant Bugs, so  *)
 (* one spec serves the correct protocol and every bug of the zoo. The      *)
@@ -79,6 +84,9 @@ CONSTANTS
     Tokens,          \* with PrefixCache: how many distinct abstract tokens a prompt page
                      \*   may hold (a prompt is a sequence of them, one per page)
     Tenants,         \* with PrefixCache: how many salts (tenants) a request may carry
+    PrefillCache,    \* whether the prefill caches the pages it computed by content identity
+                     \*   too, and computes only the uncached suffix (BOOLEAN; needs
+                     \*   PrefixCache; see "Prefill-side caching")
     Bugs             \* the bug switches that are on (a set of strings)
 
 BugNames == {"FinishedNotRejected", "NoCountCheck", "EagerRelease", "SourceReuse",
@@ -86,7 +94,8 @@ BugNames == {"FinishedNotRejected", "NoCountCheck", "EagerRelease", "SourceReuse
              "NoChecksum", "NoTombstone", "NoCancel", "AdmitBeforeReserve",
              "StopwatchTimeout", "EarlyDone", "NoLandedCount", "GenerationReset",
              "NoEpochCheck", "NoRetransmit", "NoRevoke", "NoFailureDetector",
-             "StaleHitLength", "NoRefCount", "FullHitNoNotice", "NoSalt"}
+             "StaleHitLength", "NoRefCount", "FullHitNoNotice", "NoSalt",
+             "EvictWhileSending"}
 
 LossKinds == {"Bootstrap", "FinalWord", "Cancel", "Write"}
 
@@ -105,6 +114,8 @@ ASSUME /\ NoReq \notin Requests
        /\ PrefixCache \in BOOLEAN
        /\ Tokens \in Nat \ {0}
        /\ Tenants \in Nat \ {0}
+       /\ PrefillCache \in BOOLEAN
+       /\ PrefillCache => PrefixCache
 
 PPages == 1..PrefillPages
 DPages == 1..DecodePages
@@ -153,6 +164,8 @@ VARIABLES
     hit,      \* decode: how many leading pages of the prompt it holds cached for the
               \*   request (it reads them, the prefill sends none of them)
     phit,     \* prefill: the hit length decode told it with the page table
+    pcached,  \* prefill: how many leading pages of the prompt it found in its own cache at
+              \*   Admit (PrefillCache; it computes only the rest)
     owner,    \* decode: owner of each page of each worker's pool, owner[d][p]
     gen,      \* decode: generation (ownership tag) of each page, gen[d][p]
     content,  \* decode: each page's memory, <<whose data, tag it was written with>>
@@ -164,15 +177,29 @@ VARIABLES
               \*   (<<>> until a write lands in it; never cleared)
     powner,   \* prefill: owner of each page of each worker's pool, powner[q][p]
     pdata,    \* prefill: each page's memory (whose KV it holds)
+    preaders, \* prefill: the requests that read each of its sealed pages as a cached source,
+              \*   preaders[q][p] (PrefillCache)
+    pident,   \* prefill: each page's content identity in its own cache index, pident[q][p]
+              \*   (<<>>: not cached; PrefillCache)
     writes    \* prefill: its send queue, the writes it posted whose completion has not
               \*   come back (the network lands them); a write's pages are in its
               \*   request's workers' pools
 
 vars == <<client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel, ptable,
-          fwCount, announced, landed, leaked, pworker, dworker, tokens, salt, hit, phit, owner,
-          gen, content, readers, ident, kv, powner, pdata, writes>>
+          fwCount, announced, landed, leaked, pworker, dworker, tokens, salt, hit, phit, pcached,
+          owner, gen, content, readers, ident, kv, powner, pdata, preaders, pident, writes>>
 
 Range(q) == {q[i] : i \in DOMAIN q}
+NoIdent == <<>>
+(* A write in flight reads prefill page p of worker q (the NIC reads it when it lands). *)
+SentFrom(q, p) == \E w \in writes : pworker[w.req] = q /\ w.src = p
+(* A cached prefill page the prefill may forget (PrefillEvict) or allocate anew: no        *)
+(* request reads it as a cached source and no write in flight still reads out of it.       *)
+(* EvictWhileSending (TRT-LLM #12542, vLLM #52360): the cache ignores both, so a page an    *)
+(* async send still reads is evicted, and reused by the next allocation. An IF, not a      *)
+(* disjunction (see LeaseLapsed).                                                          *)
+PrefillEvictable(q, p) == IF "EvictWhileSending" \in Bugs THEN TRUE
+                          ELSE preaders[q][p] = {} /\ ~SentFrom(q, p)
 (* A finite set of integers as the ascending sequence of its elements. Not SortSeq:  *)
 (* the standard module TLC, extended above, defines SortSeq(s, Op) with two arguments,   *)
 (* and SANY refuses a second definition of the name. Element i is the x with exactly     *)
@@ -180,7 +207,11 @@ Range(q) == {q[i] : i \in DOMAIN q}
 (* function set [1..n -> S] (n^n candidates) in every Admit and Reserve.                 *)
 Ascending(S) == [i \in 1..Cardinality(S) |->
                    CHOOSE x \in S : Cardinality({y \in S : y < x}) = i - 1]
-FreePrefill(q) == {p \in PPages : powner[q][p] = NoReq}
+(* Pages the prefill may allocate: owned by no request and, if cached, evictable (see   *)
+(* PrefillEvictable below): allocating a cached page evicts it. Without PrefillCache no    *)
+(* page is ever cached, and this is every page no request owns.                           *)
+FreePrefill(q) == {p \in PPages : powner[q][p] = NoReq
+                                  /\ (pident[q][p] = NoIdent \/ PrefillEvictable(q, p))}
 (* Pages decode may allocate: owned by no request and read by none. With PrefixCache a   *)
 (* free page may still be cached (sealed, no readers): allocating it evicts it.         *)
 FreeDecode(d) == {p \in DPages : owner[d][p] = NoReq /\ readers[d][p] = {}}
@@ -211,7 +242,6 @@ Overlong(r) == prompt[r] > Min(PrefillPages, DecodePages)
 (* no page is ever cached, so every model without it has the state graph it had.         *)
 PromptsOf(n) == IF PrefixCache THEN [1..n -> 1..Tokens] ELSE {<<>>}
 SaltsOf == IF PrefixCache THEN 1..Tenants ELSE {0}
-NoIdent == <<>>
 (* What page i of r holds: the identity of its data. *)
 TrueIdent(r, i) == <<salt[r], [j \in 1..i |-> tokens[r][j]]>>
 (* The key decode's cache index files page i of r under. NoSalt leaves the salt out. *)
@@ -239,6 +269,32 @@ PageIndex(r, p) == CHOOSE i \in DOMAIN table[r] : table[r][i].page = p
 SourceIdent(q, p) == LET x == pdata[q][p]
                      IN IF x = NoReq \/ p \notin Range(src[x]) THEN NoIdent
                         ELSE TrueIdent(x, IndexOf(src[x], p))
+
+(* Prefill-side caching (PrefillCache; spec/README.md "Prefill-side caching"). The prefill *)
+(* keeps the pages it computed under the same content identity and key as decode         *)
+(* (CacheKey, NoSalt included). At Admit it looks the prompt up: the longest prefix whose *)
+(* every page it holds cached (PHitLen; none for a placeholder, FinishedNotRejected), the *)
+(* lowest-numbered page for each (PHitPage). Its sources are those pages followed by the  *)
+(* pages it allocates and computes for the rest.                                          *)
+PCached(q, key) == {p \in PPages : pident[q][p] = key}
+PHitLen(r) == IF ~PrefillCache \/ prompt[r] > PrefillPages THEN 0
+              ELSE CHOOSE k \in 0..prompt[r] :
+                     /\ \A i \in 1..k : PCached(pworker[r], CacheKey(r, i)) # {}
+                     /\ k = prompt[r] \/ PCached(pworker[r], CacheKey(r, k + 1)) = {}
+PHitPage(r, i) == LET P == PCached(pworker[r], CacheKey(r, i))
+                  IN CHOOSE p \in P : \A o \in P : p <= o
+(* The pages r computed that it still owns, which its SendDone seals: each was written at  *)
+(* Admit (the spec computes there) and every write out of it has completed by SendDone, so *)
+(* no page is findable before its KV is whole. A placeholder's page holds no prompt's KV   *)
+(* and is never sealed.                                                                   *)
+PSeals(r) == IF PrefillCache /\ prompt[r] <= PrefillPages
+               THEN {src[r][i] : i \in pcached[r] + 1..Len(src[r])}
+                      \cap {p \in PPages : powner[pworker[r]][p] = r}
+               ELSE {}
+(* r stops reading the cached sources it hit: they stay cached for the next request. *)
+PDropReferences(r) == IF PrefillCache
+                        THEN [preaders EXCEPT ![pworker[r]] = [p \in PPages |-> @[p] \ {r}]]
+                        ELSE preaders
 
 TypeOK ==
     /\ client \in [Requests -> ClientStates]
@@ -271,6 +327,8 @@ TypeOK ==
     /\ hit \in [Requests -> 0..MaxPromptPages]
     /\ phit \in [Requests -> 0..MaxPromptPages]
     /\ readers \in [DecodeWorkers -> [DPages -> SUBSET Requests]]
+    /\ pcached \in [Requests -> 0..MaxPromptPages]
+    /\ preaders \in [PrefillWorkers -> [PPages -> SUBSET Requests]]
 
 Init ==
     /\ client = [r \in Requests |-> "Idle"]
@@ -304,6 +362,9 @@ Init ==
     /\ readers = [d \in DecodeWorkers |-> [p \in DPages |-> {}]]
     /\ ident = [d \in DecodeWorkers |-> [p \in DPages |-> NoIdent]]
     /\ kv = [d \in DecodeWorkers |-> [p \in DPages |-> NoIdent]]
+    /\ pcached = [r \in Requests |-> 0]
+    /\ preaders = [q \in PrefillWorkers |-> [p \in PPages |-> {}]]
+    /\ pident = [q \in PrefillWorkers |-> [p \in PPages |-> NoIdent]]
 
 -----------------------------------------------------------------------------
 (* Router and client. *)
@@ -326,7 +387,7 @@ Arrive(r, n, q, d, t, s) ==
               /\ dworker' = [dworker EXCEPT ![r] = d]
     /\ UNCHANGED <<sent, src, dst, table, fwMsg, dfw, cancel, leaked, owner, gen, content,
                    powner, pdata, writes, ptable, fwCount, announced, landed,
-                   hit, phit, readers, ident, kv>>
+                   hit, phit, readers, ident, kv, pcached, preaders, pident>>
 
 Abort(r) ==
     /\ client[r] = "Waiting"
@@ -334,7 +395,7 @@ Abort(r) ==
     /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, fwCount,
                    announced, landed,
-                   tokens, salt, hit, phit, readers, ident, kv>>
+                   tokens, salt, hit, phit, readers, ident, kv, pcached, preaders, pident>>
 
 -----------------------------------------------------------------------------
 (* Prefill. *)
@@ -346,14 +407,32 @@ AdmitNeed(r) == IF prompt[r] > PrefillPages THEN 1 ELSE prompt[r]
 (* took its pages first could hold its whole pool for requests whose decode pages are    *)
 (* held by requests queued behind them at the prefill: a deadlock only timeouts break    *)
 (* (FittingRequestsSucceed finds it with AdmitBeforeReserve).                            *)
+(* With PrefillCache the prefill references the k pages it holds cached for the prompt's  *)
+(* first pages (becomes one of their readers) and allocates and computes S only for the   *)
+(* rest; a full hit (k = n) computes nothing and still sends what decode lacks.          *)
 Admit(r, S) ==
     /\ pst[r] = "Queued"
     /\ ptable[r] # <<>> \/ "AdmitBeforeReserve" \in Bugs
     /\ prompt[r] <= PrefillPages \/ "FinishedNotRejected" \in Bugs
     /\ S \subseteq FreePrefill(pworker[r])
-    /\ Cardinality(S) = AdmitNeed(r)
+    /\ Cardinality(S) = AdmitNeed(r) - PHitLen(r)
+    /\ \A i \in 1..PHitLen(r) : PHitPage(r, i) \notin S
+    /\ LET k == PHitLen(r)
+           h == [i \in 1..k |-> PHitPage(r, i)]
+           a == Ascending(S)
+       IN /\ src' = [src EXCEPT ![r] = [i \in 1..k + Cardinality(S) |->
+                                           IF i <= k THEN h[i] ELSE a[i - k]]]
+          /\ pcached' = [pcached EXCEPT ![r] = k]
+          /\ preaders' = IF PrefillCache
+                            THEN [preaders EXCEPT ![pworker[r]] =
+                                    [p \in PPages |-> IF p \in Range(h) THEN @[p] \cup {r}
+                                                      ELSE @[p]]]
+                            ELSE preaders
+          /\ pident' = IF PrefillCache
+                          THEN [pident EXCEPT ![pworker[r]] =
+                                  [p \in PPages |-> IF p \in S THEN NoIdent ELSE @[p]]]
+                          ELSE pident
     /\ pst' = [pst EXCEPT ![r] = "Running"]
-    /\ src' = [src EXCEPT ![r] = Ascending(S)]
     /\ powner' = [powner EXCEPT ![pworker[r]] = [p \in PPages |-> IF p \in S THEN r ELSE @[p]]]
     /\ pdata' = [pdata EXCEPT ![pworker[r]] = [p \in PPages |-> IF p \in S THEN r ELSE @[p]]]
     /\ UNCHANGED <<pworker, dworker, client, prompt, sent, dst, table, boot, fwMsg, dfw, cancel, leaked,
@@ -371,7 +450,7 @@ Reject(r) ==
     /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTooLong")]
     /\ UNCHANGED <<pworker, dworker, prompt, sent, src, dst, table, boot, dfw, cancel, leaked, owner, gen,
                    content, powner, pdata, writes, ptable, announced, landed,
-                   tokens, salt, hit, phit, readers, ident, kv>>
+                   tokens, salt, hit, phit, readers, ident, kv, pcached, preaders, pident>>
 
 (* The prefill sends only the pages after the hit decode told it (phit), page i of its   *)
 (* sources into entry i of decode's table: the tail, into the right pages.                *)
@@ -387,7 +466,7 @@ SendPage(r) ==
                          THEN FreeSources(r) ELSE powner
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, src, dst, table, boot, fwMsg, dfw, cancel, leaked,
                    owner, gen, content, pdata, ptable, fwCount, announced, landed,
-                   tokens, salt, hit, phit, readers, ident, kv>>
+                   tokens, salt, hit, phit, readers, ident, kv, pcached, preaders, pident>>
 
 LandWrite(w) ==
     /\ w \in writes
@@ -402,8 +481,10 @@ LandWrite(w) ==
                    THEN [powner EXCEPT ![pworker[w.req]][w.src] = NoReq] ELSE powner
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel,
                    leaked, owner, gen, pdata, ptable, fwCount, announced,
-                   tokens, salt, hit, phit, readers, ident>>
+                   tokens, salt, hit, phit, readers, ident, pcached, preaders, pident>>
 
+(* With PrefillCache the prefill seals the pages r computed (PSeals: see there why here)  *)
+(* and r stops reading the cached sources it hit; they stay cached.                      *)
 SendDone(r) ==
     /\ pst[r] = "Running"
     /\ sent[r] = ToSend(r)
@@ -411,10 +492,17 @@ SendDone(r) ==
     /\ pst' = [pst EXCEPT ![r] = "Done"]
     /\ fwMsg' = [fwMsg EXCEPT ![r] = "Done"]
     /\ fwCount' = [fwCount EXCEPT ![r] = sent[r]]
-    /\ powner' = FreeUnreadSources(r)
+    /\ powner' = [FreeUnreadSources(r) EXCEPT ![pworker[r]] =
+                    [p \in PPages |-> IF p \in PSeals(r) THEN NoReq ELSE @[p]]]
+    /\ pident' = IF PrefillCache
+                    THEN [pident EXCEPT ![pworker[r]] =
+                            [p \in PPages |-> IF p \in PSeals(r)
+                                              THEN CacheKey(r, IndexOf(src[r], p)) ELSE @[p]]]
+                    ELSE pident
+    /\ preaders' = PDropReferences(r)
     /\ UNCHANGED <<pworker, dworker, client, prompt, sent, src, dst, table, boot, dfw, cancel, leaked,
                    owner, gen, content, pdata, writes, ptable, announced, landed,
-                   tokens, salt, hit, phit, readers, ident, kv>>
+                   tokens, salt, hit, phit, readers, ident, kv, pcached>>
 
 (* A prefill that stops because of a cancel answers it; NoAbortNotice drops only the   *)
 (* notice a prefill owes decode when it stops on its own or on a client abort.         *)
@@ -427,9 +515,10 @@ StopPrefill(r, c) ==
                     THEN fwCount ELSE [fwCount EXCEPT ![r] = sent[r]]
     /\ client' = [client EXCEPT ![r] = c]
     /\ powner' = FreeSources(r)
+    /\ preaders' = PDropReferences(r)
     /\ UNCHANGED <<pworker, dworker, prompt, sent, src, dst, table, boot, dfw, leaked, owner, gen, content,
                    pdata, writes, ptable, announced, landed,
-                   tokens, salt, hit, phit, readers, ident, kv>>
+                   tokens, salt, hit, phit, readers, ident, kv, pcached, pident>>
 
 PrefillCanStop(r) == pst[r] \in {"Queued", "Running"} /\ WritesOf(r) = {}
 
@@ -444,7 +533,8 @@ PrefillFail(r) ==
     /\ StopPrefill(r, "ErrPrefill")
 
 (* The prefill dies and restarts empty. Its queued and running requests are lost (their  *)
-(* clients see an error), its pool is free again and the writes it had posted are        *)
+(* clients see an error), its pool is free again (its cache index and every reference    *)
+(* with it: PrefillCache), and the writes it had posted are                              *)
 (* flushed with its queue pairs. It sends no notice: decode learns by timing out, and the *)
 (* restarted prefill answers the cancel with Abort. Cancels in flight reach the restarted *)
 (* prefill (decode re-sends outstanding cancels when the prefill reconnects).             *)
@@ -465,9 +555,13 @@ PrefillCrash(q) ==
     /\ sent' = [r \in Requests |-> IF pworker[r] = q /\ Active(r) THEN 0 ELSE sent[r]]
     /\ powner' = [powner EXCEPT ![q] = [p \in PPages |-> NoReq]]
     /\ writes' = {w \in writes : pworker[w.req] # q}
+    /\ preaders' = IF PrefillCache THEN [preaders EXCEPT ![q] = [p \in PPages |-> {}]]
+                                   ELSE preaders
+    /\ pident' = IF PrefillCache THEN [pident EXCEPT ![q] = [p \in PPages |-> NoIdent]]
+                                 ELSE pident
     /\ UNCHANGED <<pworker, dworker, prompt, src, dst, table, boot, fwMsg, dfw, cancel, leaked, owner, gen,
                    content, pdata, ptable, fwCount, announced, landed,
-                   tokens, salt, hit, phit, readers, ident, kv>>
+                   tokens, salt, hit, phit, readers, ident, kv, pcached>>
 
 (* A decode worker d dies and restarts empty, in a new epoch of its own. Every request it knew of, or had a  *)
 (* bootstrap for in flight, is lost: its client sees an error and decode keeps it as a    *)
@@ -523,7 +617,7 @@ DecodeCrash(d) ==
     /\ ident' = IF PrefixCache THEN [ident EXCEPT ![d] = [p \in DPages |-> NoIdent]] ELSE ident
     /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, fwMsg, leaked, content, pdata, fwCount,
                    landed,
-                   tokens, salt, hit, phit, kv>>
+                   tokens, salt, hit, phit, kv, pcached, preaders, pident>>
 
 FinalWordOf(s) == CASE s = "Done" -> "Done"
                     [] s = "Rejected" -> "Reject"
@@ -537,7 +631,7 @@ AnswerCancel(r) ==
     /\ fwCount' = [fwCount EXCEPT ![r] = sent[r]]
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, dfw, leaked, owner,
                    gen, content, powner, pdata, writes, ptable, announced, landed,
-                   tokens, salt, hit, phit, readers, ident, kv>>
+                   tokens, salt, hit, phit, readers, ident, kv, pcached, preaders, pident>>
 
 -----------------------------------------------------------------------------
 (* Decode. *)
@@ -584,7 +678,7 @@ Reserve(r, S) ==
     /\ boot' = [boot EXCEPT ![r] = FALSE]
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, fwMsg, cancel, leaked, content,
                    powner, pdata, writes, fwCount, announced, landed,
-                   tokens, salt, kv>>
+                   tokens, salt, kv, pcached, preaders, pident>>
 
 DecodeReject(r) ==
     /\ boot[r]
@@ -596,7 +690,7 @@ DecodeReject(r) ==
     /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrTooLong")]
     /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, table, fwMsg, dfw, leaked, owner, gen, content,
                    powner, pdata, writes, ptable, fwCount, announced, landed,
-                   tokens, salt, hit, phit, readers, ident, kv>>
+                   tokens, salt, hit, phit, readers, ident, kv, pcached, preaders, pident>>
 
 DropBootstrap(r) ==
     /\ boot[r]
@@ -605,7 +699,7 @@ DropBootstrap(r) ==
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, fwMsg, dfw, cancel, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, fwCount,
                    announced, landed,
-                   tokens, salt, hit, phit, readers, ident, kv>>
+                   tokens, salt, hit, phit, readers, ident, kv, pcached, preaders, pident>>
 
 (* Decode's handling of a final word it cannot accept as a transfer. *)
 (* Decode keeps the final word and the count of writes it announces.                  *)
@@ -638,8 +732,14 @@ ReceiveFinalWord(r) ==
 (* contents imply (ChecksumsMatch, TagsMatch), which is also the oracle a shell's reported   *)
 (* observation is compared with (spec/core.py observation_conflict).                        *)
 (* The pages sent are the entries after the hit decode believes it holds.              *)
+(* With PrefixCache the checksum compares content identities (what the sender's digest   *)
+(* covers), not who computed the page: with PrefillCache a page sent may come from a      *)
+(* cached source another request computed. (Without a prefill cache r's sources are its  *)
+(* own, and the two agree.)                                                              *)
 ChecksumsMatch(r) == \A i \in 1..Min(sent[r], Len(table[r]) - hit[r]) :
-                         content[dworker[r]][table[r][hit[r] + i].page][1] = r
+                         IF PrefixCache
+                           THEN kv[dworker[r]][table[r][hit[r] + i].page] = TrueIdent(r, hit[r] + i)
+                           ELSE content[dworker[r]][table[r][hit[r] + i].page][1] = r
 
 TagsMatch(r) == \A i \in DOMAIN table[r] :
                     content[dworker[r]][table[r][i].page][2] = table[r][i].gen
@@ -683,14 +783,14 @@ Accept(r, checksumsOk) ==
               /\ UNCHANGED <<owner, readers, ident>>
     /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, table, boot, cancel, leaked, gen,
                    content, powner, pdata, writes, ptable, landed,
-                   tokens, salt, hit, phit, kv>>
+                   tokens, salt, hit, phit, kv, pcached, preaders, pident>>
 
 Notice(r) ==
     /\ fwMsg[r] \in {"Reject", "Abort"}
     /\ ReceiveFinalWord(r)
     /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, table, boot, cancel, leaked, owner, gen,
                    content, powner, pdata, writes, ptable, landed,
-                   tokens, salt, hit, phit, readers, ident, kv>>
+                   tokens, salt, hit, phit, readers, ident, kv, pcached, preaders, pident>>
 
 (* Whether r read what is not its own: without PrefixCache, a page whose content is not  *)
 (* r's at the page's current generation; with it, a page whose memory does not hold the  *)
@@ -715,7 +815,7 @@ Finish(r, tagsOk) ==
     /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, table, boot, fwMsg, dfw, cancel, owner, gen,
                    content, powner, pdata, writes, ptable, fwCount, announced,
                    landed,
-                   tokens, salt, hit, phit, readers, ident, kv>>
+                   tokens, salt, hit, phit, readers, ident, kv, pcached, preaders, pident>>
 
 DecodeAbort(r) ==
     /\ client[r] = "Gone"
@@ -725,7 +825,7 @@ DecodeAbort(r) ==
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, table, boot, fwMsg, dfw, leaked, owner,
                    gen, content, powner, pdata, writes, ptable, fwCount, announced,
                    landed,
-                   tokens, salt, hit, phit, readers, ident, kv>>
+                   tokens, salt, hit, phit, readers, ident, kv, pcached, preaders, pident>>
 
 (* Decode's transfer deadline is a lease: every sign of progress from the prefill on the   *)
 (* request (admitted, a chunk computed, a page posted; while it is queued, the prefill's   *)
@@ -761,7 +861,7 @@ Timeout(r) ==
     /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, table, boot, fwMsg, dfw, leaked, owner, gen,
                    content, powner, pdata, writes, ptable, fwCount, announced,
                    landed,
-                   tokens, salt, hit, phit, readers, ident, kv>>
+                   tokens, salt, hit, phit, readers, ident, kv, pcached, preaders, pident>>
 
 (* Decode frees a request's pages once it holds the prefill's final word and has seen as *)
 (* many of the request's writes land as that word announced: then none of them can still *)
@@ -800,7 +900,7 @@ Release(r) ==
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, table, boot, fwMsg, dfw, cancel,
                    leaked, gen, content, powner, pdata, writes, ptable, fwCount,
                    announced, landed,
-                   tokens, salt, hit, phit, kv>>
+                   tokens, salt, hit, phit, kv, pcached, preaders, pident>>
 
 (* Decode forgets a cached page: any sealed page no request reads. Which one it picks     *)
 (* (least recently used, ...) is an implementation's policy: the spec allows every choice, *)
@@ -815,7 +915,21 @@ Evict(d, p) ==
     /\ ident' = [ident EXCEPT ![d][p] = NoIdent]
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw,
                    cancel, leaked, owner, gen, content, powner, pdata, writes, ptable, fwCount,
-                   announced, landed, tokens, salt, hit, phit, readers, kv>>
+                   announced, landed, tokens, salt, hit, phit, readers, kv, pcached, preaders, pident>>
+
+(* The prefill forgets a cached page of its own (PrefillCache): any sealed page that is    *)
+(* evictable, no request reading it and no write in flight out of it (PrefillEvictable;    *)
+(* EvictWhileSending ignores both). As on decode, which page a real cache picks (LRU, ...) *)
+(* is its policy: the spec allows any eligible page, so every policy's behaviours are the  *)
+(* spec's. Not fair; the memory keeps its KV.                                             *)
+PrefillEvict(q, p) ==
+    /\ pident[q][p] # NoIdent
+    /\ PrefillEvictable(q, p)
+    /\ pident' = [pident EXCEPT ![q][p] = NoIdent]
+    /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw,
+                   cancel, leaked, owner, gen, content, powner, pdata, writes, ptable, fwCount,
+                   announced, landed, tokens, salt, hit, phit, readers, ident, kv, pcached,
+                   preaders>>
 
 -----------------------------------------------------------------------------
 (* A network that loses things for good (Losses; none in the shipped models but the lossy  *)
@@ -832,7 +946,7 @@ LoseBootstrap(r) ==
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, fwMsg, dfw, cancel, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, fwCount,
                    announced, landed,
-                   tokens, salt, hit, phit, readers, ident, kv>>
+                   tokens, salt, hit, phit, readers, ident, kv, pcached, preaders, pident>>
 
 LoseFinalWord(r) ==
     /\ "FinalWord" \in Losses
@@ -841,7 +955,7 @@ LoseFinalWord(r) ==
     /\ fwCount' = [fwCount EXCEPT ![r] = 0]
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, dfw, cancel, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, announced, landed,
-                   tokens, salt, hit, phit, readers, ident, kv>>
+                   tokens, salt, hit, phit, readers, ident, kv, pcached, preaders, pident>>
 
 (* The cancel a decode crash stands for is no message on the wire: the prefill's own       *)
 (* failure detector (its transport's broken connection, a lapsed heartbeat) tells it, and   *)
@@ -859,7 +973,7 @@ LoseCancel(r) ==
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, fwCount,
                    announced, landed,
-                   tokens, salt, hit, phit, readers, ident, kv>>
+                   tokens, salt, hit, phit, readers, ident, kv, pcached, preaders, pident>>
 
 (* Its false completion frees a source the prefill kept for it, as a landing's does.       *)
 LoseWrite(w) ==
@@ -870,7 +984,7 @@ LoseWrite(w) ==
                    THEN [powner EXCEPT ![pworker[w.req]][w.src] = NoReq] ELSE powner
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, cancel,
                    leaked, owner, gen, content, pdata, ptable, fwCount, announced, landed,
-                   tokens, salt, hit, phit, readers, ident, kv>>
+                   tokens, salt, hit, phit, readers, ident, kv, pcached, preaders, pident>>
 
 LossStep == \/ \E r \in Requests : LoseBootstrap(r) \/ LoseFinalWord(r) \/ LoseCancel(r)
             \/ \E w \in writes : LoseWrite(w)
@@ -896,7 +1010,7 @@ ResendBootstrap(r) ==
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, fwMsg, dfw, cancel, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, fwCount,
                    announced, landed,
-                   tokens, salt, hit, phit, readers, ident, kv>>
+                   tokens, salt, hit, phit, readers, ident, kv, pcached, preaders, pident>>
 
 CancelUnanswered(r) == ~cancel[r] /\ fwMsg[r] = "None"
 CancelResendDue(r) == dst[r] = "Closing" /\ ~dfw[r] /\ CancelUnanswered(r)
@@ -909,7 +1023,7 @@ ResendCancel(r) ==
     /\ UNCHANGED <<pworker, dworker, client, prompt, pst, sent, src, dst, table, boot, fwMsg, dfw, leaked,
                    owner, gen, content, powner, pdata, writes, ptable, fwCount,
                    announced, landed,
-                   tokens, salt, hit, phit, readers, ident, kv>>
+                   tokens, salt, hit, phit, readers, ident, kv, pcached, preaders, pident>>
 
 
 (* A page write lost with its poster told it completed (Losses contains "Write": an       *)
@@ -946,7 +1060,7 @@ RevokeRelease(r) ==
     /\ DropReferences(r)
     /\ UNCHANGED <<pworker, dworker, prompt, pst, sent, src, table, boot, cancel, leaked, gen,
                    content, powner, pdata, writes, ptable, landed,
-                   tokens, salt, hit, phit, kv>>
+                   tokens, salt, hit, phit, kv, pcached, preaders, pident>>
 
 -----------------------------------------------------------------------------
 (* The protocol's own actions are taken fairly; arrivals, client aborts, prefill        *)
@@ -971,6 +1085,7 @@ Next ==
           \E q \in PrefillWorkers : \E d \in DecodeWorkers :
              \E t \in PromptsOf(n) : \E s \in SaltsOf : Arrive(r, n, q, d, t, s)
     \/ \E d \in DecodeWorkers : \E p \in DPages : Evict(d, p)
+    \/ \E q \in PrefillWorkers : \E p \in PPages : PrefillEvict(q, p)
     \/ \E r \in Requests : Abort(r) \/ PrefillFail(r)
     \/ \E q \in PrefillWorkers : PrefillCrash(q)
     \/ \E d \in DecodeWorkers : DecodeCrash(d)
@@ -1022,30 +1137,50 @@ NoWriteIntoForeign == \A w \in writes : /\ owner[dworker[w.req]][w.dst] = w.req
 (* Prefix caching (true at once without PrefixCache: nothing is ever cached). A page is   *)
 (* shared only within a salt: every reader of a page, and the request whose KV its memory *)
 (* holds, have one salt.                                                                 *)
-SaltsApart == \A d \in DecodeWorkers : \A p \in DPages : \A r \in readers[d][p] :
-                  kv[d][p] # NoIdent /\ kv[d][p][1] = salt[r]
+SaltsApart == /\ \A d \in DecodeWorkers : \A p \in DPages : \A r \in readers[d][p] :
+                     kv[d][p] # NoIdent /\ kv[d][p][1] = salt[r]
+              /\ \A q \in PrefillWorkers : \A p \in PPages : \A r \in preaders[q][p] :
+                     SourceIdent(q, p) # NoIdent /\ SourceIdent(q, p)[1] = salt[r]
 
 (* A page's readers are exactly its live readers: the requests holding pages at its      *)
 (* worker whose table has it and that do not own it (never fewer: a release would free it *)
-(* under a reader; never more: a reference nobody drops pins the page for ever). Stated   *)
-(* as its two directions, each over what it is about (a page's readers; a live request's *)
-(* table), not over every request for every page: the same formula, but a deployment's    *)
-(* run with 10,000 request slots is checked in a second instead of a minute.              *)
+(* under a reader; never more: a reference nobody drops pins the page for ever).          *)
+(* On the prefill side (PrefillCache) a cached page's readers are exactly the running     *)
+(* requests that hit it at Admit (the first pcached of their sources). Each side is       *)
+(* stated as its two directions, each over what it is about (a page's readers; a live     *)
+(* request's pages), not over every request for every page: the same formula, but a      *)
+(* deployment's run with 10,000 request slots is checked in seconds instead of a minute.  *)
+PHitSources(r) == {src[r][i] : i \in 1..Min(pcached[r], Len(src[r]))}
 ReadersAreLive ==
     /\ \A d \in DecodeWorkers : \A p \in DPages : \A r \in readers[d][p] :
           HoldsPages(r) /\ dworker[r] = d /\ p \in TablePages(r) /\ owner[d][p] # r
     /\ \A r \in Requests : HoldsPages(r) /\ dworker[r] \in DecodeWorkers =>
           \A p \in TablePages(r) : owner[dworker[r]][p] # r => r \in readers[dworker[r]][p]
+    /\ \A q \in PrefillWorkers : \A p \in PPages : \A r \in preaders[q][p] :
+          pst[r] = "Running" /\ pworker[r] = q /\ p \in PHitSources(r)
+    /\ \A r \in Requests : pst[r] = "Running" /\ pworker[r] \in PrefillWorkers =>
+          \A p \in PHitSources(r) : r \in preaders[pworker[r]][p]
 
 (* A page with readers is sealed and owned by nobody, and no write is on its way into a   *)
 (* sealed page: no eviction or allocation can take a page with readers or a write pending. *)
-SealedIsQuiet == \A d \in DecodeWorkers : \A p \in DPages :
+(* On the prefill side a page with readers is sealed and owned by nobody: no eviction or   *)
+(* allocation takes a cached source a request still reads (SourceHeld: nor one a write in *)
+(* flight reads out of).                                                                 *)
+SealedIsQuiet == /\ \A d \in DecodeWorkers : \A p \in DPages :
                      /\ readers[d][p] # {} => ident[d][p] # NoIdent
                      /\ ident[d][p] # NoIdent =>
                           /\ owner[d][p] = NoReq
                           /\ ~\E w \in writes : dworker[w.req] = d /\ w.dst = p
+                 /\ \A q \in PrefillWorkers : \A p \in PPages :
+                     /\ preaders[q][p] # {} => pident[q][p] # NoIdent
+                     /\ pident[q][p] # NoIdent => powner[q][p] = NoReq
 
-SourceHeld == \A w \in writes : powner[pworker[w.req]][w.src] = w.req
+(* Every write in flight reads a source its request holds: one it owns, or (PrefillCache) *)
+(* a cached page it reads, still sealed.                                                  *)
+SourceHeld == \A w \in writes :
+                  \/ powner[pworker[w.req]][w.src] = w.req
+                  \/ /\ w.req \in preaders[pworker[w.req]][w.src]
+                     /\ pident[pworker[w.req]][w.src] # NoIdent
 
 RejectedIsError == \A r \in Requests : Overlong(r) => client[r] # "Ok" /\ dst[r] # "Decoding"
 

@@ -37,7 +37,7 @@ from typing import Iterable
 from spec.core import (
     BOOT, CANCEL, CLIENT, CLIENT_GONE, CLIENT_NAMES, CLOSING, DECODING, DST, D_WAITING, FW,
     GONE, IDLE, NONE, NO_MSG, PST, QUEUED, RUNNING, WAITING, BOOTSTRAP, CANCEL_MSG,
-    FINAL_WORD_MSG, READERS, Change, View,
+    FINAL_WORD_MSG, P_READERS, READERS, Change, View,
 )
 
 # The page table decode publishes on Reserve: a message to the prefill. The spec delivers it
@@ -190,17 +190,18 @@ def _decode_effects(out: list, r: int, old: int, new: int) -> None:
 
 
 def _freed(out: list, r: int, pool_name: str, pool, changes: tuple) -> None:
+    readers = READERS if pool_name == "decode" else P_READERS
     pages = [p for p, page in changes if page[0] == NONE
-             and (pool[p][0] != NONE or _last_reader_left(pool[p], page))]
+             and (pool[p][0] != NONE or _last_reader_left(pool[p], page, readers))]
     if pages:
         out.append(FreePages(r, pool_name, tuple(pages)))
 
 
-def _last_reader_left(before: tuple, after: tuple) -> bool:
-    """A cached decode page's last reader released it (prefix caching): nobody owned it,
-    and now nobody reads it either, so an allocation may evict it: whoever waits for
-    decode pages must hear of it, as of a page freed. (Prefill pages have no readers.)"""
-    return len(after) > READERS and bool(before[READERS]) and not after[READERS]
+def _last_reader_left(before: tuple, after: tuple, readers: int) -> bool:
+    """A cached page's last reader released it (prefix caching, either pool): nobody owned
+    it, and now nobody reads it either, so an allocation may evict it: whoever waits for
+    pages of that pool must hear of it, as of a page freed."""
+    return bool(before[readers]) and not after[readers]
 
 
 # -- who carries a command out, and one worker's own commands -----------------------------

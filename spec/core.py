@@ -30,7 +30,12 @@ of abstract tokens with a salt (its tenant), and a page's content identity is (s
 of that page and of every page before it). Decode seals the pages of an accepted transfer under
 their identity (Accept), a later request with the same salt and prefix references them at
 Reserve (its first HIT pages; the prefill, told PHIT, sends only the tail, into the right
-pages), Release drops the reference and Evict forgets a sealed page nobody reads.
+pages), Release drops the reference and Evict forgets a sealed page nobody reads. With a
+prefill-side cache too (prefill_cache; the spec's PrefillCache) the prefill keeps the pages it
+computed under the same keys: Admit references the longest cached prefix (PCACHED pages) and
+computes only the rest, its sources are the cached pages then the new ones, SendDone seals
+what it computed, PrefillEvict forgets a page nobody reads and no write reads out of, and a
+prefill crash wipes its cache.
 
 Pages keep their last content when freed; nothing is zeroed. A fresh pool's pages carry an
 invalid tag (-1) that no allocation ever issues.
@@ -50,7 +55,8 @@ hash the same in every process. A state is (requests, decode_pool, prefill_pool,
 - decode_pool: per page (owner, gen, data, tag, readers, ident, kv); data/tag are the page's
   last content; readers (a sorted tuple of requests), ident (the cache key, () if not cached)
   and kv (the content identity its memory holds) are prefix caching's (all empty without it).
-- prefill_pool: per page (owner, data).
+- prefill_pool: per page (owner, data, readers, ident): readers and ident are the prefill-side
+  cache's (empty without it).
 - writes: the in-flight writes, sorted, each (request, source page, decode page, tag).
 Requests and pages are 0-based here; the TLA+ view (spec/tlaplus/tlaview.py) maps them to the spec.
 
@@ -102,20 +108,25 @@ FINAL_WORD = {P_DONE: MSG_DONE, REJECTED: MSG_REJECT, ABORTED: MSG_ABORT}
 # TOKENS and SALT are the router's (the prompt's tokens, one per page, and its tenant), HIT
 # decode's (the leading pages it holds cached for the request) and PHIT the prefill's copy
 # of it: prefix caching's, () and 0 without it.
+# PCACHED is the prefill's (how many leading pages of the prompt it found in its own cache at
+# Admit: the prefill-side cache's, 0 without it).
 (CLIENT, PROMPT, PST, SENT, SRC, DST, TABLE, BOOT, FW, DFW, CANCEL, PTABLE, FW_COUNT,
- ANNOUNCED, LANDED, LEAKED, PW, DW, TOKENS, SALT, HIT, PHIT) = range(22)
+ ANNOUNCED, LANDED, LEAKED, PW, DW, TOKENS, SALT, HIT, PHIT, PCACHED) = range(23)
 ROW_FIELDS = ("client", "prompt", "pst", "sent", "src", "dst", "table", "boot", "fwMsg",
               "dfw", "cancel", "ptable", "fwCount", "announced", "landed", "leaked",
-              "pworker", "dworker", "tokens", "salt", "hit", "phit")
+              "pworker", "dworker", "tokens", "salt", "hit", "phit", "pcached")
 EMPTY_ROW = (IDLE, 0, P_NONE, 0, (), D_NONE, (), 0, NO_MSG, 0, 0, (), 0, 0, 0, 0, NONE, NONE,
-             (), 0, 0, 0)
+             (), 0, 0, 0, 0)
 
 # Fields of a decode page. A content identity (IDENT, KV) is (salt, tokens of the page and
 # of every page before it), or () for none.
 OWNER, GEN, DATA, TAG, READERS, IDENT, KV = range(7)
 NO_IDENT = ()
 FRESH_DECODE_PAGE = (NONE, 0, NONE, NONE, (), NO_IDENT, NO_IDENT)
-FRESH_PREFILL_PAGE = (NONE, NONE)
+# Fields of a prefill page: its owner, whose KV its memory holds, and the prefill-side
+# cache's readers and key (the spec's powner, pdata, preaders, pident; (), () without it).
+P_OWNER, P_DATA, P_READERS, P_IDENT = range(4)
+FRESH_PREFILL_PAGE = (NONE, NONE, (), NO_IDENT)
 
 
 class View(Protocol):
@@ -270,7 +281,12 @@ def _writes_of(s: State, r: int) -> bool:
 
 def _free_prefill_of(pool, r: int, pages: tuple) -> tuple:
     """The page changes that free the pages of `pages` that `r` still owns; data stays."""
-    return tuple((p, (NONE, pool[p][1])) for p in pages if pool[p][0] == r)
+    return tuple((p, _unowned(pool[p])) for p in pages if pool[p][0] == r)
+
+
+def _unowned(page: tuple) -> tuple:
+    """A prefill page owned by nobody; its memory and its cache fields stay."""
+    return (NONE,) + page[1:]
 
 
 def _free_unread_of(s: State, r: int, pages: tuple) -> tuple:
@@ -278,7 +294,7 @@ def _free_unread_of(s: State, r: int, pages: tuple) -> tuple:
     FreeUnreadSources): all of them unless the final word went out early (EarlyDone)."""
     reading = {w[1] for w in s.writes if w[0] == r}
     pool = s.prefill_pool
-    return tuple((p, (NONE, pool[p][1])) for p in pages if pool[p][0] == r and p not in reading)
+    return tuple((p, _unowned(pool[p])) for p in pages if pool[p][0] == r and p not in reading)
 
 
 def _counted(m: Model, row: tuple, writes: int) -> bool:
@@ -376,10 +392,56 @@ def to_send(row: tuple) -> int:
 
 
 def pages_to_compute(m: Model, row: tuple) -> int:
-    """How many prompt pages the prefill computes for the request. The prefill keeps no
-    cache of its own (only decode does), so it computes every page of the prompt, whatever
-    decode holds: the suffix's KV needs the prefix's."""
-    return row[PROMPT]
+    """How many prompt pages the prefill computes for the request: the prompt less the
+    leading pages it found in its own cache at Admit (PCACHED; 0 without a prefill-side
+    cache, or before Admit). What decode holds does not count: the prefill computes the
+    suffix from the prefix's KV, which it must hold itself."""
+    return row[PROMPT] - row[PCACHED]
+
+
+# The prefill-side cache (the spec's PrefillCache): the same identities and keys as
+# decode's, looked up at Admit, sealed at SendDone, evicted by PrefillEvict.
+
+def prefill_hit_pages(m: Model, s: "View", row: tuple) -> tuple:
+    """The prefill's lookup (the spec's PHitLen and PHitPage): for each leading page of the
+    prompt, as long as the prefill has one cached under its key, the lowest-numbered such
+    page. None for a placeholder (FinishedNotRejected: its page holds no prompt's KV)."""
+    if not m.prefill_cache or row[PROMPT] > m.prefill_pages:
+        return ()
+    pool = s.prefill_pool
+    mine = prefill_pages_of(m, s, row)
+    hits = []
+    for i in range(1, row[PROMPT] + 1):
+        key = cache_key(m, row, i)
+        page = next((p for p in mine if pool[p][P_IDENT] == key), None)
+        if page is None:
+            break
+        hits.append(page)
+    return tuple(hits)
+
+
+def sent_from(s: "View", page: int) -> bool:
+    """A write in flight reads out of prefill page `page` (the spec's SentFrom)."""
+    for w in s.writes:
+        if w[1] == page:
+            return True
+    return False
+
+
+def prefill_evictable(m: Model, s: "View", page: int) -> bool:
+    """A cached prefill page the prefill may forget or allocate anew (the spec's
+    PrefillEvictable): nobody reads it and no write in flight reads out of it.
+    EvictWhileSending is the cache that ignores both."""
+    if "EvictWhileSending" in m.bugs:
+        return True
+    return not s.prefill_pool[page][P_READERS] and not sent_from(s, page)
+
+
+def prefill_free(m: Model, s: "View", page: int) -> bool:
+    """Prefill page `page` may be allocated (the spec's FreePrefill): nobody owns it and,
+    if it is cached, it is evictable (the allocation evicts it)."""
+    owner, _, _, ident = s.prefill_pool[page]
+    return owner == NONE and (ident == NO_IDENT or prefill_evictable(m, s, page))
 
 
 WAITS_FOR_TABLE = "decode has not reserved yet: the prefill admits once it has the page table"
@@ -391,7 +453,9 @@ def admission_waits_for_table(m: Model) -> bool:
     return "AdmitBeforeReserve" not in m.bugs
 
 
-def _admit_need(m: Model, row: tuple) -> int | str:
+def _admit_need(m: Model, row: tuple, s: "View | None" = None) -> int | str:
+    """How many fresh source pages Admit takes: the prompt's (a placeholder's one), less
+    the pages the prefill holds cached (with a prefill-side cache, given the view `s`)."""
     if row[PST] != QUEUED:
         return f"the prefill state is {PREFILL_NAMES[row[PST]]}, not Queued"
     if not row[PTABLE] and admission_waits_for_table(m):
@@ -401,6 +465,8 @@ def _admit_need(m: Model, row: tuple) -> int | str:
         if "FinishedNotRejected" not in m.bugs:
             return "the prompt is longer than the prefill pool: it must be rejected"
         need = 1  # the bug: a one-page placeholder stands in for the rejected prompt
+    if m.prefill_cache and s is not None:
+        need -= len(prefill_hit_pages(m, s, row))
     return need
 
 
@@ -420,16 +486,27 @@ def _check_pages(pool: tuple, mine: range, pages: tuple, need: int, which: str) 
 
 
 def admit(m: Model, s: State, r: int, pages: tuple) -> Change | str:
+    """The prefill takes the request: it references the pages it holds cached for the
+    prompt's first k pages (a prefill-side cache) and computes r's KV into `pages`, fresh,
+    for the rest; its sources are the cached pages, then the new ones."""
     row = s.requests[r]
-    need = _admit_need(m, row)
+    need = _admit_need(m, row, s)
     if type(need) is str:
         return need
-    bad = _check_pages(s.prefill_pool, prefill_pages_of(m, s, row), pages, need, "prefill")
+    pool = s.prefill_pool
+    bad = _check_pages(pool, prefill_pages_of(m, s, row), pages, need, "prefill")
     if bad:
         return bad
-    # The prefill computes r's KV into its source pages.
-    return Change(((r, _row(row, PST, RUNNING, SRC, pages)),),
-                  prefill=tuple((p, (r, r)) for p in pages))
+    hits = prefill_hit_pages(m, s, row)
+    for p in pages:
+        if p in hits or not prefill_free(m, s, p):
+            return f"prefill page {p + 1} is cached and in use: it is not free"
+    referenced = tuple((p, pool[p][:P_READERS] + (tuple(sorted(pool[p][P_READERS] + (r,))),
+                                                   pool[p][P_IDENT]))
+                       for p in hits)
+    computed = tuple((p, (r, r, pool[p][P_READERS], NO_IDENT)) for p in pages)  # evicts
+    return Change(((r, _row(row, PST, RUNNING, SRC, hits + pages, PCACHED, len(hits))),),
+                  prefill=referenced + computed)
 
 
 def reject(m: Model, s: State, r: int) -> Change | str:
@@ -475,18 +552,18 @@ def land_write(m: Model, s: State, r: int, page: int) -> Change | str:
     data = s.prefill_pool[w[1]][1]  # the NIC reads the source page now, not at post time
     owner, gen, _, _, readers, ident, kv = s.decode_pool[page]
     if m.prefix_cache:
-        kv = _source_ident(s, w[1])
+        kv = source_ident(s, w[1])
     row = s.requests[r]  # decode counts the write (its completion carries the request)
     freed = ()
     if row[PST] != RUNNING and s.prefill_pool[w[1]][0] == r:
         # The completion frees a source the prefill kept only for this write (EarlyDone).
-        freed = ((w[1], (NONE, data)),)
+        freed = ((w[1], _unowned(s.prefill_pool[w[1]])),)
     return Change(((r, _row(row, LANDED, row[LANDED] + 1)),),
                   decode=((page, (owner, gen, data, w[3], readers, ident, kv)),), prefill=freed,
                   landed=(w,))
 
 
-def _source_ident(s: State, source: int) -> tuple:
+def source_ident(s: State, source: int) -> tuple:
     """The content identity of the KV a prefill page holds (the spec's SourceIdent)."""
     x = s.prefill_pool[source][1]
     if x == NONE or source not in s.requests[x][SRC]:
@@ -503,8 +580,31 @@ def send_done(m: Model, s: State, r: int) -> Change | str:
         return f"{row[SENT]} of {to_send(row)} pages posted"
     if "EarlyDone" not in m.bugs and _writes_of(s, r):
         return "writes of this request are still in flight"
+    if m.prefill_cache and row[PROMPT] <= m.prefill_pages:
+        pages = _prefill_sealed(m, s, r, row) + _prefill_unreferenced(s, r, row)
+    else:  # a placeholder's page (FinishedNotRejected) holds no prompt's KV: never sealed
+        pages = _free_unread_of(s, r, row[SRC])
     return Change(((r, _row(row, PST, P_DONE, FW, MSG_DONE, FW_COUNT, row[SENT])),),
-                  prefill=_free_unread_of(s, r, row[SRC]))
+                  prefill=pages)
+
+
+def _prefill_sealed(m: Model, s: State, r: int, row: tuple) -> tuple:
+    """The pages r computed and still owns, sealed (the spec's PSeals): filed under their
+    keys, owned by nobody. Each was written at Admit, and every write out of it has
+    completed by SendDone, so no page is findable before its KV is whole."""
+    pool = s.prefill_pool
+    return tuple((p, (NONE, data, readers, cache_key(m, row, i + 1)))
+                 for i, p in enumerate(row[SRC]) if i >= row[PCACHED] and pool[p][0] == r
+                 for _, data, readers, _ in (pool[p],))
+
+
+def _prefill_unreferenced(s: State, r: int, row: tuple) -> tuple:
+    """The cached sources r hit, with r no longer among their readers (the spec's
+    PDropReferences): they stay cached for the next request with their prefix."""
+    pool = s.prefill_pool
+    return tuple((p, (owner, data, tuple(x for x in readers if x != r), ident))
+                 for p in row[SRC][:row[PCACHED]]
+                 for owner, data, readers, ident in (pool[p],) if r in readers)
 
 
 def _stop_prefill(m: Model, s: State, r: int, client: int) -> Change:
@@ -515,8 +615,11 @@ def _stop_prefill(m: Model, s: State, r: int, client: int) -> Change:
     # sending, which is on the wire. spec/tlaplus/locality.py checks what actions read.)
     silent = "NoAbortNotice" in m.bugs and not row[CANCEL]
     notice = () if silent else (FW, MSG_ABORT, FW_COUNT, row[SENT])
+    # Its computed pages are freed (not sealed: only a prefill that ended well caches);
+    # the cached pages it hit lose it as a reader.
     return Change(((r, _row(row, PST, ABORTED, CANCEL, 0, *notice, CLIENT, client)),),
-                  prefill=_free_prefill_of(s.prefill_pool, r, row[SRC]))
+                  prefill=_free_prefill_of(s.prefill_pool, r, row[SRC])
+                  + _prefill_unreferenced(s, r, row))
 
 
 def _prefill_can_stop(s: State, r: int) -> str:
@@ -630,13 +733,19 @@ def drop_bootstrap(m: Model, s: State, r: int) -> Change | str:
 
 def checksums_match(s: State, r: int) -> bool:
     """The data path's checksum verdict as the abstract page contents imply it (the spec's
-    ChecksumsMatch): every page sent holds r's data. The oracle for an observed verdict."""
+    ChecksumsMatch): every page sent holds r's data; with a prefix cache (a prompt with
+    tokens), the KV of r's own content identity, whoever computed it. The oracle for an
+    observed verdict."""
     row = s.requests[r]
     pool = s.decode_pool
     table = row[TABLE]
     hit = row[HIT]  # the pages sent are those after the hit decode believes it holds
     for k in range(min(row[SENT], len(table) - hit)):  # a crash can empty the table
-        if pool[table[hit + k][0]][DATA] != r:
+        page = pool[table[hit + k][0]]
+        if row[TOKENS]:  # a prefix cache: the page may come from a source another computed
+            if page[KV] != true_ident(row, hit + k + 1):
+                return False
+        elif page[DATA] != r:
             return False
     return True
 
@@ -834,8 +943,9 @@ def prefill_crash(m: Model, s: State, p: int = 0) -> Change | str:
     if not lost and not any(w[0] in here for w in s.writes):
         return "no request is queued or running at the prefill: a crash loses nothing"
     pool = s.prefill_pool
-    freed = tuple((k, (NONE, pool[k][1])) for k in s.pages_of(p, m.prefill_pages)
-                  if pool[k][0] != NONE)
+    # Its cache index and every reference die with the process; the memory keeps its KV.
+    freed = tuple((k, (NONE, pool[k][1], (), NO_IDENT)) for k in s.pages_of(p, m.prefill_pages)
+                  if pool[k][0] != NONE or pool[k][P_READERS] or pool[k][P_IDENT])
     return Change(lost, prefill=freed, flushed=here)
 
 
@@ -897,7 +1007,7 @@ def _sources_of_failed_writes(s: State, here: tuple) -> tuple:
             continue
         pst = s.requests[r][PST]
         if pst != QUEUED and pst != RUNNING:
-            freed[p] = (NONE, pool[p][1])
+            freed[p] = _unowned(pool[p])
     return tuple(sorted(freed.items()))
 
 
@@ -914,6 +1024,23 @@ def evict(m: Model, s: State, d: int, page: int) -> Change | str:
     if readers:
         return f"decode page {page + 1} has readers: it cannot be evicted"
     return Change(decode=((p, (owner, gen, data, tag, readers, NO_IDENT, kv)),))
+
+
+def prefill_evict(m: Model, s: State, q: int, page: int) -> Change | str:
+    """The prefill forgets cached page `page` (0-based, of worker q's pool): any sealed page
+    nobody reads and no write in flight reads out of (prefill_evictable; EvictWhileSending
+    ignores both). Which one is the implementation's policy (LRU, ...); the spec allows
+    every eligible choice. The memory keeps its KV."""
+    if not m.prefill_cache:
+        return "this model has no prefill-side cache"
+    p = s.pages_of(q, m.prefill_pages)[page]
+    owner, data, readers, ident = s.prefill_pool[p]
+    if ident == NO_IDENT:
+        return f"prefill page {page + 1} is not cached"
+    if not prefill_evictable(m, s, p):
+        return (f"prefill page {page + 1} is read by a request or by a write in flight: it "
+                "cannot be evicted")
+    return Change(prefill=((p, (owner, data, readers, NO_IDENT)),))
 
 
 # A network that loses things for good (the model's losses; the spec's Losses). Faults: a
@@ -969,7 +1096,7 @@ def lose_write(m: Model, s: State, r: int, page: int) -> Change | str:
     freed = ()
     pool = s.prefill_pool
     if s.requests[r][PST] != RUNNING and pool[w[1]][0] == r:
-        freed = ((w[1], (NONE, pool[w[1]][1])),)  # its false completion frees the source
+        freed = ((w[1], _unowned(pool[w[1]])),)  # its false completion frees the source
     return Change(prefill=freed, landed=(w,))
 
 
@@ -1128,6 +1255,18 @@ class Evict(WorkerEvent):
         if m is None or m.one_pair:
             return f"Evict(page {self.page + 1})"
         return f"Evict({m.decode_worker_names[self.worker]}, page {self.page + 1})"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillEvict(WorkerEvent):
+    """The prefill forgets a cached page of its own (its cache's policy, not a fault)."""
+
+    page: int = 0  # 0-based, in the prefill worker's pool
+
+    def label(self, m: Model | None = None) -> str:
+        if m is None or m.one_pair:
+            return f"PrefillEvict(page {self.page + 1})"
+        return f"PrefillEvict({m.prefill_worker_names[self.worker]}, page {self.page + 1})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -1313,6 +1452,7 @@ ACTION_TABLE: tuple[ActionInfo, ...] = (
     ActionInfo(RevokeRelease, "decode", "timer", after_loss=True),
     # The cache's policy: not fair (a cache need not evict), not a fault.
     ActionInfo(Evict, "decode", "policy", argument="page", prefix_cache=True),
+    ActionInfo(PrefillEvict, "prefill", "policy", argument="page", prefix_cache=True),
 )
 
 # Action type -> its function. A dict rather than a table column so that a test can swap
@@ -1326,6 +1466,7 @@ ACTIONS: dict[type, Callable] = {
     DecodeCrash: decode_crash, LoseBootstrap: lose_bootstrap, LoseFinalWord: lose_final_word,
     LoseCancel: lose_cancel, LoseWrite: lose_write, ResendBootstrap: resend_bootstrap,
     ResendCancel: resend_cancel, RevokeRelease: revoke_release, Evict: evict,
+    PrefillEvict: prefill_evict,
 }
 assert tuple(ACTIONS) == tuple(info.event for info in ACTION_TABLE)
 INFO = {info.event: info for info in ACTION_TABLE}
@@ -1360,7 +1501,7 @@ DELIVERY_ACTIONS = frozenset(info.event.__name__ for info in ACTION_TABLE
 # Message -> the actions that consume it, in the order `consumer` tries them.
 CONSUMERS = {message: tuple(info.event for info in ACTION_TABLE if message in info.consumes)
              for message in (BOOTSTRAP, FINAL_WORD_MSG, CANCEL_MSG, WRITE, CLIENT_GONE)}
-_WORKER_ACTIONS = (PrefillCrash, DecodeCrash, Evict)  # no request argument
+_WORKER_ACTIONS = (PrefillCrash, DecodeCrash, Evict, PrefillEvict)  # no request argument
 # Per-request actions other than Arrive, the allocations and LandWrite (which are enumerated
 # over their arguments), in table order; an observed action is enumerated with the verdict
 # its oracle gives.
@@ -1394,6 +1535,11 @@ def change_for(m: Model, s: State, event: Event) -> Change | Refusal:
     if kind is Evict:
         if not (0 <= event.worker < m.decode_workers and 0 <= event.page < m.decode_pages):
             raise ProtocolMisuse(f"{event.label(m)} names no page of the decode workers")
+        out = fn(m, s, event.worker, event.page)
+        return Refusal(event, out) if type(out) is str else out
+    if kind is PrefillEvict:
+        if not (0 <= event.worker < m.prefill_workers and 0 <= event.page < m.prefill_pages):
+            raise ProtocolMisuse(f"{event.label(m)} names no page of the prefill workers")
         out = fn(m, s, event.worker, event.page)
         return Refusal(event, out) if type(out) is str else out
     if kind is PrefillCrash or kind is DecodeCrash:
@@ -1455,7 +1601,9 @@ def apply(m: Model, s: State, event: Event) -> Result:
 # messages an event put in flight, and when nothing more can happen to a request.
 
 def pages_to_admit(m: Model, row: tuple) -> int | str:
-    """How many source pages the prefill must allocate to admit this request, or why not."""
+    """How many source pages the prefill must allocate to admit this request, or why not.
+    From the row alone: a prefill-side cache's hits are not looked up (allocation_need
+    does, on a view); the shells keep no prefill-side cache."""
     return _admit_need(m, row)
 
 
@@ -1546,7 +1694,7 @@ def allocation_need(m: Model, s: State, action: type, r: int) -> int | str:
     if not s.has_request(r):
         raise ProtocolMisuse(f"request {r} does not exist")
     if action is Admit:
-        return pages_to_admit(m, s.requests[r])
+        return _admit_need(m, s.requests[r], s)
     if action is Reserve:
         return _reserve_need(m, s.requests[r], s)
     raise ProtocolMisuse(f"{action!r} is not an allocation (Admit or Reserve)")
@@ -1603,6 +1751,8 @@ class _EventCache:
                        ] if arrivals else []
         self.evict = tuple(Evict(d, p) for d in range(m.decode_workers)
                            for p in range(m.decode_pages))
+        self.prefill_evict = tuple(PrefillEvict(q, p) for q in range(m.prefill_workers)
+                                   for p in range(m.prefill_pages))
         pages = m.decode_pages * m.decode_workers
         self.land = [[LandWrite(r, p) for p in range(pages)] for r in range(m.requests)]
         self.lose = [[LoseWrite(r, p) for p in range(pages)] for r in range(m.requests)]
@@ -1653,10 +1803,11 @@ def _cache(m: Model) -> _EventCache:
 def _allocations(m: Model, s: State, r: int, cache: _EventCache):
     """Every Admit and Reserve enabled for r: one per choice of free pages."""
     row = s.requests[r]
-    need = _admit_need(m, row)
+    need = _admit_need(m, row, s)
     if type(need) is int:
-        pool = s.prefill_pool
-        free = [p for p in prefill_pages_of(m, s, row) if pool[p][0] == NONE]
+        hits = prefill_hit_pages(m, s, row)
+        free = [p for p in prefill_pages_of(m, s, row)
+                if p not in hits and prefill_free(m, s, p)]
         for pages in combinations(free, need):
             event = cache.admit.get((r, pages)) or cache.admit.setdefault((r, pages),
                                                                           Admit(r, pages))
@@ -1713,6 +1864,11 @@ def successors(m: Model, s: State, contents=None) -> Iterator[tuple[Event, State
     if m.prefix_cache:
         for event in cache.evict:
             out = evict(m, s, event.worker, event.page)
+            if type(out) is not str:
+                yield event, commit(s, out)
+    if m.prefill_cache:
+        for event in cache.prefill_evict:
+            out = prefill_evict(m, s, event.worker, event.page)
             if type(out) is not str:
                 yield event, commit(s, out)
 

@@ -151,6 +151,13 @@ BUG_SWITCHES: dict[str, tuple[str, str, str]] = {
         "the cache key leaves the salt out, so two tenants with the same prefix share pages",
         "issue 27 (the cross-tenant sharing public trackers report)",
     ),
+    "EvictWhileSending": (
+        "a cached prefill page is evicted or reused only once no request reads it and no "
+        "write in flight reads out of it",
+        "the prefill's cache evicts or reallocates a cached source page an async send still "
+        "reads, so the write carries another prompt's KV (or none) to decode",
+        "TRT-LLM #12542, vLLM #52360",
+    ),
 }
 
 ALL_BUGS = frozenset(BUG_SWITCHES)
@@ -172,7 +179,7 @@ TLA_CONSTANTS = {"max_prompt_pages": "MaxPromptPages", "context_pages": "Context
                  "prefill_pages": "PrefillPages", "decode_pages": "DecodePages",
                  "crashes": "Crashes", "decode_crashes": "DecodeCrashes",
                  "early_timeouts": "EarlyTimeouts", "prefix_cache": "PrefixCache",
-                 "tokens": "Tokens", "tenants": "Tenants"}
+                 "tokens": "Tokens", "tenants": "Tenants", "prefill_cache": "PrefillCache"}
 
 
 class ModelError(ValueError):
@@ -186,6 +193,10 @@ def _positive(label: str, value) -> None:
 
 def _s(n: int) -> str:
     return "" if n == 1 else "s"
+
+
+def _at_prefill(m) -> str:
+    return ", at the prefill too" if m.prefill_cache else ""
 
 
 @dataclass(frozen=True)
@@ -255,6 +266,10 @@ class Model:
     prefix_cache: bool = False
     tokens: int = 1
     tenants: int = 1
+    # The prefill caches the pages it computed too (the spec's PrefillCache; needs
+    # prefix_cache): it computes only the suffix it does not hold, and sends from the
+    # cached pages.
+    prefill_cache: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "protocol", ProtocolConfig(
@@ -266,9 +281,12 @@ class Model:
             raise ModelError("request_names must name every request")
         for label, value in (("crashes", self.crashes), ("decode_crashes", self.decode_crashes),
                              ("early_timeouts", self.early_timeouts),
-                             ("prefix_cache", self.prefix_cache)):
+                             ("prefix_cache", self.prefix_cache),
+                             ("prefill_cache", self.prefill_cache)):
             if not isinstance(value, bool):
                 raise ModelError(f"{label} must be TRUE or FALSE, got {value!r}")
+        if self.prefill_cache and not self.prefix_cache:
+            raise ModelError("prefill_cache (PrefillCache) needs prefix_cache (PrefixCache)")
         object.__setattr__(self, "bugs", frozenset(self.bugs))
         unknown = set(self.losses) - set(LOSS_KINDS)
         if unknown:
@@ -329,7 +347,8 @@ class Model:
         DecodeCrashes, EarlyTimeouts, Losses, PrefillWorkers and DecodeWorkers may be absent
         (files written before decode crashes, timely timers, lossy networks and worker sets
         existed: FALSE, TRUE, {}, {p1} and {d1}, what those files meant)."""
-        optional = {"DecodeCrashes", "EarlyTimeouts", "PrefixCache", "Tokens", "Tenants"}
+        optional = {"DecodeCrashes", "EarlyTimeouts", "PrefixCache", "Tokens", "Tenants",
+                    "PrefillCache"}
         try:
             names = tuple(str(n) for n in constants["Requests"])
             fields = {field: constants[constant] for field, constant in TLA_CONSTANTS.items()
@@ -352,6 +371,7 @@ class Model:
                    decode_crashes=constants.get("DecodeCrashes", False),
                    early_timeouts=constants.get("EarlyTimeouts", True),
                    prefix_cache=constants.get("PrefixCache", False),
+                   prefill_cache=constants.get("PrefillCache", False),
                    tokens=constants.get("Tokens", 1), tenants=constants.get("Tenants", 1),
                    losses=frozenset(constants.get("Losses", ())), **fields)
 
@@ -370,6 +390,6 @@ class Model:
             f"{', decode crashes' if self.decode_crashes else ''}"
             f"{'' if self.early_timeouts else ', timely timers'}"
             f"{', the network loses ' + ', '.join(sorted(self.losses)) if self.losses else ''}"
-            f"{f', prefix cache ({self.tokens} token kind{_s(self.tokens)}, {self.tenants} salt{_s(self.tenants)})' if self.prefix_cache else ''}"
+            f"{f', prefix cache ({self.tokens} token kind{_s(self.tokens)}, {self.tenants} salt{_s(self.tenants)}{_at_prefill(self)})' if self.prefix_cache else ''}"
             f"; bugs: {bugs}"
         )

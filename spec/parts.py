@@ -592,7 +592,8 @@ class Split:
             return None
         if type(event) is core.PrefillCrash:
             return self.prefills[event.worker]
-        if type(event) is core.Evict:  # prefix caching: not split by role yet (issue 27)
+        if type(event) in (core.Evict, core.PrefillEvict):  # prefix caching: not split by
+            # role yet (issue 27)
             if self.model.prefix_cache:
                 raise core.ProtocolMisuse("the split state has no prefix cache yet")
             return "this model has no prefix cache"

@@ -16,6 +16,7 @@ from typing import Callable
 
 from spec.core import (
     ANNOUNCED, DW, FW_COUNT, IDENT, KV, LANDED, NO_IDENT, PTABLE, PW, READERS, SALT,
+    PCACHED, P_READERS, source_ident,
     BOOT, CANCEL, CLIENT, CLOSING, DECODING, DST, D_WAITING, ERR_DECODE, ERR_PREFILL, ERR_TAG,
     ERR_TIMEOUT, ERR_TRANSFER, FW, GEN, GONE, IDLE, LEAKED, NONE, NO_MSG, OK, OWNER, PROMPT, PST, QUEUED, RELEASED, RUNNING, SENT, SRC,
     TABLE, TOMB, WAITING, State, bootstrap_resend_due, cancel_resend_due, loss_recovery_due,
@@ -63,9 +64,11 @@ def TypeOK(m: Model, s: State) -> bool:
     for owner, gen, data, tag, _, _, _ in s.decode_pool:
         if not (-1 <= owner < n and gen >= 0 and -1 <= data < n):
             return False
-    for owner, data in s.prefill_pool:
-        if not (-1 <= owner < n and -1 <= data < n):
+    for owner, data, readers, _ in s.prefill_pool:
+        if not (-1 <= owner < n and -1 <= data < n and all(0 <= x < n for x in readers)):
             return False
+    if any(not 0 <= row[PCACHED] <= m.max_prompt_pages for row in s.requests):
+        return False
     return all(0 <= r < n and 0 <= src < m.prefill_pages * m.prefill_workers
                and 0 <= dst < m.decode_pages * m.decode_workers
                for r, src, dst, _ in s.writes)
@@ -102,7 +105,7 @@ def ExclusiveOwner(m: Model, s: State) -> bool:
             for p, gen in row[TABLE]:  # its own page, or a cached page it reads
                 if (pool[p][OWNER] != r and r not in pool[p][READERS]) or pool[p][GEN] != gen:
                     return False
-    for p, (r, _) in enumerate(s.prefill_pool):
+    for p, (r, _, _, _) in enumerate(s.prefill_pool):
         if r == NONE:
             continue
         # A stopped request keeps a source only while a write of it still reads the page.
@@ -129,6 +132,11 @@ def SaltsApart(m: Model, s: State) -> bool:
         for r in page[READERS]:
             if page[KV] == NO_IDENT or page[KV][0] != rows[r][SALT]:
                 return False
+    for p, page in enumerate(s.prefill_pool):  # the prefill-side cache's too
+        if page[P_READERS]:
+            ident = source_ident(s, p)
+            if ident == NO_IDENT or any(ident[0] != rows[r][SALT] for r in page[P_READERS]):
+                return False
     return True
 
 
@@ -143,7 +151,17 @@ def ReadersAreLive(m: Model, s: State) -> bool:
             for p, _ in row[TABLE]:
                 if pool[p][OWNER] != r:
                     live.setdefault(p, set()).add(r)
-    return all(set(page[READERS]) == live.get(p, set()) for p, page in enumerate(pool))
+    if not all(set(page[READERS]) == live.get(p, set()) for p, page in enumerate(pool)):
+        return False
+    # The prefill side: a cached source's readers are the running requests that hit it
+    # at Admit (the first PCACHED of their sources).
+    live = {}
+    for r, row in enumerate(s.requests):
+        if row[PST] == RUNNING:
+            for p in row[SRC][:row[PCACHED]]:
+                live.setdefault(p, set()).add(r)
+    return all(set(page[P_READERS]) == live.get(p, set())
+               for p, page in enumerate(s.prefill_pool))
 
 
 def SealedIsQuiet(m: Model, s: State) -> bool:
@@ -155,13 +173,21 @@ def SealedIsQuiet(m: Model, s: State) -> bool:
             return False
         if page[IDENT] != NO_IDENT and page[OWNER] != NONE:
             return False
+    for owner, _, readers, ident in s.prefill_pool:  # and the prefill's cached sources
+        if readers and ident == NO_IDENT or ident != NO_IDENT and owner != NONE:
+            return False
     return all(pool[dst][IDENT] == NO_IDENT for _, _, dst, _ in s.writes)
 
 
 def SourceHeld(m: Model, s: State) -> bool:
-    """A source page that an in-flight write still reads belongs to that write's request."""
+    """A source page that an in-flight write still reads belongs to that write's request,
+    or (a prefill-side cache) is a cached page, still sealed, that the request reads."""
     pool = s.prefill_pool
-    return all(pool[src][0] == r for r, src, _, _ in s.writes)
+    for r, src, _, _ in s.writes:
+        owner, _, readers, ident = pool[src]
+        if owner != r and not (r in readers and ident != NO_IDENT):
+            return False
+    return True
 
 
 def RejectedIsError(m: Model, s: State) -> bool:

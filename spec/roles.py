@@ -29,6 +29,7 @@ ROUTER, PREFILL, DECODE, WIRE_OWNER, GHOST = "router", "prefill", "decode", "wir
 OWNERS = {
     "client": ROUTER, "prompt": ROUTER, "pworker": ROUTER, "dworker": ROUTER,
     "tokens": ROUTER, "salt": ROUTER, "phit": PREFILL, "hit": DECODE, "readers": DECODE,
+    "pcached": PREFILL, "preaders": PREFILL, "pident": PREFILL,
     "ident": DECODE, "kv": DECODE,
     "pst": PREFILL, "sent": PREFILL, "src": PREFILL, "ptable": PREFILL, "powner": PREFILL,
     "pdata": PREFILL, "writes": PREFILL,
@@ -117,5 +118,5 @@ def why_not(worker: str, variable: str) -> str:
 
 # The core's view attributes -> the spec variables they stand for (a pool is its role's).
 VIEW_PARTS = {"decode_pool": ("owner", "gen", "content", "readers", "ident", "kv"),
-              "prefill_pool": ("powner", "pdata"),
+              "prefill_pool": ("powner", "pdata", "preaders", "pident"),
               "writes": ("writes",)}

@@ -460,7 +460,8 @@ class Store:
         decode = tuple((who(o), g, who(data), t, tuple(who(x) for x in readers), ident, kv)
                        for pool in self.decode_pools
                        for o, g, data, t, readers, ident, kv in pool)
-        prefill = tuple((who(o), who(data)) for pool in self.prefill_pools for o, data in pool)
+        prefill = tuple((who(o), who(data), tuple(who(x) for x in readers), ident)
+                        for pool in self.prefill_pools for o, data, readers, ident in pool)
         writes = tuple(sorted((index[r], s + self.placement[r][0] * pp, t + d * dp, tag)
                               for d, ws in enumerate(self.writes_into) for r, s, t, tag in ws))
         flat = replace(m, requests=len(rows), request_names=())

@@ -154,12 +154,12 @@ def test_every_action_fires_in_the_default_model_except_the_reject_paths():
     """Coverage: a guard whose action never fires proves nothing. The default model's
     startup check keeps over-long prompts at the router, so the workers' reject paths are
     exercised by the reject-paths model instead (next test); crashes by the crash models,
-    losses by the lossy one, eviction by the prefix model."""
+    losses by the lossy one, eviction by the prefix models."""
     result = checked("default", frozenset())
     never = {a for a in core.ACTION_NAMES if result.action_transitions.get(a, 0) == 0}
     assert never == {"Reject", "DecodeReject", "PrefillCrash", "DecodeCrash", "LoseBootstrap",
                      "LoseFinalWord", "LoseCancel", "LoseWrite", "ResendBootstrap",
-                     "ResendCancel", "RevokeRelease", "Evict"}
+                     "ResendCancel", "RevokeRelease", "Evict", "PrefillEvict"}
     crash = checked("crash", frozenset())
     assert crash.action_transitions["PrefillCrash"] > 0
     lossy = checked("lossy", frozenset())  # the network's losses and what recovers from them
@@ -168,6 +168,8 @@ def test_every_action_fires_in_the_default_model_except_the_reject_paths():
                          "ResendBootstrap", "ResendCancel", "RevokeRelease"))
     prefix = checked("prefix", frozenset())  # a prefix cache evicts
     assert prefix.action_transitions["Evict"] > 0
+    prefill = checked("prefix-prefill", frozenset())  # and so does the prefill's own cache
+    assert prefill.action_transitions["PrefillEvict"] > 0
 
 
 def test_reject_paths_model_holds_and_exercises_both_reject_paths():

@@ -58,6 +58,9 @@ STATES = {
     "bug-StaleHitLength": 196137,
     "bug-NoRefCount": 401311, "bug-FullHitNoNotice": 412907, "bug-NoSalt": 436279,
     "zoo-stale-hit-reads-unwritten": 189172,
+    # Prefix caching at the prefill too (issue 27): the prefix model with one salt and the
+    # prefill's own cache, and EvictWhileSending on it (zoo-evict-while-sending's graph).
+    "prefix-prefill": 211869, "bug-EvictWhileSending": 215997, "prefix-prefill-crash": 280919,
 }
 # The switches of an early final word and of a decode restart came after the pinned
 # every-switch figure: it stays pinned for the thirteen before them.
@@ -157,6 +160,27 @@ def test_each_sampled_models_companion_conforms_whole(names):
     result = check_conformance(model, symmetry=True)
     assert result.ok, result.disagreement.report(model)
     assert result.states == COMPANION_STATES[names]
+
+
+# The prefill-side cache beside the switches that touch its pages, on a one-page prefill
+# pool (none of them is a shipped model's): a placeholder that is never sealed, an early
+# Done over sealed sources, an eviction under a send, reused sources, salts and references.
+PREFILL_CACHE_CORNERS = {
+    ("PoolBelowContext", "FinishedNotRejected", "EarlyDone"): (1, 70927),
+    ("EvictWhileSending", "SourceReuse", "NoChecksum"): (1, 33524),
+    ("NoSalt", "NoRefCount", "StaleHitLength"): (2, 85442),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bugs", sorted(PREFILL_CACHE_CORNERS), ids="+".join)
+def test_the_prefill_cache_conforms_beside_the_switches_that_touch_its_pages(bugs):
+    tenants, states = PREFILL_CACHE_CORNERS[bugs]
+    model = Model(name="prefill-cache-corner", bugs=frozenset(bugs),
+                  **{**BASES["prefix-prefill"], "prefill_pages": 1, "tenants": tenants})
+    result = check_conformance(model, symmetry=True)
+    assert result.ok, result.disagreement.report(model)
+    assert result.states == states
 
 
 def test_random_walks_catch_a_mutated_core_on_a_large_model(monkeypatch):

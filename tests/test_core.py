@@ -173,7 +173,7 @@ def test_prefill_crash_loses_running_requests_and_flushes_their_writes():
     row = s.requests[0]
     assert core.PREFILL_NAMES[row[core.PST]] == "Aborted"
     assert core.CLIENT_NAMES[row[core.CLIENT]] == "ErrPrefill"
-    assert s.writes == () and all(owner == core.NONE for owner, _ in s.prefill_pool)
+    assert s.writes == () and all(page[0] == core.NONE for page in s.prefill_pool)
     # Nothing left to lose: a second crash is refused, and models without crashes refuse it.
     assert isinstance(apply(m, s, core.PrefillCrash()), Refusal)
     assert "Crashes = FALSE" in apply(DEFAULT, initial_state(DEFAULT), core.PrefillCrash()).reason

@@ -40,6 +40,9 @@ TRACES = {
                  R(1, (0, 1, 2)), Ad(1, (0,)), S(1), L(1, 0), D(1), core.Accept(1, True),
                  core.Finish(1, True)],
     "bug-SourceReuse": [A(0, 1, 0, 0), R(0, (0,)), Ad(0, (0,)), S(0)],
+    "bug-EvictWhileSending": [A(0, 1, 0, 0, (1,), 1), A(1, 1, 0, 0, (1,), 1), R(0, (0,)),
+                              R(1, (1,)), Ad(0, (0,)), S(0), L(0, 0), D(0), Ad(1, ()),
+                              core.PrefillEvict(0, 0)],
     "bug-EagerRelease": [A(0, 1, 0, 0), R(0, (0,)), Ad(0, (0,)), S(0), core.Timeout(0),
                          core.Release(0)],
 }
@@ -54,6 +57,9 @@ CASES = [
     ("incident", ("RejectedIsError", "Isolation", "OkIsClean")),
     ("bug-SourceReuse", ("SourceHeld",)),
     ("bug-EagerRelease", ("NoWriteIntoForeign",)),
+    ("prefix-prefill", ()),
+    ("prefix-prefill-crash", ()),
+    ("bug-EvictWhileSending", ("SealedIsQuiet",)),
 ]
 
 

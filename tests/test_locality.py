@@ -215,7 +215,7 @@ def test_every_pool_a_checked_action_indexes_is_its_own_workers():
                      # Sealing the pages of an accepted transfer (prefix cache).
                      "Accept": ("dworker[r]",),
                      # A worker's own action names its worker by its parameter.
-                     "Evict": ("d",)}
+                     "Evict": ("d",), "PrefillEvict": ("q",)}
 
 
 def _mutant(old: str, new: str) -> str:

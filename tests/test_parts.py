@@ -36,15 +36,16 @@ def names(fields) -> set:
 
 
 def test_each_part_holds_what_its_role_may_read_and_no_more():
-    # tokens, salt (the router's), phit and hit: prefix caching's (issue 27).
+    # tokens, salt (the router's), phit, pcached and hit: prefix caching's (issue 27).
     assert names(HELD[ROUTER]) == {"client", "prompt", "pworker", "dworker", "tokens", "salt"}
-    assert names(HELD[PREFILL]) == {"pst", "sent", "src", "ptable", "cancel", "phit",
+    assert names(HELD[PREFILL]) == {"pst", "sent", "src", "ptable", "cancel", "phit", "pcached",
                                     "client", "prompt", "pworker", "tokens", "salt"}
     assert names(HELD[DECODE]) == {"dst", "table", "dfw", "announced", "landed", "boot",
                                    "fwMsg", "fwCount", "hit", "client", "prompt", "dworker",
                                    "tokens", "salt"}
     # The granted facts are copies: the router is the one authority on them.
-    assert names(AUTHORITY[PREFILL]) == {"pst", "sent", "src", "ptable", "cancel", "phit"}
+    assert names(AUTHORITY[PREFILL]) == {"pst", "sent", "src", "ptable", "cancel", "phit",
+                                         "pcached"}
     assert names(AUTHORITY[DECODE]) == {"dst", "table", "dfw", "announced", "landed", "boot",
                                         "fwMsg", "fwCount", "hit"}
     # Every field has one authority, except the ghost, which the split keeps.

@@ -263,6 +263,11 @@ TLC_FIGURES = {
     "zoo-no-refcount": ('ExclusiveOwner', 11),
     "zoo-full-hit-no-notice": ('NoStuckRequest', 13),
     "zoo-no-salt": ('SaltsApart', 9),
+    # issue 27: prefix caching at the prefill too
+    "prefix-prefill": (423721, 30),
+    "prefix-prefill-crash": (561817, 30),
+    "bug-EvictWhileSending": ('SealedIsQuiet', 10),
+    "zoo-evict-while-sending": ('SealedIsQuiet', 10),
 }
 
 

@@ -277,6 +277,7 @@ def cfg_for(model: Model, invariants: tuple[str, ...], properties: tuple[str, ..
              f"    EarlyTimeouts = {'TRUE' if model.early_timeouts else 'FALSE'}",
              f"    PrefixCache = {'TRUE' if model.prefix_cache else 'FALSE'}",
              f"    Tokens = {model.tokens}", f"    Tenants = {model.tenants}",
+             f"    PrefillCache = {'TRUE' if model.prefill_cache else 'FALSE'}",
              f"    Losses = {{{', '.join(chr(34) + k + chr(34) for k in sorted(model.losses))}}}",
              f"    Bugs = {{{bugs}}}",
              f"SPECIFICATION {'LossyFairSpec' if model.losses else 'FairSpec'}", "INVARIANTS",

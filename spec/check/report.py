@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from spec.check.checker import CheckResult
 from spec.properties import Violation
-from spec.model import Model
+from spec.model import _at_prefill, Model
 from spec.tlaplus.tlaview import changes, format_value, to_tla, VARIABLES
 
 KIND_TEXT = {
@@ -36,7 +36,7 @@ def describe_model(m: Model) -> str:
             f"{', prefill crashes' if m.crashes else ''}"
             f"{', decode crashes' if m.decode_crashes else ''}"
             f"{'' if m.early_timeouts else ', timely timers'}"
-            f"{f', prefix cache ({m.tokens} token kind{_s(m.tokens)}, {m.tenants} salt{_s(m.tenants)})' if m.prefix_cache else ''}"
+            f"{f', prefix cache ({m.tokens} token kind{_s(m.tokens)}, {m.tenants} salt{_s(m.tenants)}{_at_prefill(m)})' if m.prefix_cache else ''}"
             f"; bugs: {bugs}")
 
 

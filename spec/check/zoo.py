@@ -104,6 +104,17 @@ BASES: dict[str, dict[str, int]] = {
     "prefix-crash": dict(requests=2, max_prompt_pages=2, context_pages=2, prefill_pages=2,
                          decode_pages=2, prefix_cache=True, tokens=1, tenants=1, crashes=True,
                          decode_crashes=True),
+    # The prefill caches too (PrefillCache): a request may hit at the prefill, at decode,
+    # at both or at neither, and send from a cached source page another request computed.
+    "prefix-prefill": dict(requests=2, max_prompt_pages=2, context_pages=2, prefill_pages=2,
+                           decode_pages=2, prefix_cache=True, tokens=1, tenants=1,
+                           prefill_cache=True),
+    # Its crash variant: the prefill may crash, which wipes its cache index and every
+    # reference (decode crashes, which wipe decode's, are prefix-crash's; both together
+    # would cost about twice prefix-crash's 1,094,048 orbits).
+    "prefix-prefill-crash": dict(requests=2, max_prompt_pages=2, context_pages=2,
+                                 prefill_pages=2, decode_pages=2, prefix_cache=True, tokens=1,
+                                 tenants=1, prefill_cache=True, crashes=True),
 }
 # Two requests on worker sets, one-page pools and prompts, both kinds of crash: where two
 # requests share or split workers. Too large for conformance in CI and for TLC's table here
@@ -158,6 +169,13 @@ BASE_NOTES = {
     "prefix-crash": "The prefix model with one salt, and either worker may crash and "
                     "restart: a decode restart loses its cache index and every reference, a "
                     "prefill restart a tail transfer.",
+    "prefix-prefill": "Prefix caching at both workers: two requests with prompts of 1..2 "
+                      "pages (one token kind, one salt), pools of 2 pages; the prefill "
+                      "computes only the suffix it does not hold and sends from cached "
+                      "sources, seals at SendDone, evicts what nobody reads or sends from.",
+    "prefix-prefill-crash": "The prefix-prefill model, and the prefill may crash and restart: "
+                            "its restart loses its cache index and every reference, and the "
+                            "requests it ran.",
 }
 
 
@@ -252,6 +270,15 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("no-salt", frozenset({"NoSalt"}), "SaltsApart", 9, base="prefix",
           story="The cache key leaves out the salt: a request of another tenant with the "
                 "same prefix hits, and reads, the first tenant's pages."),
+    Entry("evict-while-sending", frozenset({"EvictWhileSending"}), "SealedIsQuiet", 10,
+          base="prefix-prefill",
+          story="TRT-LLM #12542, vLLM #52360: the prefill's cache evicts a cached source "
+                "page while a request that hit it still sends from it (the page leaves the "
+                "cache under its reader). With a third request of another tenant and "
+                "NoChecksum too, its allocation overwrites the page before the async send "
+                "reads it, and decode decodes from that tenant's KV: Isolation, 17 steps "
+                "(checked by hand on three requests; tests/test_prefix.py pins it step by "
+                "step)."),
 )
 ENTRY_BY_NAME = {e.name: e for e in ENTRIES}
 
@@ -393,6 +420,11 @@ ALONE: tuple[Alone, ...] = (
     Alone("NoRefCount", breaks="ExclusiveOwner", length=11, base="prefix"),
     Alone("FullHitNoNotice", breaks="NoStuckRequest", length=13, base="prefix"),
     Alone("NoSalt", breaks="SaltsApart", length=9, base="prefix"),
+    # A cached source a request still reads is evicted: the page is no longer sealed under
+    # its reader. With two requests nobody reallocates it before the send completes (the
+    # only other request sealed it and is done), so no data leaks here;
+    # tests/test_prefix.py shows a third request's allocation carrying foreign KV to decode.
+    Alone("EvictWhileSending", breaks="SealedIsQuiet", length=10, base="prefix-prefill"),
 )
 assert {a.switch for a in ALONE} == set(BUG_SWITCHES)
 

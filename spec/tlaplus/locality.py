@@ -202,8 +202,9 @@ class _Walker:
 # With worker sets the owner rule above is not enough: a prefill action reading powner is
 # reading its own role's variable, whichever worker's slice it reads. So the variables are
 # also sorted by what indexes them, and every subscript a checked action uses is checked.
-WORKER_INDEXED = {"powner": PREFILL, "pdata": PREFILL, "owner": DECODE, "gen": DECODE,
-                  "content": DECODE, "readers": DECODE, "ident": DECODE, "kv": DECODE}
+WORKER_INDEXED = {"powner": PREFILL, "pdata": PREFILL, "preaders": PREFILL, "pident": PREFILL,
+                  "owner": DECODE, "gen": DECODE, "content": DECODE, "readers": DECODE,
+                  "ident": DECODE, "kv": DECODE}
 SEND_QUEUE = "writes"   # the prefill's, one set of records: a write is its request's worker's
 UNINDEXED = {"leaked"}  # the ghost, a set
 PLACEMENT = {PREFILL: "pworker", DECODE: "dworker"}  # how a request names its worker
@@ -223,7 +224,8 @@ class _Indices:
     A subscript is rendered as text: a name (an action parameter, or `<x>` for a variable
     bound inside the action), `f[e]` and `e.field`; anything else as its source text. A
     bound write `w \\in writes` whose filter confines it to the action's own request or
-    worker (a conjunct `w.req = r` or `pworker[w.req] = pworker[r]`) renders as `<own w>`.
+    worker (a conjunct `w.req = r` or `pworker[w.req] = pworker[r]`, or `pworker[w.req] = q`
+    in an action of worker q as a whole) renders as `<own w>`.
     """
 
     def __init__(self, walker: "_Walker", text: str) -> None:
@@ -271,8 +273,10 @@ class _Indices:
             else:
                 conjuncts.append(node)
         inner = {**env, bound: f"<{bound}>"}
+        # A worker's own action (PrefillEvict(q, p)) names its worker by its parameter.
         own = ({f"<{bound}>.req", self.request},
-               {f"pworker[<{bound}>.req]", f"pworker[{self.request}]"})
+               {f"pworker[<{bound}>.req]", f"pworker[{self.request}]"},
+               {f"pworker[<{bound}>.req]", self.request})
         for node in conjuncts:
             if type(node).__name__ == "OperatorApplication" and node.operator == "=":
                 sides = {self.render(a, inner) for a in node.arguments}
@@ -494,7 +498,7 @@ CORE_PATH = SPEC_PATH.parent / "core.py"
 ROW_CONSTANTS = {name: core.ROW_FIELDS[getattr(core, name)] for name in (
     "CLIENT", "PROMPT", "PST", "SENT", "SRC", "DST", "TABLE", "BOOT", "FW", "DFW", "CANCEL",
     "PTABLE", "FW_COUNT", "ANNOUNCED", "LANDED", "LEAKED", "PW", "DW", "TOKENS", "SALT", "HIT",
-    "PHIT")}
+    "PHIT", "PCACHED")}
 assert sorted(ROW_CONSTANTS.values()) == sorted(core.ROW_FIELDS)
 
 
@@ -567,14 +571,20 @@ def core_pool_violations(m, states) -> list[str]:
             info = core.INFO[type(event)]
             if info.kind not in CHECKED_KINDS or info.worker not in (PREFILL, DECODE):
                 continue
-            if isinstance(event, core.WorkerEvent):  # Evict: its own worker's pages only
+            if isinstance(event, core.WorkerEvent):  # an eviction: its own worker's pages only
                 seen = set()
-                pool = _RecordingPool(s.decode_pool, seen)
-                change = core.ACTIONS[type(event)](
-                    m, core.State(s.requests, pool, s.prefill_pool, s.writes), event.worker,
-                    event.page)
-                own = set(s.pages_of(event.worker, m.decode_pages))
-                if not (seen | {p for p, _ in change.decode}) <= own or change.rows:
+                if info.worker == DECODE:
+                    view = core.State(s.requests, _RecordingPool(s.decode_pool, seen),
+                                      s.prefill_pool, s.writes)
+                else:
+                    view = core.State(s.requests, s.decode_pool,
+                                      _RecordingPool(s.prefill_pool, seen), s.writes)
+                change = core.ACTIONS[type(event)](m, view, event.worker, event.page)
+                pages = m.decode_pages if info.worker == DECODE else m.prefill_pages
+                own = set(s.pages_of(event.worker, pages))
+                touched = change.decode if info.worker == DECODE else change.prefill
+                other = change.prefill if info.worker == DECODE else change.decode
+                if not (seen | {p for p, _ in touched}) <= own or change.rows or other:
                     out[f"{event.action} ({info.worker}) reads or changes what is not its "
                         "worker's pool"] = None
                 continue

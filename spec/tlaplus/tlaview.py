@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from spec.core import (
     ANNOUNCED, BOOT, CANCEL, CLIENT, CLIENT_NAMES, DECODE_NAMES, DFW, DST, DW, FW, FW_COUNT, HIT,
-    LANDED, LEAKED, MESSAGE_NAMES, NONE, PHIT, PREFILL_NAMES, PROMPT, PST, PTABLE, PW, SALT,
+    LANDED, LEAKED, MESSAGE_NAMES, NONE, PCACHED, PHIT, PREFILL_NAMES, PROMPT, PST, PTABLE, PW, SALT,
     SENT, SRC, TABLE, TOKENS, State,
 )
 from spec.model import Model
@@ -24,8 +24,8 @@ from spec.tlaplus.tlavalues import ModelValue
 
 VARIABLES = ("client", "prompt", "pst", "sent", "src", "dst", "table", "boot", "fwMsg", "dfw",
              "cancel", "ptable", "fwCount", "announced", "landed", "leaked", "pworker", "dworker",
-             "tokens", "salt", "hit", "phit", "owner", "gen", "content", "readers", "ident", "kv",
-             "powner", "pdata", "writes")
+             "tokens", "salt", "hit", "phit", "pcached", "owner", "gen", "content", "readers",
+             "ident", "kv", "powner", "pdata", "preaders", "pident", "writes")
 
 
 NO_REQ = ModelValue("NoReq")
@@ -122,6 +122,7 @@ MAPPING = {
     "salt": _per_request(SALT, lambda v: v),
     "hit": _per_request(HIT, lambda v: v),
     "phit": _per_request(PHIT, lambda v: v),
+    "pcached": _per_request(PCACHED, lambda v: v),
     "owner": (_decode_pool, _per_worker("decode_pages", "decode_worker_names",
                                         lambda m, page: _req(m, page[0]))),
     "gen": (_decode_pool, _per_worker("decode_pages", "decode_worker_names",
@@ -138,6 +139,11 @@ MAPPING = {
                                           lambda m, page: _req(m, page[0]))),
     "pdata": (_prefill_pool, _per_worker("prefill_pages", "prefill_worker_names",
                                          lambda m, page: _req(m, page[1]))),
+    "preaders": (_prefill_pool, _per_worker("prefill_pages", "prefill_worker_names",
+                                            lambda m, page: frozenset(_req(m, x)
+                                                                      for x in page[2]))),
+    "pident": (_prefill_pool, _per_worker("prefill_pages", "prefill_worker_names",
+                                          lambda m, page: _ident(m, page[3]))),
     "writes": (_writes, lambda m, writes: frozenset(
         Record((("req", _req(m, r)), ("src", src % m.prefill_pages + 1),
                 ("dst", dst % m.decode_pages + 1), ("gen", g)))
