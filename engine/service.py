@@ -36,6 +36,9 @@ class GenerationRequest:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the top k
+    # The prefix cache's salt (engine/prefix.py, 1..SALT_MAX): only requests of one salt
+    # share cached pages. A server derives it from the tenant and the request's cache_salt.
+    cache_salt: int = 1
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     detail: str = ""  # one line for the operator (what the core refused, which guard)
+    cached_tokens: int = 0  # prompt tokens decode read from its prefix cache
 
 
 Event = TokenOut | Finished
@@ -95,6 +99,10 @@ class PoolSnapshot:
     held: int
     tombstoned: int
     writes_in_flight: int
+    # Decode's prefix cache: pages filed under a key (read or idle), and those nobody
+    # reads (counted in `free`: an allocation evicts them).
+    cached: int = 0
+    cached_idle: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,186 @@
+"""Decode's prefix cache in the protocol-driven engine (engine/prefix.py, issue 28), over
+tiny random Llama and Qwen2 models in fp32 on the CPU.
+
+What is pinned: with the cache on, greedy generation gives the same tokens as with it off
+and logits within LOGITS_ATOL, for waves of requests whose prompts share prefixes, while
+the cache hits (exact hit, transfer and eviction counts) and after LRU evictions under pool
+pressure; a hit page is read where the sharer's prefill wrote it; a partial last page and
+output pages never match; the run's log (with its Evict records) replays through a fresh
+store to the same pools; a drained engine holds only free and idle cached pages.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from engine.eventlog import read_log, replay, write_log  # noqa: E402
+from engine.model import LlamaModel  # noqa: E402
+from engine.prefix import DIGEST_MAX, Nonces, page_digest, page_tokens_of  # noqa: E402
+from engine.runtime import Runtime, RuntimeConfig  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from engine.service import Finished, GenerationRequest  # noqa: E402
+from engine.weights import load_checkpoint  # noqa: E402
+from engine_cases import LOGITS_ATOL, make_hf_model  # noqa: E402
+from spec import core  # noqa: E402
+
+PAGE = 4
+
+
+@pytest.fixture(scope="module", params=["llama-gqa", "qwen2"])
+def model(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    make_hf_model(request.param, folder)
+    return LlamaModel(load_checkpoint(folder))
+
+
+def ids(seed: int, length: int) -> tuple[int, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(0, 211, (length,), generator=generator).tolist())
+
+
+SYSTEM = ids(100, 13)  # three full pages and one token of a fourth
+OTHER = ids(200, 12)   # another prefix: three full pages
+
+
+class Recorder:
+    """Every request's tokens, logits rows and end, from the runtime's own token path."""
+
+    def __init__(self, rt: Runtime):
+        self.tokens: dict[int, list] = {}
+        self.logits: dict[int, list] = {}
+        self.ends: dict[int, Finished] = {}
+        inner = rt._next_token
+
+        def next_token(live, token, logits):
+            self.tokens.setdefault(live.request_id, []).append(token)
+            self.logits.setdefault(live.request_id, []).append(logits.clone())
+            inner(live, token, logits)
+        rt._next_token = next_token
+
+    def __call__(self, event):
+        if isinstance(event, Finished):
+            assert event.request_id not in self.ends
+            self.ends[event.request_id] = event
+
+
+def drain(rt: Runtime, steps_max: int = 3000) -> None:
+    for _ in range(steps_max):
+        if rt.idle:
+            return
+        rt.step()
+    raise AssertionError(f"not idle after {steps_max} steps")
+
+
+def step_until(rt: Runtime, condition, steps_max: int = 1000) -> None:
+    for _ in range(steps_max):
+        if condition():
+            return
+        rt.step()
+    raise AssertionError("condition never held")
+
+
+# Waves: each wave arrives once the previous wave's transfers are accepted (its prompt
+# pages sealed), so later waves find them cached. Wave 2 shares SYSTEM with wave 1 while
+# wave 1 still decodes; wave 3 brings OTHER, whose pages push idle SYSTEM pages out of a
+# small pool; wave 4 comes back to SYSTEM after the evictions.
+WAVES = [
+    [SYSTEM + ids(1, 5)],
+    [SYSTEM + ids(2, 7), SYSTEM[:8] + ids(3, 6), SYSTEM + ids(1, 5)],
+    [OTHER + ids(4, 9), OTHER + ids(5, 3)],
+    [SYSTEM + ids(6, 4), OTHER + ids(7, 2)],
+]
+MAX_TOKENS = 6
+
+
+def serve_waves(model, prefix_cache: bool, decode_pages: int = 24, **overrides):
+    rt = Runtime(model, RuntimeConfig(prefill_pages=64, decode_pages=decode_pages,
+                                      page_tokens=PAGE, context_tokens=64,
+                                      prefill_chunk_tokens=8, transfer_timeout_s=1e9,
+                                      lease_s=1e9, prefix_cache=prefix_cache, **overrides))
+    recorder = Recorder(rt)
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
+    for wave in WAVES:
+        ids_of_wave = [rt.arrive(GenerationRequest(p, sampling), recorder) for p in wave]
+        step_until(rt, lambda: all(r not in rt.store.rows
+                                   or rt.store.rows[r][core.DST] != core.D_WAITING
+                                   and rt.store.rows[r][core.DST] != core.D_NONE
+                                   for r in ids_of_wave))
+    drain(rt)
+    return rt, recorder
+
+
+def test_cached_prefixes_give_the_same_tokens_and_logits_as_no_cache_after_evictions(
+        model, tmp_path):
+    off, expected = serve_waves(model, prefix_cache=False)
+    on, got = serve_waves(model, prefix_cache=True, decode_pages=12)
+    requests = sum(len(w) for w in WAVES)
+    assert sorted(got.ends) == sorted(expected.ends) == list(range(requests))
+    for r in range(requests):
+        assert (got.ends[r].outcome, got.ends[r].finish_reason) == ("Ok", "length"), r
+        assert got.tokens[r] == expected.tokens[r], r
+        diff = max((a - b).abs().max().item() for a, b in zip(got.logits[r], expected.logits[r]))
+        assert diff <= LOGITS_ATOL, (r, diff)
+    # Wave 1 caches its 4 full pages (18 tokens; the fifth page is partial: a nonce).
+    # Wave 2: 3 pages of SYSTEM (the fourth page differs), 2 for the prompt sharing SYSTEM's
+    # first 8 tokens, all 4 for the repeated prompt. Wave 3: OTHER is new to both of its
+    # requests (they reserve together, before either's pages are sealed). Wave 4: SYSTEM's
+    # pages were evicted for OTHER's in the 12-page pool (LRU: released earlier), OTHER's
+    # first 3 pages are still cached; with a pool of 64 nothing is evicted and both hit.
+    assert [got.ends[r].cached_tokens for r in range(requests)] == [
+        0, 12, 8, 16, 0, 0, 0, 12]
+    pages = [-(-(len(p) + MAX_TOKENS - 1) // PAGE) for wave in WAVES for p in wave]
+    assert off.transport.writes_landed == sum(pages) == 47
+    assert on.transport.writes_landed == 47 - 12
+    counts = on.counts["prefix"]
+    assert (counts["hit_pages"], counts["reserved_prompt_pages"]) == (12, 31)
+    assert counts["evicted_lru_pages"] > 0
+    assert on.whole() and on.store.violation_total == 0, on.store.violations
+    idle = len(on.store.decode_idle[0])  # a drained cache keeps its shareable pages
+    decode = on.pool_snapshots()[1]
+    assert idle > 0 and (decode.free, decode.held, decode.cached, decode.cached_idle) == (
+        12, 0, idle, idle)
+    roomy, unevicted = serve_waves(model, prefix_cache=True, decode_pages=64)
+    assert [unevicted.ends[r].cached_tokens for r in range(requests)] == [
+        0, 12, 8, 16, 0, 0, 12, 12]
+    assert roomy.counts["prefix"]["evicted_lru_pages"] == 0
+    assert all(unevicted.tokens[r] == expected.tokens[r] for r in range(requests))
+    # The log, its Evict records too, replays through a fresh store to the same pools.
+    path = tmp_path / "engine.log"
+    write_log(path, on.log_header(), on.log)
+    header, records = read_log(path)
+    store = replay(header, records)
+    assert store.decode_pools == on.store.decode_pools and store.violation_total == 0
+    assert sum(record["a"] == "Evict" for record in records) == (
+        counts["evicted_lru_pages"] + counts["evicted_unshareable_pages"])
+
+
+def test_a_hit_page_is_read_where_the_sharers_prefill_wrote_it(model):
+    rt = Runtime(model, RuntimeConfig(prefill_pages=32, decode_pages=32, page_tokens=PAGE,
+                                      context_tokens=64, prefill_chunk_tokens=8,
+                                      transfer_timeout_s=1e9, lease_s=1e9, prefix_cache=True))
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    first = rt.arrive(GenerationRequest(SYSTEM + ids(1, 3), sampling), lambda e: None)
+    step_until(rt, lambda: rt.store.rows[first][core.DST] == core.DECODING)
+    second = rt.arrive(GenerationRequest(SYSTEM + ids(2, 3), sampling), lambda e: None)
+    step_until(rt, lambda: rt.store.rows[second][core.DST] == core.DECODING)
+    table1, table2 = rt.store.rows[first][core.TABLE], rt.store.rows[second][core.TABLE]
+    assert table2[:3] == table1[:3]  # the same pages, at the generation they were sealed at
+    assert set(p for p, _ in table2[3:]).isdisjoint(p for p, _ in table1)
+    assert rt.live[second].sequence.pages[:3] == [p for p, _ in table1[:3]]
+    pool = rt.store.decode_pools[0]
+    assert all(pool[p][core.READERS] == (first, second) for p, _ in table1[:3])
+    drain(rt)
+    assert rt.whole() and rt.store.violation_total == 0
+
+
+def test_only_pages_the_prompt_fills_get_digests_the_rest_never_match():
+    nonces = Nonces()
+    a = page_tokens_of(SYSTEM, 6, PAGE, nonces)
+    b = page_tokens_of(SYSTEM, 6, PAGE, nonces)
+    assert a[:3] == b[:3] == tuple(page_digest(SYSTEM[i * 4:i * 4 + 4]) for i in range(3))
+    assert all(1 <= t <= DIGEST_MAX for t in a[:3])
+    assert all(t > DIGEST_MAX for t in a[3:] + b[3:]) and set(a[3:]).isdisjoint(b[3:])
+    assert page_digest((1, 2, 3, 4)) != page_digest((1, 2, 3, 5))
