@@ -128,6 +128,12 @@ class Snapshot:
     # Serving with worker processes (engine/process_engine.py): one dict per process, its
     # name, role, pid, liveness and pool occupancy; empty in process.
     workers: tuple = ()
+    # Decode's prefix cache (engine/prefix.py), counters since start: the full prompt pages
+    # of the requests decode reserved for (`reserved_prompt_pages`: what a cache can hit),
+    # the pages it found cached (`hit_pages`), and the pages it evicted, under pool pressure
+    # (`evicted_lru_pages`) or as no prompt can hit them (`evicted_unshareable_pages`).
+    # Empty without a cache.
+    prefix: dict = field(default_factory=dict)
 
 
 class Engine(Protocol):

@@ -460,7 +460,8 @@ class ThreadedEngine:
                         recent=rt.request_snapshots(), guard_trips=counts["guard_trips"],
                         refusals=counts["refusals"], rejects=counts["rejects"],
                         outcomes=counts["outcomes"], transfers=rt.transport.writes_landed,
-                        transfer_bytes=rt.transport.bytes_landed)
+                        transfer_bytes=rt.transport.bytes_landed,
+                        prefix=counts["prefix"] if rt.config.prefix_cache else {})
 
     def _drained(self) -> bool:
         with self._lock:

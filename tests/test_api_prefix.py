@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+import httpx
 import openai
 import pytest
 
@@ -50,6 +51,11 @@ def first_page_salts(engine) -> list[int]:
                   if page[core.IDENT] and page[core.IDENT][1] == (first,))
 
 
+def metric_values(text: str, prefix: str) -> dict:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(prefix) and "_created" not in line}
+
+
 def test_two_keys_never_share_a_page_and_one_key_does(tiny_chat_model):  # noqa: F811
     engine, live = serve(tiny_chat_model)
     with live as server:
@@ -59,6 +65,18 @@ def test_two_keys_never_share_a_page_and_one_key_does(tiny_chat_model):  # noqa:
         assert complete(server, KEYS[0], cache_salt="team-a") == 0  # another salt
         assert complete(server, KEYS[0], cache_salt="team-a") == 4 * PAGE
         salts = first_page_salts(engine)
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    # 5 requests of 4 full pages looked up, 2 x 4 hit; each request's fifth page (the
+    # prompt's last 6 tokens and its output: a nonce) evicted at its release, as no prompt
+    # can hit it; 4 pages for each of 3 salts stay cached.
+    assert metric_values(metrics, "kvproof_prefix_cache") == {
+        'kvproof_prefix_cache_pages{state="cached",worker="decode-0"}': 12.0,
+        'kvproof_prefix_cache_pages{state="idle",worker="decode-0"}': 12.0,
+        "kvproof_prefix_cache_prompt_pages_total": 20.0,
+        "kvproof_prefix_cache_hit_pages_total": 8.0,
+        "kvproof_prefix_cache_hit_ratio": 0.4,
+        'kvproof_prefix_cache_evicted_pages_total{reason="lru"}': 0.0,
+        'kvproof_prefix_cache_evicted_pages_total{reason="unshareable"}': 5.0}
     expected = [salt_for(tenant_of(KEYS[0]), None, False),
                 salt_for(tenant_of(KEYS[1]), None, False),
                 salt_for(tenant_of(KEYS[0]), "team-a", False)]
