@@ -184,3 +184,55 @@ def test_only_pages_the_prompt_fills_get_digests_the_rest_never_match():
     assert all(1 <= t <= DIGEST_MAX for t in a[:3])
     assert all(t > DIGEST_MAX for t in a[3:] + b[3:]) and set(a[3:]).isdisjoint(b[3:])
     assert page_digest((1, 2, 3, 4)) != page_digest((1, 2, 3, 5))
+
+
+# The default model's logits are of order 10; a cached prefix's KV was computed in another
+# prefill batch (other matmul shapes, other sums): 5.3e-5 seen here, so 1e-3 (any real error,
+# a wrong page or position, moves logits by whole units).
+DEFAULT_MODEL_LOGITS_ATOL = 1e-3
+
+
+def chat(tokenizer, system: str, question: str) -> tuple[int, ...]:
+    text = tokenizer.render_chat([{"role": "system", "content": system},
+                                  {"role": "user", "content": question}])
+    return tuple(tokenizer.backend.encode(text, add_special_tokens=False).ids)
+
+
+@pytest.mark.slow
+def test_the_default_model_gives_the_same_tokens_with_a_cached_system_prompt():
+    """SmolLM2-135M-Instruct (fp32): chat prompts sharing a system prompt, greedy, with the
+    cache on and off. Skipped without the default model's package."""
+    from engine.load import DefaultModelMissing, default_model_path, load_model
+
+    try:
+        loaded = load_model(default_model_path())
+    except DefaultModelMissing:
+        pytest.skip("the default model is not installed")
+    system = ("You are a concise assistant for a railway company. Answer questions about "
+              "timetables, tickets and stations in one or two sentences.")
+    questions = [["When does the first train leave?"],
+                 ["How much is a return ticket?", "Is there a lift at the station?"]]
+    runs = {}
+    for cache in (False, True):
+        rt = Runtime(loaded.model, RuntimeConfig(prefill_pages=64, decode_pages=64,
+                                                 page_tokens=16, context_tokens=512,
+                                                 transfer_timeout_s=1e9, lease_s=1e9,
+                                                 prefix_cache=cache), loaded.tokenizer)
+        recorder = Recorder(rt)
+        sampling = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+        for wave in questions:
+            ids_of_wave = [rt.arrive(GenerationRequest(chat(loaded.tokenizer, system, q),
+                                                       sampling), recorder) for q in wave]
+            step_until(rt, lambda: all(r not in rt.store.rows
+                                       or rt.store.rows[r][core.DST] not in (core.D_NONE,
+                                                                             core.D_WAITING)
+                                       for r in ids_of_wave))
+        drain(rt)
+        runs[cache] = recorder
+    off, on = runs[False], runs[True]
+    cached = [on.ends[r].cached_tokens for r in range(3)]
+    assert cached == [0, 32, 32]  # the system prompt's 2 full pages (prompts of 46-47 tokens)
+    for r in range(3):
+        assert on.tokens[r] == off.tokens[r], r
+        diff = max((a - b).abs().max().item() for a, b in zip(on.logits[r], off.logits[r]))
+        assert diff <= DEFAULT_MODEL_LOGITS_ATOL, (r, diff)
