@@ -103,11 +103,13 @@ def core_trace(header: dict, records: list[dict]) -> tuple[Model, list]:
             events.append(codec.decode(record))
         except codec.CodecError as error:
             raise LogError(f"line {k}: {error}") from None
-    requests = 1 + max((e.request for e in events), default=0)
+    requests = 1 + max((e.request for e in events if type(e) is not core.Evict), default=0)
+    cache = (dict(prefix_cache=True, tokens=TOKENS_MAX, tenants=SALT_MAX)
+             if header.get("prefix_cache") else {})
     m = Model(requests=requests, max_prompt_pages=header["max_prompt_pages"],
               context_pages=header["context_pages"], prefill_pages=header["prefill_pages"],
               decode_pages=header["decode_pages"], bugs=frozenset(header["bugs"]),
-              name="engine-run")
+              name="engine-run", **cache)
     state = core.initial_state(m)
     steps: list = [(None, state)]
     for k, event in enumerate(events, start=2):

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from engine.eventlog import read_log, replay, write_log  # noqa: E402
+from engine.eventlog import core_trace, read_log, replay, write_log  # noqa: E402
 from engine.model import LlamaModel  # noqa: E402
 from engine.prefix import DIGEST_MAX, Nonces, page_digest, page_tokens_of  # noqa: E402
 from engine.runtime import Runtime, RuntimeConfig  # noqa: E402
@@ -113,7 +113,9 @@ def serve_waves(model, prefix_cache: bool, decode_pages: int = 24, **overrides):
 
 
 def test_cached_prefixes_give_the_same_tokens_and_logits_as_no_cache_after_evictions(
-        model, tmp_path):
+        model, tmp_path, capsys):
+    from api.cli import main
+
     off, expected = serve_waves(model, prefix_cache=False)
     on, got = serve_waves(model, prefix_cache=True, decode_pages=12)
     requests = sum(len(w) for w in WAVES)
@@ -155,6 +157,21 @@ def test_cached_prefixes_give_the_same_tokens_and_logits_as_no_cache_after_evict
     assert store.decode_pools == on.store.decode_pools and store.violation_total == 0
     assert sum(record["a"] == "Evict" for record in records) == (
         counts["evicted_lru_pages"] + counts["evicted_unshareable_pages"])
+    m, steps = core_trace(header, records)  # the spec's model, through core.apply
+    assert m.prefix_cache and len(steps) == len(records) + 1
+    # The log, checked against KVTransfer.tla's text (spec/tlaplus/runcheck.py), Evicts too.
+    capsys.readouterr()
+    assert main(["validate", str(path)]) == 0
+    assert f"run OK: {len(records)} steps, each a step of KVTransfer.tla" in \
+        capsys.readouterr().out
+    # It can fail: the second request under another salt hits nothing, so its Reserve of
+    # the 2 pages it lacked with its hit is not a step of the spec.
+    lines = path.read_text().splitlines(keepends=True)
+    arrive = [k for k, line in enumerate(lines) if '"a":"Arrive"' in line][1]
+    lines[arrive] = lines[arrive].replace('"salt":', '"salt":1')  # another salt, digits before
+    path.write_text("".join(lines))
+    assert main(["validate", str(path)]) == 1
+    assert "Reserve(r2" in capsys.readouterr().out
 
 
 def test_a_hit_page_is_read_where_the_sharers_prefill_wrote_it(model):
