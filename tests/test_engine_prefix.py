@@ -253,3 +253,53 @@ def test_the_default_model_gives_the_same_tokens_with_a_cached_system_prompt():
         assert on.tokens[r] == off.tokens[r], r
         diff = max((a - b).abs().max().item() for a, b in zip(on.logits[r], off.logits[r]))
         assert diff <= DEFAULT_MODEL_LOGITS_ATOL, (r, diff)
+
+
+def test_an_abort_at_every_phase_of_a_hitting_request_keeps_the_cache_whole(model):
+    """A request that hits SYSTEM's cached pages is aborted after 0..14 steps (bootstrap
+    queued, reserved with its references, computing, writes in flight, decoding): its
+    references go, the cached pages stay cached with no reader, every pool is whole, the
+    store's oracles stay quiet, and a later request still hits them with the tokens and
+    logits of a run without the cache."""
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    later = SYSTEM + ids(9, 6)
+    off = Runtime(model, RuntimeConfig(prefill_pages=32, decode_pages=16, page_tokens=PAGE,
+                                       context_tokens=64, prefill_chunk_tokens=4))
+    expected = Recorder(off)
+    off.arrive(GenerationRequest(later, sampling), expected)
+    drain(off)
+    seen = set()
+    for paused in (False, True):
+        for steps in range(15):
+            rt = Runtime(model, RuntimeConfig(prefill_pages=32, decode_pages=16,
+                                              page_tokens=PAGE, context_tokens=64,
+                                              prefill_chunk_tokens=4, prefix_cache=True))
+            recorder = Recorder(rt)
+            first = rt.arrive(GenerationRequest(SYSTEM + ids(1, 3), sampling), recorder)
+            drain(rt)
+            cached = {p for p, _ in rt.store.decode_idle[0].items()}
+            assert len(cached) == 4  # SYSTEM's 3 full pages and the first prompt's 4th
+            rt.transport.paused = paused
+            victim = rt.arrive(GenerationRequest(SYSTEM + ids(2, 5), sampling), recorder)
+            for _ in range(steps):
+                rt.step()
+            if victim not in rt.store.rows:
+                continue
+            x = rt.store.rows[victim]
+            seen.add((core.DECODE_NAMES[x[core.DST]], core.PREFILL_NAMES[x[core.PST]],
+                      bool(rt.transport.writes_of(victim))))
+            rt.abort(victim)
+            rt.transport.paused = False
+            drain(rt)
+            assert rt.whole() and rt.store.violation_total == 0, rt.store.violations
+            pool = rt.store.decode_pools[0]
+            assert all(pool[p][core.IDENT] and not pool[p][core.READERS] for p in cached)
+            third = rt.arrive(GenerationRequest(later, sampling), recorder)
+            drain(rt)
+            assert recorder.ends[third].cached_tokens == 3 * PAGE
+            assert recorder.tokens[third] == expected.tokens[0]
+            assert all((a - b).abs().max().item() <= LOGITS_ATOL
+                       for a, b in zip(recorder.logits[third], expected.logits[0]))
+            assert recorder.ends[first].outcome == "Ok"
+    assert {("None", "Queued", False), ("Waiting", "Running", True),
+            ("Decoding", "Done", False)} <= seen, seen
