@@ -303,3 +303,33 @@ def test_an_abort_at_every_phase_of_a_hitting_request_keeps_the_cache_whole(mode
             assert recorder.ends[first].outcome == "Ok"
     assert {("None", "Queued", False), ("Waiting", "Running", True),
             ("Decoding", "Done", False)} <= seen, seen
+
+
+@pytest.mark.parametrize("fault, guard", [("flip", "checksum"), ("lost", "count")])
+def test_a_wire_fault_in_a_hitting_requests_tail_names_its_guard(model, fault, guard):
+    """The count check compares the pages sent with the pages reserved less the hit: a
+    flipped bit in the tail is the checksum guard's, a lost write the count guard's; the
+    failed transfer seals nothing, the cached pages keep no reader, every pool is whole."""
+    rt = Runtime(model, RuntimeConfig(prefill_pages=32, decode_pages=16, page_tokens=PAGE,
+                                      context_tokens=64, prefill_chunk_tokens=8,
+                                      transfer_timeout_s=1e9, lease_s=1e9, prefix_cache=True))
+    recorder = Recorder(rt)
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    rt.arrive(GenerationRequest(SYSTEM + ids(1, 3), sampling), recorder)
+    drain(rt)
+    cached = set(rt.store.decode_idle[0])
+    rt.transport.fault_injection = rt.transport.paused = True
+    victim = rt.arrive(GenerationRequest(SYSTEM + ids(2, 5), sampling), recorder)
+    step_until(rt, lambda: len(rt.transport.writes_of(victim)) == 3)  # 6 pages less 3 hit
+    rt.transport.inject(rt.transport.writes_of(victim)[0], fault)
+    rt.transport.paused = False
+    drain(rt)
+    end = recorder.ends[victim]
+    assert (end.outcome, end.guard, end.cached_tokens) == ("ErrTransfer", guard, 3 * PAGE)
+    pool = rt.store.decode_pools[0]
+    assert set(rt.store.decode_idle[0]) == cached  # nothing of the victim's was sealed
+    assert all(not pool[p][core.READERS] for p in cached)
+    assert rt.whole()
+    # The abstract page contents know no wire fault: the store notes the bad verdict it
+    # cannot explain, and nothing else.
+    assert rt.store.violation_counts == {"TruthfulObservation": 1}
