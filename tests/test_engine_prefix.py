@@ -333,3 +333,25 @@ def test_a_wire_fault_in_a_hitting_requests_tail_names_its_guard(model, fault, g
     # The abstract page contents know no wire fault: the store notes the bad verdict it
     # cannot explain, and nothing else.
     assert rt.store.violation_counts == {"TruthfulObservation": 1}
+
+
+def test_two_by_two_workers_cache_per_decode_worker_and_the_run_validates(model, tmp_path,
+                                                                          capsys):
+    """2 prefill x 2 decode workers: each decode worker caches its own pages (the router
+    places by load, not by cache: a prompt hits only what its decode worker holds), the
+    tokens are those without the cache, and the log, Evicts of both workers too, replays
+    and is a run of KVTransfer.tla."""
+    from api.cli import main
+
+    workers = dict(prefill_workers=2, decode_workers=2)
+    _, expected = serve_waves(model, prefix_cache=False, **workers)
+    on, got = serve_waves(model, prefix_cache=True, decode_pages=12, **workers)
+    assert all(got.tokens[r] == expected.tokens[r] for r in expected.tokens)
+    assert [got.ends[r].cached_tokens for r in sorted(got.ends)] == [
+        0, 0, 8, 12, 0, 0, 12, 12]
+    assert on.whole() and on.store.violation_total == 0
+    path = tmp_path / "engine.log"
+    write_log(path, on.log_header(), on.log)
+    assert replay(*read_log(path)).decode_pools == on.store.decode_pools
+    assert main(["validate", str(path)]) == 0
+    assert "run OK" in capsys.readouterr().out
