@@ -139,7 +139,8 @@ class ServingClients:
         if outcome == "ErrTag":
             live.guard = "tag"
         elif outcome == "ErrTransfer":
-            live.guard = ("count" if live.count_sent != live.pages
+            sent = live.pages - live.hit_pages  # the pages decode held cached are not sent
+            live.guard = ("count" if live.count_sent != sent
                           else live.transfer_fault or "checksum")
         if live.guard:
             trips = rt.counts["guard_trips"]

@@ -44,7 +44,10 @@ class Delivery:
         r, m, view = live.request_id, self.core_model, self._view(live.request_id)
         row = self._row(r)
         if what == RELEASE:
+            d = self.store.placement[r][1]  # (a settled request is forgotten at once)
             done = core.is_enabled(m, view, r, core.Release) and self.take(r, core.Release(r))
+            if done and m.prefix_cache:
+                self._evict_unshareable(live, row, d)
             return self._settle(live, what, done or row[core.DST] != core.CLOSING)
         if what == SEND:
             return self._send_pages(live, view)
@@ -59,8 +62,10 @@ class Delivery:
         if action is None:
             return self._settle(live, what, not core.message_pending(row, message, worker))
         if action is core.Reserve:
-            pages = self.store.allocate("decode", self.store.placement[r][1],
-                                        core.allocation_need(m, view, action, r))
+            d, need = self.store.placement[r][1], core.allocation_need(m, view, action, r)
+            pages = self.store.allocate("decode", d, need)
+            if pages is None and m.prefix_cache and self.evict_for(r, d, need):
+                pages = self.store.allocate("decode", d, need)
             if pages is None:
                 return False  # decode waits for pages; the bootstrap stays queued
             event = core.Reserve(r, pages)
@@ -69,7 +74,26 @@ class Delivery:
             event = core.Accept(r, not live.transfer_fault)
         else:
             event = action(r)
-        return self._settle(live, what, self.take(r, event) is not None)
+        taken = self.take(r, event) is not None
+        if taken and action is core.Reserve and m.prefix_cache:
+            self._count_hit(live)
+        return self._settle(live, what, taken)
+
+    def _count_hit(self, live: Live) -> None:
+        """What decode's Reserve found cached for the request (the core's HIT)."""
+        live.hit_pages = self._row(live.request_id)[core.HIT]
+        prefix = self.counts["prefix"]
+        prefix["reserved_prompt_pages"] += live.full_pages
+        prefix["hit_pages"] += live.hit_pages
+
+    def _evict_unshareable(self, live: Live, row: tuple, d: int) -> None:
+        """After r's Release: the cached pages keyed by r's nonces (its partial last page,
+        its output pages: engine/prefix.py) can never be hit; the shell evicts them at
+        once instead of letting them push shareable pages out of the cache."""
+        pool = self.store.decode_pools[d]
+        for page, _ in row[core.TABLE][live.full_pages:]:
+            if pool[page][core.IDENT] and not pool[page][core.READERS]:
+                self.evict(d, page, "unshareable")
 
     def _send_pages(self, live: Live, view) -> bool:
         """Post one write per computed source page, as long as the core allows SendPage
@@ -82,7 +106,7 @@ class Delivery:
         row = self.store.rows.get(r)
         if row is None or row[core.PST] != core.RUNNING:
             live.wants.discard(SEND)
-        elif row[core.SENT] == len(row[core.SRC]):
+        elif row[core.SENT] == core.to_send(row):  # with a prefix cache: the tail only
             live.wants.discard(SEND)
             live.wants.add(DONE)
         return posted

@@ -15,6 +15,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from engine.prefix import SALT_MAX, TOKENS_MAX
 from spec import codec, core
 from spec.core import Refusal
 from spec.model import Model, ProtocolConfig
@@ -51,8 +52,11 @@ def read_log(path: str | Path) -> tuple[dict, list[dict]]:
 def model_of(header: dict) -> Model:
     protocol = ProtocolConfig(header["context_pages"], header["prefill_pages"],
                               header["decode_pages"], frozenset(header["bugs"]))
-    return Model.for_shell(protocol, header["max_prompt_pages"], name="engine-replay",
-                           crashes=False, decode_crashes=False)
+    shell = Model.for_shell(protocol, header["max_prompt_pages"], name="engine-replay",
+                            crashes=False, decode_crashes=False)
+    if not header.get("prefix_cache"):
+        return shell
+    return replace(shell, prefix_cache=True, tokens=TOKENS_MAX, tenants=SALT_MAX)
 
 
 def replay(header: dict, records: list[dict]) -> Store:
@@ -64,6 +68,10 @@ def replay(header: dict, records: list[dict]) -> Store:
             event = codec.decode(record)
         except codec.CodecError as error:
             raise LogError(f"line {k}: {error}") from None
+        if type(event) is core.Evict:  # the decode cache's pick, decided by the core
+            if type(store.evict(event.worker, event.page)) is Refusal:
+                raise LogError(f"line {k}: the core refuses {event}: not a run of the protocol")
+            continue
         r = event.request
         if type(event) is core.Arrive:
             p, d = record.get("p", 0), record.get("d", 0)
@@ -95,11 +103,13 @@ def core_trace(header: dict, records: list[dict]) -> tuple[Model, list]:
             events.append(codec.decode(record))
         except codec.CodecError as error:
             raise LogError(f"line {k}: {error}") from None
-    requests = 1 + max((e.request for e in events), default=0)
+    requests = 1 + max((e.request for e in events if type(e) is not core.Evict), default=0)
+    cache = (dict(prefix_cache=True, tokens=TOKENS_MAX, tenants=SALT_MAX)
+             if header.get("prefix_cache") else {})
     m = Model(requests=requests, max_prompt_pages=header["max_prompt_pages"],
               context_pages=header["context_pages"], prefill_pages=header["prefill_pages"],
               decode_pages=header["decode_pages"], bugs=frozenset(header["bugs"]),
-              name="engine-run")
+              name="engine-run", **cache)
     state = core.initial_state(m)
     steps: list = [(None, state)]
     for k, event in enumerate(events, start=2):

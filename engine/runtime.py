@@ -73,12 +73,13 @@ from engine.generate import pages_needed
 from engine.loop import Loop
 from engine.model import LlamaModel
 from engine.pool import PoolConfig
+from engine.prefix import SALT_MAX, TOKENS_MAX, Nonces, lru_victims, page_tokens_of
 from engine.service import Finished, GenerationRequest, PoolSnapshot, RequestSnapshot
 from engine.streaming import Live
 from engine.transport import InProcessTransport
 from engine.workers import DecodeWorker, PrefillWorker
 from spec.runtime import ShellRuntime
-from spec import core
+from spec import codec, core
 from spec.core import Refusal
 from spec.model import Model, ProtocolConfig
 from spec.store import Store
@@ -109,6 +110,10 @@ class RuntimeConfig:
     keep_kv: bool = False  # tests and fuzzers: keep each request's prompt KV (the leak oracle)
     prefill_workers: int = 1  # each with a pool of prefill_pages
     decode_workers: int = 1  # each with a pool of decode_pages
+    # Decode's prefix cache (engine/prefix.py; the core's PrefixCache): a request whose
+    # prompt starts with pages decode holds cached under its salt reads them instead of
+    # having them sent.
+    prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefill_pages", "decode_pages", "page_tokens", "context_tokens",
@@ -135,8 +140,7 @@ class Runtime(ShellRuntime, Loop, Delivery):
     def __init__(self, model: LlamaModel, config: RuntimeConfig = RuntimeConfig(),
                  tokenizer=None, clock: Callable[[], float] = time.monotonic) -> None:
         self.model, self.config, self.tokenizer = model, config, tokenizer
-        self.core_model = Model.for_shell(config.protocol(), config.context_pages,
-                                          name="engine", crashes=False, decode_crashes=False)
+        self.core_model = core_model_for(config)
         self.store = Store(self.core_model, config.prefill_workers, config.decode_workers)
         pool = PoolConfig.for_model(model.config, 1, config.page_tokens, model.dtype,
                                     model.device)
@@ -165,8 +169,11 @@ class Runtime(ShellRuntime, Loop, Delivery):
         self.prompt_kv: dict[int, torch.Tensor] = {}
         self.read_kv: dict[int, torch.Tensor] = {}
         self.next_id = 0
+        self.nonces = Nonces()  # the tokens of pages no other request may share (prefix.py)
         self.on_commit: Callable | None = None  # fuzzers: (event, change) after each commit
-        self.counts = {"guard_trips": {}, "refusals": {}, "rejects": {}, "outcomes": {}}
+        self.counts = {"guard_trips": {}, "refusals": {}, "rejects": {}, "outcomes": {},
+                       "prefix": {"reserved_prompt_pages": 0, "hit_pages": 0,
+                                  "evicted_lru_pages": 0, "evicted_unshareable_pages": 0}}
         self._start_runtime()
 
     # -- the one path into the core (spec/runtime.py) and its hooks ----------------------
@@ -263,9 +270,46 @@ class Runtime(ShellRuntime, Loop, Delivery):
                          self.config.page_tokens)
         p, d = self.place()
         self.live[r] = Live(r, request, on_event, n, self.clock.read())
-        if self.take_arrival(core.Arrive(r, n), p, d) is None:
+        if self.take_arrival(self._arrival(r, request, n), p, d) is None:
             self._finished(self.live.pop(r), "ErrTooLong", detail="the core refused Arrive")
         return r
+
+    def _arrival(self, r: int, request: GenerationRequest, n: int) -> core.Arrive:
+        """The core's Arrive; with a prefix cache it carries the prompt's page tokens and
+        its salt (engine/prefix.py)."""
+        if not self.core_model.prefix_cache:
+            return core.Arrive(r, n)
+        assert 1 <= request.cache_salt <= SALT_MAX, request.cache_salt
+        tokens = page_tokens_of(request.prompt_ids, n, self.config.page_tokens, self.nonces)
+        self.live[r].full_pages = len(request.prompt_ids) // self.config.page_tokens
+        return core.Arrive(r, n, tokens=tokens, salt=request.cache_salt)
+
+    def evict(self, d: int, page: int, why: str = "lru") -> bool:
+        """Decode worker d's prefix cache forgets `page` (the shell's pick, `why`: "lru"
+        under pool pressure, "unshareable" for a page no prompt can hit), if the core
+        allows it; logged like every accepted event."""
+        event = core.Evict(d, page)
+        out = self.store.evict(d, page)
+        if type(out) is Refusal:
+            self.refused(out)
+            return False
+        limit = self.config.log_records_max
+        if limit and len(self.log) < limit:
+            self.log.append({"t": round(self.clock.now(), 6), **codec.encode(event)})
+        self.counts["prefix"][f"evicted_{why}_pages"] += 1
+        if self.on_commit is not None:
+            self.on_commit(event, out)
+        self.checked()
+        return True
+
+    def evict_for(self, r: int, d: int, need: int) -> bool:
+        """Pool pressure at decode d: evict least recently released idle cached pages, not
+        those r is about to hit, until `need` pages are free. False if the idle cache
+        cannot make up the difference (r waits for pages, as without a cache)."""
+        m, store = self.core_model, self.store
+        hits = core.hit_pages(m, self._view(r), self._row(r))
+        victims = lru_victims(store.idle_cached(d), hits, need - store.free_pages("decode", d))
+        return victims is not None and all([self.evict(d, page) for page in victims])
 
     def abort(self, r: int, why: str = "the client went away") -> None:
         """The serving edge gives up on r: a client that left, or (`why`) a server that is
@@ -291,8 +335,10 @@ class Runtime(ShellRuntime, Loop, Delivery):
         if not detail and live.guard:
             detail = f"the {live.guard} guard tripped"
         detail = detail or live.detail
-        live.on_event(Finished(live.request_id, outcome, reason, live.guard,
-                               len(live.request.prompt_ids), live.completion_tokens, detail))
+        prompt_tokens = len(live.request.prompt_ids)
+        cached = min(live.hit_pages * self.config.page_tokens, prompt_tokens)
+        live.on_event(Finished(live.request_id, outcome, reason, live.guard, prompt_tokens,
+                               live.completion_tokens, detail, cached))
 
     def _forget(self, r: int) -> None:
         p, d = self.store.placement[r]
@@ -332,11 +378,21 @@ class Runtime(ShellRuntime, Loop, Delivery):
         for kind, workers, pages in (("prefill", self.prefills, self.config.prefill_pages),
                                      ("decode", self.decodes, self.config.decode_pages)):
             for k, worker in enumerate(workers):
-                free = store.free_pages(kind, k)
+                # A cached page nobody reads counts as free (an allocation evicts it).
+                idle = len(store.decode_idle[k]) if kind == "decode" else 0
+                free = store.free_pages(kind, k) + idle
                 out.append(PoolSnapshot(worker.name, pages, free, pages - free,
                                         tombs[k] if kind == "decode" else 0,
-                                        transport.in_flight_at(kind, k)))
+                                        transport.in_flight_at(kind, k),
+                                        self._cached_pages(k) if kind == "decode" else 0,
+                                        idle))
         return tuple(out)
+
+    def _cached_pages(self, d: int) -> int:
+        """Decode worker d's cached pages (sealed: filed under a key), read or idle."""
+        if not self.core_model.prefix_cache:
+            return 0
+        return sum(1 for page in self.store.decode_pools[d] if page[core.IDENT])
 
     def request_snapshots(self) -> tuple[RequestSnapshot, ...]:
         everyone = self.recent + [self.live[r] for r in sorted(self.live)]
@@ -346,8 +402,10 @@ class Runtime(ShellRuntime, Loop, Delivery):
     def whole(self) -> bool:
         """Every page of every pool free and no write in flight: the state after a drain."""
         store = self.store
+        # With a prefix cache a drained decode pool holds free pages and idle cached ones.
         return (all(len(free) == self.config.prefill_pages for free in store.prefill_free)
-                and all(len(free) == self.config.decode_pages for free in store.decode_free)
+                and all(len(free) + len(idle) == self.config.decode_pages
+                        for free, idle in zip(store.decode_free, store.decode_idle))
                 and not self.transport.in_flight and not store.rows)
 
     def log_header(self) -> dict:
@@ -356,7 +414,17 @@ class Runtime(ShellRuntime, Loop, Delivery):
                 "prefill_pages": protocol.prefill_pages, "decode_pages": protocol.decode_pages,
                 "bugs": sorted(protocol.bugs), "max_prompt_pages": self.config.context_pages,
                 "prefill_workers": self.config.prefill_workers,
-                "decode_workers": self.config.decode_workers}
+                "decode_workers": self.config.decode_workers,
+                **({"prefix_cache": True} if self.config.prefix_cache else {})}
+
+
+def core_model_for(config: RuntimeConfig) -> Model:
+    """The Model the runtime hands the core (and a replay of its log, engine/eventlog.py)."""
+    shell = Model.for_shell(config.protocol(), config.context_pages, name="engine",
+                            crashes=False, decode_crashes=False)
+    if not config.prefix_cache:
+        return shell
+    return replace(shell, prefix_cache=True, tokens=TOKENS_MAX, tenants=SALT_MAX)
 
 
 def _sized(pool: PoolConfig, pages: int) -> PoolConfig:

@@ -36,6 +36,9 @@ class GenerationRequest:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the top k
+    # The prefix cache's salt (engine/prefix.py, 1..SALT_MAX): only requests of one salt
+    # share cached pages. A server derives it from the tenant and the request's cache_salt.
+    cache_salt: int = 1
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     detail: str = ""  # one line for the operator (what the core refused, which guard)
+    cached_tokens: int = 0  # prompt tokens decode read from its prefix cache
 
 
 Event = TokenOut | Finished
@@ -95,6 +99,10 @@ class PoolSnapshot:
     held: int
     tombstoned: int
     writes_in_flight: int
+    # Decode's prefix cache: pages filed under a key (read or idle), and those nobody
+    # reads (counted in `free`: an allocation evicts them).
+    cached: int = 0
+    cached_idle: int = 0
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,12 @@ class Snapshot:
     # Serving with worker processes (engine/process_engine.py): one dict per process, its
     # name, role, pid, liveness and pool occupancy; empty in process.
     workers: tuple = ()
+    # Decode's prefix cache (engine/prefix.py), counters since start: the full prompt pages
+    # of the requests decode reserved for (`reserved_prompt_pages`: what a cache can hit),
+    # the pages it found cached (`hit_pages`), and the pages it evicted, under pool pressure
+    # (`evicted_lru_pages`) or as no prompt can hit them (`evicted_unshareable_pages`).
+    # Empty without a cache.
+    prefix: dict = field(default_factory=dict)
 
 
 class Engine(Protocol):

@@ -39,6 +39,8 @@ class Live:
     on_event: Callable
     pages: int  # the core's prompt_pages (see engine/runtime.py's header)
     started_s: float
+    full_pages: int = 0  # with a prefix cache: the pages the prompt fills (shareable)
+    hit_pages: int = 0  # with a prefix cache: the pages decode read from its cache
     wants: set = field(default_factory=set)
     first: tuple | None = None  # (token, logits row, generator) from the prefill
     sequence: Sequence | None = None  # at decode

@@ -1,6 +1,6 @@
 """API keys (api/serve/auth.py): 401 in OpenAI's words without a known key, nothing of a
 refused request reaching the engine, the operator's endpoints open, keys from files, and
-`cache_salt` served (nothing is shared: there is no prefix cache yet)."""
+`cache_salt` served (what it shares with a prefix cache: tests/test_api_prefix.py)."""
 
 from __future__ import annotations
 

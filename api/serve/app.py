@@ -31,7 +31,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.serve import generation
-from api.serve.auth import ApiKeys, RequireApiKey
+from api.serve.auth import TENANT_SCOPE, ApiKeys, RequireApiKey
 from api.serve.errors import ApiError, framework_error, not_json, validation_error
 from api.serve.intake import (ADMITTED, REQUEST_BODY_BYTES_MAX, AdmissionGate, BodyLimit,
                               Tokenizing)
@@ -77,7 +77,8 @@ class EngineLifetime:
 
 def create_app(engine, *, drain_s: float = 0.0, start_engine: bool = True,
                request_body_bytes_max: int = REQUEST_BODY_BYTES_MAX,
-               api_keys: ApiKeys | None = None) -> FastAPI:
+               api_keys: ApiKeys | None = None,
+               share_prefix_cache_across_keys: bool = False) -> FastAPI:
     lifetime = EngineLifetime(engine)
     metrics = ServerMetrics(engine)
     tokenizing = Tokenizing()
@@ -94,7 +95,7 @@ def create_app(engine, *, drain_s: float = 0.0, start_engine: bool = True,
                   description="OpenAI-compatible serving over the kvproof engine")
     app.state.engine, app.state.lifetime, app.state.metrics = engine, lifetime, metrics
     _add_error_handlers(app, metrics)
-    _add_generation_routes(app, engine, metrics, tokenizing)
+    _add_generation_routes(app, engine, metrics, tokenizing, share_prefix_cache_across_keys)
     _add_info_routes(app, engine, lifetime, metrics)
     app.add_middleware(BodyLimit, body_bytes_max=request_body_bytes_max, on_refused=lambda scope:
                        metrics.responses.labels(endpoint_label(scope, app.routes), "413").inc())
@@ -176,7 +177,11 @@ def _model_name(engine, requested: str | None) -> str:
 
 
 def _add_generation_routes(app: FastAPI, engine, metrics: ServerMetrics,
-                           tokenizing: Tokenizing) -> None:
+                           tokenizing: Tokenizing, across_keys: bool = False) -> None:
+    def salt(request: Request, body) -> int:
+        return generation.salt_for(request.scope.get(TENANT_SCOPE), body.cache_salt,
+                                   across_keys)
+
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
@@ -187,6 +192,7 @@ def _add_generation_routes(app: FastAPI, engine, metrics: ServerMetrics,
         plan = generation.Plan(
             prompts=prompts, n=body.n, logprobs=body.logprobs, stream=body.stream,
             include_usage=body.include_usage(), prompt_param="prompt",
+            cache_salt=salt(request, body),
             sampling=generation.sampling_for(
                 len(prompts), body.n, max_tokens=body.max_tokens or COMPLETION_MAX_TOKENS_DEFAULT,
                 temperature=body.temperature, top_p=body.top_p, seed=body.seed,
@@ -207,6 +213,7 @@ def _add_generation_routes(app: FastAPI, engine, metrics: ServerMetrics,
         plan = generation.Plan(
             prompts=(prompt,), n=body.n, logprobs=logprobs, stream=body.stream,
             include_usage=body.include_usage(), prompt_param="messages",
+            cache_salt=salt(request, body),
             sampling=generation.sampling_for(
                 1, body.n, max_tokens=max_tokens, temperature=body.temperature,
                 top_p=body.top_p, seed=body.seed, stop=body.stop_strings()))

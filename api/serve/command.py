@@ -134,6 +134,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "loop, so that a burst's 503s are answered while it computes; "
                              "it counts against every process of the shell's session, so 0 "
                              "beside other busy work (0 to 19, default 10)")
+    cache = parser.add_argument_group(
+        "prefix cache", "decode keeps the KV pages of prompts it served and reads them for a "
+        "later prompt that starts the same way, with the same salt (the API key's tenant and "
+        "the request's cache_salt), instead of having them sent (engine/prefix.py); "
+        "usage.prompt_tokens_details.cached_tokens counts them")
+    cache.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                       help="decode's prefix cache on or off (default: the engine's, off "
+                            "in process; --processes has none yet)")
+    cache.add_argument("--share-prefix-cache-across-keys", action="store_true",
+                       help="the salt leaves the tenant out: requests of different API "
+                            "keys with the same cache_salt (or none) share cached pages")
     keys = parser.add_argument_group(
         "API keys", "with keys, the OpenAI endpoints answer 401 unless the request carries "
         "'Authorization: Bearer KEY' with one of them; each key is a tenant of its own "
@@ -209,7 +220,9 @@ def _build(args: argparse.Namespace, checked=None):
         raise Refusal(f"not supported yet by this engine: {error}") from None
     except Exception as error:  # the engine's startup checks (capacity): its own words
         raise Refusal(f"the engine refused to start: {error}") from None
-    return create_app(engine, api_keys=getattr(args, "api_keys", None)), engine
+    return create_app(engine, api_keys=getattr(args, "api_keys", None),
+                      share_prefix_cache_across_keys=getattr(
+                          args, "share_prefix_cache_across_keys", False)), engine
 
 
 def _factory(spec: str):
@@ -247,14 +260,16 @@ def _engine_config(config_type, args: argparse.Namespace):
         value = getattr(args, option, None)
         if value is not None and value is not False:  # 0 is a value (--loop-nice 0)
             wanted[option] = value
+    if getattr(args, "prefix_cache", None) is not None:  # on or off, as asked
+        wanted["prefix_cache"] = args.prefix_cache
     if config_type is None:
         return wanted
     fields = {f.name for f in dataclasses.fields(config_type)} if dataclasses.is_dataclass(
         config_type) else set()
     missing = sorted(set(wanted) - fields)
     if missing:
-        flags = sorted({"--disaggregated" if name not in TIMER_OPTIONS else
-                        "--" + name.replace("_", "-") for name in missing})
+        flags = sorted({"--disaggregated" if name not in TIMER_OPTIONS + ("prefix_cache",)
+                        else "--" + name.replace("_", "-") for name in missing})
         raise Refusal(f"{', '.join(flags)}: not supported yet by this engine (its config "
                       f"has no {', '.join(missing)})")
     try:

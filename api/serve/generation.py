@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from engine.sampling import SamplingParams
+from engine.prefix import DEFAULT_SALT, salt_of
 from engine.service import Finished, GenerationRequest, Refused, TokenOut
 
 from api.serve.bridge import Choices, unless_disconnected
@@ -49,13 +50,34 @@ class Plan:
     stream: bool
     include_usage: bool
     prompt_param: str  # the request field the prompt came from ("prompt" / "messages")
+    cache_salt: int = DEFAULT_SALT  # the prefix cache's salt (`salt_for`)
 
     def requests(self) -> list[GenerationRequest]:
-        return [GenerationRequest(self.prompts[index // self.n], sampling, self.logprobs)
+        return [GenerationRequest(self.prompts[index // self.n], sampling, self.logprobs,
+                                  self.cache_salt)
                 for index, sampling in enumerate(self.sampling)]
 
     def prompt_tokens(self) -> int:
         return sum(len(prompt) for prompt in self.prompts)
+
+    def usage(self, choices) -> dict:
+        """usage of the finished choices: cached_tokens counts each prompt once (its
+        choice that read the most from decode's cache), so it never exceeds prompt_tokens."""
+        completion_tokens = sum(c.finished.completion_tokens for c in choices)
+        cached = [0] * len(self.prompts)
+        for c in choices:
+            prompt = c.index // self.n
+            cached[prompt] = max(cached[prompt], c.finished.cached_tokens)
+        return usage(self.prompt_tokens(), completion_tokens,
+                     min(sum(cached), self.prompt_tokens()))
+
+
+def salt_for(tenant: str | None, cache_salt: str | None, across_keys: bool) -> int:
+    """A request's prefix-cache salt: its tenant's (the API key's; one default tenant
+    without keys) and its cache_salt, or the cache_salt alone when the server shares its
+    cache across keys (--share-prefix-cache-across-keys). Requests share cached pages only
+    when their salts are equal (engine/prefix.py)."""
+    return salt_of("" if across_keys else tenant or "", cache_salt or "")
 
 
 def sampling_for(n_prompts: int, n: int, *, max_tokens: int, temperature: float, top_p: float,
@@ -124,8 +146,7 @@ async def answer_whole(request, choices: Choices, plan: Plan, wire, timings: Tim
         gathered = await unless_disconnected(request, _gather(choices, timings))
         if gathered is None:
             return None
-        completion_tokens = sum(c.finished.completion_tokens for c in choices.choices)
-        return wire.response(choices.choices, usage(plan.prompt_tokens(), completion_tokens))
+        return wire.response(choices.choices, plan.usage(choices.choices))
     finally:
         choices.abort_unfinished()
 
@@ -177,9 +198,7 @@ async def stream(choices: Choices, plan: Plan, wire, timings: Timings, first):
                                    offsets[choice.index], is_first)
             yield sse(chunk | ({"usage": None} if plan.include_usage else {}))
         if plan.include_usage:
-            completion_tokens = sum(c.finished.completion_tokens for c in choices.choices)
-            yield sse(wire.head(False) | {
-                "choices": [], "usage": usage(plan.prompt_tokens(), completion_tokens)})
+            yield sse(wire.head(False) | {"choices": [], "usage": plan.usage(choices.choices)})
         yield sse("[DONE]")
     finally:
         choices.abort_unfinished()

@@ -59,6 +59,34 @@ class SnapshotCollector:
                         "reason", snapshot.refusals)
         yield _by_label("kvproof_outcomes", "requests ended, by final client state", "outcome",
                         snapshot.outcomes)
+        if snapshot.prefix:
+            yield from _prefix_cache(snapshot)
+
+
+def _prefix_cache(snapshot):
+    """Decode's prefix cache: its pages by worker (cached: filed under a key, read or idle;
+    idle: read by nobody, evictable), the prompt pages looked up and hit, the hit ratio,
+    and evictions by reason (lru: under pool pressure; unshareable: a request's own pages,
+    which no prompt can hit, at its release)."""
+    counts = snapshot.prefix
+    pages = GaugeMetricFamily("kvproof_prefix_cache_pages", "decode pages in the prefix "
+                              "cache, by worker and state", labels=["worker", "state"])
+    for pool in snapshot.pools:
+        if pool.worker.startswith("decode"):
+            pages.add_metric([pool.worker, "cached"], pool.cached)
+            pages.add_metric([pool.worker, "idle"], pool.cached_idle)
+    yield pages
+    yield CounterMetricFamily("kvproof_prefix_cache_prompt_pages", "full prompt pages decode "
+                              "looked up in its cache", value=counts["reserved_prompt_pages"])
+    yield CounterMetricFamily("kvproof_prefix_cache_hit_pages", "prompt pages decode found "
+                              "cached (not sent)", value=counts["hit_pages"])
+    looked_up = counts["reserved_prompt_pages"]
+    yield GaugeMetricFamily("kvproof_prefix_cache_hit_ratio", "hit pages over prompt pages "
+                            "looked up, since start",
+                            value=counts["hit_pages"] / looked_up if looked_up else 0.0)
+    yield _by_label("kvproof_prefix_cache_evicted_pages", "cached pages evicted, by reason",
+                    "reason", {"lru": counts["evicted_lru_pages"],
+                               "unshareable": counts["evicted_unshareable_pages"]})
 
 
 def _by_label(name: str, documentation: str, label: str, counts: dict) -> CounterMetricFamily:

@@ -93,8 +93,8 @@ class _Sampling(_Strict):
     cache_salt: str | None = Field(
         None, min_length=1, max_length=CACHE_SALT_LENGTH_MAX,
         description="requests share cached KV only when their prefix and salt both match "
-        "(vLLM's and TensorRT-LLM's name). This server caches no prefix yet, so nothing is "
-        "shared whatever the salt; an empty salt is refused")
+        "(vLLM's and TensorRT-LLM's name); the salt is also the tenant's (the API key's) "
+        "unless the server shares its cache across keys; an empty salt is refused")
     presence_penalty: float = _not_served(0.0, "presence_penalty", ge=0.0, le=0.0)
     frequency_penalty: float = _not_served(0.0, "frequency_penalty", ge=0.0, le=0.0)
     logit_bias: dict[str, float] | None = _not_served(None, "logit_bias", max_length=0)
@@ -187,10 +187,16 @@ class ChatCompletionRequest(_Sampling):
 # ---- responses -------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens whose KV decode read from its "
+                               "prefix cache instead of having it sent (0 without a cache)")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(BaseModel):

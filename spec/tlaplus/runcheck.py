@@ -156,6 +156,8 @@ def _take(run: Run, store: Store, event: core.Event) -> str:
             out = store.crash_prefill(event.worker)
         elif type(event) is core.DecodeCrash:
             out = store.crash_decode(event.worker)
+        elif type(event) is core.Evict:
+            out = store.evict(event.worker, event.page)
         elif type(event) is core.Arrive:
             r = event.request
             if r in store.rows:

@@ -1,0 +1,141 @@
+"""Decode's prefix cache behind the API (issue 28): the salt of a request is its tenant's
+(the API key's) and its cache_salt (api/serve/generation.py `salt_for`), judged from the
+decode pool itself: which cached pages exist under which salt. OpenAI's client sends
+cache_salt through extra_body and reads usage.prompt_tokens_details.cached_tokens, whole
+and streamed; `kvproof serve --prefix-cache/--no-prefix-cache` reaches the engine's config.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import httpx
+import openai
+import pytest
+
+from api.serve.app import create_app
+from api.serve.auth import ApiKeys, tenant_of
+from api.serve.generation import salt_for
+from engine.prefix import page_digest
+from spec import core
+from tests.api_cases import LiveServer, protocol_engine, tiny_chat_model, wait_settled  # noqa: F401
+
+KEYS = ["sk-alpha-1", "sk-beta-2"]
+PAGE = 16  # the engine's default page_tokens
+# A character-level tokenizer: 70 characters are 4 full pages and a partial one.
+PROMPT = "You are a careful assistant. Answer in one short sentence, then stop: "
+assert len(PROMPT) == 70
+
+
+def serve(loaded, bugs=frozenset(), across_keys: bool = False):
+    engine = protocol_engine(loaded, prefix_cache=True, bugs=bugs)
+    return engine, LiveServer(create_app(engine, api_keys=ApiKeys.of(KEYS),
+                                         share_prefix_cache_across_keys=across_keys))
+
+
+def complete(server, key: str, cache_salt: str | None = None, prompt: str = PROMPT) -> int:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=60)
+    extra = {"cache_salt": cache_salt} if cache_salt else {}
+    reply = client.completions.create(model="default", prompt=prompt, max_tokens=3,
+                                      temperature=0, extra_body=extra)
+    assert reply.usage.prompt_tokens == len(prompt)
+    return reply.usage.prompt_tokens_details.cached_tokens
+
+
+def first_page_salts(engine) -> list[int]:
+    """The salts under which decode holds PROMPT's first page cached, one per page."""
+    wait_settled(engine)
+    first = page_digest(engine.inner.tokenizer.encode(PROMPT)[:PAGE])
+    pool = engine.inner.runtime.store.decode_pools[0]
+    return sorted(page[core.IDENT][0] for page in pool
+                  if page[core.IDENT] and page[core.IDENT][1] == (first,))
+
+
+def metric_values(text: str, prefix: str) -> dict:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(prefix) and "_created" not in line}
+
+
+def test_two_keys_never_share_a_page_and_one_key_does(tiny_chat_model):  # noqa: F811
+    engine, live = serve(tiny_chat_model)
+    with live as server:
+        assert complete(server, KEYS[0]) == 0
+        assert complete(server, KEYS[1]) == 0  # the same prompt, another tenant: no hit
+        assert complete(server, KEYS[0]) == 4 * PAGE  # its own tenant's 4 full pages
+        assert complete(server, KEYS[0], cache_salt="team-a") == 0  # another salt
+        assert complete(server, KEYS[0], cache_salt="team-a") == 4 * PAGE
+        salts = first_page_salts(engine)
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    # 5 requests of 4 full pages looked up, 2 x 4 hit; each request's fifth page (the
+    # prompt's last 6 tokens and its output: a nonce) evicted at its release, as no prompt
+    # can hit it; 4 pages for each of 3 salts stay cached.
+    assert metric_values(metrics, "kvproof_prefix_cache") == {
+        'kvproof_prefix_cache_pages{state="cached",worker="decode-0"}': 12.0,
+        'kvproof_prefix_cache_pages{state="idle",worker="decode-0"}': 12.0,
+        "kvproof_prefix_cache_prompt_pages_total": 20.0,
+        "kvproof_prefix_cache_hit_pages_total": 8.0,
+        "kvproof_prefix_cache_hit_ratio": 0.4,
+        'kvproof_prefix_cache_evicted_pages_total{reason="lru"}': 0.0,
+        'kvproof_prefix_cache_evicted_pages_total{reason="unshareable"}': 5.0}
+    expected = [salt_for(tenant_of(KEYS[0]), None, False),
+                salt_for(tenant_of(KEYS[1]), None, False),
+                salt_for(tenant_of(KEYS[0]), "team-a", False)]
+    assert salts == sorted(expected) and len(set(salts)) == 3  # one page per salt
+    assert engine.inner.runtime.store.violation_total == 0
+
+
+def test_with_the_no_salt_switch_the_second_key_reads_the_first_keys_pages(
+        tiny_chat_model):  # noqa: F811
+    engine, live = serve(tiny_chat_model, bugs={"NoSalt"})
+    with live as server:
+        assert complete(server, KEYS[0]) == 0
+        assert complete(server, KEYS[1]) == 4 * PAGE  # the bug: another tenant's pages
+        salts = first_page_salts(engine)
+    assert salts == [0]  # NoSalt files every page under salt 0: one page for both
+    store = engine.inner.runtime.store
+    # The store's oracles see it: the second tenant read KV of another salt and got Ok.
+    assert store.violation_counts == {"Isolation": 1, "OkIsClean": 1}
+
+
+def test_sharing_across_keys_drops_the_tenant_but_keeps_the_cache_salt(
+        tiny_chat_model):  # noqa: F811
+    engine, live = serve(tiny_chat_model, across_keys=True)
+    with live as server:
+        assert complete(server, KEYS[0]) == 0
+        assert complete(server, KEYS[1]) == 4 * PAGE
+        assert complete(server, KEYS[1], cache_salt="private") == 0
+        salts = first_page_salts(engine)
+    assert salts == sorted([salt_for(None, None, True), salt_for(None, "private", True)])
+
+
+def test_cached_tokens_in_chat_and_in_the_streamed_usage(tiny_chat_model):  # noqa: F811
+    engine, live = serve(tiny_chat_model)
+    with live as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEYS[0], max_retries=0,
+                               timeout=60)
+        messages = [{"role": "system", "content": PROMPT}, {"role": "user", "content": "Hi"}]
+        first = client.chat.completions.create(model="default", messages=messages,
+                                               max_tokens=2, temperature=0)
+        prompt_tokens = first.usage.prompt_tokens
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        chunks = list(client.chat.completions.create(
+            model="default", messages=messages, max_tokens=2, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        usage = chunks[-1].usage
+        assert usage.prompt_tokens == prompt_tokens
+        assert usage.prompt_tokens_details.cached_tokens == prompt_tokens // PAGE * PAGE > 0
+
+
+def test_serves_prefix_cache_flags_reach_the_engine_config():
+    from api.serve.command import Refusal, _check, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for flags, expected in ([], False), (["--prefix-cache"], True), (
+            ["--no-prefix-cache"], False):
+        _factory, config, _threads = _check(parser.parse_args(flags + ["--threads", "1"]))
+        assert config.prefix_cache is expected, flags
+    with pytest.raises(Refusal, match="--prefix-cache: not supported yet"):
+        _check(parser.parse_args(["--processes", "--prefix-cache", "--threads", "1"]))
+    args = parser.parse_args(["--share-prefix-cache-across-keys"])
+    assert args.share_prefix_cache_across_keys is True
