@@ -366,12 +366,16 @@ def hit_pages(m: Model, s: "View", row: tuple) -> tuple:
     as long as decode has one cached under its key, the lowest-numbered such page."""
     if not m.prefix_cache:
         return ()
-    pool = s.decode_pool
-    mine = decode_pages_of(m, s, row)
+    return _longest_cached(m, row, s.decode_pool, decode_pages_of(m, s, row), IDENT)
+
+
+def _longest_cached(m: Model, row: tuple, pool, mine: range, ident: int) -> tuple:
+    """For each leading page of the prompt, as long as one of `mine` is cached under its
+    key (the pool's field `ident`), the lowest-numbered such page: both sides' lookup."""
     hits = []
     for i in range(1, row[PROMPT] + 1):
         key = cache_key(m, row, i)
-        page = next((p for p in mine if pool[p][IDENT] == key), None)
+        page = next((p for p in mine if pool[p][ident] == key), None)
         if page is None:
             break
         hits.append(page)
@@ -408,16 +412,7 @@ def prefill_hit_pages(m: Model, s: "View", row: tuple) -> tuple:
     page. None for a placeholder (FinishedNotRejected: its page holds no prompt's KV)."""
     if not m.prefill_cache or row[PROMPT] > m.prefill_pages:
         return ()
-    pool = s.prefill_pool
-    mine = prefill_pages_of(m, s, row)
-    hits = []
-    for i in range(1, row[PROMPT] + 1):
-        key = cache_key(m, row, i)
-        page = next((p for p in mine if pool[p][P_IDENT] == key), None)
-        if page is None:
-            break
-        hits.append(page)
-    return tuple(hits)
+    return _longest_cached(m, row, s.prefill_pool, prefill_pages_of(m, s, row), P_IDENT)
 
 
 def sent_from(s: "View", page: int) -> bool:
