@@ -355,3 +355,35 @@ def test_two_by_two_workers_cache_per_decode_worker_and_the_run_validates(model,
     assert replay(*read_log(path)).decode_pools == on.store.decode_pools
     assert main(["validate", str(path)]) == 0
     assert "run OK" in capsys.readouterr().out
+
+
+def test_a_cached_engine_run_validates_as_itf(model, tmp_path, capsys):
+    """A small engine run with decode's cache (the second request hits the first's two full
+    pages) written as an ITF trace of the spec's model (Tokens 2^62: each Arrive's prompt
+    is read off the recorded state, never enumerated) is accepted by `kvproof validate`;
+    a trace whose second Arrive claims a prompt other than its state's is refused."""
+    import json
+
+    from api.cli import main
+    from spec.tlaplus.itf import write_itf
+
+    rt = Runtime(model, RuntimeConfig(prefill_pages=3, decode_pages=4, page_tokens=PAGE,
+                                      context_tokens=12, prefill_chunk_tokens=8,
+                                      transfer_timeout_s=1e9, lease_s=1e9, prefix_cache=True))
+    ends = Recorder(rt)
+    for _ in range(2):
+        rt.arrive(GenerationRequest(SYSTEM[:9], SamplingParams(max_tokens=2)), ends)
+        drain(rt)
+    assert [ends.ends[r].cached_tokens for r in range(2)] == [0, 8]
+    m, steps = core_trace(rt.log_header(), rt.log)
+    path = tmp_path / "cached.itf.json"
+    write_itf(str(path), m, steps, "a cached engine run")
+    capsys.readouterr()
+    assert main(["validate", str(path)]) == 0
+    assert f"trace OK: {len(rt.log)} steps" in capsys.readouterr().out
+    trace = json.loads(path.read_text())
+    second = [s for s in trace["states"] if s.get("#meta", {}).get("action") == "Arrive"][1]
+    second["salt"]["#map"] = [[k, v + 1 if k == "r2" else v] for k, v in second["salt"]["#map"]]
+    path.write_text(json.dumps(trace))
+    assert main(["validate", str(path)]) == 1
+    assert "illegal" in capsys.readouterr().out
