@@ -76,9 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default=None, choices=sorted(PROFILES),
                         help="model sizes and steps per example (default: "
                              "$KVPROOF_FUZZ_PROFILE or 'default')")
-    parser.add_argument("--prefix-cache", action="store_true",
-                        help="models with a decode-side prefix cache: prompts carry tokens "
-                             "and a salt (two of each), decode hits and evicts (issue 27)")
+    parser.add_argument("--prefix-cache", nargs="?", const="decode", default=None,
+                        choices=("decode", "both"),
+                        help="models with a prefix cache: prompts carry tokens and a salt "
+                             "(two of each), decode hits and evicts (issue 27); 'both': the "
+                             "prefill caches, hits and evicts too (the core target only)")
     parser.add_argument("--shrink-seconds", type=float, default=None, metavar="S",
                         help="time Hypothesis may spend shrinking a failure (0: none; "
                              f"default {SHRINK_SECONDS_DEFAULT:g}, {ZOO_SHRINK_SECONDS_DEFAULT:g}"
@@ -188,7 +190,8 @@ def _campaign(args: argparse.Namespace):
                     seed=args.seed if args.seed is not None else random_seed(),
                     examples=examples, seconds=args.seconds,
                     shrink_seconds=shrink_s, minimize_seconds=minimize_s,
-                    prefix_cache=args.prefix_cache)
+                    prefix_cache=bool(args.prefix_cache),
+                    prefill_cache=args.prefix_cache == "both")
 
 
 def _targets(args: argparse.Namespace) -> list[str]:
@@ -197,6 +200,9 @@ def _targets(args: argparse.Namespace) -> list[str]:
     if unknown:
         raise UsageError(f"unknown target(s) {', '.join(unknown)}; known: "
                          f"{', '.join(sorted(known))}")
+    if args.prefix_cache == "both" and any(t != "core" for t in args.target):
+        raise UsageError("--prefix-cache both runs on the core target only: the simulator "
+                         "and the engine keep no prefill-side cache yet")
     if args.target:
         return list(dict.fromkeys(args.target))
     if args.zoo:

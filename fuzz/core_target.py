@@ -28,7 +28,8 @@ from spec.model import Model
 from spec.properties import request_ended
 
 from fuzz.target import (Delay, Move, Observation, Open, PoolView, Target, TargetRefused,
-                         read_field, decoding_reads, expected_reads, owned_pages, register)
+                         read_field, decoding_reads, expected_reads, owned_pages,
+                         owned_sources, register)
 
 
 def _field_names(cls: type) -> tuple[str, ...]:
@@ -114,6 +115,8 @@ class CoreTarget(Target):
                 moves[name].append(event)
         if m.prefix_cache:
             moves["Evict"] = self._evictions()
+        if m.prefill_cache:
+            moves["PrefillEvict"] = self._prefill_evictions()
         self._hold(moves)
         return self._oldest_first({name: listed for name, listed in moves.items() if listed})
 
@@ -128,6 +131,20 @@ class CoreTarget(Target):
             out = evict(m, s, 0, p)
             if type(out) is not str:
                 event = core.Evict(0, p)
+                self._next[event] = core.commit(s, out)
+                listed.append(event)
+        return listed
+
+    def _prefill_evictions(self) -> list[core.Event]:
+        """A PrefillEvict for every prefill page the core lets the prefill forget now (a
+        cached page nobody reads and no write reads out of: core.prefill_evict decides)."""
+        m, s, evict, listed = self.model, self.state, core.ACTIONS[core.PrefillEvict], []
+        for p, page in enumerate(s.prefill_pool):
+            if page[core.P_IDENT] == core.NO_IDENT:
+                continue
+            out = evict(m, s, 0, p)
+            if type(out) is not str:
+                event = core.PrefillEvict(0, p)
                 self._next[event] = core.commit(s, out)
                 listed.append(event)
         return listed
@@ -176,6 +193,9 @@ class CoreTarget(Target):
                 if which == 1 and m.prefix_cache:  # not the pages r is about to hit
                     hits = core.hit_pages(m, s, row)
                     options = tuple(p for p in options if p not in hits) if hits else options
+                elif which == 0 and m.prefill_cache:  # nor at the prefill
+                    hits = core.prefill_hit_pages(m, s, row)
+                    options = tuple(p for p in options if p not in hits) if hits else options
                 if len(options) >= need:
                     listed.append((cls.__name__, Open(cls.__name__, r, need, options)))
         for k, (name, fn, observed) in enumerate(self._simple):
@@ -208,6 +228,8 @@ class CoreTarget(Target):
         free = [p for p, page in enumerate(pool) if page[0] == NONE]
         if which == 1 and self.model.prefix_cache:  # a page read from the cache is not free
             free = [p for p in free if not pool[p][core.READERS]]
+        elif which == 0 and self.model.prefill_cache:  # nor a cached source read or sent from
+            free = [p for p in free if core.prefill_free(self.model, self.state, p)]
         free.sort(key=freed_at.__getitem__)  # stable: ascending among equals
         return tuple(free)
 
@@ -266,7 +288,8 @@ class CoreTarget(Target):
                   for r, row in enumerate(rows)))
         prefill = PoolView(
             "prefill", tuple(page[0] for page in s.prefill_pool),
-            tuple(row[SRC] if row[PST] == RUNNING else () for row in rows))
+            tuple(owned_sources(row, s.prefill_pool, r) if row[PST] == RUNNING else ()
+                  for r, row in enumerate(rows)))
         return Observation(
             pools=(prefill, decode),
             writes=tuple((w[0], w[2]) for w in s.writes),

@@ -174,7 +174,7 @@ class Setup:
 
 def draw_setup(data, profile: Profile, bugs: frozenset[str],
                vocabulary: frozenset[str] = frozenset(VOCABULARY),
-               prefix_cache: bool = False) -> Setup:
+               prefix_cache: bool = False, prefill_cache: bool = False) -> Setup:
     requests = data.draw(st.integers(*profile.requests), label="requests")
     prefill = data.draw(st.integers(*profile.prefill_pages), label="prefill pages")
     decode = data.draw(st.integers(*profile.decode_pages), label="decode pages")
@@ -185,7 +185,8 @@ def draw_setup(data, profile: Profile, bugs: frozenset[str],
     model = Model(requests=requests, max_prompt_pages=context + 2, context_pages=context,
                   prefill_pages=prefill, decode_pages=decode, bugs=bugs, crashes=True,
                   decode_crashes=True, name="fuzz",
-                  **(PREFIX_MODEL if prefix_cache else {}))
+                  **(PREFIX_MODEL if prefix_cache else {}),
+                  **({"prefill_cache": True} if prefill_cache else {}))
     # Actions the target can never list get no weight (and no draw); nor do the recoveries
     # from a loss, since these models lose nothing, nor a prefix cache's actions where the
     # model has none (so every seed draws what it drew before those actions existed).
@@ -266,6 +267,7 @@ class FuzzMachine(RuleBasedStateMachine):
     checks: Checks
     recorder: Recorder
     prefix_cache: bool = False
+    prefill_cache: bool = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -279,7 +281,7 @@ class FuzzMachine(RuleBasedStateMachine):
     @initialize(data=st.data())
     def configure(self, data) -> None:
         self.setup = draw_setup(data, self.profile, self.bugs, self.target.vocabulary,
-                                self.prefix_cache)
+                                self.prefix_cache, self.prefill_cache)
         self.weight = self.setup.weight_table()
         self._guarded(self.target.reset, self.setup.model, seed=self.setup.seed)
         self._check()
@@ -454,10 +456,10 @@ def _weighted(digits: Digits, offered: list[tuple[str, int]]) -> str:
 
 def make_machine(target_factory: Callable[[], Target], profile: Profile,
                  bugs: frozenset[str], checks: Checks, recorder: Recorder,
-                 prefix_cache: bool = False) -> type:
+                 prefix_cache: bool = False, prefill_cache: bool = False) -> type:
     """A machine class for one campaign: the vocabulary's rules over one target (with
-    prefix_cache, on models with a prefix cache)."""
+    prefix_cache, on models with a prefix cache; with prefill_cache, at the prefill too)."""
     namespace = dict(target_factory=staticmethod(target_factory), profile=profile,
                      bugs=frozenset(bugs), checks=checks, recorder=recorder,
-                     prefix_cache=prefix_cache)
+                     prefix_cache=prefix_cache, prefill_cache=prefill_cache)
     return type(f"Fuzz_{getattr(target_factory, 'name', 'target')}", (FuzzMachine,), namespace)

@@ -48,19 +48,22 @@ class Campaign:
     shrink_seconds: float = 20.0      # Hypothesis shrinking; 0: no shrinking
     minimize_seconds: float = 10.0    # cutting the shrunk sequence down
     prefix_cache: bool = False        # models with a decode-side prefix cache (issue 27)
+    prefill_cache: bool = False       # ... and a prefill-side one (the core target only)
 
     def __post_init__(self) -> None:
         assert self.target in TARGETS, f"unknown target {self.target}"
         assert self.examples is None or self.examples >= 1
         assert self.seconds is None or self.seconds > 0
         assert self.examples is not None or self.seconds is not None
+        assert self.prefix_cache or not self.prefill_cache, "a prefill cache needs prefix_cache"
 
     def describe(self) -> str:
         budget = (f"{self.seconds:g} s in batches of {self.examples} examples" if self.seconds
                   else f"{self.examples} examples")
         bugs = ", ".join(sorted(self.bugs)) or "none"
         props = ", ".join(self.properties) if self.properties else "all"
-        cache = "; prefix cache" if self.prefix_cache else ""
+        cache = ("; prefix cache at decode and prefill" if self.prefill_cache else
+                 "; prefix cache" if self.prefix_cache else "")
         return (f"target {self.target}, seed {self.seed}, {budget}, then "
                 f"{self.shrink_budget()}; profile {self.profile.name}{cache}; bugs: {bugs}; "
                 f"properties: {props}")
@@ -177,7 +180,7 @@ def run_campaign(c: Campaign, progress: Callable[[str], None] | None = None) -> 
 def _run_batch(c: Campaign, batch_seed: int, recorder: Recorder) -> FuzzFailure | None:
     checks = Checks.for_properties(c.properties)
     machine = make_machine(TARGETS[c.target], c.profile, c.bugs, checks, recorder,
-                           c.prefix_cache)
+                           c.prefix_cache, c.prefill_cache)
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if c.shrink_seconds else [])
     options = settings(max_examples=c.examples, database=None, deadline=None,
                        stateful_step_count=c.profile.steps_max, phases=phases,
@@ -206,7 +209,8 @@ def reproduce_command(c: Campaign, outcome: Outcome) -> str:
     properties = "".join(f" --property {p}" for p in c.properties or ())
     seed = outcome.batch_seed if outcome.batch_seed is not None else c.seed
     examples = outcome.batch_examples or c.examples
-    cache = " --prefix-cache" if c.prefix_cache else ""
+    cache = (" --prefix-cache both" if c.prefill_cache else
+             " --prefix-cache" if c.prefix_cache else "")
     return (f"kvproof fuzz --target {c.target} --seed {seed} --examples "
             f"{examples} --profile {c.profile.name}{cache}{bugs}{properties}")
 

@@ -179,6 +179,12 @@ def owned_pages(row, decode_pool, r: int) -> tuple[int, ...]:
     return tuple(p for p, _ in row[core.TABLE] if r not in decode_pool[p][core.READERS])
 
 
+def owned_sources(row, prefill_pool, r: int) -> tuple[int, ...]:
+    """The source pages of r that r holds as their owner: all of them, but those it reads
+    from the prefill's own cache (shared, owned by nobody, r among their readers)."""
+    return tuple(p for p in row[core.SRC] if r not in prefill_pool[p][core.P_READERS])
+
+
 def expected_reads(m, rows) -> dict[int, tuple]:
     """Per request that arrived with tokens, the identity of each of its pages
     (core.true_ident, the spec's definition: its salt and its tokens up to the page); empty

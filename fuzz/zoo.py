@@ -38,6 +38,7 @@ class Row:
     # Whether its fuzz models have a prefix cache: as the checker's base model has (the
     # prefix switches change nothing without one).
     prefix_cache: bool = False
+    prefill_cache: bool = False  # ... and at the prefill too (the checker's PrefillCache)
 
     @property
     def must_fail(self) -> bool:
@@ -91,10 +92,11 @@ NOT_RUN: dict[tuple[str, str], str] = {
        "the core and sim targets catch it"
        for row in ("stale-hit-reads-unwritten", "StaleHitLength alone", "no-refcount",
                    "full-hit-no-notice", "no-salt", "none (prefix cache)")},
-    **{("evict-while-sending", target): "the fuzz targets' prefix moves are decode-side only: "
-       "their models have no prefill-side cache (PrefillCache; its fuzz moves are a later "
-       "slice), so the switch changes nothing there; the checker's prefix-prefill model "
-       "catches it" for target in ("core", "sim", "hybrid")},
+    **{(row, target): "the simulator and the engine keep no prefill-side cache yet (the "
+       "shell store's prefill pool has no cached pages): the core target and the checker's "
+       "prefix-prefill model catch it"
+       for row in ("evict-while-sending", "none (prefill cache)")
+       for target in ("sim", "hybrid")},
 }
 
 
@@ -118,18 +120,25 @@ def _prefix_base(base: str) -> bool:
     return bool(BASES[base].get("prefix_cache"))
 
 
+def _prefill_base(base: str) -> bool:
+    return bool(BASES[base].get("prefill_cache"))
+
+
 def zoo_rows() -> list[Row]:
-    rows = [Row(e.name, e.bugs, e.invariants, e.property, prefix_cache=_prefix_base(e.base))
-            for e in ENTRIES]
+    rows = [Row(e.name, e.bugs, e.invariants, e.property, prefix_cache=_prefix_base(e.base),
+                prefill_cache=_prefill_base(e.base)) for e in ENTRIES]
     known = {row.bugs for row in rows}
     for alone in ALONE:
         if alone.breaks and frozenset({alone.switch}) not in known:
             rows.append(Row(f"{alone.switch} alone", frozenset({alone.switch}), None,
-                            alone.breaks, prefix_cache=_prefix_base(alone.base)))
+                            alone.breaks, prefix_cache=_prefix_base(alone.base),
+                            prefill_cache=_prefill_base(alone.base)))
     rows.extend(GUARDED_ROWS)
     # The clean row on prefix-cache models: hits, full hits, evictions and two tenants,
     # with every property and oracle checked, must end clean too.
     rows.append(Row("none (prefix cache)", frozenset(), None, None, prefix_cache=True))
+    rows.append(Row("none (prefill cache)", frozenset(), None, None, prefix_cache=True,
+                    prefill_cache=True))
     rows.append(Row("none", frozenset(), None, None))
     return rows
 
@@ -171,7 +180,8 @@ def _campaigns(targets: list[str], base: Campaign, rows: list[Row]):
                                 profile=base.profile, seed=base.seed, examples=base.examples,
                                 seconds=base.seconds, shrink_seconds=base.shrink_seconds,
                                 minimize_seconds=base.minimize_seconds,
-                                prefix_cache=row.prefix_cache)
+                                prefix_cache=row.prefix_cache,
+                                prefill_cache=row.prefill_cache)
 
 
 def run_portable(campaign: Campaign) -> Outcome:

@@ -55,8 +55,11 @@ ZOO_CLEAN_BUDGET = {"core": 750, "sim": 750, "engine": 67}
 # 750: its models differ from none's only in the cache, and the prefix rows are caught
 # within 106 examples at these seeds (stale-hit-reads-unwritten on the core; the rest
 # within 74), 17 s per target for all six prefix rows.
+# The clean row with the prefill's cache too runs on the core only, 300 examples (7.0 s at
+# seed 0 here); evict-while-sending is caught there within a few examples.
 ZOO_ROW_BUDGET = {("late-write-looks-current", "engine"): 600,
-                  ("none (prefix cache)", "core"): 300, ("none (prefix cache)", "sim"): 300}
+                  ("none (prefix cache)", "core"): 300, ("none (prefix cache)", "sim"): 300,
+                  ("none (prefill cache)", "core"): 300}
 ZOO_SHRINK_SECONDS = 1.0
 ZOO_MINIMIZE_SECONDS = 2.0
 
@@ -347,6 +350,38 @@ def test_core_target_lists_exactly_the_core_enabled_events_with_a_prefix_cache(b
     assert hits and (evicted or "NoRefCount" in bugs)
 
 
+@pytest.mark.parametrize("bugs", [frozenset(), frozenset({"EvictWhileSending"})],
+                         ids=["none", "EvictWhileSending"])
+def test_core_target_lists_exactly_the_core_enabled_events_with_a_prefill_cache(bugs):
+    """The same on the checker's prefix-prefill model (the prefill caches too): Admit's
+    free pages without the cached sources it is about to hit or that are read or sent
+    from, PrefillEvict of every page core.prefill_evict allows; the walks reach prefill
+    hits and prefill evictions."""
+    import random
+
+    from spec.check.zoo import BASES
+
+    m = Model(**BASES["prefix-prefill"], bugs=bugs)
+    assert m.prefill_cache
+    rng = random.Random(7)
+    seen = {"evicted": 0, "hit": 0}
+
+    def choose(target, expected):
+        seen["hit"] += any(row[core.PCACHED] > 0 for row in target.protocol_state().requests)
+        ordered = sorted(expected, key=repr)
+        evictions = [e for e in ordered if type(e) is core.PrefillEvict]
+        own = [e for e in ordered if e.action not in core.FAULT_ACTIONS | core.TIMER_ACTIONS
+               and type(e) is not core.PrefillEvict]
+        # Evictions now and then: often enough to be seen, rarely enough that a later
+        # request with the same prefix finds the sealed pages still cached.
+        event = rng.choice(evictions if evictions and rng.random() < 0.1 else
+                           own if own and rng.random() < 0.9 else ordered)
+        seen["evicted"] += type(event) is core.PrefillEvict
+        return event
+    _walk_comparing_listings(m, choose)
+    assert seen["hit"] and seen["evicted"], seen
+
+
 def _expand(move, m=None) -> set:
     if not isinstance(move, Open):
         return {move}
@@ -479,6 +514,7 @@ def test_a_run_without_a_seed_prints_the_one_it_drew(capsys):
     (["--replay", "/nonexistent.json"], "no such file"),
     (["--replay", __file__], "cannot read"),
     (["--replay", __file__, "--bug", "NoTimeout"], "combines with no other option"),
+    (["--prefix-cache", "both", "--target", "sim"], "core target only"),
 ])
 def test_bad_input_is_a_clear_error_with_exit_2(capsys, args, message):
     assert main(["fuzz", *args]) == 2
@@ -496,12 +532,15 @@ def test_zoo_rows_cover_every_entry_and_the_switches_that_break_alone():
     rows = zoo_rows()
     assert [r.name for r in rows[:len(ENTRIES)]] == [e.name for e in ENTRIES]
     assert rows[-1].name == "none" and not rows[-1].bugs
-    assert rows[-2].name == "none (prefix cache)" and rows[-2].prefix_cache and not rows[-2].bugs
+    assert rows[-3].name == "none (prefix cache)" and rows[-3].prefix_cache and not rows[-3].bugs
+    assert rows[-2].name == "none (prefill cache)" and rows[-2].prefill_cache and not rows[-2].bugs
     prefix_rows = {r.name for r in rows if r.prefix_cache}
-    # evict-while-sending is a prefix row too (its base has a prefix cache), not run on any
-    # target: their prefix moves are decode-side only (fuzz/zoo.py NOT_RUN says why)
+    # evict-while-sending and the clean prefill-cache row have a cache at the prefill too
+    # (run on the core target only: fuzz/zoo.py NOT_RUN says why)
     assert prefix_rows == {"stale-hit-reads-unwritten", "no-refcount", "full-hit-no-notice",
                            "no-salt", "StaleHitLength alone", "none (prefix cache)",
-                           "evict-while-sending"}
+                           "evict-while-sending", "none (prefill cache)"}
+    assert {r.name for r in rows if r.prefill_cache} == {"evict-while-sending",
+                                                          "none (prefill cache)"}
     singles = {next(iter(r.bugs)) for r in rows if len(r.bugs) == 1}
     assert {"EagerRelease", "SourceReuse", "NoTimeout", "NoCancel"} <= singles

@@ -116,6 +116,24 @@ def test_fuzz_with_a_prefix_cache_prints_its_seed_and_replays(capsys, tmp_path):
     assert "drop --bug, --property, --prefix-cache and --itf" in capsys.readouterr().err
 
 
+def test_fuzz_with_the_prefill_cache_too_catches_evict_while_sending_and_replays(capsys,
+                                                                                 tmp_path):
+    """--prefix-cache both: the core target's models cache at the prefill too (Admit hits,
+    PrefillEvict); EvictWhileSending is caught, its reproduce line names the cache, and the
+    saved failure replays."""
+    path = tmp_path / "evict.itf.json"
+    assert main(["fuzz", "--prefix-cache", "both", "--bug", "EvictWhileSending", "--seed",
+                 "0", "--examples", "300", "--itf", str(path), "--quiet",
+                 "--shrink-seconds", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "prefix cache at decode and prefill; bugs: EvictWhileSending" in out
+    assert ("reproduce: kvproof fuzz --target core --seed 0 --examples 300 --profile default "
+            "--prefix-cache both --bug EvictWhileSending") in out
+    assert "PrefillEvict" in out and "SealedIsQuiet" in out
+    assert main(["fuzz", "--replay", str(path)]) == 1
+    assert "Reproduced: SealedIsQuiet" in capsys.readouterr().out
+
+
 def test_a_prefix_runs_log_and_its_itf_trace_validate_with_hashed_tokens(capsys, tmp_path):
     """The simulator's tokens are hashes (Tokens is 2^62): `kvproof validate` checks its
     log against the spec's text (1..Tokens tested, never built) and its ITF trace through
