@@ -116,35 +116,24 @@ class CoreTarget(Target):
         if m.prefix_cache:
             moves["Evict"] = self._evictions()
         if m.prefill_cache:
-            moves["PrefillEvict"] = self._prefill_evictions()
+            moves["PrefillEvict"] = self._evictions(core.PrefillEvict)
         self._hold(moves)
         return self._oldest_first({name: listed for name, listed in moves.items() if listed})
 
-    def _evictions(self) -> list[core.Event]:
-        """An Evict for every decode page the core lets decode forget now (a cached page
-        nobody reads: core.evict decides). Pages that are not cached are not asked about:
-        the core refuses every one of them."""
-        m, s, evict, listed = self.model, self.state, core.ACTIONS[core.Evict], []
-        for p, page in enumerate(s.decode_pool):
-            if page[core.IDENT] == core.NO_IDENT:
+    def _evictions(self, cls: type = core.Evict) -> list[core.Event]:
+        """An Evict (or PrefillEvict) for every page of decode's (or the prefill's) pool the
+        core lets it forget now (core.evict, core.prefill_evict decide: a cached page nobody
+        reads, and at the prefill no write reads out of). Pages that are not cached are not
+        asked about: the core refuses every one of them."""
+        m, s, evict, listed = self.model, self.state, core.ACTIONS[cls], []
+        pool, ident = ((s.decode_pool, core.IDENT) if cls is core.Evict
+                       else (s.prefill_pool, core.P_IDENT))
+        for p, page in enumerate(pool):
+            if page[ident] == core.NO_IDENT:
                 continue
             out = evict(m, s, 0, p)
             if type(out) is not str:
-                event = core.Evict(0, p)
-                self._next[event] = core.commit(s, out)
-                listed.append(event)
-        return listed
-
-    def _prefill_evictions(self) -> list[core.Event]:
-        """A PrefillEvict for every prefill page the core lets the prefill forget now (a
-        cached page nobody reads and no write reads out of: core.prefill_evict decides)."""
-        m, s, evict, listed = self.model, self.state, core.ACTIONS[core.PrefillEvict], []
-        for p, page in enumerate(s.prefill_pool):
-            if page[core.P_IDENT] == core.NO_IDENT:
-                continue
-            out = evict(m, s, 0, p)
-            if type(out) is not str:
-                event = core.PrefillEvict(0, p)
+                event = cls(0, p)
                 self._next[event] = core.commit(s, out)
                 listed.append(event)
         return listed
