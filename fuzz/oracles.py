@@ -114,7 +114,7 @@ def _ident(ident: tuple) -> str:
     if not ident:
         return "nothing ever written"
     salt, tokens = ident
-    return f"salt {salt}, tokens {''.join(map(str, tokens))}"
+    return f"salt {salt}, tokens {core.tokens_text(tokens)}"
 
 
 def _foreign(r: int, writers: tuple[int, ...], m: Model | None = None):

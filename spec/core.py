@@ -351,6 +351,13 @@ def _prompt_content_error(m: Model, n: int, tokens: tuple, salt: int) -> str:
 # Prefix caching (the spec's "Prefix caching" definitions). A page's content identity is
 # (salt, the tokens of the page and of every page before it): the hash chain, unhashed.
 
+def tokens_text(tokens: tuple) -> str:
+    """A prompt's tokens as labels and messages write them: a checker's are digits, written
+    together (112); a shell's are hashes, written apart (1 1 1048576), so that the text
+    names one prompt."""
+    return ("" if all(t < 10 for t in tokens) else " ").join(map(str, tokens))
+
+
 def true_ident(row: tuple, i: int) -> tuple:
     """What page i (1-based) of the request holds (the spec's TrueIdent)."""
     return (row[SALT], row[TOKENS][:i])
@@ -496,9 +503,7 @@ def admit(m: Model, s: State, r: int, pages: tuple) -> Change | str:
     for p in pages:
         if p in hits or not prefill_free(m, s, p):
             return f"prefill page {p + 1} is cached and in use: it is not free"
-    referenced = tuple((p, pool[p][:P_READERS] + (tuple(sorted(pool[p][P_READERS] + (r,))),
-                                                   pool[p][P_IDENT]))
-                       for p in hits)
+    referenced = _referenced(pool, r, hits, P_READERS)
     computed = tuple((p, (r, r, pool[p][P_READERS], NO_IDENT)) for p in pages)  # evicts
     return Change(((r, _row(row, PST, RUNNING, SRC, hits + pages, PCACHED, len(hits))),),
                   prefill=referenced + computed)
@@ -685,7 +690,7 @@ def reserve(m: Model, s: State, r: int, pages: tuple) -> Change | str:
     for p in pages:
         if pool[p][READERS] or p in hits:
             return f"decode page {p + 1} is cached and read: it is not free"
-    changes, table = _referenced(pool, r, hits), tuple((p, pool[p][GEN]) for p in hits)
+    changes, table = _referenced(pool, r, hits, READERS), tuple((p, pool[p][GEN]) for p in hits)
     bump = 0 if "NoGenBump" in m.bugs else 1
     changes += tuple((p, (r, gen + bump, data, tag, readers, NO_IDENT, kv))  # evicts a cached
                      for p in pages for _, gen, data, tag, readers, _, kv in (pool[p],))
@@ -699,10 +704,11 @@ def reserve(m: Model, s: State, r: int, pages: tuple) -> Change | str:
     return Change(((r, new),), decode=changes)
 
 
-def _referenced(pool, r: int, hits: tuple) -> tuple:
-    """The cached pages `hits` with r among their readers."""
-    return tuple((p, pool[p][:READERS] + (tuple(sorted(pool[p][READERS] + (r,))),)
-                  + pool[p][IDENT:]) for p in hits)
+def _referenced(pool, r: int, hits: tuple, readers: int) -> tuple:
+    """The cached pages `hits` with r among their readers (the pool's field `readers`:
+    decode's READERS or the prefill's P_READERS; both sides' reference)."""
+    return tuple((p, pool[p][:readers] + (tuple(sorted(pool[p][readers] + (r,))),)
+                  + pool[p][readers + 1:]) for p in hits)
 
 
 def decode_reject(m: Model, s: State, r: int) -> Change | str:
@@ -1274,10 +1280,7 @@ class Arrive(RequestEvent):
 
     def label(self, m: Model | None = None) -> str:
         name = m.request_names[self.request] if m else f"r{self.request + 1}"
-        # A checker's tokens are digits, written together (tokens 112); a shell's are hashes,
-        # written apart (tokens 1 1 1048576), so that the label names one prompt.
-        sep = "" if all(t < 10 for t in self.tokens) else " "
-        content = (f", tokens {sep.join(map(str, self.tokens))}, salt {self.salt}"
+        content = (f", tokens {tokens_text(self.tokens)}, salt {self.salt}"
                    if self.tokens else "")
         if m is None or m.one_pair:
             return f"Arrive({name}, {self.prompt_pages}{content})"
