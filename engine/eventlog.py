@@ -15,7 +15,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from engine.prefix import SALT_MAX, TOKENS_MAX
+from engine.prefix import SALT_MAX
 from spec import codec, core
 from spec.core import Refusal
 from spec.model import Model, ProtocolConfig
@@ -56,7 +56,7 @@ def model_of(header: dict) -> Model:
                             crashes=False, decode_crashes=False)
     if not header.get("prefix_cache"):
         return shell
-    return replace(shell, prefix_cache=True, tokens=TOKENS_MAX, tenants=SALT_MAX)
+    return shell.with_prefix_cache(SALT_MAX)
 
 
 def replay(header: dict, records: list[dict]) -> Store:
@@ -104,12 +104,12 @@ def core_trace(header: dict, records: list[dict]) -> tuple[Model, list]:
         except codec.CodecError as error:
             raise LogError(f"line {k}: {error}") from None
     requests = 1 + max((e.request for e in events if type(e) is not core.Evict), default=0)
-    cache = (dict(prefix_cache=True, tokens=TOKENS_MAX, tenants=SALT_MAX)
-             if header.get("prefix_cache") else {})
     m = Model(requests=requests, max_prompt_pages=header["max_prompt_pages"],
               context_pages=header["context_pages"], prefill_pages=header["prefill_pages"],
               decode_pages=header["decode_pages"], bugs=frozenset(header["bugs"]),
-              name="engine-run", **cache)
+              name="engine-run")
+    if header.get("prefix_cache"):
+        m = m.with_prefix_cache(SALT_MAX)
     state = core.initial_state(m)
     steps: list = [(None, state)]
     for k, event in enumerate(events, start=2):

@@ -19,7 +19,8 @@ nobody reads. The shell supplies what only it knows, and nothing else:
 - a request's salt (engine/service.py `GenerationRequest.cache_salt`; the server derives
   it from the tenant and the request's cache_salt, api/serve/generation.py);
 - which idle cached page to evict under pool pressure: the least recently released first,
-  never one the reserving request is about to hit (`lru_victims`); the core decides each
+  never one the reserving request is about to hit (spec/store.py `lru_victims`, the
+  simulator's pick too); the core decides each
   Evict (a page with readers is refused). A page keyed by a nonce can never be hit, so the
   shell evicts it as soon as its request releases it (engine/delivery.py).
 
@@ -31,8 +32,10 @@ from __future__ import annotations
 import hashlib
 from array import array
 
+from spec.model import SHELL_TOKENS
+
 DIGEST_MAX = 1 << 61   # a filled page's token is in 1..DIGEST_MAX
-TOKENS_MAX = 1 << 62   # the core's Tokens (the simulator's too): nonces above DIGEST_MAX
+TOKENS_MAX = SHELL_TOKENS  # the core's Tokens for a shell: nonces above DIGEST_MAX
 SALT_MAX = 1 << 62     # the core's Tenants: a request's salt is in 1..SALT_MAX
 DEFAULT_SALT = 1       # one tenant, no cache_salt
 
@@ -70,13 +73,3 @@ def salt_of(*parts: str) -> int:
     data = "\x00".join(parts).encode()
     value = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
     return 1 + value % SALT_MAX
-
-
-def lru_victims(idle_oldest_first: list[int], hits, short: int) -> list[int] | None:
-    """The `short` least recently released idle pages that are not `hits`, or None when
-    the idle cache cannot make up the difference."""
-    if short <= 0:
-        return []
-    hit = set(hits)
-    victims = [p for p in idle_oldest_first if p not in hit][:short]
-    return victims if len(victims) == short else None

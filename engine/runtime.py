@@ -73,7 +73,7 @@ from engine.generate import pages_needed
 from engine.loop import Loop
 from engine.model import LlamaModel
 from engine.pool import PoolConfig
-from engine.prefix import SALT_MAX, TOKENS_MAX, Nonces, lru_victims, page_tokens_of
+from engine.prefix import SALT_MAX, Nonces, page_tokens_of
 from engine.service import Finished, GenerationRequest, PoolSnapshot, RequestSnapshot
 from engine.streaming import Live
 from engine.transport import InProcessTransport
@@ -306,9 +306,8 @@ class Runtime(ShellRuntime, Loop, Delivery):
         """Pool pressure at decode d: evict least recently released idle cached pages, not
         those r is about to hit, until `need` pages are free. False if the idle cache
         cannot make up the difference (r waits for pages, as without a cache)."""
-        m, store = self.core_model, self.store
-        hits = core.hit_pages(m, self._view(r), self._row(r))
-        victims = lru_victims(store.idle_cached(d), hits, need - store.free_pages("decode", d))
+        hits = core.hit_pages(self.core_model, self._view(r), self._row(r))
+        victims = self.store.lru_victims(d, hits, need)
         return victims is not None and all([self.evict(d, page) for page in victims])
 
     def abort(self, r: int, why: str = "the client went away") -> None:
@@ -424,7 +423,7 @@ def core_model_for(config: RuntimeConfig) -> Model:
                             crashes=False, decode_crashes=False)
     if not config.prefix_cache:
         return shell
-    return replace(shell, prefix_cache=True, tokens=TOKENS_MAX, tenants=SALT_MAX)
+    return shell.with_prefix_cache(SALT_MAX)
 
 
 def _sized(pool: PoolConfig, pages: int) -> PoolConfig:

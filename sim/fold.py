@@ -26,7 +26,6 @@ from spec.model import Model, ProtocolConfig
 from spec.store import Store
 from sim.metrics import Metrics
 from sim.scenario import Scenario, ScenarioError, scenario_from_dict
-from sim.workload import TOKENS_MAX
 
 LOG_FORMAT = "kvproof-sim-log/2"  # /2: events in spec/codec.py's records
 FIRST_TOKEN = "FirstToken"
@@ -48,9 +47,8 @@ def model_for(scenario: Scenario) -> Model:
     shell = Model.for_shell(protocol, prompt_pages_max(scenario), name=scenario.name,
                             crashes=scenario.faults.prefill_crash_rate_per_s > 0,
                             decode_crashes=scenario.faults.decode_crash_rate_per_s > 0)
-    cache = (dict(prefix_cache=True, tokens=TOKENS_MAX, tenants=scenario.prefix.tenants)
-             if scenario.prefix.cache else {})
-    return replace(shell, losses=losses_of(scenario.faults), **cache)
+    shell = replace(shell, losses=losses_of(scenario.faults))
+    return shell.with_prefix_cache(scenario.prefix.tenants) if scenario.prefix.cache else shell
 
 
 def prompt_pages_max(scenario: Scenario) -> int:

@@ -357,12 +357,9 @@ class SimDecode:
         free; the core decides each Evict. False (nothing evicted) if the idle cache
         cannot make up the difference: r waits for pages as without a cache."""
         sim, cluster = self.sim, self.sim.cluster
-        short = need - cluster.free_pages("decode", self.index)
-        hits = set(core.hit_pages(sim.model, cluster.view(r), row))
-        victims = [p for p in cluster.idle_cached(self.index) if p not in hits][:short]
-        if len(victims) < short:
-            return False
-        return all([sim.evict(self.index, page) for page in victims])
+        hits = core.hit_pages(sim.model, cluster.view(r), row)
+        victims = cluster.lru_victims(self.index, hits, need)
+        return victims is not None and all([sim.evict(self.index, page) for page in victims])
 
     def restart(self, restart_s: float) -> None:
         """The restarted decode's queues are empty; messages reach it once it is back."""

@@ -141,7 +141,6 @@ def load_workload(path: str | Path) -> TraceWorkload:
 # counter, so no two requests share it by chance.
 
 FRESH_TOKENS_FROM = 1 << 20  # below: shared parts' tokens; from here: a prompt's own pages
-TOKENS_MAX = 1 << 62         # the core's Tokens bound for a simulated prefix cache
 
 
 class PromptMaker:

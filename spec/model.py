@@ -228,6 +228,12 @@ class ProtocolConfig:
         return min(self.context_pages, self.prefill_pages, self.decode_pages)
 
 
+# The Tokens of a shell's prefix cache (Model.with_prefix_cache): its page tokens are 61-bit
+# digests and counters above them (engine/prefix.py), or small shared tokens and counters
+# (sim/workload.py), all within 1..SHELL_TOKENS.
+SHELL_TOKENS = 1 << 62
+
+
 @dataclass(frozen=True)
 class Model:
     """The CONSTANTS of KVTransfer.tla. Validated at construction.
@@ -312,6 +318,12 @@ class Model:
                    decode_pages=protocol.decode_pages, bugs=protocol.bugs, crashes=crashes,
                    decode_crashes=decode_crashes, name=name,
                    prefill_workers=prefill_workers, decode_workers=decode_workers)
+
+    def with_prefix_cache(self, tenants: int) -> "Model":
+        """This model with decode's prefix cache, as a shell runs it: a shell's page tokens
+        are hashes (engine/prefix.py) or counters (sim/workload.py), so its Tokens is
+        SHELL_TOKENS; `tenants` salts."""
+        return replace(self, prefix_cache=True, tokens=SHELL_TOKENS, tenants=tenants)
 
     @property
     def advertised_context_pages(self) -> int:

@@ -433,6 +433,19 @@ class Store:
         """Decode worker d's cached pages nobody reads, least recently released first."""
         return list(self.decode_idle[d])
 
+    def lru_victims(self, d: int, hits, need: int) -> list[int] | None:
+        """The shells' eviction pick under pool pressure at decode worker d (a policy, not
+        the protocol's: the core still decides each Evict): the least recently released
+        idle cached pages, not `hits` (those the reserving request is about to read), until
+        `need` pages are free; [] when they are, None when the idle cache cannot make up
+        the difference."""
+        short = need - len(self.decode_free[d])
+        if short <= 0:
+            return []
+        hit = set(hits)
+        victims = [p for p in self.decode_idle[d] if p not in hit][:short]
+        return victims if len(victims) == short else None
+
     # -- the whole cluster as one core State -----------------------------------------------
 
     def flatten(self) -> tuple[Model, State]:
