@@ -75,6 +75,12 @@ def _edit(line: int, **fields):
     return edit
 
 
+def _insert(line: int, record: dict):
+    def edit(lines: list[str]) -> None:
+        lines.insert(line - 1, json.dumps(record) + "\n")
+    return edit
+
+
 def _delete(line: int):
     def edit(lines: list[str]) -> None:
         del lines[line - 1]
@@ -97,6 +103,10 @@ FORGERIES = [
      "no write of r2 into decode page 1 is in flight"),
     ("an arrival's prompt grows: its reservation no longer fits it", _edit(16, prompt_pages=3), 19,
      "Reserve", "Reserve is not enabled"),
+    ("a prefill eviction no shell logs (a worker's event, no request)",
+     _insert(4, {"t": 0.0, "a": "PrefillEvict", "page": 0}), 4, "PrefillEvict",
+     "PrefillEvict is not enabled there with these arguments (the core refuses it too: a "
+     "shell's store takes no PrefillEvict)"),
 ]
 
 

@@ -158,6 +158,8 @@ def _take(run: Run, store: Store, event: core.Event) -> str:
             out = store.crash_decode(event.worker)
         elif type(event) is core.Evict:
             out = store.evict(event.worker, event.page)
+        elif isinstance(event, core.WorkerEvent):  # PrefillEvict: no shell keeps a prefill
+            return f"a shell's store takes no {event.action}"  # cache (nor logs one)
         elif type(event) is core.Arrive:
             r = event.request
             if r in store.rows:
