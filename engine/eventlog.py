@@ -68,9 +68,10 @@ def replay(header: dict, records: list[dict]) -> Store:
             event = codec.decode(record)
         except codec.CodecError as error:
             raise LogError(f"line {k}: {error}") from None
-        if type(event) is core.Evict:  # the decode cache's pick, decided by the core
-            if type(store.evict(event.worker, event.page)) is Refusal:
-                raise LogError(f"line {k}: the core refuses {event}: not a run of the protocol")
+        if isinstance(event, core.WorkerEvent):  # the decode cache's pick, decided by the core
+            out = store.take_worker_event(event)
+            if type(out) is Refusal:
+                raise LogError(f"line {k}: the core refuses {out}: not a run of the protocol")
             continue
         r = event.request
         if type(event) is core.Arrive:
@@ -103,7 +104,8 @@ def core_trace(header: dict, records: list[dict]) -> tuple[Model, list]:
             events.append(codec.decode(record))
         except codec.CodecError as error:
             raise LogError(f"line {k}: {error}") from None
-    requests = 1 + max((e.request for e in events if type(e) is not core.Evict), default=0)
+    requests = 1 + max((e.request for e in events if not isinstance(e, core.WorkerEvent)),
+                       default=0)
     m = Model(requests=requests, max_prompt_pages=header["max_prompt_pages"],
               context_pages=header["context_pages"], prefill_pages=header["prefill_pages"],
               decode_pages=header["decode_pages"], bugs=frozenset(header["bugs"]),

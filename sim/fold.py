@@ -115,6 +115,8 @@ class Folder:
         event = event_of(record)
         if type(event) is core.Evict:
             return self.evict(t, event)
+        if isinstance(event, core.WorkerEvent):  # one the simulator never logs
+            return self.cluster.take_worker_event(event)
         if action == "Arrive":
             return self.arrive(t, event, record["p"], record["d"], record["out"])
         r = event.request

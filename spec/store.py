@@ -429,6 +429,18 @@ class Store:
             self._check_conservation(0, d)
         return out
 
+    def take_worker_event(self, event: core.WorkerEvent) -> Change | Refusal:
+        """A worker's event (one with no request) from a log: a crash, or decode's Evict;
+        refused for one the store keeps no state for (PrefillEvict: no shell has a
+        prefill-side cache), so every fold of a log answers every record."""
+        if type(event) is core.PrefillCrash:
+            return self.crash_prefill(event.worker)
+        if type(event) is core.DecodeCrash:
+            return self.crash_decode(event.worker)
+        if type(event) is core.Evict:
+            return self.evict(event.worker, event.page)
+        return Refusal(event, f"a shell's store takes no {event.action}")
+
     def idle_cached(self, d: int) -> list[int]:
         """Decode worker d's cached pages nobody reads, least recently released first."""
         return list(self.decode_idle[d])

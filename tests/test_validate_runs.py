@@ -294,3 +294,25 @@ def test_the_incremental_keys_equal_the_conformance_keys_on_every_state(tmp_path
         assert incremental(state) == whole(state), line
         seen += 1
     assert seen == 58
+
+
+def test_a_worker_event_no_shell_logs_is_a_clear_error_in_every_fold(tmp_path, capsys,
+                                                                     one_pair):
+    """A PrefillEvict record (a worker's event, no request; no shell keeps a prefill-side
+    cache) in a simulator log and in an engine log: the simulator's replay and the engine's
+    replay and trace name its line (before: AttributeError, each fold reading its request)."""
+    from engine.eventlog import LogError, core_trace, replay
+
+    lines = one_pair.read_text().splitlines(keepends=True)
+    t = json.loads(lines[3])["t"]
+    lines.insert(4, json.dumps({"t": t, "a": "PrefillEvict", "page": 0}) + "\n")
+    forged = tmp_path / "forged.ndjson"
+    forged.write_text("".join(lines))
+    code, _, err = cli(capsys, "sim", "--replay", str(forged))
+    assert code == 2 and "line 5" in err and "a shell's store takes no PrefillEvict" in err
+    header = dict(context_pages=2, prefill_pages=2, decode_pages=2, bugs=[],
+                  max_prompt_pages=2)
+    records = [codec.encode(core.Arrive(0, 1)), codec.encode(core.PrefillEvict(0, 0))]
+    for fold in (replay, core_trace):
+        with pytest.raises(LogError, match="line 3: the core refuses PrefillEvict"):
+            fold(header, records)

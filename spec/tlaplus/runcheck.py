@@ -152,14 +152,8 @@ def placed(run: Run, line: int, record: dict, event: core.Event) -> core.Event:
 def _take(run: Run, store: Store, event: core.Event) -> str:
     """Rebuild: fold one event into the store; "" or why the core would not take it."""
     try:
-        if type(event) is core.PrefillCrash:
-            out = store.crash_prefill(event.worker)
-        elif type(event) is core.DecodeCrash:
-            out = store.crash_decode(event.worker)
-        elif type(event) is core.Evict:
-            out = store.evict(event.worker, event.page)
-        elif isinstance(event, core.WorkerEvent):  # PrefillEvict: no shell keeps a prefill
-            return f"a shell's store takes no {event.action}"  # cache (nor logs one)
+        if isinstance(event, core.WorkerEvent):  # a crash, an eviction
+            out = store.take_worker_event(event)
         elif type(event) is core.Arrive:
             r = event.request
             if r in store.rows:
