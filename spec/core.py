@@ -389,6 +389,22 @@ def _longest_cached(m: Model, row: tuple, pool, mine: range, ident: int) -> tupl
     return tuple(hits)
 
 
+# n > 1 siblings (spec/README.md, "Siblings"): the completions of one prompt are requests
+# with the same tokens and salt, so they share the prompt's pages through the cache like any
+# two such requests, and every property covers them. What makes them share, rather than each
+# transfer a copy of its own, is a shell's policy (like an eviction pick): every sibling is
+# placed on the first's workers, and holds its Reserve while `sibling_waits`.
+
+def sibling_waits(first: tuple) -> bool:
+    """Whether a sibling of the request whose row is `first` holds its Reserve: while the
+    first's transfer may still be accepted (its client waits and its decode has neither
+    accepted nor ended it). Once the first decodes, its pages are sealed at decode (and, with
+    a prefill-side cache, at the prefill since its SendDone), so a sibling's Reserve is a
+    full decode-side hit and its Admit a full prefill-side hit: nothing is transferred or
+    computed twice. Once the first ended any other way, each sibling goes on alone."""
+    return first[CLIENT] == WAITING and (first[DST] == D_NONE or first[DST] == D_WAITING)
+
+
 def told_hit(m: Model, row: tuple, k: int) -> int:
     """The hit length decode believes and tells the prefill (the spec's ToldHit):
     StaleHitLength counts one page more than decode holds."""
