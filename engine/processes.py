@@ -68,7 +68,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from engine.channel import (
@@ -104,6 +104,8 @@ class Deployment:
     max_prompt_pages: int = 3
     compute_s: float = 0.0    # the modelled prefill's compute time per request; on the
     #                           real data path a hold after the compute (tests widen windows)
+    send_done_after_s: float = 0.0  # a hold between a prefill's last post and its SendDone
+    #                                 (tests widen the window in which its writes are out)
     arrive_every_s: float = 0.005
     arrive_after_s: tuple = ()  # the wait before request r + 1 arrives, when given
     seed: int = 0
@@ -130,6 +132,7 @@ class Deployment:
     context_tokens: int = 0    # the advertised context: a worker whose pool is below it
     #                            refuses to join (the startup capacity check)
     pool_report_s: float = 0.5  # a worker reports its pool's occupancy this often, at most
+    restarts_max: int = 3      # lives a dead prefill is restarted into, at most, per worker
 
     def __post_init__(self) -> None:
         if self.serving_requests_max < 0 or self.context_tokens < 0:
@@ -170,7 +173,8 @@ class Deployment:
         return Model(requests=self.serving_requests_max or len(self.prompts),
                      max_prompt_pages=self.max_prompt_pages, context_pages=self.context_pages,
                      prefill_pages=self.prefill_pages,
-                     decode_pages=self.decode_pages, decode_crashes=True, name="processes",
+                     decode_pages=self.decode_pages, crashes=True, decode_crashes=True,
+                     name="processes",
                      bugs=frozenset(self.bugs),
                      prefill_workers=self.prefill_workers,
                      decode_workers=self.decode_workers)
@@ -186,11 +190,18 @@ class PartLog:
     """One part's log: the header, then each step stamped by its spec/partlog.py PartClock
     and flushed at once, LogEnd when the process stops."""
 
-    def __init__(self, path: Path, name: str, m: Model) -> None:
+    def __init__(self, path: Path, name: str, m: Model, resume: tuple | None = None) -> None:
+        """`resume` (steps, clock): a restarted process goes on with its previous life's
+        log (cut by its supervisor, `cut_dead_log`), its steps numbered after that
+        life's."""
         self.name, self.clock = name, PartClock(name)
-        self.file = open(path, "w")
-        self.file.write(json.dumps(header(m)) + "\n")
-        self.file.flush()
+        if resume is None:
+            self.file = open(path, "w")
+            self.file.write(json.dumps(header(m)) + "\n")
+            self.file.flush()
+        else:
+            self.file = open(path, "a")
+            self.clock.k, self.clock.c = resume
 
     def heard_from(self, stamp) -> None:
         """A message stamped by another part's step: the next step follows it."""
@@ -213,14 +224,25 @@ class PartLog:
 def close_dead_log(path: Path, name: str) -> tuple[int, int]:
     """A killed process's log closed by its supervisor: a torn last line cut, LogEnd with
     the steps the file holds. Returns (steps, the last step's clock)."""
+    steps, clock = cut_dead_log(path, name)
+    with open(path, "a") as file:
+        file.write(json.dumps(log_end(name, steps)) + "\n")
+    return steps, clock
+
+
+def cut_dead_log(path: Path, name: str) -> tuple[int, int]:
+    """A killed process's log, its torn last line cut (a restarted process goes on with
+    it). Returns (steps, the last step's clock)."""
     text = path.read_text()
     whole = text[:text.rfind("\n") + 1]
-    records = [json.loads(line) for line in whole.splitlines()[1:]]
-    steps = [x for x in records if x.get("part") == name and x.get("a") != LOG_END]
-    with open(path, "w") as file:
-        file.write(whole)
-        file.write(json.dumps(log_end(name, len(steps))) + "\n")
+    path.write_text(whole)
+    steps = [x for x in _steps_of(whole, name)]
     return len(steps), steps[-1]["c"] if steps else 0
+
+
+def _steps_of(text: str, name: str) -> list[dict]:
+    records = [json.loads(line) for line in text.splitlines()[1:]]
+    return [x for x in records if x.get("part") == name and x.get("a") != LOG_END]
 
 
 def _tuples(value):
@@ -249,6 +271,10 @@ ENVELOPES = {
     "crash": (ROUTER, PREFILL, {"decode": "count", "requests": "requests", "stamp": "stamp"},
               {}),
     "token": (DECODE, ROUTER, {"request": "request", "token": "token", "last": "bool"}, {}),
+    "pdown": (DECODE, ROUTER, {"prefill": "count", "stamp": "stamp"}, {}),
+    "restarted": (PREFILL, ROUTER, {"lost": "requests", "stamp": "stamp"}, {}),
+    "prefill_back": (ROUTER, DECODE, {"prefill": "count", "lost": "requests", "stamp": "stamp"},
+                     {}),
 }
 
 
@@ -322,15 +348,20 @@ class Process:
 
     ROLE = ""
 
-    def __init__(self, deployment: Deployment, worker: int = 0) -> None:
+    def __init__(self, deployment: Deployment, worker: int = 0,
+                 restart: dict | None = None) -> None:
         role = self.ROLE
         self.deployment, self.model = deployment, deployment.model()
         self.part = Part(self.model, role, worker)
-        self.channel = Channel(ChannelConfig(role, worker, 1,
+        # A restarted process (a prefill's: RouterProcess.record_prefill_crash) runs in a
+        # new epoch and goes on with its previous life's log.
+        self.restart = restart
+        self.channel = Channel(ChannelConfig(role, worker, restart["epoch"] if restart else 1,
                                              heartbeat_s=deployment.heartbeat_s,
                                              suspect_after_s=deployment.suspect_after_s),
                                body_problem=self.envelope_problem)
-        self.log = PartLog(log_path(deployment, self.part.name), self.part.name, self.model)
+        self.log = PartLog(log_path(deployment, self.part.name), self.part.name, self.model,
+                           (restart["steps"], restart["clock"]) if restart else None)
         self.placement: dict[int, tuple[int, int]] = {}  # request -> (prefill, decode)
         self.dead_decodes: set[int] = set()   # a prefill: decodes its detector declared down
         self.ready_at: dict[int, float] = {}  # a prefill: when a request's compute is done
@@ -384,7 +415,10 @@ class Process:
         return {}
 
     def on_peer_down(self, peer: Peer) -> None:
-        """Another process's epoch is down; only a decode's death matters to the protocol."""
+        """Another process's epoch is down (what each role does: its override)."""
+
+    def on_peer_up(self, peer: Peer) -> None:
+        """A process connected here (a restarted prefill, to the router: its override)."""
 
     def envelope_problem(self, peer: Peer, body) -> str:
         """The channel's check of an envelope's body, before this process takes it: the
@@ -419,8 +453,9 @@ class Process:
             return False
         assert type(out) is Taken
         worker = self.part.worker
-        local = local_event(self.model, event, {event.request: (worker, worker)}
-                            if self.role != ROUTER else {})
+        r = getattr(event, "request", None)  # (none for a worker's event: its crash)
+        local = local_event(self.model, event, {r: (worker, worker)}
+                            if self.role != ROUTER and r is not None else {})
         stamp = self.log.step(codec.encode(local))
         for message in out.messages:
             self.send_part_message(message, stamp)
@@ -487,11 +522,22 @@ class RouterProcess(Process):
         self.crashes_logged: list[int] = []
         self.payloads: dict[int, list] = {}      # serving: request -> its payload
         self.live: set[int] = set()              # serving: arrived, not answered yet
+        # Prefill crashes (`record_prefill_crash`): prefills down here and not back yet,
+        # each live decode's report for each, each prefill's epoch, those being restarted,
+        # and, on the real data path, those restarted without one (no request goes there).
+        self.dead_prefills: set[int] = set()
+        self.prefill_reports: dict[int, dict] = {}
+        self.prefill_epochs: dict[int, int] = {}
+        self.restarting: set[int] = set()
+        self.retired: set[int] = set()
+        self.restarts: list[int] = []
 
     # -- serving: requests from stdin, tokens and answers on stdout ----------------------
 
     def command(self, command: dict) -> None:
-        if not self.deployment.serving_requests_max:
+        if command["do"] == "dial":  # a restarted prefill's port, from the launcher
+            self.channel.connect(command["port"])
+        elif not self.deployment.serving_requests_max:
             super().command(command)
         elif command["do"] == "arrive":
             self.arrive(command)
@@ -505,12 +551,17 @@ class RouterProcess(Process):
         then Arrive, as the workload's arrivals are."""
         r = command["request"]
         live = [d for d in range(self.deployment.decode_workers) if d not in self.dead]
+        prefills = self.live_prefills()
         if r in self.arrived_at or not 0 <= r < self.deployment.serving_requests_max or not live:
             report(ev="answer", request=r, outcome="ErrDecode",
                    detail="no live decode worker" if not live else "a request number "
                    "this deployment cannot take")
             return
-        q = self.random.randrange(self.deployment.prefill_workers)
+        if not prefills:
+            report(ev="answer", request=r, outcome="ErrPrefill",
+                   detail="no live prefill worker")
+            return
+        q = self.random.choice(prefills)
         self.placement[r] = (q, self.random.choice(live))
         self.payloads[r] = command["payload"]
         self.arrived_at[r] = time.monotonic()
@@ -543,10 +594,12 @@ class RouterProcess(Process):
         now = time.monotonic()
         if self.deployment.serving_requests_max:
             return  # arrivals come from stdin
-        if self.arrived < len(self.deployment.prompts) and now >= self.next_arrival_s:
+        prefills = self.live_prefills()
+        if self.arrived < len(self.deployment.prompts) and now >= self.next_arrival_s \
+                and prefills:  # (while none is up, arrivals wait for a restart)
             live = [d for d in range(self.deployment.decode_workers) if d not in self.dead]
             r = self.arrived
-            q = self.random.randrange(self.deployment.prefill_workers)
+            q = self.random.choice(prefills)
             d = self.random.choice(live)
             self.placement[r] = (q, d)
             self.arrived += 1
@@ -617,6 +670,68 @@ class RouterProcess(Process):
             self.dead.add(peer.worker)
             self.crash_reports.setdefault(peer.worker, {})
             self.record_crash(peer.worker)
+        elif peer.role == PREFILL:
+            self.dead_prefills.add(peer.worker)
+            self.prefill_reports.setdefault(peer.worker, {})
+            self.record_prefill_crash(peer.worker)
+
+    def on_restarted(self, peer: Peer, body: dict) -> None:
+        """A prefill's new life took its crash, whose answers came before this (one
+        connection, in order): each live decode hears of it now, and requests may go
+        there again (on the modelled data path; a real one restarts without its data path,
+        `record_prefill_crash`), each Arrive after the crash (its clock follows the crash's:
+        a request placed there before the crash step would be one the crash ended)."""
+        self.log.heard_from(body["stamp"])
+        self.restarting.discard(peer.worker)
+        self.dead_prefills.discard(peer.worker)
+        self.prefill_reports.pop(peer.worker, None)
+        for d in range(self.deployment.decode_workers):
+            if d not in self.dead:
+                self.send(Peer(DECODE, d), {"t": "prefill_back", "prefill": peer.worker,
+                                            "lost": body["lost"], "stamp": body["stamp"]})
+
+    def live_prefills(self) -> list[int]:
+        return [q for q in range(self.deployment.prefill_workers)
+                if q not in self.dead_prefills and q not in self.retired]
+
+    def on_pdown(self, peer: Peer, body: dict) -> None:
+        """A decode's detector declared a prefill down: every landing of its writes that
+        decode took came before this report (one connection, in order)."""
+        self.prefill_reports.setdefault(body["prefill"], {})[peer.worker] = body["stamp"]
+        self.record_prefill_crash(body["prefill"])
+
+    def record_prefill_crash(self, q: int) -> None:
+        """Prefill q died. Once the router and every live decode have seen it (so every
+        LandWrite of q's writes is logged here), its supervisor restarts it in a new
+        epoch: this reports "restart" to the launcher (`Launched`) with what the new life
+        needs: its epoch, where its log ends (cut here, `cut_dead_log`), the steps its
+        crash follows, and each request placed on q (its decode and prompt). The new life
+        rebuilds what its log says (core.recovered_prefill_rows) and takes PrefillCrash(q)
+        itself (spec/parts.py: a prefill's own action), which answers the lost clients
+        ErrPrefill; decode then times out what it waits for there, and the new life
+        answers the cancels (PrefillProcess). On the real data path the new life has no
+        data path (the gloo world cannot take a rank back) and no request goes there."""
+        reports = self.prefill_reports[q]
+        live = set(range(self.deployment.decode_workers)) - self.dead
+        if q not in self.dead_prefills or not live <= set(reports) or q in self.restarting:
+            return
+        if self.restarts.count(q) >= self.deployment.restarts_max:
+            if q not in self.retired:  # a worker that dies in every life stays dead
+                self.retired.add(q)
+                report(ev="gave_up", role=PREFILL, worker=q, restarts=self.restarts.count(q))
+            return
+        self.restarting.add(q)
+        self.restarts.append(q)
+        name = f"{PREFILL} {q}"
+        steps, clock = cut_dead_log(log_path(self.deployment, name), name)
+        if self.deployment.model_dir:
+            self.retired.add(q)
+        epoch = self.prefill_epochs[q] = self.prefill_epochs.get(q, 1) + 1
+        placed = [[r, d, self.part.rows[r][core.PROMPT]]
+                  for r, (p, d) in sorted(self.placement.items()) if p == q]
+        report(ev="restart", role=PREFILL, worker=q, restart={
+            "epoch": epoch, "decodes": len(live), "steps": steps, "clock": clock, "placed": placed,
+            "after": [self.log.stamp(), self.environment.clock.last(), *reports.values()]})
 
     def on_down(self, peer: Peer, body: dict) -> None:
         """A prefill's detector declared a decode down; it stopped its requests there."""
@@ -652,17 +767,57 @@ class RouterProcess(Process):
     def finish(self) -> dict:
         self.environment.end()
         return {"outcomes": self.outcomes(), "crashes": self.crashes_logged,
-                "environment_steps": self.environment.clock.k}
+                "restarts": self.restarts, "environment_steps": self.environment.clock.k}
 
 
 class PrefillProcess(Process):
     ROLE = PREFILL
 
-    def __init__(self, deployment: Deployment, worker: int = 0) -> None:
-        super().__init__(deployment, worker)
+    def __init__(self, deployment: Deployment, worker: int = 0,
+                 restart: dict | None = None) -> None:
+        super().__init__(deployment, worker, restart)
         if deployment.model_dir:
             from engine.process_data import PrefillData
             self.data = PrefillData(deployment, worker)
+        self.posted_at: dict[int, float] = {}  # request -> when its last write was posted
+        self.recovering = restart is not None
+        if restart is not None:
+            self.recover(restart)
+
+    def recover(self, restart: dict) -> None:
+        """A new life: what it knows of its previous ones is the router's placement and
+        prompt of each request placed here and its own log (core.recovered_prefill_rows);
+        its crash step follows the steps the router names (every LandWrite of its writes,
+        each decode's last step before it saw the death)."""
+        q = self.part.worker
+        rows = {}
+        for r, d, pages in restart["placed"]:
+            self.placement[r] = (q, d)
+            rows[r] = core._row(self.part.blank, core.PROMPT, pages, core.PW, q, core.DW, d,
+                                core.CLIENT, core.WAITING)
+        events = [codec.decode(x) for x in _steps_of(
+            log_path(self.deployment, self.part.name).read_text(), self.part.name)]
+        self.part.rows.update(core.recovered_prefill_rows(rows, events))
+        for stamp in restart["after"]:
+            self.log.heard_from(stamp)
+
+    def settle(self) -> None:
+        """A new life takes its PrefillCrash first, once the router and every decode it
+        dialled are connected: the crash's answers go to the router, and then its notice
+        that it is back, which the router passes on to each decode (so every lost client
+        has its answer here before a decode can time the request out)."""
+        if self.recovering:
+            up = self.channel.peers()
+            decodes = [p for p in up if p.role == DECODE]
+            if Peer(ROUTER, 0) not in up or len(decodes) < self.restart["decodes"]:
+                return
+            self.recovering = False
+            lost = sorted(r for r in self.placement if self.part.rows[r][core.PST]
+                          in (core.QUEUED, core.RUNNING))
+            self.step(core.PrefillCrash(self.part.worker))  # refused when it lost nothing
+            self.send(Peer(ROUTER, 0), {"t": "restarted", "lost": lost,
+                                        "stamp": self.log.stamp()})
+        super().settle()
 
     def work(self) -> bool:
         """A chunked prefill step: a request whose prompt is computed may send its pages."""
@@ -686,8 +841,11 @@ class PrefillProcess(Process):
         SendPage before the modelled compute is done."""
         if self.placement[r][1] in self.dead_decodes:
             return ()
-        ready = time.monotonic() >= self.ready_at.get(r, float("inf"))
-        return tuple(e for e in super().candidates(r) if ready or type(e) is not core.SendPage)
+        now = time.monotonic()
+        ready = now >= self.ready_at.get(r, float("inf"))
+        held = now < self.posted_at.get(r, 0.0) + self.deployment.send_done_after_s
+        return tuple(e for e in super().candidates(r) if (ready or type(e) is not core.SendPage)
+                     and not (held and type(e) is core.SendDone))
 
     def do_Compute(self, command, stamp) -> None:
         r = command.request
@@ -706,6 +864,7 @@ class PrefillProcess(Process):
         and the source page's contents in the spec's terms (decode's share of LandWrite);
         on the modelled path the announcement is the write."""
         r, source, _, _ = command.write
+        self.posted_at[r] = time.monotonic()
         if self.data is not None:
             self.data.post(command.write, self.placement[r][1])
         data = self.part.pool[source - self.part.base][1]
@@ -747,6 +906,34 @@ class DecodeProcess(Process):
         if deployment.model_dir:
             from engine.process_data import DecodeData
             self.data = DecodeData(deployment, worker)
+        # A prefill's crash: what this decode sends it while it is down waits for its next
+        # life (the spec's messages to a restarted prefill stay in flight), and the
+        # requests its crash ended are timed out here once that life says so.
+        self.held: dict[int, list] = {}
+        self.lost: set[int] = set()
+
+    def send(self, peer: Peer, body: dict) -> bool:
+        if peer.role == PREFILL and peer.worker in self.held:
+            self.held[peer.worker].append(body)
+            return False
+        return super().send(peer, body)
+
+    def on_peer_down(self, peer: Peer) -> None:
+        """A prefill is down: this decode lands none of its writes from now on (nothing of
+        a dead epoch is taken), and tells the router after every landing it took."""
+        if peer.role == PREFILL:
+            self.held.setdefault(peer.worker, [])
+            self.send(Peer(ROUTER, 0), {"t": "pdown", "prefill": peer.worker,
+                                        "stamp": self.log.stamp()})
+
+    def on_prefill_back(self, peer: Peer, body: dict) -> None:
+        """A prefill's new life took its crash (the router passes its notice on): the
+        requests it ended (`lost`) are timed out here (the spec's decode learns of a
+        prefill crash by its timer), and what was held for it goes now, after its crash."""
+        self.log.heard_from(body["stamp"])
+        self.lost.update(body["lost"])
+        for held in self.held.pop(body["prefill"], []):
+            super().send(Peer(PREFILL, body["prefill"]), held)
 
     def on_write(self, peer: Peer, body: dict) -> None:
         """A write's announcement. Modelled: it is the landing. Real: the landing comes when
@@ -784,6 +971,8 @@ class DecodeProcess(Process):
         """Real path: Accept with the checksums' verdict over what landed, Finish once
         decoding ended, with the tags' verdict (both observed by DecodeData)."""
         offers = super().candidates(r)
+        if r in self.lost:
+            offers += (core.Timeout(r),)
         if self.data is None:
             return offers
         out = []
@@ -854,6 +1043,8 @@ def _pump(process: Process, timeout_s: float) -> bool:
     elif type(event) is PeerDown:
         report(ev="peer_down", peer=str(event.peer), reason=event.reason, at_s=time.time())
         process.on_peer_down(event.peer)
+    elif type(event) is PeerUp:
+        process.on_peer_up(event.peer)
     return event is not None
 
 
@@ -891,6 +1082,7 @@ def main(setup: dict) -> int:
     ("listening", the router's "done", "stopped"); takes {"do": "stop"} (finish the work
     at hand, end the log, report) and {"do": "exit"} on stdin; exits when stdin closes."""
     role, worker, ports = setup.pop("role"), setup.pop("worker"), setup.pop("ports")
+    restart = setup.pop("restart", None)  # a restarted process's (Launched.restart)
     # Its launcher stops it (stdin's "stop" and "exit", or stdin closing) or kills it; a
     # Ctrl-C in the launcher's terminal reaches the whole process group, and the launcher
     # (kvproof serve --processes) then drains before it stops its processes.
@@ -900,7 +1092,8 @@ def main(setup: dict) -> int:
     if refusal is not None:
         report(ev="refused", reason=refusal)
         return 1
-    process = KINDS[role](deployment, worker)
+    process = (KINDS[role](deployment, worker, restart) if restart
+               else KINDS[role](deployment, worker))
     todo = stdin_commands()
     for port in ports:  # prefills dial the decodes; the router dials every worker
         process.channel.connect(port)
@@ -1007,9 +1200,9 @@ class Child:
         raise TimeoutError(f"{self.name}: no {ev!r} within {timeout_s} s (exit code "
                            f"{self.process.poll()})")
 
-    def tell(self, do: str) -> None:
+    def tell(self, do: str, **fields) -> None:
         try:
-            self.process.stdin.write(json.dumps({"do": do}) + "\n")
+            self.process.stdin.write(json.dumps({"do": do, **fields}) + "\n")
             self.process.stdin.flush()
         except (BrokenPipeError, OSError):
             pass  # it is dead already: the caller learns from its exit code
@@ -1029,14 +1222,45 @@ class Launched:
     deployment: Deployment
     children: dict = field(default_factory=dict)
     on_report: object = None   # serving: every child's reports go here first (Child)
+    ports: dict = field(default_factory=dict)     # name -> the port its channel listens on
+    previous: list = field(default_factory=list)  # children a restart replaced
 
-    def _spawn(self, role: str, worker: int, ports: list, timeout_s: float) -> int:
+    def _spawn(self, role: str, worker: int, ports: list, timeout_s: float,
+               restart: dict | None = None) -> int:
         name = role if role == ROUTER else f"{role} {worker}"
-        setup = {**asdict(self.deployment), "role": role, "worker": worker, "ports": ports}
-        child = Child(name, setup, log_path(self.deployment, name).with_suffix(".stderr"),
-                      self.on_report)
+        deployment = self.deployment
+        if restart is not None and deployment.model_dir:
+            # The gloo world cannot take a rank back: the new life has no data path.
+            deployment = replace(deployment, model_dir="", requests=())
+        setup = {**asdict(deployment), "role": role, "worker": worker, "ports": ports}
+        stderr = log_path(self.deployment, name).with_suffix(".stderr")
+        if restart is not None:
+            setup["restart"] = restart
+            stderr = stderr.with_suffix(f".{restart['epoch']}.stderr")
+        child = Child(name, setup, stderr,
+                      self._router_report if role == ROUTER else self.on_report)
+        if name in self.children:
+            self.previous.append(self.children[name])
         self.children[name] = child
-        return child.expect("listening", timeout_s)["port"]
+        self.ports[name] = child.expect("listening", timeout_s)["port"]
+        return self.ports[name]
+
+    def _router_report(self, name: str, got: dict) -> bool:
+        """The router's reports: a "restart" is this supervisor's to carry out (on a
+        thread of its own: the reader goes on), and is kept like any other."""
+        if got.get("ev") == "restart":
+            threading.Thread(target=self.restart, args=(got,), daemon=True).start()
+        return self.on_report is not None and self.on_report(name, got)
+
+    def restart(self, got: dict, timeout_s: float = 10.0) -> None:
+        """Start a dead worker's next life (RouterProcess.record_prefill_crash says what
+        it needs), dialling every live decode, and tell the router its port."""
+        role, worker = got["role"], got["worker"]
+        self.children[f"{role} {worker}"].kill()  # dead already: reaped
+        decodes = [self.ports[name] for name, child in sorted(self.children.items())
+                   if name.startswith(DECODE) and child.process.poll() is None]
+        port = self._spawn(role, worker, decodes, timeout_s, got["restart"])
+        self.children[ROUTER].tell("dial", port=port)
 
     def start(self, timeout_s: float = 10.0) -> None:
         d = self.deployment
@@ -1072,7 +1296,7 @@ class Launched:
         return reports
 
     def close(self) -> None:
-        for child in self.children.values():
+        for child in [*self.previous, *self.children.values()]:
             child.kill()
 
 

@@ -966,6 +966,41 @@ def prefill_crash(m: Model, s: State, p: int = 0) -> Change | str:
     return Change(lost, prefill=freed, flushed=here)
 
 
+def recovered_prefill_rows(rows: dict, events) -> dict:
+    """What a restarted prefill knows of its previous lives, before it takes PrefillCrash:
+    `rows` (request -> its row with the placement, prompt and client its router keeps, for
+    every request placed there) with the prefill's state and count of posted writes as its
+    own log says (`events`: every step its previous lives took, in order; a step is logged
+    before anything it sends leaves the process, so the log holds every step its peers can
+    have seen). Admit makes a request Running, each SendPage posts one write, SendDone,
+    Reject and PrefillAbort end it with the final word each sends, and an earlier life's
+    PrefillCrash ended what was still queued or running (as prefill_crash does). The new
+    life's crash then ends what is still queued or running, and a cancel is answered with
+    the final word of the state a request ended in (AnswerCancel)."""
+    state = {r: [QUEUED, 0] for r in rows}
+    for event in events:
+        kind = type(event)
+        if kind is PrefillCrash:
+            for r, (st, _) in state.items():
+                if st == QUEUED or st == RUNNING:
+                    state[r] = [ABORTED, 0]
+            continue
+        here = state.get(event.request)
+        if here is None:
+            continue
+        if kind is Admit:
+            here[0] = RUNNING
+        elif kind is SendPage:
+            here[1] += 1
+        elif kind is SendDone:
+            here[0] = P_DONE
+        elif kind is Reject:
+            here[0] = REJECTED
+        elif kind is PrefillAbort:
+            here[0] = ABORTED
+    return {r: _row(row, PST, state[r][0], SENT, state[r][1]) for r, row in rows.items()}
+
+
 def decode_crash(m: Model, s: State, d: int = 0) -> Change | str:
     """The decode dies and restarts empty, in a new epoch. Every request it knew of, or had
     a bootstrap for in flight, is lost: its client sees an error and decode keeps it as a

@@ -14,6 +14,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from engine.processes import Deployment, Launched, log_path
 from sim.trace import read_part_logs
 from spec import codec, core
@@ -186,3 +188,67 @@ def test_a_killed_decode_ends_its_requests_and_the_rest_finish(tmp_path, capsys)
     merged, verdict = assert_one_decode_crash_validates(tmp_path, lost, stopped, capsys)
     print(f"seed={SEED}: ErrDecode {sorted(lost)}, merged run of {verdict.steps} steps, "
           f"detected after {[round(x[0]['at_s'] - killed_at, 3) for x in detected.values()]} s")
+
+
+def _prefill_steps(path: Path) -> list[dict]:
+    return [x for x in map(json.loads, path.read_text().splitlines()[1:])
+            if x.get("part", "").startswith("prefill") and x["a"] != "LogEnd"]
+
+
+# Where prefill 0 is killed: a request it admitted and still computes (the modelled compute
+# holds its SendPage), or one whose writes are out (a hold before its SendDone).
+KILL_POINTS = {"computing": ("Admit", dict(compute_s=0.4)),
+               "sending": ("SendPage", dict(compute_s=0.05, send_done_after_s=0.4))}
+
+
+@pytest.mark.parametrize("point", sorted(KILL_POINTS))
+def test_a_killed_prefill_restarts_ends_what_it_held_and_serves_again(tmp_path, capsys, point):
+    """The one prefill of a 1 x 2 deployment is killed at a chosen protocol point. The
+    router (its supervisor) restarts it in a new epoch once every decode has reported the
+    death; the new life rebuilds what its log says and takes PrefillCrash, whose answers
+    end exactly the requests its log shows queued or running (ErrPrefill); decode times
+    them out and releases their pages once the new life answers its cancels; every other
+    request finishes, later ones on the new life; the logs merge into one run that
+    `kvproof validate` accepts."""
+    last, options = KILL_POINTS[point]
+    d = deployment(tmp_path, 1, 2, arrive_every_s=0.02, **options)
+    victim = "prefill 0"
+    launched = Launched(d)
+    try:
+        launched.start()
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            steps = _prefill_steps(log_path(d, victim))
+            if steps and steps[-1]["a"] == last:
+                break
+            assert time.monotonic() < deadline, f"{victim} never took a {last}"
+            time.sleep(0.002)
+        launched.kill(victim)
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop()
+        restarts = [x for x in launched.children["router"].seen if x["ev"] == "restart"]
+    finally:
+        launched.close()
+    assert stopped["router"]["restarts"] == [0] and len(restarts) == 1
+    assert restarts[0]["restart"]["epoch"] == 2
+    assert_whole(stopped)  # the new life and both decodes hold no page
+    steps = _prefill_steps(log_path(d, victim))
+    crash = next(k for k, x in enumerate(steps) if x["a"] == "PrefillCrash")
+    first_life, second_life = steps[:crash], steps[crash + 1:]
+    ended = {x["request"] for x in first_life if x["a"] in ("SendDone", "Reject",
+                                                             "PrefillAbort")}
+    placed_before = {r for r, _, _ in restarts[0]["restart"]["placed"]}
+    lost = placed_before - ended
+    outcomes = dict(enumerate(done["outcomes"]))
+    print(f"{point}: killed after {first_life[-1]['a']}({first_life[-1]['request']}); "
+          f"lost {sorted(lost)}; outcomes {done['outcomes']}")
+    assert first_life[-1]["a"] == last and first_life[-1]["request"] in lost
+    assert {r for r, o in outcomes.items() if o == "ErrPrefill"} == lost
+    assert all(o == "Ok" for r, o in outcomes.items() if r not in lost)
+    # The new life served requests that arrived after it was back.
+    served = {x["request"] for x in second_life if x["a"] == "SendDone"}
+    assert served and served.isdisjoint(lost) and served.isdisjoint(placed_before)
+    merged, verdict = merged_run(tmp_path)
+    assert [x["a"] for x in merged.records].count("PrefillCrash") == 1
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
