@@ -51,8 +51,20 @@ without it a prefill's SendPage taken after the router's record but before its o
 detector fired would follow DecodeCrash in the merge, where the spec refuses it (the
 crash dropped its page table).
 
-Timers are off: no lease, no timeouts, no resends (none is needed without losses; a lost
-message is only what a crash loses, and the crash's record ends those requests).
+A prefill crash (SIGKILL): the spec's PrefillCrash is the prefill's own step, taken by its
+next life. Each decode's detector fires; it lands nothing more of the dead epoch and
+reports to the router after its last landing; once the router has its own PeerDown and
+every live decode's report, it cuts the dead log's torn line and asks its launcher for a
+restart in the next epoch (`record_prefill_crash`, `Launched.restart`). The new life
+rebuilds what its log says (core.recovered_prefill_rows), takes PrefillCrash (its answers
+end what was queued or running), and tells the router it is back, which tells each decode:
+decode times out what the crash ended and sends the new life what it held for the dead one
+(its cancels), which the new life answers. On the real data path the new life has no data
+path (the gloo world cannot take a rank back) and the router places nothing there.
+
+Timers are off but that one: no lease, no other timeouts, no resends (none is needed
+without losses; a lost message is only what a crash loses, and the crash ends those
+requests).
 
 Pure orchestration: no protocol decision is made here.
 """
