@@ -716,8 +716,9 @@ class RouterProcess(Process):
         """Prefill q died. Once the router and every live decode have seen it (so every
         LandWrite of q's writes is logged here), its supervisor restarts it in a new
         epoch: this reports "restart" to the launcher (`Launched`) with what the new life
-        needs: its epoch, where its log ends (cut here, `cut_dead_log`), the steps its
-        crash follows, and each request placed on q (its decode and prompt). The new life
+        needs: its epoch, the steps its crash follows, and each request placed on q (its
+        decode and prompt); the launcher fences the old process (a partitioned one may
+        still run) before it cuts the old life's log. The new life
         rebuilds what its log says (core.recovered_prefill_rows) and takes PrefillCrash(q)
         itself (spec/parts.py: a prefill's own action), which answers the lost clients
         ErrPrefill; decode then times out what it waits for there, and the new life
@@ -734,15 +735,13 @@ class RouterProcess(Process):
             return
         self.restarting.add(q)
         self.restarts.append(q)
-        name = f"{PREFILL} {q}"
-        steps, clock = cut_dead_log(log_path(self.deployment, name), name)
         if self.deployment.model_dir:
             self.retired.add(q)
         epoch = self.prefill_epochs[q] = self.prefill_epochs.get(q, 1) + 1
         placed = [[r, d, self.part.rows[r][core.PROMPT]]
                   for r, (p, d) in sorted(self.placement.items()) if p == q]
         report(ev="restart", role=PREFILL, worker=q, restart={
-            "epoch": epoch, "decodes": len(live), "steps": steps, "clock": clock, "placed": placed,
+            "epoch": epoch, "decodes": len(live), "placed": placed,
             "after": [self.log.stamp(), self.environment.clock.last(), *reports.values()]})
 
     def on_down(self, peer: Peer, body: dict) -> None:
@@ -1266,12 +1265,18 @@ class Launched:
 
     def restart(self, got: dict, timeout_s: float = 10.0) -> None:
         """Start a dead worker's next life (RouterProcess.record_prefill_crash says what
-        it needs), dialling every live decode, and tell the router its port."""
+        it needs), dialling every live decode, and tell the router its port. The old
+        process is killed first (fenced: one declared down for silence, a partition or a
+        SIGSTOP, may still be there and would write on in its log), then its log's torn
+        line is cut, and the new life goes on with it."""
         role, worker = got["role"], got["worker"]
-        self.children[f"{role} {worker}"].kill()  # dead already: reaped
-        decodes = [self.ports[name] for name, child in sorted(self.children.items())
-                   if name.startswith(DECODE) and child.process.poll() is None]
-        port = self._spawn(role, worker, decodes, timeout_s, got["restart"])
+        name = f"{role} {worker}"
+        self.children[name].kill()
+        steps, clock = cut_dead_log(log_path(self.deployment, name), name)
+        decodes = [self.ports[n] for n, child in sorted(self.children.items())
+                   if n.startswith(DECODE) and child.process.poll() is None]
+        port = self._spawn(role, worker, decodes, timeout_s,
+                           {**got["restart"], "steps": steps, "clock": clock})
         self.children[ROUTER].tell("dial", port=port)
 
     def start(self, timeout_s: float = 10.0) -> None:

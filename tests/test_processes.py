@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -196,22 +197,28 @@ def _prefill_steps(path: Path) -> list[dict]:
 
 
 # Where prefill 0 is killed: a request it admitted and still computes (the modelled compute
-# holds its SendPage), or one whose writes are out (a hold before its SendDone).
-KILL_POINTS = {"computing": ("Admit", dict(compute_s=0.4)),
-               "sending": ("SendPage", dict(compute_s=0.05, send_done_after_s=0.4))}
+# holds its SendPage), or one whose writes are out (a hold before its SendDone); or where it
+# is partitioned (SIGSTOP: it stops answering without closing anything).
+KILL_POINTS = {"computing": ("Admit", dict(compute_s=0.4), signal.SIGKILL),
+               "sending": ("SendPage", dict(compute_s=0.05, send_done_after_s=0.4),
+                           signal.SIGKILL),
+               # (arrivals spread over more than the detection bound: some come after)
+               "partitioned": ("Admit", dict(compute_s=0.4, arrive_every_s=0.25),
+                               signal.SIGSTOP)}
 
 
 @pytest.mark.parametrize("point", sorted(KILL_POINTS))
 def test_a_killed_prefill_restarts_ends_what_it_held_and_serves_again(tmp_path, capsys, point):
-    """The one prefill of a 1 x 2 deployment is killed at a chosen protocol point. The
-    router (its supervisor) restarts it in a new epoch once every decode has reported the
-    death; the new life rebuilds what its log says and takes PrefillCrash, whose answers
-    end exactly the requests its log shows queued or running (ErrPrefill); decode times
-    them out and releases their pages once the new life answers its cancels; every other
-    request finishes, later ones on the new life; the logs merge into one run that
-    `kvproof validate` accepts."""
-    last, options = KILL_POINTS[point]
-    d = deployment(tmp_path, 1, 2, arrive_every_s=0.02, **options)
+    """The one prefill of a 1 x 2 deployment is killed (or stopped: a partition, found by
+    the heartbeats' bound) at a chosen protocol point. The router (its supervisor) has it
+    fenced and restarted in a new epoch once every decode has reported the death; the new
+    life rebuilds what its log says and takes PrefillCrash, whose answers end exactly the
+    requests its log shows queued or running (ErrPrefill); decode times them out and
+    releases their pages once the new life answers its cancels; every other request
+    finishes, later ones on the new life; the logs merge into one run that `kvproof
+    validate` accepts."""
+    last, options, sent = KILL_POINTS[point]
+    d = deployment(tmp_path, 1, 2, **{"arrive_every_s": 0.02, **options})
     victim = "prefill 0"
     launched = Launched(d)
     try:
@@ -223,12 +230,17 @@ def test_a_killed_prefill_restarts_ends_what_it_held_and_serves_again(tmp_path, 
                 break
             assert time.monotonic() < deadline, f"{victim} never took a {last}"
             time.sleep(0.002)
-        launched.kill(victim)
+        killed_at = time.time()
+        launched.children[victim].process.send_signal(sent)
         done = launched.wait_done(WAIT_S)
         stopped = launched.stop()
-        restarts = [x for x in launched.children["router"].seen if x["ev"] == "restart"]
+        seen = launched.children["router"].seen
+        restarts = [x for x in seen if x["ev"] == "restart"]
+        detected = [x["at_s"] - killed_at for x in seen
+                    if x["ev"] == "peer_down" and x["peer"] == victim]
     finally:
         launched.close()
+    assert len(detected) == 1 and detected[0] < d.suspect_after_s + SLACK_S, detected
     assert stopped["router"]["restarts"] == [0] and len(restarts) == 1
     assert restarts[0]["restart"]["epoch"] == 2
     assert_whole(stopped)  # the new life and both decodes hold no page
@@ -240,7 +252,8 @@ def test_a_killed_prefill_restarts_ends_what_it_held_and_serves_again(tmp_path, 
     placed_before = {r for r, _, _ in restarts[0]["restart"]["placed"]}
     lost = placed_before - ended
     outcomes = dict(enumerate(done["outcomes"]))
-    print(f"{point}: killed after {first_life[-1]['a']}({first_life[-1]['request']}); "
+    print(f"{point}: {sent.name} after {first_life[-1]['a']}({first_life[-1]['request']}), "
+          f"detected in {detected[0]:.3f} s; "
           f"lost {sorted(lost)}; outcomes {done['outcomes']}")
     assert first_life[-1]["a"] == last and first_life[-1]["request"] in lost
     assert {r for r, o in outcomes.items() if o == "ErrPrefill"} == lost
