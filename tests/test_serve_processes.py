@@ -309,7 +309,7 @@ def test_an_abort_across_processes_ends_gone_and_the_logs_validate(tiny_model, t
 
 def test_the_dashboard_lists_every_process_and_a_dead_one(tiny_model, browser, tmp_path):
     """The dashboard's process table (drawn only when serving with processes): every
-    process with its pid and pool, alive; a decode SIGKILLed shows as not alive, with its
+    process with its pid, epoch and pool, alive; a decode SIGKILLed shows as not alive, with its
     exit status."""
     from api.serve.app import create_app
     from engine.process_engine import EngineConfig, build_engine
@@ -330,14 +330,15 @@ def test_the_dashboard_lists_every_process_and_a_dead_one(tiny_model, browser, t
             def shown():
                 value = browser.evaluate(rows)
                 return {row[0]: row for row in json.loads(value)} if value else {}
-            wait_until(lambda: len(shown()) == 3 and shown()["decode-0"][4] == "128",
+            wait_until(lambda: len(shown()) == 3 and shown()["decode-0"][5] == "128",
                        PAGE_S_MAX, "the process table", shown)
-            assert {name: (row[1], int(row[2]), row[3]) for name, row in shown().items()} == {
-                name: (name.split("-")[0], pid, "yes") for name, pid in pids.items()}
+            assert {name: (row[1], int(row[2]), row[3], row[4])
+                    for name, row in shown().items()} == {
+                name: (name.split("-")[0], pid, "1", "yes") for name, pid in pids.items()}
             os.kill(pids["decode-0"], signal.SIGKILL)
-            wait_until(lambda: shown()["decode-0"][3] == "no (exit -9)", PAGE_S_MAX,
+            wait_until(lambda: shown()["decode-0"][4] == "no (exit -9)", PAGE_S_MAX,
                        "the dead decode shown", shown)
-            assert [shown()[n][3] for n in ("prefill-0", "router")] == ["yes", "yes"]
+            assert [shown()[n][4] for n in ("prefill-0", "router")] == ["yes", "yes"]
     finally:
         kill_all(deployment_pids(log_dir))
 
