@@ -493,7 +493,11 @@ class Process:
         return sorted(self.part.rows)
 
     def command(self, command: dict) -> None:
-        """A command from stdin other than stop and exit (serving: the router's)."""
+        """A command from stdin other than stop and exit: "dial" (a restarted process's
+        port, from the launcher), or serving's (the router's)."""
+        if command.get("do") == "dial":
+            self.channel.connect(command["port"])
+            return
         raise ValueError(f"{self.part.name}: no command {command.get('do')!r}")
 
     def pool_report(self) -> dict:
@@ -539,17 +543,16 @@ class RouterProcess(Process):
         # and, on the real data path, those restarted without one (no request goes there).
         self.dead_prefills: set[int] = set()
         self.prefill_reports: dict[int, dict] = {}
-        self.prefill_epochs: dict[int, int] = {}
+        self.epochs: dict[str, int] = {}          # a restarted process -> its epoch
         self.restarting: set[int] = set()
         self.retired: set[int] = set()
-        self.restarts: list[int] = []
+        self.restarts: list[str] = []             # the processes restarted, in order
+        self.crashing: set[int] = set()           # decodes whose crash is being recorded
 
     # -- serving: requests from stdin, tokens and answers on stdout ----------------------
 
     def command(self, command: dict) -> None:
-        if command["do"] == "dial":  # a restarted prefill's port, from the launcher
-            self.channel.connect(command["port"])
-        elif not self.deployment.serving_requests_max:
+        if command["do"] == "dial" or not self.deployment.serving_requests_max:
             super().command(command)
         elif command["do"] == "arrive":
             self.arrive(command)
@@ -702,6 +705,14 @@ class RouterProcess(Process):
                 self.send(Peer(DECODE, d), {"t": "prefill_back", "prefill": peer.worker,
                                             "lost": body["lost"], "stamp": body["stamp"]})
 
+    def on_peer_up(self, peer: Peer) -> None:
+        """A decode's new life is up: requests may go there again (every Arrive the router
+        takes from now on follows the crash it logged)."""
+        if peer.role == DECODE and peer.worker in self.crashing:
+            self.crashing.discard(peer.worker)
+            self.dead.discard(peer.worker)
+            self.crash_reports.pop(peer.worker, None)
+
     def live_prefills(self) -> list[int]:
         return [q for q in range(self.deployment.prefill_workers)
                 if q not in self.dead_prefills and q not in self.retired]
@@ -728,21 +739,37 @@ class RouterProcess(Process):
         live = set(range(self.deployment.decode_workers)) - self.dead
         if q not in self.dead_prefills or not live <= set(reports) or q in self.restarting:
             return
-        if self.restarts.count(q) >= self.deployment.restarts_max:
-            if q not in self.retired:  # a worker that dies in every life stays dead
-                self.retired.add(q)
-                report(ev="gave_up", role=PREFILL, worker=q, restarts=self.restarts.count(q))
+        if not self.may_restart(PREFILL, q):
+            self.retired.add(q)  # a worker that dies in every life stays dead
             return
         self.restarting.add(q)
-        self.restarts.append(q)
         if self.deployment.model_dir:
             self.retired.add(q)
-        epoch = self.prefill_epochs[q] = self.prefill_epochs.get(q, 1) + 1
         placed = [[r, d, self.part.rows[r][core.PROMPT]]
                   for r, (p, d) in sorted(self.placement.items()) if p == q]
-        report(ev="restart", role=PREFILL, worker=q, restart={
-            "epoch": epoch, "decodes": len(live), "placed": placed,
+        self.ask_restart(PREFILL, q, {
+            "decodes": len(live), "placed": placed,
             "after": [self.log.stamp(), self.environment.clock.last(), *reports.values()]})
+
+    def may_restart(self, role: str, worker: int) -> bool:
+        """Whether a dead worker gets another life: not past `restarts_max`, and a decode
+        only on the modelled data path (a decode with no data path could serve nothing;
+        a prefill's new life without one still ends what its old one held)."""
+        name = f"{role} {worker}"
+        if role == DECODE and self.deployment.model_dir:
+            return False
+        if self.restarts.count(name) >= self.deployment.restarts_max:
+            report(ev="gave_up", role=role, worker=worker, restarts=self.restarts.count(name))
+            return False
+        return True
+
+    def ask_restart(self, role: str, worker: int, restart: dict) -> None:
+        """The launcher starts the worker's next life (`Launched.restart`): its epoch and
+        what the new life needs."""
+        name = f"{role} {worker}"
+        self.restarts.append(name)
+        epoch = self.epochs[name] = self.epochs.get(name, 1) + 1
+        report(ev="restart", role=role, worker=worker, restart={"epoch": epoch, **restart})
 
     def on_down(self, peer: Peer, body: dict) -> None:
         """A prefill's detector declared a decode down; it stopped its requests there."""
@@ -754,21 +781,29 @@ class RouterProcess(Process):
         docstring says why)."""
         reports = self.crash_reports[d]
         live = set(range(self.deployment.prefill_workers)) - set(self.down_prefills())
-        if d not in self.dead or not live <= set(reports) or d in self.crashes_logged:
+        if d not in self.dead or not live <= set(reports) or d in self.crashing:
             return
+        self.crashing.add(d)
         self.crashes_logged.append(d)
         name = f"{DECODE} {d}"
-        steps, clock = close_dead_log(log_path(self.deployment, name), name)
+        restart = self.may_restart(DECODE, d)
+        # A decode that gets a new life goes on with its log (the launcher cuts its torn
+        # line after the fence); one that does not has it closed here.
+        steps, clock = (cut_dead_log if restart else close_dead_log)(
+            log_path(self.deployment, name), name)
         here = [r for r, (_, dd) in self.placement.items() if dd == d]
-        if all(self.part.rows[r][core.CLIENT] != core.WAITING for r in here):
-            return  # the crash lost no request: the spec has no such step (nothing to log)
-        causes = [[name, steps, clock], self.log.stamp(), *reports.values()]
-        stamp = self.environment_step(core.DecodeCrash(d), causes)
-        self.log.heard_from(stamp)
-        self.part.decode_crashed(here)
-        for q in live:
-            self.send(Peer(PREFILL, q), {"t": "crash", "decode": d, "requests": here,
-                                         "stamp": stamp})
+        after = self.log.stamp()
+        if any(self.part.rows[r][core.CLIENT] == core.WAITING for r in here):
+            # (a crash that lost no request is no step of the spec: nothing is logged)
+            causes = [[name, steps, clock], self.log.stamp(), *reports.values()]
+            after = self.environment_step(core.DecodeCrash(d), causes)
+            self.log.heard_from(after)
+            self.part.decode_crashed(here)
+            for q in live:
+                self.send(Peer(PREFILL, q), {"t": "crash", "decode": d, "requests": here,
+                                             "stamp": after})
+        if restart:  # its new life's steps follow the crash
+            self.ask_restart(DECODE, d, {"after": [after]})
 
     def down_prefills(self) -> list[int]:
         up = self.channel.peers()
@@ -911,8 +946,11 @@ class PrefillProcess(Process):
 class DecodeProcess(Process):
     ROLE = DECODE
 
-    def __init__(self, deployment: Deployment, worker: int = 0) -> None:
-        super().__init__(deployment, worker)
+    def __init__(self, deployment: Deployment, worker: int = 0,
+                 restart: dict | None = None) -> None:
+        super().__init__(deployment, worker, restart)
+        for stamp in (restart or {}).get("after", ()):
+            self.log.heard_from(stamp)  # a new life: its steps follow its crash
         self.announced: dict[tuple, dict] = {}  # real path: write -> its announcement
         if deployment.model_dir:
             from engine.process_data import DecodeData
@@ -1273,11 +1311,16 @@ class Launched:
         name = f"{role} {worker}"
         self.children[name].kill()
         steps, clock = cut_dead_log(log_path(self.deployment, name), name)
-        decodes = [self.ports[n] for n, child in sorted(self.children.items())
-                   if n.startswith(DECODE) and child.process.poll() is None]
+        live = {n: child for n, child in sorted(self.children.items())
+                if child.process.poll() is None}
+        # Prefills dial decodes; the router dials every worker.
+        decodes = [self.ports[n] for n in live if n.startswith(DECODE)] \
+            if role == PREFILL else []
         port = self._spawn(role, worker, decodes, timeout_s,
                            {**got["restart"], "steps": steps, "clock": clock})
-        self.children[ROUTER].tell("dial", port=port)
+        for n, child in live.items():
+            if n == ROUTER or (role == DECODE and n.startswith(PREFILL)):
+                child.tell("dial", port=port)
 
     def start(self, timeout_s: float = 10.0) -> None:
         d = self.deployment

@@ -74,12 +74,16 @@ def assert_whole(stopped: dict) -> None:
         assert report.get("sending", 0) == 0, (name, report)
 
 
-def assert_one_decode_crash_validates(folder: Path, lost: set[int], stopped: dict, capsys):
-    """After decode 1 of a 2 x 2 deployment was killed: the survivors whole, the router's
-    one crash record, and the logs (the dead decode's closed by the router) merging into
-    one run with one DecodeCrash, no SendPage or SendDone of a lost request after it, that
-    `kvproof validate` accepts. The merged run and its verdict."""
-    assert set(stopped) == {"router", "prefill 0", "prefill 1", "decode 0"}
+def assert_one_decode_crash_validates(folder: Path, lost: set[int], stopped: dict, capsys,
+                                      restarted: bool = False):
+    """After decode 1 of a 2 x 2 deployment was killed: the survivors (and its new life,
+    when `restarted`: on the modelled data path) whole, the router's one crash record, and
+    the logs (the dead decode's closed by the router, or gone on with by its new life)
+    merging into one run with one DecodeCrash, no SendPage or SendDone of a lost request
+    after it, that `kvproof validate` accepts. The merged run and its verdict."""
+    assert set(stopped) == {"router", "prefill 0", "prefill 1", "decode 0"} | (
+        {"decode 1"} if restarted else set())
+    assert stopped["router"]["restarts"] == (["decode 1"] if restarted else [])
     assert_whole(stopped)
     assert stopped["router"]["crashes"] == [1]
     merged, verdict = merged_run(folder)
@@ -148,8 +152,11 @@ def _reserved_unfinished(path: Path) -> list[int]:
 
 def test_a_killed_decode_ends_its_requests_and_the_rest_finish(tmp_path, capsys):
     """Decode 1 is killed while it holds two reserved requests (workload seed 7 places
-    requests 5 and 10 there, one page each, 0.1 s apart; each computes 0.4 s)."""
-    d = deployment(tmp_path, 2, 2, compute_s=0.4, arrive_every_s=0.02)
+    requests 5 and 10 there, one page each, 0.1 s apart; each computes 0.4 s). On the
+    modelled data path its supervisor restarts it in a new epoch, and the last requests
+    (0.4 s apart, after the first twelve 0.02 s apart) find it back."""
+    d = deployment(tmp_path, 2, 2, compute_s=0.4, arrive_every_s=0.02,
+                   arrive_after_s=(0.02,) * 12 + (0.4,) * 7)
     victim = "decode 1"
     launched = Launched(d)
     try:
@@ -185,8 +192,16 @@ def test_a_killed_decode_ends_its_requests_and_the_rest_finish(tmp_path, capsys)
     finished = _decode_log(log_path(d, victim))
     assert {r for r, (_, k) in enumerate(placement) if k == 1 and ("Finish", r) in finished} \
         == {r for r, (_, k) in enumerate(placement) if k == 1} - lost
-    # The dead decode's log, closed by the router, merges with the others into one run.
-    merged, verdict = assert_one_decode_crash_validates(tmp_path, lost, stopped, capsys)
+    # The dead decode's log, gone on with by its new life, merges with the others into one
+    # run; the new life served requests placed there after it was back.
+    merged, verdict = assert_one_decode_crash_validates(tmp_path, lost, stopped, capsys,
+                                                        restarted=True)
+    crash = next(x["c"] for x in map(json.loads, log_path(d, "environment").read_text()
+                                      .splitlines()[1:]) if x["a"] == "DecodeCrash")
+    again = {x["request"] for x in map(json.loads, log_path(d, victim).read_text()
+                                       .splitlines()[1:])
+             if x["a"] == "Release" and x["c"] > crash}
+    assert again and again.isdisjoint(lost) and all(outcomes[r] == "Ok" for r in again)
     print(f"seed={SEED}: ErrDecode {sorted(lost)}, merged run of {verdict.steps} steps, "
           f"detected after {[round(x[0]['at_s'] - killed_at, 3) for x in detected.values()]} s")
 
@@ -241,7 +256,7 @@ def test_a_killed_prefill_restarts_ends_what_it_held_and_serves_again(tmp_path, 
     finally:
         launched.close()
     assert len(detected) == 1 and detected[0] < d.suspect_after_s + SLACK_S, detected
-    assert stopped["router"]["restarts"] == [0] and len(restarts) == 1
+    assert stopped["router"]["restarts"] == ["prefill 0"] and len(restarts) == 1
     assert restarts[0]["restart"]["epoch"] == 2
     assert_whole(stopped)  # the new life and both decodes hold no page
     steps = _prefill_steps(log_path(d, victim))
