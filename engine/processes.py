@@ -145,6 +145,7 @@ class Deployment:
     #                            refuses to join (the startup capacity check)
     pool_report_s: float = 0.5  # a worker reports its pool's occupancy this often, at most
     restarts_max: int = 3      # lives a dead prefill is restarted into, at most, per worker
+    drain_s: float = 10.0      # SIGTERM: a worker finishes what it holds within this
 
     def __post_init__(self) -> None:
         if self.serving_requests_max < 0 or self.context_tokens < 0:
@@ -284,6 +285,9 @@ ENVELOPES = {
               {}),
     "token": (DECODE, ROUTER, {"request": "request", "token": "token", "last": "bool"}, {}),
     "pdown": (DECODE, ROUTER, {"prefill": "count", "stamp": "stamp"}, {}),
+    "leaving": (None, ROUTER, {"holds": "requests"}, {}),
+    "farewell": (ROUTER, None, {}, {}),
+    "left": (None, ROUTER, {"finished": "requests"}, {}),
     "restarted": (PREFILL, ROUTER, {"lost": "requests", "stamp": "stamp"}, {}),
     "prefill_back": (ROUTER, DECODE, {"prefill": "count", "lost": "requests", "stamp": "stamp"},
                      {}),
@@ -383,6 +387,48 @@ class Process:
         self.unsent = 0
         self.reported = False
         self.stopped = False
+        # SIGTERM (`drain`): the bound, what it held when asked, and the router's word that
+        # nothing more will be placed here.
+        self.drain_until: float | None = None
+        self.drain_holds: set[int] = set()
+        self.farewell = False
+
+    # -- SIGTERM: a worker asked to stop drains what it holds ----------------------------
+
+    def holds(self) -> set[int]:
+        """The requests this worker has not finished with (what a drain waits for)."""
+        return set()
+
+    def drain(self) -> str:
+        """One turn of a drain (SIGTERM): tell the router once (it places nothing here
+        from then on, and says so: `farewell`, after every placement it sent here), then
+        go on working until nothing is held and the farewell has come ("clean": the log
+        ends, the router is told, the process exits), or the bound `drain_s` passes
+        ("cut": the process exits as a crash does, and the crash's path ends what it
+        held, ErrPrefill or ErrDecode). "" while it drains."""
+        now = time.monotonic()
+        if self.drain_until is None:
+            self.drain_until = now + self.deployment.drain_s
+            self.drain_holds = self.holds()
+            self.send(Peer(ROUTER, 0), {"t": "leaving", "holds": sorted(self.drain_holds)})
+            report(ev="draining", holds=sorted(self.drain_holds),
+                   drain_s=self.deployment.drain_s)
+        held = self.holds()
+        self.drain_holds |= held
+        done = not held and self.farewell
+        if not done and now < self.drain_until:
+            return ""
+        finished = sorted(self.drain_holds - held)
+        report(ev="drained", finished=finished, left=sorted(held))
+        if not done:
+            return "cut"
+        self.log.end()
+        self.send(Peer(ROUTER, 0), {"t": "left", "finished": finished})
+        self.stopped = True
+        return "clean"
+
+    def on_farewell(self, peer: Peer, body: dict) -> None:
+        self.farewell = True
 
     def join_data_path(self) -> None:
         """The real data path's transport (after listening: the world waits for all)."""
@@ -548,6 +594,8 @@ class RouterProcess(Process):
         self.retired: set[int] = set()
         self.restarts: list[str] = []             # the processes restarted, in order
         self.crashing: set[int] = set()           # decodes whose crash is being recorded
+        self.leaving: set[str] = set()            # workers draining (SIGTERM): none placed
+        self.gone: set[str] = set()               # workers that drained and left cleanly
 
     # -- serving: requests from stdin, tokens and answers on stdout ----------------------
 
@@ -565,7 +613,7 @@ class RouterProcess(Process):
         """A request from the serving edge: placed on a prefill and a live decode (seeded),
         then Arrive, as the workload's arrivals are."""
         r = command["request"]
-        live = [d for d in range(self.deployment.decode_workers) if d not in self.dead]
+        live = self.live_decodes()
         prefills = self.live_prefills()
         if r in self.arrived_at or not 0 <= r < self.deployment.serving_requests_max or not live:
             report(ev="answer", request=r, outcome="ErrDecode",
@@ -612,7 +660,7 @@ class RouterProcess(Process):
         prefills = self.live_prefills()
         if self.arrived < len(self.deployment.prompts) and now >= self.next_arrival_s \
                 and prefills:  # (while none is up, arrivals wait for a restart)
-            live = [d for d in range(self.deployment.decode_workers) if d not in self.dead]
+            live = self.live_decodes()
             r = self.arrived
             q = self.random.choice(prefills)
             d = self.random.choice(live)
@@ -681,6 +729,8 @@ class RouterProcess(Process):
                   {"t": "completed", "request": write[0], "write": list(write), "stamp": stamp})
 
     def on_peer_down(self, peer: Peer) -> None:
+        if str(peer) in self.gone:
+            return  # it drained and left (SIGTERM): no crash
         if peer.role == DECODE:
             self.dead.add(peer.worker)
             self.crash_reports.setdefault(peer.worker, {})
@@ -704,6 +754,22 @@ class RouterProcess(Process):
             if d not in self.dead:
                 self.send(Peer(DECODE, d), {"t": "prefill_back", "prefill": peer.worker,
                                             "lost": body["lost"], "stamp": body["stamp"]})
+
+    def on_leaving(self, peer: Peer, body: dict) -> None:
+        """A worker drains (SIGTERM): nothing more is placed there, and it hears so after
+        every placement sent there (one connection, in order)."""
+        self.leaving.add(str(peer))
+        if peer.role == PREFILL:
+            self.retired.add(peer.worker)  # (a new life after a cut drain takes no request)
+        self.send(peer, {"t": "farewell"})
+
+    def on_left(self, peer: Peer, body: dict) -> None:
+        """It finished what it held and ended its log: its going is no crash."""
+        self.gone.add(str(peer))
+
+    def live_decodes(self) -> list[int]:
+        return [d for d in range(self.deployment.decode_workers)
+                if d not in self.dead and f"{DECODE} {d}" not in self.leaving]
 
     def on_peer_up(self, peer: Peer) -> None:
         """A decode's new life is up: requests may go there again (every Arrive the router
@@ -756,7 +822,7 @@ class RouterProcess(Process):
         only on the modelled data path (a decode with no data path could serve nothing;
         a prefill's new life without one still ends what its old one held)."""
         name = f"{role} {worker}"
-        if role == DECODE and self.deployment.model_dir:
+        if role == DECODE and (self.deployment.model_dir or name in self.leaving):
             return False
         if self.restarts.count(name) >= self.deployment.restarts_max:
             report(ev="gave_up", role=role, worker=worker, restarts=self.restarts.count(name))
@@ -829,6 +895,12 @@ class PrefillProcess(Process):
         self.recovering = restart is not None
         if restart is not None:
             self.recover(restart)
+
+    def holds(self) -> set[int]:
+        """Requests queued or running here, and those with a write out."""
+        rows = self.part.rows
+        return {r for r in self.placement if rows[r][core.PST] in (core.QUEUED, core.RUNNING)
+                } | {w[0] for w in self.part.sending}
 
     def recover(self, restart: dict) -> None:
         """A new life: what it knows of its previous ones is the router's placement and
@@ -960,6 +1032,13 @@ class DecodeProcess(Process):
         # requests its crash ended are timed out here once that life says so.
         self.held: dict[int, list] = {}
         self.lost: set[int] = set()
+
+    def holds(self) -> set[int]:
+        """Requests whose bootstrap came, until decode released them (or tombstoned)."""
+        rows = self.part.rows
+        return {r for r in self.placement
+                if rows[r][core.DST] in (core.D_WAITING, core.DECODING, core.CLOSING)
+                or rows[r][core.BOOT] and rows[r][core.DST] == core.D_NONE}
 
     def send(self, peer: Peer, body: dict) -> bool:
         if peer.role == PREFILL and peer.worker in self.held:
@@ -1134,8 +1213,12 @@ def main(setup: dict) -> int:
     restart = setup.pop("restart", None)  # a restarted process's (Launched.restart)
     # Its launcher stops it (stdin's "stop" and "exit", or stdin closing) or kills it; a
     # Ctrl-C in the launcher's terminal reaches the whole process group, and the launcher
-    # (kvproof serve --processes) then drains before it stops its processes.
+    # (kvproof serve --processes) then drains before it stops its processes. A SIGTERM sent
+    # to a worker alone (an operator scaling down) drains that worker (Process.drain).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    drain_asked = threading.Event()
+    if role != ROUTER:
+        signal.signal(signal.SIGTERM, lambda *_: drain_asked.set())
     deployment = Deployment(**setup)
     refusal = capacity_refusal(deployment, role, worker)
     if refusal is not None:
@@ -1176,6 +1259,9 @@ def main(setup: dict) -> int:
             if process.pool_report() != pool:
                 pool = process.pool_report()
                 report(ev="pool", at_s=time.time(), **pool)
+        if drain_asked.is_set() and stopping is None and not process.stopped:
+            if process.drain():
+                break  # drained and left, or the bound passed (a crash's path ends the rest)
         if role == ROUTER and not process.reported and process.done():
             process.reported = True
             report(ev="done", outcomes=process.outcomes(),
@@ -1273,6 +1359,8 @@ class Launched:
     on_report: object = None   # serving: every child's reports go here first (Child)
     ports: dict = field(default_factory=dict)     # name -> the port its channel listens on
     previous: list = field(default_factory=list)  # children a restart replaced
+    closed: bool = False
+    lock: object = field(default_factory=threading.Lock)  # a restart against close()
 
     def _spawn(self, role: str, worker: int, ports: list, timeout_s: float,
                restart: dict | None = None) -> int:
@@ -1309,15 +1397,18 @@ class Launched:
         line is cut, and the new life goes on with it."""
         role, worker = got["role"], got["worker"]
         name = f"{role} {worker}"
-        self.children[name].kill()
-        steps, clock = cut_dead_log(log_path(self.deployment, name), name)
-        live = {n: child for n, child in sorted(self.children.items())
-                if child.process.poll() is None}
-        # Prefills dial decodes; the router dials every worker.
-        decodes = [self.ports[n] for n in live if n.startswith(DECODE)] \
-            if role == PREFILL else []
-        port = self._spawn(role, worker, decodes, timeout_s,
-                           {**got["restart"], "steps": steps, "clock": clock})
+        with self.lock:  # (a deployment being closed starts no new life)
+            if self.closed:
+                return
+            self.children[name].kill()
+            steps, clock = cut_dead_log(log_path(self.deployment, name), name)
+            live = {n: child for n, child in sorted(self.children.items())
+                    if child.process.poll() is None}
+            # Prefills dial decodes; the router dials every worker.
+            decodes = [self.ports[n] for n in live if n.startswith(DECODE)] \
+                if role == PREFILL else []
+            port = self._spawn(role, worker, decodes, timeout_s,
+                               {**got["restart"], "steps": steps, "clock": clock})
         for n, child in live.items():
             if n == ROUTER or (role == DECODE and n.startswith(PREFILL)):
                 child.tell("dial", port=port)
@@ -1356,7 +1447,10 @@ class Launched:
         return reports
 
     def close(self) -> None:
-        for child in [*self.previous, *self.children.values()]:
+        with self.lock:
+            self.closed = True
+            children = [*self.previous, *self.children.values()]
+        for child in children:
             child.kill()
 
 

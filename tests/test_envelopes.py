@@ -37,6 +37,9 @@ GOOD = {
     "restarted": (PREFILL0, ROUTER0, {"t": "restarted", "lost": [1], "stamp": STAMP}),
     "prefill_back": (ROUTER0, DECODE0, {"t": "prefill_back", "prefill": 0, "lost": [0, 1],
                                         "stamp": STAMP}),
+    "leaving": (DECODE0, ROUTER0, {"t": "leaving", "holds": [1]}),
+    "farewell": (ROUTER0, PREFILL0, {"t": "farewell"}),
+    "left": (PREFILL0, ROUTER0, {"t": "left", "finished": [0, 1]}),
 }
 
 
@@ -85,6 +88,7 @@ BAD = [  # (sender, receiver, body), what the problem must say
     (_bad("write", data="bytes"), "write.data must be a data"),
     (_bad("restarted", lost=[0, 2]), "restarted.lost must be a requests"),
     (_bad("prefill_back", prefill=-1), "prefill_back.prefill must be a count"),
+    (_bad("farewell", holds=[1]), "a farewell has the fields"),
 ]
 
 

@@ -280,3 +280,81 @@ def test_a_killed_prefill_restarts_ends_what_it_held_and_serves_again(tmp_path, 
     assert [x["a"] for x in merged.records].count("PrefillCrash") == 1
     code, out, err = cli(capsys, "validate", str(tmp_path))
     assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+
+
+def _reports(launched: Launched, name: str, ev: str) -> list[dict]:
+    return [x for child in [*launched.previous, launched.children[name]]
+            if child.name == name for x in child.seen if x["ev"] == ev]
+
+
+def test_a_decode_asked_to_stop_drains_what_it_holds_and_leaves(tmp_path, capsys):
+    """SIGTERM to decode 1 of a 1 x 2 deployment while it holds reserved requests: it tells
+    the router, which places nothing more there; it finishes everything it held (and what
+    was placed there before the router's farewell), ends its log and exits 0; its going is
+    no crash (no DecodeCrash, no restart); every request is Ok and the logs validate."""
+    d = deployment(tmp_path, 1, 2, compute_s=0.4, arrive_every_s=0.02,
+                   arrive_after_s=(0.02,) * 12 + (0.3,) * 7)
+    victim = "decode 1"
+    launched = Launched(d)
+    try:
+        launched.start()
+        deadline = time.monotonic() + WAIT_S
+        while not _reserved_unfinished(log_path(d, victim)):
+            assert time.monotonic() < deadline, f"{victim} never reserved"
+            time.sleep(0.005)
+        launched.children[victim].process.send_signal(signal.SIGTERM)
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop()
+        draining = _reports(launched, victim, "draining")
+        drained = _reports(launched, victim, "drained")
+        exit_code = launched.children[victim].process.wait(timeout=WAIT_S)
+    finally:
+        launched.close()
+    assert len(draining) == len(drained) == 1 and draining[0]["holds"], (draining, drained)
+    assert drained[0]["left"] == [] and set(draining[0]["holds"]) <= set(drained[0]["finished"])
+    on_victim = {r for r, (_, k) in enumerate(done["placement"]) if k == 1}
+    assert on_victim == set(drained[0]["finished"])  # nothing placed there it did not finish
+    assert exit_code == 0 and victim not in stopped
+    assert done["outcomes"] == ["Ok"] * REQUESTS
+    assert stopped["router"]["crashes"] == [] and stopped["router"]["restarts"] == []
+    assert_whole(stopped)
+    merged, verdict = merged_run(tmp_path)
+    assert "DecodeCrash" not in [x["a"] for x in merged.records]
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+
+
+def test_a_prefill_whose_drain_runs_out_fails_the_rest_as_a_crash_does(tmp_path, capsys):
+    """SIGTERM to prefill 0 of a 2 x 1 deployment whose compute (1 s) outlasts its drain
+    bound (0.3 s): it reports what it finished and what it leaves, and exits; the crash's
+    path ends exactly what it left (ErrPrefill) through a new life that takes no request;
+    every other request is Ok on prefill 1; the logs validate."""
+    d = deployment(tmp_path, 2, 1, compute_s=1.0, arrive_every_s=0.02, drain_s=0.3)
+    victim = "prefill 0"
+    launched = Launched(d)
+    try:
+        launched.start()
+        deadline = time.monotonic() + WAIT_S
+        while not [x for x in _prefill_steps(log_path(d, victim)) if x["a"] == "Admit"]:
+            assert time.monotonic() < deadline, f"{victim} never admitted"
+            time.sleep(0.005)
+        launched.children[victim].process.send_signal(signal.SIGTERM)
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop()
+        drained = _reports(launched, victim, "drained")
+    finally:
+        launched.close()
+    assert len(drained) == 1 and drained[0]["left"], drained
+    outcomes = dict(enumerate(done["outcomes"]))
+    lost = {r for r, o in outcomes.items() if o == "ErrPrefill"}
+    on_victim = {r for r, (q, _) in enumerate(done["placement"]) if q == 0}
+    assert set(drained[0]["left"]) <= lost <= on_victim - set(drained[0]["finished"])
+    assert all(o == "Ok" for r, o in outcomes.items() if r not in lost)
+    assert stopped["router"]["restarts"] == ["prefill 0"]
+    steps = _prefill_steps(log_path(d, victim))
+    crash = next(k for k, x in enumerate(steps) if x["a"] == "PrefillCrash")
+    assert not [x for x in steps[crash + 1:] if x["a"] == "Admit"]  # its new life: no work
+    assert_whole(stopped)
+    merged, verdict = merged_run(tmp_path)
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
