@@ -96,7 +96,8 @@ def add_parser(commands) -> None:
                           "writes on a tiny model (the scenario's [hybrid] section names "
                           "workers one by one; sim/README.md)")
     sim.add_argument("--compare-prefix-cache", action="store_true",
-                     help="run the scenario twice, decode's prefix cache on and off (same "
+                     help="run the scenario twice, its prefix cache (decode's, and the "
+                          "prefill's where prefix.prefill_cache is set) on and off (same "
                           "seed, arrivals and prompts), and report the hit rate, pages saved "
                           "and TTFT of each (a scenario whose prompts share prefixes: "
                           "system-prompt, multi-turn, shared-document)")
