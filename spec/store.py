@@ -19,6 +19,15 @@ observed verdict the shell reported agrees with the abstract page contents. Ever
 State and runs the core's own invariant functions on it, which is what shows that the local
 checks miss nothing.
 
+With a prefix cache (the spec's PrefixCache, and PrefillCache at the prefill) a pool's pages
+are free, idle (cached, nobody owns or reads them) or held (owned or read), and
+conservation is free + idle + referenced == total. A shell with a cache asks the core how
+many fresh pages an allocation takes (core.allocation_need), takes them with `allocate`,
+and under pool pressure evicts the store's pick first, each eviction decided by the core:
+`lru_victims` then `evict` at decode, `prefill_lru_victims` then `prefill_evict` at the
+prefill (`prefill_evictable` lists what the prefill's cache may forget now, as the core's
+prefill_evictable says). A log's evictions fold through `take_worker_event` like crashes.
+
 Like the core, this module is pure: no I/O, no clock, no randomness.
 """
 
