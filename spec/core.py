@@ -1652,7 +1652,7 @@ def apply(m: Model, s: State, event: Event) -> Result:
 def pages_to_admit(m: Model, row: tuple) -> int | str:
     """How many source pages the prefill must allocate to admit this request, or why not.
     From the row alone: a prefill-side cache's hits are not looked up (allocation_need
-    does, on a view); the shells keep no prefill-side cache."""
+    does, on a view: what a shell with the prefill's cache asks instead)."""
     return _admit_need(m, row)
 
 
