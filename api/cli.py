@@ -220,6 +220,7 @@ def _add_serve(commands) -> None:
 def build_parser() -> Parser:
     from api.calibrate_command import add_parser as add_calibrate_parser
     from api.sim_command import add_parser as add_sim_parser
+    from api.worker_command import add_parser as add_worker_parser
 
     parser = Parser(prog="kvproof", description="Safe KV-cache transfer for disaggregated LLM "
                     "serving: one TLA+-checked protocol, model-checked, simulated and fuzzed.",
@@ -235,6 +236,7 @@ def build_parser() -> Parser:
     _add_fuzz(commands)
     _add_generate(commands)
     _add_serve(commands)
+    add_worker_parser(commands)
     parser.subcommands = commands.choices  # for reporting an unknown option under its name
     return parser
 

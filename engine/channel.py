@@ -421,10 +421,11 @@ class Channel:
 
     # -- public ---------------------------------------------------------------------------
 
-    def listen(self) -> int:
-        """Listen on 127.0.0.1, on a port the OS picks; returns it."""
+    def listen(self, host: str = HOST) -> int:
+        """Listen on `host` (127.0.0.1 unless a worker on another machine is told its
+        address: `kvproof worker --host`), on a port the OS picks; returns it."""
         assert self._listener is None, "listen() once per channel"
-        self._listener = socket.create_server((HOST, 0))
+        self._listener = socket.create_server((host, 0))
         self.port = self._listener.getsockname()[1]
         self._start(self._accept_loop, "accept")
         return self.port

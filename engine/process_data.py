@@ -79,12 +79,16 @@ def rendezvous_path(deployment) -> str:
 def join_world(deployment, role: str, worker: int) -> None:
     """Join the gloo world of the worker processes (blocks until every one has joined, at
     most join_timeout_s)."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # 127.0.0.1 only
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # 127.0.0.1 unless set otherwise
+    where = {"init_method": f"file://{rendezvous_path(deployment)}"}
+    if deployment.rendezvous:  # workers that joined at a rendezvous meet in its store
+        from engine.rendezvous import Rendezvous
+        where = {"store": Rendezvous(deployment.rendezvous, hosting=False,
+                                     timeout_s=deployment.join_timeout_s).gloo_store()}
     dist.init_process_group(
-        "gloo", init_method=f"file://{rendezvous_path(deployment)}",
-        rank=rank_of(deployment, role, worker),
+        "gloo", rank=rank_of(deployment, role, worker),
         world_size=deployment.prefill_workers + deployment.decode_workers,
-        timeout=datetime.timedelta(seconds=deployment.join_timeout_s))
+        timeout=datetime.timedelta(seconds=deployment.join_timeout_s), **where)
 
 
 def warm_up(model: LlamaModel) -> None:

@@ -65,6 +65,9 @@ class EngineConfig(Shape):
     abort_s_max: float = 10.0       # stop: aborted requests answered within this
     stop_timeout_s: float = 30.0    # stop: every process ends its log and exits within this
     log_dir: str = ""               # the deployment's logs ("": a fresh temporary folder)
+    # HOST:PORT: the workers start on their own (`kvproof worker`, on this machine or
+    # others) and join there; "": they are started here (engine/rendezvous.py).
+    rendezvous: str = ""
 
     POSITIVE = Shape.POSITIVE + ("requests_max", "start_timeout_s", "abort_s_max",
                                  "stop_timeout_s")
@@ -83,7 +86,7 @@ def deployment_for(model_path, config: EngineConfig, context: int) -> Deployment
         max_prompt_pages=context_pages, page_tokens=pt,
         prefill_chunk_tokens=config.prefill_chunk_tokens, max_batch=config.max_batch,
         model_dir=str(model_path), join_timeout_s=config.start_timeout_s,
-        log_dir=log_dir,
+        log_dir=log_dir, rendezvous=config.rendezvous,
         bugs=tuple(sorted(config.bugs)))
 
 
@@ -201,7 +204,9 @@ class ProcessEngine:
         """One line for the operator: every process started, with its pid."""
         pids = ", ".join(f"{name} pid {child.process.pid}"
                          for name, child in self.launched.children.items())
-        return f"processes: {pids}; logs in {self.deployment.log_dir}"
+        joined = "".join(f", {name} pid {a['pid']} at {a['host']}:{a['port']}"
+                         for name, a in self.launched.external.items())
+        return f"processes: {pids}{joined}; logs in {self.deployment.log_dir}"
 
     # -- requests -------------------------------------------------------------------------
 
@@ -298,14 +303,18 @@ class ProcessEngine:
         with self._lock:
             live, outcomes = len(self._live), dict(self._outcomes)
         pools, workers = [], []
-        for name, child in self.launched.children.items():
+        processes = [(name, child.process.pid, child.process.poll())
+                     for name, child in self.launched.children.items()]
+        processes += [(name, address["pid"], None)  # joined at the rendezvous: not ours
+                      for name, address in self.launched.external.items()]
+        for name, pid, exit_code in processes:
             role = name.split(" ")[0]
-            alive = child.process.poll() is None and name not in self._down
+            alive = exit_code is None and name not in self._down
             pool = self._pools.get(name, {})
             workers.append({"name": name.replace(" ", "-"), "role": role,
-                            "pid": child.process.pid, "alive": alive,
+                            "pid": pid, "alive": alive,
                             "epoch": self._epochs.get(name, 1),
-                            "exit_code": child.process.poll(), **{
+                            "exit_code": exit_code, **{
                                 k: pool.get(k) for k in ("pages", "free", "held",
                                                          "writes_in_flight", "requests_known")}})
             if role != "router":

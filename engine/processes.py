@@ -146,6 +146,9 @@ class Deployment:
     pool_report_s: float = 0.5  # a worker reports its pool's occupancy this often, at most
     restarts_max: int = 3      # lives a dead prefill is restarted into, at most, per worker
     drain_s: float = 10.0      # SIGTERM: a worker finishes what it holds within this
+    # HOST:PORT: the workers start on their own (`kvproof worker`, engine/rendezvous.py) and
+    # meet the launcher there; "": the launcher starts them on this machine.
+    rendezvous: str = ""
 
     def __post_init__(self) -> None:
         if self.serving_requests_max < 0 or self.context_tokens < 0:
@@ -392,6 +395,7 @@ class Process:
         self.drain_until: float | None = None
         self.drain_holds: set[int] = set()
         self.farewell = False
+        self.router_gone = False  # a worker that joined at a rendezvous: its router left
 
     # -- SIGTERM: a worker asked to stop drains what it holds ----------------------------
 
@@ -415,7 +419,7 @@ class Process:
                    drain_s=self.deployment.drain_s)
         held = self.holds()
         self.drain_holds |= held
-        done = not held and self.farewell
+        done = not held and (self.farewell or self.router_gone)
         if not done and now < self.drain_until:
             return ""
         finished = sorted(self.drain_holds - held)
@@ -425,6 +429,7 @@ class Process:
         self.log.end()
         self.send(Peer(ROUTER, 0), {"t": "left", "finished": finished})
         self.stopped = True
+        report(ev="stopped", steps=self.log.clock.k, unsent=self.unsent, **self.finish())
         return "clean"
 
     def on_farewell(self, peer: Peer, body: dict) -> None:
@@ -542,7 +547,7 @@ class Process:
         """A command from stdin other than stop and exit: "dial" (a restarted process's
         port, from the launcher), or serving's (the router's)."""
         if command.get("do") == "dial":
-            self.channel.connect(command["port"])
+            self.channel.connect(command["port"], command.get("host", "127.0.0.1"))
             return
         raise ValueError(f"{self.part.name}: no command {command.get('do')!r}")
 
@@ -822,8 +827,10 @@ class RouterProcess(Process):
         only on the modelled data path (a decode with no data path could serve nothing;
         a prefill's new life without one still ends what its old one held)."""
         name = f"{role} {worker}"
-        if role == DECODE and (self.deployment.model_dir or name in self.leaving):
-            return False
+        if role == DECODE and (self.deployment.model_dir or self.deployment.rendezvous
+                               or name in self.leaving):
+            return False  # (a decode that joined at a rendezvous: its prefills could not
+            #               learn its new address)
         if self.restarts.count(name) >= self.deployment.restarts_max:
             report(ev="gave_up", role=role, worker=worker, restarts=self.restarts.count(name))
             return False
@@ -1170,6 +1177,8 @@ def _pump(process: Process, timeout_s: float) -> bool:
         process.on_envelope(event.peer, event.message.fields["body"])
     elif type(event) is PeerDown:
         report(ev="peer_down", peer=str(event.peer), reason=event.reason, at_s=time.time())
+        if event.peer.role == ROUTER and process.deployment.rendezvous:
+            process.router_gone = True
         process.on_peer_down(event.peer)
     elif type(event) is PeerUp:
         process.on_peer_up(event.peer)
@@ -1204,13 +1213,14 @@ def _commands(todo: queue.Queue, process: Process) -> str | None:
             process.command(command)
 
 
-def main(setup: dict) -> int:
+def main(setup: dict, on_listening=None, stdin: bool = True) -> int:
     """One process of a deployment: `python -m engine.processes SETUP.json` (the
     Deployment's fields, its role and worker, and the ports it dials). Reports JSON lines on stdout
     ("listening", the router's "done", "stopped"); takes {"do": "stop"} (finish the work
     at hand, end the log, report) and {"do": "exit"} on stdin; exits when stdin closes."""
     role, worker, ports = setup.pop("role"), setup.pop("worker"), setup.pop("ports")
     restart = setup.pop("restart", None)  # a restarted process's (Launched.restart)
+    host = setup.pop("host", "127.0.0.1")  # where it listens (`kvproof worker --host`)
     # Its launcher stops it (stdin's "stop" and "exit", or stdin closing) or kills it; a
     # Ctrl-C in the launcher's terminal reaches the whole process group, and the launcher
     # (kvproof serve --processes) then drains before it stops its processes. A SIGTERM sent
@@ -1226,15 +1236,24 @@ def main(setup: dict) -> int:
         return 1
     process = (KINDS[role](deployment, worker, restart) if restart
                else KINDS[role](deployment, worker))
-    todo = stdin_commands()
+    # A worker started on its own (`kvproof worker`) takes no command on stdin: it ends with
+    # its router, or drains on SIGTERM.
+    todo = stdin_commands() if stdin else queue.Queue()
     for port in ports:  # prefills dial the decodes; the router dials every worker
-        process.channel.connect(port)
-    report(ev="listening", port=process.channel.listen())
+        if isinstance(port, list):  # [host, port]: a worker that joined at a rendezvous
+            process.channel.connect(port[1], port[0])
+        else:
+            process.channel.connect(port)
+    port = process.channel.listen(host)
+    if on_listening is not None:
+        on_listening(port)
+    report(ev="listening", port=port)
     if process.data is not None:
         process.join_data_path()
         report(ev="joined")
     stopping, last_busy = None, time.monotonic()
     pool, pool_at = None, 0.0
+    drained = ""
     while True:
         command = _commands(todo, process)
         if command == "exit":
@@ -1259,8 +1278,11 @@ def main(setup: dict) -> int:
             if process.pool_report() != pool:
                 pool = process.pool_report()
                 report(ev="pool", at_s=time.time(), **pool)
+        if process.router_gone and role != ROUTER:
+            drain_asked.set()  # a worker that joined at a rendezvous ends with its router
         if drain_asked.is_set() and stopping is None and not process.stopped:
-            if process.drain():
+            drained = process.drain()
+            if drained:
                 break  # drained and left, or the bound passed (a crash's path ends the rest)
         if role == ROUTER and not process.reported and process.done():
             process.reported = True
@@ -1278,7 +1300,7 @@ def main(setup: dict) -> int:
     process.channel.close()
     if process.data is not None:
         process.data.close()
-    return 0
+    return 1 if drained == "cut" else 0
 
 
 # -- the launcher: every process of a deployment, started and stopped -------------------------
@@ -1361,6 +1383,10 @@ class Launched:
     previous: list = field(default_factory=list)  # children a restart replaced
     closed: bool = False
     lock: object = field(default_factory=threading.Lock)  # a restart against close()
+    # Workers that joined at the deployment's rendezvous (`kvproof worker`): name -> the
+    # address each published (host, port, pid, epoch); they are not this launcher's children.
+    external: dict = field(default_factory=dict)
+    rendezvous: object = None
 
     def _spawn(self, role: str, worker: int, ports: list, timeout_s: float,
                restart: dict | None = None) -> int:
@@ -1382,6 +1408,32 @@ class Launched:
         self.ports[name] = child.expect("listening", timeout_s)["port"]
         return self.ports[name]
 
+    def worker_names(self) -> list[str]:
+        d = self.deployment
+        return ([f"{DECODE} {k}" for k in range(d.decode_workers)]
+                + [f"{PREFILL} {k}" for k in range(d.prefill_workers)])
+
+    def _start_external(self, timeout_s: float) -> None:
+        """Host the rendezvous, publish the deployment, wait for every worker to join
+        (`kvproof worker`; a refusal ends the wait with its reason), then start the router,
+        which dials them (engine/rendezvous.py)."""
+        from engine.rendezvous import Rendezvous, RendezvousRefused, model_fingerprint
+
+        d = self.deployment
+        self.rendezvous = Rendezvous(d.rendezvous, hosting=True, timeout_s=d.join_timeout_s)
+        self.rendezvous.put("deployment", {
+            "setup": asdict(d),
+            "model": model_fingerprint(d.model_dir) if d.model_dir else None})
+        names = self.worker_names()
+        try:
+            got = self.rendezvous.wait([f"addr/{n}" for n in names],
+                                       [f"refused/{n}" for n in names], what="the workers")
+        except RendezvousRefused as refusal:
+            raise WorkerRefused(str(refusal)) from None
+        self.external = {n: got[f"addr/{n}"] for n in names}
+        self._spawn(ROUTER, 0, [[a["host"], a["port"]] for a in self.external.values()],
+                    timeout_s)
+
     def _router_report(self, name: str, got: dict) -> bool:
         """The router's reports: a "restart" is this supervisor's to carry out (on a
         thread of its own: the reader goes on), and is kept like any other."""
@@ -1397,6 +1449,9 @@ class Launched:
         line is cut, and the new life goes on with it."""
         role, worker = got["role"], got["worker"]
         name = f"{role} {worker}"
+        if name in self.external:
+            self._restart_external(name, got["restart"])
+            return
         with self.lock:  # (a deployment being closed starts no new life)
             if self.closed:
                 return
@@ -1415,6 +1470,9 @@ class Launched:
 
     def start(self, timeout_s: float = 10.0) -> None:
         d = self.deployment
+        if d.rendezvous:
+            self._start_external(timeout_s)
+            return
         if d.model_dir:
             from engine.process_data import rendezvous_path
             Path(rendezvous_path(d)).unlink(missing_ok=True)
@@ -1445,6 +1503,24 @@ class Launched:
         for name, child in live.items():
             reports[name]["exit_code"] = child.process.wait(timeout=timeout_s)
         return reports
+
+    def _restart_external(self, name: str, restart: dict) -> None:
+        """A prefill that joined at the rendezvous died: its next life is its machine's to
+        start (`kvproof worker` again for its rank, which finds this record and goes on
+        with its log); once its address in the new epoch is there, the router (and, for a
+        decode, every live prefill) dials it."""
+        self.rendezvous.put(f"restart/{name}", restart)
+        print(f"kvproof: {name} died; start `kvproof worker` again for its rank to have "
+              f"it rejoin in epoch {restart['epoch']}", file=sys.stderr, flush=True)
+        while not self.closed:
+            address = self.rendezvous.get(f"addr/{name}")
+            if address is not None and address["epoch"] == restart["epoch"]:
+                break
+            time.sleep(0.05)
+        else:
+            return
+        self.external[name] = address
+        self.children[ROUTER].tell("dial", port=address["port"], host=address["host"])
 
     def close(self) -> None:
         with self.lock:

@@ -425,3 +425,37 @@ def test_a_killed_prefill_process_ends_what_it_held_and_the_rest_give_the_judges
     merged, verdict = merged_run(tmp_path)
     code, out, err = cli(capsys, "validate", str(tmp_path))
     assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+
+
+def test_workers_started_on_their_own_meet_in_the_rendezvous_store_and_give_the_judges_tokens(
+        model_dir, tmp_path, expected, capsys):
+    """1 x 1 on the real data path with both workers started by `kvproof worker`: their gloo
+    world meets in the rendezvous's TCPStore (no shared folder), and every request gives
+    the judge's tokens; a worker given another model file is refused as bad input."""
+    from test_processes import _free_port, _worker
+
+    rendezvous = f"127.0.0.1:{_free_port()}"
+    d = deployment(model_dir, tmp_path, 1, 1, rendezvous=rendezvous)
+    other = tmp_path / "other-model"
+    make_hf_model("llama-gqa", other, seed=MODEL_SEED + 1)
+    impostor = _worker("prefill", 1, 2, rendezvous, tmp_path / "impostor", "--model",
+                       str(other))
+    workers = [_worker("decode", 0, 2, rendezvous, tmp_path),
+               _worker("prefill", 1, 2, rendezvous, tmp_path)]
+    launched = Launched(d)
+    try:
+        launched.start(timeout_s=WAIT_S)
+        done = launched.wait_done(WAIT_S)
+        launched.stop(timeout_s=WAIT_S)
+        codes = [w.wait(timeout=WAIT_S) for w in workers]
+        refused = impostor.communicate(timeout=WAIT_S)[0]
+    finally:
+        launched.close()
+        for w in [*workers, impostor]:
+            w.kill()
+    assert done["outcomes"] == ["Ok"] * len(SHAPES) and done["tokens"] == expected
+    assert codes == [0, 0]
+    assert impostor.returncode == 2 and "is not the deployment's model file" in refused
+    merged, verdict = merged_run(tmp_path)
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0 and "run OK: 134 steps" in out, out + err

@@ -9,15 +9,20 @@ wait is bounded.
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from engine.processes import Deployment, Launched, log_path
+from engine.processes import Deployment, Launched, WorkerRefused, log_path
 from sim.trace import read_part_logs
 from spec import codec, core
 from spec.partlog import merge
@@ -355,6 +360,126 @@ def test_a_prefill_whose_drain_runs_out_fails_the_rest_as_a_crash_does(tmp_path,
     crash = next(k for k, x in enumerate(steps) if x["a"] == "PrefillCrash")
     assert not [x for x in steps[crash + 1:] if x["a"] == "Admit"]  # its new life: no work
     assert_whole(stopped)
+    merged, verdict = merged_run(tmp_path)
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+
+
+# -- workers that start on their own and meet at a rendezvous (`kvproof worker`) ---------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(role: str, rank: int, world: int, rendezvous: str, log_dir: Path,
+            *more: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "api.cli", "worker", role, "--rendezvous", rendezvous,
+         "--rank", str(rank), "--world-size", str(world), "--log-dir", str(log_dir),
+         "--join-timeout-s", str(WAIT_S), *more],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_workers_started_on_their_own_join_at_the_rendezvous_and_leave_with_the_router(
+        tmp_path, capsys):
+    """1 x 2 with every worker started by `kvproof worker` (as on other machines, here on
+    127.0.0.1): the launcher hosts the rendezvous and starts only the router once all have
+    joined; the run ends Ok; when the router stops, each worker ends its log and exits 0;
+    the logs validate."""
+    rendezvous = f"127.0.0.1:{_free_port()}"
+    d = deployment(tmp_path, 1, 2, rendezvous=rendezvous, join_timeout_s=WAIT_S)
+    workers = [_worker("decode", 0, 3, rendezvous, tmp_path),
+               _worker("decode", 1, 3, rendezvous, tmp_path),
+               _worker("prefill", 2, 3, rendezvous, tmp_path)]
+    launched = Launched(d)
+    try:
+        launched.start(timeout_s=WAIT_S)
+        assert set(launched.external) == {"decode 0", "decode 1", "prefill 0"}
+        assert set(launched.children) == {"router"}
+        done = launched.wait_done(WAIT_S)
+        launched.stop()
+        codes = [w.wait(timeout=WAIT_S) for w in workers]
+    finally:
+        launched.close()
+        for w in workers:
+            w.kill()
+    outputs = [w.stdout.read() for w in workers]
+    assert done["outcomes"] == ["Ok"] * REQUESTS
+    assert codes == [0, 0, 0], outputs
+    for out in outputs:
+        stopped = [json.loads(line) for line in out.splitlines() if '"stopped"' in line]
+        assert len(stopped) == 1 and stopped[0].get("pages_held", 0) == 0, out
+    merged, verdict = merged_run(tmp_path)
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+
+
+def test_a_worker_that_does_not_fit_refuses_to_join_and_a_wrong_rank_is_bad_input(tmp_path):
+    rendezvous = f"127.0.0.1:{_free_port()}"
+    d = deployment(tmp_path, 1, 1, rendezvous=rendezvous, join_timeout_s=WAIT_S,
+                   context_tokens=64, page_tokens=4)  # pools of 4 pages: 16 tokens
+    workers = [_worker("decode", 0, 2, rendezvous, tmp_path),
+               _worker("decode", 1, 2, rendezvous, tmp_path)]
+    launched = Launched(d)
+    try:
+        with pytest.raises(WorkerRefused, match="decode-0's KV pool holds 16 tokens, less "
+                                                "than the advertised context of 64"):
+            launched.start(timeout_s=WAIT_S)
+        outs = [w.communicate(timeout=WAIT_S)[0] for w in workers]
+    finally:
+        launched.close()
+        for w in workers:
+            w.kill()
+    assert workers[0].returncode == 1 and "refuses to join" in outs[0]
+    assert workers[1].returncode == 2 and "rank 1 is a prefill worker's" in outs[1], outs[1]
+
+
+def test_a_worker_started_on_its_own_rejoins_when_started_again_after_it_died(tmp_path,
+                                                                             capsys):
+    """1 x 1 at a rendezvous: the prefill worker is SIGKILLed while it computes; the
+    launcher publishes its next life's record, and `kvproof worker` started again for its
+    rank picks it up, goes on with its log in epoch 2 and ends what the dead life held
+    (ErrPrefill); the router dials it and the later requests are served there."""
+    rendezvous = f"127.0.0.1:{_free_port()}"
+    d = deployment(tmp_path, 1, 1, rendezvous=rendezvous, join_timeout_s=WAIT_S,
+                   compute_s=0.4, arrive_after_s=(0.02,) * 4 + (0.3,) * 15)
+    decode = _worker("decode", 0, 2, rendezvous, tmp_path)
+    prefill = _worker("prefill", 1, 2, rendezvous, tmp_path)
+    again = None
+    launched = Launched(d)
+    try:
+        launched.start(timeout_s=WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while not [x for x in _prefill_steps(log_path(d, "prefill 0")) if x["a"] == "Admit"]:
+            assert time.monotonic() < deadline, "prefill 0 never admitted"
+            time.sleep(0.005)
+        prefill.kill()
+        while launched.rendezvous.get("restart/prefill 0") is None:
+            assert time.monotonic() < deadline, "no restart record"
+            time.sleep(0.01)
+        again = _worker("prefill", 1, 2, rendezvous, tmp_path)
+        done = launched.wait_done(WAIT_S)
+        launched.stop()
+        codes = [w.wait(timeout=WAIT_S) for w in (decode, again)]
+    finally:
+        launched.close()
+        for w in (decode, prefill, again):
+            if w is not None:
+                w.kill()
+    assert codes == [0, 0]
+    assert launched.external["prefill 0"]["epoch"] == 2
+    outcomes = dict(enumerate(done["outcomes"]))
+    lost = {r for r, o in outcomes.items() if o == "ErrPrefill"}
+    assert lost and all(o == "Ok" for r, o in outcomes.items() if r not in lost)
+    steps = _prefill_steps(log_path(d, "prefill 0"))
+    crash = next(k for k, x in enumerate(steps) if x["a"] == "PrefillCrash")
+    assert [x for x in steps[crash + 1:] if x["a"] == "SendDone"]  # served again
     merged, verdict = merged_run(tmp_path)
     code, out, err = cli(capsys, "validate", str(tmp_path))
     assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err

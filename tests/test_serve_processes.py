@@ -453,3 +453,44 @@ def test_a_prefill_killed_while_serving_ends_what_it_held_and_the_rest_is_served
     assert {k for k, o in outcomes.items() if o == "ErrPrefill"} == placed - ended
     code, out, err = cli(capsys, "validate", str(log_dir))
     assert code == 0 and "run OK" in out, out + err
+
+
+def test_workers_started_on_their_own_serve_and_the_state_lists_them(tiny_model, tmp_path):
+    """`kvproof serve --processes --rendezvous` with its workers started by `kvproof worker`
+    (here on 127.0.0.1): the engine starts once both joined, serves a request Ok, lists
+    them with their pids, and when it stops, each worker ends its log and exits 0."""
+    from engine.process_engine import EngineConfig, build_engine
+    from engine.sampling import SamplingParams
+    from engine.service import Finished, GenerationRequest
+    from tests.test_processes import _free_port, _worker
+
+    log_dir = tmp_path / "logs"
+    rendezvous = f"127.0.0.1:{_free_port()}"
+    workers = [_worker("decode", 0, 2, rendezvous, log_dir),
+               _worker("prefill", 1, 2, rendezvous, log_dir)]
+    events: list = []
+    try:
+        engine = build_engine(tiny_model, EngineConfig(
+            page_tokens=4, prefill_pool_tokens=512, decode_pool_tokens=512,
+            log_dir=str(log_dir), rendezvous=rendezvous, stop_timeout_s=5,
+            start_timeout_s=START_S_MAX))
+        try:
+            listed = {w["name"]: (w["pid"], w["alive"]) for w in engine.snapshot().workers}
+            assert listed["decode-0"] == (workers[0].pid, True)
+            assert listed["prefill-0"] == (workers[1].pid, True)
+            assert f"decode 0 pid {workers[0].pid} at 127.0.0.1:" in engine.workers_line()
+            ids = tuple(tiny_model.tokenizer.encode("The quick brown fox"))
+            engine.submit(GenerationRequest(ids, SamplingParams(max_tokens=6,
+                                                                ignore_eos=True)),
+                          events.append)
+            wait_until(lambda: events and isinstance(events[-1], Finished), REPLY_S_MAX,
+                       "the answer")
+        finally:
+            engine.stop(drain_s=0)
+        codes = [w.wait(timeout=STOP_S_MAX) for w in workers]
+    finally:
+        for w in workers:
+            w.kill()
+        kill_all(deployment_pids(str(log_dir)))
+    assert events[-1].outcome == "Ok" and events[-1].completion_tokens == 6
+    assert codes == [0, 0]

@@ -3,7 +3,8 @@
     kvproof serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--device cpu|cuda]
                   [--dtype float32|bfloat16|float16] [--threads N] [--drain-s S]
                   [--disaggregated --prefill-workers N --decode-workers M]
-                  [--processes --prefill-workers N --decode-workers M]
+                  [--processes --prefill-workers N --decode-workers M
+                   [--rendezvous HOST:PORT]]
 
 Every option is checked before the model loads (10-25 s for the default model): the
 values, the device and the model path (api/engine_options.py), the engine's config, and the
@@ -29,7 +30,10 @@ process_engine.py over engine/processes.py: one router process and N + M worker 
 each loading the model, KV moved over gloo), every one stopped when the server stops;
 each worker's own capacity check runs before the server takes traffic. Decoding across
 processes is greedy (temperature, top_p, top_k, stop strings and logprobs are refused with
-a 400) and ends at max_tokens or the end of sequence.
+a 400) and ends at max_tokens or the end of sequence. With `--rendezvous HOST:PORT` no worker
+is started here: the server hosts a rendezvous (engine/rendezvous.py), prints the
+`kvproof worker` command for each rank, and waits for them to join, on this machine or
+others; each checks its own rank, model file and pool.
 
 Startup prints the URL and a curl line. SIGTERM (or Ctrl-C) stops taking requests, lets live
 ones finish for up to --drain-s seconds, aborts the rest through the protocol
@@ -59,6 +63,7 @@ EXAMPLES = [
     "kvproof serve --model path/to/model.gguf --port 8080 --device cuda --dtype bfloat16",
     "kvproof serve --disaggregated --prefill-workers 2 --decode-workers 3",
     "kvproof serve --processes --prefill-workers 2 --decode-workers 2   # OS processes",
+    "kvproof serve --processes --rendezvous 10.0.0.1:29500   # workers: kvproof worker ...",
     "kvproof serve --threads 1                       # one torch thread (a busy machine)",
     "kvproof serve --api-key-file keys.txt           # 401 for requests without a key",
     "kvproof serve --lease-s 60 --lower-context-to-fit   # a slow machine: what its timers allow",
@@ -97,6 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the prefill and decode workers (and the router) as OS "
                              "processes of their own on 127.0.0.1, KV moved over gloo; "
                              "greedy decoding only")
+    parser.add_argument("--rendezvous", metavar="HOST:PORT",
+                        help="with --processes: start no worker here; host a rendezvous at "
+                             "HOST:PORT where workers started with `kvproof worker` (on this "
+                             "machine or others) join; the commands to run are printed")
     parser.add_argument("--prefill-workers", type=positive_int, default=None, metavar="N",
                         help="prefill workers, each with its own KV pool (needs "
                              "--disaggregated or --processes; default 1)")
@@ -183,6 +192,14 @@ def _check(args: argparse.Namespace):
                                                                 or args.processes):
         raise Refusal("--prefill-workers and --decode-workers need --disaggregated or "
                       "--processes")
+    if args.rendezvous and not args.processes:
+        raise Refusal("--rendezvous needs --processes")
+    if args.rendezvous:
+        from engine.rendezvous import parse_address
+        try:
+            parse_address(args.rendezvous)
+        except ValueError as error:
+            raise Refusal(f"--rendezvous: {error}") from None
     if args.processes:
         if args.engine_factory != DEFAULT_FACTORY:
             raise Refusal("--processes and --engine-factory: give one of them")
@@ -248,6 +265,19 @@ def _find(spec: str):
     return None if build is None else (build, getattr(module, "EngineConfig", None))
 
 
+def _print_worker_commands(args: argparse.Namespace) -> None:
+    """What to run, on each worker's machine, for a deployment that meets at a rendezvous
+    (the server waits for them, at most the engine's start bound)."""
+    decodes, prefills = args.decode_workers or 1, args.prefill_workers or 1
+    world = decodes + prefills
+    print(f"waiting for {world} workers at {args.rendezvous}; on each worker's machine run "
+          "(add --host ITS_ADDRESS off this machine):", flush=True)
+    for rank in range(world):
+        role = "decode" if rank < decodes else "prefill"
+        print(f"  kvproof worker {role} --rendezvous {args.rendezvous} --rank {rank} "
+              f"--world-size {world}", flush=True)
+
+
 def _engine_config(config_type, args: argparse.Namespace):
     """The engine's config with the options it has. Without a config type (a factory whose
     module has no EngineConfig: bench/api_bench.py's null engine) the options go as a dict;
@@ -256,6 +286,9 @@ def _engine_config(config_type, args: argparse.Namespace):
     if args.disaggregated or getattr(args, "processes", False):
         wanted = dict(disaggregated=True, prefill_workers=args.prefill_workers or 1,
                       decode_workers=args.decode_workers or 1)
+    if getattr(args, "rendezvous", None):
+        wanted["rendezvous"] = args.rendezvous
+        _print_worker_commands(args)
     for option in TIMER_OPTIONS:
         value = getattr(args, option, None)
         if value is not None and value is not False:  # 0 is a value (--loop-nice 0)
