@@ -807,11 +807,15 @@ class RouterProcess(Process):
         answers the cancels (PrefillProcess). On the real data path the new life has no
         data path (the gloo world cannot take a rank back) and no request goes there."""
         reports = self.prefill_reports[q]
-        live = set(range(self.deployment.decode_workers)) - self.dead
+        live = {d for d in range(self.deployment.decode_workers)  # (one that left sees
+                if d not in self.dead and f"{DECODE} {d}" not in self.gone}  # nothing)
         if q not in self.dead_prefills or not live <= set(reports) or q in self.restarting:
             return
         if not self.may_restart(PREFILL, q):
-            self.retired.add(q)  # a worker that dies in every life stays dead
+            # A worker that dies in every life stays dead, its log closed here. What its
+            # last life held waits: only a next life's PrefillCrash ends it (a gap).
+            self.retired.add(q)
+            close_dead_log(log_path(self.deployment, f"{PREFILL} {q}"), f"{PREFILL} {q}")
             return
         self.restarting.add(q)
         if self.deployment.model_dir:
