@@ -135,3 +135,15 @@ def test_installed_entry_point_runs():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "963 distinct states found" in out.stdout
+
+
+def test_the_parser_and_validate_do_not_import_torch():
+    """`kvproof check`, `validate`, `sim` need no torch: building the parser imports none
+    (serve's key file reader, which imports the engine, is imported when serve runs)."""
+    import subprocess
+    import sys
+    code = ("import sys, api.cli; api.cli.build_parser(); "
+            "from spec.tlaplus import runcheck; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=str(__import__('pathlib').Path(__file__).resolve().parents[1]))
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

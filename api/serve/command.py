@@ -54,7 +54,6 @@ import threading
 from api import engine_options
 from api.clikit import (EXIT_OK, EXIT_USAGE, UsageError, nice_increment, non_negative_float,
                         port_number, positive_float, positive_int)
-from api.serve.auth import load_keys
 
 DEFAULT_FACTORY = "engine.serving:build_engine"
 PROCESSES_FACTORY = "engine.process_engine:build_engine"
@@ -211,6 +210,7 @@ def _check(args: argparse.Namespace):
         args.engine_factory = PROCESSES_FACTORY
     try:
         threads = engine_options.prepare(args)
+        from api.serve.auth import load_keys  # (here: it imports the engine, and torch)
         args.api_keys = load_keys(args.api_key, args.api_key_file)
     except UsageError as error:
         raise Refusal(str(error)) from None
