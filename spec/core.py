@@ -1633,7 +1633,7 @@ def _with_commands(s: View, change: Change) -> Change:
     """The Change with the commands shells carry out (spec/commands.py derives them). On
     every shell decision: a change with no commands (a landing write) is returned as it is,
     and the others are built without namedtuple's keyword machinery."""
-    commands = _effects(s, change)
+    commands = _commands.effects(s, change)
     if not commands:
         return change
     rows, decode, prefill, posted, landed, flushed, _ = change
@@ -1928,5 +1928,6 @@ def successors(m: Model, s: State, contents=None) -> Iterator[tuple[Event, State
 
 
 
-# Commands are derived from a Change in their own module, which reads this one's names.
-from spec.commands import effects as _effects  # noqa: E402
+# Commands are derived from a Change in their own module, which reads this one's names (a
+# module, not its function: spec.commands may be the one imported first).
+import spec.commands as _commands  # noqa: E402
