@@ -60,7 +60,8 @@ def test_a_groups_prompt_is_computed_and_transferred_once(tmp_path):
         for r in siblings:
             assert reserves[r][0]["pages"] == [] and admits[r][0]["pages"] == []
             assert r not in landed
-            assert reserves[r][0]["t"] >= next(a["t"] for a in records
+            # at the moment decode accepts the first's transfer
+            assert reserves[r][0]["t"] == next(a["t"] for a in records
                                                if a["a"] == "Accept" and a["request"] == first)
     p = result["prefix"]
     assert (p["siblings"], p["groups"], p["full_hits"]) == (4, 10, 30)
