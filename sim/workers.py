@@ -365,10 +365,9 @@ class SimDecode:
             if row is not None and r in sim.first_of and self._hold(r):
                 waiting.popleft()
                 continue
-            self.held_until_s.pop(r, None)
             need = self._need(r, row) if row else "settled"
             if type(need) is str:
-                waiting.popleft()  # a decode crash tombstoned it while it waited
+                self._leave()  # a decode crash tombstoned it while it waited
                 if row is not None:
                     sim.deliver(core.BOOTSTRAP, r)
                 continue
@@ -377,8 +376,13 @@ class SimDecode:
                 pages = cluster.allocate("decode", self.index, need)
             if pages is None:
                 return
-            waiting.popleft()
+            self._leave()
             sim.offer("Reserve", r, pages=pages)
+
+    def _leave(self) -> None:
+        """The head of the FIFO leaves it for good: a sibling's wait ends with it (a
+        sibling whose wait ran out and then waits for pages is not held again)."""
+        self.held_until_s.pop(self.waiting.popleft(), None)
 
     def _need(self, r: int, row: tuple) -> int | str:
         """Fresh pages r's Reserve takes: with a prefix cache, fewer by what decode holds
