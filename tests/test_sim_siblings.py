@@ -98,60 +98,51 @@ def test_the_comparison_shows_what_siblings_save(capsys):
     assert "computed per group           8.9          74.0" in out
 
 
-def _drive(sc, act) -> Simulation:
+def _drive(sc, act) -> tuple[Simulation, list[tuple[int, float, int]]]:
     """One group of the scenario's siblings arrives at 0; `act(sim)` then meddles; the run
-    goes to rest."""
-    sim = Simulation(sc)
+    goes to rest. With it, each Reserve the core accepted: (request, time, fresh pages)."""
+    reserves = []
+
+    def watch(event, change):
+        if type(event).__name__ == "Reserve":
+            reserves.append((event.request, sim.env.now, len(event.pages)))
+    sim = Simulation(sc, on_commit=watch)
     sim.new_request(siblings=sc.prefix.siblings)
     act(sim)
     sim.env.run(until=sim.env.any_of([sim.finished, sim.env.timeout(60)]))
     assert sim.finished.triggered and sim.cluster.violation_total == 0
-    return sim
+    return sim, reserves
 
 
-@pytest.fixture
-def watch(monkeypatch):
-    """Each Reserve as the core accepted it: (request, time, fresh pages)."""
-    seen = []
-
-    def record(self, now, r, change, event):
-        if type(event).__name__ == "Reserve":
-            seen.append((r, now, len(event.pages)))
-        return original(self, now, r, change, event)
-    original = Simulation.commit
-    monkeypatch.setattr(Simulation, "commit", record)
-    return seen
-
-
-def test_a_sibling_whose_first_is_gone_goes_on_alone(watch):
+def test_a_sibling_whose_first_is_gone_goes_on_alone():
     """The first's client leaves while its prompt computes: nothing was sealed, so the
     sibling stops waiting at once and reserves every page fresh; it is answered Ok."""
     sc = _siblings(2, 2).with_options(**SMALL)
-    sim = _drive(sc, lambda sim: sim.later(0.05, sim.client._abort, 0))
+    sim, watch = _drive(sc, lambda sim: sim.later(0.05, sim.client._abort, 0))
     assert sim.folder.metrics.outcomes == {"Gone": 1, "Ok": 1}
     (first, t0, fresh0), (sibling, t1, fresh1) = watch
     assert (first, sibling) == (0, 1) and fresh1 == fresh0 == 19
     assert 0.05 <= t1 < 0.06  # at the abort (and its notice), not at the wait's bound
 
 
-def test_a_sibling_waits_at_most_sibling_wait_max_s(watch):
+def test_a_sibling_waits_at_most_sibling_wait_max_s():
     """The sibling gives up waiting at its bound, 0.1 s, while its first's transfer still
     runs (decode accepts it at 0.27 s): nothing is sealed yet, so it reserves every page
     fresh, and both are answered Ok."""
     sc = _siblings(2, 2, sibling_wait_max_s=0.1).with_options(**SMALL)
-    sim = _drive(sc, lambda sim: None)
+    sim, watch = _drive(sc, lambda sim: None)
     assert sim.folder.metrics.outcomes == {"Ok": 2}
     (_, _, fresh0), (sibling, t1, fresh1) = watch
     assert sibling == 1 and 0.1 <= t1 < 0.11
     assert fresh1 == fresh0 == 19
 
 
-def test_a_held_sibling_does_not_hold_up_its_first_behind_it(watch):
+def test_a_held_sibling_does_not_hold_up_its_first_behind_it():
     """The first's messages are held on the wire, so its bootstrap reaches decode after
     its sibling's: the sibling is set aside, the first reserves behind it, and the
     sibling's Reserve is still a full hit."""
     sc = _siblings(2, 2).with_options(**SMALL)
-    sim = _drive(sc, lambda sim: sim.hold(0, 0.2))
+    sim, watch = _drive(sc, lambda sim: sim.hold(0, 0.2))
     assert sim.folder.metrics.outcomes == {"Ok": 2}
     assert [(r, fresh) for r, _, fresh in watch] == [(0, 19), (1, 0)]
     assert watch[0][1] >= 0.2
