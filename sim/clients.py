@@ -84,6 +84,12 @@ class SimClients:
             prompt, output = traced.prompt_tokens, max(1, traced.output_tokens)
         return prompt, output
 
+    def output_length(self, traced) -> int:
+        """A sibling's output tokens (its prompt is its first's): drawn from the workload,
+        or as the trace file's row says."""
+        output = sample_tokens(self.sim.rng["lengths"], self.sim.sc.workload.output)
+        return max(1, traced.output_tokens) if traced is not None else output
+
     def may_abort(self, r: int) -> None:
         """The client-abort fault: r's client goes away at a random moment, maybe."""
         sim = self.sim
@@ -105,7 +111,7 @@ class SimClients:
             if sim.next_request >= sim.requests_total:
                 return
             yield sim.env.timeout(delay_s)
-            sim.new_request(traced=request)
+            sim.new_request(traced=request, siblings=sim.siblings)
 
     def open_loop(self):
         sim = self.sim
@@ -114,13 +120,13 @@ class SimClients:
         while sim.next_request < sim.requests_total:
             yield sim.env.timeout(rng.expovariate(w.rate_per_s / burst))
             for _ in range(burst):
-                sim.new_request()
+                sim.new_request(siblings=sim.siblings)
 
     def session(self):
         sim = self.sim
         w, rng = sim.sc.workload, sim.rng["arrivals"]
         while True:
-            answered = sim.new_request()
+            answered = sim.new_request(siblings=sim.siblings)
             if answered is None:
                 return
             yield answered

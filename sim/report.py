@@ -190,12 +190,19 @@ def prefix_summary(metrics: Metrics, scenario) -> dict:
     the hits (the prefill sends only the rest, core.to_send); compute pages saved are the
     admitted prompt pages the prefill did not compute (core.pages_to_compute: those its own
     cache held, none while only decode caches), and the prefill hit rate is their share of
-    the admitted prompt pages."""
+    the admitted prompt pages. With n > 1 siblings (prefix.siblings), each group of n
+    requests is one prompt: its pages sent and computed per group are what the siblings
+    saved (n copies without a cache, one when they share); only the last group may be
+    short (the request bound)."""
     m = metrics
     saved = m.admitted_prompt_pages - m.computed_pages
+    siblings = scenario.prefix.siblings
+    groups = -(-m.arrived // siblings)
     return {"shape": scenario.prefix.shape, "cache": scenario.prefix.cache,
             "prefill_cache": scenario.prefix.prefill_cache,
-            "tenants": scenario.prefix.tenants,
+            "tenants": scenario.prefix.tenants, "siblings": siblings, "groups": groups,
+            "pages_sent_per_group": m.pages_written / groups if groups else 0.0,
+            "pages_computed_per_group": m.computed_pages / groups if groups else 0.0,
             "prompt_pages": m.reserved_prompt_pages, "hit_pages": m.hit_pages,
             "hit_rate": m.hit_pages / m.reserved_prompt_pages if m.reserved_prompt_pages else 0.0,
             "full_hits": m.full_hits, "pages_sent": m.pages_written,
@@ -207,12 +214,22 @@ def prefix_summary(metrics: Metrics, scenario) -> dict:
             "pages_evicted": m.evicted_pages, "prefill_pages_evicted": m.prefill_evicted_pages}
 
 
+def _group_line(p: dict) -> list[str]:
+    """The figures per group of siblings, where there are siblings."""
+    if p["siblings"] == 1:
+        return []
+    return [f"{'':17}{p['groups']:,} groups of {p['siblings']} siblings: "
+            f"{p['pages_sent_per_group']:,.1f} pages sent and "
+            f"{p['pages_computed_per_group']:,.1f} computed per group"]
+
+
 def prefix_line(p: dict) -> str:
     if not p["cache"]:
-        return f"prefix cache     off ({p['shape']} prompts): every page sent and computed"
-    line = (f"prefix cache     hit rate {p['hit_rate']:.1%} ({p['hit_pages']:,} of "
+        return "\n".join([f"prefix cache     off ({p['shape']} prompts): every page sent "
+                          "and computed", *_group_line(p)])
+    line = "\n".join([(f"prefix cache     hit rate {p['hit_rate']:.1%} ({p['hit_pages']:,} of "
             f"{p['prompt_pages']:,} prompt pages, {p['full_hits']:,} full hits); "
-            f"{p['pages_evicted']:,} pages evicted")
+            f"{p['pages_evicted']:,} pages evicted"), *_group_line(p)])
     if not p["prefill_cache"]:
         return line
     return (f"{line}\n{'':17}at the prefill: hit rate {p['prefill_hit_rate']:.1%} "
@@ -235,6 +252,11 @@ def compare_prefix_cache(on: dict, off: dict) -> dict:
             "prefill_pages_evicted": p_on["prefill_pages_evicted"],
             "pages_sent": {"on": p_on["pages_sent"], "off": p_off["pages_sent"]},
             "pages_computed": {"on": p_on["pages_computed"], "off": p_off["pages_computed"]},
+            "siblings": p_on["siblings"], "groups": p_on["groups"],
+            "pages_sent_per_group": {"on": p_on["pages_sent_per_group"],
+                                     "off": p_off["pages_sent_per_group"]},
+            "pages_computed_per_group": {"on": p_on["pages_computed_per_group"],
+                                         "off": p_off["pages_computed_per_group"]},
             "transfer_pages_saved": p_off["pages_sent"] - p_on["pages_sent"],
             "compute_pages_saved": p_off["pages_computed"] - p_on["pages_computed"],
             "pages_evicted": p_on["pages_evicted"],
@@ -266,6 +288,7 @@ def prefix_comparison_table(c: dict) -> str:
         f"{'pages sent':<18}{sent['on']:>14,}{sent['off']:>14,}   {saved(sent['off'], sent['on'])}",
         f"{'pages computed':<18}{computed['on']:>14,}{computed['off']:>14,}   "
         f"{saved(computed['off'], computed['on'])}",
+        *_per_group_rows(c),
         f"hit rate          {c['hit_rate']:.1%} ({c['hit_pages']:,} of {c['prompt_pages']:,} "
         f"prompt pages hit at decode, {c['full_hits']:,} full hits, "
         f"{c['pages_evicted']:,} pages evicted)",
@@ -273,6 +296,16 @@ def prefix_comparison_table(c: dict) -> str:
            f"prompt pages held cached at the prefill, {c['prefill_pages_evicted']:,} pages "
            f"evicted there)"] if c["prefill_cache"] else []),
         "the TTFT gain comes from: " + "; ".join(source)])
+
+
+def _per_group_rows(c: dict) -> list[str]:
+    """Pages sent and computed per group of siblings, on and off (none without siblings)."""
+    if c["siblings"] == 1:
+        return []
+    sent, computed = c["pages_sent_per_group"], c["pages_computed_per_group"]
+    return [f"{'sent per group':<18}{sent['on']:>14,.1f}{sent['off']:>14,.1f}   "
+            f"{c['groups']:,} groups of {c['siblings']} siblings",
+            f"{'computed per group':<18}{computed['on']:>14,.1f}{computed['off']:>14,.1f}"]
 
 
 def write_prefix_plot(directory: str | Path, on: Metrics, off: Metrics, c: dict) -> Path:

@@ -121,6 +121,10 @@ class Simulation(ShellRuntime):
         # request -> simulated time before which nothing of it arrives (hold())
         self.held_until: dict[int, float] = {}
         self.round_robin = [0, 0]
+        # n > 1 siblings (prefix.siblings): each live sibling -> the first of its group,
+        # whose transfer it waits for at decode (SimDecode.held); the first is not in it.
+        self.first_of: dict[int, int] = {}
+        self.siblings = scenario.prefix.siblings
         self.finished = self.env.event()  # every request has settled
         # A trace-driven workload: the file's requests, at most sc.requests of them.
         self.trace = (load_workload(scenario.workload.trace_file)
@@ -347,6 +351,10 @@ class Simulation(ShellRuntime):
         leaves every table of the shell."""
         if r in self.intents:
             self.dirty.append(r)
+        if self.siblings > 1:  # siblings may wait for r: their decode asks the core again
+            for decode in self.decodes:
+                if r in decode.held:
+                    decode.first_moved(r)
         if r not in self.cluster.rows:
             self._settled(r, p)
 
@@ -360,7 +368,7 @@ class Simulation(ShellRuntime):
     def _drop(self, r: int, p: int) -> None:
         self.prefills[p].queue.forget(r)
         for table in (self.output, self.decoding, self.intents, self.nic_pending,
-                      self.send_page_events, self.held_until):
+                      self.send_page_events, self.held_until, self.first_of):
             table.pop(r, None)
         self.all_posted.discard(r)
         self.tables_received.discard(r)
@@ -493,23 +501,40 @@ class Simulation(ShellRuntime):
 
     def new_request(self, prompt_pages: int | None = None,
                     traced: "TraceRequest | None" = None, tokens: tuple = (),
-                    salt: int = 0) -> simpy.Event | None:
+                    salt: int = 0, siblings: int = 1) -> simpy.Event | None:
         """The next client request, now; its prompt drawn from the workload, or
         `prompt_pages` long (the fuzzer's choice, with its tokens and salt on a prefix
         cache), or as a trace file's row says. With a prefix shape the workload's prompt
-        length is the prompt's own part, after what it shares (sim/workload.py)."""
+        length is the prompt's own part, after what it shares (sim/workload.py).
+        `siblings` > 1 (prefix.siblings): the request is the first of that many siblings,
+        the completions of one prompt, arriving together with its tokens, salt and
+        placement, each with its own output length (a trace row's for every one); the
+        request bound may cut the last group short. Returns the event of the group's
+        answers (a closed-loop session waits for them all)."""
         if self.next_request >= self.requests_total:
             return None
-        r = self.next_request
-        self.next_request += 1
         prompt, output = self.client.lengths(prompt_pages, traced)
-        p, d = self.place()
-        self.output[r] = output
-        answered = self.client.waiter(r)
+        placement = self.place()
         pages = -(-prompt // self.page_tokens)
         if self.prompts is not None and not tokens:
             tokens, salt = self.prompts.next(pages)
             pages = len(tokens)
+        first = self.next_request
+        answers = [self._new(pages, output, placement, tokens, salt)]
+        while len(answers) < siblings and self.next_request < self.requests_total:
+            self.first_of[self.next_request] = first
+            answers.append(self._new(pages, self.client.output_length(traced), placement,
+                                     tokens, salt))
+        return answers[0] if len(answers) == 1 else self.env.all_of(answers)
+
+    def _new(self, pages: int, output: int, placement: tuple[int, int], tokens: tuple,
+             salt: int) -> simpy.Event:
+        """Request `next_request` arrives: its Arrive, with the shell's facts beside it."""
+        r = self.next_request
+        self.next_request += 1
+        p, d = placement
+        self.output[r] = output
+        answered = self.client.waiter(r)
         content = dict(tokens=tokens, salt=salt) if self.model.prefix_cache else {}
         self.folder.last_placement = (p, d)
         if not self.offer("Arrive", r, prompt_pages=pages, p=p, d=d, out=output, **content):

@@ -107,7 +107,13 @@ class Prefix(_Strict):
     `prefill_cache` (with `cache`) turns the prefill's own cache on too (the spec's
     PrefillCache): a prefill that holds a prompt's prefix computes only the rest. It is
     off unless a scenario says so, so that a log or scenario file written before it
-    existed still runs as it ran; the shipped prefix scenarios turn it on."""
+    existed still runs as it ran; the shipped prefix scenarios turn it on.
+
+    `siblings` = n makes each arrival a group of n siblings, the n completions of one
+    prompt (OpenAI's `n`): the same tokens and salt, placed on the first's workers, each
+    with its own output length (spec/README.md, "n > 1 siblings"). With the cache on, a
+    sibling holds its Reserve while the first's transfer may still be accepted
+    (core.sibling_waits), at most `sibling_wait_max_s`, then goes on alone."""
     shape: Literal["none", "system-prompt", "sessions", "document"] = "none"
     cache: bool = False
     prefill_cache: bool = False
@@ -115,12 +121,18 @@ class Prefix(_Strict):
     shared_tokens: int = Field(4096, ge=1)            # the system prompt, or each document
     documents: int = Field(4, ge=1, le=1_000_000)     # document: how many, drawn uniformly
     sessions: int = Field(16, ge=1, le=1_000_000)     # sessions: conversations, drawn uniformly
+    siblings: int = Field(1, ge=1, le=128)            # completions per prompt (OpenAI's n)
+    sibling_wait_max_s: float = Field(5.0, gt=0)      # the longest a sibling holds its Reserve
 
     @model_validator(mode="after")
     def _cache_needs_prompts(self) -> "Prefix":
         if self.cache and self.shape == "none":
             raise ValueError("prefix.cache needs prompts with tokens: set prefix.shape "
                              "(system-prompt, sessions or document)")
+        if self.siblings > 1 and self.shape == "none":
+            raise ValueError("prefix.siblings needs prompts with tokens (siblings share "
+                             "their prompt's): set prefix.shape (system-prompt, sessions "
+                             "or document)")
         if self.prefill_cache and not self.cache:
             raise ValueError("prefix.prefill_cache needs prefix.cache (the prefill caches "
                              "what decode's cache keys: set both)")

@@ -296,15 +296,26 @@ REVOKE_TRIES_MAX = 100  # write timer firings per lost write before the shell st
 
 
 class SimDecode:
-    """Decode worker `index`: its FIFO of bootstraps waiting for pages and its batch."""
+    """Decode worker `index`: its FIFO of bootstraps waiting for pages, the siblings it
+    holds back, and its batch.
 
-    __slots__ = ("sim", "index", "waiting", "down_until", "batch")
+    n > 1 siblings (prefix.siblings, with a prefix cache): a sibling's bootstrap at the
+    head of the FIFO is set aside (`held`, under its first) while `core.sibling_waits` on
+    its first's row, so that once decode accepts the first's transfer its Reserve is a
+    full hit. A held sibling takes no page and is out of the FIFO, so whoever waits
+    behind it (its first included) is not held up; it comes back to the FIFO's head when
+    its first moves and the core says it waits no more (the first accepted, ended or
+    forgotten), or at the latest `prefix.sibling_wait_max_s` after it was first held."""
+
+    __slots__ = ("sim", "index", "waiting", "down_until", "batch", "held", "held_until_s")
 
     def __init__(self, sim, index: int) -> None:
         self.sim, self.index = sim, index
         self.waiting = deque()     # bootstraps the core wants reserved, waiting for pages
         self.down_until = 0.0      # restarting until then (0.0: never went down)
         self.batch = DecodeBatch()
+        self.held: dict[int, list[int]] = {}    # first -> its siblings held, in FIFO order
+        self.held_until_s: dict[int, float] = {}  # held sibling -> when it goes on alone
 
     def is_down(self, now: float) -> bool:
         return bool(self.down_until) and self.down_until > now
@@ -351,9 +362,12 @@ class SimDecode:
         while waiting:
             r = waiting[0]
             row = cluster.rows.get(r)
+            if row is not None and r in sim.first_of and self._hold(r):
+                waiting.popleft()
+                continue
             need = self._need(r, row) if row else "settled"
             if type(need) is str:
-                waiting.popleft()  # a decode crash tombstoned it while it waited
+                self._leave()  # a decode crash tombstoned it while it waited
                 if row is not None:
                     sim.deliver(core.BOOTSTRAP, r)
                 continue
@@ -362,8 +376,13 @@ class SimDecode:
                 pages = cluster.allocate("decode", self.index, need)
             if pages is None:
                 return
-            waiting.popleft()
+            self._leave()
             sim.offer("Reserve", r, pages=pages)
+
+    def _leave(self) -> None:
+        """The head of the FIFO leaves it for good: a sibling's wait ends with it (a
+        sibling whose wait ran out and then waits for pages is not held again)."""
+        self.held_until_s.pop(self.waiting.popleft(), None)
 
     def _need(self, r: int, row: tuple) -> int | str:
         """Fresh pages r's Reserve takes: with a prefix cache, fewer by what decode holds
@@ -372,6 +391,38 @@ class SimDecode:
         if not sim.model.prefix_cache:
             return core.pages_to_reserve(sim.model, row)
         return core.allocation_need(sim.model, sim.cluster.view(r), core.Reserve, r)
+
+    def _hold(self, r: int) -> bool:
+        """Whether sibling r is set aside now (the class's header): the core says it waits
+        for its first (core.sibling_waits; a first forgotten is waited for no more), there
+        is a cache to share through, and its wait has not run out."""
+        sim = self.sim
+        first = sim.first_of[r]
+        row = sim.cluster.rows.get(first)
+        if row is None or not sim.model.prefix_cache or not core.sibling_waits(row):
+            return False
+        now = sim.env.now
+        until = self.held_until_s.setdefault(r, now + sim.sc.prefix.sibling_wait_max_s)
+        if until <= now:
+            return False
+        if first not in self.held:  # the bound: back to the FIFO then, at the latest
+            sim.later(until - now, self.release, first)
+        self.held.setdefault(first, []).append(r)
+        return True
+
+    def first_moved(self, first: int) -> None:
+        """A first with siblings held here moved: they go back if they wait no more."""
+        row = self.sim.cluster.rows.get(first)
+        if row is None or not core.sibling_waits(row):
+            self.release(first)
+
+    def release(self, first: int) -> None:
+        """The siblings held for `first` go back to the head of the FIFO, in their order;
+        those that must still wait are set aside again by kick_waiting."""
+        siblings = self.held.pop(first, None)
+        if siblings:
+            self.waiting.extendleft(reversed(siblings))
+            self.kick_waiting()
 
     def _evict_for(self, r: int, row: tuple, need: int) -> bool:
         """Pool pressure with a prefix cache: evict the least recently released cached
@@ -388,6 +439,8 @@ class SimDecode:
         sim = self.sim
         self.down_until = sim.env.now + restart_s
         self.waiting.clear()
+        self.held.clear()
+        self.held_until_s.clear()
         sim.later(restart_s, self.kick_waiting)
 
     # -- continuous batching ----------------------------------------------------------------
