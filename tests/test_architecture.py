@@ -140,11 +140,14 @@ def test_only_the_one_runtime_holds_a_handler_per_command():
 
 
 def _only_reads(text: str, marker: str) -> bool:
-    """True when every use of a subscript marker is a read (never `...] =`)."""
+    """True when every use of a subscript marker is a read (never `...] =`; a comparison,
+    `...] ==`, is a read)."""
+    import re
     if not marker.endswith("["):
         return False
+    assigned = re.compile(r"\]\s*=(?!=)")
     for line in text.splitlines():
-        if marker in line and "] =" in line.split(marker, 1)[1]:
+        if marker in line and assigned.search(line.split(marker, 1)[1]):
             return False
     return True
 
