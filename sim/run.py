@@ -56,7 +56,7 @@ from spec import core
 from spec.core import Refusal
 from sim import crash as shell_crash, fault_hits as hits
 from sim.fold import RUN_END, Folder, LogFile, encode, replay, write_header
-from sim.scenario import Scenario
+from sim.scenario import Scenario, ScenarioError
 from sim.clients import SimClients, sample_tokens  # noqa: F401  (bench/ imports it here)
 from sim.clock import SimClock
 from sim.compute import compute_model
@@ -131,6 +131,8 @@ class Simulation(ShellRuntime):
                       if scenario.workload.arrival == "trace" else None)
         self.requests_total = (min(scenario.requests, len(self.trace.requests))
                                if self.trace is not None else scenario.requests)
+        if self.trace is not None:
+            _check_trace_prompts(scenario, self.trace, self.requests_total)
         # Prompts' tokens and salts (sim/workload.py), drawn whatever the cache: the core
         # sees them only when the model has a prefix cache.
         self.prompts = (PromptMaker(scenario.prefix, c.page_tokens, c.context_pages,
@@ -660,3 +662,16 @@ def replay_result(path: str) -> tuple[dict, Folder]:
                        end.get("drained", False), crashed=end.get("crashed"))
     result["interrupted"] = bool(end.get("interrupted"))
     return result, folder
+
+
+def _check_trace_prompts(scenario, trace, count: int) -> None:
+    """A trace's prompts must fit the scenario's bound on a prompt (workload.prompt.
+    max_tokens), which sizes the core's model (sim/fold.py prompt_pages_max): a longer one
+    is a clear error naming it, not an arrival the core refuses mid-run."""
+    bound = scenario.workload.prompt.max_tokens
+    for k, request in enumerate(trace.requests[:count]):
+        if request.prompt_tokens > bound:
+            raise ScenarioError(
+                f"{trace.path}: request {k + 1} has a prompt of {request.prompt_tokens} "
+                f"tokens, more than workload.prompt.max_tokens ({bound}); raise it "
+                f"(--set workload.prompt.max_tokens={max(r.prompt_tokens for r in trace.requests[:count])})")

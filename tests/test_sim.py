@@ -219,6 +219,15 @@ def test_a_trace_driven_workload_replays_the_file_s_requests(tmp_path):
     assert result["violations"] == {} and result["summary"]["outcomes"] == {"Ok": 60}
     with pytest.raises(ScenarioError, match="trace_file"):
         scenario_from_dict({"name": "x", "workload": {"arrival": "trace"}})
+    # A trace prompt beyond the scenario's bound on a prompt is bad input, named, before
+    # the run (with a prefix shape it crashed mid-run: the core refused the Arrive).
+    shared = Scenario(name="trace", requests=1000, prefix=dict(shape="system-prompt",
+                                                               shared_tokens=64),
+                      workload=dict(arrival="trace", trace_file=str(sample),
+                                    prompt=dict(max_tokens=8192)))
+    with pytest.raises(ScenarioError, match="request 7 has a prompt of 10358 tokens, more "
+                                            r"than workload.prompt.max_tokens \(8192\)"):
+        simulate(shared)
 
 
 def test_pool_occupancy_is_kept_per_decode_worker_and_replays(tmp_path):
