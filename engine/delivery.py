@@ -62,6 +62,8 @@ class Delivery:
         if action is None:
             return self._settle(live, what, not core.message_pending(row, message, worker))
         if action is core.Reserve:
+            if self.sibling_waits(r):
+                return False  # a sibling: its first's transfer is under way (a policy)
             d, need = self.store.placement[r][1], core.allocation_need(m, view, action, r)
             pages = self.store.allocate("decode", d, need)
             if pages is None and m.prefix_cache and self.evict_for(r, d, need):

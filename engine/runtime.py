@@ -169,6 +169,10 @@ class Runtime(ShellRuntime, Loop, Delivery):
         self.prompt_kv: dict[int, torch.Tensor] = {}
         self.read_kv: dict[int, torch.Tensor] = {}
         self.next_id = 0
+        # n > 1 siblings (`_sibling_place`): each group's first live request, and each
+        # sibling's first.
+        self.first_of_group: dict[int, int] = {}
+        self.first_of: dict[int, int] = {}
         self.nonces = Nonces()  # the tokens of pages no other request may share (prefix.py)
         self.on_commit: Callable | None = None  # fuzzers: (event, change) after each commit
         self.counts = {"guard_trips": {}, "refusals": {}, "rejects": {}, "outcomes": {},
@@ -268,11 +272,34 @@ class Runtime(ShellRuntime, Loop, Delivery):
         self.next_id = r + 1
         n = pages_needed(len(request.prompt_ids), request.sampling.max_tokens,
                          self.config.page_tokens)
-        p, d = self.place()
+        p, d = self._sibling_place(r, request) or self.place()
         self.live[r] = Live(r, request, on_event, n, self.clock.read())
         if self.take_arrival(self._arrival(r, request, n), p, d) is None:
             self._finished(self.live.pop(r), "ErrTooLong", detail="the core refused Arrive")
         return r
+
+    def _sibling_place(self, r: int, request: GenerationRequest) -> tuple[int, int] | None:
+        """n > 1 siblings share their prompt's pages through the prefix cache (a policy:
+        spec/README.md, "n > 1 siblings"): a request of a group whose first is still live
+        goes on the first's workers and waits for it (`sibling_waits`); the first of a
+        group is placed by the router. None: the router places it."""
+        group = request.sibling_group
+        if group is None or not self.core_model.prefix_cache:
+            return None
+        first = self.first_of_group.get(group)
+        if first is None or first not in self.store.rows:
+            self.first_of_group[group] = r
+            return None
+        self.first_of[r] = first
+        return self.store.placement[first]
+
+    def sibling_waits(self, r: int) -> bool:
+        """Whether r, a sibling, holds its Reserve for its first's transfer (the core's
+        rule, core.sibling_waits, on the first's row); a first already gone does not hold
+        it."""
+        first = self.first_of.get(r)
+        return first is not None and first in self.store.rows and core.sibling_waits(
+            self.store.rows[first])
 
     def _arrival(self, r: int, request: GenerationRequest, n: int) -> core.Arrive:
         """The core's Arrive; with a prefix cache it carries the prompt's page tokens and
@@ -342,6 +369,10 @@ class Runtime(ShellRuntime, Loop, Delivery):
     def _forget(self, r: int) -> None:
         p, d = self.store.placement[r]
         self.store.forget(r)
+        self.first_of.pop(r, None)
+        group = self.live[r].request.sibling_group if r in self.live else None
+        if group is not None and self.first_of_group.get(group) == r:
+            del self.first_of_group[group]
         live = self.live.pop(r, None)
         self.clock.forget(r)
         self.prefills[p].stop(r)

@@ -39,6 +39,11 @@ class GenerationRequest:
     # The prefix cache's salt (engine/prefix.py, 1..SALT_MAX): only requests of one salt
     # share cached pages. A server derives it from the tenant and the request's cache_salt.
     cache_salt: int = 1
+    # n > 1 completions of one prompt (OpenAI's n): one number for the body's prompt, the
+    # same in each of its choices. With a prefix cache they are siblings (spec/README.md,
+    # "n > 1 siblings"): placed on the first's workers, each waiting for its transfer, so
+    # the prompt is computed, sent and held once. None: a request of its own.
+    sibling_group: int | None = None
 
 
 @dataclass(frozen=True)

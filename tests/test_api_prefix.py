@@ -139,3 +139,19 @@ def test_serves_prefix_cache_flags_reach_the_engine_config():
         _check(parser.parse_args(["--processes", "--prefix-cache", "--threads", "1"]))
     args = parser.parse_args(["--share-prefix-cache-across-keys"])
     assert args.share_prefix_cache_across_keys is True
+
+
+def test_n_completions_share_the_prompts_pages_as_siblings(tiny_chat_model):  # noqa: F811
+    """A body with n = 3 makes its choices siblings (GenerationRequest.sibling_group): the
+    first transfers the prompt, the other two wait for it and hit its 4 full pages, so the
+    usage reports them cached (each prompt counted once) and decode holds them once."""
+    engine, live = serve(tiny_chat_model)
+    with live as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEYS[0], max_retries=0,
+                               timeout=60)
+        reply = client.completions.create(model="default", prompt=PROMPT, max_tokens=3, n=3,
+                                          temperature=0)
+        assert len(reply.choices) == 3
+        assert reply.usage.prompt_tokens_details.cached_tokens == 4 * PAGE
+        assert len({c.text for c in reply.choices}) == 1  # greedy: the same for each
+        assert first_page_salts(engine) == [salt_for(tenant_of(KEYS[0]), None, False)]

@@ -19,6 +19,7 @@ Every exit (answer, error, client gone, cancellation) runs `Choices.abort_unfini
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 from dataclasses import dataclass
@@ -41,6 +42,9 @@ TOP_P_FLOOR = 1e-6
 CLIENT_CLOSED_STATUS = 499  # nginx's: nobody reads it, the access log does
 
 
+_SIBLING_GROUPS = itertools.count(1)  # a number per prompt with n > 1 choices
+
+
 @dataclass(frozen=True)
 class Plan:
     prompts: tuple[tuple[int, ...], ...]
@@ -53,8 +57,12 @@ class Plan:
     cache_salt: int = DEFAULT_SALT  # the prefix cache's salt (`salt_for`)
 
     def requests(self) -> list[GenerationRequest]:
+        """One engine request per choice; with n > 1 the choices of one prompt are
+        siblings (GenerationRequest.sibling_group), which share its pages when the engine
+        caches prefixes."""
+        groups = [next(_SIBLING_GROUPS) if self.n > 1 else None for _ in self.prompts]
         return [GenerationRequest(self.prompts[index // self.n], sampling, self.logprobs,
-                                  self.cache_salt)
+                                  self.cache_salt, groups[index // self.n])
                 for index, sampling in enumerate(self.sampling)]
 
     def prompt_tokens(self) -> int:
