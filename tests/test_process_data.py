@@ -33,8 +33,9 @@ from engine_cases import make_hf_model  # noqa: E402
 from sim.trace import read_part_logs  # noqa: E402
 from spec.partlog import merge  # noqa: E402
 from spec.tlaplus.runcheck import check_part_logs  # noqa: E402
-from test_processes import (_decode_log, _reserved_unfinished, assert_whole,  # noqa: E402
-                            assert_one_decode_crash_validates, expected_steps, merged_run)
+from test_processes import (_admitted, _decode_log, _reserved_unfinished,  # noqa: E402
+                            assert_one_decode_crash_validates, assert_whole, expected_steps,
+                            merged_run, run_with_fault)
 from engine.processes import log_path  # noqa: E402
 from tests.cli_cases import run as cli  # noqa: E402
 
@@ -185,18 +186,9 @@ def test_a_killed_decode_process_ends_its_requests_and_the_rest_give_the_judges_
     them reserved and unwritten)."""
     d = deployment(model_dir, tmp_path, 2, 2, seed=2, compute_s=0.4, arrive_every_s=0.02)
     victim = "decode 1"
-    launched = Launched(d)
-    try:
-        launched.start(timeout_s=WAIT_S)
-        deadline = time.monotonic() + 30.0
-        while len(_reserved_unfinished(log_path(d, victim))) < 2:
-            assert time.monotonic() < deadline, f"{victim} never held two reserved requests"
-            time.sleep(0.005)
-        launched.kill(victim)
-        done = launched.wait_done(WAIT_S)
-        stopped = launched.stop(timeout_s=WAIT_S)
-    finally:
-        launched.close()
+    run = run_with_fault(d, victim, lambda: len(_reserved_unfinished(log_path(d, victim))) >= 2,
+                         "two reserved requests", start_s=WAIT_S, ready_s=30.0)
+    done, stopped = run.done, run.stopped
     placement = [tuple(x) for x in done["placement"]]
     outcomes = dict(enumerate(done["outcomes"]))
     lost = {r for r, outcome in outcomes.items() if outcome == "ErrDecode"}
@@ -395,18 +387,9 @@ def test_a_killed_prefill_process_ends_what_it_held_and_the_rest_give_the_judges
     request; every other request gives the judge's tokens on prefill 1."""
     d = deployment(model_dir, tmp_path, 2, 2, seed=2, compute_s=0.4, arrive_every_s=0.02)
     victim = "prefill 0"
-    launched = Launched(d)
-    try:
-        launched.start(timeout_s=WAIT_S)
-        deadline = time.monotonic() + 60.0
-        while not [a for a, _ in _actions(log_path(d, victim)) if a == "Admit"]:
-            assert time.monotonic() < deadline, f"{victim} never admitted a request"
-            time.sleep(0.005)
-        launched.kill(victim)
-        done = launched.wait_done(WAIT_S)
-        stopped = launched.stop(timeout_s=WAIT_S)
-    finally:
-        launched.close()
+    run = run_with_fault(d, victim, lambda: _admitted(log_path(d, victim)), "an Admit",
+                         start_s=WAIT_S, ready_s=60.0)
+    done, stopped = run.done, run.stopped
     actions = _actions(log_path(d, victim))
     crash = actions.index(("PrefillCrash", None))
     ended = {r for a, r in actions[:crash] if a in ("SendDone", "Reject", "PrefillAbort")}

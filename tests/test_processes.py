@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,37 @@ def assert_one_decode_crash_validates(folder: Path, lost: set[int], stopped: dic
     return merged, verdict
 
 
+@dataclass
+class Faulted:
+    """A deployment run to the end with one fault sent to one of its processes."""
+
+    launched: Launched   # closed: its children's reports (`seen`) and exit codes stay
+    done: dict           # the router's "done"
+    stopped: dict        # every live process's "stopped" report, with its exit code
+    at_s: float          # when the signal was sent (time.time(), as the reports' at_s)
+
+
+def run_with_fault(d: Deployment, victim: str, ready, waits_for: str,
+                   sent: int = signal.SIGKILL, start_s: float = 10.0,
+                   wait_s: float = WAIT_S, ready_s: float = WAIT_S) -> Faulted:
+    """Start `d`, wait at most `ready_s` until `ready()` holds (`waits_for` says what it
+    waits for), send `sent` to `victim`, wait for the router's done, stop every live
+    process (each ends its log) and close the deployment whatever happens."""
+    launched = Launched(d)
+    try:
+        launched.start(timeout_s=start_s)
+        deadline = time.monotonic() + ready_s
+        while not ready():
+            assert time.monotonic() < deadline, f"{victim}: {waits_for} never came"
+            time.sleep(0.002)
+        at_s = time.time()
+        launched.children[victim].process.send_signal(sent)
+        done = launched.wait_done(wait_s)
+        return Faulted(launched, done, launched.stop(timeout_s=wait_s), at_s)
+    finally:
+        launched.close()
+
+
 def expected_steps(prompts, placement, prefills: int, decodes: int) -> dict:
     """Fault-free, per part: Arrive; Admit, SendPage per page, SendDone; Reserve, Accept,
     Finish, Release; LandWrite per page."""
@@ -168,22 +200,12 @@ def test_a_killed_decode_ends_its_requests_and_the_rest_finish(tmp_path, capsys,
     d = deployment(tmp_path, 2, 2, compute_s=0.4, arrive_every_s=0.02,
                    arrive_after_s=(0.02,) * 12 + (later_s,) * 7)
     victim = "decode 1"
-    launched = Launched(d)
-    try:
-        launched.start()
-        deadline = time.monotonic() + WAIT_S
-        while len(_reserved_unfinished(log_path(d, victim))) < 2:
-            assert time.monotonic() < deadline, f"{victim} never reserved"
-            time.sleep(0.005)
-        killed_at = time.time()
-        launched.children[victim].process.send_signal(sent)
-        done = launched.wait_done(WAIT_S)
-        stopped = launched.stop()
-        detected = {name: [x for x in launched.children[name].seen
-                           if x["ev"] == "peer_down" and x["peer"] == victim]
-                    for name in ("router", "prefill 0", "prefill 1")}
-    finally:
-        launched.close()
+    run = run_with_fault(d, victim, lambda: len(_reserved_unfinished(log_path(d, victim))) >= 2,
+                         "two reserved requests", sent)
+    done, stopped, killed_at = run.done, run.stopped, run.at_s
+    detected = {name: [x for x in run.launched.children[name].seen
+                       if x["ev"] == "peer_down" and x["peer"] == victim]
+                for name in ("router", "prefill 0", "prefill 1")}
     # Every survivor learnt it from its own failure detector, within the bound.
     for name, downs in detected.items():
         assert len(downs) == 1, (name, downs)
@@ -245,26 +267,16 @@ def test_a_killed_prefill_restarts_ends_what_it_held_and_serves_again(tmp_path, 
     last, options, sent = KILL_POINTS[point]
     d = deployment(tmp_path, 1, 2, **{"arrive_every_s": 0.02, **options})
     victim = "prefill 0"
-    launched = Launched(d)
-    try:
-        launched.start()
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            steps = _prefill_steps(log_path(d, victim))
-            if steps and steps[-1]["a"] == last:
-                break
-            assert time.monotonic() < deadline, f"{victim} never took a {last}"
-            time.sleep(0.002)
-        killed_at = time.time()
-        launched.children[victim].process.send_signal(sent)
-        done = launched.wait_done(WAIT_S)
-        stopped = launched.stop()
-        seen = launched.children["router"].seen
-        restarts = [x for x in seen if x["ev"] == "restart"]
-        detected = [x["at_s"] - killed_at for x in seen
-                    if x["ev"] == "peer_down" and x["peer"] == victim]
-    finally:
-        launched.close()
+
+    def ready() -> bool:
+        steps = _prefill_steps(log_path(d, victim))
+        return bool(steps) and steps[-1]["a"] == last
+    run = run_with_fault(d, victim, ready, f"a {last} as its last step", sent)
+    done, stopped = run.done, run.stopped
+    seen = run.launched.children["router"].seen
+    restarts = [x for x in seen if x["ev"] == "restart"]
+    detected = [x["at_s"] - run.at_s for x in seen
+                if x["ev"] == "peer_down" and x["peer"] == victim]
     assert len(detected) == 1 and detected[0] < d.suspect_after_s + SLACK_S, detected
     assert stopped["router"]["restarts"] == ["prefill 0"] and len(restarts) == 1
     assert restarts[0]["restart"]["epoch"] == 2
@@ -292,6 +304,10 @@ def test_a_killed_prefill_restarts_ends_what_it_held_and_serves_again(tmp_path, 
     assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
 
 
+def _admitted(path: Path) -> bool:
+    return any(x["a"] == "Admit" for x in _prefill_steps(path))
+
+
 def _reports(launched: Launched, name: str, ev: str) -> list[dict]:
     return [x for child in [*launched.previous, launched.children[name]]
             if child.name == name for x in child.seen if x["ev"] == ev]
@@ -305,21 +321,12 @@ def test_a_decode_asked_to_stop_drains_what_it_holds_and_leaves(tmp_path, capsys
     d = deployment(tmp_path, 1, 2, compute_s=0.4, arrive_every_s=0.02,
                    arrive_after_s=(0.02,) * 12 + (0.3,) * 7)
     victim = "decode 1"
-    launched = Launched(d)
-    try:
-        launched.start()
-        deadline = time.monotonic() + WAIT_S
-        while not _reserved_unfinished(log_path(d, victim)):
-            assert time.monotonic() < deadline, f"{victim} never reserved"
-            time.sleep(0.005)
-        launched.children[victim].process.send_signal(signal.SIGTERM)
-        done = launched.wait_done(WAIT_S)
-        stopped = launched.stop()
-        draining = _reports(launched, victim, "draining")
-        drained = _reports(launched, victim, "drained")
-        exit_code = launched.children[victim].process.wait(timeout=WAIT_S)
-    finally:
-        launched.close()
+    run = run_with_fault(d, victim, lambda: bool(_reserved_unfinished(log_path(d, victim))),
+                         "a reserved request", signal.SIGTERM)
+    done, stopped = run.done, run.stopped
+    draining = _reports(run.launched, victim, "draining")
+    drained = _reports(run.launched, victim, "drained")
+    exit_code = run.launched.children[victim].process.wait(timeout=WAIT_S)
     assert len(draining) == len(drained) == 1 and draining[0]["holds"], (draining, drained)
     assert drained[0]["left"] == [] and set(draining[0]["holds"]) <= set(drained[0]["finished"])
     on_victim = {r for r, (_, k) in enumerate(done["placement"]) if k == 1}
@@ -341,19 +348,10 @@ def test_a_prefill_whose_drain_runs_out_fails_the_rest_as_a_crash_does(tmp_path,
     every other request is Ok on prefill 1; the logs validate."""
     d = deployment(tmp_path, 2, 1, compute_s=1.0, arrive_every_s=0.02, drain_s=0.3)
     victim = "prefill 0"
-    launched = Launched(d)
-    try:
-        launched.start()
-        deadline = time.monotonic() + WAIT_S
-        while not [x for x in _prefill_steps(log_path(d, victim)) if x["a"] == "Admit"]:
-            assert time.monotonic() < deadline, f"{victim} never admitted"
-            time.sleep(0.005)
-        launched.children[victim].process.send_signal(signal.SIGTERM)
-        done = launched.wait_done(WAIT_S)
-        stopped = launched.stop()
-        drained = _reports(launched, victim, "drained")
-    finally:
-        launched.close()
+    run = run_with_fault(d, victim, lambda: _admitted(log_path(d, victim)), "an Admit",
+                         signal.SIGTERM)
+    done, stopped = run.done, run.stopped
+    drained = _reports(run.launched, victim, "drained")
     assert len(drained) == 1 and drained[0]["left"], drained
     outcomes = dict(enumerate(done["outcomes"]))
     lost = {r for r, o in outcomes.items() if o == "ErrPrefill"}
@@ -461,7 +459,7 @@ def test_a_worker_started_on_its_own_rejoins_when_started_again_after_it_died(tm
     try:
         launched.start(timeout_s=WAIT_S)
         deadline = time.monotonic() + WAIT_S
-        while not [x for x in _prefill_steps(log_path(d, "prefill 0")) if x["a"] == "Admit"]:
+        while not _admitted(log_path(d, "prefill 0")):
             assert time.monotonic() < deadline, "prefill 0 never admitted"
             time.sleep(0.005)
         prefill.kill()
