@@ -173,7 +173,9 @@ class Runtime(ShellRuntime, Loop, Delivery):
         self.on_commit: Callable | None = None  # fuzzers: (event, change) after each commit
         self.counts = {"guard_trips": {}, "refusals": {}, "rejects": {}, "outcomes": {},
                        "prefix": {"reserved_prompt_pages": 0, "hit_pages": 0,
-                                  "evicted_lru_pages": 0, "evicted_unshareable_pages": 0}}
+                                  "evicted_lru_pages": 0, "evicted_unshareable_pages": 0},
+                       # The prompt tokens the prefill workers ran through the model.
+                       "prefill": {"computed_tokens": 0}}
         self._start_runtime()
 
     # -- the one path into the core (spec/runtime.py) and its hooks ----------------------
