@@ -28,8 +28,8 @@ from dataclasses import dataclass, field, replace
 
 from spec import core
 from spec.core import (CLIENT, CLIENT_NAMES, DATA, DECODE_NAMES, DECODING, DST, GEN, IDENT, KV,
-                       LEAKED, NONE, OK, OWNER, PROMPT, PST, PTABLE, READERS, RUNNING, SRC, TABLE,
-                       TAG, Change, Refusal, State)
+                       LEAKED, NO_IDENT, NONE, OK, OWNER, P_DATA, P_IDENT, P_READERS, PROMPT, PST,
+                       PTABLE, READERS, RUNNING, SRC, TABLE, TAG, Change, Refusal, State)
 from spec.model import Model
 from spec.properties import (REST_INVARIANTS, ROW_STEP_PROPERTIES, STATE_INVARIANTS,
                              Violation, holds_decode_pages)
@@ -62,6 +62,24 @@ class View:
         return range(pages)
 
 
+class Rows(dict):
+    """The live rows, by request; and, readable by index only, the rows of requests
+    forgotten while a prefill page still holds the KV they computed (`writers`: request ->
+    (row, placement)). With a prefill-side cache a request sends from a page another
+    request computed, and what the page holds is read off its writer's row (the spec's
+    SourceIdent: the writer's salt and tokens up to the page); the spec never forgets a
+    request, a long run must. A writer is no live row: not `in`, not iterated, not `get`."""
+
+    __slots__ = ("writers",)
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.writers: dict[int, tuple] = {}
+
+    def __missing__(self, r: int) -> tuple:
+        return self.writers[r][0]
+
+
 @dataclass
 class Store:
     """Rows, pools and writes of every worker; placement of every live request."""
@@ -69,7 +87,7 @@ class Store:
     model: Model
     prefill_workers: int
     decode_workers: int
-    rows: dict = field(default_factory=dict)
+    rows: Rows = field(default_factory=Rows)
     placement: dict = field(default_factory=dict)   # request -> (prefill worker, decode worker)
 
     def __post_init__(self) -> None:
@@ -98,6 +116,18 @@ class Store:
         self.prefix_cache = m.prefix_cache
         self.decode_idle: list[dict] = [{} for _ in range(self.decode_workers)]
         self.decode_refs: list[dict] = [{} for _ in range(self.decode_workers)]
+        # The prefill-side cache (the spec's PrefillCache) the same way: a prefill page is
+        # cached once SendDone seals it, read by the running requests that hit it at Admit.
+        # `prefill_idle` holds the cached pages nobody owns or reads, least recently
+        # released first (what `prefill_lru_victims` picks from, and PrefillEvict frees,
+        # `prefill_evict`); `prefill_refs` counts, per page, the running rows whose sources
+        # name it (owned or read): conservation is free + idle + referenced.
+        self.prefill_cache = m.prefill_cache
+        self.prefill_idle: list[dict] = [{} for _ in range(self.prefill_workers)]
+        self.prefill_refs: list[dict] = [{} for _ in range(self.prefill_workers)]
+        # Per request, how many prefill pages hold the KV it computed (their `data`): a
+        # request forgotten while any does is kept as a writer (Rows.writers).
+        self.kv_pages: dict[int, int] = {}
         self.pool_pages_min = min(m.prefill_pages, m.decode_pages)
         self.decode_pages_total = m.decode_pages * self.decode_workers
         self.decode_pages_used = 0
@@ -224,12 +254,13 @@ class Store:
         del self.placement[r]
         self._view_of.pop(r, None)
 
-
     def forget(self, r: int) -> None:
         """Drop a settled request's row: nothing can happen to it any more."""
         assert core.settled(self.rows[r]), f"request {r} is not settled"
         if self.settled_rows is not None:
             self.settled_rows[r] = self.rows[r]
+        if r in self.kv_pages:
+            self.rows.writers[r] = (self.rows[r], self.placement[r])
         del self.rows[r]
         del self.placement[r]
         self._view_of.pop(r, None)
@@ -252,10 +283,16 @@ class Store:
                 self.prefill_claimed[self.placement[r][0]] += (_source_claim(row)
                                                               - _source_claim(old))
                 self.claims_moved = True
+                if self.prefill_cache:
+                    _count_sources(self.prefill_refs[self.placement[r][0]], old, row)
             rows[r] = row
         self.moved_prefill.clear()
         self.moved_decode.clear()
-        if c.prefill:
+        if c.prefill and self.prefill_cache:
+            self._count_kv_pages(self.prefill_pools[p], c.prefill)
+            _put_cached_pages(self.prefill_pools[p], self.prefill_free[p], self.prefill_idle[p],
+                              c.prefill, self.moved_prefill, P_READERS, P_IDENT)
+        elif c.prefill:
             _put_pages(self.prefill_pools[p], self.prefill_free[p], c.prefill, self.moved_prefill)
         if c.decode:
             pool = self.decode_pools[d]
@@ -265,7 +302,8 @@ class Store:
                                   f"generation {pool[page][GEN]} -> {value[GEN]}")
             if self.prefix_cache:
                 self.decode_pages_used -= _put_cached_pages(
-                    pool, self.decode_free[d], self.decode_idle[d], c.decode, self.moved_decode)
+                    pool, self.decode_free[d], self.decode_idle[d], c.decode, self.moved_decode,
+                    READERS, IDENT)
             else:
                 self.decode_pages_used -= _put_pages(pool, self.decode_free[d], c.decode,
                                                      self.moved_decode)
@@ -276,6 +314,24 @@ class Store:
         if c.flushed:
             flushed = set(c.flushed)
             writes[:] = [w for w in writes if w[0] not in flushed]
+
+    def _count_kv_pages(self, pool: list, changes: tuple) -> None:
+        """Move the count of prefill pages holding each request's KV (`kv_pages`) to the
+        pages' new `data`; a forgotten writer whose last page is overwritten goes."""
+        counts = self.kv_pages
+        for page, value in changes:
+            old, new = pool[page][P_DATA], value[P_DATA]
+            if old == new:
+                continue
+            if old != NONE:
+                left = counts[old] - 1
+                if left:
+                    counts[old] = left
+                else:
+                    del counts[old]
+                    self.rows.writers.pop(old, None)
+            if new != NONE:
+                counts[new] = counts.get(new, 0) + 1
 
     def allocate(self, pool: str, worker: int, need: int) -> tuple | None:
         """`need` free pages of a worker's pool, ascending, or None if it has too few. The
@@ -344,7 +400,9 @@ class Store:
         """free + held == total on both workers, where "free" comes from the pages' owner
         fields (through the allocator's free stack) and "held" from the request rows.
         An imbalance is reported when it changes, so that one lost page is one violation."""
-        imbalance = len(self.prefill_free[p]) + self.prefill_claimed[p] - self.model.prefill_pages
+        held = (len(self.prefill_idle[p]) + len(self.prefill_refs[p]) if self.prefill_cache
+                else self.prefill_claimed[p])
+        imbalance = len(self.prefill_free[p]) + held - self.model.prefill_pages
         if imbalance != self._imbalance["prefill"][p]:
             self._imbalanced("prefill", p, imbalance)
         held = (len(self.decode_idle[d]) + len(self.decode_refs[d]) if self.prefix_cache
@@ -402,9 +460,9 @@ class Store:
         if target[OWNER] != r or target[GEN] != tag:
             self._violate("NoWriteIntoForeign", f"a write of request {r} into decode {d} page "
                           f"{page} (tag {tag}) outlived its page", r)
-        if self.placement[r][0] == p and self.prefill_pools[p][source][0] != r:
-            self._violate("SourceHeld", f"prefill {p} page {source} was freed or reused while "
-                          f"request {r}'s write still reads it", r)
+        if self.placement[r][0] == p and not _source_held(self.prefill_pools[p][source], r):
+            self._violate("SourceHeld", f"prefill {p} page {source} was freed, reused or "
+                          f"evicted while request {r}'s write still reads it", r)
 
     def leak_check(self, r: int) -> bool:
         """The leak oracle, independent of the core's flag: did request r's decode read a
@@ -429,17 +487,41 @@ class Store:
             self._check_conservation(0, d)
         return out
 
+    def prefill_view(self, p: int) -> View:
+        """Prefill worker p's view: the rows placed there, its pool, and the writes it
+        posted (into any decode worker), which are what reads out of its pages."""
+        rows = {r: self.rows[r] for r, (q, _) in self.placement.items() if q == p}
+        posted = [w for ws in self.writes_into for w in ws if self.placement[w[0]][0] == p]
+        return View(rows, [], self.prefill_pools[p], posted)
+
+    def prefill_evict(self, p: int, page: int) -> Change | Refusal:
+        """PrefillEvict at prefill worker p (its cache forgets `page`), if the core allows
+        it (core.prefill_evictable: a cached page nobody reads and no write in flight reads
+        out of); a page nobody reads goes back to the free stack."""
+        view = self.prefill_view(p)
+        out = core.decide(self.model, view, core.PrefillEvict(p, page))
+        if type(out) is not Refusal:
+            self._commit(p, 0, out)
+            self._check_conservation(p, 0)
+            # SourceHeld for the writes still reading the page: only a buggy cache
+            # (EvictWhileSending) evicts a page a write reads, which moves no owner.
+            for w in view.writes:
+                if w[1] == page:
+                    self._check_write(p, self.placement[w[0]][1], w)
+        return out
+
     def take_worker_event(self, event: core.WorkerEvent) -> Change | Refusal:
-        """A worker's event (one with no request) from a log: a crash, or decode's Evict;
-        refused for one the store keeps no state for (PrefillEvict: no shell has a
-        prefill-side cache), so every fold of a log answers every record."""
+        """A worker's event (one with no request) from a log: a crash, or either side's
+        eviction (Evict, PrefillEvict), so every fold of a log answers every record."""
         if type(event) is core.PrefillCrash:
             return self.crash_prefill(event.worker)
         if type(event) is core.DecodeCrash:
             return self.crash_decode(event.worker)
         if type(event) is core.Evict:
             return self.evict(event.worker, event.page)
-        return Refusal(event, f"a shell's store takes no {event.action}")
+        if type(event) is core.PrefillEvict:
+            return self.prefill_evict(event.worker, event.page)
+        raise core.ProtocolMisuse(f"{event.action} is no worker event the store knows")
 
     def idle_cached(self, d: int) -> list[int]:
         """Decode worker d's cached pages nobody reads, least recently released first."""
@@ -458,14 +540,40 @@ class Store:
         victims = [p for p in self.decode_idle[d] if p not in hit][:short]
         return victims if len(victims) == short else None
 
+    def prefill_evictable(self, p: int, hits=()) -> list[int]:
+        """The cached pages of prefill worker p its cache may evict now, not `hits` (those
+        a request about to be admitted will read), least recently used first: the idle
+        ones, oldest release first, then the ones requests read (used now: most recent).
+        The core says which may go (core.prefill_evictable: the idle ones, or with
+        EvictWhileSending, the buggy cache, every one), so a bug lives in one place."""
+        pool, hit = self.prefill_pools[p], set(hits)
+        read = [page for page in self.prefill_refs[p]
+                if pool[page][P_IDENT] != NO_IDENT and pool[page][0] == NONE]
+        view = self.prefill_view(p)
+        return [page for page in (*self.prefill_idle[p], *read)
+                if page not in hit and core.prefill_evictable(self.model, view, page)]
+
+    def prefill_lru_victims(self, p: int, hits, need: int) -> list[int] | None:
+        """The shells' eviction pick under pool pressure at prefill worker p (a policy:
+        the core decides each PrefillEvict), as `lru_victims` is decode's: the least
+        recently used evictable cached pages, not `hits`, until `need` pages are free; []
+        when they are, None when the cache cannot make up the difference."""
+        short = need - len(self.prefill_free[p])
+        if short <= 0:
+            return []
+        victims = self.prefill_evictable(p, hits)[:short]
+        return victims if len(victims) == short else None
+
     # -- the whole cluster as one core State -----------------------------------------------
 
     def flatten(self) -> tuple[Model, State]:
         """The cluster as one core State of a model with the store's workers: pools side by
-        side (the core's flat pools), requests renumbered 0..n-1, and index n standing for
-        every writer that has already been forgotten."""
+        side (the core's flat pools), requests renumbered 0..n-1 (the live rows, then the
+        forgotten writers a prefill page's KV is read off, Rows), and index n standing for
+        every other writer that has already been forgotten."""
         m = self.model
-        ids = sorted(self.rows)
+        writers = self.rows.writers  # forgotten, read by SourceIdent: kept, after the live
+        ids = sorted(self.rows) + sorted(writers)
         index = {r: k for k, r in enumerate(ids)}
         gone = len(ids)
         pp, dp = m.prefill_pages, m.decode_pages
@@ -475,7 +583,7 @@ class Store:
 
         rows = []
         for r in ids:
-            p, d = self.placement[r]
+            p, d = self.placement[r] if r in self.placement else writers[r][1]
             row = list(self.rows[r])
             row[SRC] = tuple(x + p * pp for x in row[SRC])
             row[TABLE] = tuple((x + d * dp, g) for x, g in row[TABLE])
@@ -505,6 +613,13 @@ class Store:
                 if not check(flat, state):
                     found.append(Violation(name, "the drained cluster violates it", kind="rest"))
         return found
+
+
+def _source_held(page: tuple, r: int) -> bool:
+    """The spec's SourceHeld for one write of r out of `page`: r owns the page or (a
+    prefill-side cache) reads it, still sealed."""
+    owner, _, readers, ident = page
+    return owner == r or (r in readers and ident != NO_IDENT)
 
 
 def _claim(row: tuple) -> int:
@@ -539,17 +654,34 @@ def _count_refs(refs: dict, old: tuple, row: tuple) -> None:
             refs[page] = refs.get(page, 0) + 1
 
 
-def _put_cached_pages(pool: list, stack: list, idle: dict, changes: tuple, moved: list) -> int:
-    """_put_pages for a decode pool with a prefix cache: a page is on the free stack when
-    nobody owns it, reads it or has it cached, and in `idle` (re-inserted last: most recent)
-    when it is cached and nobody owns or reads it; return pages freed minus taken."""
+def _count_sources(refs: dict, old: tuple, row: tuple) -> None:
+    """Move a row's references to prefill pages (its sources, owned or read, while its
+    prefill runs) from its old sources to its new ones."""
+    if old[PST] == RUNNING:
+        for page in old[SRC]:
+            left = refs[page] - 1
+            if left:
+                refs[page] = left
+            else:
+                del refs[page]
+    if row[PST] == RUNNING:
+        for page in row[SRC]:
+            refs[page] = refs.get(page, 0) + 1
+
+
+def _put_cached_pages(pool: list, stack: list, idle: dict, changes: tuple, moved: list,
+                      readers: int, ident: int) -> int:
+    """_put_pages for a pool with a cache (decode's or the prefill's: `readers` and `ident`
+    are the pool's fields): a page is on the free stack when nobody owns it, reads it or
+    has it cached, and in `idle` (re-inserted last: most recent) when it is cached and
+    nobody owns or reads it; return pages freed minus taken."""
     freed = 0
     for page, value in changes:
         before = pool[page]
         pool[page] = value
         if before[OWNER] != value[OWNER] or before[GEN] != value[GEN]:
             moved.append(page)
-        was, now = _cache_state(before), _cache_state(value)
+        was, now = _cache_state(before, readers, ident), _cache_state(value, readers, ident)
         if was == now:
             continue
         if was == "free":
@@ -565,10 +697,10 @@ def _put_cached_pages(pool: list, stack: list, idle: dict, changes: tuple, moved
     return freed
 
 
-def _cache_state(page: tuple) -> str:
-    if page[OWNER] != NONE or page[READERS]:
+def _cache_state(page: tuple, readers: int, ident: int) -> str:
+    if page[0] != NONE or page[readers]:  # the owner: field 0 of both kinds of page
         return "held"
-    return "idle" if page[IDENT] else "free"
+    return "idle" if page[ident] else "free"
 
 
 def _put_pages(pool: list, stack: list, changes: tuple, moved: list) -> int:

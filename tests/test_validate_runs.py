@@ -103,10 +103,10 @@ FORGERIES = [
      "no write of r2 into decode page 1 is in flight"),
     ("an arrival's prompt grows: its reservation no longer fits it", _edit(16, prompt_pages=3), 19,
      "Reserve", "Reserve is not enabled"),
-    ("a prefill eviction no shell logs (a worker's event, no request)",
+    ("a prefill eviction where the prefill caches nothing (a worker's event, no request)",
      _insert(4, {"t": 0.0, "a": "PrefillEvict", "page": 0}), 4, "PrefillEvict",
-     "PrefillEvict is not enabled there with these arguments (the core refuses it too: a "
-     "shell's store takes no PrefillEvict)"),
+     "PrefillEvict is not enabled there with these arguments (the core refuses it too: this "
+     "model has no prefill-side cache)"),
 ]
 
 
@@ -296,11 +296,12 @@ def test_the_incremental_keys_equal_the_conformance_keys_on_every_state(tmp_path
     assert seen == 58
 
 
-def test_a_worker_event_no_shell_logs_is_a_clear_error_in_every_fold(tmp_path, capsys,
-                                                                     one_pair):
-    """A PrefillEvict record (a worker's event, no request; no shell keeps a prefill-side
-    cache) in a simulator log and in an engine log: the simulator's replay and the engine's
-    replay and trace name its line (before: AttributeError, each fold reading its request)."""
+def test_a_prefill_eviction_without_a_prefill_cache_is_a_clear_error_in_every_fold(
+        tmp_path, capsys, one_pair):
+    """A PrefillEvict record (a worker's event, no request) in a simulator log and in an
+    engine log whose model has no prefill-side cache: the simulator's replay and the
+    engine's replay and trace name its line (before: AttributeError, each fold reading its
+    request)."""
     from engine.eventlog import LogError, core_trace, replay
 
     lines = one_pair.read_text().splitlines(keepends=True)
@@ -309,7 +310,7 @@ def test_a_worker_event_no_shell_logs_is_a_clear_error_in_every_fold(tmp_path, c
     forged = tmp_path / "forged.ndjson"
     forged.write_text("".join(lines))
     code, _, err = cli(capsys, "sim", "--replay", str(forged))
-    assert code == 2 and "line 5" in err and "a shell's store takes no PrefillEvict" in err
+    assert code == 2 and "line 5" in err and "this model has no prefill-side cache" in err
     header = dict(context_pages=2, prefill_pages=2, decode_pages=2, bugs=[],
                   max_prompt_pages=2)
     records = [codec.encode(core.Arrive(0, 1)), codec.encode(core.PrefillEvict(0, 0))]
