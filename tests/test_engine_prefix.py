@@ -95,8 +95,9 @@ WAVES = [
 MAX_TOKENS = 6
 
 
-def serve_waves(model, prefix_cache: bool, decode_pages: int = 24, **overrides):
-    rt = Runtime(model, RuntimeConfig(prefill_pages=64, decode_pages=decode_pages,
+def serve_waves(model, prefix_cache: bool, decode_pages: int = 24, prefill_pages: int = 64,
+                **overrides):
+    rt = Runtime(model, RuntimeConfig(prefill_pages=prefill_pages, decode_pages=decode_pages,
                                       page_tokens=PAGE, context_tokens=64,
                                       prefill_chunk_tokens=8, transfer_timeout_s=1e9,
                                       lease_s=1e9, prefix_cache=prefix_cache, **overrides))
