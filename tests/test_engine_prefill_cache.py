@@ -184,3 +184,44 @@ def plain_prompt_kv(model, prompt) -> torch.Tensor:
 def test_the_prefill_cache_needs_decodes():
     with pytest.raises(ValueError, match="prefill_cache needs prefix_cache"):
         RuntimeConfig(prefill_cache=True)
+
+
+def test_an_abort_at_every_phase_of_a_prefill_hitting_request_keeps_the_cache_whole(model):
+    """A request that hits SYSTEM's 3 pages in the prefill's cache is aborted after 0..9
+    steps (queued, computing its suffix in chunks of 3, writes in flight, decoding): its
+    references go, its own pages come back, the cached pages keep their bytes and no
+    reader, every pool is whole, the store's oracles stay quiet, and a later request still
+    computes only its suffix with the tokens of a run without any cache."""
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    later = SYSTEM + ids(9, 6)
+    plain = runtime(model, prefix_cache=False, prefill_cache=False, prefill_chunk_tokens=3)
+    expected = Recorder(plain)
+    plain.arrive(GenerationRequest(later, sampling), expected)
+    drain(plain)
+    seen = set()
+    for steps in range(10):
+        rt = runtime(model, prefill_chunk_tokens=3)
+        got = Recorder(rt)
+        rt.arrive(GenerationRequest(SYSTEM + ids(1, 3), sampling), got)
+        drain(rt)
+        pool, pages = rt.prefills[0].pool, rt.store.prefill_pools[0]
+        cached = [p for p, page in enumerate(pages) if page[core.P_IDENT]]
+        assert len(cached) == 4  # SYSTEM's 3 full pages and the first prompt's 4th
+        before = pool.kv[cached].clone()
+        victim = rt.arrive(GenerationRequest(SYSTEM + ids(2, 8), sampling), got)
+        for _ in range(steps):
+            rt.step()
+        if victim in rt.store.rows:
+            x = rt.store.rows[victim]
+            seen.add((core.PREFILL_NAMES[x[core.PST]], x[core.PCACHED]))
+            rt.abort(victim)
+        drain(rt)
+        assert rt.whole() and rt.store.violation_total == 0, rt.store.violations
+        assert all(pages[p][core.P_IDENT] and not pages[p][core.P_READERS] for p in cached)
+        assert torch.equal(pool.kv[cached], before)
+        computed = rt.counts["prefill"]["computed_tokens"]
+        third = rt.arrive(GenerationRequest(later, sampling), got)
+        drain(rt)
+        assert rt.counts["prefill"]["computed_tokens"] - computed == len(later) - 12
+        assert got.ends[third].cached_tokens == 12 and same_as(got, expected, third, 0)
+    assert {("Queued", 0), ("Running", 3), ("Done", 3)} <= seen, seen
