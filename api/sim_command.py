@@ -96,7 +96,8 @@ def add_parser(commands) -> None:
                           "writes on a tiny model (the scenario's [hybrid] section names "
                           "workers one by one; sim/README.md)")
     sim.add_argument("--compare-prefix-cache", action="store_true",
-                     help="run the scenario twice, decode's prefix cache on and off (same "
+                     help="run the scenario twice, its prefix cache (decode's, and the "
+                          "prefill's where prefix.prefill_cache is set) on and off (same "
                           "seed, arrivals and prompts), and report the hit rate, pages saved "
                           "and TTFT of each (a scenario whose prompts share prefixes: "
                           "system-prompt, multi-turn, shared-document)")
@@ -305,9 +306,10 @@ def _run(args: argparse.Namespace):
 
 
 def _compare_prefix_cache(args: argparse.Namespace) -> int:
-    """The scenario with decode's prefix cache on, then off, from the same seed (the
-    prompts' tokens come from their own random stream, so both runs see the same arrivals
-    and prompts); the cache-on run's report, then the comparison (and its plot)."""
+    """The scenario with its prefix cache on (decode's, and the prefill's where the
+    scenario turns it on), then off, from the same seed (the prompts' tokens come from
+    their own random stream, so both runs see the same arrivals and prompts); the
+    cache-on run's report, then the comparison (and its plot)."""
     from sim.report import compare_prefix_cache, prefix_comparison_table, write_prefix_plot
     from sim.run import simulate
 
@@ -318,7 +320,9 @@ def _compare_prefix_cache(args: argparse.Namespace) -> int:
                          "or shared-document, or --set prefix.shape=system-prompt")
     runs = {}
     for cache in (True, False):
-        variant = scenario.with_options(prefix={**scenario.prefix.model_dump(), "cache": cache})
+        variant = scenario.with_options(prefix={
+            **scenario.prefix.model_dump(), "cache": cache,
+            "prefill_cache": cache and scenario.prefix.prefill_cache})
         print(f"kvproof sim: scenario {scenario.name}, seed {scenario.seed}, "
               f"{plural(scenario.requests, 'request')}, prefix cache {'on' if cache else 'off'}",
               flush=True)

@@ -132,6 +132,7 @@ class ProcessEngine:
         self._stopping = False
         self._pools: dict[str, dict] = {}  # process name -> its last pool report
         self._down: set[str] = set()       # processes the router declared down
+        self._epochs: dict[str, int] = {}  # a restarted process -> its epoch (its life)
         self._outcomes: dict[str, int] = {}
 
     # -- start and stop -------------------------------------------------------------------
@@ -255,6 +256,10 @@ class ProcessEngine:
         elif kind == "peer_down" and name == "router":
             role, _, worker = report["peer"].partition(" ")
             self._down.add(f"{role} {worker}".strip())
+        elif kind == "restart":  # its next life is starting (Launched.restart)
+            restarted = f"{report['role']} {report['worker']}"
+            self._epochs[restarted] = report["restart"]["epoch"]
+            self._down.discard(restarted)
         elif kind == "token":
             self._token(report["request"], report["token"])
         elif kind == "answer":
@@ -299,6 +304,7 @@ class ProcessEngine:
             pool = self._pools.get(name, {})
             workers.append({"name": name.replace(" ", "-"), "role": role,
                             "pid": child.process.pid, "alive": alive,
+                            "epoch": self._epochs.get(name, 1),
                             "exit_code": child.process.poll(), **{
                                 k: pool.get(k) for k in ("pages", "free", "held",
                                                          "writes_in_flight", "requests_known")}})

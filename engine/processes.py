@@ -51,8 +51,20 @@ without it a prefill's SendPage taken after the router's record but before its o
 detector fired would follow DecodeCrash in the merge, where the spec refuses it (the
 crash dropped its page table).
 
-Timers are off: no lease, no timeouts, no resends (none is needed without losses; a lost
-message is only what a crash loses, and the crash's record ends those requests).
+A prefill crash (SIGKILL): the spec's PrefillCrash is the prefill's own step, taken by its
+next life. Each decode's detector fires; it lands nothing more of the dead epoch and
+reports to the router after its last landing; once the router has its own PeerDown and
+every live decode's report, it cuts the dead log's torn line and asks its launcher for a
+restart in the next epoch (`record_prefill_crash`, `Launched.restart`). The new life
+rebuilds what its log says (core.recovered_prefill_rows), takes PrefillCrash (its answers
+end what was queued or running), and tells the router it is back, which tells each decode:
+decode times out what the crash ended and sends the new life what it held for the dead one
+(its cancels), which the new life answers. On the real data path the new life has no data
+path (the gloo world cannot take a rank back) and the router places nothing there.
+
+Timers are off but that one: no lease, no other timeouts, no resends (none is needed
+without losses; a lost message is only what a crash loses, and the crash ends those
+requests).
 
 Pure orchestration: no protocol decision is made here.
 """
@@ -68,7 +80,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from engine.channel import (
@@ -104,6 +116,8 @@ class Deployment:
     max_prompt_pages: int = 3
     compute_s: float = 0.0    # the modelled prefill's compute time per request; on the
     #                           real data path a hold after the compute (tests widen windows)
+    send_done_after_s: float = 0.0  # a hold between a prefill's last post and its SendDone
+    #                                 (tests widen the window in which its writes are out)
     arrive_every_s: float = 0.005
     arrive_after_s: tuple = ()  # the wait before request r + 1 arrives, when given
     seed: int = 0
@@ -130,6 +144,8 @@ class Deployment:
     context_tokens: int = 0    # the advertised context: a worker whose pool is below it
     #                            refuses to join (the startup capacity check)
     pool_report_s: float = 0.5  # a worker reports its pool's occupancy this often, at most
+    restarts_max: int = 3      # lives a dead prefill is restarted into, at most, per worker
+    drain_s: float = 10.0      # SIGTERM: a worker finishes what it holds within this
 
     def __post_init__(self) -> None:
         if self.serving_requests_max < 0 or self.context_tokens < 0:
@@ -170,7 +186,8 @@ class Deployment:
         return Model(requests=self.serving_requests_max or len(self.prompts),
                      max_prompt_pages=self.max_prompt_pages, context_pages=self.context_pages,
                      prefill_pages=self.prefill_pages,
-                     decode_pages=self.decode_pages, decode_crashes=True, name="processes",
+                     decode_pages=self.decode_pages, crashes=True, decode_crashes=True,
+                     name="processes",
                      bugs=frozenset(self.bugs),
                      prefill_workers=self.prefill_workers,
                      decode_workers=self.decode_workers)
@@ -186,11 +203,18 @@ class PartLog:
     """One part's log: the header, then each step stamped by its spec/partlog.py PartClock
     and flushed at once, LogEnd when the process stops."""
 
-    def __init__(self, path: Path, name: str, m: Model) -> None:
+    def __init__(self, path: Path, name: str, m: Model, resume: tuple | None = None) -> None:
+        """`resume` (steps, clock): a restarted process goes on with its previous life's
+        log (cut by its supervisor, `cut_dead_log`), its steps numbered after that
+        life's."""
         self.name, self.clock = name, PartClock(name)
-        self.file = open(path, "w")
-        self.file.write(json.dumps(header(m)) + "\n")
-        self.file.flush()
+        if resume is None:
+            self.file = open(path, "w")
+            self.file.write(json.dumps(header(m)) + "\n")
+            self.file.flush()
+        else:
+            self.file = open(path, "a")
+            self.clock.k, self.clock.c = resume
 
     def heard_from(self, stamp) -> None:
         """A message stamped by another part's step: the next step follows it."""
@@ -213,14 +237,25 @@ class PartLog:
 def close_dead_log(path: Path, name: str) -> tuple[int, int]:
     """A killed process's log closed by its supervisor: a torn last line cut, LogEnd with
     the steps the file holds. Returns (steps, the last step's clock)."""
+    steps, clock = cut_dead_log(path, name)
+    with open(path, "a") as file:
+        file.write(json.dumps(log_end(name, steps)) + "\n")
+    return steps, clock
+
+
+def cut_dead_log(path: Path, name: str) -> tuple[int, int]:
+    """A killed process's log, its torn last line cut (a restarted process goes on with
+    it). Returns (steps, the last step's clock)."""
     text = path.read_text()
     whole = text[:text.rfind("\n") + 1]
-    records = [json.loads(line) for line in whole.splitlines()[1:]]
-    steps = [x for x in records if x.get("part") == name and x.get("a") != LOG_END]
-    with open(path, "w") as file:
-        file.write(whole)
-        file.write(json.dumps(log_end(name, len(steps))) + "\n")
+    path.write_text(whole)
+    steps = [x for x in _steps_of(whole, name)]
     return len(steps), steps[-1]["c"] if steps else 0
+
+
+def _steps_of(text: str, name: str) -> list[dict]:
+    records = [json.loads(line) for line in text.splitlines()[1:]]
+    return [x for x in records if x.get("part") == name and x.get("a") != LOG_END]
 
 
 def _tuples(value):
@@ -249,6 +284,13 @@ ENVELOPES = {
     "crash": (ROUTER, PREFILL, {"decode": "count", "requests": "requests", "stamp": "stamp"},
               {}),
     "token": (DECODE, ROUTER, {"request": "request", "token": "token", "last": "bool"}, {}),
+    "pdown": (DECODE, ROUTER, {"prefill": "count", "stamp": "stamp"}, {}),
+    "leaving": (None, ROUTER, {"holds": "requests"}, {}),
+    "farewell": (ROUTER, None, {}, {}),
+    "left": (None, ROUTER, {"finished": "requests"}, {}),
+    "restarted": (PREFILL, ROUTER, {"lost": "requests", "stamp": "stamp"}, {}),
+    "prefill_back": (ROUTER, DECODE, {"prefill": "count", "lost": "requests", "stamp": "stamp"},
+                     {}),
 }
 
 
@@ -322,15 +364,20 @@ class Process:
 
     ROLE = ""
 
-    def __init__(self, deployment: Deployment, worker: int = 0) -> None:
+    def __init__(self, deployment: Deployment, worker: int = 0,
+                 restart: dict | None = None) -> None:
         role = self.ROLE
         self.deployment, self.model = deployment, deployment.model()
         self.part = Part(self.model, role, worker)
-        self.channel = Channel(ChannelConfig(role, worker, 1,
+        # A restarted process (a prefill's: RouterProcess.record_prefill_crash) runs in a
+        # new epoch and goes on with its previous life's log.
+        self.restart = restart
+        self.channel = Channel(ChannelConfig(role, worker, restart["epoch"] if restart else 1,
                                              heartbeat_s=deployment.heartbeat_s,
                                              suspect_after_s=deployment.suspect_after_s),
                                body_problem=self.envelope_problem)
-        self.log = PartLog(log_path(deployment, self.part.name), self.part.name, self.model)
+        self.log = PartLog(log_path(deployment, self.part.name), self.part.name, self.model,
+                           (restart["steps"], restart["clock"]) if restart else None)
         self.placement: dict[int, tuple[int, int]] = {}  # request -> (prefill, decode)
         self.dead_decodes: set[int] = set()   # a prefill: decodes its detector declared down
         self.ready_at: dict[int, float] = {}  # a prefill: when a request's compute is done
@@ -340,6 +387,48 @@ class Process:
         self.unsent = 0
         self.reported = False
         self.stopped = False
+        # SIGTERM (`drain`): the bound, what it held when asked, and the router's word that
+        # nothing more will be placed here.
+        self.drain_until: float | None = None
+        self.drain_holds: set[int] = set()
+        self.farewell = False
+
+    # -- SIGTERM: a worker asked to stop drains what it holds ----------------------------
+
+    def holds(self) -> set[int]:
+        """The requests this worker has not finished with (what a drain waits for)."""
+        return set()
+
+    def drain(self) -> str:
+        """One turn of a drain (SIGTERM): tell the router once (it places nothing here
+        from then on, and says so: `farewell`, after every placement it sent here), then
+        go on working until nothing is held and the farewell has come ("clean": the log
+        ends, the router is told, the process exits), or the bound `drain_s` passes
+        ("cut": the process exits as a crash does, and the crash's path ends what it
+        held, ErrPrefill or ErrDecode). "" while it drains."""
+        now = time.monotonic()
+        if self.drain_until is None:
+            self.drain_until = now + self.deployment.drain_s
+            self.drain_holds = self.holds()
+            self.send(Peer(ROUTER, 0), {"t": "leaving", "holds": sorted(self.drain_holds)})
+            report(ev="draining", holds=sorted(self.drain_holds),
+                   drain_s=self.deployment.drain_s)
+        held = self.holds()
+        self.drain_holds |= held
+        done = not held and self.farewell
+        if not done and now < self.drain_until:
+            return ""
+        finished = sorted(self.drain_holds - held)
+        report(ev="drained", finished=finished, left=sorted(held))
+        if not done:
+            return "cut"
+        self.log.end()
+        self.send(Peer(ROUTER, 0), {"t": "left", "finished": finished})
+        self.stopped = True
+        return "clean"
+
+    def on_farewell(self, peer: Peer, body: dict) -> None:
+        self.farewell = True
 
     def join_data_path(self) -> None:
         """The real data path's transport (after listening: the world waits for all)."""
@@ -384,7 +473,10 @@ class Process:
         return {}
 
     def on_peer_down(self, peer: Peer) -> None:
-        """Another process's epoch is down; only a decode's death matters to the protocol."""
+        """Another process's epoch is down (what each role does: its override)."""
+
+    def on_peer_up(self, peer: Peer) -> None:
+        """A process connected here (a restarted prefill, to the router: its override)."""
 
     def envelope_problem(self, peer: Peer, body) -> str:
         """The channel's check of an envelope's body, before this process takes it: the
@@ -419,8 +511,9 @@ class Process:
             return False
         assert type(out) is Taken
         worker = self.part.worker
-        local = local_event(self.model, event, {event.request: (worker, worker)}
-                            if self.role != ROUTER else {})
+        r = getattr(event, "request", None)  # (none for a worker's event: its crash)
+        local = local_event(self.model, event, {r: (worker, worker)}
+                            if self.role != ROUTER and r is not None else {})
         stamp = self.log.step(codec.encode(local))
         for message in out.messages:
             self.send_part_message(message, stamp)
@@ -446,7 +539,11 @@ class Process:
         return sorted(self.part.rows)
 
     def command(self, command: dict) -> None:
-        """A command from stdin other than stop and exit (serving: the router's)."""
+        """A command from stdin other than stop and exit: "dial" (a restarted process's
+        port, from the launcher), or serving's (the router's)."""
+        if command.get("do") == "dial":
+            self.channel.connect(command["port"])
+            return
         raise ValueError(f"{self.part.name}: no command {command.get('do')!r}")
 
     def pool_report(self) -> dict:
@@ -487,11 +584,23 @@ class RouterProcess(Process):
         self.crashes_logged: list[int] = []
         self.payloads: dict[int, list] = {}      # serving: request -> its payload
         self.live: set[int] = set()              # serving: arrived, not answered yet
+        # Prefill crashes (`record_prefill_crash`): prefills down here and not back yet,
+        # each live decode's report for each, each prefill's epoch, those being restarted,
+        # and, on the real data path, those restarted without one (no request goes there).
+        self.dead_prefills: set[int] = set()
+        self.prefill_reports: dict[int, dict] = {}
+        self.epochs: dict[str, int] = {}          # a restarted process -> its epoch
+        self.restarting: set[int] = set()
+        self.retired: set[int] = set()
+        self.restarts: list[str] = []             # the processes restarted, in order
+        self.crashing: set[int] = set()           # decodes whose crash is being recorded
+        self.leaving: set[str] = set()            # workers draining (SIGTERM): none placed
+        self.gone: set[str] = set()               # workers that drained and left cleanly
 
     # -- serving: requests from stdin, tokens and answers on stdout ----------------------
 
     def command(self, command: dict) -> None:
-        if not self.deployment.serving_requests_max:
+        if command["do"] == "dial" or not self.deployment.serving_requests_max:
             super().command(command)
         elif command["do"] == "arrive":
             self.arrive(command)
@@ -504,13 +613,18 @@ class RouterProcess(Process):
         """A request from the serving edge: placed on a prefill and a live decode (seeded),
         then Arrive, as the workload's arrivals are."""
         r = command["request"]
-        live = [d for d in range(self.deployment.decode_workers) if d not in self.dead]
+        live = self.live_decodes()
+        prefills = self.live_prefills()
         if r in self.arrived_at or not 0 <= r < self.deployment.serving_requests_max or not live:
             report(ev="answer", request=r, outcome="ErrDecode",
                    detail="no live decode worker" if not live else "a request number "
                    "this deployment cannot take")
             return
-        q = self.random.randrange(self.deployment.prefill_workers)
+        if not prefills:
+            report(ev="answer", request=r, outcome="ErrPrefill",
+                   detail="no live prefill worker")
+            return
+        q = self.random.choice(prefills)
         self.placement[r] = (q, self.random.choice(live))
         self.payloads[r] = command["payload"]
         self.arrived_at[r] = time.monotonic()
@@ -543,10 +657,12 @@ class RouterProcess(Process):
         now = time.monotonic()
         if self.deployment.serving_requests_max:
             return  # arrivals come from stdin
-        if self.arrived < len(self.deployment.prompts) and now >= self.next_arrival_s:
-            live = [d for d in range(self.deployment.decode_workers) if d not in self.dead]
+        prefills = self.live_prefills()
+        if self.arrived < len(self.deployment.prompts) and now >= self.next_arrival_s \
+                and prefills:  # (while none is up, arrivals wait for a restart)
+            live = self.live_decodes()
             r = self.arrived
-            q = self.random.randrange(self.deployment.prefill_workers)
+            q = self.random.choice(prefills)
             d = self.random.choice(live)
             self.placement[r] = (q, d)
             self.arrived += 1
@@ -613,10 +729,113 @@ class RouterProcess(Process):
                   {"t": "completed", "request": write[0], "write": list(write), "stamp": stamp})
 
     def on_peer_down(self, peer: Peer) -> None:
+        if str(peer) in self.gone:
+            return  # it drained and left (SIGTERM): no crash
         if peer.role == DECODE:
             self.dead.add(peer.worker)
             self.crash_reports.setdefault(peer.worker, {})
             self.record_crash(peer.worker)
+        elif peer.role == PREFILL:
+            self.dead_prefills.add(peer.worker)
+            self.prefill_reports.setdefault(peer.worker, {})
+            self.record_prefill_crash(peer.worker)
+
+    def on_restarted(self, peer: Peer, body: dict) -> None:
+        """A prefill's new life took its crash, whose answers came before this (one
+        connection, in order): each live decode hears of it now, and requests may go
+        there again (on the modelled data path; a real one restarts without its data path,
+        `record_prefill_crash`), each Arrive after the crash (its clock follows the crash's:
+        a request placed there before the crash step would be one the crash ended)."""
+        self.log.heard_from(body["stamp"])
+        self.restarting.discard(peer.worker)
+        self.dead_prefills.discard(peer.worker)
+        self.prefill_reports.pop(peer.worker, None)
+        for d in range(self.deployment.decode_workers):
+            if d not in self.dead:
+                self.send(Peer(DECODE, d), {"t": "prefill_back", "prefill": peer.worker,
+                                            "lost": body["lost"], "stamp": body["stamp"]})
+
+    def on_leaving(self, peer: Peer, body: dict) -> None:
+        """A worker drains (SIGTERM): nothing more is placed there, and it hears so after
+        every placement sent there (one connection, in order)."""
+        self.leaving.add(str(peer))
+        if peer.role == PREFILL:
+            self.retired.add(peer.worker)  # (a new life after a cut drain takes no request)
+        self.send(peer, {"t": "farewell"})
+
+    def on_left(self, peer: Peer, body: dict) -> None:
+        """It finished what it held and ended its log: its going is no crash."""
+        self.gone.add(str(peer))
+
+    def live_decodes(self) -> list[int]:
+        return [d for d in range(self.deployment.decode_workers)
+                if d not in self.dead and f"{DECODE} {d}" not in self.leaving]
+
+    def on_peer_up(self, peer: Peer) -> None:
+        """A decode's new life is up: requests may go there again (every Arrive the router
+        takes from now on follows the crash it logged)."""
+        if peer.role == DECODE and peer.worker in self.crashing:
+            self.crashing.discard(peer.worker)
+            self.dead.discard(peer.worker)
+            self.crash_reports.pop(peer.worker, None)
+
+    def live_prefills(self) -> list[int]:
+        return [q for q in range(self.deployment.prefill_workers)
+                if q not in self.dead_prefills and q not in self.retired]
+
+    def on_pdown(self, peer: Peer, body: dict) -> None:
+        """A decode's detector declared a prefill down: every landing of its writes that
+        decode took came before this report (one connection, in order)."""
+        self.prefill_reports.setdefault(body["prefill"], {})[peer.worker] = body["stamp"]
+        self.record_prefill_crash(body["prefill"])
+
+    def record_prefill_crash(self, q: int) -> None:
+        """Prefill q died. Once the router and every live decode have seen it (so every
+        LandWrite of q's writes is logged here), its supervisor restarts it in a new
+        epoch: this reports "restart" to the launcher (`Launched`) with what the new life
+        needs: its epoch, the steps its crash follows, and each request placed on q (its
+        decode and prompt); the launcher fences the old process (a partitioned one may
+        still run) before it cuts the old life's log. The new life
+        rebuilds what its log says (core.recovered_prefill_rows) and takes PrefillCrash(q)
+        itself (spec/parts.py: a prefill's own action), which answers the lost clients
+        ErrPrefill; decode then times out what it waits for there, and the new life
+        answers the cancels (PrefillProcess). On the real data path the new life has no
+        data path (the gloo world cannot take a rank back) and no request goes there."""
+        reports = self.prefill_reports[q]
+        live = set(range(self.deployment.decode_workers)) - self.dead
+        if q not in self.dead_prefills or not live <= set(reports) or q in self.restarting:
+            return
+        if not self.may_restart(PREFILL, q):
+            self.retired.add(q)  # a worker that dies in every life stays dead
+            return
+        self.restarting.add(q)
+        if self.deployment.model_dir:
+            self.retired.add(q)
+        placed = [[r, d, self.part.rows[r][core.PROMPT]]
+                  for r, (p, d) in sorted(self.placement.items()) if p == q]
+        self.ask_restart(PREFILL, q, {
+            "decodes": len(live), "placed": placed,
+            "after": [self.log.stamp(), self.environment.clock.last(), *reports.values()]})
+
+    def may_restart(self, role: str, worker: int) -> bool:
+        """Whether a dead worker gets another life: not past `restarts_max`, and a decode
+        only on the modelled data path (a decode with no data path could serve nothing;
+        a prefill's new life without one still ends what its old one held)."""
+        name = f"{role} {worker}"
+        if role == DECODE and (self.deployment.model_dir or name in self.leaving):
+            return False
+        if self.restarts.count(name) >= self.deployment.restarts_max:
+            report(ev="gave_up", role=role, worker=worker, restarts=self.restarts.count(name))
+            return False
+        return True
+
+    def ask_restart(self, role: str, worker: int, restart: dict) -> None:
+        """The launcher starts the worker's next life (`Launched.restart`): its epoch and
+        what the new life needs."""
+        name = f"{role} {worker}"
+        self.restarts.append(name)
+        epoch = self.epochs[name] = self.epochs.get(name, 1) + 1
+        report(ev="restart", role=role, worker=worker, restart={"epoch": epoch, **restart})
 
     def on_down(self, peer: Peer, body: dict) -> None:
         """A prefill's detector declared a decode down; it stopped its requests there."""
@@ -628,21 +847,29 @@ class RouterProcess(Process):
         docstring says why)."""
         reports = self.crash_reports[d]
         live = set(range(self.deployment.prefill_workers)) - set(self.down_prefills())
-        if d not in self.dead or not live <= set(reports) or d in self.crashes_logged:
+        if d not in self.dead or not live <= set(reports) or d in self.crashing:
             return
+        self.crashing.add(d)
         self.crashes_logged.append(d)
         name = f"{DECODE} {d}"
-        steps, clock = close_dead_log(log_path(self.deployment, name), name)
+        restart = self.may_restart(DECODE, d)
+        # A decode that gets a new life goes on with its log (the launcher cuts its torn
+        # line after the fence); one that does not has it closed here.
+        steps, clock = (cut_dead_log if restart else close_dead_log)(
+            log_path(self.deployment, name), name)
         here = [r for r, (_, dd) in self.placement.items() if dd == d]
-        if all(self.part.rows[r][core.CLIENT] != core.WAITING for r in here):
-            return  # the crash lost no request: the spec has no such step (nothing to log)
-        causes = [[name, steps, clock], self.log.stamp(), *reports.values()]
-        stamp = self.environment_step(core.DecodeCrash(d), causes)
-        self.log.heard_from(stamp)
-        self.part.decode_crashed(here)
-        for q in live:
-            self.send(Peer(PREFILL, q), {"t": "crash", "decode": d, "requests": here,
-                                         "stamp": stamp})
+        after = self.log.stamp()
+        if any(self.part.rows[r][core.CLIENT] == core.WAITING for r in here):
+            # (a crash that lost no request is no step of the spec: nothing is logged)
+            causes = [[name, steps, clock], self.log.stamp(), *reports.values()]
+            after = self.environment_step(core.DecodeCrash(d), causes)
+            self.log.heard_from(after)
+            self.part.decode_crashed(here)
+            for q in live:
+                self.send(Peer(PREFILL, q), {"t": "crash", "decode": d, "requests": here,
+                                             "stamp": after})
+        if restart:  # its new life's steps follow the crash
+            self.ask_restart(DECODE, d, {"after": [after]})
 
     def down_prefills(self) -> list[int]:
         up = self.channel.peers()
@@ -652,17 +879,63 @@ class RouterProcess(Process):
     def finish(self) -> dict:
         self.environment.end()
         return {"outcomes": self.outcomes(), "crashes": self.crashes_logged,
-                "environment_steps": self.environment.clock.k}
+                "restarts": self.restarts, "environment_steps": self.environment.clock.k}
 
 
 class PrefillProcess(Process):
     ROLE = PREFILL
 
-    def __init__(self, deployment: Deployment, worker: int = 0) -> None:
-        super().__init__(deployment, worker)
+    def __init__(self, deployment: Deployment, worker: int = 0,
+                 restart: dict | None = None) -> None:
+        super().__init__(deployment, worker, restart)
         if deployment.model_dir:
             from engine.process_data import PrefillData
             self.data = PrefillData(deployment, worker)
+        self.posted_at: dict[int, float] = {}  # request -> when its last write was posted
+        self.recovering = restart is not None
+        if restart is not None:
+            self.recover(restart)
+
+    def holds(self) -> set[int]:
+        """Requests queued or running here, and those with a write out."""
+        rows = self.part.rows
+        return {r for r in self.placement if rows[r][core.PST] in (core.QUEUED, core.RUNNING)
+                } | {w[0] for w in self.part.sending}
+
+    def recover(self, restart: dict) -> None:
+        """A new life: what it knows of its previous ones is the router's placement and
+        prompt of each request placed here and its own log (core.recovered_prefill_rows);
+        its crash step follows the steps the router names (every LandWrite of its writes,
+        each decode's last step before it saw the death)."""
+        q = self.part.worker
+        rows = {}
+        for r, d, pages in restart["placed"]:
+            self.placement[r] = (q, d)
+            rows[r] = core._row(self.part.blank, core.PROMPT, pages, core.PW, q, core.DW, d,
+                                core.CLIENT, core.WAITING)
+        events = [codec.decode(x) for x in _steps_of(
+            log_path(self.deployment, self.part.name).read_text(), self.part.name)]
+        self.part.rows.update(core.recovered_prefill_rows(rows, events))
+        for stamp in restart["after"]:
+            self.log.heard_from(stamp)
+
+    def settle(self) -> None:
+        """A new life takes its PrefillCrash first, once the router and every decode it
+        dialled are connected: the crash's answers go to the router, and then its notice
+        that it is back, which the router passes on to each decode (so every lost client
+        has its answer here before a decode can time the request out)."""
+        if self.recovering:
+            up = self.channel.peers()
+            decodes = [p for p in up if p.role == DECODE]
+            if Peer(ROUTER, 0) not in up or len(decodes) < self.restart["decodes"]:
+                return
+            self.recovering = False
+            lost = sorted(r for r in self.placement if self.part.rows[r][core.PST]
+                          in (core.QUEUED, core.RUNNING))
+            self.step(core.PrefillCrash(self.part.worker))  # refused when it lost nothing
+            self.send(Peer(ROUTER, 0), {"t": "restarted", "lost": lost,
+                                        "stamp": self.log.stamp()})
+        super().settle()
 
     def work(self) -> bool:
         """A chunked prefill step: a request whose prompt is computed may send its pages."""
@@ -686,8 +959,11 @@ class PrefillProcess(Process):
         SendPage before the modelled compute is done."""
         if self.placement[r][1] in self.dead_decodes:
             return ()
-        ready = time.monotonic() >= self.ready_at.get(r, float("inf"))
-        return tuple(e for e in super().candidates(r) if ready or type(e) is not core.SendPage)
+        now = time.monotonic()
+        ready = now >= self.ready_at.get(r, float("inf"))
+        held = now < self.posted_at.get(r, 0.0) + self.deployment.send_done_after_s
+        return tuple(e for e in super().candidates(r) if (ready or type(e) is not core.SendPage)
+                     and not (held and type(e) is core.SendDone))
 
     def do_Compute(self, command, stamp) -> None:
         r = command.request
@@ -706,6 +982,7 @@ class PrefillProcess(Process):
         and the source page's contents in the spec's terms (decode's share of LandWrite);
         on the modelled path the announcement is the write."""
         r, source, _, _ = command.write
+        self.posted_at[r] = time.monotonic()
         if self.data is not None:
             self.data.post(command.write, self.placement[r][1])
         data = self.part.pool[source - self.part.base][1]
@@ -741,12 +1018,50 @@ class PrefillProcess(Process):
 class DecodeProcess(Process):
     ROLE = DECODE
 
-    def __init__(self, deployment: Deployment, worker: int = 0) -> None:
-        super().__init__(deployment, worker)
+    def __init__(self, deployment: Deployment, worker: int = 0,
+                 restart: dict | None = None) -> None:
+        super().__init__(deployment, worker, restart)
+        for stamp in (restart or {}).get("after", ()):
+            self.log.heard_from(stamp)  # a new life: its steps follow its crash
         self.announced: dict[tuple, dict] = {}  # real path: write -> its announcement
         if deployment.model_dir:
             from engine.process_data import DecodeData
             self.data = DecodeData(deployment, worker)
+        # A prefill's crash: what this decode sends it while it is down waits for its next
+        # life (the spec's messages to a restarted prefill stay in flight), and the
+        # requests its crash ended are timed out here once that life says so.
+        self.held: dict[int, list] = {}
+        self.lost: set[int] = set()
+
+    def holds(self) -> set[int]:
+        """Requests whose bootstrap came, until decode released them (or tombstoned)."""
+        rows = self.part.rows
+        return {r for r in self.placement
+                if rows[r][core.DST] in (core.D_WAITING, core.DECODING, core.CLOSING)
+                or rows[r][core.BOOT] and rows[r][core.DST] == core.D_NONE}
+
+    def send(self, peer: Peer, body: dict) -> bool:
+        if peer.role == PREFILL and peer.worker in self.held:
+            self.held[peer.worker].append(body)
+            return False
+        return super().send(peer, body)
+
+    def on_peer_down(self, peer: Peer) -> None:
+        """A prefill is down: this decode lands none of its writes from now on (nothing of
+        a dead epoch is taken), and tells the router after every landing it took."""
+        if peer.role == PREFILL:
+            self.held.setdefault(peer.worker, [])
+            self.send(Peer(ROUTER, 0), {"t": "pdown", "prefill": peer.worker,
+                                        "stamp": self.log.stamp()})
+
+    def on_prefill_back(self, peer: Peer, body: dict) -> None:
+        """A prefill's new life took its crash (the router passes its notice on): the
+        requests it ended (`lost`) are timed out here (the spec's decode learns of a
+        prefill crash by its timer), and what was held for it goes now, after its crash."""
+        self.log.heard_from(body["stamp"])
+        self.lost.update(body["lost"])
+        for held in self.held.pop(body["prefill"], []):
+            super().send(Peer(PREFILL, body["prefill"]), held)
 
     def on_write(self, peer: Peer, body: dict) -> None:
         """A write's announcement. Modelled: it is the landing. Real: the landing comes when
@@ -784,6 +1099,8 @@ class DecodeProcess(Process):
         """Real path: Accept with the checksums' verdict over what landed, Finish once
         decoding ended, with the tags' verdict (both observed by DecodeData)."""
         offers = super().candidates(r)
+        if r in self.lost:
+            offers += (core.Timeout(r),)
         if self.data is None:
             return offers
         out = []
@@ -854,6 +1171,8 @@ def _pump(process: Process, timeout_s: float) -> bool:
     elif type(event) is PeerDown:
         report(ev="peer_down", peer=str(event.peer), reason=event.reason, at_s=time.time())
         process.on_peer_down(event.peer)
+    elif type(event) is PeerUp:
+        process.on_peer_up(event.peer)
     return event is not None
 
 
@@ -891,16 +1210,22 @@ def main(setup: dict) -> int:
     ("listening", the router's "done", "stopped"); takes {"do": "stop"} (finish the work
     at hand, end the log, report) and {"do": "exit"} on stdin; exits when stdin closes."""
     role, worker, ports = setup.pop("role"), setup.pop("worker"), setup.pop("ports")
+    restart = setup.pop("restart", None)  # a restarted process's (Launched.restart)
     # Its launcher stops it (stdin's "stop" and "exit", or stdin closing) or kills it; a
     # Ctrl-C in the launcher's terminal reaches the whole process group, and the launcher
-    # (kvproof serve --processes) then drains before it stops its processes.
+    # (kvproof serve --processes) then drains before it stops its processes. A SIGTERM sent
+    # to a worker alone (an operator scaling down) drains that worker (Process.drain).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    drain_asked = threading.Event()
+    if role != ROUTER:
+        signal.signal(signal.SIGTERM, lambda *_: drain_asked.set())
     deployment = Deployment(**setup)
     refusal = capacity_refusal(deployment, role, worker)
     if refusal is not None:
         report(ev="refused", reason=refusal)
         return 1
-    process = KINDS[role](deployment, worker)
+    process = (KINDS[role](deployment, worker, restart) if restart
+               else KINDS[role](deployment, worker))
     todo = stdin_commands()
     for port in ports:  # prefills dial the decodes; the router dials every worker
         process.channel.connect(port)
@@ -934,6 +1259,9 @@ def main(setup: dict) -> int:
             if process.pool_report() != pool:
                 pool = process.pool_report()
                 report(ev="pool", at_s=time.time(), **pool)
+        if drain_asked.is_set() and stopping is None and not process.stopped:
+            if process.drain():
+                break  # drained and left, or the bound passed (a crash's path ends the rest)
         if role == ROUTER and not process.reported and process.done():
             process.reported = True
             report(ev="done", outcomes=process.outcomes(),
@@ -1007,9 +1335,9 @@ class Child:
         raise TimeoutError(f"{self.name}: no {ev!r} within {timeout_s} s (exit code "
                            f"{self.process.poll()})")
 
-    def tell(self, do: str) -> None:
+    def tell(self, do: str, **fields) -> None:
         try:
-            self.process.stdin.write(json.dumps({"do": do}) + "\n")
+            self.process.stdin.write(json.dumps({"do": do, **fields}) + "\n")
             self.process.stdin.flush()
         except (BrokenPipeError, OSError):
             pass  # it is dead already: the caller learns from its exit code
@@ -1029,14 +1357,61 @@ class Launched:
     deployment: Deployment
     children: dict = field(default_factory=dict)
     on_report: object = None   # serving: every child's reports go here first (Child)
+    ports: dict = field(default_factory=dict)     # name -> the port its channel listens on
+    previous: list = field(default_factory=list)  # children a restart replaced
+    closed: bool = False
+    lock: object = field(default_factory=threading.Lock)  # a restart against close()
 
-    def _spawn(self, role: str, worker: int, ports: list, timeout_s: float) -> int:
+    def _spawn(self, role: str, worker: int, ports: list, timeout_s: float,
+               restart: dict | None = None) -> int:
         name = role if role == ROUTER else f"{role} {worker}"
-        setup = {**asdict(self.deployment), "role": role, "worker": worker, "ports": ports}
-        child = Child(name, setup, log_path(self.deployment, name).with_suffix(".stderr"),
-                      self.on_report)
+        deployment = self.deployment
+        if restart is not None and deployment.model_dir:
+            # The gloo world cannot take a rank back: the new life has no data path.
+            deployment = replace(deployment, model_dir="", requests=())
+        setup = {**asdict(deployment), "role": role, "worker": worker, "ports": ports}
+        stderr = log_path(self.deployment, name).with_suffix(".stderr")
+        if restart is not None:
+            setup["restart"] = restart
+            stderr = stderr.with_suffix(f".{restart['epoch']}.stderr")
+        child = Child(name, setup, stderr,
+                      self._router_report if role == ROUTER else self.on_report)
+        if name in self.children:
+            self.previous.append(self.children[name])
         self.children[name] = child
-        return child.expect("listening", timeout_s)["port"]
+        self.ports[name] = child.expect("listening", timeout_s)["port"]
+        return self.ports[name]
+
+    def _router_report(self, name: str, got: dict) -> bool:
+        """The router's reports: a "restart" is this supervisor's to carry out (on a
+        thread of its own: the reader goes on), and is kept like any other."""
+        if got.get("ev") == "restart":
+            threading.Thread(target=self.restart, args=(got,), daemon=True).start()
+        return self.on_report is not None and self.on_report(name, got)
+
+    def restart(self, got: dict, timeout_s: float = 10.0) -> None:
+        """Start a dead worker's next life (RouterProcess.record_prefill_crash says what
+        it needs), dialling every live decode, and tell the router its port. The old
+        process is killed first (fenced: one declared down for silence, a partition or a
+        SIGSTOP, may still be there and would write on in its log), then its log's torn
+        line is cut, and the new life goes on with it."""
+        role, worker = got["role"], got["worker"]
+        name = f"{role} {worker}"
+        with self.lock:  # (a deployment being closed starts no new life)
+            if self.closed:
+                return
+            self.children[name].kill()
+            steps, clock = cut_dead_log(log_path(self.deployment, name), name)
+            live = {n: child for n, child in sorted(self.children.items())
+                    if child.process.poll() is None}
+            # Prefills dial decodes; the router dials every worker.
+            decodes = [self.ports[n] for n in live if n.startswith(DECODE)] \
+                if role == PREFILL else []
+            port = self._spawn(role, worker, decodes, timeout_s,
+                               {**got["restart"], "steps": steps, "clock": clock})
+        for n, child in live.items():
+            if n == ROUTER or (role == DECODE and n.startswith(PREFILL)):
+                child.tell("dial", port=port)
 
     def start(self, timeout_s: float = 10.0) -> None:
         d = self.deployment
@@ -1072,7 +1447,10 @@ class Launched:
         return reports
 
     def close(self) -> None:
-        for child in self.children.values():
+        with self.lock:
+            self.closed = True
+            children = [*self.previous, *self.children.values()]
+        for child in children:
             child.kill()
 
 

@@ -280,7 +280,9 @@ class FuzzMachine(RuleBasedStateMachine):
 
     @initialize(data=st.data())
     def configure(self, data) -> None:
-        self.setup = draw_setup(data, self.profile, self.bugs, self.target.vocabulary,
+        vocabulary = self.target.vocabulary | (self.target.prefill_cache_vocabulary
+                                               if self.prefill_cache else frozenset())
+        self.setup = draw_setup(data, self.profile, self.bugs, vocabulary,
                                 self.prefix_cache, self.prefill_cache)
         self.weight = self.setup.weight_table()
         self._guarded(self.target.reset, self.setup.model, seed=self.setup.seed)

@@ -48,7 +48,7 @@ class Campaign:
     shrink_seconds: float = 20.0      # Hypothesis shrinking; 0: no shrinking
     minimize_seconds: float = 10.0    # cutting the shrunk sequence down
     prefix_cache: bool = False        # models with a decode-side prefix cache (issue 27)
-    prefill_cache: bool = False       # ... and a prefill-side one (the core target only)
+    prefill_cache: bool = False       # ... and a prefill-side one (core and sim targets)
 
     def __post_init__(self) -> None:
         assert self.target in TARGETS, f"unknown target {self.target}"

@@ -16,6 +16,9 @@ rules drive is the environment:
 - `Delay`: everything of a request on the wire (writes, messages) is held back for a stall
   the fuzzer picks, in milliseconds: delayed and reordered delivery, at a chosen moment, by
   a chosen amount;
+- `Evict`, `PrefillEvict`: with a prefix cache, decode's (with the prefill's cache too, a
+  prefill's) cache forgets a page it may evict now, besides the simulator's own LRU
+  evictions under pool pressure;
 - `Wait`: simulated time passes until the simulator has committed at least one protocol
   event. Faults and arrivals land between any two protocol events, so the fuzzer chooses
   the moment of each one, which is what a fault-rate knob of a scenario cannot do.
@@ -55,7 +58,7 @@ from sim.scenario import Scenario
 
 from fuzz.target import (AtWorker, Delay, MidStep, Observation, Open, PoolView, Target,
                          TargetRefused, Violation, Wait, decoding_reads, expected_reads, listed,
-                         owned_pages, read_field, register)
+                         owned_pages, owned_sources, read_field, register)
 
 PAGE_TOKENS = 16
 # SimPy steps one Wait may take before it must have committed a protocol event: the
@@ -138,6 +141,10 @@ class SimTarget(Target):
     # now (the simulator's own LRU evicts under pool pressure besides).
     vocabulary = frozenset({"Arrive", "Abort", "PrefillFail", "Timeout", "PrefillCrash",
                             "DecodeCrash", "Wait", "Delay", "Evict"})
+    # PrefillEvict: with the prefill's cache too, the fuzzer may make a prefill forget any
+    # cached page its cache may evict now (Store.prefill_evictable: the core says which;
+    # EvictWhileSending's cache picks pages still read or sent from).
+    prefill_cache_vocabulary = frozenset({"PrefillEvict"})
 
     def reset(self, model: Model, seed: int) -> None:
         self.model = model
@@ -153,6 +160,7 @@ class SimTarget(Target):
         self._story: list[str] = []    # what the simulator did, with simulated times
         self._committed_events: list[core.Event] = []  # every event the core accepted
         self._reads: dict[int, tuple[int, ...]] = {}
+        self._prefill_of: dict[int, int] = {}  # request -> its prefill worker
         self._prompts = tuple(range(1, model.max_prompt_pages + 1))
         self._moves: dict | None = None
         self._state: core.State | None = None
@@ -214,6 +222,12 @@ class SimTarget(Target):
             moves["DecodeCrash"] = [AtWorker(core.DecodeCrash(), 0)]
         if m.prefix_cache and self.cluster.idle_cached(0):
             moves["Evict"] = [core.Evict(0, p) for p in self.cluster.idle_cached(0)]
+        if m.prefill_cache:  # named in the model's one prefill pool, the workers' side by side
+            pp = self.prefill_pages
+            evictions = [core.PrefillEvict(0, page + q * pp) for q in range(self.workers)
+                         for page in self.cluster.prefill_evictable(q)]
+            if evictions:
+                moves["PrefillEvict"] = evictions
         if sim.env.peek() != float("inf"):
             moves["Wait"] = [Wait()]
         return moves
@@ -265,6 +279,11 @@ class SimTarget(Target):
             if not sim.evict(event.worker, event.page):
                 raise TargetRefused(f"the core refused {event.label(self.model)}, listed")
             sim.decodes[event.worker].kick_waiting()  # a page came free
+        elif cls is core.PrefillEvict:
+            q, page = divmod(event.page, self.prefill_pages)
+            if not sim.prefill_evict(q, page):
+                raise TargetRefused(f"the core refused {event.label(self.model)}, listed")
+            sim.prefills[q].kick()  # a page may have come free
         elif cls is Delay:
             sim.hold(event.request, event.stall / 1000)
         elif cls is MidStep:
@@ -337,6 +356,10 @@ class SimTarget(Target):
                              "protocol event: a component is spinning")
 
     def _committed(self, event: core.Event, change: core.Change) -> None:
+        if type(event) is core.PrefillEvict:  # a page of the model's one prefill pool
+            event = core.PrefillEvict(0, event.page + event.worker * self.prefill_pages)
+        elif type(event) is core.Arrive:
+            self._prefill_of[event.request] = event.prefill_worker  # the router's placement
         SimTarget.events_committed += 1
         self._committed_events.append(event)
         self._note(event.label(self.model))
@@ -357,10 +380,10 @@ class SimTarget(Target):
                      for r in range(self.model.requests))
 
     def _placed(self, r: int) -> int:
-        """The prefill worker of request r (settled rows keep no placement: they hold no
-        prefill pages either)."""
-        placed = self.cluster.placement.get(r)
-        return placed[0] if placed else 0
+        """The prefill worker of request r: where it was placed, kept after it settled (a
+        settled request holds no prefill page, but with the prefill's cache its sources
+        still say what the pages it computed hold, the spec's SourceIdent)."""
+        return self._prefill_of.get(r, 0)
 
     def _flat_rows(self) -> tuple:
         """Rows with source pages numbered across the prefill workers' pools, side by side:
@@ -387,15 +410,17 @@ class SimTarget(Target):
         c, rows, pp = self.cluster, self.protocol_state().requests, self.prefill_pages
         decode_free = set(c.decode_free[0])
         prefill_free = {x + p * pp for p, free in enumerate(c.prefill_free) for x in free}
+        prefill_pool = tuple(page for pool in c.prefill_pools for page in pool)
         decode = PoolView(
             "decode", tuple(core.NONE if p in decode_free else page[OWNER]
                             for p, page in enumerate(c.decode_pools[0])),
             tuple(owned_pages(row, c.decode_pools[0], r) if holds_decode_pages(row) else ()
                   for r, row in enumerate(rows)))
         prefill = PoolView(
-            "prefill", tuple(core.NONE if p in prefill_free else page[0] for p, page in
-                             enumerate(page for pool in c.prefill_pools for page in pool)),
-            tuple(row[SRC] if row[PST] == RUNNING else () for row in rows))
+            "prefill", tuple(core.NONE if p in prefill_free else page[0]
+                             for p, page in enumerate(prefill_pool)),
+            tuple(owned_sources(row, prefill_pool, r) if row[PST] == RUNNING else ()
+                  for r, row in enumerate(rows)))
         return Observation(
             pools=(prefill, decode), writes=tuple((w[0], w[2]) for w in c.writes_into[0]),
             outcomes=tuple(CLIENT_NAMES[row[core.CLIENT]] for row in rows),

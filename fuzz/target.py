@@ -218,6 +218,9 @@ class Target(abc.ABC):
     name = "abstract"
     # The actions (move names) the target can ever list: the swarm weighs only these.
     vocabulary: frozenset[str] = frozenset()
+    # Actions it lists only on models whose prefill caches too (added to the vocabulary
+    # there alone, so that every seed of the other models draws what it drew before).
+    prefill_cache_vocabulary: frozenset[str] = frozenset()
     # Protocol events the core accepted, over every instance of the class (benchmarks).
     events_committed = 0
     # Whether `kvproof fuzz --zoo` runs it when no --target is named (the engine needs

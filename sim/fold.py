@@ -48,7 +48,9 @@ def model_for(scenario: Scenario) -> Model:
                             crashes=scenario.faults.prefill_crash_rate_per_s > 0,
                             decode_crashes=scenario.faults.decode_crash_rate_per_s > 0)
     shell = replace(shell, losses=losses_of(scenario.faults))
-    return shell.with_prefix_cache(scenario.prefix.tenants) if scenario.prefix.cache else shell
+    prefix = scenario.prefix
+    return (shell.with_prefix_cache(prefix.tenants, prefill_cache=prefix.prefill_cache)
+            if prefix.cache else shell)
 
 
 def prompt_pages_max(scenario: Scenario) -> int:
@@ -113,10 +115,8 @@ class Folder:
         if action == "DecodeCrash":
             return self._crash(t, self.cluster.crash_decode, record["d"])
         event = event_of(record)
-        if type(event) is core.Evict:
+        if isinstance(event, core.WorkerEvent):  # an eviction (the crashes are above)
             return self.evict(t, event)
-        if isinstance(event, core.WorkerEvent):  # one the simulator never logs
-            return self.cluster.take_worker_event(event)
         if action == "Arrive":
             return self.arrive(t, event, record["p"], record["d"], record["out"])
         r = event.request
@@ -142,12 +142,15 @@ class Folder:
         self.accept(t, r, out, event)
         return out
 
-    def evict(self, t: float, event: core.Evict) -> Change | Refusal:
-        """The prefix cache forgets a page (a record's, or the live decode's LRU pick)."""
-        out = self.cluster.evict(event.worker, event.page)
+    def evict(self, t: float, event: core.Evict | core.PrefillEvict) -> Change | Refusal:
+        """Either side's cache forgets a page (a record's, or a live worker's LRU pick)."""
+        out = self.cluster.take_worker_event(event)
         if type(out) is not Refusal:
             self.events += 1
-            self.metrics.evicted_pages += 1
+            if type(event) is core.Evict:
+                self.metrics.evicted_pages += 1
+            else:
+                self.metrics.prefill_evicted_pages += 1
         return out
 
     def accept(self, t: float, r: int, change: Change, event: core.Event) -> None:

@@ -69,14 +69,15 @@ class Metrics:
     request_rows: dict = field(default_factory=dict)      # request -> row, first ones only
     # Prefix caching (issue 27): at each Reserve, the prompt's pages and how many decode
     # held cached (its hit); at each Admit, the prompt's pages and how many the prefill
-    # computes (core.pages_to_compute: all of them until the prefill has a cache of its
-    # own); pages the cache evicted. Zero hits without a cache.
+    # computes (core.pages_to_compute: all but those its own cache held, PCACHED); pages
+    # each side's cache evicted. Zero hits without a cache.
     reserved_prompt_pages: int = 0
     hit_pages: int = 0
     full_hits: int = 0
     admitted_prompt_pages: int = 0
     computed_pages: int = 0
     evicted_pages: int = 0
+    prefill_evicted_pages: int = 0
 
     def arrive(self, t: float, r: int, prompt_pages: int, output_tokens: int) -> None:
         self.arrived += 1

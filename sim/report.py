@@ -188,31 +188,42 @@ def prefix_summary(metrics: Metrics, scenario) -> dict:
     """How much the prefix cache saved in one run. The hit rate is the decode-side hit: of
     the prompt pages decode reserved for, how many it held cached. Transfer pages saved are
     the hits (the prefill sends only the rest, core.to_send); compute pages saved are the
-    admitted prompt pages the prefill did not compute (core.pages_to_compute: none while
-    only decode caches)."""
+    admitted prompt pages the prefill did not compute (core.pages_to_compute: those its own
+    cache held, none while only decode caches), and the prefill hit rate is their share of
+    the admitted prompt pages."""
     m = metrics
+    saved = m.admitted_prompt_pages - m.computed_pages
     return {"shape": scenario.prefix.shape, "cache": scenario.prefix.cache,
+            "prefill_cache": scenario.prefix.prefill_cache,
             "tenants": scenario.prefix.tenants,
             "prompt_pages": m.reserved_prompt_pages, "hit_pages": m.hit_pages,
             "hit_rate": m.hit_pages / m.reserved_prompt_pages if m.reserved_prompt_pages else 0.0,
             "full_hits": m.full_hits, "pages_sent": m.pages_written,
             "transfer_pages_saved": m.hit_pages,
             "admitted_prompt_pages": m.admitted_prompt_pages, "pages_computed": m.computed_pages,
-            "compute_pages_saved": m.admitted_prompt_pages - m.computed_pages,
-            "pages_evicted": m.evicted_pages}
+            "compute_pages_saved": saved,
+            "prefill_hit_rate": saved / m.admitted_prompt_pages if m.admitted_prompt_pages
+            else 0.0,
+            "pages_evicted": m.evicted_pages, "prefill_pages_evicted": m.prefill_evicted_pages}
 
 
 def prefix_line(p: dict) -> str:
     if not p["cache"]:
         return f"prefix cache     off ({p['shape']} prompts): every page sent and computed"
-    return (f"prefix cache     hit rate {p['hit_rate']:.1%} ({p['hit_pages']:,} of "
+    line = (f"prefix cache     hit rate {p['hit_rate']:.1%} ({p['hit_pages']:,} of "
             f"{p['prompt_pages']:,} prompt pages, {p['full_hits']:,} full hits); "
             f"{p['pages_evicted']:,} pages evicted")
+    if not p["prefill_cache"]:
+        return line
+    return (f"{line}\n{'':17}at the prefill: hit rate {p['prefill_hit_rate']:.1%} "
+            f"({p['compute_pages_saved']:,} of {p['admitted_prompt_pages']:,} prompt pages "
+            f"not computed); {p['prefill_pages_evicted']:,} pages evicted")
 
 
 def compare_prefix_cache(on: dict, off: dict) -> dict:
-    """The same workload (seed, arrivals, prompts) with decode's prefix cache on and off:
-    what the cache saved, in pages and in time to first token."""
+    """The same workload (seed, arrivals, prompts) with the prefix cache on (decode's, and
+    the prefill's where the scenario has it) and off: what the cache saved, in pages and
+    in time to first token."""
     def ttft(result: dict) -> dict:
         q = result["summary"]["ttft_s"]
         return {"p50": q["p50"], "p99": q["p99"], "count": q["count"]}
@@ -220,6 +231,8 @@ def compare_prefix_cache(on: dict, off: dict) -> dict:
     return {"scenario": on["scenario"], "seed": on["seed"], "shape": p_on["shape"],
             "hit_rate": p_on["hit_rate"], "hit_pages": p_on["hit_pages"],
             "prompt_pages": p_on["prompt_pages"], "full_hits": p_on["full_hits"],
+            "prefill_cache": p_on["prefill_cache"], "prefill_hit_rate": p_on["prefill_hit_rate"],
+            "prefill_pages_evicted": p_on["prefill_pages_evicted"],
             "pages_sent": {"on": p_on["pages_sent"], "off": p_off["pages_sent"]},
             "pages_computed": {"on": p_on["pages_computed"], "off": p_off["pages_computed"]},
             "transfer_pages_saved": p_off["pages_sent"] - p_on["pages_sent"],
@@ -231,7 +244,7 @@ def compare_prefix_cache(on: dict, off: dict) -> dict:
 
 def prefix_comparison_table(c: dict) -> str:
     """The comparison, and where the TTFT gain comes from: pages not sent (decode's cache)
-    and pages not computed (a prefill-side cache; zero while only decode caches)."""
+    and pages not computed (the prefill's own cache; zero while only decode caches)."""
     sent, computed, t_on, t_off = c["pages_sent"], c["pages_computed"], *c["ttft_s"].values()
 
     def saved(off: int, on: int) -> str:
@@ -256,6 +269,9 @@ def prefix_comparison_table(c: dict) -> str:
         f"hit rate          {c['hit_rate']:.1%} ({c['hit_pages']:,} of {c['prompt_pages']:,} "
         f"prompt pages hit at decode, {c['full_hits']:,} full hits, "
         f"{c['pages_evicted']:,} pages evicted)",
+        *([f"prefill hit rate  {c['prefill_hit_rate']:.1%} ({c['compute_pages_saved']:,} "
+           f"prompt pages held cached at the prefill, {c['prefill_pages_evicted']:,} pages "
+           f"evicted there)"] if c["prefill_cache"] else []),
         "the TTFT gain comes from: " + "; ".join(source)])
 
 

@@ -227,7 +227,13 @@ class Simulation(ShellRuntime):
         """Decode worker d's prefix cache forgets `page` (its LRU pick under pool
         pressure), if the core allows it: logged and checked like a crash, a worker's
         event with no request."""
-        event = core.Evict(d, page)
+        return self._evict(core.Evict(d, page))
+
+    def prefill_evict(self, p: int, page: int) -> bool:
+        """Prefill worker p's cache forgets `page` (PrefillEvict), the same way."""
+        return self._evict(core.PrefillEvict(p, page))
+
+    def _evict(self, event: core.Evict | core.PrefillEvict) -> bool:
         record = {"t": self.env.now, **encode_event(event)}
         out = self.folder.apply(record)
         if type(out) is Refusal:

@@ -103,9 +103,14 @@ class Prefix(_Strict):
     tenant): `shape` says how prompts share pages (sim/workload.py, PromptMaker), and the
     workload's prompt lengths are then the length of each prompt's own part (its question,
     its new turn). `cache` turns decode's cache on; off, the same prompts arrive at the
-    same moments and every page is sent (what --compare-prefix-cache compares)."""
+    same moments and every page is sent (what --compare-prefix-cache compares).
+    `prefill_cache` (with `cache`) turns the prefill's own cache on too (the spec's
+    PrefillCache): a prefill that holds a prompt's prefix computes only the rest. It is
+    off unless a scenario says so, so that a log or scenario file written before it
+    existed still runs as it ran; the shipped prefix scenarios turn it on."""
     shape: Literal["none", "system-prompt", "sessions", "document"] = "none"
     cache: bool = False
+    prefill_cache: bool = False
     tenants: int = Field(2, ge=1, le=1_000_000)       # salts; requests draw one uniformly
     shared_tokens: int = Field(4096, ge=1)            # the system prompt, or each document
     documents: int = Field(4, ge=1, le=1_000_000)     # document: how many, drawn uniformly
@@ -116,6 +121,9 @@ class Prefix(_Strict):
         if self.cache and self.shape == "none":
             raise ValueError("prefix.cache needs prompts with tokens: set prefix.shape "
                              "(system-prompt, sessions or document)")
+        if self.prefill_cache and not self.cache:
+            raise ValueError("prefix.prefill_cache needs prefix.cache (the prefill caches "
+                             "what decode's cache keys: set both)")
         return self
 
 

@@ -48,7 +48,8 @@ def _constants(m: Model) -> dict:
     return {"max_prompt_pages": m.max_prompt_pages, "context_pages": m.context_pages,
             "prefill_pages": m.prefill_pages, "decode_pages": m.decode_pages,
             "bugs": m.bugs, "crashes": m.crashes, "name": m.name,
-            "prefix_cache": m.prefix_cache, "tokens": m.tokens, "tenants": m.tenants}
+            "prefix_cache": m.prefix_cache, "tokens": m.tokens, "tenants": m.tenants,
+            "prefill_cache": m.prefill_cache}
 
 
 def log_run(path: str) -> Run:

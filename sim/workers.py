@@ -69,8 +69,8 @@ class SimPrefill:
         within them)."""
         sim = self.sim
         row = sim.cluster.rows[r]
-        # With a prefix cache the core says how much of the prompt is computed (a cache of
-        # the prefill's own would skip what it holds); else every page it admitted.
+        # With a prefix cache the core says how much of the prompt is computed (the
+        # prefill's own cache skips what it holds); else every page it admitted.
         pages = core.pages_to_compute(sim.model, row) if sim.model.prefix_cache else len(row[SRC])
         self.busy = True
         compute_s = self.compute_seconds(r, pages)
@@ -127,11 +127,13 @@ class SimPrefill:
                     queue.take()
                     sim.offer("Reject", r)
                     continue
-                need = core.pages_to_admit(sim.model, row)
+                need = self._need(r, row)
                 if type(need) is str:
                     passed.append(queue.take())
                     continue
                 pages = cluster.allocate("prefill", self.index, need)
+                if pages is None and sim.model.prefill_cache and self._evict_for(r, row, need):
+                    pages = cluster.allocate("prefill", self.index, need)
                 if pages is None:
                     return  # pool pressure: wait until pages come back
                 queue.take()
@@ -143,6 +145,26 @@ class SimPrefill:
                 self.busy = False
         finally:
             queue.put_back(passed)
+
+    def _need(self, r: int, row: tuple) -> int | str:
+        """Fresh source pages r's Admit takes: with the prefill's own cache, fewer by the
+        prefix it holds cached (the core looks it up; the Admit names only the fresh
+        pages, and the core adds the cached ones to r's sources)."""
+        sim = self.sim
+        if not sim.model.prefill_cache:
+            return core.pages_to_admit(sim.model, row)
+        return core.allocation_need(sim.model, sim.cluster.view(r), core.Admit, r)
+
+    def _evict_for(self, r: int, row: tuple, need: int) -> bool:
+        """Pool pressure with the prefill's own cache: evict the least recently used
+        cached pages (Store.prefill_lru_victims), not those r is about to hit, until `need`
+        pages are free; the core decides each PrefillEvict. False (nothing evicted) if the
+        cache cannot make up the difference: r waits for pages as without a cache."""
+        sim, cluster = self.sim, self.sim.cluster
+        hits = core.prefill_hit_pages(sim.model, cluster.view(r), row)
+        victims = cluster.prefill_lru_victims(self.index, hits, need)
+        return victims is not None and all([sim.prefill_evict(self.index, page)
+                                            for page in victims])
 
     def _computed(self, r: int, epoch: int) -> None:
         if epoch != self.epoch:

@@ -389,6 +389,22 @@ def _longest_cached(m: Model, row: tuple, pool, mine: range, ident: int) -> tupl
     return tuple(hits)
 
 
+# n > 1 siblings (spec/README.md, "Siblings"): the completions of one prompt are requests
+# with the same tokens and salt, so they share the prompt's pages through the cache like any
+# two such requests, and every property covers them. What makes them share, rather than each
+# transfer a copy of its own, is a shell's policy (like an eviction pick): every sibling is
+# placed on the first's workers, and holds its Reserve while `sibling_waits`.
+
+def sibling_waits(first: tuple) -> bool:
+    """Whether a sibling of the request whose row is `first` holds its Reserve: while the
+    first's transfer may still be accepted (its client waits and its decode has neither
+    accepted nor ended it). Once the first decodes, its pages are sealed at decode (and, with
+    a prefill-side cache, at the prefill since its SendDone), so a sibling's Reserve is a
+    full decode-side hit and its Admit a full prefill-side hit: nothing is transferred or
+    computed twice. Once the first ended any other way, each sibling goes on alone."""
+    return first[CLIENT] == WAITING and (first[DST] == D_NONE or first[DST] == D_WAITING)
+
+
 def told_hit(m: Model, row: tuple, k: int) -> int:
     """The hit length decode believes and tells the prefill (the spec's ToldHit):
     StaleHitLength counts one page more than decode holds."""
@@ -948,6 +964,41 @@ def prefill_crash(m: Model, s: State, p: int = 0) -> Change | str:
     freed = tuple((k, (NONE, pool[k][1], (), NO_IDENT)) for k in s.pages_of(p, m.prefill_pages)
                   if pool[k][0] != NONE or pool[k][P_READERS] or pool[k][P_IDENT])
     return Change(lost, prefill=freed, flushed=here)
+
+
+def recovered_prefill_rows(rows: dict, events) -> dict:
+    """What a restarted prefill knows of its previous lives, before it takes PrefillCrash:
+    `rows` (request -> its row with the placement, prompt and client its router keeps, for
+    every request placed there) with the prefill's state and count of posted writes as its
+    own log says (`events`: every step its previous lives took, in order; a step is logged
+    before anything it sends leaves the process, so the log holds every step its peers can
+    have seen). Admit makes a request Running, each SendPage posts one write, SendDone,
+    Reject and PrefillAbort end it with the final word each sends, and an earlier life's
+    PrefillCrash ended what was still queued or running (as prefill_crash does). The new
+    life's crash then ends what is still queued or running, and a cancel is answered with
+    the final word of the state a request ended in (AnswerCancel)."""
+    state = {r: [QUEUED, 0] for r in rows}
+    for event in events:
+        kind = type(event)
+        if kind is PrefillCrash:
+            for r, (st, _) in state.items():
+                if st == QUEUED or st == RUNNING:
+                    state[r] = [ABORTED, 0]
+            continue
+        here = state.get(event.request)
+        if here is None:
+            continue
+        if kind is Admit:
+            here[0] = RUNNING
+        elif kind is SendPage:
+            here[1] += 1
+        elif kind is SendDone:
+            here[0] = P_DONE
+        elif kind is Reject:
+            here[0] = REJECTED
+        elif kind is PrefillAbort:
+            here[0] = ABORTED
+    return {r: _row(row, PST, state[r][0], SENT, state[r][1]) for r, row in rows.items()}
 
 
 def decode_crash(m: Model, s: State, d: int = 0) -> Change | str:
@@ -1601,7 +1652,7 @@ def apply(m: Model, s: State, event: Event) -> Result:
 def pages_to_admit(m: Model, row: tuple) -> int | str:
     """How many source pages the prefill must allocate to admit this request, or why not.
     From the row alone: a prefill-side cache's hits are not looked up (allocation_need
-    does, on a view); the shells keep no prefill-side cache."""
+    does, on a view: what a shell with the prefill's cache asks instead)."""
     return _admit_need(m, row)
 
 

@@ -319,11 +319,12 @@ class Model:
                    decode_crashes=decode_crashes, name=name,
                    prefill_workers=prefill_workers, decode_workers=decode_workers)
 
-    def with_prefix_cache(self, tenants: int) -> "Model":
-        """This model with decode's prefix cache, as a shell runs it: a shell's page tokens
-        are hashes (engine/prefix.py) or counters (sim/workload.py), so its Tokens is
-        SHELL_TOKENS; `tenants` salts."""
-        return replace(self, prefix_cache=True, tokens=SHELL_TOKENS, tenants=tenants)
+    def with_prefix_cache(self, tenants: int, prefill_cache: bool = False) -> "Model":
+        """This model with decode's prefix cache (and with `prefill_cache`, the prefill's
+        too), as a shell runs it: a shell's page tokens are hashes (engine/prefix.py) or
+        counters (sim/workload.py), so its Tokens is SHELL_TOKENS; `tenants` salts."""
+        return replace(self, prefix_cache=True, tokens=SHELL_TOKENS, tenants=tenants,
+                       prefill_cache=prefill_cache)
 
     @property
     def advertised_context_pages(self) -> int:

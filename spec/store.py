@@ -19,6 +19,15 @@ observed verdict the shell reported agrees with the abstract page contents. Ever
 State and runs the core's own invariant functions on it, which is what shows that the local
 checks miss nothing.
 
+With a prefix cache (the spec's PrefixCache, and PrefillCache at the prefill) a pool's pages
+are free, idle (cached, nobody owns or reads them) or held (owned or read), and
+conservation is free + idle + referenced == total. A shell with a cache asks the core how
+many fresh pages an allocation takes (core.allocation_need), takes them with `allocate`,
+and under pool pressure evicts the store's pick first, each eviction decided by the core:
+`lru_victims` then `evict` at decode, `prefill_lru_victims` then `prefill_evict` at the
+prefill (`prefill_evictable` lists what the prefill's cache may forget now, as the core's
+prefill_evictable says). A log's evictions fold through `take_worker_event` like crashes.
+
 Like the core, this module is pure: no I/O, no clock, no randomness.
 """
 
@@ -584,7 +593,7 @@ class Store:
         rows = []
         for r in ids:
             p, d = self.placement[r] if r in self.placement else writers[r][1]
-            row = list(self.rows[r])
+            row = list(self.rows[r] if r in self.placement else _writer_stand_in(self.rows[r]))
             row[SRC] = tuple(x + p * pp for x in row[SRC])
             row[TABLE] = tuple((x + d * dp, g) for x, g in row[TABLE])
             row[PTABLE] = tuple((x + d * dp, g) for x, g in row[PTABLE])
@@ -613,6 +622,17 @@ class Store:
                 if not check(flat, state):
                     found.append(Violation(name, "the drained cluster violates it", kind="rest"))
         return found
+
+
+def _writer_stand_in(row: tuple) -> tuple:
+    """A forgotten writer in the flattened state: what SourceIdent reads of it (its prompt,
+    sources, placement, tokens and salt), none of its answer, which the oracles judged
+    while it lived (a leak it read is not reported again by every sweep while a page holds
+    its KV)."""
+    stand_in = list(core.EMPTY_ROW)
+    for k in (PROMPT, SRC, core.PW, core.DW, core.TOKENS, core.SALT):
+        stand_in[k] = row[k]
+    return tuple(stand_in)
 
 
 def _source_held(page: tuple, r: int) -> bool:

@@ -33,6 +33,13 @@ GOOD = {
     "crash": (ROUTER0, PREFILL0, {"t": "crash", "decode": 0, "requests": [0, 1],
                                   "stamp": STAMP}),
     "token": (DECODE0, ROUTER0, {"t": "token", "request": 1, "token": None, "last": True}),
+    "pdown": (DECODE0, ROUTER0, {"t": "pdown", "prefill": 0, "stamp": STAMP}),
+    "restarted": (PREFILL0, ROUTER0, {"t": "restarted", "lost": [1], "stamp": STAMP}),
+    "prefill_back": (ROUTER0, DECODE0, {"t": "prefill_back", "prefill": 0, "lost": [0, 1],
+                                        "stamp": STAMP}),
+    "leaving": (DECODE0, ROUTER0, {"t": "leaving", "holds": [1]}),
+    "farewell": (ROUTER0, PREFILL0, {"t": "farewell"}),
+    "left": (PREFILL0, ROUTER0, {"t": "left", "finished": [0, 1]}),
 }
 
 
@@ -79,6 +86,9 @@ BAD = [  # (sender, receiver, body), what the problem must say
     (_bad("msg", payload=[[1, "a"], 4]), "msg.payload must be a payload"),
     (_bad("msg", placement=[0]), "msg.placement must be a placement"),
     (_bad("write", data="bytes"), "write.data must be a data"),
+    (_bad("restarted", lost=[0, 2]), "restarted.lost must be a requests"),
+    (_bad("prefill_back", prefill=-1), "prefill_back.prefill must be a count"),
+    (_bad("farewell", holds=[1]), "a farewell has the fields"),
 ]
 
 

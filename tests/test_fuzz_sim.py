@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -82,6 +83,45 @@ def test_with_one_prefill_worker_the_simulator_runs_the_core(seed):
     assert len(target.committed()) > 30
     assert all(row[core.CLIENT] not in (core.IDLE, core.WAITING) or row == core.EMPTY_ROW
                for row in state.requests)
+
+
+def test_with_the_prefill_cache_the_simulator_still_runs_the_core():
+    """The same trace validation where both sides cache (PrefillCache) and prompts share
+    prefixes: the prefill hits pages other requests computed, computes only the rest, and
+    forgets pages (its LRU under pressure, the fuzzer's PrefillEvict moves), each a step
+    the core takes from the simulator's committed events to the state the target reports."""
+    m = replace(_model(requests=12), prefill_pages=6, prefix_cache=True, tokens=2, tenants=1,
+                prefill_cache=True)
+    seen = {"hits": 0, "evictions": 0}
+    for seed in _seeds_with(1)[:3]:
+        target = SimTarget()
+        target.reset(m, seed)
+        rng = random.Random(seed)
+        for _ in range(120):
+            moves = target.enabled()
+            if not moves:
+                break
+            action = ("Arrive" if "Arrive" in moves and rng.random() < 0.3 else
+                      "Wait" if "Wait" in moves and rng.random() < 0.8 else rng.choice(sorted(moves)))
+            move = rng.choice(moves[action])
+            if type(move) is Open and action == "Arrive":  # a shared prefix of 1s, then 2s
+                n = rng.choice((2, 3, 4))
+                move = core.Arrive(move.request, n, tokens=(1,) * (n - 1) + (2,), salt=1)
+            elif type(move) is Open:
+                move = move.close(rng.choice(move.options))
+            target.step(move)
+        while "Wait" in target.enabled():
+            target.step(Wait())
+        assert check(Checks.for_properties(), m, target) == []
+        state = core.initial_state(m)
+        for event in target.committed():
+            state = core.apply(m, state, event)
+            assert type(state) is core.State, f"the core refuses {event}: {state}"
+            if type(event) is core.Admit:
+                seen["hits"] += state.requests[event.request][core.PCACHED] > 0
+            seen["evictions"] += type(event) is core.PrefillEvict
+        assert state == target.protocol_state()
+    assert seen == {"hits": 12, "evictions": 13}
 
 
 def test_two_prefill_workers_share_one_decode_pool_and_every_check_holds():

@@ -210,3 +210,46 @@ def test_a_page_a_write_still_reads_out_of_is_not_evicted_even_with_no_reader():
     assert not core.prefill_free(early, s, 0)
     s = run(early, [LandWrite(0, 0), core.PrefillEvict(0, 0)], s)
     assert s.prefill_pool[0][core.P_IDENT] == ()
+
+
+def test_n_siblings_share_every_prompt_page_once_the_first_is_accepted():
+    """Two completions of one prompt (siblings: same tokens and salt) on the two-sided
+    cache: the second holds its Reserve while the first's transfer is under way
+    (core.sibling_waits), then hits every page at decode and at the prefill, so the prompt
+    is computed and transferred once and its pages are held once, read by both."""
+    s = run(PP, [Arrive(0, 2, 0, 0, (1, 1), 1), Arrive(1, 2, 0, 0, (1, 1), 1)])
+    steps = [Reserve(0, (0, 1)), Admit(0, (0, 1)), SendPage(0), SendPage(0),
+             LandWrite(0, 0), LandWrite(0, 1), SendDone(0)]
+    for event in steps:
+        assert core.sibling_waits(s.requests[0]), event
+        s = run(PP, [event], s)
+    assert core.sibling_waits(s.requests[0])  # sealed at the prefill, not yet at decode
+    s = run(PP, [Accept(0, True)], s)
+    assert not core.sibling_waits(s.requests[0])
+    s = run(PP, [Reserve(1, ()), Admit(1, ())], s)  # full hits on both sides
+    row = s.requests[1]
+    assert (row[core.HIT], row[core.PCACHED], core.pages_to_compute(PP, row)) == (2, 2, 0)
+    assert [s.decode_pool[p][core.READERS] for p in (0, 1)] == [(0, 1), (0, 1)]
+    s = run(PP, [SendDone(1), Accept(1, True), Finish(0, True), Release(0)], s)
+    assert s.requests[1][core.FW_COUNT] == 0  # nothing sent for the sibling
+    assert [s.decode_pool[p][core.READERS] for p in (0, 1)] == [(1,), (1,)]  # still read
+    s = run(PP, [Finish(1, True), Release(1)], s)
+    assert [s.requests[r][core.CLIENT] for r in (0, 1)] == [core.OK, core.OK]
+    assert not any(s.requests[r][core.LEAKED] for r in (0, 1))
+
+
+def test_a_sibling_whose_first_failed_goes_on_alone():
+    """Decode times the first out just as its Done is on the way: decode seals nothing, so
+    the sibling stops waiting and misses at decode (it reserves and is sent its own page),
+    while the prefill, whose SendDone sealed what it computed, still spares it the compute."""
+    m = replace(PP, early_timeouts=True)
+    s = run(m, [Arrive(0, 1, 0, 0, (1,), 1), Arrive(1, 1, 0, 0, (1,), 1),
+                Reserve(0, (0,)), Admit(0, (0,)), SendPage(0), LandWrite(0, 0), SendDone(0),
+                core.Timeout(0)])
+    assert s.requests[0][core.CLIENT] == core.ERR_TIMEOUT
+    assert not core.sibling_waits(s.requests[0])
+    s = run(m, [Reserve(1, (1,)), Admit(1, ())], s)
+    row = s.requests[1]
+    assert (row[core.HIT], row[core.PCACHED]) == (0, 1)
+    s = run(m, [SendPage(1), LandWrite(1, 1), SendDone(1), Accept(1, True), Finish(1, True)], s)
+    assert s.requests[1][core.CLIENT] == core.OK and not s.requests[1][core.LEAKED]

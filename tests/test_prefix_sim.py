@@ -16,28 +16,40 @@ from sim.scenario import load_scenario
 from spec.model import Model
 
 
-def _with_cache(name: str, cache: bool, **options):
+def _with_cache(name: str, cache: bool, prefill_cache: bool | None = None, **options):
+    """The scenario with its prefix cache on or off: decode's, and the prefill's as the
+    scenario has it unless `prefill_cache` says otherwise (never without decode's)."""
     sc = load_scenario(name).with_options(**options)
-    return sc.with_options(prefix={**sc.prefix.model_dump(), "cache": cache})
+    prefill = sc.prefix.prefill_cache if prefill_cache is None else prefill_cache
+    return sc.with_options(prefix={**sc.prefix.model_dump(), "cache": cache,
+                                   "prefill_cache": cache and prefill})
 
 
-def test_a_shared_system_prompt_hits_and_sends_fewer_pages_than_without_the_cache():
-    """The same 120 requests (seed, arrivals and prompts) with decode's cache on and off:
-    most prompt pages hit at decode and are not sent; every page is still computed (only
-    decode caches: core.pages_to_compute); no violation either way."""
-    (on, sim_on), (off, sim_off) = (simulate(_with_cache("system-prompt", cache, requests=120))
-                                    for cache in (True, False))
-    assert sim_on.folder.metrics.arrival_s == sim_off.folder.metrics.arrival_s
-    assert ([row["prompt_pages"] for row in sim_on.folder.metrics.request_rows.values()]
-            == [row["prompt_pages"] for row in sim_off.folder.metrics.request_rows.values()])
-    c = compare_prefix_cache(on, off)
-    assert c["prompt_pages"] == 2287 and c["hit_pages"] == 1840  # 80.5%
-    assert c["pages_sent"] == {"on": 447, "off": 2287}
-    assert c["pages_computed"] == {"on": 2287, "off": 2287}
-    assert c["transfer_pages_saved"] == 1840 and c["compute_pages_saved"] == 0
-    assert c["ttft_s"]["on"]["p50"] < c["ttft_s"]["off"]["p50"]
-    assert on["violations"] == off["violations"] == {}
-    assert on["summary"]["outcomes"] == off["summary"]["outcomes"] == {"Ok": 120}
+def test_a_shared_system_prompt_hits_and_the_prefill_cache_saves_compute_too():
+    """The same 120 requests (seed, arrivals and prompts) with no cache, decode's alone and
+    both sides': most prompt pages hit at decode and are not sent; with decode's cache
+    alone every page is still computed (core.pages_to_compute), with the prefill's too the
+    pages it holds are not, and the time to first token falls with them; no violation."""
+    runs = {name: simulate(_with_cache("system-prompt", cache, prefill, requests=120))
+            for name, cache, prefill in (("off", False, False), ("decode", True, False),
+                                         ("both", True, True))}
+    off, sim_off = runs["off"]
+    for result, sim in runs.values():
+        assert sim.folder.metrics.arrival_s == sim_off.folder.metrics.arrival_s
+        assert ([row["prompt_pages"] for row in sim.folder.metrics.request_rows.values()]
+                == [row["prompt_pages"] for row in sim_off.folder.metrics.request_rows.values()])
+        assert result["violations"] == {} and result["summary"]["outcomes"] == {"Ok": 120}
+    decode, both = (compare_prefix_cache(runs[name][0], off) for name in ("decode", "both"))
+    for c in (decode, both):
+        assert c["prompt_pages"] == 2287 and c["hit_pages"] == 1840  # 80.5%
+        assert c["pages_sent"] == {"on": 447, "off": 2287}
+        assert c["transfer_pages_saved"] == 1840
+    assert decode["pages_computed"] == {"on": 2287, "off": 2287}
+    assert decode["compute_pages_saved"] == 0 and not decode["prefill_cache"]
+    assert both["pages_computed"] == {"on": 447, "off": 2287}
+    assert both["compute_pages_saved"] == 1840 and both["prefill_hit_rate"] == 1840 / 2287
+    p50 = {name: c["ttft_s"]["on"]["p50"] for name, c in (("decode", decode), ("both", both))}
+    assert p50["both"] < p50["decode"] < decode["ttft_s"]["off"]["p50"]
 
 
 def test_the_comparison_command_says_where_the_gain_comes_from(capsys, tmp_path):
@@ -46,8 +58,11 @@ def test_the_comparison_command_says_where_the_gain_comes_from(capsys, tmp_path)
     out = capsys.readouterr().out
     assert "prefix cache on vs off: scenario system-prompt (system-prompt), seed 1" in out
     assert "pages sent                   250         1,130   saved 880 (77.9%)" in out
-    assert ("the TTFT gain comes from: 880 transfer pages not sent; no compute saved: only "
-            "decode caches") in out
+    assert "pages computed               250         1,130   saved 880 (77.9%)" in out
+    assert ("prefill hit rate  77.9% (880 prompt pages held cached at the prefill, 0 pages "
+            "evicted there)") in out
+    assert ("the TTFT gain comes from: 880 transfer pages not sent; 880 prompt pages not "
+            "computed") in out
     assert (tmp_path / "prefix_cache.png").stat().st_size > 0
 
 
@@ -55,6 +70,7 @@ def test_the_comparison_command_says_where_the_gain_comes_from(capsys, tmp_path)
     (["default", "--compare-prefix-cache"], "share nothing (prefix.shape is none)"),
     (["system-prompt", "--compare-prefix-cache", "--csv", "x.csv"], "takes no --csv"),
     (["system-prompt", "--set", "prefix.shape=none"], "prefix.cache needs prompts with tokens"),
+    (["system-prompt", "--set", "prefix.cache=false"], "prefix.prefill_cache needs prefix.cache"),
 ])
 def test_bad_prefix_options_are_usage_errors(capsys, args, message):
     assert main(["sim", *args]) == 2
@@ -62,24 +78,30 @@ def test_bad_prefix_options_are_usage_errors(capsys, args, message):
 
 
 def test_lru_evictions_are_logged_and_replay_to_the_same_run(tmp_path):
-    """Multi-turn sessions outgrow the decode pools: decode evicts idle cached pages (Evict
-    events the core decides), and the log replays to the same figures."""
+    """Multi-turn sessions outgrow the pools: decode and the prefill evict idle cached pages
+    (Evict and PrefillEvict events the core decides), and the log replays to the same
+    figures."""
     log = tmp_path / "run.ndjson"
     result, sim = simulate(_with_cache("multi-turn", True, requests=300), log_path=str(log))
     m = sim.folder.metrics
     assert result["violations"] == {} and m.evicted_pages > 0 and m.hit_pages > 0
-    assert '"a":"Evict"' in log.read_text()
+    assert m.prefill_evicted_pages > 0 and m.computed_pages < m.admitted_prompt_pages
+    text = log.read_text()
+    assert '"a":"Evict"' in text and '"a":"PrefillEvict"' in text
     folder, end = replay(log)
     again = folder.metrics
     assert end["drained"]
-    assert ((again.evicted_pages, again.hit_pages, again.pages_written, again.ttft_s)
-            == (m.evicted_pages, m.hit_pages, m.pages_written, m.ttft_s))
+    assert ((again.evicted_pages, again.prefill_evicted_pages, again.hit_pages,
+             again.computed_pages, again.pages_written, again.ttft_s)
+            == (m.evicted_pages, m.prefill_evicted_pages, m.hit_pages, m.computed_pages,
+                m.pages_written, m.ttft_s))
 
 
 def test_the_content_oracle_catches_reads_across_tenants_without_the_salt():
-    """NoSalt: the second tenant hits the first tenant's system prompt pages, and the
-    store's leak oracle (content identity against core.true_ident, not the core's flag)
-    counts each such answer as a leaked response."""
+    """NoSalt: the second tenant hits the first tenant's system prompt pages (at decode,
+    and at the prefill, whose keys leave the salt out too), and the store's leak oracle
+    (content identity against core.true_ident, not the core's flag) counts each such
+    answer as a leaked response."""
     sc = load_scenario("system-prompt").with_options(
         requests=60, bugs=("NoSalt",), oracles={"on_violation": "count"})
     result, _ = simulate(sc)
@@ -138,15 +160,18 @@ def test_a_prefix_runs_log_and_its_itf_trace_validate_with_hashed_tokens(capsys,
     """The simulator's tokens are hashes (Tokens is 2^62): `kvproof validate` checks its
     log against the spec's text (1..Tokens tested, never built) and its ITF trace through
     the core (each Arrive's prompt read off the recorded state, never enumerated), and a
-    trace whose Arrive claims another prompt than its state is refused."""
+    trace whose Arrive claims another prompt than its state is refused. The prefill's
+    pool is four pages, so its cache hits and evicts (PrefillEvict) on the way."""
     import json
     log, itf = tmp_path / "run.ndjson", tmp_path / "run.itf.json"
     small = ["--set", "cluster.prefill_workers=1", "--set", "cluster.decode_workers=1",
-             "--set", "cluster.page_tokens=2048", "--set", "cluster.prefill_pool_tokens=16384",
+             "--set", "cluster.page_tokens=2048", "--set", "cluster.prefill_pool_tokens=8192",
              "--set", "cluster.decode_pool_tokens=16384", "--set", "cluster.context_tokens=8192"]
-    assert main(["sim", "system-prompt", "--requests", "4", *small, "--log", str(log),
+    assert main(["sim", "system-prompt", "--requests", "8", *small, "--log", str(log),
                  "--itf", str(itf), "--quiet"]) == 0
-    capsys.readouterr()
+    assert "at the prefill: hit rate 16.0% (4 of 25 prompt pages not computed); 17 pages " \
+        "evicted" in capsys.readouterr().out
+    assert log.read_text().count('"a":"PrefillEvict"') == 17
     assert main(["validate", str(log)]) == 0
     assert "run OK" in capsys.readouterr().out
     assert main(["validate", str(itf)]) == 0

@@ -383,3 +383,45 @@ def test_a_second_deployment_in_the_same_folder_starts(model_dir, tmp_path):
         done, stopped, _ = run_to_the_end(d)
         assert done["outcomes"] == ["Ok"] and len(done["tokens"][0]) == 2
         assert_whole(stopped)
+
+
+def test_a_killed_prefill_process_ends_what_it_held_and_the_rest_give_the_judges_tokens(
+        model_dir, tmp_path, expected, capsys):
+    """2 x 2 on the real data path; prefill 0 is SIGKILLed while it holds a computed
+    request's pages (each prefill holds them 0.4 s after the compute). Its supervisor
+    restarts it without its data path (the gloo world cannot take a rank back): the new
+    life takes PrefillCrash, which ends exactly what its log shows queued or running
+    (ErrPrefill), answers decode's cancels so decode frees their pages, and takes no new
+    request; every other request gives the judge's tokens on prefill 1."""
+    d = deployment(model_dir, tmp_path, 2, 2, seed=2, compute_s=0.4, arrive_every_s=0.02)
+    victim = "prefill 0"
+    launched = Launched(d)
+    try:
+        launched.start(timeout_s=WAIT_S)
+        deadline = time.monotonic() + 60.0
+        while not [a for a, _ in _actions(log_path(d, victim)) if a == "Admit"]:
+            assert time.monotonic() < deadline, f"{victim} never admitted a request"
+            time.sleep(0.005)
+        launched.kill(victim)
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop(timeout_s=WAIT_S)
+    finally:
+        launched.close()
+    actions = _actions(log_path(d, victim))
+    crash = actions.index(("PrefillCrash", None))
+    ended = {r for a, r in actions[:crash] if a in ("SendDone", "Reject", "PrefillAbort")}
+    first_life = {r for a, r in actions[:crash] if r is not None}
+    assert first_life - ended, "the kill found nothing running"
+    outcomes = dict(enumerate(done["outcomes"]))
+    lost = {r for r, outcome in outcomes.items() if outcome == "ErrPrefill"}
+    on_victim = {r for r, (q, _) in enumerate(done["placement"]) if q == 0}
+    print(f"ErrPrefill: {sorted(lost)}; on {victim}: {sorted(on_victim)}")
+    assert first_life - ended <= lost <= on_victim - ended
+    assert not [r for a, r in actions[crash + 1:] if a == "Admit"]  # no data path: no work
+    for r, outcome in outcomes.items():
+        if r not in lost:
+            assert outcome == "Ok" and done["tokens"][r] == expected[r], r
+    assert_whole(stopped)
+    merged, verdict = merged_run(tmp_path)
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import time
 from collections import Counter
 from pathlib import Path
+
+import pytest
 
 from engine.processes import Deployment, Launched, log_path
 from sim.trace import read_part_logs
@@ -71,12 +74,16 @@ def assert_whole(stopped: dict) -> None:
         assert report.get("sending", 0) == 0, (name, report)
 
 
-def assert_one_decode_crash_validates(folder: Path, lost: set[int], stopped: dict, capsys):
-    """After decode 1 of a 2 x 2 deployment was killed: the survivors whole, the router's
-    one crash record, and the logs (the dead decode's closed by the router) merging into
-    one run with one DecodeCrash, no SendPage or SendDone of a lost request after it, that
-    `kvproof validate` accepts. The merged run and its verdict."""
-    assert set(stopped) == {"router", "prefill 0", "prefill 1", "decode 0"}
+def assert_one_decode_crash_validates(folder: Path, lost: set[int], stopped: dict, capsys,
+                                      restarted: bool = False):
+    """After decode 1 of a 2 x 2 deployment was killed: the survivors (and its new life,
+    when `restarted`: on the modelled data path) whole, the router's one crash record, and
+    the logs (the dead decode's closed by the router, or gone on with by its new life)
+    merging into one run with one DecodeCrash, no SendPage or SendDone of a lost request
+    after it, that `kvproof validate` accepts. The merged run and its verdict."""
+    assert set(stopped) == {"router", "prefill 0", "prefill 1", "decode 0"} | (
+        {"decode 1"} if restarted else set())
+    assert stopped["router"]["restarts"] == (["decode 1"] if restarted else [])
     assert_whole(stopped)
     assert stopped["router"]["crashes"] == [1]
     merged, verdict = merged_run(folder)
@@ -145,8 +152,11 @@ def _reserved_unfinished(path: Path) -> list[int]:
 
 def test_a_killed_decode_ends_its_requests_and_the_rest_finish(tmp_path, capsys):
     """Decode 1 is killed while it holds two reserved requests (workload seed 7 places
-    requests 5 and 10 there, one page each, 0.1 s apart; each computes 0.4 s)."""
-    d = deployment(tmp_path, 2, 2, compute_s=0.4, arrive_every_s=0.02)
+    requests 5 and 10 there, one page each, 0.1 s apart; each computes 0.4 s). On the
+    modelled data path its supervisor restarts it in a new epoch, and the last requests
+    (0.4 s apart, after the first twelve 0.02 s apart) find it back."""
+    d = deployment(tmp_path, 2, 2, compute_s=0.4, arrive_every_s=0.02,
+                   arrive_after_s=(0.02,) * 12 + (0.4,) * 7)
     victim = "decode 1"
     launched = Launched(d)
     try:
@@ -182,7 +192,169 @@ def test_a_killed_decode_ends_its_requests_and_the_rest_finish(tmp_path, capsys)
     finished = _decode_log(log_path(d, victim))
     assert {r for r, (_, k) in enumerate(placement) if k == 1 and ("Finish", r) in finished} \
         == {r for r, (_, k) in enumerate(placement) if k == 1} - lost
-    # The dead decode's log, closed by the router, merges with the others into one run.
-    merged, verdict = assert_one_decode_crash_validates(tmp_path, lost, stopped, capsys)
+    # The dead decode's log, gone on with by its new life, merges with the others into one
+    # run; the new life served requests placed there after it was back.
+    merged, verdict = assert_one_decode_crash_validates(tmp_path, lost, stopped, capsys,
+                                                        restarted=True)
+    crash = next(x["c"] for x in map(json.loads, log_path(d, "environment").read_text()
+                                      .splitlines()[1:]) if x["a"] == "DecodeCrash")
+    again = {x["request"] for x in map(json.loads, log_path(d, victim).read_text()
+                                       .splitlines()[1:])
+             if x["a"] == "Release" and x["c"] > crash}
+    assert again and again.isdisjoint(lost) and all(outcomes[r] == "Ok" for r in again)
     print(f"seed={SEED}: ErrDecode {sorted(lost)}, merged run of {verdict.steps} steps, "
           f"detected after {[round(x[0]['at_s'] - killed_at, 3) for x in detected.values()]} s")
+
+
+def _prefill_steps(path: Path) -> list[dict]:
+    return [x for x in map(json.loads, path.read_text().splitlines()[1:])
+            if x.get("part", "").startswith("prefill") and x["a"] != "LogEnd"]
+
+
+# Where prefill 0 is killed: a request it admitted and still computes (the modelled compute
+# holds its SendPage), or one whose writes are out (a hold before its SendDone); or where it
+# is partitioned (SIGSTOP: it stops answering without closing anything).
+KILL_POINTS = {"computing": ("Admit", dict(compute_s=0.4), signal.SIGKILL),
+               "sending": ("SendPage", dict(compute_s=0.05, send_done_after_s=0.4),
+                           signal.SIGKILL),
+               # (arrivals spread over more than the detection bound: some come after)
+               "partitioned": ("Admit", dict(compute_s=0.4, arrive_every_s=0.25),
+                               signal.SIGSTOP)}
+
+
+@pytest.mark.parametrize("point", sorted(KILL_POINTS))
+def test_a_killed_prefill_restarts_ends_what_it_held_and_serves_again(tmp_path, capsys, point):
+    """The one prefill of a 1 x 2 deployment is killed (or stopped: a partition, found by
+    the heartbeats' bound) at a chosen protocol point. The router (its supervisor) has it
+    fenced and restarted in a new epoch once every decode has reported the death; the new
+    life rebuilds what its log says and takes PrefillCrash, whose answers end exactly the
+    requests its log shows queued or running (ErrPrefill); decode times them out and
+    releases their pages once the new life answers its cancels; every other request
+    finishes, later ones on the new life; the logs merge into one run that `kvproof
+    validate` accepts."""
+    last, options, sent = KILL_POINTS[point]
+    d = deployment(tmp_path, 1, 2, **{"arrive_every_s": 0.02, **options})
+    victim = "prefill 0"
+    launched = Launched(d)
+    try:
+        launched.start()
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            steps = _prefill_steps(log_path(d, victim))
+            if steps and steps[-1]["a"] == last:
+                break
+            assert time.monotonic() < deadline, f"{victim} never took a {last}"
+            time.sleep(0.002)
+        killed_at = time.time()
+        launched.children[victim].process.send_signal(sent)
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop()
+        seen = launched.children["router"].seen
+        restarts = [x for x in seen if x["ev"] == "restart"]
+        detected = [x["at_s"] - killed_at for x in seen
+                    if x["ev"] == "peer_down" and x["peer"] == victim]
+    finally:
+        launched.close()
+    assert len(detected) == 1 and detected[0] < d.suspect_after_s + SLACK_S, detected
+    assert stopped["router"]["restarts"] == ["prefill 0"] and len(restarts) == 1
+    assert restarts[0]["restart"]["epoch"] == 2
+    assert_whole(stopped)  # the new life and both decodes hold no page
+    steps = _prefill_steps(log_path(d, victim))
+    crash = next(k for k, x in enumerate(steps) if x["a"] == "PrefillCrash")
+    first_life, second_life = steps[:crash], steps[crash + 1:]
+    ended = {x["request"] for x in first_life if x["a"] in ("SendDone", "Reject",
+                                                             "PrefillAbort")}
+    placed_before = {r for r, _, _ in restarts[0]["restart"]["placed"]}
+    lost = placed_before - ended
+    outcomes = dict(enumerate(done["outcomes"]))
+    print(f"{point}: {sent.name} after {first_life[-1]['a']}({first_life[-1]['request']}), "
+          f"detected in {detected[0]:.3f} s; "
+          f"lost {sorted(lost)}; outcomes {done['outcomes']}")
+    assert first_life[-1]["a"] == last and first_life[-1]["request"] in lost
+    assert {r for r, o in outcomes.items() if o == "ErrPrefill"} == lost
+    assert all(o == "Ok" for r, o in outcomes.items() if r not in lost)
+    # The new life served requests that arrived after it was back.
+    served = {x["request"] for x in second_life if x["a"] == "SendDone"}
+    assert served and served.isdisjoint(lost) and served.isdisjoint(placed_before)
+    merged, verdict = merged_run(tmp_path)
+    assert [x["a"] for x in merged.records].count("PrefillCrash") == 1
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+
+
+def _reports(launched: Launched, name: str, ev: str) -> list[dict]:
+    return [x for child in [*launched.previous, launched.children[name]]
+            if child.name == name for x in child.seen if x["ev"] == ev]
+
+
+def test_a_decode_asked_to_stop_drains_what_it_holds_and_leaves(tmp_path, capsys):
+    """SIGTERM to decode 1 of a 1 x 2 deployment while it holds reserved requests: it tells
+    the router, which places nothing more there; it finishes everything it held (and what
+    was placed there before the router's farewell), ends its log and exits 0; its going is
+    no crash (no DecodeCrash, no restart); every request is Ok and the logs validate."""
+    d = deployment(tmp_path, 1, 2, compute_s=0.4, arrive_every_s=0.02,
+                   arrive_after_s=(0.02,) * 12 + (0.3,) * 7)
+    victim = "decode 1"
+    launched = Launched(d)
+    try:
+        launched.start()
+        deadline = time.monotonic() + WAIT_S
+        while not _reserved_unfinished(log_path(d, victim)):
+            assert time.monotonic() < deadline, f"{victim} never reserved"
+            time.sleep(0.005)
+        launched.children[victim].process.send_signal(signal.SIGTERM)
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop()
+        draining = _reports(launched, victim, "draining")
+        drained = _reports(launched, victim, "drained")
+        exit_code = launched.children[victim].process.wait(timeout=WAIT_S)
+    finally:
+        launched.close()
+    assert len(draining) == len(drained) == 1 and draining[0]["holds"], (draining, drained)
+    assert drained[0]["left"] == [] and set(draining[0]["holds"]) <= set(drained[0]["finished"])
+    on_victim = {r for r, (_, k) in enumerate(done["placement"]) if k == 1}
+    assert on_victim == set(drained[0]["finished"])  # nothing placed there it did not finish
+    assert exit_code == 0 and victim not in stopped
+    assert done["outcomes"] == ["Ok"] * REQUESTS
+    assert stopped["router"]["crashes"] == [] and stopped["router"]["restarts"] == []
+    assert_whole(stopped)
+    merged, verdict = merged_run(tmp_path)
+    assert "DecodeCrash" not in [x["a"] for x in merged.records]
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+
+
+def test_a_prefill_whose_drain_runs_out_fails_the_rest_as_a_crash_does(tmp_path, capsys):
+    """SIGTERM to prefill 0 of a 2 x 1 deployment whose compute (1 s) outlasts its drain
+    bound (0.3 s): it reports what it finished and what it leaves, and exits; the crash's
+    path ends exactly what it left (ErrPrefill) through a new life that takes no request;
+    every other request is Ok on prefill 1; the logs validate."""
+    d = deployment(tmp_path, 2, 1, compute_s=1.0, arrive_every_s=0.02, drain_s=0.3)
+    victim = "prefill 0"
+    launched = Launched(d)
+    try:
+        launched.start()
+        deadline = time.monotonic() + WAIT_S
+        while not [x for x in _prefill_steps(log_path(d, victim)) if x["a"] == "Admit"]:
+            assert time.monotonic() < deadline, f"{victim} never admitted"
+            time.sleep(0.005)
+        launched.children[victim].process.send_signal(signal.SIGTERM)
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop()
+        drained = _reports(launched, victim, "drained")
+    finally:
+        launched.close()
+    assert len(drained) == 1 and drained[0]["left"], drained
+    outcomes = dict(enumerate(done["outcomes"]))
+    lost = {r for r, o in outcomes.items() if o == "ErrPrefill"}
+    on_victim = {r for r, (q, _) in enumerate(done["placement"]) if q == 0}
+    assert set(drained[0]["left"]) <= lost <= on_victim - set(drained[0]["finished"])
+    assert all(o == "Ok" for r, o in outcomes.items() if r not in lost)
+    assert stopped["router"]["restarts"] == ["prefill 0"]
+    steps = _prefill_steps(log_path(d, victim))
+    crash = next(k for k, x in enumerate(steps) if x["a"] == "PrefillCrash")
+    assert not [x for x in steps[crash + 1:] if x["a"] == "Admit"]  # its new life: no work
+    assert_whole(stopped)
+    merged, verdict = merged_run(tmp_path)
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err

@@ -309,7 +309,7 @@ def test_an_abort_across_processes_ends_gone_and_the_logs_validate(tiny_model, t
 
 def test_the_dashboard_lists_every_process_and_a_dead_one(tiny_model, browser, tmp_path):
     """The dashboard's process table (drawn only when serving with processes): every
-    process with its pid and pool, alive; a decode SIGKILLed shows as not alive, with its
+    process with its pid, epoch and pool, alive; a decode SIGKILLed shows as not alive, with its
     exit status."""
     from api.serve.app import create_app
     from engine.process_engine import EngineConfig, build_engine
@@ -330,14 +330,15 @@ def test_the_dashboard_lists_every_process_and_a_dead_one(tiny_model, browser, t
             def shown():
                 value = browser.evaluate(rows)
                 return {row[0]: row for row in json.loads(value)} if value else {}
-            wait_until(lambda: len(shown()) == 3 and shown()["decode-0"][4] == "128",
+            wait_until(lambda: len(shown()) == 3 and shown()["decode-0"][5] == "128",
                        PAGE_S_MAX, "the process table", shown)
-            assert {name: (row[1], int(row[2]), row[3]) for name, row in shown().items()} == {
-                name: (name.split("-")[0], pid, "yes") for name, pid in pids.items()}
+            assert {name: (row[1], int(row[2]), row[3], row[4])
+                    for name, row in shown().items()} == {
+                name: (name.split("-")[0], pid, "1", "yes") for name, pid in pids.items()}
             os.kill(pids["decode-0"], signal.SIGKILL)
-            wait_until(lambda: shown()["decode-0"][3] == "no (exit -9)", PAGE_S_MAX,
+            wait_until(lambda: shown()["decode-0"][4] == "no (exit -9)", PAGE_S_MAX,
                        "the dead decode shown", shown)
-            assert [shown()[n][3] for n in ("prefill-0", "router")] == ["yes", "yes"]
+            assert [shown()[n][4] for n in ("prefill-0", "router")] == ["yes", "yes"]
     finally:
         kill_all(deployment_pids(log_dir))
 
@@ -399,3 +400,56 @@ def test_a_router_killed_while_serving_fails_its_live_requests_at_once(tiny_mode
     finally:
         engine.stop(drain_s=0)
         kill_all(deployment_pids(log_dir))
+
+
+def test_a_prefill_killed_while_serving_ends_what_it_held_and_the_rest_is_served(
+        tiny_model, tmp_path, capsys):
+    """2 prefill x 1 decode processes serving; prefill 0 is SIGKILLed with four requests
+    just submitted. Every request is answered within the bound: ErrPrefill exactly for
+    those its log shows it had not finished (what its new life's PrefillCrash ended), Ok
+    for the rest; the state lists prefill-0 alive again in epoch 2 (a new life without its
+    data path: the gloo world cannot take a rank back, so no request goes there); a later
+    request is served; and the deployment's logs validate."""
+    from engine.process_engine import EngineConfig, build_engine
+    from engine.sampling import SamplingParams
+    from engine.service import Finished, GenerationRequest
+    from tests.cli_cases import run as cli
+
+    log_dir = tmp_path / "logs"
+    engine = build_engine(tiny_model, EngineConfig(
+        page_tokens=4, prefill_pool_tokens=512, decode_pool_tokens=512, prefill_workers=2,
+        log_dir=str(log_dir), stop_timeout_s=5))
+    ids = tuple(tiny_model.tokenizer.encode("The quick brown fox"))
+    answers: dict[int, Finished] = {}
+
+    def submit(k: int) -> None:
+        engine.submit(GenerationRequest(ids, SamplingParams(max_tokens=24, ignore_eos=True)),
+                      lambda e: answers.__setitem__(k, e) if isinstance(e, Finished) else None)
+    try:
+        for k in range(4):
+            submit(k)
+        os.kill(engine.launched.children["prefill 0"].process.pid, signal.SIGKILL)
+        wait_until(lambda: len(answers) == 4, 60, "every request's answer")
+        wait_until(lambda: {w["name"]: (w["alive"], w["epoch"]) for w in
+                            engine.snapshot().workers}.get("prefill-0") == (True, 2),
+                   60, "prefill 0's next life")
+        submit(4)
+        wait_until(lambda: 4 in answers, 60, "the later request's answer")
+    finally:
+        engine.stop(drain_s=0)
+        kill_all(deployment_pids(str(log_dir)))
+    outcomes = {k: answers[k].outcome for k in sorted(answers)}
+    print(f"outcomes {outcomes}")
+    assert set(outcomes.values()) <= {"Ok", "ErrPrefill"} and outcomes[4] == "Ok"
+    records = [json.loads(line) for line in
+               (log_dir / "prefill-0.ndjson").read_text().splitlines()[1:]]
+    crash = next(k for k, x in enumerate(records) if x["a"] == "PrefillCrash")
+    ended = {x["request"] for x in records[:crash] if x["a"] in ("SendDone", "Reject",
+                                                                  "PrefillAbort")}
+    placed = {x["request"] for x in map(json.loads, (log_dir / "router.ndjson").read_text()
+                                        .splitlines()[1:])
+              if x["a"] == "Arrive" and x.get("prefill_worker", 0) == 0}
+    assert placed - ended, "the kill found nothing of prefill 0's unfinished"
+    assert {k for k, o in outcomes.items() if o == "ErrPrefill"} == placed - ended
+    code, out, err = cli(capsys, "validate", str(log_dir))
+    assert code == 0 and "run OK" in out, out + err
