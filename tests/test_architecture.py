@@ -8,6 +8,7 @@ when a test happens to exercise it.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -140,11 +141,12 @@ def test_only_the_one_runtime_holds_a_handler_per_command():
 
 
 def _only_reads(text: str, marker: str) -> bool:
-    """True when every use of a subscript marker is a read (never `...] =`)."""
+    """True when every use of a subscript marker is a read (never `...] =`; `] ==` is a
+    comparison, a read)."""
     if not marker.endswith("["):
         return False
     for line in text.splitlines():
-        if marker in line and "] =" in line.split(marker, 1)[1]:
+        if marker in line and re.search(r"\] =(?!=)", line.split(marker, 1)[1]):
             return False
     return True
 
