@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from dataclasses import replace
 
 from spec.model import SHELL_TOKENS, Model
 
@@ -79,8 +78,5 @@ def salt_of(*parts: str) -> int:
 def with_caches(shell: Model, prefix_cache: bool, prefill_cache: bool) -> Model:
     """The engine's Model with decode's prefix cache and the prefill's, as switched (the
     runtime's config, or a log's header)."""
-    if not prefix_cache:
-        return shell
-    cached = shell.with_prefix_cache(SALT_MAX)
-    return replace(cached, prefill_cache=True) if prefill_cache else cached
+    return shell.with_prefix_cache(SALT_MAX, prefill_cache) if prefix_cache else shell
 
