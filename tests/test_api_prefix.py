@@ -82,6 +82,8 @@ def test_two_keys_never_share_a_page_and_one_key_does(tiny_chat_model):  # noqa:
                 salt_for(tenant_of(KEYS[0]), "team-a", False)]
     assert salts == sorted(expected) and len(set(salts)) == 3  # one page per salt
     assert engine.inner.runtime.store.violation_total == 0
+    # --prefix-cache is the prefill's cache too: the 2 hits computed 6 prompt tokens each.
+    assert engine.inner.runtime.counts["prefill"]["computed_tokens"] == 5 * 70 - 2 * 4 * PAGE
 
 
 def test_with_the_no_salt_switch_the_second_key_reads_the_first_keys_pages(
