@@ -137,6 +137,10 @@ class Snapshot:
     # (`evicted_lru_pages`) or as no prompt can hit them (`evicted_unshareable_pages`).
     # Empty without a cache.
     prefix: dict = field(default_factory=dict)
+    # The prefill's prefix cache, the same counters (`admitted_prompt_pages` where decode's
+    # has reserved_prompt_pages; a hit is a page not computed) and `computed_tokens`, the
+    # prompt tokens the prefill ran through the model. Empty without it.
+    prefill_cache: dict = field(default_factory=dict)
 
 
 class Engine(Protocol):

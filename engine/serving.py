@@ -464,7 +464,8 @@ class ThreadedEngine:
                         refusals=counts["refusals"], rejects=counts["rejects"],
                         outcomes=counts["outcomes"], transfers=rt.transport.writes_landed,
                         transfer_bytes=rt.transport.bytes_landed,
-                        prefix=counts["prefix"] if rt.config.prefix_cache else {})
+                        prefix=counts["prefix"] if rt.config.prefix_cache else {},
+                        prefill_cache=counts["prefill"] if rt.config.prefill_cache else {})
 
     def _drained(self) -> bool:
         with self._lock:
