@@ -36,7 +36,8 @@ class EnginePrefill:
     def compute(self, r: int) -> None:
         live = self.rt.live[r]
         request = Request(r, live.request.prompt_ids, live.request.sampling)
-        self.worker.start(request, self.rt.store.rows[r][core.SRC])
+        row = self.rt.store.rows[r]
+        self.worker.start(request, row[core.SRC], row[core.PCACHED])
 
     def post(self, write: tuple, d: int) -> None:
         r, source, page, tag = write

@@ -55,6 +55,8 @@ class Delivery:
             done = core.is_enabled(m, view, r, core.SendDone) and self.take(r, core.SendDone(r))
             if done:
                 live.count_sent = row[core.SENT]
+                if m.prefill_cache:
+                    self._prefill_evict_unshareable(live, row)
             return self._settle(live, what, done or row[core.PST] != core.RUNNING)
         message, worker = {GONE_PREFILL: (core.CLIENT_GONE, "prefill"),
                            GONE_DECODE: (core.CLIENT_GONE, "decode")}.get(what, (what, None))
@@ -96,6 +98,15 @@ class Delivery:
         for page, _ in row[core.TABLE][live.full_pages:]:
             if pool[page][core.IDENT] and not pool[page][core.READERS]:
                 self.evict(d, page, "unshareable")
+
+    def _prefill_evict_unshareable(self, live: Live, row: tuple) -> None:
+        """After r's SendDone: the prefill's cached pages keyed by r's nonces (its partial
+        last page, its output pages) can never be hit; evicted at once, as decode's."""
+        p = self.store.placement[live.request_id][0]
+        pool = self.store.prefill_pools[p]
+        for page in row[core.SRC][live.full_pages:]:
+            if pool[page][core.P_IDENT] and not pool[page][core.P_READERS]:
+                self.prefill_evict(p, page, "unshareable")
 
     def _send_pages(self, live: Live, view) -> bool:
         """Post one write per computed source page, as long as the core allows SendPage
@@ -145,9 +156,21 @@ class Delivery:
             if len(worker.computing) >= self.config.max_batch:
                 break
             pages = self.store.allocate("prefill", k, need)
+            if pages is None and m.prefill_cache and self.prefill_evict_for(r, k, need):
+                pages = self.store.allocate("prefill", k, need)
             if pages is None:
                 break
             worker.queue.remove(r)
-            busy |= self.take(r, core.Admit(r, pages)) is not None
+            admitted = self.take(r, core.Admit(r, pages)) is not None
+            if admitted and m.prefill_cache:
+                self._count_prefill_hit(self.live[r])
+            busy |= admitted
         return busy
+
+    def _count_prefill_hit(self, live: Live) -> None:
+        """What the prefill's Admit found in its own cache for the request (PCACHED)."""
+        live.prefill_hit_pages = self._row(live.request_id)[core.PCACHED]
+        counts = self.counts["prefill"]
+        counts["admitted_prompt_pages"] += live.full_pages
+        counts["hit_pages"] += live.prefill_hit_pages
 

@@ -15,7 +15,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from engine.prefix import SALT_MAX
+from engine.prefix import with_caches
 from spec import codec, core
 from spec.core import Refusal
 from spec.model import Model, ProtocolConfig
@@ -54,9 +54,8 @@ def model_of(header: dict) -> Model:
                               header["decode_pages"], frozenset(header["bugs"]))
     shell = Model.for_shell(protocol, header["max_prompt_pages"], name="engine-replay",
                             crashes=False, decode_crashes=False)
-    if not header.get("prefix_cache"):
-        return shell
-    return shell.with_prefix_cache(SALT_MAX)
+    return with_caches(shell, bool(header.get("prefix_cache")),
+                       bool(header.get("prefill_cache")))
 
 
 def replay(header: dict, records: list[dict]) -> Store:
@@ -110,8 +109,7 @@ def core_trace(header: dict, records: list[dict]) -> tuple[Model, list]:
               context_pages=header["context_pages"], prefill_pages=header["prefill_pages"],
               decode_pages=header["decode_pages"], bugs=frozenset(header["bugs"]),
               name="engine-run")
-    if header.get("prefix_cache"):
-        m = m.with_prefix_cache(SALT_MAX)
+    m = with_caches(m, bool(header.get("prefix_cache")), bool(header.get("prefill_cache")))
     state = core.initial_state(m)
     steps: list = [(None, state)]
     for k, event in enumerate(events, start=2):

@@ -93,6 +93,9 @@ class Sequence:
     tag_tensor: torch.Tensor  # int64 [pages], the tags the row expects
     generator: torch.Generator | None
     prefilled_tokens: int = 0
+    # Leading pages the prefill read from its prefix cache: shared, never written (the
+    # prefill-side cache, engine/workers.py `PrefillWorker.start`).
+    cached_pages: int = 0
     output_ids: list[int] = field(default_factory=list)
     logits: list = field(default_factory=list)
     text: str | None = None

@@ -50,6 +50,7 @@ class Loop:
     def _prefill_on(self, worker) -> None:
         before = {s.request.request_id: s.prefilled_tokens for s in worker.computing}
         completed, faults = worker.step()
+        self._count_computed(worker, before, completed)
         self._renew_progress(worker, before, completed)
         for fault in faults:
             self._prefill_failed(fault)
@@ -61,6 +62,13 @@ class Loop:
                 self.prompt_kv[r] = kv_rows(worker.pool, sequence.pages,
                                             len(sequence.prompt_ids))
             live.wants.add(SEND)
+
+    def _count_computed(self, worker, before: dict, completed: list) -> None:
+        """The prompt tokens this step ran through the model (a failed chunk's are not)."""
+        sequences = [s for s, _, _ in completed] + worker.computing
+        self.counts["prefill"]["computed_tokens"] += sum(
+            s.prefilled_tokens - before[s.request.request_id] for s in sequences
+            if s.request.request_id in before)
 
     def _renew_progress(self, worker, before: dict, completed: list) -> None:
         """A prefill step renews the lease of every request whose chunk it computed and,

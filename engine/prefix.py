@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from spec.model import SHELL_TOKENS
+from spec.model import SHELL_TOKENS, Model
 
 DIGEST_MAX = 1 << 61   # a filled page's token is in 1..DIGEST_MAX
 TOKENS_MAX = SHELL_TOKENS  # the core's Tokens for a shell: nonces above DIGEST_MAX
@@ -73,3 +73,10 @@ def salt_of(*parts: str) -> int:
     data = "\x00".join(parts).encode()
     value = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
     return 1 + value % SALT_MAX
+
+
+def with_caches(shell: Model, prefix_cache: bool, prefill_cache: bool) -> Model:
+    """The engine's Model with decode's prefix cache and the prefill's, as switched (the
+    runtime's config, or a log's header)."""
+    return shell.with_prefix_cache(SALT_MAX, prefill_cache) if prefix_cache else shell
+

@@ -73,7 +73,7 @@ from engine.generate import pages_needed
 from engine.loop import Loop
 from engine.model import LlamaModel
 from engine.pool import PoolConfig
-from engine.prefix import SALT_MAX, Nonces, page_tokens_of
+from engine.prefix import SALT_MAX, Nonces, page_tokens_of, with_caches
 from engine.service import Finished, GenerationRequest, PoolSnapshot, RequestSnapshot
 from engine.streaming import Live
 from engine.transport import InProcessTransport
@@ -114,8 +114,15 @@ class RuntimeConfig:
     # prompt starts with pages decode holds cached under its salt reads them instead of
     # having them sent.
     prefix_cache: bool = False
+    # The prefill's prefix cache too (the core's PrefillCache; needs prefix_cache): a
+    # request whose prompt starts with full pages the prefill holds cached under its salt
+    # computes only the rest, its attention reading the cached pages' KV.
+    prefill_cache: bool = False
 
     def __post_init__(self) -> None:
+        if self.prefill_cache and not self.prefix_cache:
+            raise ValueError("prefill_cache needs prefix_cache: the prefill's cache files "
+                             "pages under the keys decode's cache gives them")
         for name in ("prefill_pages", "decode_pages", "page_tokens", "context_tokens",
                      "max_batch", "prefill_chunk_tokens", "prefill_workers", "decode_workers"):
             assert getattr(self, name) > 0, f"{name} must be positive"
@@ -144,8 +151,13 @@ class Runtime(ShellRuntime, Loop, Delivery):
         self.store = Store(self.core_model, config.prefill_workers, config.decode_workers)
         pool = PoolConfig.for_model(model.config, 1, config.page_tokens, model.dtype,
                                     model.device)
-        self.prefills = [PrefillWorker(model, _sized(pool, config.prefill_pages),
-                                       config.prefill_chunk_tokens, name=f"prefill-{k}")
+        # With a prefill-side cache each prefill pool has one page past the core's pages:
+        # the scratch page of PrefillWorker.spare_cached, never allocated, never sent.
+        scratch = config.prefill_pages if config.prefill_cache else None
+        self.prefills = [PrefillWorker(model, _sized(pool, config.prefill_pages
+                                                     + (scratch is not None)),
+                                       config.prefill_chunk_tokens, name=f"prefill-{k}",
+                                       scratch_page=scratch)
                          for k in range(config.prefill_workers)]
         self.decodes = [DecodeWorker(model, _sized(pool, config.decode_pages), config.max_batch,
                                      name=f"decode-{k}") for k in range(config.decode_workers)]
@@ -177,7 +189,11 @@ class Runtime(ShellRuntime, Loop, Delivery):
         self.on_commit: Callable | None = None  # fuzzers: (event, change) after each commit
         self.counts = {"guard_trips": {}, "refusals": {}, "rejects": {}, "outcomes": {},
                        "prefix": {"reserved_prompt_pages": 0, "hit_pages": 0,
-                                  "evicted_lru_pages": 0, "evicted_unshareable_pages": 0}}
+                                  "evicted_lru_pages": 0, "evicted_unshareable_pages": 0},
+                       # The prompt tokens the prefill workers ran through the model.
+                       "prefill": {"computed_tokens": 0, "admitted_prompt_pages": 0,
+                                   "hit_pages": 0, "evicted_lru_pages": 0,
+                                   "evicted_unshareable_pages": 0}}
         self._start_runtime()
 
     # -- the one path into the core (spec/runtime.py) and its hooks ----------------------
@@ -315,15 +331,21 @@ class Runtime(ShellRuntime, Loop, Delivery):
         """Decode worker d's prefix cache forgets `page` (the shell's pick, `why`: "lru"
         under pool pressure, "unshareable" for a page no prompt can hit), if the core
         allows it; logged like every accepted event."""
-        event = core.Evict(d, page)
-        out = self.store.evict(d, page)
+        return self._evicted(core.Evict(d, page), self.store.evict(d, page), "prefix", why)
+
+    def prefill_evict(self, p: int, page: int, why: str = "lru") -> bool:
+        """The same for prefill worker p's cache (the core's PrefillEvict)."""
+        return self._evicted(core.PrefillEvict(p, page), self.store.prefill_evict(p, page),
+                             "prefill", why)
+
+    def _evicted(self, event: core.WorkerEvent, out, counts: str, why: str) -> bool:
         if type(out) is Refusal:
             self.refused(out)
             return False
         limit = self.config.log_records_max
         if limit and len(self.log) < limit:
             self.log.append({"t": round(self.clock.now(), 6), **codec.encode(event)})
-        self.counts["prefix"][f"evicted_{why}_pages"] += 1
+        self.counts[counts][f"evicted_{why}_pages"] += 1
         if self.on_commit is not None:
             self.on_commit(event, out)
         self.checked()
@@ -336,6 +358,13 @@ class Runtime(ShellRuntime, Loop, Delivery):
         hits = core.hit_pages(self.core_model, self._view(r), self._row(r))
         victims = self.store.lru_victims(d, hits, need)
         return victims is not None and all([self.evict(d, page) for page in victims])
+
+    def prefill_evict_for(self, r: int, p: int, need: int) -> bool:
+        """The same at prefill worker p for r's Admit (the store's pick, not the pages r
+        is about to read from the prefill's cache)."""
+        hits = core.prefill_hit_pages(self.core_model, self._view(r), self._row(r))
+        victims = self.store.prefill_lru_victims(p, hits, need)
+        return victims is not None and all([self.prefill_evict(p, page) for page in victims])
 
     def abort(self, r: int, why: str = "the client went away") -> None:
         """The serving edge gives up on r: a client that left, or (`why`) a server that is
@@ -362,7 +391,11 @@ class Runtime(ShellRuntime, Loop, Delivery):
             detail = f"the {live.guard} guard tripped"
         detail = detail or live.detail
         prompt_tokens = len(live.request.prompt_ids)
-        cached = min(live.hit_pages * self.config.page_tokens, prompt_tokens)
+        # OpenAI's cached_tokens: prompt tokens served from a cache. With the prefill's
+        # cache, those the prefill did not compute; with decode's alone, those decode read
+        # from its cache instead of receiving them (the prefill computed them all).
+        hit = live.prefill_hit_pages if self.config.prefill_cache else live.hit_pages
+        cached = min(hit * self.config.page_tokens, prompt_tokens)
         live.on_event(Finished(live.request_id, outcome, reason, live.guard, prompt_tokens,
                                live.completion_tokens, detail, cached))
 
@@ -409,20 +442,19 @@ class Runtime(ShellRuntime, Loop, Delivery):
                                      ("decode", self.decodes, self.config.decode_pages)):
             for k, worker in enumerate(workers):
                 # A cached page nobody reads counts as free (an allocation evicts it).
-                idle = len(store.decode_idle[k]) if kind == "decode" else 0
+                idle = len((store.decode_idle if kind == "decode" else store.prefill_idle)[k])
                 free = store.free_pages(kind, k) + idle
                 out.append(PoolSnapshot(worker.name, pages, free, pages - free,
                                         tombs[k] if kind == "decode" else 0,
                                         transport.in_flight_at(kind, k),
-                                        self._cached_pages(k) if kind == "decode" else 0,
-                                        idle))
+                                        self._cached_pages(kind, k), idle))
         return tuple(out)
 
-    def _cached_pages(self, d: int) -> int:
-        """Decode worker d's cached pages (sealed: filed under a key), read or idle."""
-        if not self.core_model.prefix_cache:
-            return 0
-        return sum(1 for page in self.store.decode_pools[d] if page[core.IDENT])
+    def _cached_pages(self, kind: str, k: int) -> int:
+        """Worker k's cached pages (sealed: filed under a key), read or idle."""
+        if kind == "decode":
+            return sum(1 for page in self.store.decode_pools[k] if page[core.IDENT])
+        return sum(1 for page in self.store.prefill_pools[k] if page[core.P_IDENT])
 
     def request_snapshots(self) -> tuple[RequestSnapshot, ...]:
         everyone = self.recent + [self.live[r] for r in sorted(self.live)]
@@ -432,8 +464,9 @@ class Runtime(ShellRuntime, Loop, Delivery):
     def whole(self) -> bool:
         """Every page of every pool free and no write in flight: the state after a drain."""
         store = self.store
-        # With a prefix cache a drained decode pool holds free pages and idle cached ones.
-        return (all(len(free) == self.config.prefill_pages for free in store.prefill_free)
+        # With a prefix cache a drained pool holds free pages and idle cached ones.
+        return (all(len(free) + len(idle) == self.config.prefill_pages
+                    for free, idle in zip(store.prefill_free, store.prefill_idle))
                 and all(len(free) + len(idle) == self.config.decode_pages
                         for free, idle in zip(store.decode_free, store.decode_idle))
                 and not self.transport.in_flight and not store.rows)
@@ -445,16 +478,15 @@ class Runtime(ShellRuntime, Loop, Delivery):
                 "bugs": sorted(protocol.bugs), "max_prompt_pages": self.config.context_pages,
                 "prefill_workers": self.config.prefill_workers,
                 "decode_workers": self.config.decode_workers,
-                **({"prefix_cache": True} if self.config.prefix_cache else {})}
+                **({"prefix_cache": True} if self.config.prefix_cache else {}),
+                **({"prefill_cache": True} if self.config.prefill_cache else {})}
 
 
 def core_model_for(config: RuntimeConfig) -> Model:
     """The Model the runtime hands the core (and a replay of its log, engine/eventlog.py)."""
     shell = Model.for_shell(config.protocol(), config.context_pages, name="engine",
                             crashes=False, decode_crashes=False)
-    if not config.prefix_cache:
-        return shell
-    return shell.with_prefix_cache(SALT_MAX)
+    return with_caches(shell, config.prefix_cache, config.prefill_cache)
 
 
 def _sized(pool: PoolConfig, pages: int) -> PoolConfig:

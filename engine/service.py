@@ -64,7 +64,10 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     detail: str = ""  # one line for the operator (what the core refused, which guard)
-    cached_tokens: int = 0  # prompt tokens decode read from its prefix cache
+    # Prompt tokens served from a prefix cache: with the prefill's cache, those whose KV the
+    # prefill read from it instead of computing (OpenAI's cached_tokens); with decode's
+    # alone, those decode read from its cache instead of receiving them.
+    cached_tokens: int = 0
 
 
 Event = TokenOut | Finished
@@ -104,8 +107,8 @@ class PoolSnapshot:
     held: int
     tombstoned: int
     writes_in_flight: int
-    # Decode's prefix cache: pages filed under a key (read or idle), and those nobody
-    # reads (counted in `free`: an allocation evicts them).
+    # The pool's prefix cache (decode's, or the prefill's): pages filed under a key (read
+    # or idle), and those nobody reads (counted in `free`: an allocation evicts them).
     cached: int = 0
     cached_idle: int = 0
 
@@ -139,6 +142,10 @@ class Snapshot:
     # (`evicted_lru_pages`) or as no prompt can hit them (`evicted_unshareable_pages`).
     # Empty without a cache.
     prefix: dict = field(default_factory=dict)
+    # The prefill's prefix cache, the same counters (`admitted_prompt_pages` where decode's
+    # has reserved_prompt_pages; a hit is a page not computed) and `computed_tokens`, the
+    # prompt tokens the prefill ran through the model. Empty without it.
+    prefill_cache: dict = field(default_factory=dict)
 
 
 class Engine(Protocol):

@@ -196,8 +196,10 @@ class EngineConfig(Shape):
     step_delay_s: float = 0.0
     loop_nice: int = ENGINE_NICE_INCREMENT  # the loop thread's nice increment, 0..19
     transport_seed: int | None = None
-    # Decode's prefix cache (engine/prefix.py): requests of one salt whose prompts share
-    # leading pages read them from decode's cache instead of having them sent.
+    # The prefix caches (engine/prefix.py), both sides: requests of one salt whose prompts
+    # share leading pages read them from decode's cache instead of having them sent, and
+    # the prefill computes only what its own cache does not hold (RuntimeConfig's
+    # prefix_cache and prefill_cache).
     prefix_cache: bool = False
 
     POSITIVE = Shape.POSITIVE + ("max_queued_tokens", "lease_s", "transfer_timeout_s",
@@ -254,7 +256,8 @@ def build_engine(loaded_model, config: EngineConfig | dict | None = None) -> "Th
         prefill_chunk_tokens=config.prefill_chunk_tokens, lease_s=config.lease_s,
         transfer_timeout_s=config.transfer_timeout_s, bugs=config.bugs,
         transport_seed=config.transport_seed, prefill_workers=config.prefill_workers,
-        decode_workers=config.decode_workers, prefix_cache=config.prefix_cache),
+        decode_workers=config.decode_workers, prefix_cache=config.prefix_cache,
+        prefill_cache=config.prefix_cache),
         tokenizer=loaded_model.tokenizer)
     timing = checked_timing(runtime, config, context)
     if timing is not None and timing.context_tokens < context:
@@ -461,7 +464,8 @@ class ThreadedEngine:
                         refusals=counts["refusals"], rejects=counts["rejects"],
                         outcomes=counts["outcomes"], transfers=rt.transport.writes_landed,
                         transfer_bytes=rt.transport.bytes_landed,
-                        prefix=counts["prefix"] if rt.config.prefix_cache else {})
+                        prefix=counts["prefix"] if rt.config.prefix_cache else {},
+                        prefill_cache=counts["prefill"] if rt.config.prefill_cache else {})
 
     def _drained(self) -> bool:
         with self._lock:

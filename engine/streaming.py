@@ -41,6 +41,7 @@ class Live:
     started_s: float
     full_pages: int = 0  # with a prefix cache: the pages the prompt fills (shareable)
     hit_pages: int = 0  # with a prefix cache: the pages decode read from its cache
+    prefill_hit_pages: int = 0  # with the prefill's cache: the pages it did not compute
     wants: set = field(default_factory=set)
     first: tuple | None = None  # (token, logits row, generator) from the prefill
     sequence: Sequence | None = None  # at decode

@@ -16,7 +16,7 @@ current), so the engine's tag is the core's tag, bit for bit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -60,25 +60,57 @@ class PrefillWorker:
     pool_config: PoolConfig
     chunk_tokens: int
     name: str = "prefill-0"
+    # With a prefill-side prefix cache: a page past the core's pool (its index), where the
+    # one token a prompt cached whole recomputes writes its K/V (see `spare_cached`).
+    scratch_page: int | None = None
     queue: list = field(default_factory=list)  # requests the core queued here, FIFO
     computing: list = field(default_factory=list)  # Sequences on source pages
 
     def __post_init__(self) -> None:
         self.pool = KVPool(self.pool_config)
 
-    def start(self, request: Request, source_pages: tuple[int, ...]) -> Sequence:
+    def start(self, request: Request, source_pages: tuple[int, ...],
+              cached_pages: int = 0) -> Sequence:
         """Compute as much of the prompt as the admitted source pages hold: the whole
-        prompt, unless the core admitted a one-page placeholder (FinishedNotRejected)."""
-        tokens = min(len(request.prompt_ids), len(source_pages) * self.pool.page_tokens)
+        prompt, unless the core admitted a one-page placeholder (FinishedNotRejected).
+        The first `cached_pages` sources are pages the core found in the prefill's cache
+        (the core's PCACHED): full pages of this prompt's prefix whose KV another request
+        computed. Attention reads them; the prompt is computed from the first position
+        after them, or from its last token when they hold all of it (its logits are the
+        first token's)."""
+        page_tokens = self.pool.page_tokens
+        tokens = min(len(request.prompt_ids), len(source_pages) * page_tokens)
+        assert cached_pages * page_tokens <= tokens, "a cached page is a full prompt page"
+        assert not cached_pages or self.scratch_page is not None, "no prefill-side cache"
         held = Request(request.request_id, request.prompt_ids[:tokens], request.sampling)
         device = self.model.device
         sequence = Sequence(request=held, pages=list(source_pages),
                             page_tensor=torch.tensor(source_pages, dtype=torch.int32,
                                                      device=device),
                             tag_tensor=torch.empty(0, dtype=torch.int64),
-                            generator=request.sampling.make_generator(device))
+                            generator=request.sampling.make_generator(device),
+                            prefilled_tokens=min(cached_pages * page_tokens, tokens - 1),
+                            cached_pages=cached_pages)
         self.computing.append(sequence)
         return sequence
+
+    def spare_cached(self, plan: list) -> list:
+        """The plan with no K/V written into a cached page: a chunk that recomputes a
+        position inside one (only the last token of a prompt cached whole) writes it to the
+        scratch page instead. Its attention reads the cached page's K/V for that position,
+        which the same tokens computed; a page other requests read, or a write in flight
+        reads out of, is never changed under them (its checksum was sealed once)."""
+        page_tokens = self.pool.page_tokens
+        out = []
+        for sequence, chunk in plan:
+            inside = sequence.cached_pages * page_tokens - chunk.start_position
+            if inside > 0:
+                slots = chunk.slots.clone()
+                slots[:inside] = (self.scratch_page * page_tokens
+                                  + torch.arange(inside, device=slots.device) % page_tokens)
+                chunk = replace(chunk, slots=slots)
+            out.append((sequence, chunk))
+        return out
 
     def stop(self, request_id: int) -> None:
         self.computing = [s for s in self.computing if s.request.request_id != request_id]
@@ -91,8 +123,8 @@ class PrefillWorker:
         the sequences whose own compute failed (see `compute`), out of `computing` now."""
         if not self.computing:
             return [], []
-        plan = plan_chunks(self.computing, self.chunk_tokens, self.model.device,
-                           self.pool.page_tokens)
+        plan = self.spare_cached(plan_chunks(self.computing, self.chunk_tokens,
+                                             self.model.device, self.pool.page_tokens))
         computed, faults = self.compute(plan)
         for fault in faults:
             self.computing.remove(fault.sequence)
@@ -103,7 +135,7 @@ class PrefillWorker:
             if sequence.prefilled_tokens < len(sequence.prompt_ids):
                 continue
             self.computing.remove(sequence)
-            self.pool.seal(sequence.pages)
+            self.pool.seal(sequence.pages[sequence.cached_pages:])  # cached: sealed once
             token = sample(logits[None], [sequence.request.sampling], [sequence.generator])[0]
             completed.append((sequence, token, logits))
         return completed, faults
@@ -149,8 +181,9 @@ class PrefillWorker:
     def scrub(self, sequence: Sequence) -> None:
         """Zero a failed request's source pages before the core frees them: what its step
         wrote is garbage and may be non-finite, and a NaN that attention masks out still
-        poisons it (0 x NaN), for whoever reuses the page and for decode's tail pages."""
-        self.pool.kv[sequence.page_tensor.long()] = 0
+        poisons it (0 x NaN), for whoever reuses the page and for decode's tail pages. The
+        cached pages it read are not its own: they stay as they are."""
+        self.pool.kv[sequence.page_tensor[sequence.cached_pages:].long()] = 0
 
     def checksum(self, page: int) -> int:
         return int(self.pool.checksums[page].item())

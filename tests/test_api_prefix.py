@@ -82,6 +82,17 @@ def test_two_keys_never_share_a_page_and_one_key_does(tiny_chat_model):  # noqa:
                 salt_for(tenant_of(KEYS[0]), "team-a", False)]
     assert salts == sorted(expected) and len(set(salts)) == 3  # one page per salt
     assert engine.inner.runtime.store.violation_total == 0
+    # --prefix-cache is the prefill's cache too: the 2 hits computed 6 prompt tokens each;
+    # its books are decode's (the fifth page evicted at each request's SendDone).
+    assert metric_values(metrics, "kvproof_prefill_") == {
+        'kvproof_prefill_cache_pages{state="cached",worker="prefill-0"}': 12.0,
+        'kvproof_prefill_cache_pages{state="idle",worker="prefill-0"}': 12.0,
+        "kvproof_prefill_cache_prompt_pages_total": 20.0,
+        "kvproof_prefill_cache_hit_pages_total": 8.0,
+        "kvproof_prefill_cache_hit_ratio": 0.4,
+        'kvproof_prefill_cache_evicted_pages_total{reason="lru"}': 0.0,
+        'kvproof_prefill_cache_evicted_pages_total{reason="unshareable"}': 5.0,
+        "kvproof_prefill_computed_tokens_total": 5 * 70 - 2 * 4 * PAGE}
 
 
 def test_with_the_no_salt_switch_the_second_key_reads_the_first_keys_pages(

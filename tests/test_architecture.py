@@ -8,6 +8,7 @@ when a test happens to exercise it.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -142,7 +143,6 @@ def test_only_the_one_runtime_holds_a_handler_per_command():
 def _only_reads(text: str, marker: str) -> bool:
     """True when every use of a subscript marker is a read (never `...] =`; a comparison,
     `...] ==`, is a read)."""
-    import re
     if not marker.endswith("["):
         return False
     assigned = re.compile(r"\]\s*=(?!=)")

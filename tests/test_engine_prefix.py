@@ -95,8 +95,9 @@ WAVES = [
 MAX_TOKENS = 6
 
 
-def serve_waves(model, prefix_cache: bool, decode_pages: int = 24, **overrides):
-    rt = Runtime(model, RuntimeConfig(prefill_pages=64, decode_pages=decode_pages,
+def serve_waves(model, prefix_cache: bool, decode_pages: int = 24, prefill_pages: int = 64,
+                **overrides):
+    rt = Runtime(model, RuntimeConfig(prefill_pages=prefill_pages, decode_pages=decode_pages,
                                       page_tokens=PAGE, context_tokens=64,
                                       prefill_chunk_tokens=8, transfer_timeout_s=1e9,
                                       lease_s=1e9, prefix_cache=prefix_cache, **overrides))
@@ -217,8 +218,9 @@ def chat(tokenizer, system: str, question: str) -> tuple[int, ...]:
 
 @pytest.mark.slow
 def test_the_default_model_gives_the_same_tokens_with_a_cached_system_prompt():
-    """SmolLM2-135M-Instruct (fp32): chat prompts sharing a system prompt, greedy, with the
-    cache on and off. Skipped without the default model's package."""
+    """SmolLM2-135M-Instruct (fp32): chat prompts sharing a system prompt, greedy, with no
+    cache, decode's, and decode's and the prefill's (which then computes 64 prompt tokens
+    fewer). Skipped without the default model's package."""
     from engine.load import DefaultModelMissing, default_model_path, load_model
 
     try:
@@ -229,12 +231,14 @@ def test_the_default_model_gives_the_same_tokens_with_a_cached_system_prompt():
               "timetables, tickets and stations in one or two sentences.")
     questions = [["When does the first train leave?"],
                  ["How much is a return ticket?", "Is there a lift at the station?"]]
-    runs = {}
-    for cache in (False, True):
+    runs, computed = {}, {}
+    for cache in (False, True, "prefill too"):
         rt = Runtime(loaded.model, RuntimeConfig(prefill_pages=64, decode_pages=64,
                                                  page_tokens=16, context_tokens=512,
                                                  transfer_timeout_s=1e9, lease_s=1e9,
-                                                 prefix_cache=cache), loaded.tokenizer)
+                                                 prefix_cache=bool(cache),
+                                                 prefill_cache=cache == "prefill too"),
+                     loaded.tokenizer)
         recorder = Recorder(rt)
         sampling = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
         for wave in questions:
@@ -246,13 +250,16 @@ def test_the_default_model_gives_the_same_tokens_with_a_cached_system_prompt():
                                        for r in ids_of_wave))
         drain(rt)
         runs[cache] = recorder
-    off, on = runs[False], runs[True]
-    cached = [on.ends[r].cached_tokens for r in range(3)]
-    assert cached == [0, 32, 32]  # the system prompt's 2 full pages (prompts of 46-47 tokens)
-    for r in range(3):
-        assert on.tokens[r] == off.tokens[r], r
-        diff = max((a - b).abs().max().item() for a, b in zip(on.logits[r], off.logits[r]))
-        assert diff <= DEFAULT_MODEL_LOGITS_ATOL, (r, diff)
+        computed[cache] = rt.counts["prefill"]["computed_tokens"]
+    assert computed["prefill too"] == computed[False] - 2 * 32 == computed[True] - 64
+    off = runs[False]
+    for on in (runs[True], runs["prefill too"]):
+        cached = [on.ends[r].cached_tokens for r in range(3)]
+        assert cached == [0, 32, 32]  # the system prompt's 2 full pages (46-47 tokens)
+        for r in range(3):
+            assert on.tokens[r] == off.tokens[r], r
+            diff = max((a - b).abs().max().item() for a, b in zip(on.logits[r], off.logits[r]))
+            assert diff <= DEFAULT_MODEL_LOGITS_ATOL, (r, diff)
 
 
 def test_an_abort_at_every_phase_of_a_hitting_request_keeps_the_cache_whole(model):

@@ -143,13 +143,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "it counts against every process of the shell's session, so 0 "
                              "beside other busy work (0 to 19, default 10)")
     cache = parser.add_argument_group(
-        "prefix cache", "decode keeps the KV pages of prompts it served and reads them for a "
-        "later prompt that starts the same way, with the same salt (the API key's tenant and "
-        "the request's cache_salt), instead of having them sent (engine/prefix.py); "
-        "usage.prompt_tokens_details.cached_tokens counts them")
+        "prefix cache", "the prefill and decode keep the KV pages of prompts they served; "
+        "a later prompt that starts the same way, with the same salt (the API key's tenant "
+        "and the request's cache_salt), is computed only past them and has only the rest "
+        "sent (engine/prefix.py); usage.prompt_tokens_details.cached_tokens counts the "
+        "prompt tokens not computed")
     cache.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
-                       help="decode's prefix cache on or off (default: the engine's, off "
-                            "in process; --processes has none yet)")
+                       help="the prefix caches (prefill's and decode's) on or off (default: "
+                            "the engine's, off in process; --processes has none yet)")
     cache.add_argument("--share-prefix-cache-across-keys", action="store_true",
                        help="the salt leaves the tenant out: requests of different API "
                             "keys with the same cache_salt (or none) share cached pages")

@@ -61,6 +61,8 @@ class SnapshotCollector:
                         snapshot.outcomes)
         if snapshot.prefix:
             yield from _prefix_cache(snapshot)
+        if snapshot.prefill_cache:
+            yield from _prefill_cache(snapshot)
 
 
 def _prefix_cache(snapshot):
@@ -68,23 +70,37 @@ def _prefix_cache(snapshot):
     idle: read by nobody, evictable), the prompt pages looked up and hit, the hit ratio,
     and evictions by reason (lru: under pool pressure; unshareable: a request's own pages,
     which no prompt can hit, at its release)."""
-    counts = snapshot.prefix
-    pages = GaugeMetricFamily("kvproof_prefix_cache_pages", "decode pages in the prefix "
-                              "cache, by worker and state", labels=["worker", "state"])
+    return _cache(snapshot, "kvproof_prefix_cache", "decode", snapshot.prefix,
+                  snapshot.prefix["reserved_prompt_pages"], "cached (not sent)")
+
+
+def _prefill_cache(snapshot):
+    """The prefill's prefix cache, the same figures (a hit page is one not computed; an
+    unshareable page is evicted at its request's SendDone), and the prompt tokens the
+    prefill computed."""
+    counts = snapshot.prefill_cache
+    yield from _cache(snapshot, "kvproof_prefill_cache", "prefill", counts,
+                      counts["admitted_prompt_pages"], "cached (not computed)")
+    yield CounterMetricFamily("kvproof_prefill_computed_tokens", "prompt tokens the prefill "
+                              "ran through the model", value=counts["computed_tokens"])
+
+
+def _cache(snapshot, name: str, side: str, counts: dict, looked_up: int, hit: str):
+    pages = GaugeMetricFamily(f"{name}_pages", f"{side} pages in the prefix cache, by "
+                              "worker and state", labels=["worker", "state"])
     for pool in snapshot.pools:
-        if pool.worker.startswith("decode"):
+        if pool.worker.startswith(side):
             pages.add_metric([pool.worker, "cached"], pool.cached)
             pages.add_metric([pool.worker, "idle"], pool.cached_idle)
     yield pages
-    yield CounterMetricFamily("kvproof_prefix_cache_prompt_pages", "full prompt pages decode "
-                              "looked up in its cache", value=counts["reserved_prompt_pages"])
-    yield CounterMetricFamily("kvproof_prefix_cache_hit_pages", "prompt pages decode found "
-                              "cached (not sent)", value=counts["hit_pages"])
-    looked_up = counts["reserved_prompt_pages"]
-    yield GaugeMetricFamily("kvproof_prefix_cache_hit_ratio", "hit pages over prompt pages "
-                            "looked up, since start",
+    yield CounterMetricFamily(f"{name}_prompt_pages", f"full prompt pages {side} looked up "
+                              "in its cache", value=looked_up)
+    yield CounterMetricFamily(f"{name}_hit_pages", f"prompt pages {side} found {hit}",
+                              value=counts["hit_pages"])
+    yield GaugeMetricFamily(f"{name}_hit_ratio", "hit pages over prompt pages looked up, "
+                            "since start",
                             value=counts["hit_pages"] / looked_up if looked_up else 0.0)
-    yield _by_label("kvproof_prefix_cache_evicted_pages", "cached pages evicted, by reason",
+    yield _by_label(f"{name}_evicted_pages", "cached pages evicted, by reason",
                     "reason", {"lru": counts["evicted_lru_pages"],
                                "unshareable": counts["evicted_unshareable_pages"]})
 
