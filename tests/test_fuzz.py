@@ -515,7 +515,7 @@ def test_a_run_without_a_seed_prints_the_one_it_drew(capsys):
     (["--replay", "/nonexistent.json"], "no such file"),
     (["--replay", __file__], "cannot read"),
     (["--replay", __file__, "--bug", "NoTimeout"], "combines with no other option"),
-    (["--prefix-cache", "both", "--target", "hybrid"], "core and sim targets only"),
+    (["--prefix-cache", "both", "--target", "hybrid"], "core, sim and engine targets"),
 ])
 def test_bad_input_is_a_clear_error_with_exit_2(capsys, args, message):
     assert main(["fuzz", *args]) == 2
@@ -537,7 +537,8 @@ def test_zoo_rows_cover_every_entry_and_the_switches_that_break_alone():
     assert rows[-2].name == "none (prefill cache)" and rows[-2].prefill_cache and not rows[-2].bugs
     prefix_rows = {r.name for r in rows if r.prefix_cache}
     # evict-while-sending and the clean prefill-cache row have a cache at the prefill too
-    # (run on the core and sim targets: fuzz/zoo.py NOT_RUN says why not on the hybrid)
+    # (run on the core, sim and engine targets: fuzz/zoo.py NOT_RUN says why not on the
+    # hybrid)
     assert prefix_rows == {"stale-hit-reads-unwritten", "no-refcount", "full-hit-no-notice",
                            "no-salt", "StaleHitLength alone", "none (prefix cache)",
                            "evict-while-sending", "none (prefill cache)"}
