@@ -19,7 +19,7 @@ from fuzz.engine_target import PAGE_BLOCKS, PAGE_TOKENS, EngineTarget  # noqa: E
 from fuzz.machine import PREFIX_MODEL  # noqa: E402
 from fuzz.oracles import LEAK_ORACLE, Checks, check  # noqa: E402
 from fuzz.runner import Campaign, run_campaign  # noqa: E402
-from fuzz.target import Wait  # noqa: E402
+from fuzz.target import Open, Wait  # noqa: E402
 from spec import core  # noqa: E402
 from spec.model import Model  # noqa: E402
 
@@ -112,6 +112,57 @@ def test_a_stale_hit_reads_bytes_that_are_not_its_own_and_the_read_oracle_says_s
                                    "other KV (page 1 holds nothing ever written")
                for v in found if v.property == LEAK_ORACLE)
     assert "Isolation" in {v.property for v in found}
+
+
+def test_another_prompt_s_late_write_is_judged_by_its_bytes(monkeypatch):
+    """late-write-looks-current (EagerRelease, NoGenBump) on a prefix-cache model: x is
+    aborted with its writes held on the wire, decode frees its pages at once, y (another
+    prompt) reserves them and decodes, and x's writes land in y's pages with a tag that
+    passes. The bytes y then reads on such a page are x's, not y's own tokens' K/V: the
+    engine's read oracle reports the token computed from them, and y's reads do not name
+    that page as its own content."""
+    monkeypatch.setattr(engine_target, "request_shape", lambda rng, pages: (
+        PAGE_TOKENS, pages * PAGE_TOKENS + 1 - PAGE_TOKENS))  # a page of prompt, then output
+    m = Model(requests=2, max_prompt_pages=8, context_pages=8, prefill_pages=16,
+              decode_pages=16, bugs=frozenset({"EagerRelease", "NoGenBump"}), **PREFIX_MODEL)
+    target, checks, found = EngineTarget(), Checks.for_properties(("Isolation",
+                                                                    "OkIsClean")), []
+    target.reset(m, 0)
+    rt = target.rt
+
+    def move(event) -> None:
+        target.step(event)
+        found.extend(check(checks, m, target))
+
+    def wait_until(condition) -> None:
+        for _ in range(50):
+            if condition():
+                return
+            move(Wait())
+        raise AssertionError("the condition never held")
+
+    move(core.Arrive(0, 3, tokens=(2, 2, 2), salt=1))
+    wait_until(lambda: any(w.request == 0 for w in rt.transport.writes_of_all()))
+    move(Open("Delay", 0, 0, (30,)).close(30))
+    move(core.Abort(0))
+    wait_until(lambda: 0 not in rt.store.rows or rt.store.rows[0][core.DST] == core.RELEASED)
+    move(core.Arrive(1, 8, tokens=(1,) * 8, salt=1))
+    wait_until(lambda: 1 in rt.store.rows and rt.store.rows[1][core.DST] == core.DECODING)
+    late = {w.decode_page for w in rt.transport.writes_of_all()}
+    assert late and late <= {p for p, _ in rt.store.rows[1][core.TABLE]}
+    assert rt.land_only(lambda w: w.request == 0) == len(late)  # into y's pages
+    wait_until(lambda: 1 not in rt.live)
+    assert target._outcomes[1] == "Ok"
+    from_bytes = [v.detail for v in found if v.property == LEAK_ORACLE
+                  and v.detail.startswith("engine read oracle: r2")]
+    assert from_bytes and "is not this request's" in from_bytes[0], found
+    row = target.protocol_state().requests[1]
+    table = [p for p, _ in row[core.TABLE]]
+    own = [core.true_ident(row, i + 1) for i in range(len(table))]
+    # The page decode had started to write when x's write landed keeps x's bytes; a page it
+    # writes later (its own output) holds y's own bytes again by its last read.
+    wrong = [i for i, (got, want) in enumerate(zip(target._reads[1], own)) if got != want]
+    assert wrong == [1] and table[1] in late
 
 
 def test_an_old_seed_without_a_cache_draws_what_it_drew_before():
