@@ -18,6 +18,14 @@ and the rules drive the environment:
   STEPS_PER_WAIT_MAX steps while decode runs (a long output decodes for many steps without
   an event); time passes: when nothing but a transfer timer could move, the clock jumps to
   the earliest one.
+- with a prefix cache (the model's; the Runtime runs with decode's cache, and the prefill's
+  when the model has it): an Arrive's prompt is built from its token kinds (fuzz/machine.py
+  `arrival`, the core and sim targets' draw): each page the prompt fills is its kind's
+  block of token ids (PAGE_BLOCKS), so two prompts share their KV exactly as far as their
+  kinds agree, and a partial last page is the request's own; its salt is the request's
+  `cache_salt`. `Evict` and `PrefillEvict` forget a cached page the store lists
+  (`idle_cached`, `prefill_evictable`: the core decides which). A model without a cache
+  draws exactly what it drew before.
 
 The engine has no worker crashes, so crash moves are never listed (a model with crashes
 only widens what may happen). Write landing order comes from the example's seed (the
@@ -37,9 +45,13 @@ generations, and the K/V at every position attended and the logits are the refer
 within a stated tolerance; the prefill's first token is judged by its logits. A token
 computed from a read that fails is a violation as soon as it reaches the client, whatever
 the request's outcome (reported under LeakOracle); so is a token with no recorded read
-behind it. `Observation.reads` (the shared leak oracle's Ok check) names the writer of
-each page of a finished request's last read: itself where the bytes are its reference's,
-else the request whose reference holds exactly those bytes, else nobody.
+behind it. A page another request computed from the same tokens holds the reference's
+K/V too, so sharing needs no exception. `Observation.reads` (the shared leak oracle's Ok
+check) names each page of a finished request's last read by its bytes: its writer without
+a cache (itself where the bytes are its reference's, else the request whose reference
+holds exactly those bytes, else nobody), with one its content identity (its own page's
+where the bytes are its reference's, whoever computed them). With a cache, conservation
+counts the pages a request owns, not those it reads from either cache.
 The model is a tiny random Llama (one layer, fp32) built in memory.
 """
 
