@@ -80,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=("decode", "both"),
                         help="models with a prefix cache: prompts carry tokens and a salt "
                              "(two of each), decode hits and evicts (issue 27); 'both': the "
-                             "prefill caches, hits and evicts too (the core and sim targets)")
+                             "prefill caches, hits and evicts too (the core, sim and engine "
+                             "targets)")
     parser.add_argument("--shrink-seconds", type=float, default=None, metavar="S",
                         help="time Hypothesis may spend shrinking a failure (0: none; "
                              f"default {SHRINK_SECONDS_DEFAULT:g}, {ZOO_SHRINK_SECONDS_DEFAULT:g}"
@@ -200,9 +201,10 @@ def _targets(args: argparse.Namespace) -> list[str]:
     if unknown:
         raise UsageError(f"unknown target(s) {', '.join(unknown)}; known: "
                          f"{', '.join(sorted(known))}")
-    if args.prefix_cache == "both" and any(t not in ("core", "sim") for t in args.target):
-        raise UsageError("--prefix-cache both runs on the core and sim targets only: the "
-                         "engine keeps no prefill-side cache yet")
+    if args.prefix_cache == "both" and any(t not in ("core", "sim", "engine")
+                                           for t in args.target):
+        raise UsageError("--prefix-cache both runs on the core, sim and engine targets "
+                         "only: the hybrid target's real workers keep no prefix cache")
     if args.target:
         return list(dict.fromkeys(args.target))
     if args.zoo:

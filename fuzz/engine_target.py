@@ -18,6 +18,14 @@ and the rules drive the environment:
   STEPS_PER_WAIT_MAX steps while decode runs (a long output decodes for many steps without
   an event); time passes: when nothing but a transfer timer could move, the clock jumps to
   the earliest one.
+- with a prefix cache (the model's; the Runtime runs with decode's cache, and the prefill's
+  when the model has it): an Arrive's prompt is built from its token kinds (fuzz/machine.py
+  `arrival`, the core and sim targets' draw): each page the prompt fills is its kind's
+  block of token ids (PAGE_BLOCKS), so two prompts share their KV exactly as far as their
+  kinds agree, and a partial last page is the request's own; its salt is the request's
+  `cache_salt`. `Evict` and `PrefillEvict` forget a cached page the store lists
+  (`idle_cached`, `prefill_evictable`: the core decides which). A model without a cache
+  draws exactly what it drew before.
 
 The engine has no worker crashes, so crash moves are never listed (a model with crashes
 only widens what may happen). Write landing order comes from the example's seed (the
@@ -37,9 +45,13 @@ generations, and the K/V at every position attended and the logits are the refer
 within a stated tolerance; the prefill's first token is judged by its logits. A token
 computed from a read that fails is a violation as soon as it reaches the client, whatever
 the request's outcome (reported under LeakOracle); so is a token with no recorded read
-behind it. `Observation.reads` (the shared leak oracle's Ok check) names the writer of
-each page of a finished request's last read: itself where the bytes are its reference's,
-else the request whose reference holds exactly those bytes, else nobody.
+behind it. A page another request computed from the same tokens holds the reference's
+K/V too, so sharing needs no exception. `Observation.reads` (the shared leak oracle's Ok
+check) names each page of a finished request's last read by its bytes: its writer without
+a cache (itself where the bytes are its reference's, else the request whose reference
+holds exactly those bytes, else nobody), with one its content identity (its own page's
+where the bytes are its reference's, whoever computed them). With a cache, conservation
+counts the pages a request owns, not those it reads from either cache.
 The model is a tiny random Llama (one layer, fp32) built in memory.
 """
 
@@ -55,7 +67,8 @@ from spec.properties import holds_decode_pages
 from fuzz import wire_faults
 from fuzz.oracles import LEAK_ORACLE
 from fuzz.target import (Delay, Observation, Open, PoolView, Target, TargetRefused, Violation,
-                         Wait, decoding_reads, listed, register)
+                         Wait, decoding_reads, expected_reads, listed, owned_pages,
+                         owned_sources, register)
 
 PAGE_TOKENS = 2
 # Prefill chunk sizes, in tokens, one per example (from its seed): odd ones end chunks
@@ -70,6 +83,13 @@ STEPS_PER_WAIT_MAX = 40  # engine steps one Wait may take before it must commit 
 TIMEOUT_STEPS = (30, 8)
 BACKSTOP_LEASES = 4
 STALLS_STEPS = (1, 3, 10, 30)
+# With a prefix cache, a prompt's real token ids: each page the prompt fills is the block of
+# its abstract token kind (fuzz/machine.py `arrival`: b pages of kind 1, then kind 2), so
+# two prompts whose kinds agree up to page k agree token for token up to there (and share
+# those pages' KV: attention is causal); a partial last page is the request's own random
+# tokens, as are the whole prompt's without a cache. Two blocks, as the core's models have
+# two token kinds.
+PAGE_BLOCKS = {1: (5, 17), 2: (42, 9)}
 _REQUEST_FAULTS = (core.Abort, core.PrefillFail, core.Timeout)
 _MODEL_CACHE: dict = {}
 _TENSORS: list = []  # (weight tensors, config) of the tiny model: the reference's input
@@ -108,8 +128,15 @@ def tiny_model(seed: int = 0):
 class EngineTarget(Target):
     """The protocol-driven engine (engine/runtime.py) on a tiny random model."""
 
+    # Evict: with a prefix cache, the fuzzer may make decode forget any idle cached page
+    # now (the runtime's own LRU pick evicts under pool pressure besides); the swarm weighs
+    # it only on models with a cache, so every other seed draws what it drew before.
     vocabulary = frozenset({"Arrive", "Abort", "PrefillFail", "Timeout", "Wait", "Delay",
-                            wire_faults.ACTION})
+                            wire_faults.ACTION, "Evict"})
+    # PrefillEvict: with the prefill's cache too, any cached page its cache may evict now
+    # (Store.prefill_evictable: the core says which; EvictWhileSending's cache picks pages
+    # still read or sent from).
+    prefill_cache_vocabulary = frozenset({"PrefillEvict"})
     in_default_zoo = False
 
     def reset(self, model: Model, seed: int) -> None:
@@ -128,7 +155,8 @@ class EngineTarget(Target):
             max_batch=MAX_BATCH, prefill_chunk_tokens=chunk_tokens,
             lease_s=float(self.timeout_steps),
             transfer_timeout_s=float(self.timeout_steps * BACKSTOP_LEASES),
-            bugs=model.bugs, transport_seed=seed, lands_per_step=1)
+            bugs=model.bugs, transport_seed=seed, lands_per_step=1,
+            prefix_cache=model.prefix_cache, prefill_cache=model.prefill_cache)
         self.rt = Runtime(tiny_model(), config, clock=lambda: self.clock)
         self.rt.store.settled_rows = {}
         self.rt.on_commit = self._committed
@@ -202,6 +230,11 @@ class EngineTarget(Target):
         if not rt.idle and not self._stalled:
             moves["Wait"] = [Wait()]
         moves.update(self.wire.moves())
+        if self.model.prefix_cache and rt.store.idle_cached(0):
+            moves["Evict"] = [core.Evict(0, p) for p in rt.store.idle_cached(0)]
+        if self.model.prefill_cache and rt.store.prefill_evictable(0):
+            moves["PrefillEvict"] = [core.PrefillEvict(0, p)
+                                     for p in rt.store.prefill_evictable(0)]
         return moves
 
     def step(self, event: core.Event) -> None:
@@ -222,7 +255,13 @@ class EngineTarget(Target):
         if cls is Wait:
             self._wait()
         elif cls is core.Arrive:
-            self._arrive(event.prompt_pages)
+            self._arrive(event)
+        elif cls is core.Evict:
+            if not rt.evict(event.worker, event.page):
+                raise TargetRefused(f"the core refused {event.label(self.model)}, listed")
+        elif cls is core.PrefillEvict:
+            if not rt.prefill_evict(event.worker, event.page):
+                raise TargetRefused(f"the core refused {event.label(self.model)}, listed")
         elif cls is Delay:
             self.held[event.request] = self.clock + event.stall
         elif cls is core.Abort:
@@ -232,15 +271,18 @@ class EngineTarget(Target):
         else:
             rt.take(event.request, event)
 
-    def _arrive(self, pages: int) -> None:
+    def _arrive(self, event: core.Arrive) -> None:
+        """A request of the Arrive's pages; with a prefix cache, its prompt built from the
+        Arrive's token kinds (`prompt_ids`) and its salt the Arrive's."""
         from engine.sampling import SamplingParams
         from engine.service import GenerationRequest
 
         rng = self._tokens_rng
-        prompt_tokens, max_tokens = request_shape(rng, pages)
-        prompt = tuple(rng.randrange(64) for _ in range(prompt_tokens))
+        prompt_tokens, max_tokens = request_shape(rng, event.prompt_pages)
+        prompt = prompt_ids(rng, prompt_tokens, event.tokens if self.model.prefix_cache else ())
         request = GenerationRequest(prompt, SamplingParams(max_tokens=max_tokens,
-                                                           ignore_eos=True))
+                                                           ignore_eos=True),
+                                    cache_salt=event.salt if self.model.prefix_cache else 1)
         r = self.rt.next_id
         self._prompt_ids[r] = prompt
         self._asked[r] = len(prompt) + max_tokens
@@ -359,40 +401,52 @@ class EngineTarget(Target):
                     f"{self._asked[r]}) was refused as too long")))
         return found
 
-    def _writers(self, r: int) -> tuple[int, ...]:
-        """Who wrote each page of r's table, as decode last read it: r where the bytes are
-        the reference's for r's tokens (and on pages never read), else the request whose
-        reference has exactly these bytes on some page, else nobody."""
+    def _writers(self, r: int) -> tuple:
+        """What each page of r's table held as decode last read it, judged by its bytes
+        alone. Without a prefix cache, its writer: r where the bytes are the reference's for
+        r's tokens (and on pages never read), else the request whose reference has exactly
+        these bytes on some page, else nobody. With one, pages are shared, so its content
+        identity (core.true_ident: salt and tokens up to the page): r's own page's where the
+        bytes are r's reference's (whoever computed them: a page another request with the
+        same prefix computed is r's own), else that of the page of another request whose
+        reference holds them, else nothing."""
         from fuzz.engine_reference import judge_bytes
 
         self._judge_pending()
-        table = self.rt.store.rows[r][TABLE]
+        row = self.rt.store.rows[r]
+        table, cached = row[TABLE], self.model.prefix_cache
         read = self._last_read.get(r)
-        if read is None:  # decode never read: its one token came from the prefill
-            return tuple(r for _ in table)
-        kv, _ = self._reference(r)
-        writers = []
+        kv = self._reference(r)[0] if read is not None else None
+        found = []
         for i in range(len(table)):
-            start, end = i * PAGE_TOKENS, min((i + 1) * PAGE_TOKENS, read.context)
+            own = core.true_ident(row, i + 1) if cached else r
+            # decode never read (its one token came from the prefill), or not this page
+            start = i * PAGE_TOKENS
+            end = min((i + 1) * PAGE_TOKENS, read.context) if read is not None else start
             if start >= end:
-                writers.append(r)
+                found.append(own)
                 continue
             rows = read.kv[start:end]
-            own = end <= kv.shape[0] and judge_bytes(rows, None, kv[start:end], None) is None
-            writers.append(r if own else self._writer_of(rows))
-        return tuple(writers)
+            if end <= kv.shape[0] and judge_bytes(rows, None, kv[start:end], None) is None:
+                found.append(own)
+                continue
+            w, page = self._writer_of(rows)
+            found.append(w if not cached else () if w == core.NONE else
+                         core.true_ident(self._rows()[w], page + 1))
+        return tuple(found)
 
-    def _writer_of(self, rows) -> int:
+    def _writer_of(self, rows) -> tuple[int, int]:
         """The request whose reference holds exactly these rows at the start of one of its
-        pages (a page moves whole, so its rows keep their offsets), or nobody."""
+        pages (a page moves whole, so its rows keep their offsets), and that page; or
+        (nobody, -1)."""
         from fuzz.engine_reference import judge_bytes
 
         for w in sorted(self._prompt_ids):
             kv, _ = self._reference(w)
             for first in range(0, kv.shape[0] - rows.shape[0] + 1, PAGE_TOKENS):
                 if judge_bytes(rows, None, kv[first:first + rows.shape[0]], None) is None:
-                    return w
-        return core.NONE
+                    return w, first // PAGE_TOKENS
+        return core.NONE, -1
 
     # -- what the fuzzer checks -------------------------------------------------------------
 
@@ -410,22 +464,27 @@ class EngineTarget(Target):
         return self._state
 
     def observe(self) -> Observation:
+        # With a prefix cache the pages a request reads from either cache are shared, owned
+        # by nobody: a request holds (for conservation) only the pages it owns.
         store, rows = self.rt.store, self.protocol_state().requests
+        decode_pool, prefill_pool = store.decode_pools[0], store.prefill_pools[0]
         decode_free, prefill_free = set(store.decode_free[0]), set(store.prefill_free[0])
         decode = PoolView(
             "decode", tuple(core.NONE if p in decode_free else page[OWNER]
-                            for p, page in enumerate(store.decode_pools[0])),
-            tuple(tuple(p for p, _ in row[TABLE]) if holds_decode_pages(row) else ()
-                  for row in rows))
+                            for p, page in enumerate(decode_pool)),
+            tuple(owned_pages(row, decode_pool, r) if holds_decode_pages(row) else ()
+                  for r, row in enumerate(rows)))
         prefill = PoolView(
             "prefill", tuple(core.NONE if p in prefill_free else page[0]
-                             for p, page in enumerate(store.prefill_pools[0])),
-            tuple(row[SRC] if row[PST] == RUNNING else () for row in rows))
+                             for p, page in enumerate(prefill_pool)),
+            tuple(owned_sources(row, prefill_pool, r) if row[PST] == RUNNING else ()
+                  for r, row in enumerate(rows)))
         return Observation(
             pools=(prefill, decode),
             writes=tuple((w.request, w.decode_page) for w in self.rt.transport.writes_of_all()),
             outcomes=tuple(CLIENT_NAMES[row[core.CLIENT]] for row in rows),
-            reads=dict(self._reads), decoding=decoding_reads(rows, store.decode_pools[0]))
+            reads=dict(self._reads), decoding=decoding_reads(rows, decode_pool, self.model),
+            expected=expected_reads(self.model, rows))
 
     def check(self) -> list[Violation]:
         from fuzz.engine_reference import one_torch_thread
@@ -443,6 +502,15 @@ class EngineTarget(Target):
 
     def story(self) -> list[str]:
         return list(self._story)
+
+
+def prompt_ids(rng: random.Random, tokens: int, kinds: tuple[int, ...]) -> tuple[int, ...]:
+    """A prompt of `tokens` token ids: the page block of each page's kind (PAGE_BLOCKS) for
+    every page the prompt fills, then random ids; without kinds (no prefix cache) all random,
+    drawn exactly as before the cache existed."""
+    full = min(tokens // PAGE_TOKENS, len(kinds))
+    shared = tuple(t for kind in kinds[:full] for t in PAGE_BLOCKS[kind])
+    return shared + tuple(rng.randrange(64) for _ in range(tokens - len(shared)))
 
 
 def request_shape(rng: random.Random, pages: int) -> tuple[int, int]:
