@@ -58,6 +58,10 @@ class EngineDecode:
 
     def start_decoding(self, r: int) -> None:
         live = self.rt.live[r]
+        if live.first is None:  # the core decoded with no final word (FullHitNoNotice)
+            raise core.ProtocolMisuse(
+                f"request {r}: decoding started before the prefill's first token reached "
+                "decode (no final word came: a full decode-side hit without its notice?)")
         token, logits, generator = live.first
         request = Request(r, live.request.prompt_ids, live.request.sampling)
         live.sequence = self.worker.start(request, self.rt.store.rows[r][core.TABLE], generator)
