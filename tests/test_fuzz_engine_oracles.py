@@ -161,6 +161,28 @@ def test_the_generator_comparison_cannot_see_a_shared_decode_batch_bug(monkeypat
     assert tokens == list(expected) and len(tokens) == 6
 
 
+class Driven:
+    """The engine fuzz target on model `m`, moved by its own moves, every check of the fuzz
+    target's (fuzz.oracles.check with `properties`) after each move, the findings kept."""
+
+    def __init__(self, m: Model, properties) -> None:
+        self.m, self.checks, self.found = m, Checks.for_properties(properties), []
+        self.target = EngineTarget()
+        self.target.reset(m, 0)
+        self.rt = self.target.rt
+
+    def move(self, event) -> None:
+        self.target.step(event)
+        self.found.extend(check(self.checks, self.m, self.target))
+
+    def wait_until(self, condition) -> None:
+        for _ in range(50):
+            if condition():
+                return
+            self.move(Wait())
+        raise AssertionError("the condition never held")
+
+
 def _late_write_into_a_decoding_request(monkeypatch) -> tuple[EngineTarget, list]:
     """EagerRelease on the fuzz target, moved by its own moves: x is aborted while its
     writes are held on the wire, decode frees its pages at once, y reserves them and
@@ -171,21 +193,9 @@ def _late_write_into_a_decoding_request(monkeypatch) -> tuple[EngineTarget, list
         PAGE_TOKENS, pages * PAGE_TOKENS + 1 - PAGE_TOKENS))  # a page of prompt, then output
     m = Model(requests=2, max_prompt_pages=8, context_pages=8, prefill_pages=16,
               decode_pages=16, bugs=frozenset({"EagerRelease"}))
-    target, checks, found = EngineTarget(), Checks.for_properties(LEAK_PROPERTIES), []
-    target.reset(m, 0)
-
-    def move(event) -> None:
-        target.step(event)
-        found.extend(check(checks, m, target))
-
-    def wait_until(condition) -> None:
-        for _ in range(50):
-            if condition():
-                return
-            move(Wait())
-        raise AssertionError("the condition never held")
-
-    rt = target.rt
+    driven = Driven(m, LEAK_PROPERTIES)
+    target, found, rt, move, wait_until = (driven.target, driven.found, driven.rt,
+                                           driven.move, driven.wait_until)
     move(Open("Arrive", 0, 0, (3,)).close(3))
     wait_until(lambda: any(w.request == 0 for w in rt.transport.writes_of_all()))
     move(Open("Delay", 0, 0, (30,)).close(30))

@@ -22,6 +22,7 @@ from fuzz.runner import Campaign, run_campaign  # noqa: E402
 from fuzz.target import Open, Wait  # noqa: E402
 from spec import core  # noqa: E402
 from spec.model import Model  # noqa: E402
+from test_fuzz_engine_oracles import Driven  # noqa: E402
 
 # Per request: three full prompt pages and three pages of output (decode steps enough that
 # the checks see r2 decoding, between its Accept and its Finish).
@@ -125,22 +126,9 @@ def test_another_prompt_s_late_write_is_judged_by_its_bytes(monkeypatch):
         PAGE_TOKENS, pages * PAGE_TOKENS + 1 - PAGE_TOKENS))  # a page of prompt, then output
     m = Model(requests=2, max_prompt_pages=8, context_pages=8, prefill_pages=16,
               decode_pages=16, bugs=frozenset({"EagerRelease", "NoGenBump"}), **PREFIX_MODEL)
-    target, checks, found = EngineTarget(), Checks.for_properties(("Isolation",
-                                                                    "OkIsClean")), []
-    target.reset(m, 0)
-    rt = target.rt
-
-    def move(event) -> None:
-        target.step(event)
-        found.extend(check(checks, m, target))
-
-    def wait_until(condition) -> None:
-        for _ in range(50):
-            if condition():
-                return
-            move(Wait())
-        raise AssertionError("the condition never held")
-
+    driven = Driven(m, ("Isolation", "OkIsClean"))
+    target, found, rt, move, wait_until = (driven.target, driven.found, driven.rt,
+                                           driven.move, driven.wait_until)
     move(core.Arrive(0, 3, tokens=(2, 2, 2), salt=1))
     wait_until(lambda: any(w.request == 0 for w in rt.transport.writes_of_all()))
     move(Open("Delay", 0, 0, (30,)).close(30))
