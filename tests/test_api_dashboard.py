@@ -319,3 +319,48 @@ def test_the_page_shows_an_operator_what_was_turned_away_and_how_requests_ended(
     drawn = json.loads(browser.evaluate(
         f"draw({json.dumps(state | {'refusals': refusals})}), {OPERATOR_VIEW}"))
     assert drawn["counts"]["refusals"] == refusals
+
+
+PREFIX_VIEW = """JSON.stringify({
+  hidden: document.querySelector('#prefix-section').hidden,
+  decode: Object.fromEntries([...document.querySelectorAll('#prefix-decode .count')].map(
+    s => [s.dataset.name, Number(s.dataset.count)])),
+  prefill: Object.fromEntries([...document.querySelectorAll('#prefix-prefill .count')].map(
+    s => [s.dataset.name, Number(s.dataset.count)]))})"""
+
+
+def test_the_page_shows_each_sides_prefix_cache(tiny_chat_model, browser, live):  # noqa: F811
+    """With the prefix cache on, the page shows decode's and the prefill's counters, hit
+    rates and cached pages as the state has them: a prompt of 4 full pages sent twice
+    hits all 4 at both sides the second time (50%); without a cache the section is hidden."""
+    from api.serve.app import create_app as app_for
+
+    open_page(browser, f"{live[0].url}/?poll_ms=100")  # a server without a cache
+    wait_until(lambda: json.loads(browser.evaluate(PREFIX_VIEW) or "{}").get("hidden"),
+               PAGE_S_MAX, "the prefix section hidden")
+    engine = protocol_engine(tiny_chat_model, prefix_cache=True)
+    prompt = "You are a careful assistant. Answer in one short sentence, then stop: "
+    with LiveServer(app_for(engine)) as server:
+        for _ in range(2):
+            reply = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+                "prompt": prompt, "max_tokens": 3, "temperature": 0})
+            assert reply.status_code == 200, reply.text
+            wait_settled(engine)
+        snapshot = wait_settled(engine)
+        open_page(browser, f"{server.url}/?poll_ms=100")
+        shown = [{}]
+
+        def drawn() -> bool:
+            shown[0] = json.loads(browser.evaluate(PREFIX_VIEW) or "{}")
+            return not shown[0].get("hidden", True) and shown[0]["decode"].get("hit_pages")
+        wait_until(drawn, PAGE_S_MAX, "the prefix section", last_seen=lambda: shown[0])
+    decode, prefill = shown[0]["decode"], shown[0]["prefill"]
+    assert {k: decode[k] for k in snapshot.prefix} == snapshot.prefix
+    assert {k: prefill[k] for k in snapshot.prefill_cache} == snapshot.prefill_cache
+    assert (decode["hit_pages"], decode["reserved_prompt_pages"], decode["hit rate %"]) == (
+        4, 8, 50)
+    assert (prefill["hit_pages"], prefill["hit rate %"]) == (4, 50)
+    assert decode["cached pages"] == sum(p.cached for p in snapshot.pools
+                                         if p.worker.startswith("decode")) > 0
+    assert prefill["idle cached pages"] == sum(p.cached_idle for p in snapshot.pools
+                                               if p.worker.startswith("prefill"))
