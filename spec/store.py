@@ -718,9 +718,15 @@ def _put_cached_pages(pool: list, stack: list, idle: dict, changes: tuple, moved
 
 
 def _cache_state(page: tuple, readers: int, ident: int) -> str:
-    if page[0] != NONE or page[readers]:  # the owner: field 0 of both kinds of page
+    """A page's place in the books. A page nobody owns and no cache keeps is free even if
+    a request still reads it: that is the core's FreePrefill (on decode a page with
+    readers is always cached, SealedIsQuiet); only a buggy cache (EvictWhileSending) forgets
+    a page still read, and then its allocator hands it out, as the bug's real cache does."""
+    if page[0] != NONE:  # the owner: field 0 of both kinds of page
         return "held"
-    return "idle" if page[ident] else "free"
+    if page[ident]:
+        return "held" if page[readers] else "idle"
+    return "free"
 
 
 def _put_pages(pool: list, stack: list, changes: tuple, moved: list) -> int:

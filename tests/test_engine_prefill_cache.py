@@ -28,7 +28,7 @@ from engine.weights import load_checkpoint  # noqa: E402
 from engine_cases import LOGITS_ATOL, FaultyPrefill, make_hf_model  # noqa: E402
 from spec import core  # noqa: E402
 from test_engine_prefix import (MAX_TOKENS, PAGE, SYSTEM, WAVES, Recorder, drain, ids,  # noqa: E402
-                                serve_waves)
+                                serve_waves, step_until)
 
 
 @pytest.fixture(scope="module", params=["llama-gqa", "qwen2"])
@@ -225,3 +225,49 @@ def test_an_abort_at_every_phase_of_a_prefill_hitting_request_keeps_the_cache_wh
         assert rt.counts["prefill"]["computed_tokens"] - computed == len(later) - 12
         assert got.ends[third].cached_tokens == 12 and same_as(got, expected, third, 0)
     assert {("Queued", 0), ("Running", 3), ("Done", 3)} <= seen, seen
+
+
+def _evicted_while_sending(model, bugs: frozenset):
+    """r1 (tenant 1) computes a 9-token prompt: its 2 full pages stay cached at the prefill
+    (a 3-page pool). Decode forgets its copies, so r2, the same prompt, hits both pages at
+    the prefill and must send them; its writes are held on the wire. r3 (tenant 2, another
+    prompt of 2 pages) then needs pages: with EvictWhileSending the cache evicts the two
+    r2 still sends from and r3 computes its KV into them before r2's writes land."""
+    rt = runtime(model, prefill_pages=3, decode_pages=16, bugs=bugs, keep_kv=True)
+    got = Recorder(rt)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    prompt, other = ids(10, 9), ids(20, 5)
+    rt.arrive(GenerationRequest(prompt, one, cache_salt=1), got)
+    drain(rt)
+    for page in rt.store.idle_cached(0):
+        assert rt.evict(0, page)
+    rt.transport.paused = True
+    r2 = rt.arrive(GenerationRequest(prompt, SamplingParams(max_tokens=3, ignore_eos=True),
+                                     cache_salt=1), got)
+    step_until(rt, lambda: sum(w.request == r2 for w in rt.transport.writes_of_all()) == 3)
+    assert rt.store.rows[r2][core.PCACHED] == 2
+    r3 = rt.arrive(GenerationRequest(other, one, cache_salt=2), got)
+    for _ in range(60):  # r3 computes into r2's sources only with the bug
+        rt.step()
+    rt.transport.paused = False
+    drain(rt)
+    return rt, got, r2, r3
+
+
+def test_evict_while_sending_in_the_engine_is_a_checksum_error_and_without_it_a_leak(model):
+    """The entry `evict-while-sending` driven in the real engine: without the switch r3
+    waits for the pages and every request is Ok; with it the checksum (the guard) fails
+    r2's transfer (ErrTransfer) while r1 and r3 finish Ok; with NoChecksum too r2 decodes
+    from r3's KV, another tenant's: the foreign bytes actually read."""
+    rt, got, r2, r3 = _evicted_while_sending(model, frozenset())
+    assert [got.ends[r].outcome for r in range(3)] == ["Ok"] * 3
+    assert rt.store.violation_total == 0
+    rt, got, r2, r3 = _evicted_while_sending(model, frozenset({"EvictWhileSending"}))
+    assert [got.ends[r].outcome for r in (0, r2, r3)] == ["Ok", "ErrTransfer", "Ok"]
+    rt, got, r2, r3 = _evicted_while_sending(model, frozenset({"EvictWhileSending",
+                                                               "NoChecksum"}))
+    assert [got.ends[r].outcome for r in (0, r2, r3)] == ["Ok", "Ok", "Ok"]
+    read, theirs = rt.read_kv[r2], rt.prompt_kv[r3]
+    own = rt.prompt_kv[0]  # r1's: the same prompt as r2's, computed alone
+    assert not torch.allclose(read[:8], own[:8], atol=1e-4)  # not its own KV
+    assert torch.allclose(read[:4], theirs[:4], atol=1e-5)  # r3's first page, tenant 2's

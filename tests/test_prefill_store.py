@@ -99,7 +99,9 @@ def test_the_lru_pick_and_eviction_go_through_the_core():
 
 def test_a_write_out_of_a_cached_page_it_reads_holds_its_source():
     """SourceHeld as the spec says it: a write may read a cached page its request reads
-    (owned by nobody); a page evicted under it (EvictWhileSending) is not held."""
+    (owned by nobody); a page evicted under it (EvictWhileSending) is not held, and the
+    buggy cache's allocator has it on its free stack while r2 still reads it (the core's
+    FreePrefill), which the books see as a page both free and held."""
     for bugs in (frozenset(), frozenset({"EvictWhileSending"})):
         store = sealed_first(replace(PC, bugs=bugs))
         # Decode's cache forgets r1's pages, so decode misses and r2 sends both pages.
@@ -116,7 +118,8 @@ def test_a_write_out_of_a_cached_page_it_reads_holds_its_source():
             continue
         assert store.prefill_evictable(0) == [1, 0]  # the buggy cache's pick: every page
         assert type(store.prefill_evict(0, 0)) is not Refusal
-        assert [v.property for v in store.violations] == ["SourceHeld"]
+        assert [v.property for v in store.violations] == ["PageConservation", "SourceHeld"]
+        assert store.allocate("prefill", 0, 1) == (0,)  # the evicted page, though read
         assert {v.property for v in store.sweep()} == {"SourceHeld", "SealedIsQuiet"}
 
 
