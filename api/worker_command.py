@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 from api.clikit import EXIT_OK, UsageError, add_subcommand, positive_float, writable_folder
@@ -122,8 +123,7 @@ def run(args) -> int:
         steps, clock = cut_dead_log(log_path(Deployment(**setup), name), name)
         restart = {**restart, "steps": steps, "clock": clock}
         epoch = restart["epoch"]
-        if setup["model_dir"]:
-            setup["model_dir"], setup["requests"] = "", ()  # no data path: gloo is closed
+        setup = asdict(Deployment(**setup).next_life())
     else:
         restart = None
     ports = []

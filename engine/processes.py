@@ -184,6 +184,11 @@ class Deployment:
         return cls(prompts=prompts, model_dir=str(model_dir), requests=requests,
                    page_tokens=page_tokens, **options)
 
+    def next_life(self) -> "Deployment":
+        """What a restarted worker runs: on the real data path no data path at all (the gloo
+        world cannot take a rank back); the modelled path as it was."""
+        return replace(self, model_dir="", requests=()) if self.model_dir else self
+
     def model(self) -> Model:
         """The spec's constants every log of the deployment is written with."""
         return Model(requests=self.serving_requests_max or len(self.prompts),
@@ -252,7 +257,7 @@ def cut_dead_log(path: Path, name: str) -> tuple[int, int]:
     text = path.read_text()
     whole = text[:text.rfind("\n") + 1]
     path.write_text(whole)
-    steps = [x for x in _steps_of(whole, name)]
+    steps = _steps_of(whole, name)
     return len(steps), steps[-1]["c"] if steps else 0
 
 
@@ -426,11 +431,15 @@ class Process:
         report(ev="drained", finished=finished, left=sorted(held))
         if not done:
             return "cut"
-        self.log.end()
+        self.end()
         self.send(Peer(ROUTER, 0), {"t": "left", "finished": finished})
-        self.stopped = True
-        report(ev="stopped", steps=self.log.clock.k, unsent=self.unsent, **self.finish())
         return "clean"
+
+    def end(self) -> None:
+        """Its work done: its log ended, its "stopped" report; it handles nothing more."""
+        self.log.end()
+        report(ev="stopped", steps=self.log.clock.k, unsent=self.unsent, **self.finish())
+        self.stopped = True
 
     def on_farewell(self, peer: Peer, body: dict) -> None:
         self.farewell = True
@@ -1297,10 +1306,7 @@ def main(setup: dict, on_listening=None, stdin: bool = True) -> int:
         now = time.monotonic()
         if stopping is not None and not process.stopped and (
                 now - last_busy > QUIET_S or now - stopping > deployment.settle_s_max):
-            process.log.end()
-            report(ev="stopped", steps=process.log.clock.k, unsent=process.unsent,
-                   **process.finish())
-            process.stopped = True
+            process.end()
     process.channel.close()
     if process.data is not None:
         process.data.close()
@@ -1395,10 +1401,7 @@ class Launched:
     def _spawn(self, role: str, worker: int, ports: list, timeout_s: float,
                restart: dict | None = None) -> int:
         name = role if role == ROUTER else f"{role} {worker}"
-        deployment = self.deployment
-        if restart is not None and deployment.model_dir:
-            # The gloo world cannot take a rank back: the new life has no data path.
-            deployment = replace(deployment, model_dir="", requests=())
+        deployment = self.deployment if restart is None else self.deployment.next_life()
         setup = {**asdict(deployment), "role": role, "worker": worker, "ports": ports}
         stderr = log_path(self.deployment, name).with_suffix(".stderr")
         if restart is not None:
