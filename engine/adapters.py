@@ -64,7 +64,9 @@ class EngineDecode:
                 "decode (no final word came: a full decode-side hit without its notice?)")
         token, logits, generator = live.first
         request = Request(r, live.request.prompt_ids, live.request.sampling)
-        live.sequence = self.worker.start(request, self.rt.store.rows[r][core.TABLE], generator)
+        row = self.rt.store.rows[r]
+        live.sequence = self.worker.start(request, row[core.TABLE], generator,
+                                          core.tag_idents(self.rt.store.model, row))
         self.rt._next_token(live, token, logits)
 
     def stop_decoding(self, r: int) -> None:

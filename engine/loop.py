@@ -132,7 +132,7 @@ class Loop:
                 continue  # lost on the way (a transport fault): decode's data path never saw it
             (page, value), = out.decode
             self.decodes[write.decode].landed(write.request, page, write.checksum,
-                                              value[core.TAG])
+                                              value[core.TAG], value[core.TAG_IDENT])
 
     def _decode_step(self) -> bool:
         busy = False

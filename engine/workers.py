@@ -6,17 +6,25 @@ come back are the core's decisions, which engine/runtime.py takes through the st
 hands to these workers as commands. What a worker reports back is *observed*: the checksum
 verdict over the pages that landed, the tag verdict of every read.
 
-Tags. The core's page tag is the generation decode reserved the page at; a write carries
-the tag it was addressed with and the page takes it when the write lands. The pool stores
-`pack_tag(0, generation)`: the generation is already unique per page over the page's
-life (the core bumps it at every Reserve), and putting the owner's id beside it would
-hide exactly what the NoGenBump switch models (a reused page whose late write looks
-current), so the engine's tag is the core's tag, bit for bit.
+Tags. The core's page tag is the generation decode reserved the page at and, with a prefix
+cache, the content identity its tokens and salt imply (core.tag_ident: the spec's TagIdent).
+A write carries the generation it was addressed with; the page takes it when the write
+lands, with the identity decode writes for the page's place in the writer's table
+(core.written_ident). The pool stores `pack_tag(ident_owner(identity), generation)`: the
+owner field is a 31-bit digest of the identity, TAG_OWNER for none (without a prefix
+cache, and with NoIdentTag). The generation is unique per page over the page's life (the
+core bumps it at every Reserve), and putting a request's id beside it would hide exactly
+what the NoGenBump switch models (a reused page whose late write looks current). The
+identity digest is what makes a page reached under a wrong key (NoSalt) fail its read;
+two identities share a digest with probability 2**-31 per page read, the check's only
+blind spot (the spec leaves hash collisions out, as it does for cache keys).
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field, replace
+from hashlib import blake2b
 
 import torch
 
@@ -48,8 +56,18 @@ def _described(error: BaseException) -> str:
     return f"the prefill's model step raised {type(error).__name__}: {error}"
 
 
-def page_tag(generation: int) -> int:
-    return kernels.pack_tag(TAG_OWNER, generation)
+def ident_owner(ident: tuple) -> int:
+    """The owner field of a page tag naming content identity `ident` (salt, tokens): a
+    31-bit digest of it; TAG_OWNER for no identity."""
+    if not ident:
+        return TAG_OWNER
+    salt, tokens = ident
+    digest = blake2b(array("Q", (salt, *tokens)).tobytes(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") % kernels.OWNER_LIMIT
+
+
+def page_tag(generation: int, ident: tuple = ()) -> int:
+    return kernels.pack_tag(ident_owner(ident), generation)
 
 
 @dataclass
@@ -203,9 +221,11 @@ class DecodeWorker:
     def __post_init__(self) -> None:
         self.pool = KVPool(self.pool_config)
 
-    def landed(self, request: int, page: int, checksum: int, generation_tag: int) -> None:
-        """A write of `request` landed in `page` with this tag (the core's LandWrite)."""
-        self.pool.set_tags([page], [page_tag(generation_tag)])
+    def landed(self, request: int, page: int, checksum: int, generation: int,
+               ident: tuple = ()) -> None:
+        """A write of `request` landed in `page`: the page's tag is the generation it was
+        addressed with and the identity decode tags it with (the core's LandWrite)."""
+        self.pool.set_tags([page], [page_tag(generation, ident)])
         self.received.setdefault(request, {})[page] = checksum
 
     def transfer_fault(self, request: int, announced: int) -> str:
@@ -221,14 +241,17 @@ class DecodeWorker:
         pages = sorted(got)
         return "" if bool(self.pool.verify(pages, [got[p] for p in pages]).all()) else "checksum"
 
-    def start(self, request: Request, table: tuple, generator) -> Sequence:
-        """A sequence on its reserved pages, expecting the tags the core reserved them at;
-        the runtime appends the first token (sampled by the prefill)."""
+    def start(self, request: Request, table: tuple, generator, idents: tuple = ()) -> Sequence:
+        """A sequence on its reserved pages, expecting the tags the core reserved them at
+        (generations, and the identities of `idents` where given: core.tag_idents); the
+        runtime appends the first token (sampled by the prefill)."""
         pages = [page for page, _ in table]
+        idents = idents or ((),) * len(table)
         device = self.model.device
         sequence = Sequence(request=request, pages=pages,
                             page_tensor=torch.tensor(pages, dtype=torch.int32, device=device),
-                            tag_tensor=torch.tensor([page_tag(g) for _, g in table],
+                            tag_tensor=torch.tensor([page_tag(g, ident) for (_, g), ident
+                                                     in zip(table, idents, strict=True)],
                                                     dtype=torch.int64, device=device),
                             generator=generator, prefilled_tokens=len(request.prompt_ids))
         self.running.append(sequence)

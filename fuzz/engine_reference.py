@@ -128,6 +128,9 @@ class DecodeRead:
     logits: torch.Tensor  # fp32 [vocab]
     reserved: tuple[tuple[int, int], ...]  # the core's table: (page, generation)
     generations_now: tuple[int, ...]  # the core's current generation of each table page
+    # The content identity each table page's tag must name: the request's own, from its
+    # tokens and salt (core.tag_idents; none without a prefix cache).
+    idents: tuple[tuple, ...]
 
 
 class DecodeRecorder:
@@ -165,7 +168,7 @@ def judge(read: DecodeRead, tokens: tuple[int, ...], kv: torch.Tensor, logits: t
           page_tag) -> str | None:
     """What is wrong with one decode read (None: nothing), given the request's tokens
     (prompt + what its client got), the reference K/V and logits of those tokens, and the
-    engine's tag of a generation."""
+    engine's tag of a generation and a content identity, `page_tag(gen, ident)`."""
     if read.context != len(tokens):
         return (f"decode attended {read.context} positions, but the request has "
                 f"{len(tokens)} tokens")
@@ -175,10 +178,12 @@ def judge(read: DecodeRead, tokens: tuple[int, ...], kv: torch.Tensor, logits: t
     if read.table != tuple(p for p, _ in reserved):
         return (f"decode read pages {_pages(read.table)}, but the core reserved "
                 f"{_pages(p for p, _ in reserved)}")
-    if read.expected_tags != tuple(page_tag(g) for _, g in reserved):
-        return "decode expected tags other than the generations the core reserved the pages at"
+    own = tuple(page_tag(g, ident) for (_, g), ident in zip(reserved, read.idents))
+    if read.expected_tags != own:
+        return ("decode expected tags other than the generations the core reserved the pages "
+                "at and the request's own identities")
     for i, ((page, generation), tag) in enumerate(zip(reserved, read.pool_tags)):
-        if tag != page_tag(generation):
+        if tag != own[i]:
             return f"page {page + 1} held a tag other than its reservation's when decode read it"
         if read.generations_now[i] != generation:
             return (f"page {page + 1} was reallocated (generation "

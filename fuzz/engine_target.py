@@ -336,7 +336,7 @@ class EngineTarget(Target):
         self._pending.append(DecodeRead(
             request=r, step=steps, tokens_seen=len(self._tokens.get(r, ())),
             reserved=tuple(reserved), generations_now=tuple(pool[p][GEN] for p, _ in reserved),
-            **fields))
+            idents=core.tag_idents(store.model, store.rows[r]), **fields))
 
     def _tokens_of(self, r: int) -> tuple[int, ...]:
         """What request r has: its prompt and every token its client got."""

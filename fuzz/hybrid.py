@@ -151,9 +151,10 @@ class EngineDataPath:
         from engine.sampling import SamplingParams
 
         worker = self.decodes[d]
-        table = self.sim.cluster.rows[r][TABLE]
+        store = self.sim.cluster
+        row = store.rows[r]
         sequence = worker.start(Request(r, self.prompts[r], SamplingParams(max_tokens=1 << 20)),
-                                table, None)
+                                row[TABLE], None, core.tag_idents(store.model, row))
         worker.running.remove(sequence)  # the simulated batch says who steps (`step`)
         sequence.output_ids.append(self.first.get(r, 0))  # 0: a simulated prefill's
         self.running[d][r] = sequence
@@ -212,7 +213,8 @@ class EngineDataPath:
 
     def _landed(self, write: tuple) -> None:
         """The core accepted a landing: into a real decode, the source page's bytes as they
-        are now (from a real prefill) and the write's tag."""
+        are now (from a real prefill) and the page's tag (the write's generation, the
+        identity decode tags the page with)."""
         r, source, page, tag = write
         p, d = self.sim.cluster.placement[r]
         worker = self.decodes.get(d)
@@ -223,7 +225,8 @@ class EngineDataPath:
             buffer = self.prefills[p].pool.pack([source])
             worker.pool.unpack(buffer, [page])
             self.counts["bytes_copied"] += buffer.numel() * buffer.element_size()
-        worker.landed(r, page, checksum, tag)
+        worker.landed(r, page, checksum, tag,
+                      self.sim.cluster.decode_pools[d][page][core.TAG_IDENT])
 
     def _recorder(self, d: int):
         def on_read(r: int, fields: dict) -> None:
@@ -242,7 +245,7 @@ class EngineDataPath:
         read = DecodeRead(request=r, step=self.steps.get(r, 0),
                           tokens_seen=len(sequence.output_ids), reserved=reserved,
                           generations_now=tuple(pool[page][GEN] for page, _ in reserved),
-                          **fields)
+                          idents=core.tag_idents(store.model, store.rows[r]), **fields)
         self.steps[r] = read.step + 1
         self.counts["reads"] += 1
         if r not in self.first:

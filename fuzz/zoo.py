@@ -92,7 +92,7 @@ NOT_RUN: dict[tuple[str, str], str] = {
        "carried out on real pages; the engine target runs the data-path prefix rows, the "
        "core and sim targets every one"
        for row in ("stale-hit-reads-unwritten", "StaleHitLength alone", "no-refcount",
-                   "full-hit-no-notice", "no-salt", "none (prefix cache)",
+                   "full-hit-no-notice", "no-salt", "cross-tenant-read", "none (prefix cache)",
                    "evict-while-sending", "none (prefill cache)")},
     ("full-hit-no-notice", "engine"):
         "FullHitNoNotice starts decoding on a full decode-side hit without a word to the "
@@ -111,7 +111,9 @@ NOT_RUN: dict[tuple[str, str], str] = {
 # evicted while a transfer still reads it, and both clean rows (shared pages judged by
 # their bytes). The others are the cache's control path, and cost CI time for nothing real
 # tensors add: NoSalt's two tenants compute the same bytes from the same tokens (SaltsApart
-# is a property of the core's state), NoRefCount's ExclusiveOwner and StaleHitLength
+# is a property of the core's state, and so is cross-tenant-read's Isolation: the tenant
+# read KV of the same tokens under another salt; the identity tags that refuse it on real
+# pages are tests/test_api_prefix.py's), NoRefCount's ExclusiveOwner and StaleHitLength
 # alone's tag-check failure are the core's state too (on the engine at seed 0 they are
 # caught after 11, 33 and 3 examples: `--zoo` runs them if added here).
 ENGINE_ROWS = frozenset({"incident", "eager-release", "late-write-looks-current",

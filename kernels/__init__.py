@@ -29,11 +29,11 @@ from kernels import layer as _layer_ref
 from kernels import layer_native as _layer_native
 from kernels import native as _native
 from kernels import pack as _pack_ref
-from kernels.tags import FRESH_TAG, pack_tag, unpack_tag
+from kernels.tags import FRESH_TAG, OWNER_LIMIT, pack_tag, unpack_tag
 
-__all__ = ["FRESH_TAG", "pack_tag", "unpack_tag", "backend", "paged_decode_attention",
-           "paged_prefill_attention", "write_kv", "page_checksum", "pack_pages",
-           "unpack_pages", "decode_plan", "kv_slots", "write_kv_at", "rms_norm", "silu_mul",
+__all__ = ["FRESH_TAG", "OWNER_LIMIT", "pack_tag", "unpack_tag", "backend",
+           "paged_decode_attention", "paged_prefill_attention", "write_kv", "page_checksum",
+           "pack_pages", "unpack_pages", "decode_plan", "kv_slots", "write_kv_at", "rms_norm", "silu_mul",
            "rotary_write_kv"]
 
 BACKEND_ENV = "KVPROOF_KERNELS"

@@ -128,8 +128,8 @@ class RealDecode(SimDecode):
             return measured_s
         return super().step_seconds(batch)
 
-    def observed(self, info, view, r: int) -> bool:
-        return self.data.verdict(self.index, r, info, info.observed(view, r))
+    def observed(self, info, m, view, r: int) -> bool:
+        return self.data.verdict(self.index, r, info, info.observed(m, view, r))
 
 
 def attach(sim, data: DataPath | None) -> None:

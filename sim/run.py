@@ -191,7 +191,7 @@ class Simulation(ShellRuntime):
         info = core.INFO[cls]
         if info.observed is not None:  # the verdict of r's decode worker's data path
             d = self.cluster.placement[r][1]
-            args = {info.argument: self.decodes[d].observed(info, self.cluster.view(r), r)}
+            args = {info.argument: self.decodes[d].observed(info, self.model, self.cluster.view(r), r)}
         return cls(r, **args)
 
     def offer_if_enabled(self, action: str, r: int) -> core.Change | None:

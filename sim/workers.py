@@ -465,10 +465,10 @@ class SimDecode:
         sim = self.sim
         return sim.compute.decode_delay_s(sim.env.now, batch.size, batch.context_tokens)
 
-    def observed(self, info, view, r: int) -> bool:
+    def observed(self, info, m, view, r: int) -> bool:
         """The data path's verdict for r's observed action (Accept's checksums, Finish's
         tags): modelled pages give the one their abstract contents imply (core's oracle)."""
-        return info.observed(view, r)
+        return info.observed(m, view, r)
 
     def _stepped(self) -> None:
         batch, sim = self.batch, self.sim

@@ -14,7 +14,8 @@
 (* the prefill sends its final word Done (with the count it posted) and    *)
 (* frees its sources. Decode accepts only if the count equals what it      *)
 (* reserved and the checksums match, then decodes, comparing every page's  *)
-(* tag with the generation it reserved (Finish).                           *)
+(* tag with the generation it reserved (Finish) and, with PrefixCache, the *)
+(* content identity its own tokens and salt imply (TagIdent).              *)
 (*                                                                         *)
 (* The prefill's final word is Done, Reject or Abort, each with the count  *)
 (* of writes posted. Decode releases a request's pages only after that     *)
@@ -95,7 +96,7 @@ BugNames == {"FinishedNotRejected", "NoCountCheck", "EagerRelease", "SourceReuse
              "StopwatchTimeout", "EarlyDone", "NoLandedCount", "GenerationReset",
              "NoEpochCheck", "NoRetransmit", "NoRevoke", "NoFailureDetector",
              "StaleHitLength", "NoRefCount", "FullHitNoNotice", "NoSalt",
-             "EvictWhileSending"}
+             "EvictWhileSending", "NoIdentTag"}
 
 LossKinds == {"Bootstrap", "FinalWord", "Cancel", "Write"}
 
@@ -168,7 +169,8 @@ VARIABLES
               \*   Admit (PrefillCache; it computes only the rest)
     owner,    \* decode: owner of each page of each worker's pool, owner[d][p]
     gen,      \* decode: generation (ownership tag) of each page, gen[d][p]
-    content,  \* decode: each page's memory, <<whose data, tag it was written with>>
+    content,  \* decode: each page's memory, <<whose data, tag it was written with>>: the
+              \*   tag is a generation and a content identity (NoIdent without PrefixCache)
     readers,  \* decode: the requests that read each sealed page, readers[d][p]
     ident,    \* decode: each page's content identity in its cache index, ident[d][p]:
               \*   <<>> for a page not cached, else <<salt, tokens of the page and of
@@ -265,6 +267,16 @@ ToSend(r) == IF Len(src[r]) > phit[r] THEN Len(src[r]) - phit[r] ELSE 0
 TablePages(r) == {table[r][i].page : i \in DOMAIN table[r]}
 IndexOf(s, x) == CHOOSE i \in DOMAIN s : s[i] = x
 PageIndex(r, p) == CHOOSE i \in DOMAIN table[r] : table[r][i].page = p
+(* The content identity a page's tag names (issue 28): with PrefixCache, page i of r's     *)
+(* prompt is tagged with r's own identity for it, and a reader expects its own (TagsMatch), *)
+(* so a page reached under a wrong key (NoSalt) fails the tag check like a stale one.       *)
+(* NoIdentTag: the tag names the generation only, as before caching. Decode writes the tag  *)
+(* at landing from the write's request and the page's place in that request's table (it   *)
+(* knows both: the bootstrap carried the tokens and salt); a page no longer in the table   *)
+(* (a restarted decode's old write) is tagged with no identity.                            *)
+TagIdent(r, i) == IF PrefixCache /\ "NoIdentTag" \notin Bugs THEN TrueIdent(r, i) ELSE NoIdent
+WrittenIdent(w) == IF w.dst \in TablePages(w.req) THEN TagIdent(w.req, PageIndex(w.req, w.dst))
+                   ELSE NoIdent
 (* The identity of the KV prefill page p of worker q holds, which a write carries. *)
 SourceIdent(q, p) == LET x == pdata[q][p]
                      IN IF x = NoReq \/ p \notin Range(src[x]) THEN NoIdent
@@ -351,7 +363,7 @@ Init ==
     /\ dworker = [r \in Requests |-> NoWorker]
     /\ owner = [d \in DecodeWorkers |-> [p \in DPages |-> NoReq]]
     /\ gen = [d \in DecodeWorkers |-> [p \in DPages |-> 0]]
-    /\ content = [d \in DecodeWorkers |-> [p \in DPages |-> <<NoReq, -1>>]]
+    /\ content = [d \in DecodeWorkers |-> [p \in DPages |-> <<NoReq, -1, NoIdent>>]]
     /\ powner = [q \in PrefillWorkers |-> [p \in PPages |-> NoReq]]
     /\ pdata = [q \in PrefillWorkers |-> [p \in PPages |-> NoReq]]
     /\ writes = {}
@@ -471,7 +483,7 @@ SendPage(r) ==
 LandWrite(w) ==
     /\ w \in writes
     /\ content' = [content EXCEPT ![dworker[w.req]][w.dst] =
-                     <<pdata[pworker[w.req]][w.src], w.gen>>]
+                     <<pdata[pworker[w.req]][w.src], w.gen, WrittenIdent(w)>>]
     /\ kv' = IF PrefixCache
               THEN [kv EXCEPT ![dworker[w.req]][w.dst] = SourceIdent(pworker[w.req], w.src)]
               ELSE kv
@@ -742,7 +754,8 @@ ChecksumsMatch(r) == \A i \in 1..Min(sent[r], Len(table[r]) - hit[r]) :
                            ELSE content[dworker[r]][table[r][hit[r] + i].page][1] = r
 
 TagsMatch(r) == \A i \in DOMAIN table[r] :
-                    content[dworker[r]][table[r][i].page][2] = table[r][i].gen
+                    /\ content[dworker[r]][table[r][i].page][2] = table[r][i].gen
+                    /\ content[dworker[r]][table[r][i].page][3] = TagIdent(r, i)
 
 TransferFault(r, checksumsOk) ==
     \/ "NoCountCheck" \notin Bugs /\ fwCount[r] # Len(table[r]) - hit[r]
@@ -797,10 +810,11 @@ Notice(r) ==
 (* content identity r's own tokens and salt imply (content, not ownership: a shared page  *)
 (* was written by another request).                                                      *)
 Foreign(r) == \E i \in DOMAIN table[r] :
-                  IF PrefixCache
-                    THEN kv[dworker[r]][table[r][i].page] # TrueIdent(r, i)
-                    ELSE content[dworker[r]][table[r][i].page]
-                           # <<r, gen[dworker[r]][table[r][i].page]>>
+                  LET p == table[r][i].page
+                  IN IF PrefixCache
+                       THEN kv[dworker[r]][p] # TrueIdent(r, i)
+                       ELSE <<content[dworker[r]][p][1], content[dworker[r]][p][2]>>
+                              # <<r, gen[dworker[r]][p]>>
 
 (* The last decode step: read every page, checking its tag, and answer the client. The    *)
 (* tag check is the data path's observation tagsOk; leaked is history, for the properties.  *)

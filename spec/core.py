@@ -52,9 +52,11 @@ States are plain nested tuples of small ints so that they hash, compare and copy
 hash the same in every process. A state is (requests, decode_pool, prefill_pool, writes):
 - requests: one row per request (the fields named by the constants CLIENT..LEAKED below);
   rows mention pages but never other requests, which makes symmetry reduction cheap.
-- decode_pool: per page (owner, gen, data, tag, readers, ident, kv); data/tag are the page's
-  last content; readers (a sorted tuple of requests), ident (the cache key, () if not cached)
-  and kv (the content identity its memory holds) are prefix caching's (all empty without it).
+- decode_pool: per page (owner, gen, data, tag, readers, ident, kv, tag_ident); data/tag are
+  the page's last content and tag_ident the content identity its tag names (the spec's
+  content[d][p], a triple); readers (a sorted tuple of requests), ident (the cache key, () if
+  not cached), kv (the content identity its memory holds) and tag_ident are prefix caching's
+  (all empty without it).
 - prefill_pool: per page (owner, data, readers, ident): readers and ident are the prefill-side
   cache's (empty without it).
 - writes: the in-flight writes, sorted, each (request, source page, decode page, tag).
@@ -120,9 +122,9 @@ EMPTY_ROW = (IDLE, 0, P_NONE, 0, (), D_NONE, (), 0, NO_MSG, 0, 0, (), 0, 0, 0, 0
 
 # Fields of a decode page. A content identity (IDENT, KV) is (salt, tokens of the page and
 # of every page before it), or () for none.
-OWNER, GEN, DATA, TAG, READERS, IDENT, KV = range(7)
+OWNER, GEN, DATA, TAG, READERS, IDENT, KV, TAG_IDENT = range(8)
 NO_IDENT = ()
-FRESH_DECODE_PAGE = (NONE, 0, NONE, NONE, (), NO_IDENT, NO_IDENT)
+FRESH_DECODE_PAGE = (NONE, 0, NONE, NONE, (), NO_IDENT, NO_IDENT, NO_IDENT)
 # Fields of a prefill page: its owner, whose KV its memory holds, and the prefill-side
 # cache's readers and key (the spec's powner, pdata, preaders, pident; (), () without it).
 P_OWNER, P_DATA, P_READERS, P_IDENT = range(4)
@@ -363,6 +365,30 @@ def true_ident(row: tuple, i: int) -> tuple:
     return (row[SALT], row[TOKENS][:i])
 
 
+def tag_ident(m: Model, row: tuple, i: int) -> tuple:
+    """The content identity page i (1-based) of the request is tagged with, and a reader
+    expects (the spec's TagIdent): its own, with a prefix cache; none without one, or with
+    NoIdentTag (a tag that names the generation only)."""
+    if not m.prefix_cache or "NoIdentTag" in m.bugs:
+        return NO_IDENT
+    return true_ident(row, i)
+
+
+def tag_idents(m: Model, row: tuple) -> tuple:
+    """The identity each page of the request's table is expected to be tagged with."""
+    return tuple(tag_ident(m, row, i + 1) for i in range(len(row[TABLE])))
+
+
+def written_ident(m: Model, row: tuple, page: int) -> tuple:
+    """The identity decode tags `page` with when a write of the request lands in it (the
+    spec's WrittenIdent): the request's own for the page's place in its table; none for a
+    page no longer in it."""
+    for i, (p, _) in enumerate(row[TABLE]):
+        if p == page:
+            return tag_ident(m, row, i + 1)
+    return NO_IDENT
+
+
 def cache_key(m: Model, row: tuple, i: int) -> tuple:
     """The key decode files page i under (the spec's CacheKey); NoSalt leaves the salt out."""
     return (0 if "NoSalt" in m.bugs else row[SALT], row[TOKENS][:i])
@@ -566,17 +592,18 @@ def land_write(m: Model, s: State, r: int, page: int) -> Change | str:
         return (f"no write of this request into decode page {page + 1} is in flight (it "
                 "landed already, or a crash flushed it while it was on the wire)")
     data = s.prefill_pool[w[1]][1]  # the NIC reads the source page now, not at post time
-    owner, gen, _, _, readers, ident, kv = s.decode_pool[page]
+    owner, gen, _, _, readers, ident, kv, _ = s.decode_pool[page]
     if m.prefix_cache:
         kv = source_ident(s, w[1])
     row = s.requests[r]  # decode counts the write (its completion carries the request)
+    tid = written_ident(m, row, page)  # decode tags the page with r's identity for it
     freed = ()
     if row[PST] != RUNNING and s.prefill_pool[w[1]][0] == r:
         # The completion frees a source the prefill kept only for this write (EarlyDone).
         freed = ((w[1], _unowned(s.prefill_pool[w[1]])),)
     return Change(((r, _row(row, LANDED, row[LANDED] + 1)),),
-                  decode=((page, (owner, gen, data, w[3], readers, ident, kv)),), prefill=freed,
-                  landed=(w,))
+                  decode=((page, (owner, gen, data, w[3], readers, ident, kv, tid)),),
+                  prefill=freed, landed=(w,))
 
 
 def source_ident(s: State, source: int) -> tuple:
@@ -708,8 +735,9 @@ def reserve(m: Model, s: State, r: int, pages: tuple) -> Change | str:
             return f"decode page {p + 1} is cached and read: it is not free"
     changes, table = _referenced(pool, r, hits, READERS), tuple((p, pool[p][GEN]) for p in hits)
     bump = 0 if "NoGenBump" in m.bugs else 1
-    changes += tuple((p, (r, gen + bump, data, tag, readers, NO_IDENT, kv))  # evicts a cached
-                     for p in pages for _, gen, data, tag, readers, _, kv in (pool[p],))
+    # A fresh page may be an idle cached one: reserving it evicts it (its key goes).
+    changes += tuple((p, (r, gen + bump, data, tag, readers, NO_IDENT, kv, tid))
+                     for p in pages for _, gen, data, tag, readers, _, kv, tid in (pool[p],))
     table += tuple((p, pool[p][GEN] + bump) for p in pages)
     told = told_hit(m, row, len(hits))
     if len(hits) == row[PROMPT] and "FullHitNoNotice" in m.bugs:  # the bug: no word to prefill
@@ -748,7 +776,7 @@ def drop_bootstrap(m: Model, s: State, r: int) -> Change | str:
     return _one(r, _row(row, BOOT, 0))
 
 
-def checksums_match(s: State, r: int) -> bool:
+def checksums_match(m: Model, s: State, r: int) -> bool:
     """The data path's checksum verdict as the abstract page contents imply it (the spec's
     ChecksumsMatch): every page sent holds r's data; with a prefix cache (a prompt with
     tokens), the KV of r's own content identity, whoever computed it. The oracle for an
@@ -767,12 +795,14 @@ def checksums_match(s: State, r: int) -> bool:
     return True
 
 
-def tags_match(s: State, r: int) -> bool:
+def tags_match(m: Model, s: State, r: int) -> bool:
     """The tag check's verdict as the page contents imply it (the spec's TagsMatch): every
-    page holds content written with the generation decode reserved it at."""
+    page holds content written with the generation decode reserved it at and, with a prefix
+    cache, tagged with the content identity r's own tokens and salt imply for it."""
     pool = s.decode_pool
-    for page, gen in s.requests[r][TABLE]:
-        if pool[page][TAG] != gen:
+    row = s.requests[r]
+    for i, (page, gen) in enumerate(row[TABLE]):
+        if pool[page][TAG] != gen or pool[page][TAG_IDENT] != tag_ident(m, row, i + 1):
             return False
     return True
 
@@ -827,9 +857,9 @@ def _sealed(m: Model, s: State, r: int, row: tuple) -> tuple:
     if not m.prefix_cache:
         return ()
     pool = s.decode_pool
-    return tuple((p, (NONE, gen, data, tag, (r,), cache_key(m, row, i + 1), kv))
+    return tuple((p, (NONE, gen, data, tag, (r,), cache_key(m, row, i + 1), kv, tid))
                  for i, (p, _) in enumerate(row[TABLE]) if i >= row[HIT]
-                 for _, gen, data, tag, _, _, kv in (pool[p],))
+                 for _, gen, data, tag, _, _, kv, tid in (pool[p],))
 
 
 def notice(m: Model, s: State, r: int) -> Change | str:
@@ -927,15 +957,15 @@ def _released(m: Model, s: State, r: int, row: tuple) -> Change:
     pool = s.decode_pool
     freed = []
     for page, _ in row[TABLE]:
-        owner, gen, data, tag, readers, ident, kv = pool[page]
+        owner, gen, data, tag, readers, ident, kv, tid = pool[page]
         if owner == r:
-            freed.append((page, (NONE, gen, data, tag, readers, ident, kv)))
+            freed.append((page, (NONE, gen, data, tag, readers, ident, kv, tid)))
         elif r in readers:
             if "NoRefCount" in m.bugs:  # the bug: no count of readers, the page goes
-                freed.append((page, (owner, gen, data, tag, (), NO_IDENT, kv)))
+                freed.append((page, (owner, gen, data, tag, (), NO_IDENT, kv, tid)))
             else:
                 left = tuple(x for x in readers if x != r)
-                freed.append((page, (owner, gen, data, tag, left, ident, kv)))
+                freed.append((page, (owner, gen, data, tag, left, ident, kv, tid)))
     return Change(((r, _row(row, DST, RELEASED)),), decode=tuple(freed))
 
 
@@ -1037,9 +1067,9 @@ def decode_crash(m: Model, s: State, d: int = 0) -> Change | str:
     reset = "GenerationReset" in m.bugs  # the bug: the tag counter died with the process
     pool = s.decode_pool
     # The cache index and its readers die with the process; the memory keeps its KV.
-    freed = tuple((k, (NONE, 0 if reset else gen, data, tag, (), NO_IDENT, kv))
+    freed = tuple((k, (NONE, 0 if reset else gen, data, tag, (), NO_IDENT, kv, tid))
                   for k in s.pages_of(d, m.decode_pages)
-                  for owner, gen, data, tag, readers, ident, kv in (pool[k],)
+                  for owner, gen, data, tag, readers, ident, kv, tid in (pool[k],)
                   if owner != NONE or (reset and gen) or readers or ident)
     held = _sources_of_failed_writes(s, here) if "EarlyDone" in m.bugs else ()
     return Change(tuple(lost), decode=freed, prefill=held, flushed=here)
@@ -1070,12 +1100,12 @@ def evict(m: Model, s: State, d: int, page: int) -> Change | str:
     if not m.prefix_cache:
         return "this model has no prefix cache"
     p = s.pages_of(d, m.decode_pages)[page]
-    owner, gen, data, tag, readers, ident, kv = s.decode_pool[p]
+    owner, gen, data, tag, readers, ident, kv, tid = s.decode_pool[p]
     if ident == NO_IDENT:
         return f"decode page {page + 1} is not cached"
     if readers:
         return f"decode page {page + 1} has readers: it cannot be evicted"
-    return Change(decode=((p, (owner, gen, data, tag, readers, NO_IDENT, kv)),))
+    return Change(decode=((p, (owner, gen, data, tag, readers, NO_IDENT, kv, tid)),))
 
 
 def prefill_evict(m: Model, s: State, q: int, page: int) -> Change | str:
@@ -1764,12 +1794,12 @@ def step_with_oracle(m: Model, s: State, r: int, fn: Callable, observed, events)
     if observed is None:
         return events, fn(m, s, r)
     out = fn(m, s, r, True)
-    if type(out) is str or observed(s, r):
+    if type(out) is str or observed(m, s, r):
         return events[1], out
     return events[0], fn(m, s, r, False)
 
 
-def observation_conflict(s: State, event: Event) -> str:
+def observation_conflict(m: Model, s: State, event: Event) -> str:
     """Why an observation a shell reported contradicts the abstract page contents, or "".
     Shells whose data path is real (the engine) report what they measured; the contents are
     the oracle, and a contradiction is flagged: a "clean" over foreign data is a data-path
@@ -1778,7 +1808,7 @@ def observation_conflict(s: State, event: Event) -> str:
     if info is None or info.observed is None:
         return ""
     reported = getattr(event, info.argument)
-    expected = info.observed(s, event.request)
+    expected = info.observed(m, s, event.request)
     if bool(reported) == expected:
         return ""
     return (f"{event.label()} reports {info.argument}={bool(reported)}, but the page contents "

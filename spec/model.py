@@ -158,6 +158,12 @@ BUG_SWITCHES: dict[str, tuple[str, str, str]] = {
         "reads, so the write carries another prompt's KV (or none) to decode",
         "TRT-LLM #12542, vLLM #52360",
     ),
+    "NoIdentTag": (
+        "the content identity in every page's tag, checked on every read",
+        "a page's tag names its generation only, not what it holds, so a page reached under "
+        "a wrong cache key (NoSalt, a hash collision) reads as current",
+        "issue 28 (kvproof guard removal: the tag before content identity)",
+    ),
 }
 
 ALL_BUGS = frozenset(BUG_SWITCHES)

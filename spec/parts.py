@@ -512,8 +512,9 @@ class Part:
         r, _, page, tag = write
         row = self.rows[r]
         self.rows[r] = core._row(row, core.LANDED, row[core.LANDED] + 1)
-        owner, gen, _, _, readers, ident, kv = self.pool[page - self.base]
-        self.pool[page - self.base] = (owner, gen, data, tag, readers, ident, kv)
+        owner, gen, _, _, readers, ident, kv, _ = self.pool[page - self.base]
+        self.pool[page - self.base] = (owner, gen, data, tag, readers, ident, kv,
+                                       core.written_ident(self.model, row, page))
 
     def completed(self, write: tuple) -> None:
         """The prefill's share of LandWrite: its write completed (with EarlyDone a landing

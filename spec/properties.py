@@ -61,7 +61,7 @@ def TypeOK(m: Model, s: State) -> bool:
                 and 0 <= row[ANNOUNCED] <= m.max_prompt_pages and row[LANDED] >= 0
                 and -1 <= row[PW] < m.prefill_workers and -1 <= row[DW] < m.decode_workers):
             return False
-    for owner, gen, data, tag, _, _, _ in s.decode_pool:
+    for owner, gen, data, tag, *_ in s.decode_pool:
         if not (-1 <= owner < n and gen >= 0 and -1 <= data < n):
             return False
     for owner, data, readers, _ in s.prefill_pool:

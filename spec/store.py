@@ -209,7 +209,7 @@ class Store:
         abstract page contents imply: before the commit, on the pages the data path read."""
         if core.INFO[type(event)].observed is None:
             return  # nothing observed (most events): no view to build
-        conflict = core.observation_conflict(self.view(r), event)
+        conflict = core.observation_conflict(self.model, self.view(r), event)
         if conflict:
             self._violate(TRUTHFUL_OBSERVATION, conflict, r)
 
@@ -599,9 +599,9 @@ class Store:
             row[PTABLE] = tuple((x + d * dp, g) for x, g in row[PTABLE])
             rows.append(tuple(row))
         rows.append(core.EMPTY_ROW)
-        decode = tuple((who(o), g, who(data), t, tuple(who(x) for x in readers), ident, kv)
+        decode = tuple((who(o), g, who(data), t, tuple(who(x) for x in readers), ident, kv, tid)
                        for pool in self.decode_pools
-                       for o, g, data, t, readers, ident, kv in pool)
+                       for o, g, data, t, readers, ident, kv, tid in pool)
         prefill = tuple((who(o), who(data), tuple(who(x) for x in readers), ident)
                         for pool in self.prefill_pools for o, data, readers, ident in pool)
         writes = tuple(sorted((index[r], s + self.placement[r][0] * pp, t + d * dp, tag)

@@ -95,9 +95,29 @@ def test_two_keys_never_share_a_page_and_one_key_does(tiny_chat_model):  # noqa:
         "kvproof_prefill_computed_tokens_total": 5 * 70 - 2 * 4 * PAGE}
 
 
-def test_with_the_no_salt_switch_the_second_key_reads_the_first_keys_pages(
+def test_with_the_no_salt_switch_the_page_tags_refuse_the_second_keys_read(
         tiny_chat_model):  # noqa: F811
+    """NoSalt: the second key's request hits the first key's pages, and the identity in their
+    tags (the first tenant's) fails its read: a clear 500 for that request alone, while the
+    first key's requests before and after it finish."""
     engine, live = serve(tiny_chat_model, bugs={"NoSalt"})
+    with live as server:
+        assert complete(server, KEYS[0]) == 0
+        with pytest.raises(openai.InternalServerError) as refused:
+            complete(server, KEYS[1])
+        assert complete(server, KEYS[0]) == 4 * PAGE
+        salts = first_page_salts(engine)
+    assert refused.value.code == "guard_tag" and "[outcome ErrTag]" in str(refused.value)
+    assert salts == [0]  # NoSalt files every page under salt 0: one page for both
+    runtime = engine.inner.runtime
+    assert runtime.counts["prefix"]["hit_pages"] == 8  # the refused read hit them too
+    # The store's oracles: tenants shared pages (the bug), but nobody read another's KV.
+    assert "Isolation" not in runtime.store.violation_counts
+
+
+def test_no_salt_with_tags_without_identity_lets_the_second_key_read_the_first_keys_pages(
+        tiny_chat_model):  # noqa: F811
+    engine, live = serve(tiny_chat_model, bugs={"NoSalt", "NoIdentTag"})
     with live as server:
         assert complete(server, KEYS[0]) == 0
         assert complete(server, KEYS[1]) == 4 * PAGE  # the bug: another tenant's pages

@@ -102,7 +102,7 @@ def test_bug_flags_add_switches_to_a_model(capsys):
 def test_list_bugs_names_every_switch(capsys):
     code, out, _ = run_cli(capsys, "--list-bugs")
     assert code == 0
-    assert len(out.strip().splitlines()) == 25  # 20, and prefix caching's five (issue 27)
+    assert len(out.strip().splitlines()) == 26  # 20, prefix caching's five (issue 27), NoIdentTag
     assert out.startswith("FinishedNotRejected")
 
 

@@ -61,6 +61,9 @@ STATES = {
     # Prefix caching at the prefill too (issue 27): the prefix model with one salt and the
     # prefill's own cache, and EvictWhileSending on it (zoo-evict-while-sending's graph).
     "prefix-prefill": 211869, "bug-EvictWhileSending": 215997, "prefix-prefill-crash": 280919,
+    # The content identity in the page tag (issue 28): without it the prefix model's graph;
+    # with NoSalt too, zoo-cross-tenant-read (bug-NoSalt's graph, other verdicts).
+    "bug-NoIdentTag": 420895, "zoo-cross-tenant-read": 436279,
 }
 # The switches of an early final word and of a decode restart came after the pinned
 # every-switch figure: it stays pinned for the thirteen before them.
@@ -93,7 +96,7 @@ SAMPLED_STATES = {
     "incident": 19234, "large": 17069, "zoo-late-write-looks-current": 16112,
     "zoo-rejected-decodes": 19239, "zoo-source-reuse-unverified": 12858,
     "bug-FullHitNoNotice": 18287, "bug-NoRefCount": 17918, "bug-NoSalt": 18277,
-    "prefix-crash": 11121,
+    "prefix-crash": 11121, "bug-NoIdentTag": 18287, "zoo-cross-tenant-read": 18277,
 }
 
 
@@ -115,7 +118,7 @@ COMPANION_STATES = {
     ("crash", "large"): 33198, ("incident",): 56298, ("zoo-late-write-looks-current",): 81891,
     ("zoo-rejected-decodes",): 57601, ("zoo-source-reuse-unverified",): 45896,
     ("bug-FullHitNoNotice",): 92514, ("bug-NoRefCount",): 90458, ("bug-NoSalt",): 95882,
-    ("prefix-crash",): 166284,
+    ("prefix-crash",): 166284, ("bug-NoIdentTag",): 93930, ("zoo-cross-tenant-read",): 95882,
 }
 COMPANIONS: dict[Model, list[str]] = {}
 for _model, _names in MODELS.items():

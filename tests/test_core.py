@@ -122,7 +122,7 @@ def _brute_force(m: Model, s):
     out.append(core.PrefillCrash())
     enabled = {}
     for event in out:
-        if core.observation_conflict(s, event):
+        if core.observation_conflict(m, s, event):
             continue  # the enumeration reports what the page contents imply, nothing else
         nxt = apply(m, s, event)
         if not isinstance(nxt, Refusal):

@@ -548,7 +548,8 @@ def test_zoo_rows_cover_every_entry_and_the_switches_that_break_alone():
     # (run on the core, sim and engine targets: fuzz/zoo.py NOT_RUN says why not on the
     # hybrid)
     assert prefix_rows == {"stale-hit-reads-unwritten", "no-refcount", "full-hit-no-notice",
-                           "no-salt", "StaleHitLength alone", "none (prefix cache)",
+                           "no-salt", "cross-tenant-read", "StaleHitLength alone",
+                           "none (prefix cache)",
                            "evict-while-sending", "none (prefill cache)"}
     assert {r.name for r in rows if r.prefill_cache} == {"evict-while-sending",
                                                           "none (prefill cache)"}

@@ -90,14 +90,15 @@ def test_another_salt_shares_nothing(monkeypatch):
 
 def test_a_stale_hit_reads_bytes_that_are_not_its_own_and_the_read_oracle_says_so(
         monkeypatch):
-    """stale-hit-reads-unwritten (StaleHitLength, NoGenBump): decode counts one cached page
-    more than it holds (here its first, with nothing cached), the prefill skips it, and
-    decode reads a page nobody wrote for r1 (the warm pool's bytes), whose stale tag passes
-    the check. The engine's read oracle, which judges the bytes against r1's own tokens
-    computed alone, reports the first token computed from them, and the reads the shared
-    leak oracle gets name that page's content as nothing ever written (the core's own
-    Isolation sees it too, from its state)."""
-    m = _prefix_model(False, bugs={"StaleHitLength", "NoGenBump"})
+    """stale-hit-reads-unwritten (StaleHitLength, NoGenBump, NoIdentTag): decode counts one
+    cached page more than it holds (here its first, with nothing cached), the prefill skips
+    it, and decode reads a page nobody wrote for r1 (the warm pool's bytes), whose stale
+    tag passes the check (it names neither a fresh generation nor any identity). The
+    engine's read oracle, which judges the bytes against r1's own tokens computed alone,
+    reports the first token computed from them, and the reads the shared leak oracle gets
+    name that page's content as nothing ever written (the core's own Isolation sees it
+    too, from its state)."""
+    m = _prefix_model(False, bugs={"StaleHitLength", "NoGenBump", "NoIdentTag"})
     target, found = _run(monkeypatch, m, [((1,) * PAGES, 1)],
                          Checks.for_properties(("Isolation", "OkIsClean")))
     from_bytes = [v.detail for v in found if v.property == LEAK_ORACLE
@@ -115,20 +116,39 @@ def test_a_stale_hit_reads_bytes_that_are_not_its_own_and_the_read_oracle_says_s
     assert "Isolation" in {v.property for v in found}
 
 
-def test_another_prompt_s_late_write_is_judged_by_its_bytes(monkeypatch):
-    """late-write-looks-current (EagerRelease, NoGenBump) on a prefix-cache model: x is
-    aborted with its writes held on the wire, decode frees its pages at once, y (another
-    prompt) reserves them and decodes, and x's writes land in y's pages with a tag that
-    passes. The bytes y then reads on such a page are x's, not y's own tokens' K/V: the
-    engine's read oracle reports the token computed from them, and y's reads do not name
-    that page as its own content."""
+@pytest.mark.parametrize("bugs", [{"StaleHitLength"}, {"StaleHitLength", "NoGenBump"}],
+                         ids=["every tag guard", "identity alone"])
+def test_the_page_tags_turn_a_stale_hit_into_err_tag_for_that_request_alone(monkeypatch,
+                                                                             bugs):
+    """The same stale hit with the tag guards on: the page nobody wrote carries an older
+    generation, and an identity that is not r1's (none: the warm pool's), so r1's first
+    read fails its tag check, ErrTag, and no decode step's token is computed from it.
+    Without generation bumps (NoGenBump) the identity alone catches it. The switch
+    misreports every request's hit, so each is refused alone: every property but
+    FittingRequestsSucceed (what the switch breaks alone) holds, the leak oracles and
+    conservation included."""
+    m = _prefix_model(False, bugs=bugs)
+    target, found = _run(monkeypatch, m, [((1,) * PAGES, 1), ((2,) * PAGES, 2)],
+                         Checks.for_properties())
+    assert {v.property for v in found} == {"FittingRequestsSucceed"}
+    assert target._outcomes == {0: "ErrTag", 1: "ErrTag"}
+    assert target.rt.counts["guard_trips"] == {"tag": 2}
+    # Each got the prefill's first token only: no token was computed from the stale page.
+    assert [len(target._tokens[r]) for r in (0, 1)] == [1, 1]
+
+
+def _late_write_into_another_prompt(monkeypatch, bugs: set):
+    """x is aborted with its writes held on the wire, decode frees its pages at once
+    (EagerRelease), y (another prompt) reserves them and decodes, and x's writes land in
+    y's pages (NoGenBump: with the generation y reserved them at). Returns the driven
+    target and the pages x's writes landed in."""
     monkeypatch.setattr(engine_target, "request_shape", lambda rng, pages: (
         PAGE_TOKENS, pages * PAGE_TOKENS + 1 - PAGE_TOKENS))  # a page of prompt, then output
     m = Model(requests=2, max_prompt_pages=8, context_pages=8, prefill_pages=16,
-              decode_pages=16, bugs=frozenset({"EagerRelease", "NoGenBump"}), **PREFIX_MODEL)
+              decode_pages=16, bugs=frozenset({"EagerRelease", "NoGenBump"} | bugs),
+              **PREFIX_MODEL)
     driven = Driven(m, ("Isolation", "OkIsClean"))
-    target, found, rt, move, wait_until = (driven.target, driven.found, driven.rt,
-                                           driven.move, driven.wait_until)
+    rt, move, wait_until = driven.rt, driven.move, driven.wait_until
     move(core.Arrive(0, 3, tokens=(2, 2, 2), salt=1))
     wait_until(lambda: any(w.request == 0 for w in rt.transport.writes_of_all()))
     move(Open("Delay", 0, 0, (30,)).close(30))
@@ -140,6 +160,17 @@ def test_another_prompt_s_late_write_is_judged_by_its_bytes(monkeypatch):
     assert late and late <= {p for p, _ in rt.store.rows[1][core.TABLE]}
     assert rt.land_only(lambda w: w.request == 0) == len(late)  # into y's pages
     wait_until(lambda: 1 not in rt.live)
+    return driven, late
+
+
+def test_another_prompt_s_late_write_is_judged_by_its_bytes(monkeypatch):
+    """late-write-looks-current (EagerRelease, NoGenBump) on a prefix-cache model, with tags
+    that name no identity (NoIdentTag): x's late writes land in y's pages with a tag that
+    passes. The bytes y then reads on such a page are x's, not y's own tokens' K/V: the
+    engine's read oracle reports the token computed from them, and y's reads do not name
+    that page as its own content."""
+    driven, late = _late_write_into_another_prompt(monkeypatch, {"NoIdentTag"})
+    target, found = driven.target, driven.found
     assert target._outcomes[1] == "Ok"
     from_bytes = [v.detail for v in found if v.property == LEAK_ORACLE
                   and v.detail.startswith("engine read oracle: r2")]
@@ -151,6 +182,17 @@ def test_another_prompt_s_late_write_is_judged_by_its_bytes(monkeypatch):
     # writes later (its own output) holds y's own bytes again by its last read.
     wrong = [i for i, (got, want) in enumerate(zip(target._reads[1], own)) if got != want]
     assert wrong == [1] and table[1] in late
+
+
+def test_the_identity_in_the_tag_refuses_another_prompt_s_late_write(monkeypatch):
+    """The same late writes with the identity in the tag: without generation bumps the
+    generation passes, but the tag x's write left names x's prompt, so y's next read fails
+    its tag check (ErrTag) and no token computed from x's bytes reaches y's client."""
+    driven, late = _late_write_into_another_prompt(monkeypatch, set())
+    target, found = driven.target, driven.found
+    assert target._outcomes == {0: "Gone", 1: "ErrTag"}
+    assert target.rt.counts["guard_trips"] == {"tag": 1}
+    assert not [v for v in found if v.property in (LEAK_ORACLE, "Isolation", "OkIsClean")]
 
 
 def test_an_old_seed_without_a_cache_draws_what_it_drew_before():

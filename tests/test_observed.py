@@ -30,25 +30,25 @@ def _transferred(m: Model = M):
 
 def test_a_bad_checksum_over_clean_pages_fails_the_request_with_err_transfer():
     s = _transferred()
-    assert core.checksums_match(s, 0)  # the pages are clean
+    assert core.checksums_match(M, s, 0)  # the pages are clean
     after = apply(M, s, Accept(0, False))
     row = after.requests[0]
     assert (row[core.CLIENT], row[core.DST]) == (core.ERR_TRANSFER, core.CLOSING)
-    assert "checksums_ok=False" in core.observation_conflict(s, Accept(0, False))
+    assert "checksums_ok=False" in core.observation_conflict(M, s, Accept(0, False))
 
 
 def test_a_bad_tag_check_over_clean_pages_fails_the_request_with_err_tag():
     s = apply(M, _transferred(), Accept(0, True))
-    assert s.requests[0][core.DST] == core.DECODING and core.tags_match(s, 0)
+    assert s.requests[0][core.DST] == core.DECODING and core.tags_match(M, s, 0)
     after = apply(M, s, Finish(0, False))
     assert after.requests[0][core.CLIENT] == core.ERR_TAG
-    assert core.observation_conflict(s, Finish(0, False))
+    assert core.observation_conflict(M, s, Finish(0, False))
 
 
 def test_a_truthful_observation_is_no_conflict():
     s = _transferred()
-    assert core.observation_conflict(s, Accept(0, True)) == ""
-    assert core.observation_conflict(s, SendDone(0)) == ""  # nothing observed
+    assert core.observation_conflict(M, s, Accept(0, True)) == ""
+    assert core.observation_conflict(M, s, SendDone(0)) == ""  # nothing observed
 
 
 def test_without_the_checksum_guard_a_bad_observation_changes_nothing():

@@ -36,8 +36,9 @@ def test_an_accepted_transfer_is_sealed_and_stays_cached_after_release():
     s = first_request()
     assert s.requests[0][core.CLIENT] == core.OK
     for page, tokens in ((0, (1,)), (1, (1, 1))):
-        owner, _, _, _, readers, ident, kv = s.decode_pool[page]
-        assert (owner, readers, ident, kv) == (core.NONE, (), (1, tokens), (1, tokens))
+        owner, _, _, _, readers, ident, kv, tid = s.decode_pool[page]
+        assert (owner, readers, ident, kv, tid) == (core.NONE, (), (1, tokens), (1, tokens),
+                                                    (1, tokens))
 
 
 def test_a_partial_hit_references_the_cached_page_and_the_prefill_sends_only_the_tail():
@@ -178,7 +179,7 @@ def test_evictWhileSending_makes_decode_read_another_prompts_kv():
     s, out = _overwritten_while_sending(bug)
     s = run(bug, [SendPage(1), LandWrite(1, 1)], out)
     assert s.decode_pool[1][core.KV] == (2, (1,))  # r3's tenant's KV in r2's page
-    assert not core.checksums_match(s, 1)  # the checksum catches it: ErrTransfer
+    assert not core.checksums_match(bug, s, 1)  # the checksum catches it: ErrTransfer
     assert run(bug, [SendDone(1), Accept(1, False)], s).requests[1][core.CLIENT] \
         == core.ERR_TRANSFER
     unverified = PP3.with_bugs({"EvictWhileSending", "NoChecksum"})

@@ -268,6 +268,9 @@ TLC_FIGURES = {
     "prefix-prefill-crash": (561817, 30),
     "bug-EvictWhileSending": ('SealedIsQuiet', 10),
     "zoo-evict-while-sending": ('SealedIsQuiet', 10),
+    # issue 28: the content identity in the page tag
+    "bug-NoIdentTag": (841757, 27),
+    "zoo-cross-tenant-read": ('Isolation', 13),
 }
 
 

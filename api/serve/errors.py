@@ -46,7 +46,8 @@ OUTCOME_ANSWERS: dict[str, Answer] = {
     "ErrTransfer": Answer(500, "server_error", "kv_transfer_failed",
                           "the KV cache transfer failed its checks"),
     "ErrTag": Answer(500, "server_error", "kv_tag_mismatch",
-                     "a KV page's ownership tag did not match the request"),
+                     "a KV page's tag (its generation and content identity) did not match "
+                     "the request"),
     "ErrTimeout": Answer(504, "server_error", "kv_transfer_timeout",
                          "the KV cache did not arrive in time"),
     "ErrDecode": Answer(500, "server_error", "decode_failed",

@@ -41,8 +41,8 @@ def relabel(s: State, order: tuple[int, ...] | list[int]) -> State:
 
     return State(
         tuple(reqs[old] for old in order),
-        tuple((rid(o), g, rid(d), t, tuple(sorted(new_id[x] for x in readers)), ident, kv)
-              for o, g, d, t, readers, ident, kv in s.decode_pool),
+        tuple((rid(o), g, rid(d), t, tuple(sorted(new_id[x] for x in readers)), ident, kv, tid)
+              for o, g, d, t, readers, ident, kv, tid in s.decode_pool),
         tuple((rid(o), rid(d), tuple(sorted(new_id[x] for x in readers)), ident)
               for o, d, readers, ident in s.prefill_pool),
         tuple(sorted((new_id[r], src, dst, g) for r, src, dst, g in s.writes)),

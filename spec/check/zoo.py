@@ -253,12 +253,13 @@ ENTRIES: tuple[Entry, ...] = (
                 "crashes, and the restarted decode, which does not check epochs, takes the "
                 "old bootstrap as new and reserves pages for a request nobody will ever end."),
     # Prefix caching (issue 27).
-    Entry("stale-hit-reads-unwritten", frozenset({"StaleHitLength", "NoGenBump"}),
+    Entry("stale-hit-reads-unwritten", frozenset({"StaleHitLength", "NoGenBump", "NoIdentTag"}),
           "Isolation", 14, base="prefix", invariants=("Isolation", "OkIsClean"),
           story="SGLang PR #31881: decode counts a cached page it does not hold (a stale "
                 "storage-hit length), tells the prefill, which skips it, and reads the page "
-                "nobody wrote; without tag bumps its stale tag passes the check, and the "
-                "request decodes from another prompt's KV."),
+                "nobody wrote; with tags that name neither a fresh generation nor the "
+                "content, its stale tag passes the check, and the request decodes from "
+                "another prompt's KV."),
     Entry("no-refcount", frozenset({"NoRefCount"}), "ExclusiveOwner", 11, base="prefix",
           story="LMCache-Ascend #250: pages deduplicated by content key with no count of "
                 "readers; the first reader's release frees a page the second still reads."),
@@ -269,7 +270,13 @@ ENTRIES: tuple[Entry, ...] = (
                 "expiry."),
     Entry("no-salt", frozenset({"NoSalt"}), "SaltsApart", 9, base="prefix",
           story="The cache key leaves out the salt: a request of another tenant with the "
-                "same prefix hits, and reads, the first tenant's pages."),
+                "same prefix hits the first tenant's pages (the identity in their tags, "
+                "another tenant's, fails its read: cross-tenant-read takes that guard too)."),
+    Entry("cross-tenant-read", frozenset({"NoSalt", "NoIdentTag"}), "Isolation", 13,
+          base="prefix", invariants=("Isolation", "OkIsClean"),
+          story="The cache key leaves out the salt and the page tags name the generation "
+                "only: a request of another tenant with the same prefix hits the first "
+                "tenant's pages, their tags pass, and it decodes from that tenant's KV."),
     Entry("evict-while-sending", frozenset({"EvictWhileSending"}), "SealedIsQuiet", 10,
           base="prefix-prefill",
           story="TRT-LLM #12542, vLLM #52360: the prefill's cache evicts a cached source "
@@ -411,8 +418,8 @@ ALONE: tuple[Alone, ...] = (
     # read (a fitting request fails, no leak); without tag bumps the page's stale tag
     # passes, and the request reads another prompt's KV.
     Alone("StaleHitLength", breaks="FittingRequestsSucceed", length=7, base="prefix",
-          masked_by="for safety: page generation tags checked on every read (the page "
-                    "nobody wrote carries an older tag)",
+          masked_by="for safety: page tags checked on every read (the page nobody wrote "
+                    "carries an older generation and another identity)",
           exposed_by="stale-hit-reads-unwritten"),
     # The first reader's release frees the page under the second: its table holds a page
     # it neither owns nor reads. With two requests nobody reuses the page before the
@@ -425,6 +432,12 @@ ALONE: tuple[Alone, ...] = (
     # only other request sealed it and is done), so no data leaks here;
     # tests/test_prefix.py shows a third request's allocation carrying foreign KV to decode.
     Alone("EvictWhileSending", breaks="SealedIsQuiet", length=10, base="prefix-prefill"),
+    # Tags that name the generation only (issue 28): nothing reaches a page under a wrong
+    # key or reads one nobody wrote for it while the other guards hold.
+    Alone("NoIdentTag", base="prefix",
+          masked_by="the salt in every cache key and page generation tags (no page is "
+                    "reached under another tenant's key, none read stale)",
+          exposed_by="cross-tenant-read"),
 )
 assert {a.switch for a in ALONE} == set(BUG_SWITCHES)
 

@@ -33,7 +33,8 @@ def encode(v: object) -> object:
 
 
 def content_pair(v: object) -> object:
-    """content[p] is a pair <<who, tag>>: ITF writes tuples with #tup, sequences as lists."""
+    """content[p] is a triple <<who, generation, identity>>: ITF writes tuples with #tup,
+    sequences as lists."""
     return {"#tup": [encode(x) for x in v]}
 
 
