@@ -668,9 +668,17 @@ class RouterProcess(Process):
         return super().settle_rows()
 
     def tick(self) -> None:
-        now = time.monotonic()
+        """Every arrival of the workload that is due: all at once when they come 0 s apart,
+        as serving takes every request waiting on stdin in one turn (one a turn spread 32
+        arrivals over 0.3 s of polls, and the prefill computed the first prompt alone)."""
         if self.deployment.serving_requests_max:
             return  # arrivals come from stdin
+        while self.arrive_due():
+            pass
+
+    def arrive_due(self) -> bool:
+        """The workload's next arrival, if it is due; whether it arrived."""
+        now = time.monotonic()
         prefills = self.live_prefills()
         if self.arrived < len(self.deployment.prompts) and now >= self.next_arrival_s \
                 and prefills:  # (while none is up, arrivals wait for a restart)
@@ -685,6 +693,8 @@ class RouterProcess(Process):
                 self.next_arrival_s = now + self.deployment.arrive_after_s[r]
             self.arrived_at[r] = now
             assert self.step(core.Arrive(r, self.deployment.prompts[r], q, d))
+            return True
+        return False
 
     def riders(self, message: PartMessage) -> dict:
         """The request's payload, with each message to a worker (the first one is what
