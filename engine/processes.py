@@ -393,6 +393,7 @@ class Process:
         self.data = None                      # its real data path (engine/process_data.py)
         self.first: dict[int, int] = {}       # decode: request -> first token (final word)
         self.unsent = 0
+        self.cpu_from_s = 0.0  # its CPU seconds (every thread) when its loop began
         self.reported = False
         self.stopped = False
         # SIGTERM (`drain`): the bound, what it held when asked, and the router's word that
@@ -438,7 +439,8 @@ class Process:
     def end(self) -> None:
         """Its work done: its log ended, its "stopped" report; it handles nothing more."""
         self.log.end()
-        report(ev="stopped", steps=self.log.clock.k, unsent=self.unsent, **self.finish())
+        report(ev="stopped", steps=self.log.clock.k, unsent=self.unsent,
+               cpu_s=round(cpu_s() - self.cpu_from_s, 3), **self.finish())
         self.stopped = True
 
     def on_farewell(self, peer: Peer, body: dict) -> None:
@@ -1200,6 +1202,12 @@ def report(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
+def cpu_s() -> float:
+    """This process's CPU seconds so far, user and system, every thread."""
+    times = os.times()
+    return times.user + times.system
+
+
 def stdin_commands() -> queue.Queue:
     """stdin's commands (a JSON object a line), read on a thread; an "exit" when stdin
     closes (whoever started the process has gone)."""
@@ -1298,6 +1306,7 @@ def main(setup: dict, on_listening=None, stdin: bool = True) -> int:
         process.join_data_path()
         report(ev="joined")
     stopping, last_busy, settled_at = None, time.monotonic(), 0.0
+    process.cpu_from_s = cpu_s()  # (the model's loading and the joins not counted)
     pool, pool_at = None, 0.0
     drained = ""
     while True:
