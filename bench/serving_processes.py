@@ -9,7 +9,10 @@ stepped in this process with `threads` torch threads. Across processes: a router
 prefill and one decode process (one torch thread each: the processes' total is 2), page
 writes over gloo on 127.0.0.1; timed by the router from each Arrive to each token streamed
 to it. Printed: output tokens/s over the span from the first arrival to the last token,
-time to first token p50 / p99 (nearest rank), and the ratio of tokens/s (target >= 0.8).
+time to first token p50 / p99 (nearest rank), the CPU seconds each side used (every thread;
+each process from its loop's start to its stop), and the ratio of tokens/s (target >= 0.8).
+The CPU seconds say what the ratio can be where the cores are shared: the processes' two
+compute threads get more than the in-process engine's one only while a core is free.
 The processes' tokens are checked equal to the in-process engine's before any figure is
 printed. Model loading, one warm-up request through each model (engine/process_data.py `warm_up`,
 in each worker process and for the in-process engine alike) and the processes' start (the
@@ -67,7 +70,7 @@ def in_process(model_path: str, work: list, page_tokens: int, pages: int,
             tokens[event.request_id].append(event.token_id)
             times[event.request_id].append(time.monotonic())
 
-    started = time.monotonic()
+    started, cpu_from_s = time.monotonic(), time.process_time()
     for ids, max_tokens in work:
         rt.arrive(GenerationRequest(ids, SamplingParams(max_tokens=max_tokens,
                                                         ignore_eos=True)), on_event)
@@ -78,6 +81,7 @@ def in_process(model_path: str, work: list, page_tokens: int, pages: int,
         rt.step()
     assert rt.idle, f"the in-process engine was not idle after {steps_max} steps"
     return {"tokens": [tokens[r] for r in range(len(work))],
+            "cpu_s": {"in-process": time.process_time() - cpu_from_s},
             "ttft_s": [times[r][0] - started for r in range(len(work))],
             "span_s": max(at[-1] for at in times.values()) - started}
 
@@ -96,11 +100,12 @@ def across_processes(model_path: str, work: list, page_tokens: int, pages: int,
         try:
             launched.start(timeout_s=timeout_s)
             done = launched.wait_done(timeout_s)
-            launched.stop(timeout_s=timeout_s)
+            stopped = launched.stop(timeout_s=timeout_s)
         finally:
             launched.close()
     assert done["outcomes"] == ["Ok"] * len(work), done["outcomes"]
     return {"tokens": done["tokens"], "ttft_s": [t[0] for t in done["timings"]],
+            "cpu_s": {name: report["cpu_s"] for name, report in sorted(stopped.items())},
             "span_s": done["span_s"]}
 
 
@@ -108,9 +113,10 @@ def figures(name: str, run: dict) -> float:
     generated = sum(len(t) for t in run["tokens"])
     rate = generated / run["span_s"]
     ttft = [1000 * t for t in run["ttft_s"]]
+    cpu = ", ".join(f"{who} {s:.1f}" for who, s in run["cpu_s"].items())
     print(f"{name:>16}: {generated} tokens in {run['span_s']:.2f} s, {rate:7.1f} tokens/s; "
-          f"TTFT p50 {nearest_rank(ttft, 50):7.0f} ms, p99 {nearest_rank(ttft, 99):7.0f} ms",
-          flush=True)
+          f"TTFT p50 {nearest_rank(ttft, 50):7.0f} ms, p99 {nearest_rank(ttft, 99):7.0f} ms; "
+          f"CPU s {sum(run['cpu_s'].values()):.1f} ({cpu})", flush=True)
     return rate
 
 

@@ -407,6 +407,7 @@ class Channel:
         self._ready = threading.Condition(self._lock)
         self._inbox: deque = deque()
         self._inbox_messages = 0
+        self._woken = False  # `wake`: the next receive returns at once
         self._links: dict[Peer, _Link] = {}
         self._known_epoch: dict[Peer, int] = {}   # the newest epoch seen of each peer
         self._down_reason: dict[Peer, str] = {}   # set when that newest epoch is down
@@ -476,10 +477,21 @@ class Channel:
                     event = self._take_one()
                     if event is not None:
                         return event
+                if self._woken:
+                    self._woken = False
+                    return None
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
                 self._ready.wait(remaining)
+
+    def wake(self) -> None:
+        """The receive waiting now, or the next one, returns at once (None when no event
+        came): the process has work of its own to take up, e.g. its model step, run on a
+        thread of its own (engine/process_data.py), has finished. Any thread may call it."""
+        with self._ready:
+            self._woken = True
+            self._ready.notify_all()
 
     def inbox_messages(self) -> int:
         """Messages received and not yet taken (stale ones included until taken)."""

@@ -25,6 +25,18 @@ classes only carry out those commands on tensors and report what they observe.
   prompt, travels with the prefill's final word (engine/processes.py), as a disaggregated
   server sends it with its transfer's status.
 
+The model step runs on a thread of its own (`Stepper`): a prefill chunk takes ~1 s on the
+default model on a CPU, a decode step ~0.1-0.2 s, and a loop that computed in line took no
+message meanwhile, so a completion that came during a chunk held the request's SendDone
+(and its decode's Accept, and its first token) until the chunk ended (measured: 14 of 32
+requests' SendDone 2.4 s late, their decode meanwhile stepping one request at a time). The
+loop thread keeps everything else: the part, the channel, the transport, sampling, and
+every change to the worker's sequences. What it must not do while a step is in flight is
+change what that step reads or writes: a sequence started then is started after it; a
+sequence stopped then (its pages freed) waits for the step if it is in it, so a page the
+core frees is never written by a step still running (a new owner's landing could land
+under it); landings meanwhile write pages only requests that are not decoding hold.
+
 Decoding is greedy (the payload has no other sampling parameters yet: the serving edge
 refuses them, engine/process_engine.py) and ends at max_tokens or at one of the payload's
 end-of-sequence token ids (none in the tests' fixed workloads: exactly max_tokens). Stop
@@ -35,7 +47,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
+import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -49,6 +64,71 @@ from engine.sampling import SamplingParams, sample
 from engine.transport import PageWrite
 from engine.weights import load_checkpoint
 from engine.workers import DecodeWorker, PrefillWorker, kv_rows
+
+
+STEP_S_MAX = 600.0  # a model step that takes longer is a hung process: the wait raises
+
+
+class Stepper:
+    """A worker's model step on a thread of its own, one at a time: `begin` hands it a step,
+    the loop goes on with its messages, `take` gives the step's result once it is done
+    (`on_done`, called on the step's thread, wakes the loop's receive), `wait` blocks until
+    it is. An exception the step raised is raised by `take`, in the loop's thread."""
+
+    def __init__(self, name: str, on_done: Callable[[], None]) -> None:
+        self.on_done = on_done
+        self.in_flight = False
+        self._jobs: queue.Queue = queue.Queue(maxsize=1)
+        self._results: queue.Queue = queue.Queue(maxsize=1)
+        self._held: tuple | None = None  # a result `wait` took, for the next `take`
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        torch.set_num_threads(1)  # (a thread's own setting: the process's one thread)
+        while (job := self._jobs.get()) is not None:
+            try:
+                result = (job(), None)
+            except BaseException as error:  # noqa: BLE001 -- raised again by take()
+                result = (None, error)
+            self._results.put(result)
+            self.on_done()
+
+    def begin(self, step: Callable[[], object]) -> None:
+        assert not self.in_flight, "a step is in flight already"
+        self.in_flight = True
+        self._jobs.put(step)
+
+    def finished(self) -> bool:
+        return self._held is not None or (self.in_flight and not self._results.empty())
+
+    def wait(self) -> None:
+        """Until the step in flight (if any) is done; its result waits for `take`."""
+        if self.in_flight and self._held is None:
+            try:
+                self._held = self._results.get(timeout=STEP_S_MAX)
+            except queue.Empty:
+                raise TimeoutError(f"a model step ran past STEP_S_MAX ({STEP_S_MAX} s)") from None
+
+    def take(self) -> tuple[bool, object]:
+        """(True, the step's result) once the step in flight is done, else (False, None)."""
+        if not self.in_flight:
+            return False, None
+        if self._held is None:
+            try:
+                self._held = self._results.get_nowait()
+            except queue.Empty:
+                return False, None
+        (result, error), self._held, self.in_flight = self._held, None, False
+        if error is not None:
+            raise error
+        return True, result
+
+    def close(self) -> None:
+        try:
+            self._jobs.put_nowait(None)
+        except queue.Full:  # (a step begun and not yet picked up: the thread is a daemon)
+            pass
 
 
 @dataclass(frozen=True)
@@ -112,12 +192,15 @@ class _Data:
 
     ROLE = ""
 
-    def __init__(self, deployment, worker: int) -> None:
+    def __init__(self, deployment, worker: int, on_step_done: Callable[[], None]) -> None:
         self.deployment, self.worker_index = deployment, worker
         self.pages = (deployment.prefill_pages if self.ROLE == PREFILL
                       else deployment.decode_pages)
         self.base = worker * self.pages
         self.transport: DistTransport | None = None
+        self.stepper = Stepper(f"{self.ROLE}-{worker} model step", on_step_done)
+        self.in_step: set[int] = set()   # the requests the step in flight computes
+        self.left_step: set[int] = set()  # of those, the ones stopped while it ran
 
     def local(self, page: int) -> int:
         assert self.base <= page < self.base + self.pages, f"page {page} is not this pool's"
@@ -133,8 +216,25 @@ class _Data:
             self.ROLE, self.worker_index, peers, timeout_s=d.transport_timeout_s,
             handshake_timeout_s=d.join_timeout_s))
 
+    def begin_step(self, requests: set[int], step: Callable[[], object]) -> None:
+        self.in_step, self.left_step = requests, set()
+        self.stepper.begin(step)
+
+    def may_stop(self, r: int) -> bool:
+        """Before the worker stops r (its pages are being freed): a step in flight that
+        computes r is waited for, so that it writes none of them after this (and reports
+        nothing of r). Whether no step is running now (none in flight, or r's is done)."""
+        if not self.stepper.in_flight:
+            return True
+        if r not in self.in_step:
+            return False  # (the step in flight reads none of r's pages)
+        self.stepper.wait()
+        self.left_step.add(r)
+        return True
+
     def close(self) -> None:
         """CLOSE to every peer; one that died refuses it, and this process is leaving."""
+        self.stepper.close()
         if self.transport is not None:
             try:
                 self.transport.close()
@@ -147,11 +247,12 @@ class PrefillData(_Data):
 
     ROLE = PREFILL
 
-    def __init__(self, deployment, worker: int) -> None:
-        super().__init__(deployment, worker)
+    def __init__(self, deployment, worker: int, on_step_done: Callable[[], None]) -> None:
+        super().__init__(deployment, worker, on_step_done)
         model, pool = _worker_parts(deployment, PREFILL)
         self.worker = PrefillWorker(model, pool, deployment.prefill_chunk_tokens,
                                     name=f"prefill-{worker}")
+        self.starting: list[tuple] = []  # (request, local source pages): after the step
         self.first: dict[int, int] = {}  # request -> the first token, sampled here
         self.writes_lost = 0  # posts a dead decode refused (its crash's record fails them)
 
@@ -159,22 +260,37 @@ class PrefillData(_Data):
         super().join(self.worker.pool)
 
     def compute(self, r: int, payload: Payload, sources: tuple) -> None:
-        """Compute (the core's command) into the admitted source pages."""
-        self.worker.start(payload.request(r), tuple(self.local(p) for p in sources))
+        """Compute (the core's command) into the admitted source pages, from the next
+        chunked step on."""
+        self.starting.append((payload.request(r), tuple(self.local(p) for p in sources)))
 
     def busy(self) -> bool:
-        return bool(self.worker.computing)
+        """Whether the loop has the data path's work to take up now (not a step running)."""
+        return self.stepper.finished() or (not self.stepper.in_flight and bool(
+            self.worker.computing or self.starting))
 
     def step(self) -> list[int]:
-        """One chunked prefill step: the requests whose prompt is now computed (their
-        pages sealed, their first token kept)."""
-        if not self.worker.computing:
-            return []
-        completed, faults = self.worker.step()
-        assert not faults, f"prefill compute failed: {[f.detail for f in faults]}"
-        for sequence, token, _ in completed:
-            self.first[sequence.request.request_id] = token
-        return [sequence.request.request_id for sequence, _, _ in completed]
+        """The chunked prefill step that finished, if one did: the requests whose prompt it
+        computed (their pages sealed, their first token kept); then the next step begins
+        on its own thread, with the prompts started meanwhile."""
+        finished, out = self.stepper.take()
+        done = []
+        if finished:
+            completed, faults = out
+            assert not faults, f"prefill compute failed: {[f.detail for f in faults]}"
+            for sequence, token, _ in completed:
+                r = sequence.request.request_id
+                if r not in self.left_step:
+                    self.first[r] = token
+                    done.append(r)
+        if not self.stepper.in_flight:
+            for request, sources in self.starting:
+                self.worker.start(request, sources)
+            self.starting.clear()
+            if self.worker.computing:
+                self.begin_step({s.request.request_id for s in self.worker.computing},
+                                self.worker.step)
+        return done
 
     def post(self, write: tuple, decode: int) -> None:
         """The core's Post: the write (flat page numbers) with the source's checksum now."""
@@ -196,7 +312,10 @@ class PrefillData(_Data):
         self.transport.completed()
 
     def stop(self, r: int) -> None:
-        self.worker.stop(r)
+        self.starting = [(request, sources) for request, sources in self.starting
+                         if request.request_id != r]
+        if self.may_stop(r):  # (else r is not computing: the step running took them all)
+            self.worker.stop(r)
 
 
 class DecodeData(_Data):
@@ -204,8 +323,8 @@ class DecodeData(_Data):
 
     ROLE = DECODE
 
-    def __init__(self, deployment, worker: int) -> None:
-        super().__init__(deployment, worker)
+    def __init__(self, deployment, worker: int, on_step_done: Callable[[], None]) -> None:
+        super().__init__(deployment, worker, on_step_done)
         model, pool = _worker_parts(deployment, DECODE)
         self.worker = DecodeWorker(model, pool, deployment.max_batch, name=f"decode-{worker}")
         self.arrived: list[PageWrite] = []   # ready, not landed yet, in arrival order
@@ -249,7 +368,8 @@ class DecodeData(_Data):
 
     def start(self, r: int, payload: Payload, table: tuple, first: int) -> bool:
         """StartDecoding (the core's command): the sequence on its reserved pages, the
-        prefill's first token its first output; whether that already ends it."""
+        prefill's first token its first output, in the batch from the next decode step on;
+        whether that token already ends it."""
         local = tuple((self.local(page), gen) for page, gen in table)
         if payload.eos_ids:
             self.eos[r] = frozenset(payload.eos_ids)
@@ -258,18 +378,29 @@ class DecodeData(_Data):
         return self._maybe_done(sequence)
 
     def busy(self) -> bool:
-        return bool(self.worker.running) or bool(self.arrived)
+        """Whether the loop has the data path's work to take up now (not a step running)."""
+        return self.stepper.finished() or (not self.stepper.in_flight
+                                           and bool(self.worker.running))
 
     def step(self) -> list[tuple[int, int | None, bool]]:
-        """One decode step: (request, its new token or None after a failed tag check,
-        whether it ended now: its tags verdict is then in `done`) per sequence stepped."""
+        """The decode step that finished, if one did: (request, its new token or None after
+        a failed tag check, whether it ended now: its tags verdict is then in `done`) per
+        sequence it stepped; then the next step begins on its own thread, over a batch
+        taken now (sequences start and end between steps, in this thread)."""
+        finished, stepped = self.stepper.take()
         out = []
-        for sequence, ok, logits in self.worker.step():
+        for sequence, ok, logits in stepped if finished else ():
+            if sequence.request.request_id in self.left_step:
+                continue  # stopped while the step ran: nothing more of it is reported
             token = None
             if ok:
                 token, = sample(logits[None], [sequence.request.sampling], [None])
                 sequence.output_ids.append(token)
             out.append((sequence.request.request_id, token, self._maybe_done(sequence, ok)))
+        batch = self.worker.running[:self.worker.max_batch]
+        if batch and not self.stepper.in_flight:
+            self.begin_step({s.request.request_id for s in batch},
+                            lambda: self.worker.step(batch))
         return out
 
     def _maybe_done(self, sequence, ok: bool = True) -> bool:
@@ -288,6 +419,7 @@ class DecodeData(_Data):
         return True
 
     def stop(self, r: int) -> None:
+        self.may_stop(r)  # (a step running reads its own batch, not `running`)
         self.worker.stop(r)
         self.eos.pop(r, None)
 

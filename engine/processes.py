@@ -393,6 +393,7 @@ class Process:
         self.data = None                      # its real data path (engine/process_data.py)
         self.first: dict[int, int] = {}       # decode: request -> first token (final word)
         self.unsent = 0
+        self.cpu_from_s = 0.0  # its CPU seconds (every thread) when its loop began
         self.reported = False
         self.stopped = False
         # SIGTERM (`drain`): the bound, what it held when asked, and the router's word that
@@ -438,7 +439,8 @@ class Process:
     def end(self) -> None:
         """Its work done: its log ended, its "stopped" report; it handles nothing more."""
         self.log.end()
-        report(ev="stopped", steps=self.log.clock.k, unsent=self.unsent, **self.finish())
+        report(ev="stopped", steps=self.log.clock.k, unsent=self.unsent,
+               cpu_s=round(cpu_s() - self.cpu_from_s, 3), **self.finish())
         self.stopped = True
 
     def on_farewell(self, peer: Peer, body: dict) -> None:
@@ -450,13 +452,25 @@ class Process:
             self.data.join()
 
     def work(self) -> bool:
-        """The data path's own progress this turn (compute, landings, decode steps);
-        whether it did anything. The modelled data path has none."""
+        """The data path's own progress this turn (a model step's results, landings), its
+        next model step begun: whether its part may have something new to act on. The
+        modelled data path has none."""
         return False
 
     def busy(self) -> bool:
         """Whether the data path has work waiting (the loop then does not idle)."""
         return self.data is not None and self.data.busy()
+
+    def computing(self) -> bool:
+        """Whether its model step is running (busy, but the loop waits for messages: the
+        step's end wakes it)."""
+        return self.data is not None and self.data.stepper.in_flight
+
+    def settle_due(self, since: float) -> bool:
+        """Whether its part may have an action enabled that neither a message nor the data
+        path's progress enabled since `since` (a settle then): a hold that ran out. The
+        modelled data path's, and the router's, are timers: every turn."""
+        return self.data is None
 
     @property
     def role(self) -> str:
@@ -668,9 +682,17 @@ class RouterProcess(Process):
         return super().settle_rows()
 
     def tick(self) -> None:
-        now = time.monotonic()
+        """Every arrival of the workload that is due: all at once when they come 0 s apart,
+        as serving takes every request waiting on stdin in one turn (one a turn spread 32
+        arrivals over 0.3 s of polls, and the prefill computed the first prompt alone)."""
         if self.deployment.serving_requests_max:
             return  # arrivals come from stdin
+        while self.arrive_due():
+            pass
+
+    def arrive_due(self) -> bool:
+        """The workload's next arrival, if it is due; whether it arrived."""
+        now = time.monotonic()
         prefills = self.live_prefills()
         if self.arrived < len(self.deployment.prompts) and now >= self.next_arrival_s \
                 and prefills:  # (while none is up, arrivals wait for a restart)
@@ -685,6 +707,8 @@ class RouterProcess(Process):
                 self.next_arrival_s = now + self.deployment.arrive_after_s[r]
             self.arrived_at[r] = now
             assert self.step(core.Arrive(r, self.deployment.prompts[r], q, d))
+            return True
+        return False
 
     def riders(self, message: PartMessage) -> dict:
         """The request's payload, with each message to a worker (the first one is what
@@ -910,7 +934,7 @@ class PrefillProcess(Process):
         super().__init__(deployment, worker, restart)
         if deployment.model_dir:
             from engine.process_data import PrefillData
-            self.data = PrefillData(deployment, worker)
+            self.data = PrefillData(deployment, worker, self.channel.wake)
         self.posted_at: dict[int, float] = {}  # request -> when its last write was posted
         self.recovering = restart is not None
         if restart is not None:
@@ -962,9 +986,17 @@ class PrefillProcess(Process):
         if self.data is None:
             return False
         self.data.poll()
-        for r in self.data.step():
+        computed = self.data.step()
+        for r in computed:
             self.ready_at[r] = time.monotonic() + self.deployment.compute_s
-        return self.data.busy()
+        return bool(computed)
+
+    def settle_due(self, since: float) -> bool:
+        """On the real data path, when a hold ran out since: the one after a compute
+        (compute_s), or before a SendDone (send_done_after_s)."""
+        now, hold = time.monotonic(), self.deployment.send_done_after_s
+        ends = [*self.ready_at.values(), *(at + hold for at in self.posted_at.values())]
+        return super().settle_due(since) or any(since < end <= now for end in ends)
 
     def riders(self, message: PartMessage) -> dict:
         """The first token, sampled here, with the final word to decode."""
@@ -1046,7 +1078,7 @@ class DecodeProcess(Process):
         self.announced: dict[tuple, dict] = {}  # real path: write -> its announcement
         if deployment.model_dir:
             from engine.process_data import DecodeData
-            self.data = DecodeData(deployment, worker)
+            self.data = DecodeData(deployment, worker, self.channel.wake)
         # A prefill's crash: what this decode sends it while it is down waits for its next
         # life (the spec's messages to a restarted prefill stay in flight), and the
         # requests its crash ended are timed out here once that life says so.
@@ -1100,15 +1132,18 @@ class DecodeProcess(Process):
                                     "poster": body["stamp"], "stamp": self.log.stamp()})
 
     def work(self) -> bool:
-        """Land what the transport and the announcements both have; one decode step."""
+        """Land what the transport and the announcements both have; the decode step that
+        finished streams its tokens, and the next one begins."""
         if self.data is None:
             return False
         landed = self.data.land(self.announced)
         for write in landed:
             self.landed(write, self.announced.pop(write))
-        for r, token, ended in self.data.step():
+        stepped = self.data.step()
+        for r, token, ended in stepped:
             self.stream(r, token, ended)
-        return bool(landed) or self.data.busy()
+        # (a token is no news to the part: a sequence's end is, its Finish now possible)
+        return bool(landed) or any(ended for _, _, ended in stepped)
 
     def stream(self, r: int, token: int | None, last: bool) -> None:
         """A token to the serving edge as it is made (before the answer: one connection,
@@ -1165,6 +1200,12 @@ KINDS = {ROUTER: RouterProcess, PREFILL: PrefillProcess, DECODE: DecodeProcess}
 
 def report(**fields) -> None:
     print(json.dumps(fields), flush=True)
+
+
+def cpu_s() -> float:
+    """This process's CPU seconds so far, user and system, every thread."""
+    times = os.times()
+    return times.user + times.system
 
 
 def stdin_commands() -> queue.Queue:
@@ -1264,7 +1305,8 @@ def main(setup: dict, on_listening=None, stdin: bool = True) -> int:
     if process.data is not None:
         process.join_data_path()
         report(ev="joined")
-    stopping, last_busy = None, time.monotonic()
+    stopping, last_busy, settled_at = None, time.monotonic(), 0.0
+    process.cpu_from_s = cpu_s()  # (the model's loading and the joins not counted)
     pool, pool_at = None, 0.0
     drained = ""
     while True:
@@ -1273,7 +1315,8 @@ def main(setup: dict, on_listening=None, stdin: bool = True) -> int:
             break
         if command == "stop" and stopping is None:
             stopping = time.monotonic()
-        if _pump(process, 0.0 if process.busy() else POLL_S):
+        pumped = _pump(process, 0.0 if process.busy() else POLL_S)
+        if pumped:
             last_busy = time.monotonic()
             for _ in range(EVENTS_PER_TURN_MAX - 1):
                 if not _pump(process, 0.0):
@@ -1281,9 +1324,16 @@ def main(setup: dict, on_listening=None, stdin: bool = True) -> int:
         if stopping is None and role == ROUTER:
             process.tick()
         if not process.stopped:
-            if process.work():
+            if pumped:  # what the messages allow goes out before the data path's work
+                settled_at = time.monotonic()
+                process.settle()
+            progressed = process.work()
+            if progressed or process.computing():
                 last_busy = time.monotonic()
-            process.settle()
+            # (not on every poll while a step runs: a settle offers every row its actions)
+            if progressed or process.settle_due(settled_at):
+                settled_at = time.monotonic()
+                process.settle()
         if role == ROUTER and deployment.serving_requests_max and not process.stopped:
             process.answers()
         if role != ROUTER and time.monotonic() - pool_at >= deployment.pool_report_s:

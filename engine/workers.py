@@ -266,10 +266,13 @@ class DecodeWorker:
         with (the kernel checked the pages it read on every step; this reads the rest)."""
         return bool((self.pool.tags[sequence.page_tensor.long()] == sequence.tag_tensor).all())
 
-    def step(self) -> list[tuple[Sequence, bool, torch.Tensor | None]]:
-        """One decode step over up to max_batch running sequences: (sequence, tag check
-        passed, logits row) each; a sequence that failed the check gets no logits."""
-        batch = self.running[:self.max_batch]
+    def step(self, batch: list | None = None) -> list[tuple[Sequence, bool, torch.Tensor | None]]:
+        """One decode step over up to max_batch running sequences (or `batch`, a batch
+        taken from them before: a step on a thread of its own then reads nothing that
+        changes under it): (sequence, tag check passed, logits row) each; a sequence that
+        failed the check gets no logits."""
+        batch = self.running[:self.max_batch] if batch is None else batch
+        assert len(batch) <= self.max_batch, f"a batch of {len(batch)} > max_batch"
         if not batch:
             return []
         logits, tag_ok = decode_step(self.model, self.pool, batch, check_tags=True)

@@ -117,6 +117,7 @@ from __future__ import annotations
 import sys
 from bisect import insort
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Callable, Iterable
 
 from spec import core
@@ -209,6 +210,32 @@ class _Row(tuple):
         return value
 
 
+class _Rows(Mapping):
+    """A view's rows by request, each made a `_Row` the first time a decision reads it: a
+    decision reads a few rows, and a part may hold thousands (the router holds every request
+    number of a deployment's life), so a view of all of them at every offer made a driver's
+    settle cost grow with the square of the rows. Iterated in request order."""
+
+    def __init__(self, view: "_View", rows: dict) -> None:
+        self._view, self._rows, self._made = view, rows, {}
+
+    def __getitem__(self, r: int) -> "_Row":
+        row = self._made.get(r)
+        if row is None:
+            row = self._made[r] = _Row(self._rows[r])
+            row.view, row.request = self._view, r
+        return row
+
+    def __contains__(self, r) -> bool:
+        return r in self._rows
+
+    def __iter__(self):
+        return iter(sorted(self._rows))
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
 class _Pool(tuple):
     """A whole flat pool of the core, of which the part holds `own` (a range); every other
     page is another worker's."""
@@ -248,11 +275,7 @@ class _View:
     def __init__(self, part: "Part", environment: Callable[[], State] | None) -> None:
         self.environment = environment
         self.read_assumption = False  # a timing assumption answered from the environment
-        self.requests = {}
-        for r, row in sorted(part.rows.items()):  # in request order, as the whole has them
-            view_row = _Row(row)
-            view_row.view, view_row.request = self, r
-            self.requests[r] = view_row
+        self.requests = _Rows(self, part.rows)  # in request order, as the whole has them
         m = part.model
         self.prefill_pool = part.pool_view(PREFILL, m.prefill_pages, m.prefill_workers)
         self.decode_pool = part.pool_view(DECODE, m.decode_pages, m.decode_workers)

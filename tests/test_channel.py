@@ -363,6 +363,28 @@ def test_an_inbox_left_full_declares_the_peer_down():
 
 # -- no process ----------------------------------------------------------------------------
 
+def test_a_wake_ends_the_receive_waiting_now_or_the_next_one_with_no_event():
+    channel = host()
+    try:
+        got: list = []
+        waiting = threading.Thread(target=lambda: got.append(channel.receive(WAIT_S)))
+        started = time.monotonic()
+        waiting.start()
+        time.sleep(0.2)
+        channel.wake()  # (from another thread: a model step's, engine/process_data.py)
+        waiting.join(WAIT_S)
+        assert got == [None] and time.monotonic() - started < WAIT_S / 2
+        channel.wake()
+        started = time.monotonic()
+        assert channel.receive(WAIT_S) is None      # the next one, at once
+        assert time.monotonic() - started < WAIT_S / 2
+        started = time.monotonic()
+        assert channel.receive(0.3) is None         # one wake, one receive
+        assert time.monotonic() - started >= 0.3
+    finally:
+        channel.close()
+
+
 def test_config_and_messages_are_checked():
     with pytest.raises(ValueError, match="three heartbeats"):
         ChannelConfig("decode", 0, 1, heartbeat_s=1.0, suspect_after_s=2.0)
