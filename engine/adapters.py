@@ -152,6 +152,10 @@ class ServingClients:
         if live.guard:
             trips = rt.counts["guard_trips"]
             trips[live.guard] = trips.get(live.guard, 0) + 1
+            if live.hit_pages or live.prefill_hit_pages:  # it read shared pages
+                shared = rt.counts["prefix_shared_guard_trips"]
+                shared[live.guard] = shared.get(live.guard, 0) + 1
+                rt._count_tenant(live, shared_guard_trips=1)
         if outcome == "ErrTooLong":
             rejects = rt.counts["rejects"]
             rejects["too long"] = rejects.get("too long", 0) + 1

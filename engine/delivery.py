@@ -16,6 +16,9 @@ core model, workers, `live` requests and `take`, and decides nothing itself.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from engine.service import TenantCache
 from engine.streaming import Live
 from spec import core
 
@@ -89,6 +92,7 @@ class Delivery:
         prefix = self.counts["prefix"]
         prefix["reserved_prompt_pages"] += live.full_pages
         prefix["hit_pages"] += live.hit_pages
+        self._count_tenant(live, prompt_pages=live.full_pages, hit_pages=live.hit_pages)
 
     def _evict_unshareable(self, live: Live, row: tuple, d: int) -> None:
         """After r's Release: the cached pages keyed by r's nonces (its partial last page,
@@ -173,4 +177,14 @@ class Delivery:
         counts = self.counts["prefill"]
         counts["admitted_prompt_pages"] += live.full_pages
         counts["hit_pages"] += live.prefill_hit_pages
+        self._count_tenant(live, prefill_prompt_pages=live.full_pages,
+                           prefill_hit_pages=live.prefill_hit_pages)
+
+    def _count_tenant(self, live: Live, **added: int) -> None:
+        """Adds to the request's tenant's figures (TenantCache: a frozen one is replaced,
+        so a published snapshot never sees it move)."""
+        tenants = self.counts["prefix_tenants"]
+        old = tenants.get(live.request.tenant, TenantCache())
+        tenants[live.request.tenant] = replace(
+            old, **{figure: getattr(old, figure) + count for figure, count in added.items()})
 

@@ -193,7 +193,10 @@ class Runtime(ShellRuntime, Loop, Delivery):
                        # The prompt tokens the prefill workers ran through the model.
                        "prefill": {"computed_tokens": 0, "admitted_prompt_pages": 0,
                                    "hit_pages": 0, "evicted_lru_pages": 0,
-                                   "evicted_unshareable_pages": 0}}
+                                   "evicted_unshareable_pages": 0},
+                       # Guard trips of requests that read shared pages, by guard; and
+                       # each tenant's TenantCache (engine/delivery.py `_count_tenant`).
+                       "prefix_shared_guard_trips": {}, "prefix_tenants": {}}
         self._start_runtime()
 
     # -- the one path into the core (spec/runtime.py) and its hooks ----------------------

@@ -29,6 +29,7 @@ from engine.sampling import SamplingParams
 OUTCOMES = ("Ok", "Gone", "ErrTooLong", "ErrPrefill", "ErrTransfer", "ErrTag", "ErrTimeout",
             "ErrDecode")
 GUARDS = ("count", "checksum", "tag")
+DEFAULT_TENANT = "default"  # the tenant of a request its server names none for (no API keys)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,11 @@ class GenerationRequest:
     # "n > 1 siblings"): placed on the first's workers, each waiting for its transfer, so
     # the prompt is computed, sent and held once. None: a request of its own.
     sibling_group: int | None = None
+    # Who the request is for, as a label of the prefix cache's figures (Snapshot.
+    # prefix_tenants) and nothing else: the salt above decides what is shared. A server sets
+    # it from its own configuration (api/serve/auth.py: one name per API key), never from
+    # a client's word, so that the labels stay as few as the keys.
+    tenant: str = DEFAULT_TENANT
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,25 @@ class Snapshot:
     # has reserved_prompt_pages; a hit is a page not computed) and `computed_tokens`, the
     # prompt tokens the prefill ran through the model. Empty without it.
     prefill_cache: dict = field(default_factory=dict)
+    # The runtime guard trips (by guard) of requests that read shared pages: a hit at
+    # decode's cache or at the prefill's. Empty without a cache.
+    prefix_shared_guard_trips: dict = field(default_factory=dict)
+    # Each tenant's figures (GenerationRequest.tenant -> TenantCache), for the tenants whose
+    # prompts a cache looked up since start. Empty without a cache.
+    prefix_tenants: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TenantCache:
+    """One tenant's prefix-cache counters since start, decode's and the prefill's (as in
+    Snapshot.prefix and prefill_cache), and its requests that read shared pages and
+    tripped a guard. Frozen: the runtime replaces a tenant's, a published one never moves."""
+
+    prompt_pages: int = 0  # full prompt pages decode looked up
+    hit_pages: int = 0  # of those, found cached
+    prefill_prompt_pages: int = 0  # full prompt pages the prefill looked up
+    prefill_hit_pages: int = 0  # of those, found cached (not computed)
+    shared_guard_trips: int = 0
 
 
 class Engine(Protocol):

@@ -465,7 +465,9 @@ class ThreadedEngine:
                         outcomes=counts["outcomes"], transfers=rt.transport.writes_landed,
                         transfer_bytes=rt.transport.bytes_landed,
                         prefix=counts["prefix"] if rt.config.prefix_cache else {},
-                        prefill_cache=counts["prefill"] if rt.config.prefill_cache else {})
+                        prefill_cache=counts["prefill"] if rt.config.prefill_cache else {},
+                        prefix_shared_guard_trips=counts["prefix_shared_guard_trips"],
+                        prefix_tenants=counts["prefix_tenants"])
 
     def _drained(self) -> bool:
         with self._lock:

@@ -326,13 +326,23 @@ PREFIX_VIEW = """JSON.stringify({
   decode: Object.fromEntries([...document.querySelectorAll('#prefix-decode .count')].map(
     s => [s.dataset.name, Number(s.dataset.count)])),
   prefill: Object.fromEntries([...document.querySelectorAll('#prefix-prefill .count')].map(
-    s => [s.dataset.name, Number(s.dataset.count)]))})"""
+    s => [s.dataset.name, Number(s.dataset.count)])),
+  shared: Object.fromEntries([...document.querySelectorAll('#prefix-shared-guards .count')]
+    .map(s => [s.dataset.name, Number(s.dataset.count)])),
+  sharedText: document.querySelector('#prefix-shared-guards').textContent,
+  tenants: [...document.querySelectorAll('#prefix-tenants tbody tr')].map(r => [
+    r.dataset.tenant, Number(r.dataset.promptPages), Number(r.dataset.hitPages),
+    Number(r.dataset.hitRate), Number(r.dataset.sharedGuardTrips)]),
+  tenantsMore: document.querySelector('#prefix-tenants-more').textContent})"""
 
 
 def test_the_page_shows_each_sides_prefix_cache(tiny_chat_model, browser, live):  # noqa: F811
     """With the prefix cache on, the page shows decode's and the prefill's counters, hit
     rates and cached pages as the state has them: a prompt of 4 full pages sent twice
-    hits all 4 at both sides the second time (50%); without a cache the section is hidden."""
+    hits all 4 at both sides the second time (50%); without a cache the section is hidden.
+    Its tenant table (here the one default tenant: no keys) and shared-page guard trips are
+    the state's too; a state with a trip and more tenants than rows draws them, the
+    tenants with the most prompt pages first."""
     from api.serve.app import create_app as app_for
 
     open_page(browser, f"{live[0].url}/?poll_ms=100")  # a server without a cache
@@ -354,6 +364,7 @@ def test_the_page_shows_each_sides_prefix_cache(tiny_chat_model, browser, live):
             shown[0] = json.loads(browser.evaluate(PREFIX_VIEW) or "{}")
             return not shown[0].get("hidden", True) and shown[0]["decode"].get("hit_pages")
         wait_until(drawn, PAGE_S_MAX, "the prefix section", last_seen=lambda: shown[0])
+        state = httpx.get(f"{server.url}/v1/kvproof/state", timeout=10).json()
     decode, prefill = shown[0]["decode"], shown[0]["prefill"]
     assert {k: decode[k] for k in snapshot.prefix} == snapshot.prefix
     assert {k: prefill[k] for k in snapshot.prefill_cache} == snapshot.prefill_cache
@@ -364,3 +375,23 @@ def test_the_page_shows_each_sides_prefix_cache(tiny_chat_model, browser, live):
                                          if p.worker.startswith("decode")) > 0
     assert prefill["idle cached pages"] == sum(p.cached_idle for p in snapshot.pools
                                                if p.worker.startswith("prefill"))
+    assert shown[0]["tenants"] == [["default", 8, 4, 50, 0]]
+    assert dataclasses.asdict(snapshot.prefix_tenants["default"]) == {
+        "prompt_pages": 8, "hit_pages": 4, "prefill_prompt_pages": 8, "prefill_hit_pages": 4,
+        "shared_guard_trips": 0}
+    assert (shown[0]["shared"], shown[0]["sharedText"]) == ({}, "none")
+    # A shared-page trip and 51 tenants (one more than the table's rows), drawn in the turn
+    # they are read back, in the state's own JSON form.
+    tenants = {f"tenant-{i:012x}": {"prompt_pages": i, "hit_pages": i // 2,
+                                    "prefill_prompt_pages": 0, "prefill_hit_pages": 0,
+                                    "shared_guard_trips": i % 3} for i in range(1, 51)}
+    state |= {"prefix_shared_guard_trips": {"checksum": 2},
+              "prefix_tenants": state["prefix_tenants"] | tenants}
+    more = json.loads(browser.evaluate(f"draw({json.dumps(state)}), {PREFIX_VIEW}"))
+    assert more["shared"] == {"checksum": 2}
+    assert len(more["tenants"]) == 50 and more["tenants"][:2] == [
+        ["tenant-000000000032", 50, 25, 50, 2], ["tenant-000000000031", 49, 24, 49, 1]]
+    assert more["tenants"][42:44] == [["default", 8, 4, 50, 0],  # ties: by name
+                                       ["tenant-000000000008", 8, 4, 50, 2]]
+    assert more["tenants"][-1] == ["tenant-000000000002", 2, 1, 50, 2]  # tenant-1 not shown
+    assert more["tenantsMore"] == "tenants not shown: 1 (/metrics has every tenant)"

@@ -17,6 +17,7 @@ from api.serve.app import create_app
 from api.serve.auth import ApiKeys, tenant_of
 from api.serve.generation import salt_for
 from engine.prefix import page_digest
+from engine.service import GUARDS
 from spec import core
 from tests.api_cases import LiveServer, protocol_engine, tiny_chat_model, wait_settled  # noqa: F401
 
@@ -56,6 +57,17 @@ def metric_values(text: str, prefix: str) -> dict:
             if line.startswith(prefix) and "_created" not in line}
 
 
+def tenant_figures(name: str, first: int, second: int) -> dict:
+    """A per-tenant series of each key's tenant (the key itself never a label)."""
+    return {f'{name}{{tenant="{tenant_of(key)}"}}': float(count)
+            for key, count in zip(KEYS, (first, second))}
+
+
+def guard_trips(name: str, trips: dict) -> dict:
+    """A series by guard: every guard, those that never tripped at 0."""
+    return {f'{name}{{guard="{guard}"}}': float(trips.get(guard, 0)) for guard in GUARDS}
+
+
 def test_two_keys_never_share_a_page_and_one_key_does(tiny_chat_model):  # noqa: F811
     engine, live = serve(tiny_chat_model)
     with live as server:
@@ -66,6 +78,7 @@ def test_two_keys_never_share_a_page_and_one_key_does(tiny_chat_model):  # noqa:
         assert complete(server, KEYS[0], cache_salt="team-a") == 4 * PAGE
         salts = first_page_salts(engine)
         metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        state = httpx.get(server.url + "/v1/kvproof/state", timeout=10).json()
     # 5 requests of 4 full pages looked up, 2 x 4 hit; each request's fifth page (the
     # prompt's last 6 tokens and its output: a nonce) evicted at its release, as no prompt
     # can hit it; 4 pages for each of 3 salts stay cached.
@@ -76,7 +89,20 @@ def test_two_keys_never_share_a_page_and_one_key_does(tiny_chat_model):  # noqa:
         "kvproof_prefix_cache_hit_pages_total": 8.0,
         "kvproof_prefix_cache_hit_ratio": 0.4,
         'kvproof_prefix_cache_evicted_pages_total{reason="lru"}': 0.0,
-        'kvproof_prefix_cache_evicted_pages_total{reason="unshareable"}': 5.0}
+        'kvproof_prefix_cache_evicted_pages_total{reason="unshareable"}': 5.0,
+        **guard_trips("kvproof_prefix_cache_shared_guard_trips_total", {}),
+        # Per tenant: the first key's 4 requests hit twice, the second key's one never; the
+        # cache_salt is no label. No guard tripped.
+        **tenant_figures("kvproof_prefix_cache_tenant_prompt_pages_total", 16, 4),
+        **tenant_figures("kvproof_prefix_cache_tenant_hit_pages_total", 8, 0),
+        **tenant_figures("kvproof_prefix_cache_tenant_shared_guard_trips_total", 0, 0)}
+    assert state["prefix_tenants"] == {  # the dashboard's, the same figures
+        tenant_of(KEYS[0]): {"prompt_pages": 16, "hit_pages": 8, "prefill_prompt_pages": 16,
+                             "prefill_hit_pages": 8, "shared_guard_trips": 0},
+        tenant_of(KEYS[1]): {"prompt_pages": 4, "hit_pages": 0, "prefill_prompt_pages": 4,
+                             "prefill_hit_pages": 0, "shared_guard_trips": 0}}
+    assert state["prefix_shared_guard_trips"] == {}
+    assert not any(secret in metrics for secret in (*KEYS, "team-a"))
     expected = [salt_for(tenant_of(KEYS[0]), None, False),
                 salt_for(tenant_of(KEYS[1]), None, False),
                 salt_for(tenant_of(KEYS[0]), "team-a", False)]
@@ -92,7 +118,9 @@ def test_two_keys_never_share_a_page_and_one_key_does(tiny_chat_model):  # noqa:
         "kvproof_prefill_cache_hit_ratio": 0.4,
         'kvproof_prefill_cache_evicted_pages_total{reason="lru"}': 0.0,
         'kvproof_prefill_cache_evicted_pages_total{reason="unshareable"}': 5.0,
-        "kvproof_prefill_computed_tokens_total": 5 * 70 - 2 * 4 * PAGE}
+        "kvproof_prefill_computed_tokens_total": 5 * 70 - 2 * 4 * PAGE,
+        **tenant_figures("kvproof_prefill_cache_tenant_prompt_pages_total", 16, 4),
+        **tenant_figures("kvproof_prefill_cache_tenant_hit_pages_total", 8, 0)}
 
 
 def test_with_the_no_salt_switch_the_page_tags_refuse_the_second_keys_read(
@@ -126,6 +154,30 @@ def test_no_salt_with_tags_without_identity_lets_the_second_key_read_the_first_k
     store = engine.inner.runtime.store
     # The store's oracles see it: the second tenant read KV of another salt and got Ok.
     assert store.violation_counts == {"Isolation": 1, "OkIsClean": 1}
+
+
+def test_a_guard_trip_of_a_request_that_read_cached_pages_is_counted_as_shared(
+        tiny_chat_model):  # noqa: F811
+    """StaleHitLength: decode counts one cached page more than it holds (here the first
+    key's first page, with nothing cached), reserves a fresh page for it that nobody writes,
+    and the prefill skips it; the tag guard fails the request on its read. A guard trip of
+    a request that read (it believes) shared pages: counted as shared, for its tenant."""
+    engine, live = serve(tiny_chat_model, bugs={"StaleHitLength"})
+    with live as server:
+        with pytest.raises(openai.InternalServerError):
+            complete(server, KEYS[0])
+        wait_settled(engine)
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        state = httpx.get(server.url + "/v1/kvproof/state", timeout=10).json()
+    assert metric_values(metrics, "kvproof_guard_trips") == guard_trips(
+        "kvproof_guard_trips_total", {"tag": 1})
+    assert metric_values(metrics, "kvproof_prefix_cache_shared") == guard_trips(
+        "kvproof_prefix_cache_shared_guard_trips_total", {"tag": 1})
+    assert metric_values(metrics, "kvproof_prefix_cache_tenant_") == {
+        f'kvproof_prefix_cache_tenant_{figure}_total{{tenant="{tenant_of(KEYS[0])}"}}': count
+        for figure, count in (("prompt_pages", 4.0), ("hit_pages", 1.0),
+                              ("shared_guard_trips", 1.0))}
+    assert state["prefix_shared_guard_trips"] == {"tag": 1}
 
 
 def test_sharing_across_keys_drops_the_tenant_but_keeps_the_cache_salt(

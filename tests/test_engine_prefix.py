@@ -21,7 +21,7 @@ from engine.model import LlamaModel  # noqa: E402
 from engine.prefix import DIGEST_MAX, Nonces, page_digest, page_tokens_of  # noqa: E402
 from engine.runtime import Runtime, RuntimeConfig  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
-from engine.service import Finished, GenerationRequest  # noqa: E402
+from engine.service import Finished, GenerationRequest, TenantCache  # noqa: E402
 from engine.weights import load_checkpoint  # noqa: E402
 from engine_cases import LOGITS_ATOL, make_hf_model  # noqa: E402
 from spec import core  # noqa: E402
@@ -316,7 +316,9 @@ def test_an_abort_at_every_phase_of_a_hitting_request_keeps_the_cache_whole(mode
 def test_a_wire_fault_in_a_hitting_requests_tail_names_its_guard(model, fault, guard):
     """The count check compares the pages sent with the pages reserved less the hit: a
     flipped bit in the tail is the checksum guard's, a lost write the count guard's; the
-    failed transfer seals nothing, the cached pages keep no reader, every pool is whole."""
+    failed transfer seals nothing, the cached pages keep no reader, every pool is whole.
+    The victim read shared pages: its trip counts as a shared-page trip, for its tenant (a
+    label only: it hits the default tenant's pages, as their salts are equal)."""
     rt = Runtime(model, RuntimeConfig(prefill_pages=32, decode_pages=16, page_tokens=PAGE,
                                       context_tokens=64, prefill_chunk_tokens=8,
                                       transfer_timeout_s=1e9, lease_s=1e9, prefix_cache=True))
@@ -326,7 +328,8 @@ def test_a_wire_fault_in_a_hitting_requests_tail_names_its_guard(model, fault, g
     drain(rt)
     cached = set(rt.store.decode_idle[0])
     rt.transport.fault_injection = rt.transport.paused = True
-    victim = rt.arrive(GenerationRequest(SYSTEM + ids(2, 5), sampling), recorder)
+    victim = rt.arrive(GenerationRequest(SYSTEM + ids(2, 5), sampling, tenant="victim"),
+                       recorder)
     step_until(rt, lambda: len(rt.transport.writes_of(victim)) == 3)  # 6 pages less 3 hit
     rt.transport.inject(rt.transport.writes_of(victim)[0], fault)
     rt.transport.paused = False
@@ -340,6 +343,30 @@ def test_a_wire_fault_in_a_hitting_requests_tail_names_its_guard(model, fault, g
     # The abstract page contents know no wire fault: the store notes the bad verdict it
     # cannot explain, and nothing else.
     assert rt.store.violation_counts == {"TruthfulObservation": 1}
+    assert rt.counts["guard_trips"] == rt.counts["prefix_shared_guard_trips"] == {guard: 1}
+    assert rt.counts["prefix_tenants"] == {
+        "default": TenantCache(prompt_pages=4),
+        "victim": TenantCache(prompt_pages=4, hit_pages=3, shared_guard_trips=1)}
+
+
+def test_a_wire_fault_in_a_request_that_hit_nothing_is_no_shared_page_trip(model):
+    """The same flipped bit in a request that read no cached page: a guard trip, not a
+    shared-page one."""
+    rt = Runtime(model, RuntimeConfig(prefill_pages=32, decode_pages=16, page_tokens=PAGE,
+                                      context_tokens=64, prefill_chunk_tokens=8,
+                                      transfer_timeout_s=1e9, lease_s=1e9, prefix_cache=True))
+    recorder = Recorder(rt)
+    rt.transport.fault_injection = rt.transport.paused = True
+    r = rt.arrive(GenerationRequest(SYSTEM + ids(1, 3), SamplingParams(max_tokens=4)),
+                  recorder)
+    step_until(rt, lambda: len(rt.transport.writes_of(r)) == 5)
+    rt.transport.inject(rt.transport.writes_of(r)[0], "flip")
+    rt.transport.paused = False
+    drain(rt)
+    assert (recorder.ends[r].outcome, recorder.ends[r].guard) == ("ErrTransfer", "checksum")
+    assert rt.counts["guard_trips"] == {"checksum": 1}
+    assert rt.counts["prefix_shared_guard_trips"] == {}
+    assert rt.counts["prefix_tenants"] == {"default": TenantCache(prompt_pages=4)}
 
 
 def test_two_by_two_workers_cache_per_decode_worker_and_the_run_validates(model, tmp_path,

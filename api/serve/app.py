@@ -193,6 +193,7 @@ def _add_generation_routes(app: FastAPI, engine, metrics: ServerMetrics,
             prompts=prompts, n=body.n, logprobs=body.logprobs, stream=body.stream,
             include_usage=body.include_usage(), prompt_param="prompt",
             cache_salt=salt(request, body),
+            tenant=generation.tenant_for(request.scope.get(TENANT_SCOPE)),
             sampling=generation.sampling_for(
                 len(prompts), body.n, max_tokens=body.max_tokens or COMPLETION_MAX_TOKENS_DEFAULT,
                 temperature=body.temperature, top_p=body.top_p, seed=body.seed,
@@ -214,6 +215,7 @@ def _add_generation_routes(app: FastAPI, engine, metrics: ServerMetrics,
             prompts=(prompt,), n=body.n, logprobs=logprobs, stream=body.stream,
             include_usage=body.include_usage(), prompt_param="messages",
             cache_salt=salt(request, body),
+            tenant=generation.tenant_for(request.scope.get(TENANT_SCOPE)),
             sampling=generation.sampling_for(
                 1, body.n, max_tokens=max_tokens, temperature=body.temperature,
                 top_p=body.top_p, seed=body.seed, stop=body.stop_strings()))

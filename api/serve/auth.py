@@ -14,9 +14,10 @@ prompt or output, and the server binds 127.0.0.1 unless told otherwise; vLLM's `
 draws the same line (its key guards the OpenAI routes).
 
 Each key is a tenant, named by a digest of the key (`tenant-` and 12 hex digits of its
-SHA-256), never by the key: a tenant's name may reach logs and metric labels. The tenant is
-what the prefix cache (issue 28) salts its pages with, so that two keys never share a page
-unless the operator says so; until the engine caches prefixes nothing is shared at all.
+SHA-256), never by the key: a tenant's name may reach logs and metric labels (the prefix
+cache's figures per tenant, api/serve/metrics.py). The tenant is what the prefix cache
+(issue 28) salts its pages with, so that two keys never share a page unless the operator
+says so; until the engine caches prefixes nothing is shared at all.
 
 Keys are looked up by their SHA-256 digest, so a lookup takes the same time whichever key
 is tried and how much of it matches.

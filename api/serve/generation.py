@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from engine.sampling import SamplingParams
 from engine.prefix import DEFAULT_SALT, salt_of
-from engine.service import Finished, GenerationRequest, Refused, TokenOut
+from engine.service import DEFAULT_TENANT, Finished, GenerationRequest, Refused, TokenOut
 
 from api.serve.bridge import Choices, unless_disconnected
 from api.serve.errors import ApiError, outcome_error, refusal_error
@@ -55,6 +55,7 @@ class Plan:
     include_usage: bool
     prompt_param: str  # the request field the prompt came from ("prompt" / "messages")
     cache_salt: int = DEFAULT_SALT  # the prefix cache's salt (`salt_for`)
+    tenant: str = DEFAULT_TENANT  # the API key's (`tenant_for`): a metric label only
 
     def requests(self) -> list[GenerationRequest]:
         """One engine request per choice; with n > 1 the choices of one prompt are
@@ -62,7 +63,7 @@ class Plan:
         caches prefixes."""
         groups = [next(_SIBLING_GROUPS) if self.n > 1 else None for _ in self.prompts]
         return [GenerationRequest(self.prompts[index // self.n], sampling, self.logprobs,
-                                  self.cache_salt, groups[index // self.n])
+                                  self.cache_salt, groups[index // self.n], self.tenant)
                 for index, sampling in enumerate(self.sampling)]
 
     def prompt_tokens(self) -> int:
@@ -86,6 +87,13 @@ def salt_for(tenant: str | None, cache_salt: str | None, across_keys: bool) -> i
     cache across keys (--share-prefix-cache-across-keys). Requests share cached pages only
     when their salts are equal (engine/prefix.py)."""
     return salt_of("" if across_keys else tenant or "", cache_salt or "")
+
+
+def tenant_for(tenant: str | None) -> str:
+    """A request's tenant label (GenerationRequest.tenant): its API key's name (auth.py
+    `tenant_of`), or the one default tenant without keys; never its cache_salt, which the
+    client chooses: the labels are as many as the server's keys."""
+    return tenant or DEFAULT_TENANT
 
 
 def sampling_for(n_prompts: int, n: int, *, max_tokens: int, temperature: float, top_p: float,

@@ -9,6 +9,10 @@
 
 Label values are the engine's own names (worker names, guard names from GUARDS, the core's
 outcome and refusal wording), so a metric, a trace line and a dashboard row read alike.
+The prefix caches' per-tenant figures are labelled by tenant (GenerationRequest.tenant):
+a digest of an API key the operator gave (api/serve/auth.py), or "default" without keys,
+so the series are as many as the keys; a request's cache_salt, which its client chooses,
+is never a label.
 An HTTP answer's endpoint is its route's template (`endpoint_label`), and every path no
 route serves shares one label: the set of series is fixed by the app, not by its clients.
 """
@@ -69,20 +73,49 @@ def _prefix_cache(snapshot):
     """Decode's prefix cache: its pages by worker (cached: filed under a key, read or idle;
     idle: read by nobody, evictable), the prompt pages looked up and hit, the hit ratio,
     and evictions by reason (lru: under pool pressure; unshareable: a request's own pages,
-    which no prompt can hit, at its release)."""
-    return _cache(snapshot, "kvproof_prefix_cache", "decode", snapshot.prefix,
-                  snapshot.prefix["reserved_prompt_pages"], "cached (not sent)")
+    which no prompt can hit, at its release); the guard trips of requests that read shared
+    pages (a hit at either cache), by guard; and per tenant the prompt pages looked up and
+    hit and the shared-page guard trips."""
+    yield from _cache(snapshot, "kvproof_prefix_cache", "decode", snapshot.prefix,
+                      snapshot.prefix["reserved_prompt_pages"], "cached (not sent)")
+    yield _by_label("kvproof_prefix_cache_shared_guard_trips", "runtime guard trips of "
+                    "requests that read shared pages (a hit at decode or the prefill), by guard",
+                    "guard", {guard: 0 for guard in GUARDS} | snapshot.prefix_shared_guard_trips)
+    yield from _by_tenant(snapshot, DECODE_TENANT_FIGURES)
 
 
 def _prefill_cache(snapshot):
     """The prefill's prefix cache, the same figures (a hit page is one not computed; an
-    unshareable page is evicted at its request's SendDone), and the prompt tokens the
-    prefill computed."""
+    unshareable page is evicted at its request's SendDone), the prompt tokens the prefill
+    computed, and per tenant the prompt pages looked up and hit."""
     counts = snapshot.prefill_cache
     yield from _cache(snapshot, "kvproof_prefill_cache", "prefill", counts,
                       counts["admitted_prompt_pages"], "cached (not computed)")
     yield CounterMetricFamily("kvproof_prefill_computed_tokens", "prompt tokens the prefill "
                               "ran through the model", value=counts["computed_tokens"])
+    yield from _by_tenant(snapshot, PREFILL_TENANT_FIGURES)
+
+
+# Each tenant's figures (engine/service.py TenantCache): (metric, field, documentation).
+DECODE_TENANT_FIGURES = (
+    ("kvproof_prefix_cache_tenant_prompt_pages", "prompt_pages",
+     "full prompt pages decode looked up in its cache, by tenant"),
+    ("kvproof_prefix_cache_tenant_hit_pages", "hit_pages",
+     "prompt pages decode found cached (not sent), by tenant"),
+    ("kvproof_prefix_cache_tenant_shared_guard_trips", "shared_guard_trips",
+     "runtime guard trips of requests that read shared pages, by tenant"))
+PREFILL_TENANT_FIGURES = (
+    ("kvproof_prefill_cache_tenant_prompt_pages", "prefill_prompt_pages",
+     "full prompt pages the prefill looked up in its cache, by tenant"),
+    ("kvproof_prefill_cache_tenant_hit_pages", "prefill_hit_pages",
+     "prompt pages the prefill found cached (not computed), by tenant"))
+
+
+def _by_tenant(snapshot, figures):
+    tenants = snapshot.prefix_tenants
+    for name, figure, documentation in figures:
+        yield _by_label(name, documentation, "tenant",
+                        {tenant: getattr(counts, figure) for tenant, counts in tenants.items()})
 
 
 def _cache(snapshot, name: str, side: str, counts: dict, looked_up: int, hit: str):
