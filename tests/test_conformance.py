@@ -56,13 +56,14 @@ STATES = {
     # switches (each zoo-X of one switch is bug-X's graph).
     "prefix": 420895, "prefix-chain": 633677, "prefix-crash": 1094048,
     "bug-StaleHitLength": 196137,
-    "bug-NoRefCount": 401311, "bug-FullHitNoNotice": 412907, "bug-NoSalt": 436279,
+    "bug-NoRefCount": 401311, "bug-FullHitNoNotice": 412907, "bug-NoSalt": 435743,
     "zoo-stale-hit-reads-unwritten": 189172,
     # Prefix caching at the prefill too (issue 27): the prefix model with one salt and the
     # prefill's own cache, and EvictWhileSending on it (zoo-evict-while-sending's graph).
     "prefix-prefill": 211869, "bug-EvictWhileSending": 215997, "prefix-prefill-crash": 280919,
     # The content identity in the page tag (issue 28): without it the prefix model's graph;
-    # with NoSalt too, zoo-cross-tenant-read (bug-NoSalt's graph, other verdicts).
+    # with NoSalt too, zoo-cross-tenant-read: bug-NoSalt's graph before the identity, which
+    # turned its cross-tenant reads into ErrTag (436,279 orbits then, its companion 95,882).
     "bug-NoIdentTag": 420895, "zoo-cross-tenant-read": 436279,
 }
 # The switches of an early final word and of a decode restart came after the pinned
@@ -117,7 +118,7 @@ COMPANION_STATES = {
     ("bug-PoolBelowContext",): 47128, ("bug-SourceReuse",): 45136,
     ("crash", "large"): 33198, ("incident",): 56298, ("zoo-late-write-looks-current",): 81891,
     ("zoo-rejected-decodes",): 57601, ("zoo-source-reuse-unverified",): 45896,
-    ("bug-FullHitNoNotice",): 92514, ("bug-NoRefCount",): 90458, ("bug-NoSalt",): 95882,
+    ("bug-FullHitNoNotice",): 92514, ("bug-NoRefCount",): 90458, ("bug-NoSalt",): 95826,
     ("prefix-crash",): 166284, ("bug-NoIdentTag",): 93930, ("zoo-cross-tenant-read",): 95882,
 }
 COMPANIONS: dict[Model, list[str]] = {}

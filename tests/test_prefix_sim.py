@@ -98,15 +98,21 @@ def test_lru_evictions_are_logged_and_replay_to_the_same_run(tmp_path):
 
 
 def test_the_content_oracle_catches_reads_across_tenants_without_the_salt():
-    """NoSalt: the second tenant hits the first tenant's system prompt pages (at decode,
-    and at the prefill, whose keys leave the salt out too), and the store's leak oracle
-    (content identity against core.true_ident, not the core's flag) counts each such
-    answer as a leaked response."""
+    """NoSalt with tags that name no identity (NoIdentTag): the second tenant hits the first
+    tenant's system prompt pages (at decode, and at the prefill, whose keys leave the salt
+    out too), and the store's leak oracle (content identity against core.true_ident, not
+    the core's flag) counts each such answer as a leaked response. With the identity in
+    the tags (NoSalt alone), the same reads fail their tag check: ErrTag, no leak (the
+    switch still fails the second tenant's requests, which fit: FittingRequestsSucceed)."""
     sc = load_scenario("system-prompt").with_options(
-        requests=60, bugs=("NoSalt",), oracles={"on_violation": "count"})
+        requests=60, bugs=("NoSalt", "NoIdentTag"), oracles={"on_violation": "count"})
     result, _ = simulate(sc)
     assert result["summary"]["leaked_responses_returned_ok"] == 29
     assert result["violations"] == {"Isolation": 29, "OkIsClean": 29}
+    guarded, _ = simulate(sc.with_options(bugs=("NoSalt",)))
+    assert guarded["summary"]["leaked_responses_returned_ok"] == 0
+    assert guarded["summary"]["outcomes"] == {"ErrTag": 29, "Ok": 31}
+    assert guarded["violations"] == {"FittingRequestsSucceed": 1}
 
 
 def test_the_fuzz_leak_oracle_judges_content_with_a_prefix_cache():
