@@ -680,6 +680,7 @@ class RouterProcess(Process):
         self.restarting: set[int] = set()
         self.retired: set[int] = set()
         self.restarts: list[str] = []             # the processes restarted, in order
+        self.last_lives: set[str] = set()         # prefills given a last life (no request)
         self.crashing: set[int] = set()           # decodes whose crash is being recorded
         self.leaving: set[str] = set()            # workers draining (SIGTERM): none placed
         self.gone: set[str] = set()               # workers that drained and left cleanly
@@ -765,9 +766,9 @@ class RouterProcess(Process):
         """The workload's next arrival, if it is due; whether it arrived."""
         now = time.monotonic()
         prefills = self.live_prefills()
+        live = self.live_decodes()
         if self.arrived < len(self.deployment.prompts) and now >= self.next_arrival_s \
-                and prefills:  # (while none is up, arrivals wait for a restart)
-            live = self.live_decodes()
+                and prefills and live:  # (while none is up, arrivals wait for a restart)
             r = self.arrived
             q = self.random.choice(prefills)
             d = self.random.choice(live)
@@ -956,14 +957,21 @@ class RouterProcess(Process):
         if (q not in self.dead_prefills or f"{PREFILL} {q}" not in self.fenced
                 or not live <= set(reports) or q in self.restarting):
             return
-        if not self.may_restart(PREFILL, q):
-            # A worker that dies in every life stays dead, its log closed here. What its
-            # last life held waits: only a next life's PrefillCrash ends it (a gap).
+        name = f"{PREFILL} {q}"
+        last = not self.may_restart(PREFILL, q)
+        if last and name in self.last_lives:
+            # Its last life died too: it stays dead, its log closed here. What that life
+            # had not ended yet waits (a gap: no life is left to take PrefillCrash).
             self.retired.add(q)
-            close_dead_log(log_path(self.deployment, f"{PREFILL} {q}"), f"{PREFILL} {q}")
+            close_dead_log(log_path(self.deployment, name), name)
             return
+        if last:
+            # A prefill that died in every life it was given gets one more that takes no
+            # request: only a next life's PrefillCrash ends what the dead one held (the
+            # clients' ErrPrefill, the decodes' pages through the answers to their cancels).
+            self.last_lives.add(name)
         self.restarting.add(q)
-        if self.deployment.model_dir:
+        if self.deployment.model_dir or last:
             self.retired.add(q)
         placed = [[r, d, self.part.rows[r][core.PROMPT]]
                   for r, (p, d) in sorted(self.placement.items()) if p == q]

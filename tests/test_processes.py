@@ -552,6 +552,63 @@ def test_a_partition_between_a_prefill_and_a_decode_fences_the_decode(tmp_path, 
     print(f"seed={SEED}: {figures}; merged run of {verdict.steps} steps")
 
 
+def test_a_prefill_that_dies_in_every_life_gets_a_last_one_that_ends_what_it_held(tmp_path,
+                                                                                 capsys):
+    """Prefill 0 of a 2 x 1 deployment with restarts_max 1 is killed after an Admit in its
+    first life and again in its second: the router gives up serving there (`gave_up`) but
+    still starts a last life (epoch 3) that takes no request, whose PrefillCrash ends what
+    the second life held (ErrPrefill), and whose answers to decode's cancels free decode's
+    pages; every other request is Ok (on prefill 1 or an earlier life); pools free; two
+    PrefillCrash in the merged run, which validates."""
+    d = deployment(tmp_path, 2, 1, compute_s=0.4, arrive_every_s=0.25, restarts_max=1)
+    victim = "prefill 0"
+    path = log_path(d, victim)
+
+    def admitted_in_life(life: int) -> bool:
+        steps = _prefill_steps(path)
+        crashes = [k for k, x in enumerate(steps) if x["a"] == "PrefillCrash"]
+        if len(crashes) < life - 1:
+            return False
+        since = crashes[life - 2] + 1 if life > 1 else 0
+        return any(x["a"] == "Admit" for x in steps[since:])
+    launched = Launched(d)
+    try:
+        launched.start()
+        for life in (1, 2):
+            deadline = time.monotonic() + WAIT_S
+            while not admitted_in_life(life):
+                assert time.monotonic() < deadline, f"no Admit in life {life}"
+                time.sleep(0.002)
+            launched.children[victim].kill()
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop(timeout_s=WAIT_S)
+    finally:
+        launched.close()
+    seen = launched.children["router"].seen
+    assert [x["restart"]["epoch"] for x in seen if x["ev"] == "restart"] == [2, 3]
+    assert [x["worker"] for x in seen if x["ev"] == "gave_up"] == [0]
+    assert stopped["router"]["restarts"] == ["prefill 0", "prefill 0"]
+    steps = _prefill_steps(path)
+    crashes = [k for k, x in enumerate(steps) if x["a"] == "PrefillCrash"]
+    assert len(crashes) == 2
+    second_life, last_life = steps[crashes[0] + 1:crashes[1]], steps[crashes[1] + 1:]
+    assert not [x for x in last_life if x["a"] == "Admit"]  # it takes no request
+    outcomes = dict(enumerate(done["outcomes"]))
+    lost = {r for r, o in outcomes.items() if o == "ErrPrefill"}
+    admitted = {x["request"] for x in second_life if x["a"] == "Admit"}
+    ended = {x["request"] for x in second_life if x["a"] in ("SendDone", "Reject",
+                                                              "PrefillAbort")}
+    assert admitted - ended and admitted - ended <= lost
+    assert all(o == "Ok" for r, o in outcomes.items() if r not in lost)
+    assert_whole(stopped)  # decode 0 and prefill 1 free, the last life holds nothing
+    merged, verdict = merged_run(tmp_path)
+    assert [x["a"] for x in merged.records].count("PrefillCrash") == 2
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+    print(f"seed={SEED}: ErrPrefill {sorted(lost)} (second life left "
+          f"{sorted(admitted - ended)}), merged run of {verdict.steps} steps")
+
+
 def test_a_worker_started_on_its_own_cut_off_from_its_router_fences_itself(tmp_path,
                                                                           capsys):
     """1 x 2 at a rendezvous; a partition between the router and decode 1 (a fault-injection
