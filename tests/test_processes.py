@@ -669,3 +669,24 @@ def test_a_worker_started_on_its_own_cut_off_from_its_router_fences_itself(tmp_p
     print(f"decode 1 fenced itself {fenced_after_s:.3f} s after the cut; the router waited "
           f"{fenced['at_s'] - fence['at_s']:.3f} s; ErrDecode {sorted(lost)}; "
           f"{verdict.steps} steps")
+
+
+def test_the_only_decode_killed_and_restarted_arrivals_wait_for_its_new_life(tmp_path,
+                                                                            capsys):
+    """1 x 1: the one decode is killed while it holds a reserved request; while it is down
+    no decode is live, so the arrivals wait (the router drew from an empty list before and
+    died), its requests end ErrDecode, the later ones are Ok on its new life, the logs
+    validate."""
+    d = deployment(tmp_path, 1, 1, compute_s=0.4, arrive_every_s=0.1)
+    victim = "decode 0"
+    run = run_with_fault(d, victim, lambda: bool(_reserved_unfinished(log_path(d, victim))),
+                         "a reserved request")
+    outcomes = dict(enumerate(run.done["outcomes"]))
+    lost = {r for r, o in outcomes.items() if o == "ErrDecode"}
+    assert lost and all(o == "Ok" for r, o in outcomes.items() if r not in lost)
+    assert run.stopped["router"]["restarts"] == [victim]
+    assert_whole(run.stopped)
+    merged, verdict = merged_run(tmp_path)
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+    print(f"seed={SEED}: ErrDecode {sorted(lost)}, merged run of {verdict.steps} steps")
