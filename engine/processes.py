@@ -879,8 +879,9 @@ class RouterProcess(Process):
     def on_fenced(self, peer: Peer) -> None:
         """The worker writes nothing more: its crash's path goes on."""
         name = str(peer)
-        if self.fencing.pop(name, "none") == "none":
-            return  # (not being fenced: a late answer)
+        if name not in self.fencing or self.stopped:
+            return  # (not being fenced, or the router ended its logs: a late answer)
+        del self.fencing[name]
         self.fenced.add(name)
         report(ev="fenced", role=peer.role, worker=peer.worker, at_s=time.time())
         if peer.role == DECODE:
