@@ -509,6 +509,18 @@ class Channel:
             link = self._links.get(peer)
             return None if link is None else link.epoch
 
+    def cut(self, peer: Peer, reason: str) -> bool:
+        """Declare `peer`'s epoch that is up now down here, as the detector would: its
+        connection closed (the peer learns it), PeerDown in the inbox, and the epoch refused
+        from then on. A supervisor's fence, and a fault injection's partition. Whether one
+        was up."""
+        with self._lock:
+            link = self._links.get(peer)
+        if link is None:
+            return False
+        self._declare_down(link, reason)
+        return True
+
     def close(self) -> None:
         """Stop: every connection is closed (the peers learn it), threads end."""
         self._stop.set()

@@ -39,7 +39,12 @@ prefill's next step (SendDone) is stamped after the landing, as the spec orders 
 
 A decode crash (SIGKILL): each surviving process learns it from its own failure detector
 (PeerDown). A prefill stops taking steps for the requests placed on the dead decode and
-reports its last step to the router; once the router has its own PeerDown and every live
+reports its last step to the router. The router fences a decode it declares down, or hears
+declared down by a prefill while it still sees it (a partition of one link, not a crash):
+it cuts it off and has it killed by its launcher (`RouterProcess.fence`,
+`Launched.fence`; a worker that joined at a rendezvous fences itself when it loses its
+router), so that a partition takes the crash's path and nothing the decode does later
+counts. Once the decode is fenced and the router has its own PeerDown and every live
 prefill's report, it closes the dead decode's log (as a supervisor would: a torn last line
 cut, a LogEnd with the steps it holds), logs DecodeCrash after every step of the dead
 decode, of itself and of each prefill's report, answers the dead decode's waiting clients
@@ -53,11 +58,12 @@ crash dropped its page table).
 
 A prefill crash (SIGKILL): the spec's PrefillCrash is the prefill's own step, taken by its
 next life. Each decode's detector fires; it lands nothing more of the dead epoch and
-reports to the router after its last landing; once the router has its own PeerDown and
-every live decode's report, it cuts the dead log's torn line and asks its launcher for a
-restart in the next epoch (`record_prefill_crash`, `Launched.restart`). The new life
-rebuilds what its log says (core.recovered_prefill_rows), takes PrefillCrash (its answers
-end what was queued or running), and tells the router it is back, which tells each decode:
+reports to the router after its last landing; once the router has fenced the prefill (as
+a decode above), and has its own PeerDown and every live decode's report, it cuts the dead
+log's torn line and asks its launcher for a restart in the next epoch
+(`record_prefill_crash`, `Launched.restart`). The new life rebuilds what its log says
+(core.recovered_prefill_rows), takes PrefillCrash (its answers end what was queued or
+running), and tells the router it is back, which tells each decode:
 decode times out what the crash ended and sends the new life what it held for the dead one
 (its cancels), which the new life answers. On the real data path the new life has no data
 path (the gloo world cannot take a rank back) and the router places nothing there.
@@ -149,6 +155,14 @@ class Deployment:
     # HOST:PORT: the workers start on their own (`kvproof worker`, engine/rendezvous.py) and
     # meet the launcher there; "": the launcher starts them on this machine.
     rendezvous: str = ""
+    # A worker that joined at a rendezvous fences itself (stops writing its log and exits)
+    # once its detector declares the router down, within suspect_after_s of the router's last
+    # byte; its router waits that and this margin (the worker's scheduling) before it counts
+    # the worker's log as closed (`fence_wait_s`).
+    fence_margin_s: float = 1.0
+
+    def fence_wait_s(self) -> float:
+        return self.suspect_after_s + self.fence_margin_s
 
     def __post_init__(self) -> None:
         if self.serving_requests_max < 0 or self.context_tokens < 0:
@@ -207,9 +221,15 @@ def log_path(deployment: Deployment, name: str) -> Path:
 
 # -- one part's log ---------------------------------------------------------------------------
 
+class Fenced(Exception):
+    """This worker was fenced: it writes no step more (its log is its supervisor's now)."""
+
+
 class PartLog:
     """One part's log: the header, then each step stamped by its spec/partlog.py PartClock
-    and flushed at once, LogEnd when the process stops."""
+    and flushed at once, LogEnd when the process stops. `fence()` (any thread) ends the
+    writing for good: a step begun after it raises Fenced, one being written completes
+    first (the lock), so once fence() returns the file holds every step it will."""
 
     def __init__(self, path: Path, name: str, m: Model, resume: tuple | None = None) -> None:
         """`resume` (steps, clock): a restarted process goes on with its previous life's
@@ -223,23 +243,35 @@ class PartLog:
         else:
             self.file = open(path, "a")
             self.clock.k, self.clock.c = resume
+        self.lock = threading.Lock()
+        self.fenced = False
+
+    def fence(self) -> None:
+        with self.lock:
+            self.fenced = True
 
     def heard_from(self, stamp) -> None:
         """A message stamped by another part's step: the next step follows it."""
         self.clock.hear(*stamp)
 
     def step(self, record: dict) -> list:
-        stamp = self.clock.stamp(record)
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()  # before anything the step sends leaves: a kill loses no step seen
+        with self.lock:
+            if self.fenced:
+                raise Fenced(f"{self.name}: fenced, no step is logged")
+            stamp = self.clock.stamp(record)
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()  # before anything the step sends leaves: a kill loses no step
         return stamp
 
     def stamp(self) -> list:
         return self.clock.last()
 
     def end(self) -> None:
-        self.file.write(json.dumps(log_end(self.name, self.clock.k)) + "\n")
-        self.file.close()
+        with self.lock:
+            if self.fenced:
+                raise Fenced(f"{self.name}: fenced, its supervisor closes its log")
+            self.file.write(json.dumps(log_end(self.name, self.clock.k)) + "\n")
+            self.file.close()
 
 
 def close_dead_log(path: Path, name: str) -> tuple[int, int]:
@@ -295,6 +327,7 @@ ENVELOPES = {
     "pdown": (DECODE, ROUTER, {"prefill": "count", "stamp": "stamp"}, {}),
     "leaving": (None, ROUTER, {"holds": "requests"}, {}),
     "farewell": (ROUTER, None, {}, {}),
+    "bye": (ROUTER, None, {}, {}),
     "left": (None, ROUTER, {"finished": "requests"}, {}),
     "restarted": (PREFILL, ROUTER, {"lost": "requests", "stamp": "stamp"}, {}),
     "prefill_back": (ROUTER, DECODE, {"prefill": "count", "lost": "requests", "stamp": "stamp"},
@@ -383,6 +416,7 @@ class Process:
         self.channel = Channel(ChannelConfig(role, worker, restart["epoch"] if restart else 1,
                                              heartbeat_s=deployment.heartbeat_s,
                                              suspect_after_s=deployment.suspect_after_s),
+                               on_down=self.on_channel_down,
                                body_problem=self.envelope_problem)
         self.log = PartLog(log_path(deployment, self.part.name), self.part.name, self.model,
                            (restart["steps"], restart["clock"]) if restart else None)
@@ -402,6 +436,24 @@ class Process:
         self.drain_holds: set[int] = set()
         self.farewell = False
         self.router_gone = False  # a worker that joined at a rendezvous: its router left
+        self.router_ended = False  # ... after its "bye" (it ended its log: no fence)
+        self.self_fenced = threading.Event()  # ... or without it: it fenced itself
+
+    def on_channel_down(self, event: PeerDown) -> None:
+        """The detector's verdict, on the channel's thread, before the loop takes it: a
+        worker that joined at a rendezvous and loses its router without the router's bye
+        (a partition, the router's fence, a dead router) fences itself at once: no step is
+        logged from now on and the loop exits (`main`). The router counts on it: it treats
+        the worker's log as closed `fence_wait_s` after it cut it off. A worker this
+        machine's launcher started is fenced by the launcher instead (it kills it)."""
+        if (event.peer.role == ROUTER and self.role != ROUTER and self.deployment.rendezvous
+                and not self.router_ended):
+            self.log.fence()
+            self.self_fenced.set()
+
+    def on_bye(self, peer: Peer, body: dict) -> None:
+        """The router ended its log and is going: this worker ends with it (drains once
+        the router's connection closes; `router_ended` was noted as the bye was read)."""
 
     # -- SIGTERM: a worker asked to stop drains what it holds ----------------------------
 
@@ -480,6 +532,8 @@ class Process:
 
     def send(self, peer: Peer, body: dict) -> bool:
         epoch = self.channel.epoch_of(peer)
+        if self.self_fenced.is_set():
+            return False  # fenced: nothing it does from now on may count
         if epoch is None or not self.channel.send(peer, Message(ENVELOPE, body.get(
                 "request", 0), {"body": body}), epoch):
             self.unsent += 1   # to a peer that is down: lost with it, as the spec says
@@ -512,6 +566,11 @@ class Process:
         problem = envelope_problem(self.model, self.channel.config.identity, peer, body)
         if not problem and body["t"] == "write" and not self.part.owns_page(body["write"][2]):
             return f"write {body['write']} is into page {body['write'][2]}, not one of {self.part.name}'s"
+        if not problem and body["t"] == "bye":
+            # Noted here, on the reader's thread as the bye is read, not when the loop takes
+            # it: the verdict on the router that follows on the same connection (its close)
+            # is given on this thread too, and must know it was a bye (on_channel_down).
+            self.router_ended = True
         return problem
 
     def on_envelope(self, peer: Peer, body: dict) -> None:
@@ -621,14 +680,26 @@ class RouterProcess(Process):
         self.restarting: set[int] = set()
         self.retired: set[int] = set()
         self.restarts: list[str] = []             # the processes restarted, in order
+        self.last_lives: set[str] = set()         # prefills given a last life (no request)
         self.crashing: set[int] = set()           # decodes whose crash is being recorded
         self.leaving: set[str] = set()            # workers draining (SIGTERM): none placed
         self.gone: set[str] = set()               # workers that drained and left cleanly
+        # Fences (`fence`): a worker cut off here, until it can write no more (its launcher
+        # killed it, or, one that joined at a rendezvous, the bound of its own fence passed:
+        # the deadline), then fenced until a new life of it is up.
+        self.fencing: dict[str, float | None] = {}
+        self.fenced: set[str] = set()
 
     # -- serving: requests from stdin, tokens and answers on stdout ----------------------
 
     def command(self, command: dict) -> None:
-        if command["do"] == "dial" or not self.deployment.serving_requests_max:
+        if command["do"] == "fenced":  # the launcher killed it (Launched.fence)
+            self.on_fenced(Peer(command["role"], command["worker"]))
+        elif command["do"] == "partition":  # fault injection, for tests only: the link
+            # to one worker cut here, as a partition between the two would
+            self.channel.cut(Peer(command["role"], command["worker"]),
+                             "fault injection: a partition between the router and it")
+        elif command["do"] == "dial" or not self.deployment.serving_requests_max:
             super().command(command)
         elif command["do"] == "arrive":
             self.arrive(command)
@@ -685,6 +756,7 @@ class RouterProcess(Process):
         """Every arrival of the workload that is due: all at once when they come 0 s apart,
         as serving takes every request waiting on stdin in one turn (one a turn spread 32
         arrivals over 0.3 s of polls, and the prefill computed the first prompt alone)."""
+        self.fences_due()
         if self.deployment.serving_requests_max:
             return  # arrivals come from stdin
         while self.arrive_due():
@@ -694,9 +766,9 @@ class RouterProcess(Process):
         """The workload's next arrival, if it is due; whether it arrived."""
         now = time.monotonic()
         prefills = self.live_prefills()
+        live = self.live_decodes()
         if self.arrived < len(self.deployment.prompts) and now >= self.next_arrival_s \
-                and prefills:  # (while none is up, arrivals wait for a restart)
-            live = self.live_decodes()
+                and prefills and live:  # (while none is up, arrivals wait for a restart)
             r = self.arrived
             q = self.random.choice(prefills)
             d = self.random.choice(live)
@@ -772,10 +844,49 @@ class RouterProcess(Process):
         if peer.role == DECODE:
             self.dead.add(peer.worker)
             self.crash_reports.setdefault(peer.worker, {})
-            self.record_crash(peer.worker)
+            self.fence(peer, "its router declared it down")
         elif peer.role == PREFILL:
             self.dead_prefills.add(peer.worker)
             self.prefill_reports.setdefault(peer.worker, {})
+            self.fence(peer, "its router declared it down")
+
+    def fence(self, peer: Peer, why: str) -> None:
+        """Make sure a worker declared down here can do nothing more that counts, before its
+        log is touched and its crash is recorded: cut it off here (its connection closed, its
+        epoch refused from then on) and have it stopped, by its launcher (`fence` report:
+        Launched.fence kills it and answers "fenced"), or, a worker that joined at a
+        rendezvous, by itself (it fences itself once it loses its router:
+        Process.on_channel_down) within `fence_wait_s`. A dead worker is fenced at no cost;
+        a live one (partitioned from the router or from a peer, hung, stopped) is made
+        dead, so that a partition follows the crash's path (`on_fenced`)."""
+        name = str(peer)
+        if name in self.fencing or name in self.fenced:
+            return
+        external = bool(self.deployment.rendezvous)
+        self.fencing[name] = (time.monotonic() + self.deployment.fence_wait_s()
+                              if external else None)
+        self.channel.cut(peer, f"fenced: {why}")
+        report(ev="fence", role=peer.role, worker=peer.worker, reason=why, at_s=time.time())
+
+    def fences_due(self) -> None:
+        """The fences of workers that joined at a rendezvous whose bound has passed."""
+        now = time.monotonic()
+        for name, deadline in sorted(self.fencing.items()):
+            if deadline is not None and now >= deadline:
+                role, _, worker = name.partition(" ")
+                self.on_fenced(Peer(role, int(worker)))
+
+    def on_fenced(self, peer: Peer) -> None:
+        """The worker writes nothing more: its crash's path goes on."""
+        name = str(peer)
+        if name not in self.fencing or self.stopped:
+            return  # (not being fenced, or the router ended its logs: a late answer)
+        del self.fencing[name]
+        self.fenced.add(name)
+        report(ev="fenced", role=peer.role, worker=peer.worker, at_s=time.time())
+        if peer.role == DECODE:
+            self.record_crash(peer.worker)
+        else:
             self.record_prefill_crash(peer.worker)
 
     def on_restarted(self, peer: Peer, body: dict) -> None:
@@ -786,6 +897,7 @@ class RouterProcess(Process):
         a request placed there before the crash step would be one the crash ended)."""
         self.log.heard_from(body["stamp"])
         self.restarting.discard(peer.worker)
+        self.fenced.discard(str(peer))
         self.dead_prefills.discard(peer.worker)
         self.prefill_reports.pop(peer.worker, None)
         for d in range(self.deployment.decode_workers):
@@ -814,6 +926,7 @@ class RouterProcess(Process):
         takes from now on follows the crash it logged)."""
         if peer.role == DECODE and peer.worker in self.crashing:
             self.crashing.discard(peer.worker)
+            self.fenced.discard(str(peer))
             self.dead.discard(peer.worker)
             self.crash_reports.pop(peer.worker, None)
 
@@ -842,16 +955,24 @@ class RouterProcess(Process):
         reports = self.prefill_reports[q]
         live = {d for d in range(self.deployment.decode_workers)  # (one that left sees
                 if d not in self.dead and f"{DECODE} {d}" not in self.gone}  # nothing)
-        if q not in self.dead_prefills or not live <= set(reports) or q in self.restarting:
+        if (q not in self.dead_prefills or f"{PREFILL} {q}" not in self.fenced
+                or not live <= set(reports) or q in self.restarting):
             return
-        if not self.may_restart(PREFILL, q):
-            # A worker that dies in every life stays dead, its log closed here. What its
-            # last life held waits: only a next life's PrefillCrash ends it (a gap).
+        name = f"{PREFILL} {q}"
+        last = not self.may_restart(PREFILL, q)
+        if last and name in self.last_lives:
+            # Its last life died too: it stays dead, its log closed here. What that life
+            # had not ended yet waits (a gap: no life is left to take PrefillCrash).
             self.retired.add(q)
-            close_dead_log(log_path(self.deployment, f"{PREFILL} {q}"), f"{PREFILL} {q}")
+            close_dead_log(log_path(self.deployment, name), name)
             return
+        if last:
+            # A prefill that died in every life it was given gets one more that takes no
+            # request: only a next life's PrefillCrash ends what the dead one held (the
+            # clients' ErrPrefill, the decodes' pages through the answers to their cancels).
+            self.last_lives.add(name)
         self.restarting.add(q)
-        if self.deployment.model_dir:
+        if self.deployment.model_dir or last:
             self.retired.add(q)
         placed = [[r, d, self.part.rows[r][core.PROMPT]]
                   for r, (p, d) in sorted(self.placement.items()) if p == q]
@@ -882,19 +1003,31 @@ class RouterProcess(Process):
         report(ev="restart", role=role, worker=worker, restart={"epoch": epoch, **restart})
 
     def on_down(self, peer: Peer, body: dict) -> None:
-        """A prefill's detector declared a decode down; it stopped its requests there."""
-        self.crash_reports.setdefault(body["decode"], {})[peer.worker] = body["stamp"]
-        self.record_crash(body["decode"])
+        """A prefill's detector declared a decode down; it stopped its requests there. If
+        the router's own detector still sees that decode (a partition between the two, not
+        a crash: the prefill waits for a crash record), the router makes it a crash: it
+        fences the decode (so that only a crash's record can end what the prefill froze).
+        Not a decode that drains (SIGTERM): its going closes the link too, its `left` may
+        come after this report, and a partitioned one ends by its drain's bound."""
+        d = body["decode"]
+        self.crash_reports.setdefault(d, {})[peer.worker] = body["stamp"]
+        if d not in self.dead and f"{DECODE} {d}" not in self.leaving:
+            self.dead.add(d)
+            self.fence(Peer(DECODE, d), f"{peer} lost its connection to it")
+        self.record_crash(d)
 
     def record_crash(self, d: int) -> None:
         """DecodeCrash(d), once the router and every live prefill have seen it (the module's
         docstring says why)."""
         reports = self.crash_reports[d]
         live = set(range(self.deployment.prefill_workers)) - set(self.down_prefills())
-        if d not in self.dead or not live <= set(reports) or d in self.crashing:
+        if (d not in self.dead or f"{DECODE} {d}" not in self.fenced
+                or not live <= set(reports) or d in self.crashing):
             return
         self.crashing.add(d)
         self.crashes_logged.append(d)
+        for reports in self.prefill_reports.values():
+            reports.pop(d, None)  # (its pdown reports: its next life must give its own)
         name = f"{DECODE} {d}"
         restart = self.may_restart(DECODE, d)
         # A decode that gets a new life goes on with its log (the launcher cuts its torn
@@ -914,11 +1047,20 @@ class RouterProcess(Process):
                                              "stamp": after})
         if restart:  # its new life's steps follow the crash
             self.ask_restart(DECODE, d, {"after": [after]})
+        for q in sorted(self.dead_prefills):  # a prefill's barrier waits for one fewer
+            self.record_prefill_crash(q)
 
     def down_prefills(self) -> list[int]:
         up = self.channel.peers()
         return [q for q in range(self.deployment.prefill_workers)
                 if Peer(PREFILL, q) not in up]
+
+    def end(self) -> None:
+        """Its log ended, then each worker hears its bye: one that joined at a rendezvous
+        ends with it (drains) rather than fence itself."""
+        super().end()
+        for peer in sorted(self.channel.peers()):
+            self.send(peer, {"t": "bye"})
 
     def finish(self) -> dict:
         self.environment.end()
@@ -1041,6 +1183,18 @@ class PrefillProcess(Process):
         self.send(Peer(DECODE, self.placement[r][1]), {
             "t": "write", "request": r, "write": list(command.write), "data": data,
             "stamp": stamp, "placement": list(self.placement[r])})
+
+    def command(self, command: dict) -> None:
+        """Fault injection, for tests only: {"do": "partition", "decode": d} cuts this
+        prefill's connection to decode d's current epoch, as a one-link partition would (the
+        decode learns it from the closed connection, this prefill from its own verdict).
+        This prefill never dials a decode on its own and its channel refuses that epoch
+        from then on, so the link stays cut; a new life of the decode is a new peer."""
+        if command.get("do") == "partition":
+            self.channel.cut(Peer(DECODE, command["decode"]),
+                             "fault injection: a partition between this prefill and it")
+            return
+        super().command(command)
 
     def on_completed(self, peer: Peer, body: dict) -> None:
         self.log.heard_from(body["stamp"])
@@ -1231,7 +1385,7 @@ def _pump(process: Process, timeout_s: float) -> bool:
         process.on_envelope(event.peer, event.message.fields["body"])
     elif type(event) is PeerDown:
         report(ev="peer_down", peer=str(event.peer), reason=event.reason, at_s=time.time())
-        if event.peer.role == ROUTER and process.deployment.rendezvous:
+        if event.peer.role == ROUTER and process.router_ended:
             process.router_gone = True
         process.on_peer_down(event.peer)
     elif type(event) is PeerUp:
@@ -1305,11 +1459,28 @@ def main(setup: dict, on_listening=None, stdin: bool = True) -> int:
     if process.data is not None:
         process.join_data_path()
         report(ev="joined")
-    stopping, last_busy, settled_at = None, time.monotonic(), 0.0
     process.cpu_from_s = cpu_s()  # (the model's loading and the joins not counted)
+    try:
+        drained = _loop(process, todo, drain_asked)
+    except Fenced:
+        drained = "fenced"
+    if drained == "fenced":  # it writes nothing more: its supervisor closes its log
+        report(ev="fenced", reason="lost its router without the router's bye")
+    process.channel.close()
+    if process.data is not None:
+        process.data.close()
+    return {"cut": 1, "fenced": 3}.get(drained, 0)
+
+
+def _loop(process: Process, todo: queue.Queue, drain_asked: threading.Event) -> str:
+    """The process's loop, until it exits: "cut" (a drain ran out), "fenced", or ""."""
+    deployment, role = process.deployment, process.role
+    stopping, last_busy, settled_at = None, time.monotonic(), 0.0
     pool, pool_at = None, 0.0
     drained = ""
     while True:
+        if process.self_fenced.is_set():
+            return "fenced"
         command = _commands(todo, process)
         if command == "exit":
             break
@@ -1357,10 +1528,7 @@ def main(setup: dict, on_listening=None, stdin: bool = True) -> int:
         if stopping is not None and not process.stopped and (
                 now - last_busy > QUIET_S or now - stopping > deployment.settle_s_max):
             process.end()
-    process.channel.close()
-    if process.data is not None:
-        process.data.close()
-    return 1 if drained == "cut" else 0
+    return drained
 
 
 # -- the launcher: every process of a deployment, started and stopped -------------------------
@@ -1496,7 +1664,23 @@ class Launched:
         thread of its own: the reader goes on), and is kept like any other."""
         if got.get("ev") == "restart":
             threading.Thread(target=self.restart, args=(got,), daemon=True).start()
+        elif got.get("ev") == "fence":
+            threading.Thread(target=self.fence, args=(got,), daemon=True).start()
         return self.on_report is not None and self.on_report(name, got)
+
+    def fence(self, got: dict) -> None:
+        """The router cut a worker off (RouterProcess.fence): kill it, so that nothing it
+        would do later can count, and tell the router once it is dead (the kill waits for
+        its exit); only then does the router touch its log. A worker that joined at a
+        rendezvous is not this launcher's: it fences itself, and the router waits for that."""
+        name = f"{got['role']} {got['worker']}"
+        if name in self.external:
+            return
+        with self.lock:
+            if self.closed:
+                return
+            self.children[name].kill()
+        self.children[ROUTER].tell("fenced", role=got["role"], worker=got["worker"])
 
     def restart(self, got: dict, timeout_s: float = 10.0) -> None:
         """Start a dead worker's next life (RouterProcess.record_prefill_crash says what

@@ -191,6 +191,26 @@ def test_a_stopped_peer_is_declared_down_and_must_rejoin_in_a_new_epoch():
         assert channel.send(PREFILL, Message(core.CANCEL_MSG, 5), 2) is True
 
 
+def test_a_cut_peer_is_down_at_once_both_ends_learn_it_and_its_epoch_is_refused():
+    """`cut` (a supervisor's fence, a fault injection's partition): the peer epoch is down
+    here at once, with the reason given, the callback runs once; the peer learns it from
+    the closed connection, its old epoch is refused, and it comes back as epoch 2."""
+    called = []
+    channel = host(on_down=called.append)
+    child = Child(channel.port)
+    with running(child, channel):
+        next_event(channel, PeerUp)
+        assert channel.cut(PREFILL, "fenced: a test") is True
+        down, _ = next_event(channel, PeerDown, timeout_s=SLACK_S)
+        assert (down.peer, down.epoch, down.reason) == (PREFILL, 1, "fenced: a test")
+        assert called == [down] and channel.cut(PREFILL, "again") is False
+        assert child.expect("down")["epoch"] == 1
+        refused = child.expect("refused")
+        assert refused["epoch"] == 1 and "fenced: a test" in refused["reason"]
+        up, _ = next_event(channel, PeerUp)
+        assert (up.peer, up.epoch) == (PREFILL, 2)
+
+
 # -- the epoch rules -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("bugs", [frozenset(), frozenset({"NoEpochCheck"})])

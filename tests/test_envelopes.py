@@ -39,6 +39,7 @@ GOOD = {
                                         "stamp": STAMP}),
     "leaving": (DECODE0, ROUTER0, {"t": "leaving", "holds": [1]}),
     "farewell": (ROUTER0, PREFILL0, {"t": "farewell"}),
+    "bye": (ROUTER0, DECODE0, {"t": "bye"}),
     "left": (PREFILL0, ROUTER0, {"t": "left", "finished": [0, 1]}),
 }
 

@@ -486,3 +486,207 @@ def test_a_worker_started_on_its_own_rejoins_when_started_again_after_it_died(tm
     merged, verdict = merged_run(tmp_path)
     code, out, err = cli(capsys, "validate", str(tmp_path))
     assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+
+
+def _prefill_of(d: Deployment, r: int) -> int:
+    """The prefill the router's log places request r on."""
+    records = [json.loads(line) for line in log_path(d, "router").read_text().splitlines()[1:]
+               if line.endswith("}")]
+    return next(x.get("prefill_worker", 0) for x in records  # (0: not written)
+                if x["a"] == "Arrive" and x["request"] == r)
+
+
+def test_a_partition_between_a_prefill_and_a_decode_fences_the_decode(tmp_path, capsys):
+    """A one-link partition (a fault-injection hook: prefill q cuts its connection to decode
+    1 and never takes that epoch back) while decode 1 holds two reserved requests, one of
+    them q's. Both ends of the link see it break; the router still sees decode 1 alive, so
+    it fences it: cuts it off, has its launcher kill it (its first life exits by SIGKILL),
+    and only then closes its log and records the crash (the barrier: its own verdict and
+    each live prefill's report). Every request decode 1 held ends ErrDecode, every other is
+    Ok, decode 1's new life (epoch 2) serves the later requests, every survivor's pool is
+    free with nothing in flight, and the merged logs validate with one DecodeCrash."""
+    d = deployment(tmp_path, 2, 2, compute_s=0.4, arrive_every_s=0.02,
+                   arrive_after_s=(0.02,) * 12 + (0.8,) * 7)
+    victim = "decode 1"
+    launched = Launched(d)
+    try:
+        launched.start()
+        deadline = time.monotonic() + WAIT_S
+        while len(held := _reserved_unfinished(log_path(d, victim))) < 2:
+            assert time.monotonic() < deadline, "decode 1 never held two reserved requests"
+            time.sleep(0.002)
+        q = _prefill_of(d, held[0])
+        cut_at_s = time.time()
+        launched.children[f"prefill {q}"].tell("partition", decode=1)
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop(timeout_s=WAIT_S)
+    finally:
+        launched.close()
+    router = launched.children["router"].seen
+    fences = [x for x in router if x["ev"] == "fence"]
+    fenced = [x for x in router if x["ev"] == "fenced"]
+    assert [(x["role"], x["worker"]) for x in fences] == [("decode", 1)], fences
+    assert fences[0]["reason"] == f"prefill {q} lost its connection to it"
+    assert len(fenced) == 1 and fenced[0]["at_s"] >= fences[0]["at_s"]
+    first_life = next(c for c in launched.previous if c.name == victim)
+    assert first_life.process.returncode == -signal.SIGKILL  # fenced: killed, not crashed
+    figures = (f"prefill {q} cut decode 1: fenced after {fences[0]['at_s'] - cut_at_s:.3f} s, "
+               f"dead after {fenced[0]['at_s'] - cut_at_s:.3f} s")
+    assert fenced[0]["at_s"] - cut_at_s < SLACK_S  # no detector's bound: the link broke
+    placement = [tuple(x) for x in done["placement"]]
+    outcomes = dict(enumerate(done["outcomes"]))
+    lost = {r for r, outcome in outcomes.items() if outcome == "ErrDecode"}
+    figures += f"; held {held} (prefill {q}'s {held[0]}); ErrDecode {sorted(lost)}"
+    assert set(held) <= lost and all(placement[r][1] == 1 for r in lost)
+    assert all(outcome == "Ok" for r, outcome in outcomes.items() if r not in lost)
+    merged, verdict = assert_one_decode_crash_validates(tmp_path, lost, stopped, capsys,
+                                                        restarted=True)
+    restarts = [x for x in router if x["ev"] == "restart"]
+    assert [x["restart"]["epoch"] for x in restarts] == [2]
+    crash = next(x["c"] for x in map(json.loads, log_path(d, "environment").read_text()
+                                      .splitlines()[1:]) if x["a"] == "DecodeCrash")
+    again = {x["request"] for x in map(json.loads, log_path(d, victim).read_text()
+                                       .splitlines()[1:])
+             if x["a"] == "Release" and x["c"] > crash}
+    assert again and again.isdisjoint(lost) and all(outcomes[r] == "Ok" for r in again)
+    print(f"seed={SEED}: {figures}; merged run of {verdict.steps} steps")
+
+
+def test_a_prefill_that_dies_in_every_life_gets_a_last_one_that_ends_what_it_held(tmp_path,
+                                                                                 capsys):
+    """Prefill 0 of a 2 x 1 deployment with restarts_max 1 is killed after an Admit in its
+    first life and again in its second: the router gives up serving there (`gave_up`) but
+    still starts a last life (epoch 3) that takes no request, whose PrefillCrash ends what
+    the second life held (ErrPrefill), and whose answers to decode's cancels free decode's
+    pages; every other request is Ok (on prefill 1 or an earlier life); pools free; two
+    PrefillCrash in the merged run, which validates."""
+    d = deployment(tmp_path, 2, 1, compute_s=0.4, arrive_every_s=0.25, restarts_max=1)
+    victim = "prefill 0"
+    path = log_path(d, victim)
+
+    def admitted_in_life(life: int) -> bool:
+        steps = _prefill_steps(path)
+        crashes = [k for k, x in enumerate(steps) if x["a"] == "PrefillCrash"]
+        if len(crashes) < life - 1:
+            return False
+        since = crashes[life - 2] + 1 if life > 1 else 0
+        return any(x["a"] == "Admit" for x in steps[since:])
+    launched = Launched(d)
+    try:
+        launched.start()
+        for life in (1, 2):
+            deadline = time.monotonic() + WAIT_S
+            while not admitted_in_life(life):
+                assert time.monotonic() < deadline, f"no Admit in life {life}"
+                time.sleep(0.002)
+            launched.children[victim].kill()
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop(timeout_s=WAIT_S)
+    finally:
+        launched.close()
+    seen = launched.children["router"].seen
+    assert [x["restart"]["epoch"] for x in seen if x["ev"] == "restart"] == [2, 3]
+    assert [x["worker"] for x in seen if x["ev"] == "gave_up"] == [0]
+    assert stopped["router"]["restarts"] == ["prefill 0", "prefill 0"]
+    steps = _prefill_steps(path)
+    crashes = [k for k, x in enumerate(steps) if x["a"] == "PrefillCrash"]
+    assert len(crashes) == 2
+    second_life, last_life = steps[crashes[0] + 1:crashes[1]], steps[crashes[1] + 1:]
+    assert not [x for x in last_life if x["a"] == "Admit"]  # it takes no request
+    outcomes = dict(enumerate(done["outcomes"]))
+    lost = {r for r, o in outcomes.items() if o == "ErrPrefill"}
+    admitted = {x["request"] for x in second_life if x["a"] == "Admit"}
+    ended = {x["request"] for x in second_life if x["a"] in ("SendDone", "Reject",
+                                                              "PrefillAbort")}
+    assert admitted - ended and admitted - ended <= lost
+    assert all(o == "Ok" for r, o in outcomes.items() if r not in lost)
+    assert_whole(stopped)  # decode 0 and prefill 1 free, the last life holds nothing
+    merged, verdict = merged_run(tmp_path)
+    assert [x["a"] for x in merged.records].count("PrefillCrash") == 2
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+    print(f"seed={SEED}: ErrPrefill {sorted(lost)} (second life left "
+          f"{sorted(admitted - ended)}), merged run of {verdict.steps} steps")
+
+
+def test_a_worker_started_on_its_own_cut_off_from_its_router_fences_itself(tmp_path,
+                                                                          capsys):
+    """1 x 2 at a rendezvous; a partition between the router and decode 1 (a fault-injection
+    hook: the router cuts its link) while decode 1 holds a reserved request. Decode 1 is
+    not the launcher's to kill: it fences itself on losing its router without the router's
+    bye (no step logged from then on, exit 3), and the router waits `fence_wait_s` before
+    it closes decode 1's log and records the crash; its requests end ErrDecode, the rest
+    are Ok on decode 0, the other workers end with the router (exit 0, pools free), and
+    the logs validate."""
+    rendezvous = f"127.0.0.1:{_free_port()}"
+    d = deployment(tmp_path, 1, 2, rendezvous=rendezvous, join_timeout_s=WAIT_S,
+                   compute_s=0.4, arrive_every_s=0.02)
+    workers = [_worker("decode", 0, 3, rendezvous, tmp_path),
+               _worker("decode", 1, 3, rendezvous, tmp_path),
+               _worker("prefill", 2, 3, rendezvous, tmp_path)]
+    victim = "decode 1"
+    launched = Launched(d)
+    try:
+        launched.start(timeout_s=WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while not _reserved_unfinished(log_path(d, victim)):
+            assert time.monotonic() < deadline, "decode 1 never held a reserved request"
+            time.sleep(0.002)
+        cut_at = time.monotonic()
+        launched.children["router"].tell("partition", role="decode", worker=1)
+        fenced_code = workers[1].wait(timeout=WAIT_S)
+        fenced_after_s = time.monotonic() - cut_at
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop(timeout_s=WAIT_S)
+        codes = [workers[0].wait(timeout=WAIT_S), workers[2].wait(timeout=WAIT_S)]
+    finally:
+        launched.close()
+        for w in workers:
+            w.kill()
+    outputs = [w.stdout.read() for w in workers]
+    assert fenced_code == 3 and '"ev": "fenced"' in outputs[1], outputs[1]
+    assert fenced_after_s < SLACK_S  # the router's close reached it at once
+    assert codes == [0, 0], outputs
+    router = launched.children["router"].seen
+    fence = next(x for x in router if x["ev"] == "fence")
+    fenced = next(x for x in router if x["ev"] == "fenced")
+    assert (fence["role"], fence["worker"]) == ("decode", 1)
+    assert fenced["at_s"] - fence["at_s"] >= d.fence_wait_s()  # the worker's own bound
+    outcomes = dict(enumerate(done["outcomes"]))
+    lost = {r for r, o in outcomes.items() if o == "ErrDecode"}
+    placement = [tuple(x) for x in done["placement"]]
+    assert lost and all(placement[r][1] == 1 for r in lost)
+    assert all(o == "Ok" for r, o in outcomes.items() if r not in lost)
+    for out in (outputs[0], outputs[2]):
+        stopped_line = [json.loads(x) for x in out.splitlines() if '"stopped"' in x]
+        assert len(stopped_line) == 1 and stopped_line[0].get("pages_held", 0) == 0, out
+        assert stopped_line[0].get("sending", 0) == 0, out
+    assert stopped["router"]["crashes"] == [1]
+    merged, verdict = merged_run(tmp_path)
+    assert [x["a"] for x in merged.records].count("DecodeCrash") == 1
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+    print(f"decode 1 fenced itself {fenced_after_s:.3f} s after the cut; the router waited "
+          f"{fenced['at_s'] - fence['at_s']:.3f} s; ErrDecode {sorted(lost)}; "
+          f"{verdict.steps} steps")
+
+
+def test_the_only_decode_killed_and_restarted_arrivals_wait_for_its_new_life(tmp_path,
+                                                                            capsys):
+    """1 x 1: the one decode is killed while it holds a reserved request; while it is down
+    no decode is live, so the arrivals wait (the router drew from an empty list before and
+    died), its requests end ErrDecode, the later ones are Ok on its new life, the logs
+    validate."""
+    d = deployment(tmp_path, 1, 1, compute_s=0.4, arrive_every_s=0.1)
+    victim = "decode 0"
+    run = run_with_fault(d, victim, lambda: bool(_reserved_unfinished(log_path(d, victim))),
+                         "a reserved request")
+    outcomes = dict(enumerate(run.done["outcomes"]))
+    lost = {r for r, o in outcomes.items() if o == "ErrDecode"}
+    assert lost and all(o == "Ok" for r, o in outcomes.items() if r not in lost)
+    assert run.stopped["router"]["restarts"] == [victim]
+    assert_whole(run.stopped)
+    merged, verdict = merged_run(tmp_path)
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+    print(f"seed={SEED}: ErrDecode {sorted(lost)}, merged run of {verdict.steps} steps")
