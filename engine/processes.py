@@ -321,6 +321,7 @@ ENVELOPES = {
     "completed": (ROUTER, PREFILL, {"request": "request", "write": "write", "stamp": "stamp"},
                   {}),
     "down": (PREFILL, ROUTER, {"decode": "count", "stamp": "stamp"}, {}),
+    "up": (PREFILL, ROUTER, {"decode": "count"}, {}),
     "crash": (ROUTER, PREFILL, {"decode": "count", "requests": "requests", "stamp": "stamp"},
               {}),
     "token": (DECODE, ROUTER, {"request": "request", "token": "token", "last": "bool"}, {}),
@@ -668,6 +669,10 @@ class RouterProcess(Process):
         self.arrived_at: dict[int, float] = {}   # request -> its Arrive (monotonic s)
         self.token_at: dict[int, list] = {}      # request -> when each token came here
         self.crash_reports: dict[int, dict] = {}  # decode -> {prefill: its last step}
+        # A restarted decode's new life: the router's own connection to it is up, and the
+        # prefills that connected to it ("up"); it is placed on once every live prefill has.
+        self.new_life_up: set[int] = set()
+        self.dialled_by: dict[int, set[int]] = {}
         self.crashes_logged: list[int] = []
         self.payloads: dict[int, list] = {}      # serving: request -> its payload
         self.live: set[int] = set()              # serving: arrived, not answered yet
@@ -922,13 +927,30 @@ class RouterProcess(Process):
                 if d not in self.dead and f"{DECODE} {d}" not in self.leaving]
 
     def on_peer_up(self, peer: Peer) -> None:
-        """A decode's new life is up: requests may go there again (every Arrive the router
-        takes from now on follows the crash it logged)."""
+        """A decode's new life connected here (`back_up` says when it is placed on)."""
         if peer.role == DECODE and peer.worker in self.crashing:
-            self.crashing.discard(peer.worker)
-            self.fenced.discard(str(peer))
-            self.dead.discard(peer.worker)
-            self.crash_reports.pop(peer.worker, None)
+            self.new_life_up.add(peer.worker)
+            self.back_up(peer.worker)
+
+    def on_up(self, peer: Peer, body: dict) -> None:
+        """A prefill connected to a decode's new life."""
+        self.dialled_by.setdefault(body["decode"], set()).add(peer.worker)
+        self.back_up(body["decode"])
+
+    def back_up(self, d: int) -> None:
+        """A decode's new life is up once it is connected here and every live prefill has
+        connected to it: requests may go there again (every Arrive the router takes from now
+        on follows the crash it logged). Not before: its page table to a prefill that has
+        not dialled it yet would be lost (nothing is sent again: requests would hang)."""
+        if (d not in self.crashing or d not in self.new_life_up
+                or not set(self.live_prefills()) <= self.dialled_by.get(d, set())):
+            return
+        self.crashing.discard(d)
+        self.new_life_up.discard(d)
+        self.dialled_by.pop(d, None)
+        self.fenced.discard(f"{DECODE} {d}")
+        self.dead.discard(d)
+        self.crash_reports.pop(d, None)
 
     def live_prefills(self) -> list[int]:
         return [q for q in range(self.deployment.prefill_workers)
@@ -1025,6 +1047,8 @@ class RouterProcess(Process):
                 or not live <= set(reports) or d in self.crashing):
             return
         self.crashing.add(d)
+        self.dialled_by[d] = set()  # (its new life's connections are counted from now)
+        self.new_life_up.discard(d)
         self.crashes_logged.append(d)
         for reports in self.prefill_reports.values():
             reports.pop(d, None)  # (its pdown reports: its next life must give its own)
@@ -1199,6 +1223,14 @@ class PrefillProcess(Process):
     def on_completed(self, peer: Peer, body: dict) -> None:
         self.log.heard_from(body["stamp"])
         self.part.completed(_tuples(body["write"]))
+
+    def on_peer_up(self, peer: Peer) -> None:
+        """A decode connected (this prefill dialled it): a restarted decode's new life is
+        placed on only once every live prefill has told the router so (RouterProcess.
+        back_up). At startup the router connects after every prefill has dialled: nothing to
+        tell."""
+        if peer.role == DECODE and self.channel.epoch_of(Peer(ROUTER, 0)) is not None:
+            self.send(Peer(ROUTER, 0), {"t": "up", "decode": peer.worker})
 
     def on_peer_down(self, peer: Peer) -> None:
         if peer.role == DECODE:

@@ -30,6 +30,7 @@ GOOD = {
     "completed": (ROUTER0, PREFILL0, {"t": "completed", "request": 0, "write": [0, 1, 2, 5],
                                       "stamp": STAMP}),
     "down": (PREFILL0, ROUTER0, {"t": "down", "decode": 0, "stamp": STAMP}),
+    "up": (PREFILL0, ROUTER0, {"t": "up", "decode": 0}),
     "crash": (ROUTER0, PREFILL0, {"t": "crash", "decode": 0, "requests": [0, 1],
                                   "stamp": STAMP}),
     "token": (DECODE0, ROUTER0, {"t": "token", "request": 1, "token": None, "last": True}),
