@@ -80,6 +80,17 @@ def assert_whole(stopped: dict) -> None:
         assert report.get("sending", 0) == 0, (name, report)
 
 
+def assert_new_life_served(d: Deployment, victim: str, lost: set, outcomes: dict) -> None:
+    """The dead decode's new life released requests after the crash step (in its log, gone
+    on with), none the crash lost, each answered Ok."""
+    crash = next(x["c"] for x in map(json.loads, log_path(d, "environment").read_text()
+                                      .splitlines()[1:]) if x["a"] == "DecodeCrash")
+    again = {x["request"] for x in map(json.loads, log_path(d, victim).read_text()
+                                       .splitlines()[1:])
+             if x["a"] == "Release" and x["c"] > crash}
+    assert again and again.isdisjoint(lost) and all(outcomes[r] == "Ok" for r in again)
+
+
 def assert_one_decode_crash_validates(folder: Path, lost: set[int], stopped: dict, capsys,
                                       restarted: bool = False):
     """After decode 1 of a 2 x 2 deployment was killed: the survivors (and its new life,
@@ -228,12 +239,7 @@ def test_a_killed_decode_ends_its_requests_and_the_rest_finish(tmp_path, capsys,
     # run; the new life served requests placed there after it was back.
     merged, verdict = assert_one_decode_crash_validates(tmp_path, lost, stopped, capsys,
                                                         restarted=True)
-    crash = next(x["c"] for x in map(json.loads, log_path(d, "environment").read_text()
-                                      .splitlines()[1:]) if x["a"] == "DecodeCrash")
-    again = {x["request"] for x in map(json.loads, log_path(d, victim).read_text()
-                                       .splitlines()[1:])
-             if x["a"] == "Release" and x["c"] > crash}
-    assert again and again.isdisjoint(lost) and all(outcomes[r] == "Ok" for r in again)
+    assert_new_life_served(d, victim, lost, outcomes)
     print(f"seed={SEED}: ErrDecode {sorted(lost)}, merged run of {verdict.steps} steps, "
           f"detected after {[round(x[0]['at_s'] - killed_at, 3) for x in detected.values()]} s")
 
@@ -543,12 +549,7 @@ def test_a_partition_between_a_prefill_and_a_decode_fences_the_decode(tmp_path, 
                                                         restarted=True)
     restarts = [x for x in router if x["ev"] == "restart"]
     assert [x["restart"]["epoch"] for x in restarts] == [2]
-    crash = next(x["c"] for x in map(json.loads, log_path(d, "environment").read_text()
-                                      .splitlines()[1:]) if x["a"] == "DecodeCrash")
-    again = {x["request"] for x in map(json.loads, log_path(d, victim).read_text()
-                                       .splitlines()[1:])
-             if x["a"] == "Release" and x["c"] > crash}
-    assert again and again.isdisjoint(lost) and all(outcomes[r] == "Ok" for r in again)
+    assert_new_life_served(d, victim, lost, outcomes)
     print(f"seed={SEED}: {figures}; merged run of {verdict.steps} steps")
 
 
