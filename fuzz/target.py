@@ -195,20 +195,15 @@ def expected_reads(m, rows) -> dict[int, tuple]:
             for r, row in enumerate(rows) if row[core.TOKENS]}
 
 
-def decoding_reads(rows, decode_pool, m=None) -> dict[int, tuple]:
+def decoding_reads(rows, decode_pool, m) -> dict[int, tuple]:
     """Per request decoding now, what its next read returns page by page (read_field: the
     writer, or with a prefix cache the content identity), when every page's tag matches the
     generation decode reserved it at and the identity the request's own tokens and salt
-    imply (the spec's TagsMatch; else the read fails the request, as core.finish does, and
-    returns nothing)."""
+    imply (core.row_tags_match, the spec's TagsMatch; else the read fails the request, as
+    core.finish does, and returns nothing)."""
     found, read = {}, read_field(m)
     for r, row in enumerate(rows):
-        if row[core.DST] != core.DECODING:
-            continue
-        idents = core.tag_idents(m, row) if m is not None else (core.NO_IDENT,) * len(
-            row[core.TABLE])
-        if all(decode_pool[p][core.TAG] == gen and decode_pool[p][core.TAG_IDENT] == ident
-               for (p, gen), ident in zip(row[core.TABLE], idents)):
+        if row[core.DST] == core.DECODING and core.row_tags_match(m, decode_pool, row):
             found[r] = tuple(decode_pool[p][read] for p, _ in row[core.TABLE])
     return found
 

@@ -799,8 +799,11 @@ def tags_match(m: Model, s: State, r: int) -> bool:
     """The tag check's verdict as the page contents imply it (the spec's TagsMatch): every
     page holds content written with the generation decode reserved it at and, with a prefix
     cache, tagged with the content identity r's own tokens and salt imply for it."""
-    pool = s.decode_pool
-    row = s.requests[r]
+    return row_tags_match(m, s.decode_pool, s.requests[r])
+
+
+def row_tags_match(m: Model, pool: Sequence[tuple], row: tuple) -> bool:
+    """tags_match for a request's row over its decode worker's pool."""
     for i, (page, gen) in enumerate(row[TABLE]):
         if pool[page][TAG] != gen or pool[page][TAG_IDENT] != tag_ident(m, row, i + 1):
             return False
