@@ -1385,7 +1385,12 @@ KINDS = {ROUTER: RouterProcess, PREFILL: PrefillProcess, DECODE: DecodeProcess}
 # -- the process's main loop -----------------------------------------------------------------
 
 def report(**fields) -> None:
-    print(json.dumps(fields), flush=True)
+    """One report, a JSON object a line on stdout, written whole in one call: print writes
+    the text and its newline apart, which an unbuffered stdout (PYTHONUNBUFFERED) turns into
+    two writes, and another writer on the same pipe (a worker's stderr, merged by whoever
+    started it) could land between them."""
+    sys.stdout.write(json.dumps(fields) + "\n")
+    sys.stdout.flush()
 
 
 def cpu_s() -> float:
