@@ -713,6 +713,13 @@ DropBootstrap(r) ==
                    announced, landed,
                    tokens, salt, hit, phit, readers, ident, kv, pcached, preaders, pident>>
 
+(* What decode answers a waiting client on a Reject or an Abort. A Reject's is the       *)
+(* prefill's own answer (a prefill rejects only a prompt too long for its pool), so the   *)
+(* client's answer is the same whichever of the two reaches the serving edge first: a     *)
+(* real edge hears them over two connections, in either order (with ErrPrefill here a     *)
+(* deployment answered ErrPrefill where this spec's run said ErrTooLong).                 *)
+WordAnswer(m) == IF m = "Reject" THEN "ErrTooLong" ELSE "ErrPrefill"
+
 (* Decode's handling of a final word it cannot accept as a transfer. *)
 (* Decode keeps the final word and the count of writes it announces.                  *)
 ReceiveFinalWord(r) ==
@@ -729,7 +736,7 @@ ReceiveFinalWord(r) ==
               /\ dst' = [dst EXCEPT ![r] = "Closing"]
               /\ dfw' = [dfw EXCEPT ![r] = TRUE]
               /\ announced' = [announced EXCEPT ![r] = fwCount[r]]
-              /\ client' = [client EXCEPT ![r] = ClientError(r, "ErrPrefill")]
+              /\ client' = [client EXCEPT ![r] = ClientError(r, WordAnswer(fwMsg[r]))]
          [] dst[r] = "Closing" ->
               /\ dfw' = [dfw EXCEPT ![r] = TRUE]
               /\ announced' = [announced EXCEPT ![r] = fwCount[r]]

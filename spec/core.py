@@ -829,10 +829,19 @@ def _receive_final_word(m: Model, s: State, r: int, row: tuple) -> tuple:
         return _row(row, FW, NO_MSG, FW_COUNT, 0, DST, TOMB, DFW, 1, ANNOUNCED, count)
     if d == D_WAITING:
         return _row(row, FW, NO_MSG, FW_COUNT, 0, DST, CLOSING, DFW, 1, ANNOUNCED, count,
-                    CLIENT, _client_error(row, ERR_PREFILL))
+                    CLIENT, _client_error(row, word_answer(row[FW])))
     if d == CLOSING:
         return _row(row, FW, NO_MSG, FW_COUNT, 0, DFW, 1, ANNOUNCED, count)
     return _row(row, FW, NO_MSG, FW_COUNT, 0)  # Released, Tomb, Decoding: nothing left
+
+
+def word_answer(word: int) -> int:
+    """What decode answers a waiting client on a Reject or an Abort (the spec's
+    WordAnswer): the prefill's own answer, ErrTooLong for a Reject (a prefill rejects only
+    a prompt too long for its pool), so that the client's answer is the same whichever of
+    the two reaches the serving edge first (they travel over two connections); ErrPrefill
+    for an Abort."""
+    return ERR_TOO_LONG if word == MSG_REJECT else ERR_PREFILL
 
 
 def accept(m: Model, s: State, r: int, checksums_ok: bool) -> Change | str:

@@ -331,14 +331,12 @@ def test_the_incident_across_processes(model_dir, tmp_path, expected, bugs, outc
     from engine.process_data import read_kv_path
     done, d = incident(model_dir, tmp_path, bugs)
     got = done["outcomes"][3]
-    # The rejected prompt's client is answered twice: by the prefill's Reject (ErrTooLong)
-    # and by decode's notice of it (ErrPrefill), over two connections, and the router keeps
-    # whichever comes first. The spec orders them (the Reject's answer is its own step's),
-    # the processes cannot yet (engine/README.md, "Known gaps": the answer is not a message
-    # the edge takes). Either is a refusal, which is what the guarded run must show.
-    refused_either = outcome == "ErrTooLong" and got == "ErrPrefill"
+    # The rejected prompt's client is answered twice, by the prefill's Reject and by
+    # decode's notice of it, over two connections, and the router keeps whichever comes
+    # first: both say ErrTooLong (the spec's WordAnswer), so the answer is the same in
+    # either order.
     assert done["outcomes"][:3] + done["outcomes"][4:] == ["Ok"] * 4
-    assert got == outcome or refused_either, done["outcomes"]
+    assert got == outcome, done["outcomes"]
     # The merged run is a behaviour of the spec with these switches; with them on, the
     # spec's own property names the step where it went wrong: decode accepting the
     # transfer of a request the guards would have rejected.
