@@ -160,6 +160,10 @@ class Deployment:
     # byte; its router waits that and this margin (the worker's scheduling) before it counts
     # the worker's log as closed (`fence_wait_s`).
     fence_margin_s: float = 1.0
+    # Fault injection, for tests only: "PART:ACTION" (e.g. "decode 1:Finish"): that part's
+    # first life kills itself (SIGKILL) right after it logs its first ACTION step, before
+    # the step sends anything: the window between a step's log line and its messages.
+    die_after_step: str = ""
 
     def fence_wait_s(self) -> float:
         return self.suspect_after_s + self.fence_margin_s
@@ -551,6 +555,11 @@ class Process:
             "fields": [list(f) for f in message.fields], "names": list(message.names),
             "placement": [q, d], **self.riders(message)})
 
+    def answer_riders(self, answers: list) -> dict:
+        """What a step's log line carries beside the answers it sends the edge, for the
+        edge to give a client if this process dies before they leave (none here)."""
+        return {}
+
     def riders(self, message: PartMessage) -> dict:
         """What the data path adds to a part's message (none on the modelled path)."""
         return {}
@@ -602,7 +611,16 @@ class Process:
         r = getattr(event, "request", None)  # (none for a worker's event: its crash)
         local = local_event(self.model, event, {r: (worker, worker)}
                             if self.role != ROUTER and r is not None else {})
-        stamp = self.log.step(codec.encode(local))
+        record = codec.encode(local)
+        answers = [[m.request, [list(f) for f in m.fields], list(m.names)]
+                   for m in out.messages if m.to == ROUTER]
+        if answers:  # what the edge must hear even if this process dies before it sends
+            record["answers"] = answers
+            record.update(self.answer_riders(answers))
+        stamp = self.log.step(record)
+        if (self.restart is None
+                and self.deployment.die_after_step == f"{self.part.name}:{event.action}"):
+            os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): logged, unsent
         for message in out.messages:
             self.send_part_message(message, stamp)
         self.carry(out.commands, stamp)
@@ -666,6 +684,7 @@ class RouterProcess(Process):
         self.next_arrival_s = 0.0
         self.dead: set[int] = set()              # decodes declared down here
         self.tokens: dict[int, list] = {}        # request -> the tokens streamed so far
+        self.token_counts: dict[int, int] = {}   # request -> tokens (None too) heard here
         self.arrived_at: dict[int, float] = {}   # request -> its Arrive (monotonic s)
         self.token_at: dict[int, list] = {}      # request -> when each token came here
         self.crash_reports: dict[int, dict] = {}  # decode -> {prefill: its last step}
@@ -799,6 +818,7 @@ class RouterProcess(Process):
     def on_token(self, peer: Peer, body: dict) -> None:
         """A token streamed by the request's decode (None: a tag check failed)."""
         r = body["request"]
+        self.token_counts[r] = self.token_counts.get(r, 0) + 1
         if self.deployment.serving_requests_max:
             report(ev="token", request=r, token=body["token"])
             return
@@ -1058,6 +1078,7 @@ class RouterProcess(Process):
         # line after the fence); one that does not has it closed here.
         steps, clock = (cut_dead_log if restart else close_dead_log)(
             log_path(self.deployment, name), name)
+        self.recover_answers(name)
         here = [r for r, (_, dd) in self.placement.items() if dd == d]
         after = self.log.stamp()
         if any(self.part.rows[r][core.CLIENT] == core.WAITING for r in here):
@@ -1073,6 +1094,30 @@ class RouterProcess(Process):
             self.ask_restart(DECODE, d, {"after": [after]})
         for q in sorted(self.dead_prefills):  # a prefill's barrier waits for one fewer
             self.record_prefill_crash(q)
+
+    def recover_answers(self, name: str) -> None:
+        """The answers a dead worker's log holds that never reached here. A process logs
+        a step before anything the step sends leaves it, so one killed between the two
+        leaves a step whose answer its client never heard while the merged run says the
+        client has it (a decode's Finish: Ok in the run, ErrDecode from the crash's path
+        here). Each step's line names the answers it sends (`Process.step`); the edge
+        gives each one whose client still waits now, with the tokens the line carries that
+        never came (a decode's, on the real data path), as if its message had come: the
+        first answer stands, as for any message."""
+        text = log_path(self.deployment, name).read_text()
+        for x in _steps_of(text[:text.rfind("\n") + 1], name):  # (whole lines only)
+            for r, fields, names in x.get("answers", ()):
+                row = self.part.rows.get(r)
+                if row is None or row[core.CLIENT] != core.WAITING:
+                    continue
+                self.log.heard_from([x["part"], x["k"], x["c"]])
+                for token in x.get("tokens", {}).get(str(r), [])[self.token_counts.get(r, 0):]:
+                    self.on_token(None, {"request": r, "token": token})
+                message = PartMessage(r, ROUTER, tuple((k, _tuples(v)) for k, v in fields),
+                                      tuple(names))
+                self.carry(self.part.receive(message), self.log.stamp())
+                report(ev="recovered_answer", request=r, part=name, step=x["a"],
+                       outcome=core.CLIENT_NAMES[self.part.rows[r][core.CLIENT]])
 
     def down_prefills(self) -> list[int]:
         up = self.channel.peers()
@@ -1270,6 +1315,13 @@ class DecodeProcess(Process):
         # requests its crash ended are timed out here once that life says so.
         self.held: dict[int, list] = {}
         self.lost: set[int] = set()
+        self.streamed: dict[int, list] = {}  # real path: request -> the tokens it streamed
+
+    def answer_riders(self, answers: list) -> dict:
+        """On the real data path, the tokens each answered request streamed: the edge has
+        them from the log if this process dies before they all leave."""
+        tokens = {str(r): self.streamed[r] for r, _, _ in answers if r in self.streamed}
+        return {"tokens": tokens} if tokens else {}
 
     def holds(self) -> set[int]:
         """Requests whose bootstrap came, until decode released them (or tombstoned)."""
@@ -1334,6 +1386,7 @@ class DecodeProcess(Process):
     def stream(self, r: int, token: int | None, last: bool) -> None:
         """A token to the serving edge as it is made (before the answer: one connection,
         in order)."""
+        self.streamed.setdefault(r, []).append(token)
         self.send(Peer(ROUTER, 0), {"t": "token", "request": r, "token": token, "last": last})
 
     def candidates(self, r: int) -> tuple:
@@ -1371,6 +1424,7 @@ class DecodeProcess(Process):
         if self.data is not None:
             self.data.stop(command.request)
             self.data.done.pop(command.request, None)
+            self.streamed.pop(command.request, None)
 
     def finish(self) -> dict:
         out = {"pages_held": sum(page[0] != NONE for page in self.part.pool)}

@@ -1,0 +1,62 @@
+"""Answers that a worker process logged and never sent (engine/processes.py,
+`RouterProcess.recover_answers`). A process logs each step before anything the step sends
+leaves it, so one killed between the two leaves a step whose answer its client never
+heard, while the merged run says the client has it: a decode that logged Finish and died
+before its answer left would have had its client answered ErrDecode by the crash's path
+while `kvproof validate` accepted a run that says Ok. The router reads the dead worker's
+log when it closes it and gives each such client the answer the step sent. Each test
+kills a worker exactly in that window (`Deployment.die_after_step`), runs the deployment
+to the end on 127.0.0.1 within bounds, stops every process and validates the merged logs.
+"""
+
+from __future__ import annotations
+
+import json
+
+from engine.processes import Launched, log_path
+from tests.test_processes import (WAIT_S, assert_new_life_served,
+                                  assert_one_decode_crash_validates, deployment)
+
+
+def _steps(path) -> list[dict]:
+    return [x for x in map(json.loads, path.read_text().splitlines()[1:])
+            if x.get("a") != "LogEnd"]
+
+
+def test_a_decode_killed_after_logging_finish_gets_its_client_the_finish_answer(
+        tmp_path, capsys):
+    """Decode 1 of a 2 x 2 deployment logs its first Finish and is killed before the answer
+    leaves. Its client gets Ok (the answer the step sent, from the log), not ErrDecode;
+    the requests it still held end ErrDecode, every other one Ok; its new life serves the
+    later requests; the merged run validates, and in it every client of the dead decode
+    got Ok exactly when its log holds the Finish."""
+    d = deployment(tmp_path, 2, 2, compute_s=0.2, arrive_every_s=0.02,
+                   arrive_after_s=(0.02,) * 12 + (0.4,) * 7,
+                   die_after_step="decode 1:Finish")
+    launched = Launched(d)
+    try:
+        launched.start()
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop(timeout_s=WAIT_S)
+        router_seen = launched.children["router"].seen
+    finally:
+        launched.close()
+    victim = "decode 1"
+    first_life = _steps(log_path(d, victim))
+    died_after = next(x for x in first_life if x["a"] == "Finish")
+    r = died_after["request"]
+    recovered = [x for x in router_seen if x["ev"] == "recovered_answer"]
+    placement = [tuple(x) for x in done["placement"]]
+    outcomes = dict(enumerate(done["outcomes"]))
+    lost = {k for k, o in outcomes.items() if o == "ErrDecode"}
+    print(f"decode 1 died after Finish({r}); recovered {recovered}; ErrDecode {sorted(lost)}")
+    assert died_after["answers"] == [[r, [[0, 2]], ["answer"]]]  # (CLIENT, Ok)
+    assert [(x["request"], x["step"], x["outcome"]) for x in recovered] == [(r, "Finish", "Ok")]
+    assert outcomes[r] == "Ok"
+    assert lost and all(placement[k][1] == 1 for k in lost)
+    assert all(o == "Ok" for k, o in outcomes.items() if k not in lost)
+    finished = {x["request"] for x in _steps(log_path(d, victim)) if x["a"] == "Finish"}
+    assert {k for k, (_, dd) in enumerate(placement) if dd == 1} - lost <= finished
+    assert lost.isdisjoint(finished)
+    assert_one_decode_crash_validates(tmp_path, lost, stopped, capsys, restarted=True)
+    assert_new_life_served(d, victim, lost, outcomes)
