@@ -68,9 +68,16 @@ decode times out what the crash ended and sends the new life what it held for th
 (its cancels), which the new life answers. On the real data path the new life has no data
 path (the gloo world cannot take a rank back) and the router places nothing there.
 
+Logged, not sent: a step is logged before anything it sends leaves the process, so a
+process killed between the two leaves steps whose messages nobody got. Each step's line
+holds the answers it sends the edge and the final words it sends decode; the router gives a
+waiting client the answer a dead worker's log holds (`RouterProcess.recover_answers`), and
+a prefill's next life sends again the last final word of each request that no decode heard
+(`PrefillProcess.recover`; each decode reports what it heard with its `pdown`).
+
 Timers are off but that one: no lease, no other timeouts, no resends (none is needed
 without losses; a lost message is only what a crash loses, and the crash ends those
-requests).
+requests or the dead worker's log gives it again, above).
 
 Pure orchestration: no protocol decision is made here.
 """
@@ -302,6 +309,11 @@ def _steps_of(text: str, name: str) -> list[dict]:
     return [x for x in records if x.get("part") == name and x.get("a") != LOG_END]
 
 
+def _is_word(message: PartMessage) -> bool:
+    """A prefill's final word to decode (Done, Reject or Abort)."""
+    return any(k == core.FW for k, _ in message.fields)
+
+
 def _tuples(value):
     """JSON's lists back as the core's tuples."""
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
@@ -329,7 +341,7 @@ ENVELOPES = {
     "crash": (ROUTER, PREFILL, {"decode": "count", "requests": "requests", "stamp": "stamp"},
               {}),
     "token": (DECODE, ROUTER, {"request": "request", "token": "token", "last": "bool"}, {}),
-    "pdown": (DECODE, ROUTER, {"prefill": "count", "stamp": "stamp"}, {}),
+    "pdown": (DECODE, ROUTER, {"prefill": "count", "stamp": "stamp", "heard": "counts"}, {}),
     "leaving": (None, ROUTER, {"holds": "requests"}, {}),
     "farewell": (ROUTER, None, {}, {}),
     "bye": (ROUTER, None, {}, {}),
@@ -376,6 +388,7 @@ def _envelope_value_problem(m: Model, value_kind: str, value) -> str:
     ok = {
         "count": lambda: count(value),
         "request": lambda: count(value) and value < m.requests,
+        "counts": lambda: isinstance(value, list) and all(count(v) for v in value),
         "requests": lambda: isinstance(value, list) and all(
             count(r) and r < m.requests for r in value),
         "bool": lambda: type(value) is bool,
@@ -617,6 +630,10 @@ class Process:
         if answers:  # what the edge must hear even if this process dies before it sends
             record["answers"] = answers
             record.update(self.answer_riders(answers))
+        words = [[m.request, [list(f) for f in m.fields], list(m.names), self.riders(m)]
+                 for m in out.messages if m.to == DECODE and _is_word(m)]
+        if words:  # ... and what decode must hear (a prefill's next life sends it again)
+            record["words"] = words
         stamp = self.log.step(record)
         if (self.restart is None
                 and self.deployment.die_after_step == f"{self.part.name}:{event.action}"):
@@ -700,6 +717,7 @@ class RouterProcess(Process):
         # and, on the real data path, those restarted without one (no request goes there).
         self.dead_prefills: set[int] = set()
         self.prefill_reports: dict[int, dict] = {}
+        self.prefill_heard: dict[int, set] = {}  # prefill -> its steps decodes heard (k)
         self.epochs: dict[str, int] = {}          # a restarted process -> its epoch
         self.restarting: set[int] = set()
         self.retired: set[int] = set()
@@ -980,6 +998,7 @@ class RouterProcess(Process):
         """A decode's detector declared a prefill down: every landing of its writes that
         decode took came before this report (one connection, in order)."""
         self.prefill_reports.setdefault(body["prefill"], {})[peer.worker] = body["stamp"]
+        self.prefill_heard.setdefault(body["prefill"], set()).update(body["heard"])
         self.record_prefill_crash(body["prefill"])
 
     def record_prefill_crash(self, q: int) -> None:
@@ -1007,6 +1026,7 @@ class RouterProcess(Process):
             # had not ended yet waits (a gap: no life is left to take PrefillCrash).
             self.retired.add(q)
             close_dead_log(log_path(self.deployment, name), name)
+            self.recover_answers(name)
             return
         if last:
             # A prefill that died in every life it was given gets one more that takes no
@@ -1018,8 +1038,10 @@ class RouterProcess(Process):
             self.retired.add(q)
         placed = [[r, d, self.part.rows[r][core.PROMPT]]
                   for r, (p, d) in sorted(self.placement.items()) if p == q]
+        self.recover_answers(name)
         self.ask_restart(PREFILL, q, {
             "decodes": len(live), "placed": placed,
+            "heard": sorted(self.prefill_heard.pop(q, set())),
             "after": [self.log.stamp(), self.environment.clock.last(), *reports.values()]})
 
     def may_restart(self, role: str, worker: int) -> bool:
@@ -1148,6 +1170,7 @@ class PrefillProcess(Process):
             self.data = PrefillData(deployment, worker, self.channel.wake)
         self.posted_at: dict[int, float] = {}  # request -> when its last write was posted
         self.recovering = restart is not None
+        self.unheard_words: list = []  # a new life: (step, word) to send again (`recover`)
         if restart is not None:
             self.recover(restart)
 
@@ -1168,11 +1191,23 @@ class PrefillProcess(Process):
             self.placement[r] = (q, d)
             rows[r] = core._row(self.part.blank, core.PROMPT, pages, core.PW, q, core.DW, d,
                                 core.CLIENT, core.WAITING)
-        events = [codec.decode(x) for x in _steps_of(
-            log_path(self.deployment, self.part.name).read_text(), self.part.name)]
-        self.part.rows.update(core.recovered_prefill_rows(rows, events))
+        steps = _steps_of(log_path(self.deployment, self.part.name).read_text(),
+                          self.part.name)
+        self.part.rows.update(core.recovered_prefill_rows(rows, map(codec.decode, steps)))
         for stamp in restart["after"]:
             self.log.heard_from(stamp)
+        # The last final word of each request, unless a decode heard it: a life killed
+        # between a step's log line and its messages never sent it, and the spec's word
+        # is on the wire until decode takes it (PrefillCrash leaves it there).
+        last = {}
+        for x in steps:
+            if x["a"] == "PrefillCrash":
+                continue
+            for word in x.get("words", ()):
+                last[word[0]] = (x, word)
+        heard = set(restart.get("heard", ()))
+        self.unheard_words = [(x, word) for x, word in last.values()
+                              if x["k"] not in heard and word[0] in self.placement]
 
     def settle(self) -> None:
         """A new life takes its PrefillCrash first, once the router and every decode it
@@ -1190,6 +1225,13 @@ class PrefillProcess(Process):
             self.step(core.PrefillCrash(self.part.worker))  # refused when it lost nothing
             self.send(Peer(ROUTER, 0), {"t": "restarted", "lost": lost,
                                         "stamp": self.log.stamp()})
+            for x, (r, fields, names, riders) in self.unheard_words:
+                q, d = self.placement[r]
+                self.send(Peer(DECODE, d), {
+                    "t": "msg", "stamp": [x["part"], x["k"], x["c"]], "request": r,
+                    "to": DECODE, "fields": fields, "names": names, "placement": [q, d],
+                    **riders})
+                report(ev="word_again", request=r, step=x["a"], k=x["k"])
         super().settle()
 
     def work(self) -> bool:
@@ -1316,6 +1358,19 @@ class DecodeProcess(Process):
         self.held: dict[int, list] = {}
         self.lost: set[int] = set()
         self.streamed: dict[int, list] = {}  # real path: request -> the tokens it streamed
+        # The steps of other parts whose messages reached this decode ([part, k]), in any
+        # of its lives (a new life reads its earlier ones' from its log): a prefill's new
+        # life sends again only a final word no life of this decode heard.
+        self.heard: set[tuple] = set()
+        if restart is not None:
+            text = log_path(deployment, self.part.name).read_text()
+            self.heard = {tuple(a) for x in _steps_of(text[:text.rfind("\n") + 1],
+                                                      self.part.name)
+                          for a in x.get("after", ())}
+
+    def on_msg(self, peer: Peer, body: dict) -> None:
+        self.heard.add(tuple(body["stamp"][:2]))
+        super().on_msg(peer, body)
 
     def answer_riders(self, answers: list) -> dict:
         """On the real data path, the tokens each answered request streamed: the edge has
@@ -1341,8 +1396,10 @@ class DecodeProcess(Process):
         a dead epoch is taken), and tells the router after every landing it took."""
         if peer.role == PREFILL:
             self.held.setdefault(peer.worker, [])
+            name = f"{PREFILL} {peer.worker}"
             self.send(Peer(ROUTER, 0), {"t": "pdown", "prefill": peer.worker,
-                                        "stamp": self.log.stamp()})
+                                        "stamp": self.log.stamp(),
+                                        "heard": sorted(k for p, k in self.heard if p == name)})
 
     def on_prefill_back(self, peer: Peer, body: dict) -> None:
         """A prefill's new life took its crash (the router passes its notice on): the

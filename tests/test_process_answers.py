@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 
 from engine.processes import Launched, log_path
+from tests.cli_cases import run as cli
 from tests.test_processes import (WAIT_S, assert_new_life_served,
-                                  assert_one_decode_crash_validates, deployment)
+                                  assert_one_decode_crash_validates, assert_whole, deployment,
+                                  merged_run)
 
 
 def _steps(path) -> list[dict]:
@@ -60,3 +62,44 @@ def test_a_decode_killed_after_logging_finish_gets_its_client_the_finish_answer(
     assert lost.isdisjoint(finished)
     assert_one_decode_crash_validates(tmp_path, lost, stopped, capsys, restarted=True)
     assert_new_life_served(d, victim, lost, outcomes)
+
+
+def test_a_prefill_killed_after_logging_its_done_has_its_new_life_send_it_again(
+        tmp_path, capsys):
+    """The one prefill of a 1 x 2 deployment logs its first SendDone and is killed before
+    the Done leaves. The spec's Done is on the wire until decode takes it (PrefillCrash
+    leaves it there), but no process holds it: decode would wait for it for ever, its
+    pages held. The new life sends it again (the last final word of each request that no
+    decode reported hearing), decode accepts it and the request finishes Ok; what the
+    crash ended ends ErrPrefill, everything else Ok, every pool whole, the logs validate."""
+    d = deployment(tmp_path, 1, 2, compute_s=0.05, arrive_every_s=0.02,
+                   die_after_step="prefill 0:SendDone")
+    launched = Launched(d)
+    try:
+        launched.start()
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop(timeout_s=WAIT_S)
+        seen = [x for child in [*launched.previous, launched.children["prefill 0"]]
+                if child.name == "prefill 0" for x in child.seen]
+    finally:
+        launched.close()
+    steps = _steps(log_path(d, "prefill 0"))
+    crash = next(k for k, x in enumerate(steps) if x["a"] == "PrefillCrash")
+    first_life = steps[:crash]
+    r = first_life[-1]["request"]
+    again = [x for x in seen if x["ev"] == "word_again"]
+    outcomes = dict(enumerate(done["outcomes"]))
+    print(f"prefill 0 died after SendDone({r}); sent again {again}; outcomes {outcomes}")
+    assert first_life[-1]["a"] == "SendDone"
+    assert [(x["request"], x["step"]) for x in again] == [(r, "SendDone")]
+    assert outcomes[r] == "Ok"
+    ended = {x["request"] for x in first_life if x["a"] in ("SendDone", "Reject",
+                                                             "PrefillAbort")}
+    lost = {k for k, o in outcomes.items() if o == "ErrPrefill"}
+    assert lost.isdisjoint(ended)
+    assert all(o == "Ok" for k, o in outcomes.items() if k not in lost)
+    assert_whole(stopped)
+    merged, verdict = merged_run(tmp_path)
+    assert [x["a"] for x in merged.records].count("PrefillCrash") == 1
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
