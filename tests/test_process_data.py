@@ -448,3 +448,36 @@ def test_workers_started_on_their_own_meet_in_the_rendezvous_store_and_give_the_
     merged, verdict = merged_run(tmp_path)
     code, out, err = cli(capsys, "validate", str(tmp_path))
     assert code == 0 and "run OK: 134 steps" in out, out + err
+
+
+def test_a_decode_killed_after_its_finish_line_answers_ok_with_the_judges_tokens(
+        model_dir, tmp_path, expected, capsys):
+    """2 x 2 on the real data path; decode 1 is killed right after it logs its first Finish,
+    before the answer leaves (`die_after_step`). The router gives that client the answer
+    the dead decode's log holds, Ok, with the judge's tokens (those that never came are in
+    the Finish's line); what decode 1 still held ends ErrDecode, everything else is Ok with
+    the judge's tokens, and the merged run validates."""
+    d = deployment(model_dir, tmp_path, 2, 2, seed=2, die_after_step="decode 1:Finish")
+    launched = Launched(d)
+    try:
+        launched.start(timeout_s=WAIT_S)
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop(timeout_s=WAIT_S)
+        recovered = [x for x in launched.children["router"].seen
+                     if x["ev"] == "recovered_answer"]
+    finally:
+        launched.close()
+    import json
+    finish = next(x for x in map(json.loads, log_path(d, "decode 1").read_text()
+                                 .splitlines()[1:]) if x.get("a") == "Finish")
+    r = finish["request"]
+    outcomes = dict(enumerate(done["outcomes"]))
+    lost = {k for k, o in outcomes.items() if o == "ErrDecode"}
+    print(f"decode 1 died after Finish({r}); recovered {recovered}; ErrDecode {sorted(lost)}")
+    assert finish["tokens"] == {str(r): expected[r]}  # every token it streamed, in its line
+    assert [(x["request"], x["outcome"]) for x in recovered] == [(r, "Ok")]
+    assert r not in lost and all(dd == 1 for k in lost for _, dd in [done["placement"][k]])
+    for k, outcome in outcomes.items():
+        if k not in lost:
+            assert outcome == "Ok" and done["tokens"][k] == expected[k], k
+    assert_one_decode_crash_validates(tmp_path, lost, stopped, capsys)
