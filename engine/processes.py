@@ -296,10 +296,18 @@ def close_dead_log(path: Path, name: str) -> tuple[int, int]:
 
 def cut_dead_log(path: Path, name: str) -> tuple[int, int]:
     """A killed process's log, its torn last line cut (a restarted process goes on with
-    it). Returns (steps, the last step's clock)."""
+    it). Returns (steps, the last step's clock). The cut log is a new file put in the old
+    one's place (os.replace), not the old file rewritten: a process that is not dead but
+    paused (a SIGSTOP, a VM stall past the fence's lease) still holds the old file open,
+    and whatever it writes when it wakes goes to that file, which no name reaches any
+    more, instead of into the log its supervisor closed (where, rewritten in place, it
+    would have landed at the old offset, past the cut). So a late step never counts, on
+    the filesystem the supervisor reads the log on."""
     text = path.read_text()
     whole = text[:text.rfind("\n") + 1]
-    path.write_text(whole)
+    cut = path.with_name(path.name + ".cut")
+    cut.write_text(whole)
+    os.replace(cut, path)
     steps = _steps_of(whole, name)
     return len(steps), steps[-1]["c"] if steps else 0
 
