@@ -387,6 +387,10 @@ def _close_socket(sock: socket.socket) -> None:
 Event = Delivered | PeerUp | PeerDown
 
 
+def _always() -> bool:
+    return True
+
+
 class Channel:
     """One process's end of the protocol's message channel, and its failure detector.
 
@@ -396,6 +400,10 @@ class Channel:
     peer epoch declared down, on the channel's thread that declared it (it must not block).
     `body_problem(peer, body)`, if given, says what is wrong with an envelope's body ("" when
     nothing is), on the reader's thread; a problem drops the connection as a bad frame does.
+    `alive()`, settable, says whether the process this channel speaks for is working: the
+    heartbeats go out only while it says so, so a process whose own loop hangs while this
+    channel's threads run on falls silent and its peers declare it down, as they would a
+    dead one (the detector watches the connection; this ties the connection to the loop).
     """
 
     def __init__(self, config: ChannelConfig, on_down=None, body_problem=None):
@@ -415,6 +423,7 @@ class Channel:
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
         self.port: int | None = None
+        self.alive = _always
         self._ticker = self._start(self._tick_loop, "ticker")
 
     def __repr__(self) -> str:
@@ -781,6 +790,8 @@ class Channel:
     def _tick_loop(self) -> None:
         beat = encode_frame(self._stamped(BEAT), self.config.frame_bytes_max)
         while not self._stop.wait(self.config.heartbeat_s):
+            if not self.alive():
+                continue  # its process's loop hangs: silence, which the peers detect
             with self._lock:
                 links = list(self._links.values())
             for link in links:

@@ -341,6 +341,9 @@ class DistTransport:
                                            f"not another rank of this world (0..{world - 1}, "
                                            f"this one is {own})")
         self.peers = {worker: _Peer(worker, rank) for worker, rank in config.peers}
+        # A bounded wait is in progress (each raises past timeout_s): whoever watches the
+        # calling thread for a hang counts it as working (engine/processes.py loop_alive).
+        self.waits = 0
         self.scratch = torch.empty(pool.config.page_bytes, dtype=torch.uint8,
                                    device=pool.kv.device)
         if config.role == DECODE and config.read_at == ARRIVAL:
@@ -385,12 +388,16 @@ class DistTransport:
             raise PeerLost(peer.lost)
         limit_s = self.config.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit_s
-        while not done():
-            if time.monotonic() > deadline:
-                raise TransportTimeout(
-                    f"no word from {peer.name(self.config.peer_role)} for {what} within "
-                    f"{limit_s} s ({self._in_flight_of(peer)} writes in flight with it)")
-            time.sleep(POLL_S)
+        self.waits += 1
+        try:
+            while not done():
+                if time.monotonic() > deadline:
+                    raise TransportTimeout(
+                        f"no word from {peer.name(self.config.peer_role)} for {what} within "
+                        f"{limit_s} s ({self._in_flight_of(peer)} writes in flight with it)")
+                time.sleep(POLL_S)
+        finally:
+            self.waits -= 1
 
     def _op(self, op, tensor: torch.Tensor, peer: _Peer, group, tag: int):
         """Post one isend / irecv; gloo refusing it (the pair is closed: "Connection closed
@@ -407,12 +414,15 @@ class DistTransport:
     def _wait(self, work, peer: _Peer, what: str) -> None:
         if peer.lost:
             raise PeerLost(peer.lost)
+        self.waits += 1
         try:
             work.wait(datetime.timedelta(seconds=self.config.timeout_s))
         except RuntimeError as error:
             peer.lost = (f"{peer.name(self.config.peer_role)} did not complete {what} within "
                          f"{self.config.timeout_s} s; gloo closed the pair ({error})"[:600])
             raise PeerLost(peer.lost) from None
+        finally:
+            self.waits -= 1
 
     def _send_control(self, peer: _Peer, entries: list[list[int]], tag: int) -> None:
         """Headers, completions or a CLOSE, as messages of up to batch_max entries. The peer

@@ -216,6 +216,12 @@ class _Data:
             self.ROLE, self.worker_index, peers, timeout_s=d.transport_timeout_s,
             handshake_timeout_s=d.join_timeout_s))
 
+    def waiting(self) -> bool:
+        """Whether the loop may be held by a bounded wait of the data path now: a model step
+        runs (`Stepper.wait` waits for it, STEP_S_MAX at most) or a transport wait is in
+        progress (timeout_s at most). Each raises past its bound."""
+        return self.stepper.in_flight or bool(self.transport and self.transport.waits)
+
     def begin_step(self, requests: set[int], step: Callable[[], object]) -> None:
         self.in_step, self.left_step = requests, set()
         self.stepper.begin(step)

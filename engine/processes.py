@@ -171,6 +171,7 @@ class Deployment:
     # first life kills itself (SIGKILL) right after it logs its first ACTION step, before
     # the step sends anything: the window between a step's log line and its messages.
     die_after_step: str = ""
+    hang_after_step: str = ""  # the same, but its loop hangs for good (its threads run on)
 
     def fence_wait_s(self) -> float:
         return self.suspect_after_s + self.fence_margin_s
@@ -444,6 +445,10 @@ class Process:
                                              suspect_after_s=deployment.suspect_after_s),
                                on_down=self.on_channel_down,
                                body_problem=self.envelope_problem)
+        # When its loop last turned (None: not turning yet, or no more): the channel beats
+        # only while the loop turns (`loop_alive`).
+        self.loop_at: float | None = None
+        self.channel.alive = self.loop_alive
         self.log = PartLog(log_path(deployment, self.part.name), self.part.name, self.model,
                            (restart["steps"], restart["clock"]) if restart else None)
         self.placement: dict[int, tuple[int, int]] = {}  # request -> (prefill, decode)
@@ -464,6 +469,17 @@ class Process:
         self.router_gone = False  # a worker that joined at a rendezvous: its router left
         self.router_ended = False  # ... after its "bye" (it ended its log: no fence)
         self.self_fenced = threading.Event()  # ... or without it: it fenced itself
+
+    def loop_alive(self) -> bool:
+        """Whether this process's loop turned within suspect_after_s, or is held by one of
+        the data path's bounded waits (a model step, a transport wait: each raises past its
+        own bound), or is not watched (before it starts, after it ends). A loop that hangs
+        otherwise (a deadlock, a call that never returns) while the channel's threads run
+        on stops the heartbeats, and its peers declare it down within suspect_after_s
+        more: 2 x suspect_after_s in all."""
+        return (self.loop_at is None
+                or time.monotonic() - self.loop_at < self.deployment.suspect_after_s
+                or self.data is not None and self.data.waiting())
 
     def on_channel_down(self, event: PeerDown) -> None:
         """The detector's verdict, on the channel's thread, before the loop takes it: a
@@ -643,9 +659,11 @@ class Process:
         if words:  # ... and what decode must hear (a prefill's next life sends it again)
             record["words"] = words
         stamp = self.log.step(record)
-        if (self.restart is None
-                and self.deployment.die_after_step == f"{self.part.name}:{event.action}"):
-            os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): logged, unsent
+        here = f"{self.part.name}:{event.action}" if self.restart is None else None
+        if here == self.deployment.die_after_step:  # fault injection (tests): logged, unsent
+            os.kill(os.getpid(), signal.SIGKILL)
+        if here == self.deployment.hang_after_step:  # ... or its loop hangs for good
+            threading.Event().wait()
         for message in out.messages:
             self.send_part_message(message, stamp)
         self.carry(out.commands, stamp)
@@ -1629,12 +1647,21 @@ def main(setup: dict, on_listening=None, stdin: bool = True) -> int:
 
 
 def _loop(process: Process, todo: queue.Queue, drain_asked: threading.Event) -> str:
-    """The process's loop, until it exits: "cut" (a drain ran out), "fenced", or ""."""
+    """The process's loop, until it exits: "cut" (a drain ran out), "fenced", or "". Its
+    channel beats while it turns (`Process.loop_alive`)."""
+    try:
+        return _turns(process, todo, drain_asked)
+    finally:
+        process.loop_at = None  # (ended: no more watched, whatever the channel does now)
+
+
+def _turns(process: Process, todo: queue.Queue, drain_asked: threading.Event) -> str:
     deployment, role = process.deployment, process.role
     stopping, last_busy, settled_at = None, time.monotonic(), 0.0
     pool, pool_at = None, 0.0
     drained = ""
     while True:
+        process.loop_at = time.monotonic()
         if process.self_fenced.is_set():
             return "fenced"
         command = _commands(todo, process)
