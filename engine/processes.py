@@ -653,6 +653,16 @@ class Process:
                         break
 
 
+@dataclass(frozen=True)
+class Fence:
+    """A worker's life the router cut off and waits on: its epoch, and for one that joined
+    at a rendezvous (it fences itself) when its own fence is done at the latest (monotonic
+    s; None: its launcher kills that epoch and answers)."""
+
+    epoch: int
+    deadline_s: float | None
+
+
 class RouterProcess(Process):
     """The router, the serving edge, and the environment's log."""
 
@@ -689,17 +699,17 @@ class RouterProcess(Process):
         self.crashing: set[int] = set()           # decodes whose crash is being recorded
         self.leaving: set[str] = set()            # workers draining (SIGTERM): none placed
         self.gone: set[str] = set()               # workers that drained and left cleanly
-        # Fences (`fence`): a worker cut off here, until it can write no more (its launcher
-        # killed it, or, one that joined at a rendezvous, the bound of its own fence passed:
-        # the deadline), then fenced until a new life of it is up.
-        self.fencing: dict[str, float | None] = {}
+        # Fences (`fence`): a worker's life cut off here, until it can write no more (its
+        # launcher killed that epoch, or, one that joined at a rendezvous, the bound of its
+        # own fence passed), then fenced until a new life of it is up.
+        self.fencing: dict[str, Fence] = {}
         self.fenced: set[str] = set()
 
     # -- serving: requests from stdin, tokens and answers on stdout ----------------------
 
     def command(self, command: dict) -> None:
-        if command["do"] == "fenced":  # the launcher killed it (Launched.fence)
-            self.on_fenced(Peer(command["role"], command["worker"]))
+        if command["do"] == "fenced":  # the launcher killed that life (Launched.fence)
+            self.on_fenced(Peer(command["role"], command["worker"]), command["epoch"])
         elif command["do"] == "partition":  # fault injection, for tests only: the link
             # to one worker cut here, as a partition between the two would
             self.channel.cut(Peer(command["role"], command["worker"]),
@@ -863,32 +873,34 @@ class RouterProcess(Process):
         rendezvous, by itself (it fences itself once it loses its router:
         Process.on_channel_down) within `fence_wait_s`. A dead worker is fenced at no cost;
         a live one (partitioned from the router or from a peer, hung, stopped) is made
-        dead, so that a partition follows the crash's path (`on_fenced`)."""
+        dead, so that a partition follows the crash's path (`on_fenced`). The fence names
+        the life it fences (its epoch): a kill meant for one life never reaches the next."""
         name = str(peer)
         if name in self.fencing or name in self.fenced:
             return
         external = bool(self.deployment.rendezvous)
-        self.fencing[name] = (time.monotonic() + self.deployment.fence_wait_s()
-                              if external else None)
+        fence = self.fencing[name] = Fence(self.epochs.get(name, 1), time.monotonic()
+                                           + self.deployment.fence_wait_s() if external else None)
         self.channel.cut(peer, f"fenced: {why}")
-        report(ev="fence", role=peer.role, worker=peer.worker, reason=why, at_s=time.time())
+        report(ev="fence", role=peer.role, worker=peer.worker, epoch=fence.epoch, reason=why,
+               at_s=time.time())
 
     def fences_due(self) -> None:
         """The fences of workers that joined at a rendezvous whose bound has passed."""
         now = time.monotonic()
-        for name, deadline in sorted(self.fencing.items()):
-            if deadline is not None and now >= deadline:
+        for name, fence in sorted(self.fencing.items()):
+            if fence.deadline_s is not None and now >= fence.deadline_s:
                 role, _, worker = name.partition(" ")
-                self.on_fenced(Peer(role, int(worker)))
+                self.on_fenced(Peer(role, int(worker)), fence.epoch)
 
-    def on_fenced(self, peer: Peer) -> None:
-        """The worker writes nothing more: its crash's path goes on."""
+    def on_fenced(self, peer: Peer, epoch: int) -> None:
+        """That life of the worker writes nothing more: its crash's path goes on."""
         name = str(peer)
-        if name not in self.fencing or self.stopped:
-            return  # (not being fenced, or the router ended its logs: a late answer)
+        if name not in self.fencing or self.fencing[name].epoch != epoch or self.stopped:
+            return  # (not being fenced, another life's, or the router ended its logs)
         del self.fencing[name]
         self.fenced.add(name)
-        report(ev="fenced", role=peer.role, worker=peer.worker, at_s=time.time())
+        report(ev="fenced", role=peer.role, worker=peer.worker, epoch=epoch, at_s=time.time())
         if peer.role == DECODE:
             self.record_crash(peer.worker)
         else:
@@ -1580,6 +1592,7 @@ class Child:
     def __init__(self, name: str, setup: dict, stderr_path: Path, on_report=None) -> None:
         root = Path(__file__).resolve().parents[1]
         self.name = name
+        self.epoch = setup["restart"]["epoch"] if "restart" in setup else 1  # its life
         # Serving: each report goes to on_report first; one it takes (returns True) is
         # neither kept nor queued, so a long-lived process's reports do not pile up.
         self.on_report = on_report
@@ -1706,18 +1719,27 @@ class Launched:
         return self.on_report is not None and self.on_report(name, got)
 
     def fence(self, got: dict) -> None:
-        """The router cut a worker off (RouterProcess.fence): kill it, so that nothing it
-        would do later can count, and tell the router once it is dead (the kill waits for
-        its exit); only then does the router touch its log. A worker that joined at a
-        rendezvous is not this launcher's: it fences itself, and the router waits for that."""
+        """The router cut a worker's life off (RouterProcess.fence): kill that life (the
+        epoch the fence names: a fence answered late never kills a newer life), so that
+        nothing it would do later can count, and tell the router once it is dead (the kill
+        waits for its exit); only then does the router touch its log. A worker that joined
+        at a rendezvous is not this launcher's: it fences itself, and the router waits."""
         name = f"{got['role']} {got['worker']}"
         if name in self.external:
             return
         with self.lock:
             if self.closed:
                 return
-            self.children[name].kill()
-        self.children[ROUTER].tell("fenced", role=got["role"], worker=got["worker"])
+            for child in self.lives(name, got["epoch"]):
+                child.kill()
+        self.children[ROUTER].tell("fenced", role=got["role"], worker=got["worker"],
+                                   epoch=got["epoch"])
+
+    def lives(self, name: str, epoch: int) -> list[Child]:
+        """The process this launcher started for that worker's life (none: it never
+        started, or not here)."""
+        return [child for child in [*self.previous, self.children.get(name)]
+                if child is not None and child.name == name and child.epoch == epoch]
 
     def restart(self, got: dict, timeout_s: float = 10.0) -> None:
         """Start a dead worker's next life (RouterProcess.record_prefill_crash says what

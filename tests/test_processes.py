@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.processes import Deployment, Launched, WorkerRefused, log_path
+from engine.channel import Peer
+from engine.processes import Deployment, Launched, RouterProcess, WorkerRefused, log_path
 from sim.trace import read_part_logs
 from spec import codec, core
 from spec.partlog import merge
@@ -691,3 +692,64 @@ def test_the_only_decode_killed_and_restarted_arrivals_wait_for_its_new_life(tmp
     code, out, err = cli(capsys, "validate", str(tmp_path))
     assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
     print(f"seed={SEED}: ErrDecode {sorted(lost)}, merged run of {verdict.steps} steps")
+
+
+class _Life:
+    """A stand-in for one life the launcher started (a Child): a real process to kill, its
+    worker's name and its epoch; what the launcher tells it is kept."""
+
+    def __init__(self, name: str, epoch: int) -> None:
+        self.name, self.epoch, self.told = name, epoch, []
+        self.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)
+
+    def tell(self, do: str, **fields) -> None:
+        self.told.append({"do": do, **fields})
+
+
+def test_a_fence_kills_the_life_it_names_and_never_the_next(tmp_path):
+    """The launcher's fence names an epoch: a fence of decode 1's first life answered after
+    its second life started kills nothing of the second (the first is killed if it still
+    runs) and is answered with that epoch; a fence of the second life kills it."""
+    launched = Launched(Deployment(prompts=(1,), decode_workers=2, log_dir=str(tmp_path)))
+    first, second, router = _Life("decode 1", 1), _Life("decode 1", 2), _Life("router", 1)
+    launched.previous.append(first)
+    launched.children.update({"decode 1": second, "router": router})
+    try:
+        launched.fence({"role": "decode", "worker": 1, "epoch": 1})
+        assert first.process.poll() == -signal.SIGKILL and second.process.poll() is None
+        assert router.told == [{"do": "fenced", "role": "decode", "worker": 1, "epoch": 1}]
+        launched.fence({"role": "decode", "worker": 1, "epoch": 2})
+        assert second.process.poll() == -signal.SIGKILL
+        assert router.told[1]["epoch"] == 2
+    finally:
+        for life in (first, second, router):
+            life.kill()
+
+
+def test_the_router_takes_a_fence_s_answer_only_for_the_life_it_fenced(tmp_path, capsys):
+    """The router fences decode 1's second life (epoch 2): a "fenced" answer naming epoch 1
+    (a late answer about the life before) leaves that fence waiting; the answer naming
+    epoch 2 ends it, and the crash's path goes on (a crash that lost nothing: no step, a
+    restart into epoch 3)."""
+    d = Deployment(prompts=(1,), decode_workers=2, log_dir=str(tmp_path))
+    log_path(d, "decode 1").write_text(json.dumps({"header": True}) + "\n")
+    router = RouterProcess(d)
+    try:
+        router.epochs["decode 1"] = 2
+        router.on_peer_down(Peer("decode", 1))
+        assert router.fencing["decode 1"].epoch == 2
+        router.command({"do": "fenced", "role": "decode", "worker": 1, "epoch": 1})
+        assert "decode 1" in router.fencing and "decode 1" not in router.fenced
+        router.command({"do": "fenced", "role": "decode", "worker": 1, "epoch": 2})
+        assert "decode 1" not in router.fencing and router.restarts == ["decode 1"]
+        reports = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        assert [(x["ev"], x.get("epoch")) for x in reports] == [
+            ("fence", 2), ("fenced", 2), ("restart", None)]
+        assert reports[-1]["restart"]["epoch"] == 3
+    finally:
+        router.channel.close()
