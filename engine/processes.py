@@ -90,7 +90,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from engine.channel import (
-    ENVELOPE, Channel, ChannelConfig, Delivered, Message, Peer, PeerDown, PeerUp,
+    ENVELOPE, Channel, ChannelConfig, ChannelError, Delivered, Message, Peer, PeerDown, PeerUp,
 )
 from spec import codec, core
 from spec.core import NONE, Refusal
@@ -320,8 +320,8 @@ ENVELOPES = {
                                 "stamp": "stamp"}, {}),
     "completed": (ROUTER, PREFILL, {"request": "request", "write": "write", "stamp": "stamp"},
                   {}),
-    "down": (PREFILL, ROUTER, {"decode": "count", "stamp": "stamp"}, {}),
-    "up": (PREFILL, ROUTER, {"decode": "count"}, {}),
+    "down": (PREFILL, ROUTER, {"decode": "count", "stamp": "stamp"}, {"epoch": "count"}),
+    "up": (PREFILL, ROUTER, {"decode": "count"}, {"epoch": "count"}),
     "crash": (ROUTER, PREFILL, {"decode": "count", "requests": "requests", "stamp": "stamp"},
               {}),
     "token": (DECODE, ROUTER, {"request": "request", "token": "token", "last": "bool"}, {}),
@@ -555,10 +555,10 @@ class Process:
         """What the data path adds to a part's message (none on the modelled path)."""
         return {}
 
-    def on_peer_down(self, peer: Peer) -> None:
+    def on_peer_down(self, peer: Peer, epoch: int) -> None:
         """Another process's epoch is down (what each role does: its override)."""
 
-    def on_peer_up(self, peer: Peer) -> None:
+    def on_peer_up(self, peer: Peer, epoch: int) -> None:
         """A process connected here (a restarted prefill, to the router: its override)."""
 
     def envelope_problem(self, peer: Peer, body) -> str:
@@ -630,9 +630,21 @@ class Process:
         """A command from stdin other than stop and exit: "dial" (a restarted process's
         port, from the launcher), or serving's (the router's)."""
         if command.get("do") == "dial":
-            self.channel.connect(command["port"], command.get("host", "127.0.0.1"))
+            self.dial(command["port"], command.get("host", "127.0.0.1"))
             return
         raise ValueError(f"{self.part.name}: no command {command.get('do')!r}")
+
+    def dial(self, port: int, host: str = "127.0.0.1") -> bool:
+        """Connect to a peer this process was told to dial; whether it connected. A peer
+        that cannot be reached (it died since it was named: a second fault) is reported
+        and skipped: its death reaches the router through the router's own detector, and
+        nothing here waits for a peer it never reached."""
+        try:
+            self.channel.connect(port, host)
+            return True
+        except ChannelError as error:
+            report(ev="dial_failed", host=host, port=port, reason=str(error))
+            return False
 
     def pool_report(self) -> dict:
         """Its pool's occupancy, as /v1/kvproof/state shows it (a worker's)."""
@@ -679,10 +691,18 @@ class RouterProcess(Process):
         self.arrived_at: dict[int, float] = {}   # request -> its Arrive (monotonic s)
         self.token_at: dict[int, list] = {}      # request -> when each token came here
         self.crash_reports: dict[int, dict] = {}  # decode -> {prefill: its last step}
-        # A restarted decode's new life: the router's own connection to it is up, and the
-        # prefills that connected to it ("up"); it is placed on once every live prefill has.
+        # Which prefill lives are connected to which decode life, as far as the router
+        # knows: decode -> prefills. Every prefill dialled every decode before the router
+        # started; a decode's new life is linked to a prefill once that prefill says so
+        # ("up", naming the decode's epoch), a dead prefill to nothing. A barrier waits only
+        # for the reports of lives linked to the dead one: a life that never reached it
+        # cannot see it die (two faults at once: `decode_lives_linked`).
+        self.links: dict[int, set[int]] = {
+            d: set(range(deployment.prefill_workers)) for d in range(deployment.decode_workers)}
+        self.prefill_waits: dict[int, set[int]] = {}  # dead prefill -> decodes it waits on
+        # A restarted decode's new life: the router's own connection to it is up; it is
+        # placed on once every live prefill is linked to it.
         self.new_life_up: set[int] = set()
-        self.dialled_by: dict[int, set[int]] = {}
         self.crashes_logged: list[int] = []
         self.payloads: dict[int, list] = {}      # serving: request -> its payload
         self.live: set[int] = set()              # serving: arrived, not answered yet
@@ -853,7 +873,7 @@ class RouterProcess(Process):
         self.send(Peer(PREFILL, self.placement[write[0]][0]),
                   {"t": "completed", "request": write[0], "write": list(write), "stamp": stamp})
 
-    def on_peer_down(self, peer: Peer) -> None:
+    def on_peer_down(self, peer: Peer, epoch: int) -> None:
         if str(peer) in self.gone:
             return  # it drained and left (SIGTERM): no crash
         if peer.role == DECODE:
@@ -861,9 +881,25 @@ class RouterProcess(Process):
             self.crash_reports.setdefault(peer.worker, {})
             self.fence(peer, "its router declared it down")
         elif peer.role == PREFILL:
-            self.dead_prefills.add(peer.worker)
-            self.prefill_reports.setdefault(peer.worker, {})
+            q = peer.worker
+            self.dead_prefills.add(q)
+            self.prefill_reports.setdefault(q, {})
+            # Its barrier waits for the decode lives it was linked to; its next life is
+            # linked to none until it says so.
+            self.prefill_waits[q] = {d for d, linked in self.links.items() if q in linked}
+            for linked in self.links.values():
+                linked.discard(q)
             self.fence(peer, "its router declared it down")
+            self.barriers_again()
+
+    def barriers_again(self) -> None:
+        """A prefill died or came back: a decode's crash waits for one report fewer, and a
+        decode's new life for one link fewer or more."""
+        for d in sorted(self.crash_reports):
+            if d in self.dead and d not in self.crashing:
+                self.record_crash(d)
+        for d in sorted(self.crashing):
+            self.back_up(d)
 
     def fence(self, peer: Peer, why: str) -> None:
         """Make sure a worker declared down here can do nothing more that counts, before its
@@ -917,10 +953,12 @@ class RouterProcess(Process):
         self.fenced.discard(str(peer))
         self.dead_prefills.discard(peer.worker)
         self.prefill_reports.pop(peer.worker, None)
+        self.prefill_waits.pop(peer.worker, None)
         for d in range(self.deployment.decode_workers):
             if d not in self.dead:
                 self.send(Peer(DECODE, d), {"t": "prefill_back", "prefill": peer.worker,
                                             "lost": body["lost"], "stamp": body["stamp"]})
+        self.barriers_again()
 
     def on_leaving(self, peer: Peer, body: dict) -> None:
         """A worker drains (SIGTERM): nothing more is placed there, and it hears so after
@@ -938,28 +976,31 @@ class RouterProcess(Process):
         return [d for d in range(self.deployment.decode_workers)
                 if d not in self.dead and f"{DECODE} {d}" not in self.leaving]
 
-    def on_peer_up(self, peer: Peer) -> None:
+    def on_peer_up(self, peer: Peer, epoch: int) -> None:
         """A decode's new life connected here (`back_up` says when it is placed on)."""
         if peer.role == DECODE and peer.worker in self.crashing:
             self.new_life_up.add(peer.worker)
             self.back_up(peer.worker)
 
     def on_up(self, peer: Peer, body: dict) -> None:
-        """A prefill connected to a decode's new life."""
-        self.dialled_by.setdefault(body["decode"], set()).add(peer.worker)
-        self.back_up(body["decode"])
+        """A prefill is connected to a decode's life: linked, if that is the decode's
+        current life (a late word about an earlier one links nothing)."""
+        d = body["decode"]
+        if body.get("epoch", self.epochs.get(f"{DECODE} {d}", 1)) \
+                == self.epochs.get(f"{DECODE} {d}", 1):
+            self.links[d].add(peer.worker)
+        self.back_up(d)
 
     def back_up(self, d: int) -> None:
-        """A decode's new life is up once it is connected here and every live prefill has
-        connected to it: requests may go there again (every Arrive the router takes from now
-        on follows the crash it logged). Not before: its page table to a prefill that has
-        not dialled it yet would be lost (nothing is sent again: requests would hang)."""
+        """A decode's new life is up once it is connected here and linked to every live
+        prefill: requests may go there again (every Arrive the router takes from now on
+        follows the crash it logged). Not before: its page table to a prefill that has not
+        dialled it yet would be lost (nothing is sent again: requests would hang)."""
         if (d not in self.crashing or d not in self.new_life_up
-                or not set(self.live_prefills()) <= self.dialled_by.get(d, set())):
+                or not set(self.live_prefills()) <= self.links[d]):
             return
         self.crashing.discard(d)
         self.new_life_up.discard(d)
-        self.dialled_by.pop(d, None)
         self.fenced.discard(f"{DECODE} {d}")
         self.dead.discard(d)
         self.crash_reports.pop(d, None)
@@ -987,8 +1028,8 @@ class RouterProcess(Process):
         answers the cancels (PrefillProcess). On the real data path the new life has no
         data path (the gloo world cannot take a rank back) and no request goes there."""
         reports = self.prefill_reports[q]
-        live = {d for d in range(self.deployment.decode_workers)  # (one that left sees
-                if d not in self.dead and f"{DECODE} {d}" not in self.gone}  # nothing)
+        live = {d for d in self.prefill_waits.get(q, ())  # (one that left sees nothing)
+                if d not in self.dead and f"{DECODE} {d}" not in self.gone}
         if (q not in self.dead_prefills or f"{PREFILL} {q}" not in self.fenced
                 or not live <= set(reports) or q in self.restarting):
             return
@@ -1011,7 +1052,7 @@ class RouterProcess(Process):
         placed = [[r, d, self.part.rows[r][core.PROMPT]]
                   for r, (p, d) in sorted(self.placement.items()) if p == q]
         self.ask_restart(PREFILL, q, {
-            "decodes": len(live), "placed": placed,
+            "placed": placed,
             "after": [self.log.stamp(), self.environment.clock.last(), *reports.values()]})
 
     def may_restart(self, role: str, worker: int) -> bool:
@@ -1054,16 +1095,16 @@ class RouterProcess(Process):
         """DecodeCrash(d), once the router and every live prefill have seen it (the module's
         docstring says why)."""
         reports = self.crash_reports[d]
-        live = set(range(self.deployment.prefill_workers)) - set(self.down_prefills())
+        live = self.links[d] - set(self.down_prefills())  # (linked to the dead life)
         if (d not in self.dead or f"{DECODE} {d}" not in self.fenced
                 or not live <= set(reports) or d in self.crashing):
             return
         self.crashing.add(d)
-        self.dialled_by[d] = set()  # (its new life's connections are counted from now)
+        self.links[d] = set()  # (its new life is linked to none yet)
         self.new_life_up.discard(d)
         self.crashes_logged.append(d)
-        for reports in self.prefill_reports.values():
-            reports.pop(d, None)  # (its pdown reports: its next life must give its own)
+        for waits in self.prefill_waits.values():
+            waits.discard(d)  # (its next life never saw a prefill that died before it)
         name = f"{DECODE} {d}"
         restart = self.may_restart(DECODE, d)
         # A decode that gets a new life goes on with its log (the launcher cuts its torn
@@ -1071,16 +1112,17 @@ class RouterProcess(Process):
         steps, clock = (cut_dead_log if restart else close_dead_log)(
             log_path(self.deployment, name), name)
         here = [r for r, (_, dd) in self.placement.items() if dd == d]
-        after = self.log.stamp()
+        after, lost = self.log.stamp(), []
         if any(self.part.rows[r][core.CLIENT] == core.WAITING for r in here):
             # (a crash that lost no request is no step of the spec: nothing is logged)
             causes = [[name, steps, clock], self.log.stamp(), *reports.values()]
             after = self.environment_step(core.DecodeCrash(d), causes)
             self.log.heard_from(after)
             self.part.decode_crashed(here)
-            for q in live:
-                self.send(Peer(PREFILL, q), {"t": "crash", "decode": d, "requests": here,
-                                             "stamp": after})
+            lost = here
+        for q in live:  # (sent when nothing was lost too: it ends the prefill's freeze)
+            self.send(Peer(PREFILL, q), {"t": "crash", "decode": d, "requests": lost,
+                                         "stamp": after})
         if restart:  # its new life's steps follow the crash
             self.ask_restart(DECODE, d, {"after": [after]})
         for q in sorted(self.dead_prefills):  # a prefill's barrier waits for one fewer
@@ -1142,14 +1184,13 @@ class PrefillProcess(Process):
             self.log.heard_from(stamp)
 
     def settle(self) -> None:
-        """A new life takes its PrefillCrash first, once the router and every decode it
-        dialled are connected: the crash's answers go to the router, and then its notice
-        that it is back, which the router passes on to each decode (so every lost client
-        has its answer here before a decode can time the request out)."""
+        """A new life takes its PrefillCrash first, once the router is connected (it dialled
+        the decodes before it listened: each one it could reach is connected already; one
+        that died meanwhile is not waited for): the crash's answers go to the router, and
+        then its notice that it is back, which the router passes on to each decode (so
+        every lost client has its answer here before a decode can time the request out)."""
         if self.recovering:
-            up = self.channel.peers()
-            decodes = [p for p in up if p.role == DECODE]
-            if Peer(ROUTER, 0) not in up or len(decodes) < self.restart["decodes"]:
+            if self.channel.epoch_of(Peer(ROUTER, 0)) is None:
                 return
             self.recovering = False
             lost = sorted(r for r in self.placement if self.part.rows[r][core.PST]
@@ -1236,18 +1277,23 @@ class PrefillProcess(Process):
         self.log.heard_from(body["stamp"])
         self.part.completed(_tuples(body["write"]))
 
-    def on_peer_up(self, peer: Peer) -> None:
-        """A decode connected (this prefill dialled it): a restarted decode's new life is
-        placed on only once every live prefill has told the router so (RouterProcess.
-        back_up). At startup the router connects after every prefill has dialled: nothing to
-        tell."""
-        if peer.role == DECODE and self.channel.epoch_of(Peer(ROUTER, 0)) is not None:
-            self.send(Peer(ROUTER, 0), {"t": "up", "decode": peer.worker})
+    def on_peer_up(self, peer: Peer, epoch: int) -> None:
+        """A decode connected (this prefill dialled it), or the router did: the router hears
+        of every link to a decode's life (`up`, with its epoch), once it is connected here
+        (a new life of this prefill dials the decodes first). A restarted decode's new life
+        is placed on only once every live prefill is linked to it (RouterProcess.back_up),
+        and a barrier waits only for linked lives (RouterProcess.links)."""
+        if peer.role == ROUTER:
+            for decode, decode_epoch in sorted(self.channel.peers().items()):
+                if decode.role == DECODE:
+                    self.send(peer, {"t": "up", "decode": decode.worker, "epoch": decode_epoch})
+        elif peer.role == DECODE and self.channel.epoch_of(Peer(ROUTER, 0)) is not None:
+            self.send(Peer(ROUTER, 0), {"t": "up", "decode": peer.worker, "epoch": epoch})
 
-    def on_peer_down(self, peer: Peer) -> None:
+    def on_peer_down(self, peer: Peer, epoch: int) -> None:
         if peer.role == DECODE:
             self.dead_decodes.add(peer.worker)
-            self.send(Peer(ROUTER, 0), {"t": "down", "decode": peer.worker,
+            self.send(Peer(ROUTER, 0), {"t": "down", "decode": peer.worker, "epoch": epoch,
                                         "stamp": self.log.stamp()})
 
     def on_crash(self, peer: Peer, body: dict) -> None:
@@ -1296,7 +1342,7 @@ class DecodeProcess(Process):
             return False
         return super().send(peer, body)
 
-    def on_peer_down(self, peer: Peer) -> None:
+    def on_peer_down(self, peer: Peer, epoch: int) -> None:
         """A prefill is down: this decode lands none of its writes from now on (nothing of
         a dead epoch is taken), and tells the router after every landing it took."""
         if peer.role == PREFILL:
@@ -1436,9 +1482,9 @@ def _pump(process: Process, timeout_s: float) -> bool:
         report(ev="peer_down", peer=str(event.peer), reason=event.reason, at_s=time.time())
         if event.peer.role == ROUTER and process.router_ended:
             process.router_gone = True
-        process.on_peer_down(event.peer)
+        process.on_peer_down(event.peer, event.epoch)
     elif type(event) is PeerUp:
-        process.on_peer_up(event.peer)
+        process.on_peer_up(event.peer, event.epoch)
     return event is not None
 
 
@@ -1498,9 +1544,9 @@ def main(setup: dict, on_listening=None, stdin: bool = True) -> int:
     todo = stdin_commands() if stdin else queue.Queue()
     for port in ports:  # prefills dial the decodes; the router dials every worker
         if isinstance(port, list):  # [host, port]: a worker that joined at a rendezvous
-            process.channel.connect(port[1], port[0])
+            process.dial(port[1], port[0])
         else:
-            process.channel.connect(port)
+            process.dial(port)
     port = process.channel.listen(host)
     if on_listening is not None:
         on_listening(port)

@@ -741,7 +741,7 @@ def test_the_router_takes_a_fence_s_answer_only_for_the_life_it_fenced(tmp_path,
     router = RouterProcess(d)
     try:
         router.epochs["decode 1"] = 2
-        router.on_peer_down(Peer("decode", 1))
+        router.on_peer_down(Peer("decode", 1), 2)
         assert router.fencing["decode 1"].epoch == 2
         router.command({"do": "fenced", "role": "decode", "worker": 1, "epoch": 1})
         assert "decode 1" in router.fencing and "decode 1" not in router.fenced
@@ -753,3 +753,109 @@ def test_the_router_takes_a_fence_s_answer_only_for_the_life_it_fenced(tmp_path,
         assert reports[-1]["restart"]["epoch"] == 3
     finally:
         router.channel.close()
+
+
+# -- two faults at once ----------------------------------------------------------------------
+
+def until(ready, what: str, timeout_s: float = WAIT_S, poll_s: float = 0.002) -> None:
+    """Wait until `ready()` holds, at most `timeout_s` (an AssertionError naming `what`)."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, f"{what} never came within {timeout_s} s"
+        time.sleep(poll_s)
+
+
+def assert_validates(folder: Path, capsys):
+    """The folder's logs merge into one run that the checker and `kvproof validate` accept;
+    the merged run and its verdict."""
+    merged, verdict = merged_run(folder)
+    code, out, err = cli(capsys, "validate", str(folder))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+    return merged, verdict
+
+
+def _lives(path: Path) -> list[list[dict]]:
+    """A prefill's steps, one list per life (a life ends at the next one's PrefillCrash)."""
+    lives = [[]]
+    for step in _prefill_steps(path):
+        if step["a"] == "PrefillCrash":
+            lives.append([])
+        lives[-1].append(step)
+    return lives
+
+
+def _router_said(launched: Launched, ev: str, role: str, worker: int) -> bool:
+    return any(x["ev"] == ev and x.get("role") == role and x.get("worker") == worker
+               for x in list(launched.children["router"].seen))
+
+
+# Which worker dies first, and when the second is sent its signal: once the router asked for
+# the first one's restart (decode 1's crash recorded, its new life starting: prefill 0 dies
+# before it could dial that life), or once the router fenced the first one (prefill 0's
+# barrier waits for the decodes' reports: decode 1 dies while it waits).
+OVERLAPS = {"decode-then-prefill": ("decode 1", "restart", "prefill 0", signal.SIGKILL),
+            "decode-then-stopped-prefill": ("decode 1", "restart", "prefill 0",
+                                            signal.SIGSTOP),
+            "prefill-then-decode": ("prefill 0", "fence", "decode 1", signal.SIGKILL)}
+
+
+@pytest.mark.parametrize("overlap", sorted(OVERLAPS))
+def test_a_prefill_and_a_decode_that_die_together_both_restart_and_serve(tmp_path, capsys,
+                                                                        overlap):
+    """2 x 2: decode 1 is killed while it holds two reserved requests, or prefill 0 after an
+    Admit whose compute it holds while decode 1 holds a reserved request; the other is killed (or stopped: found by the heartbeats'
+    bound, then fenced) while the first one's crash is being handled, so the two restarts
+    overlap. Neither barrier waits for a life that never saw the dead one: every request
+    ends (ErrDecode only on decode 1, ErrPrefill only on prefill 0, every other Ok), every
+    process that is left holds no page and no write, both workers' new lives serve later
+    requests, and the logs merge into one run with one DecodeCrash and one PrefillCrash
+    that `kvproof validate` accepts."""
+    first, when, second, sent = OVERLAPS[overlap]
+    d = deployment(tmp_path, 2, 2, compute_s=0.4, arrive_every_s=0.02,
+                   arrive_after_s=(0.02,) * 12 + (0.8,) * 7)
+    launched = Launched(d)
+    try:
+        launched.start()
+        def ready() -> bool:
+            held = len(_reserved_unfinished(log_path(d, "decode 1")))
+            if first == "decode 1":
+                return held >= 2
+            steps = _prefill_steps(log_path(d, first))
+            return held >= 1 and bool(steps) and steps[-1]["a"] == "Admit"
+        until(ready, "decode 1 holding reserved requests" + (
+            "" if first == "decode 1" else " and an Admit as prefill 0's last step"))
+        launched.kill(first)
+        role, _, worker = first.partition(" ")
+        until(lambda: _router_said(launched, when, role, int(worker)),
+              f"the router's {when} of {first}")
+        launched.children[second].process.send_signal(sent)
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop(timeout_s=WAIT_S)
+    finally:
+        launched.close()
+        router = launched.children["router"].seen
+        print(f"{overlap}: {first} killed, {second} sent {sent.name} at the router's {when}; "
+              f"the router's reports: {[x for x in router if x['ev'] not in ('done', 'stopped')]}")
+    placement = [tuple(x) for x in done["placement"]]
+    outcomes = dict(enumerate(done["outcomes"]))
+    print(f"outcomes {done['outcomes']}; placement {placement}")
+    assert all(o in ("Ok", "ErrDecode", "ErrPrefill") for o in outcomes.values())
+    assert all(placement[r][1] == 1 for r, o in outcomes.items() if o == "ErrDecode")
+    assert all(placement[r][0] == 0 for r, o in outcomes.items() if o == "ErrPrefill")
+    assert sorted(stopped["router"]["restarts"]) == ["decode 1", "prefill 0"]
+    assert stopped["router"]["crashes"] == [1]
+    assert set(stopped) == {"router", "prefill 0", "prefill 1", "decode 0", "decode 1"}
+    assert_whole(stopped)  # both new lives too
+    # Both new lives served requests placed there after they were back.
+    lost = {r for r, o in outcomes.items() if o != "Ok"}
+    assert_new_life_served(d, "decode 1", lost, outcomes)
+    lives = _lives(log_path(d, "prefill 0"))
+    assert len(lives) == 2
+    served = {x["request"] for x in lives[1] if x["a"] == "SendDone"}
+    assert served and all(outcomes[r] == "Ok" for r in served)
+    merged, verdict = assert_validates(tmp_path, capsys)
+    actions = [x["a"] for x in merged.records]
+    assert actions.count("DecodeCrash") == 1 and actions.count("PrefillCrash") == 1
+    print(f"seed={SEED}: ErrDecode {sorted(r for r in lost if outcomes[r] == 'ErrDecode')}, "
+          f"ErrPrefill {sorted(r for r in lost if outcomes[r] == 'ErrPrefill')}; merged run "
+          f"of {verdict.steps} steps")
