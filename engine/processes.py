@@ -630,21 +630,33 @@ class Process:
         """A command from stdin other than stop and exit: "dial" (a restarted process's
         port, from the launcher), or serving's (the router's)."""
         if command.get("do") == "dial":
-            self.dial(command["port"], command.get("host", "127.0.0.1"))
+            peer = Peer(command["role"], command["worker"]) if "role" in command else None
+            self.dial(command["port"], command.get("host", "127.0.0.1"), peer,
+                      command.get("epoch"))
             return
         raise ValueError(f"{self.part.name}: no command {command.get('do')!r}")
 
-    def dial(self, port: int, host: str = "127.0.0.1") -> bool:
-        """Connect to a peer this process was told to dial; whether it connected. A peer
-        that cannot be reached (it died since it was named: a second fault) is reported
-        and skipped: its death reaches the router through the router's own detector, and
-        nothing here waits for a peer it never reached."""
+    def dial(self, port: int, host: str = "127.0.0.1", peer: Peer | None = None,
+             epoch: int | None = None) -> bool:
+        """Connect to a peer this process was told to dial (`peer` and its `epoch`, when
+        the launcher named them); whether it connected. A peer that cannot be reached (it
+        died since it was named, or a partition) is reported and skipped, never fatal:
+        `on_dial_failed` says what the role makes of it."""
         try:
             self.channel.connect(port, host)
             return True
         except ChannelError as error:
-            report(ev="dial_failed", host=host, port=port, reason=str(error))
+            self.dial_failed(peer, epoch, str(error), port=port, host=host)
             return False
+
+    def dial_failed(self, peer: Peer | None, epoch: int | None, why: str, **where) -> None:
+        report(ev="dial_failed", peer=str(peer) if peer else None, epoch=epoch, reason=why,
+               **where)
+        if peer is not None and epoch is not None:
+            self.on_dial_failed(peer, epoch, why)
+
+    def on_dial_failed(self, peer: Peer, epoch: int, why: str) -> None:
+        """A named peer's life could not be reached (its role's override)."""
 
     def pool_report(self) -> dict:
         """Its pool's occupancy, as /v1/kvproof/state shows it (a worker's)."""
@@ -673,6 +685,7 @@ class Fence:
 
     epoch: int
     deadline_s: float | None
+    reason: str = ""
 
 
 class RouterProcess(Process):
@@ -686,6 +699,7 @@ class RouterProcess(Process):
         self.random = random.Random(deployment.seed)
         self.arrived = 0
         self.next_arrival_s = 0.0
+        self.refused: dict[int, str] = {}        # request -> why it never arrived
         self.dead: set[int] = set()              # decodes declared down here
         self.tokens: dict[int, list] = {}        # request -> the tokens streamed so far
         self.arrived_at: dict[int, float] = {}   # request -> its Arrive (monotonic s)
@@ -723,7 +737,8 @@ class RouterProcess(Process):
         # launcher killed that epoch, or, one that joined at a rendezvous, the bound of its
         # own fence passed), then fenced until a new life of it is up.
         self.fencing: dict[str, Fence] = {}
-        self.fenced: set[str] = set()
+        self.fenced: dict[str, Fence] = {}
+        self.given_up: dict[str, str] = {}        # decodes dead for good -> why
 
     # -- serving: requests from stdin, tokens and answers on stdout ----------------------
 
@@ -751,8 +766,8 @@ class RouterProcess(Process):
         prefills = self.live_prefills()
         if r in self.arrived_at or not 0 <= r < self.deployment.serving_requests_max or not live:
             report(ev="answer", request=r, outcome="ErrDecode",
-                   detail="no live decode worker" if not live else "a request number "
-                   "this deployment cannot take")
+                   detail=(self.no_decode_for_good() or "no live decode worker") if not live
+                   else "a request number this deployment cannot take")
             return
         if not prefills:
             report(ev="answer", request=r, outcome="ErrPrefill",
@@ -798,10 +813,17 @@ class RouterProcess(Process):
             pass
 
     def arrive_due(self) -> bool:
-        """The workload's next arrival, if it is due; whether it arrived."""
+        """The workload's next arrival, if it is due; whether it arrived (or was refused:
+        no decode is live and none can come back, `no_decode_for_good`)."""
         now = time.monotonic()
         prefills = self.live_prefills()
         live = self.live_decodes()
+        why = self.no_decode_for_good()
+        if self.arrived < len(self.deployment.prompts) and now >= self.next_arrival_s and why:
+            self.refused[self.arrived] = why  # (no Arrive: the spec never hears of it)
+            report(ev="arrival_refused", request=self.arrived, reason=why)
+            self.arrived += 1
+            return True
         if self.arrived < len(self.deployment.prompts) and now >= self.next_arrival_s \
                 and prefills and live:  # (while none is up, arrivals wait for a restart)
             r = self.arrived
@@ -851,7 +873,8 @@ class RouterProcess(Process):
         if self.deployment.serving_requests_max:
             return False
         return self.arrived == len(self.deployment.prompts) and all(
-            row[core.CLIENT] in FINAL_CLIENT for row in self.part.rows.values())
+            row[core.CLIENT] in FINAL_CLIENT for r, row in self.part.rows.items()
+            if r not in self.refused)
 
     def outcomes(self) -> list[str]:
         return [core.CLIENT_NAMES[self.part.rows[r][core.CLIENT]]
@@ -874,8 +897,8 @@ class RouterProcess(Process):
                   {"t": "completed", "request": write[0], "write": list(write), "stamp": stamp})
 
     def on_peer_down(self, peer: Peer, epoch: int) -> None:
-        if str(peer) in self.gone:
-            return  # it drained and left (SIGTERM): no crash
+        if str(peer) in self.gone or epoch != self.epochs.get(str(peer), 1):
+            return  # it drained and left (SIGTERM): no crash; or an earlier life, dealt with
         if peer.role == DECODE:
             self.dead.add(peer.worker)
             self.crash_reports.setdefault(peer.worker, {})
@@ -916,7 +939,8 @@ class RouterProcess(Process):
             return
         external = bool(self.deployment.rendezvous)
         fence = self.fencing[name] = Fence(self.epochs.get(name, 1), time.monotonic()
-                                           + self.deployment.fence_wait_s() if external else None)
+                                           + self.deployment.fence_wait_s() if external else None,
+                                           why)
         self.channel.cut(peer, f"fenced: {why}")
         report(ev="fence", role=peer.role, worker=peer.worker, epoch=fence.epoch, reason=why,
                at_s=time.time())
@@ -934,10 +958,11 @@ class RouterProcess(Process):
         name = str(peer)
         if name not in self.fencing or self.fencing[name].epoch != epoch or self.stopped:
             return  # (not being fenced, another life's, or the router ended its logs)
-        del self.fencing[name]
-        self.fenced.add(name)
+        self.fenced[name] = self.fencing.pop(name)
         report(ev="fenced", role=peer.role, worker=peer.worker, epoch=epoch, at_s=time.time())
-        if peer.role == DECODE:
+        if peer.role == DECODE and peer.worker in self.crashing:
+            self.new_life_failed(peer.worker)
+        elif peer.role == DECODE:
             self.record_crash(peer.worker)
         else:
             self.record_prefill_crash(peer.worker)
@@ -950,7 +975,7 @@ class RouterProcess(Process):
         a request placed there before the crash step would be one the crash ended)."""
         self.log.heard_from(body["stamp"])
         self.restarting.discard(peer.worker)
-        self.fenced.discard(str(peer))
+        self.fenced.pop(str(peer), None)
         self.dead_prefills.discard(peer.worker)
         self.prefill_reports.pop(peer.worker, None)
         self.prefill_waits.pop(peer.worker, None)
@@ -971,6 +996,15 @@ class RouterProcess(Process):
     def on_left(self, peer: Peer, body: dict) -> None:
         """It finished what it held and ended its log: its going is no crash."""
         self.gone.add(str(peer))
+
+    def no_decode_for_good(self) -> str:
+        """Why no decode can take a request again ("" while one is live or may come back:
+        a restart): each one given up or leaving."""
+        names = [f"{DECODE} {d}" for d in range(self.deployment.decode_workers)]
+        if not all(n in self.given_up or n in self.leaving for n in names):
+            return ""
+        return "no live decode worker: " + "; ".join(
+            self.given_up.get(n, f"{n} left (drained)") for n in names)
 
     def live_decodes(self) -> list[int]:
         return [d for d in range(self.deployment.decode_workers)
@@ -1001,7 +1035,7 @@ class RouterProcess(Process):
             return
         self.crashing.discard(d)
         self.new_life_up.discard(d)
-        self.fenced.discard(f"{DECODE} {d}")
+        self.fenced.pop(f"{DECODE} {d}", None)
         self.dead.discard(d)
         self.crash_reports.pop(d, None)
 
@@ -1065,7 +1099,14 @@ class RouterProcess(Process):
             return False  # (a decode that joined at a rendezvous: its prefills could not
             #               learn its new address)
         if self.restarts.count(name) >= self.deployment.restarts_max:
-            report(ev="gave_up", role=role, worker=worker, restarts=self.restarts.count(name))
+            last = self.fenced.get(name)
+            why = (f"{name} died in each of its {self.restarts.count(name) + 1} lives "
+                   f"(restarts_max {self.deployment.restarts_max}); its last life, epoch "
+                   f"{self.epochs.get(name, 1)}, was fenced: {last.reason if last else '?'}")
+            if role == DECODE:
+                self.given_up[name] = why  # (it stays dead: placed on no more)
+            report(ev="gave_up", role=role, worker=worker, restarts=self.restarts.count(name),
+                   reason=why)
             return False
         return True
 
@@ -1085,6 +1126,12 @@ class RouterProcess(Process):
         Not a decode that drains (SIGTERM): its going closes the link too, its `left` may
         come after this report, and a partitioned one ends by its drain's bound."""
         d = body["decode"]
+        current = self.epochs.get(f"{DECODE} {d}", 1)
+        if body.get("epoch", current) != current:
+            return  # (about a life whose crash is recorded: its new life is another peer)
+        if d in self.crashing:  # its new life, not placed on yet, which q cannot reach
+            self.fence(Peer(DECODE, d), f"{peer} could not reach its new life")
+            return
         self.crash_reports.setdefault(d, {})[peer.worker] = body["stamp"]
         if d not in self.dead and f"{DECODE} {d}" not in self.leaving:
             self.dead.add(d)
@@ -1124,9 +1171,36 @@ class RouterProcess(Process):
             self.send(Peer(PREFILL, q), {"t": "crash", "decode": d, "requests": lost,
                                          "stamp": after})
         if restart:  # its new life's steps follow the crash
+            self.fenced.pop(name, None)  # (a new life: fenced anew if it fails)
             self.ask_restart(DECODE, d, {"after": [after]})
         for q in sorted(self.dead_prefills):  # a prefill's barrier waits for one fewer
             self.record_prefill_crash(q)
+
+    def on_dial_failed(self, peer: Peer, epoch: int, why: str) -> None:
+        """The router could not reach a decode's new life: fenced as one a prefill cannot
+        reach (a prefill's new life it cannot reach is not handled: a gap)."""
+        if peer.role == DECODE and peer.worker in self.crashing \
+                and epoch == self.epochs.get(str(peer), 1):
+            self.fence(peer, f"its router could not reach its new life: {why}")
+
+    def new_life_failed(self, d: int) -> None:
+        """Decode d's new life was fenced before it was placed on (it died, or a prefill
+        could not reach it: a partition that outlasted the restart): it holds no request,
+        so no crash step is logged and no barrier is waited for. It gets another life, or,
+        after `restarts_max`, is given up (its log closed here, placed on no more); the
+        prefills hear an empty crash record, which ends any freeze of it there."""
+        name = f"{DECODE} {d}"
+        self.new_life_up.discard(d)
+        self.links[d] = set()
+        restart = self.may_restart(DECODE, d)
+        (cut_dead_log if restart else close_dead_log)(log_path(self.deployment, name), name)
+        for q in sorted(set(range(self.deployment.prefill_workers))
+                        - set(self.down_prefills())):
+            self.send(Peer(PREFILL, q), {"t": "crash", "decode": d, "requests": [],
+                                         "stamp": self.log.stamp()})
+        if restart:
+            self.fenced.pop(name, None)
+            self.ask_restart(DECODE, d, {"after": [self.log.stamp()]})
 
     def down_prefills(self) -> list[int]:
         up = self.channel.peers()
@@ -1156,6 +1230,7 @@ class PrefillProcess(Process):
             from engine.process_data import PrefillData
             self.data = PrefillData(deployment, worker, self.channel.wake)
         self.posted_at: dict[int, float] = {}  # request -> when its last write was posted
+        self.partitioned: set[int] = set()  # decodes behind a lasting partition (a hook)
         self.recovering = restart is not None
         if restart is not None:
             self.recover(restart)
@@ -1266,12 +1341,32 @@ class PrefillProcess(Process):
         prefill's connection to decode d's current epoch, as a one-link partition would (the
         decode learns it from the closed connection, this prefill from its own verdict).
         This prefill never dials a decode on its own and its channel refuses that epoch
-        from then on, so the link stays cut; a new life of the decode is a new peer."""
+        from then on, so the link stays cut; a new life of the decode is a new peer. With
+        "lasting": true the partition outlasts the decode's restarts: no later life of it
+        is reached when the launcher says to dial it (`dial`)."""
         if command.get("do") == "partition":
             self.channel.cut(Peer(DECODE, command["decode"]),
                              "fault injection: a partition between this prefill and it")
+            if command.get("lasting"):  # every later life of that decode is out of reach
+                self.partitioned.add(command["decode"])
             return
         super().command(command)
+
+    def dial(self, port: int, host: str = "127.0.0.1", peer: Peer | None = None,
+             epoch: int | None = None) -> bool:
+        """A decode behind a lasting partition (the fault-injection hook) is not reached."""
+        if peer is not None and peer.role == DECODE and peer.worker in self.partitioned:
+            self.dial_failed(peer, epoch, "fault injection: a lasting partition between "
+                             "this prefill and it", port=port, host=host)
+            return False
+        return super().dial(port, host, peer, epoch)
+
+    def on_dial_failed(self, peer: Peer, epoch: int, why: str) -> None:
+        """A decode's life this prefill was told to dial cannot be reached: the router hears
+        it as that life down (it fences it: RouterProcess.on_down)."""
+        if peer.role == DECODE:
+            self.send(Peer(ROUTER, 0), {"t": "down", "decode": peer.worker, "epoch": epoch,
+                                        "stamp": self.log.stamp()})
 
     def on_completed(self, peer: Peer, body: dict) -> None:
         self.log.heard_from(body["stamp"])
@@ -1615,8 +1710,8 @@ def _loop(process: Process, todo: queue.Queue, drain_asked: threading.Event) -> 
                 break  # drained and left, or the bound passed (a crash's path ends the rest)
         if role == ROUTER and not process.reported and process.done():
             process.reported = True
-            report(ev="done", outcomes=process.outcomes(),
-                   placement=[process.placement[r] for r in range(len(deployment.prompts))],
+            report(ev="done", outcomes=process.outcomes(), refused=process.refused,
+                   placement=[process.placement.get(r) for r in range(len(deployment.prompts))],
                    tokens=[process.tokens.get(r) for r in range(len(deployment.prompts))],
                    timings=process.timings(), span_s=process.span_s())
         now = time.monotonic()
@@ -1812,7 +1907,8 @@ class Launched:
                                {**got["restart"], "steps": steps, "clock": clock})
         for n, child in live.items():
             if n == ROUTER or (role == DECODE and n.startswith(PREFILL)):
-                child.tell("dial", port=port)
+                child.tell("dial", port=port, role=role, worker=worker,
+                           epoch=got["restart"]["epoch"])
 
     def start(self, timeout_s: float = 10.0) -> None:
         d = self.deployment

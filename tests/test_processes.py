@@ -859,3 +859,68 @@ def test_a_prefill_and_a_decode_that_die_together_both_restart_and_serve(tmp_pat
     print(f"seed={SEED}: ErrDecode {sorted(r for r in lost if outcomes[r] == 'ErrDecode')}, "
           f"ErrPrefill {sorted(r for r in lost if outcomes[r] == 'ErrPrefill')}; merged run "
           f"of {verdict.steps} steps")
+
+
+@pytest.mark.parametrize("decodes", [2, 1], ids=["other-decode-serves", "only-decode"])
+def test_a_partition_that_outlasts_the_restarts_fences_each_life_then_gives_up(tmp_path,
+                                                                               capsys,
+                                                                               decodes):
+    """A lasting partition between prefill 0 and the last decode (the hook's "lasting": no
+    later life of it is reached either), cut while that decode holds a reserved request,
+    restarts_max 2 (once it released a request). Its first life is fenced (prefill 0 lost its link) and its crash
+    recorded (ErrDecode for what it held); each new life is fenced in turn (prefill 0 cannot
+    reach it), placed on never, so no crash step; after the second restart it is given up
+    with the reason, its log closed. With another decode every later request is Ok there;
+    with none, each later arrival is refused with that reason (it never arrives). Every
+    life of it was killed, every other process exits 0 with its pool free, and the logs
+    validate with one DecodeCrash."""
+    victim = f"decode {decodes - 1}"
+    d = deployment(tmp_path, 1, decodes, compute_s=0.4, restarts_max=2, arrive_every_s=0.02,
+                   arrive_after_s=(0.02,) * 12 + (0.3,) * 7)
+    launched = Launched(d)
+    try:
+        launched.start()
+        until(lambda: _reserved_unfinished(log_path(d, victim)) and any(
+            a == "Release" for a, _ in _decode_log(log_path(d, victim))),
+            f"a released and a reserved request on {victim}")
+        held = set(_reserved_unfinished(log_path(d, victim)))
+        launched.children["prefill 0"].tell("partition", decode=decodes - 1, lasting=True)
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop(timeout_s=WAIT_S)
+    finally:
+        launched.close()
+    router = launched.children["router"].seen
+    fences = [(x["epoch"], x["reason"]) for x in router if x["ev"] == "fence"]
+    gave_up = [x for x in router if x["ev"] == "gave_up"]
+    print(f"held {sorted(held)}; fences {fences}; gave up: {gave_up}")
+    assert fences == [(1, "prefill 0 lost its connection to it"),
+                      (2, "prefill 0 could not reach its new life"),
+                      (3, "prefill 0 could not reach its new life")]
+    assert [x["restart"]["epoch"] for x in router if x["ev"] == "restart"] == [2, 3]
+    assert len(gave_up) == 1 and gave_up[0]["reason"] == (
+        f"{victim} died in each of its 3 lives (restarts_max 2); its last life, epoch 3, "
+        "was fenced: prefill 0 could not reach its new life")
+    lives = [c for c in [*launched.previous, launched.children[victim]] if c.name == victim]
+    assert [(c.epoch, c.process.returncode) for c in lives] == [
+        (1, -signal.SIGKILL), (2, -signal.SIGKILL), (3, -signal.SIGKILL)]
+    outcomes = dict(enumerate(done["outcomes"]))
+    refused = {int(r): why for r, why in done["refused"].items()}
+    lost = {r for r, o in outcomes.items() if o == "ErrDecode"}
+    on_victim = {r for r, x in enumerate(done["placement"]) if x and x[1] == decodes - 1}
+    assert lost and lost <= on_victim
+    # A client of the partitioned decode got Ok exactly when its log holds the Finish.
+    finished = _decode_log(log_path(d, victim))
+    assert {r for r in on_victim if ("Finish", r) in finished} == on_victim - lost
+    if decodes == 2:
+        assert not refused
+    else:
+        assert refused and set(refused.values()) == {
+            f"no live decode worker: {gave_up[0]['reason']}"}
+        assert all(outcomes[r] == "Idle" and done["placement"][r] is None for r in refused)
+    assert all(o == "Ok" for r, o in outcomes.items() if r not in lost | set(refused))
+    assert set(stopped) == {"router", "prefill 0"} | ({"decode 0"} if decodes == 2 else set())
+    assert_whole(stopped)
+    merged, verdict = assert_validates(tmp_path, capsys)
+    assert [x["a"] for x in merged.records].count("DecodeCrash") == 1
+    print(f"seed={SEED}: ErrDecode {sorted(lost)}, refused {sorted(refused)}, merged run of "
+          f"{verdict.steps} steps")
