@@ -333,6 +333,8 @@ ENVELOPES = {
     "restarted": (PREFILL, ROUTER, {"lost": "requests", "stamp": "stamp"}, {}),
     "prefill_back": (ROUTER, DECODE, {"prefill": "count", "lost": "requests", "stamp": "stamp"},
                      {}),
+    "dial": (ROUTER, PREFILL, {"decode": "count", "epoch": "count", "host": "host",
+                               "port": "count"}, {}),
 }
 
 
@@ -390,6 +392,7 @@ def _envelope_value_problem(m: Model, value_kind: str, value) -> str:
         "payload": lambda: isinstance(value, list) and 2 <= len(value) <= 3
         and ints(value[0]) and count(value[1]) and (len(value) == 2 or ints(value[2])),
         "data": lambda: type(value) is int or ints(value),
+        "host": lambda: isinstance(value, str) and 0 < len(value) <= 255,
     }[value_kind]()
     return "" if ok else f"must be a {value_kind.replace('_', ' ')}, got {_short(value)}"
 
@@ -749,7 +752,9 @@ class RouterProcess(Process):
             # to one worker cut here, as a partition between the two would
             self.channel.cut(Peer(command["role"], command["worker"]),
                              "fault injection: a partition between the router and it")
-        elif command["do"] == "dial" or not self.deployment.serving_requests_max:
+        elif command["do"] == "dial":
+            self.dial_life(command)
+        elif not self.deployment.serving_requests_max:
             super().command(command)
         elif command["do"] == "arrive":
             self.arrive(command)
@@ -757,6 +762,21 @@ class RouterProcess(Process):
             self.abort(command["request"])
         else:
             super().command(command)
+
+    def dial_life(self, command: dict) -> None:
+        """Dial a worker's new life (the launcher's word, with its address). A decode that
+        joined at a rendezvous is dialled by the prefills too, which take no command on
+        stdin: the router passes its address on to each prefill connected here."""
+        super().command(command)
+        if command.get("role") != DECODE or not self.deployment.rendezvous:
+            return
+        d = command["worker"]
+        if self.channel.epoch_of(Peer(DECODE, d)) != command["epoch"]:
+            return  # (not reached: fenced as a new life the router cannot reach)
+        for q in sorted(set(range(self.deployment.prefill_workers)) - set(self.down_prefills())):
+            self.send(Peer(PREFILL, q), {"t": "dial", "decode": d, "epoch": command["epoch"],
+                                         "host": command.get("host", "127.0.0.1"),
+                                         "port": command["port"]})
 
     def arrive(self, command: dict) -> None:
         """A request from the serving edge: placed on a prefill and a live decode (seeded),
@@ -1094,10 +1114,8 @@ class RouterProcess(Process):
         only on the modelled data path (a decode with no data path could serve nothing;
         a prefill's new life without one still ends what its old one held)."""
         name = f"{role} {worker}"
-        if role == DECODE and (self.deployment.model_dir or self.deployment.rendezvous
-                               or name in self.leaving):
-            return False  # (a decode that joined at a rendezvous: its prefills could not
-            #               learn its new address)
+        if role == DECODE and (self.deployment.model_dir or name in self.leaving):
+            return False
         if self.restarts.count(name) >= self.deployment.restarts_max:
             last = self.fenced.get(name)
             why = (f"{name} died in each of its {self.restarts.count(name) + 1} lives "
@@ -1371,6 +1389,11 @@ class PrefillProcess(Process):
     def on_completed(self, peer: Peer, body: dict) -> None:
         self.log.heard_from(body["stamp"])
         self.part.completed(_tuples(body["write"]))
+
+    def on_dial(self, peer: Peer, body: dict) -> None:
+        """The router's word to dial a decode's new life (one that joined at a rendezvous:
+        RouterProcess.dial_life)."""
+        self.dial(body["port"], body["host"], Peer(DECODE, body["decode"]), body["epoch"])
 
     def on_peer_up(self, peer: Peer, epoch: int) -> None:
         """A decode connected (this prefill dialled it), or the router did: the router hears
@@ -1947,10 +1970,10 @@ class Launched:
         return reports
 
     def _restart_external(self, name: str, restart: dict) -> None:
-        """A prefill that joined at the rendezvous died: its next life is its machine's to
+        """A worker that joined at the rendezvous died: its next life is its machine's to
         start (`kvproof worker` again for its rank, which finds this record and goes on
-        with its log); once its address in the new epoch is there, the router (and, for a
-        decode, every live prefill) dials it."""
+        with its log); once its address in the new epoch is there, the router dials it
+        and, for a decode, passes it on to every prefill (RouterProcess.dial_life)."""
         self.rendezvous.put(f"restart/{name}", restart)
         print(f"kvproof: {name} died; start `kvproof worker` again for its rank to have "
               f"it rejoin in epoch {restart['epoch']}", file=sys.stderr, flush=True)
@@ -1962,7 +1985,9 @@ class Launched:
         else:
             return
         self.external[name] = address
-        self.children[ROUTER].tell("dial", port=address["port"], host=address["host"])
+        role, _, worker = name.partition(" ")
+        self.children[ROUTER].tell("dial", port=address["port"], host=address["host"],
+                                   role=role, worker=int(worker), epoch=restart["epoch"])
 
     def close(self) -> None:
         with self.lock:

@@ -924,3 +924,54 @@ def test_a_partition_that_outlasts_the_restarts_fences_each_life_then_gives_up(t
     assert [x["a"] for x in merged.records].count("DecodeCrash") == 1
     print(f"seed={SEED}: ErrDecode {sorted(lost)}, refused {sorted(refused)}, merged run of "
           f"{verdict.steps} steps")
+
+
+def test_a_decode_started_on_its_own_rejoins_in_a_new_epoch_when_started_again(tmp_path,
+                                                                              capsys):
+    """1 x 2 at a rendezvous: decode 1 is SIGKILLed while it holds a reserved request. Not
+    the launcher's to kill or start: the router waits `fence_wait_s`, records the crash
+    (ErrDecode for what it held) and publishes its next life's record; `kvproof worker
+    decode` started again for rank 1 picks it up and goes on with its log in epoch 2; the
+    router dials it and passes its address on to the prefill (which takes no command on
+    stdin), and once the prefill is linked to it the later requests are served there; every
+    worker exits 0 with the router, pools free, and the logs validate."""
+    rendezvous = f"127.0.0.1:{_free_port()}"
+    d = deployment(tmp_path, 1, 2, rendezvous=rendezvous, join_timeout_s=WAIT_S,
+                   compute_s=0.4, arrive_after_s=(0.02,) * 6 + (0.5,) * 13)
+    workers = {"decode 0": _worker("decode", 0, 3, rendezvous, tmp_path),
+               "decode 1": _worker("decode", 1, 3, rendezvous, tmp_path),
+               "prefill 0": _worker("prefill", 2, 3, rendezvous, tmp_path)}
+    first_life = workers["decode 1"]
+    launched = Launched(d)
+    try:
+        launched.start(timeout_s=WAIT_S)
+        until(lambda: _reserved_unfinished(log_path(d, "decode 1")),
+              "a reserved request on decode 1")
+        first_life.kill()
+        until(lambda: launched.rendezvous.get("restart/decode 1") is not None,
+              "decode 1's restart record", poll_s=0.01)
+        workers["decode 1"] = _worker("decode", 1, 3, rendezvous, tmp_path)
+        done = launched.wait_done(WAIT_S)
+        launched.stop()
+        codes = {name: w.wait(timeout=WAIT_S) for name, w in workers.items()}
+    finally:
+        launched.close()
+        for w in [first_life, *workers.values()]:
+            w.kill()
+    outputs = {name: w.stdout.read() for name, w in workers.items()}
+    assert codes == {"decode 0": 0, "decode 1": 0, "prefill 0": 0}, outputs
+    assert launched.external["decode 1"]["epoch"] == 2
+    router = launched.children["router"].seen
+    assert [x["restart"]["epoch"] for x in router if x["ev"] == "restart"] == [2]
+    outcomes = dict(enumerate(done["outcomes"]))
+    lost = {r for r, o in outcomes.items() if o == "ErrDecode"}
+    assert lost and all(done["placement"][r][1] == 1 for r in lost)
+    assert all(o == "Ok" for r, o in outcomes.items() if r not in lost)
+    assert_new_life_served(d, "decode 1", lost, outcomes)
+    for out in outputs.values():
+        stopped = [json.loads(x) for x in out.splitlines() if '"stopped"' in x]
+        assert len(stopped) == 1 and stopped[0].get("pages_held", 0) == 0, out
+        assert stopped[0].get("sending", 0) == 0, out
+    merged, verdict = assert_validates(tmp_path, capsys)
+    assert [x["a"] for x in merged.records].count("DecodeCrash") == 1
+    print(f"seed={SEED}: ErrDecode {sorted(lost)}, merged run of {verdict.steps} steps")
