@@ -68,6 +68,10 @@ decode times out what the crash ended and sends the new life what it held for th
 (its cancels), which the new life answers. On the real data path the new life has no data
 path (the gloo world cannot take a rank back) and the router places nothing there.
 
+Each barrier waits only for the reports of the lives that were connected to the dead one
+(`RouterProcess.links`): with two faults at once, a decode's new life never saw a prefill
+that died before it started, nor a prefill's new life a decode that died before it.
+
 Timers are off but that one: no lease, no other timeouts, no resends (none is needed
 without losses; a lost message is only what a crash loses, and the crash ends those
 requests).
@@ -713,7 +717,7 @@ class RouterProcess(Process):
         # started; a decode's new life is linked to a prefill once that prefill says so
         # ("up", naming the decode's epoch), a dead prefill to nothing. A barrier waits only
         # for the reports of lives linked to the dead one: a life that never reached it
-        # cannot see it die (two faults at once: `decode_lives_linked`).
+        # cannot see it die (two faults at once: engine/README.md).
         self.links: dict[int, set[int]] = {
             d: set(range(deployment.prefill_workers)) for d in range(deployment.decode_workers)}
         self.prefill_waits: dict[int, set[int]] = {}  # dead prefill -> decodes it waits on
@@ -1227,10 +1231,18 @@ class RouterProcess(Process):
 
     def end(self) -> None:
         """Its log ended, then each worker hears its bye: one that joined at a rendezvous
-        ends with it (drains) rather than fence itself."""
+        ends with it (drains) rather than fence itself. A decode that joined at a
+        rendezvous whose next life its operator never started (or that never reached the
+        router) has its log closed here, as a supervisor closes a dead one's."""
         super().end()
         for peer in sorted(self.channel.peers()):
             self.send(peer, {"t": "bye"})
+        for d in sorted(self.crashing - self.new_life_up) if self.deployment.rendezvous else ():
+            name = f"{DECODE} {d}"
+            if name not in self.given_up:  # (one given up had its log closed then)
+                close_dead_log(log_path(self.deployment, name), name)
+                report(ev="never_rejoined", role=DECODE, worker=d,
+                       epoch=self.epochs.get(name, 1))
 
     def finish(self) -> dict:
         self.environment.end()
