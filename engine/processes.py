@@ -1189,7 +1189,11 @@ class RouterProcess(Process):
             self.log.heard_from(after)
             self.part.decode_crashed(here)
             lost = here
-        for q in live:  # (sent when nothing was lost too: it ends the prefill's freeze)
+        # To every prefill up here, as the spec's DecodeCrash is every prefill's at once: one
+        # not waited for (a new life whose link the router had not heard of) may have seen
+        # the decode die and frozen its requests; and when nothing was lost too: the record
+        # ends that freeze.
+        for q in sorted(set(range(self.deployment.prefill_workers)) - set(self.down_prefills())):
             self.send(Peer(PREFILL, q), {"t": "crash", "decode": d, "requests": lost,
                                          "stamp": after})
         if restart:  # its new life's steps follow the crash
