@@ -327,7 +327,7 @@ ENVELOPES = {
     "down": (PREFILL, ROUTER, {"decode": "count", "stamp": "stamp"}, {"epoch": "count"}),
     "up": (PREFILL, ROUTER, {"decode": "count"}, {"epoch": "count"}),
     "crash": (ROUTER, PREFILL, {"decode": "count", "requests": "requests", "stamp": "stamp"},
-              {}),
+              {"epoch": "count"}),
     "token": (DECODE, ROUTER, {"request": "request", "token": "token", "last": "bool"}, {}),
     "pdown": (DECODE, ROUTER, {"prefill": "count", "stamp": "stamp"}, {}),
     "leaving": (None, ROUTER, {"holds": "requests"}, {}),
@@ -429,7 +429,11 @@ class Process:
         self.log = PartLog(log_path(deployment, self.part.name), self.part.name, self.model,
                            (restart["steps"], restart["clock"]) if restart else None)
         self.placement: dict[int, tuple[int, int]] = {}  # request -> (prefill, decode)
-        self.dead_decodes: set[int] = set()   # a prefill: decodes its detector declared down
+        # A prefill: decodes its detector declared down -> that life's epoch (their requests
+        # frozen until that life's crash record), and the newest life of each whose crash
+        # record came (a late verdict on it freezes nothing).
+        self.dead_decodes: dict[int, int] = {}
+        self.crash_recorded: dict[int, int] = {}
         self.ready_at: dict[int, float] = {}  # a prefill: when a request's compute is done
         self.payload: dict[int, object] = {}  # a worker: request -> its Payload (real path)
         self.data = None                      # its real data path (engine/process_data.py)
@@ -1195,7 +1199,7 @@ class RouterProcess(Process):
         # ends that freeze.
         for q in sorted(set(range(self.deployment.prefill_workers)) - set(self.down_prefills())):
             self.send(Peer(PREFILL, q), {"t": "crash", "decode": d, "requests": lost,
-                                         "stamp": after})
+                                         "stamp": after, "epoch": self.epochs.get(name, 1)})
         if restart:  # its new life's steps follow the crash
             self.fenced.pop(name, None)  # (a new life: fenced anew if it fails)
             self.ask_restart(DECODE, d, {"after": [after]})
@@ -1223,7 +1227,8 @@ class RouterProcess(Process):
         for q in sorted(set(range(self.deployment.prefill_workers))
                         - set(self.down_prefills())):
             self.send(Peer(PREFILL, q), {"t": "crash", "decode": d, "requests": [],
-                                         "stamp": self.log.stamp()})
+                                         "stamp": self.log.stamp(),
+                                         "epoch": self.epochs.get(name, 1)})
         if restart:
             self.fenced.pop(name, None)
             self.ask_restart(DECODE, d, {"after": [self.log.stamp()]})
@@ -1426,14 +1431,18 @@ class PrefillProcess(Process):
 
     def on_peer_down(self, peer: Peer, epoch: int) -> None:
         if peer.role == DECODE:
-            self.dead_decodes.add(peer.worker)
+            if epoch > self.crash_recorded.get(peer.worker, 0):  # (not a life already ended)
+                self.dead_decodes[peer.worker] = max(epoch, self.dead_decodes.get(peer.worker, 0))
             self.send(Peer(ROUTER, 0), {"t": "down", "decode": peer.worker, "epoch": epoch,
                                         "stamp": self.log.stamp()})
 
     def on_crash(self, peer: Peer, body: dict) -> None:
         self.log.heard_from(body["stamp"])
         self.part.decode_crashed(body["requests"])
-        self.dead_decodes.discard(body["decode"])   # its requests may act on the notice
+        d, epoch = body["decode"], body.get("epoch", self.dead_decodes.get(body["decode"], 0))
+        self.crash_recorded[d] = max(epoch, self.crash_recorded.get(d, 0))
+        if self.dead_decodes.get(d, 0) <= epoch:
+            self.dead_decodes.pop(d, None)   # its requests may act on the notice
         for r in body["requests"]:
             self.placement[r] = (self.placement.get(r, (self.part.worker, 0))[0], NONE)
 
