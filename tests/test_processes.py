@@ -73,6 +73,23 @@ def merged_run(folder: Path):
     return merged, verdict
 
 
+def until(ready, what: str, timeout_s: float = WAIT_S, poll_s: float = 0.002) -> None:
+    """Wait until `ready()` holds, at most `timeout_s` (an AssertionError naming `what`)."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, f"{what} never came within {timeout_s} s"
+        time.sleep(poll_s)
+
+
+def assert_validates(folder: Path, capsys):
+    """The folder's logs merge into one run that the checker and `kvproof validate` accept;
+    the merged run and its verdict."""
+    merged, verdict = merged_run(folder)
+    code, out, err = cli(capsys, "validate", str(folder))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+    return merged, verdict
+
+
 def assert_whole(stopped: dict) -> None:
     """Every process exited 0; every surviving pool is free; no write is left in flight."""
     for name, report in stopped.items():
@@ -756,23 +773,6 @@ def test_the_router_takes_a_fence_s_answer_only_for_the_life_it_fenced(tmp_path,
 
 
 # -- two faults at once ----------------------------------------------------------------------
-
-def until(ready, what: str, timeout_s: float = WAIT_S, poll_s: float = 0.002) -> None:
-    """Wait until `ready()` holds, at most `timeout_s` (an AssertionError naming `what`)."""
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        assert time.monotonic() < deadline, f"{what} never came within {timeout_s} s"
-        time.sleep(poll_s)
-
-
-def assert_validates(folder: Path, capsys):
-    """The folder's logs merge into one run that the checker and `kvproof validate` accept;
-    the merged run and its verdict."""
-    merged, verdict = merged_run(folder)
-    code, out, err = cli(capsys, "validate", str(folder))
-    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
-    return merged, verdict
-
 
 def _lives(path: Path) -> list[list[dict]]:
     """A prefill's steps, one list per life (a life ends at the next one's PrefillCrash)."""
