@@ -75,6 +75,10 @@ waiting client the answer a dead worker's log holds (`RouterProcess.recover_answ
 a prefill's next life sends again the last final word of each request that no decode heard
 (`PrefillProcess.recover`; each decode reports what it heard with its `pdown`).
 
+Each barrier waits only for the reports of the lives that were connected to the dead one
+(`RouterProcess.links`): with two faults at once, a decode's new life never saw a prefill
+that died before it started, nor a prefill's new life a decode that died before it.
+
 Timers are off but that one: no lease, no other timeouts, no resends (none is needed
 without losses; a lost message is only what a crash loses, and the crash ends those
 requests or the dead worker's log gives it again, above).
@@ -97,7 +101,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from engine.channel import (
-    ENVELOPE, Channel, ChannelConfig, Delivered, Message, Peer, PeerDown, PeerUp,
+    ENVELOPE, Channel, ChannelConfig, ChannelError, Delivered, Message, Peer, PeerDown, PeerUp,
 )
 from spec import codec, core
 from spec.core import NONE, Refusal
@@ -345,10 +349,10 @@ ENVELOPES = {
                                 "stamp": "stamp"}, {}),
     "completed": (ROUTER, PREFILL, {"request": "request", "write": "write", "stamp": "stamp"},
                   {}),
-    "down": (PREFILL, ROUTER, {"decode": "count", "stamp": "stamp"}, {}),
-    "up": (PREFILL, ROUTER, {"decode": "count"}, {}),
+    "down": (PREFILL, ROUTER, {"decode": "count", "stamp": "stamp"}, {"epoch": "count"}),
+    "up": (PREFILL, ROUTER, {"decode": "count"}, {"epoch": "count"}),
     "crash": (ROUTER, PREFILL, {"decode": "count", "requests": "requests", "stamp": "stamp"},
-              {}),
+              {"epoch": "count"}),
     "token": (DECODE, ROUTER, {"request": "request", "token": "token", "last": "bool"}, {}),
     "pdown": (DECODE, ROUTER, {"prefill": "count", "stamp": "stamp", "heard": "counts"}, {}),
     "leaving": (None, ROUTER, {"holds": "requests"}, {}),
@@ -358,6 +362,8 @@ ENVELOPES = {
     "restarted": (PREFILL, ROUTER, {"lost": "requests", "stamp": "stamp"}, {}),
     "prefill_back": (ROUTER, DECODE, {"prefill": "count", "lost": "requests", "stamp": "stamp"},
                      {}),
+    "dial": (ROUTER, PREFILL, {"decode": "count", "epoch": "count", "host": "host",
+                               "port": "count"}, {}),
 }
 
 
@@ -416,6 +422,7 @@ def _envelope_value_problem(m: Model, value_kind: str, value) -> str:
         "payload": lambda: isinstance(value, list) and 2 <= len(value) <= 3
         and ints(value[0]) and count(value[1]) and (len(value) == 2 or ints(value[2])),
         "data": lambda: type(value) is int or ints(value),
+        "host": lambda: isinstance(value, str) and 0 < len(value) <= 255,
     }[value_kind]()
     return "" if ok else f"must be a {value_kind.replace('_', ' ')}, got {_short(value)}"
 
@@ -452,7 +459,11 @@ class Process:
         self.log = PartLog(log_path(deployment, self.part.name), self.part.name, self.model,
                            (restart["steps"], restart["clock"]) if restart else None)
         self.placement: dict[int, tuple[int, int]] = {}  # request -> (prefill, decode)
-        self.dead_decodes: set[int] = set()   # a prefill: decodes its detector declared down
+        # A prefill: decodes its detector declared down -> that life's epoch (their requests
+        # frozen until that life's crash record), and the newest life of each whose crash
+        # record came (a late verdict on it freezes nothing).
+        self.dead_decodes: dict[int, int] = {}
+        self.crash_recorded: dict[int, int] = {}
         self.ready_at: dict[int, float] = {}  # a prefill: when a request's compute is done
         self.payload: dict[int, object] = {}  # a worker: request -> its Payload (real path)
         self.data = None                      # its real data path (engine/process_data.py)
@@ -601,10 +612,10 @@ class Process:
         """What the data path adds to a part's message (none on the modelled path)."""
         return {}
 
-    def on_peer_down(self, peer: Peer) -> None:
+    def on_peer_down(self, peer: Peer, epoch: int) -> None:
         """Another process's epoch is down (what each role does: its override)."""
 
-    def on_peer_up(self, peer: Peer) -> None:
+    def on_peer_up(self, peer: Peer, epoch: int) -> None:
         """A process connected here (a restarted prefill, to the router: its override)."""
 
     def envelope_problem(self, peer: Peer, body) -> str:
@@ -691,9 +702,33 @@ class Process:
         """A command from stdin other than stop and exit: "dial" (a restarted process's
         port, from the launcher), or serving's (the router's)."""
         if command.get("do") == "dial":
-            self.channel.connect(command["port"], command.get("host", "127.0.0.1"))
+            peer = Peer(command["role"], command["worker"]) if "role" in command else None
+            self.dial(command["port"], command.get("host", "127.0.0.1"), peer,
+                      command.get("epoch"))
             return
         raise ValueError(f"{self.part.name}: no command {command.get('do')!r}")
+
+    def dial(self, port: int, host: str = "127.0.0.1", peer: Peer | None = None,
+             epoch: int | None = None) -> bool:
+        """Connect to a peer this process was told to dial (`peer` and its `epoch`, when
+        the launcher named them); whether it connected. A peer that cannot be reached (it
+        died since it was named, or a partition) is reported and skipped, never fatal:
+        `on_dial_failed` says what the role makes of it."""
+        try:
+            self.channel.connect(port, host)
+            return True
+        except ChannelError as error:
+            self.dial_failed(peer, epoch, str(error), port=port, host=host)
+            return False
+
+    def dial_failed(self, peer: Peer | None, epoch: int | None, why: str, **where) -> None:
+        report(ev="dial_failed", peer=str(peer) if peer else None, epoch=epoch, reason=why,
+               **where)
+        if peer is not None and epoch is not None:
+            self.on_dial_failed(peer, epoch, why)
+
+    def on_dial_failed(self, peer: Peer, epoch: int, why: str) -> None:
+        """A named peer's life could not be reached (its role's override)."""
 
     def pool_report(self) -> dict:
         """Its pool's occupancy, as /v1/kvproof/state shows it (a worker's)."""
@@ -714,6 +749,17 @@ class Process:
                         break
 
 
+@dataclass(frozen=True)
+class Fence:
+    """A worker's life the router cut off and waits on: its epoch, and for one that joined
+    at a rendezvous (it fences itself) when its own fence is done at the latest (monotonic
+    s; None: its launcher kills that epoch and answers)."""
+
+    epoch: int
+    deadline_s: float | None
+    reason: str = ""
+
+
 class RouterProcess(Process):
     """The router, the serving edge, and the environment's log."""
 
@@ -725,16 +771,25 @@ class RouterProcess(Process):
         self.random = random.Random(deployment.seed)
         self.arrived = 0
         self.next_arrival_s = 0.0
+        self.refused: dict[int, str] = {}        # request -> why it never arrived
         self.dead: set[int] = set()              # decodes declared down here
         self.tokens: dict[int, list] = {}        # request -> the tokens streamed so far
         self.token_counts: dict[int, int] = {}   # request -> tokens (None too) heard here
         self.arrived_at: dict[int, float] = {}   # request -> its Arrive (monotonic s)
         self.token_at: dict[int, list] = {}      # request -> when each token came here
         self.crash_reports: dict[int, dict] = {}  # decode -> {prefill: its last step}
-        # A restarted decode's new life: the router's own connection to it is up, and the
-        # prefills that connected to it ("up"); it is placed on once every live prefill has.
+        # Which prefill lives are connected to which decode life, as far as the router
+        # knows: decode -> prefills. Every prefill dialled every decode before the router
+        # started; a decode's new life is linked to a prefill once that prefill says so
+        # ("up", naming the decode's epoch), a dead prefill to nothing. A barrier waits only
+        # for the reports of lives linked to the dead one: a life that never reached it
+        # cannot see it die (two faults at once: engine/README.md).
+        self.links: dict[int, set[int]] = {
+            d: set(range(deployment.prefill_workers)) for d in range(deployment.decode_workers)}
+        self.prefill_waits: dict[int, set[int]] = {}  # dead prefill -> decodes it waits on
+        # A restarted decode's new life: the router's own connection to it is up; it is
+        # placed on once every live prefill is linked to it.
         self.new_life_up: set[int] = set()
-        self.dialled_by: dict[int, set[int]] = {}
         self.crashes_logged: list[int] = []
         self.payloads: dict[int, list] = {}      # serving: request -> its payload
         self.live: set[int] = set()              # serving: arrived, not answered yet
@@ -752,22 +807,25 @@ class RouterProcess(Process):
         self.crashing: set[int] = set()           # decodes whose crash is being recorded
         self.leaving: set[str] = set()            # workers draining (SIGTERM): none placed
         self.gone: set[str] = set()               # workers that drained and left cleanly
-        # Fences (`fence`): a worker cut off here, until it can write no more (its launcher
-        # killed it, or, one that joined at a rendezvous, the bound of its own fence passed:
-        # the deadline), then fenced until a new life of it is up.
-        self.fencing: dict[str, float | None] = {}
-        self.fenced: set[str] = set()
+        # Fences (`fence`): a worker's life cut off here, until it can write no more (its
+        # launcher killed that epoch, or, one that joined at a rendezvous, the bound of its
+        # own fence passed), then fenced until a new life of it is up.
+        self.fencing: dict[str, Fence] = {}
+        self.fenced: dict[str, Fence] = {}
+        self.given_up: dict[str, str] = {}        # decodes dead for good -> why
 
     # -- serving: requests from stdin, tokens and answers on stdout ----------------------
 
     def command(self, command: dict) -> None:
-        if command["do"] == "fenced":  # the launcher killed it (Launched.fence)
-            self.on_fenced(Peer(command["role"], command["worker"]))
+        if command["do"] == "fenced":  # the launcher killed that life (Launched.fence)
+            self.on_fenced(Peer(command["role"], command["worker"]), command["epoch"])
         elif command["do"] == "partition":  # fault injection, for tests only: the link
             # to one worker cut here, as a partition between the two would
             self.channel.cut(Peer(command["role"], command["worker"]),
                              "fault injection: a partition between the router and it")
-        elif command["do"] == "dial" or not self.deployment.serving_requests_max:
+        elif command["do"] == "dial":
+            self.dial_life(command)
+        elif not self.deployment.serving_requests_max:
             super().command(command)
         elif command["do"] == "arrive":
             self.arrive(command)
@@ -775,6 +833,21 @@ class RouterProcess(Process):
             self.abort(command["request"])
         else:
             super().command(command)
+
+    def dial_life(self, command: dict) -> None:
+        """Dial a worker's new life (the launcher's word, with its address). A decode that
+        joined at a rendezvous is dialled by the prefills too, which take no command on
+        stdin: the router passes its address on to each prefill connected here."""
+        super().command(command)
+        if command.get("role") != DECODE or not self.deployment.rendezvous:
+            return
+        d = command["worker"]
+        if self.channel.epoch_of(Peer(DECODE, d)) != command["epoch"]:
+            return  # (not reached: fenced as a new life the router cannot reach)
+        for q in sorted(set(range(self.deployment.prefill_workers)) - set(self.down_prefills())):
+            self.send(Peer(PREFILL, q), {"t": "dial", "decode": d, "epoch": command["epoch"],
+                                         "host": command.get("host", "127.0.0.1"),
+                                         "port": command["port"]})
 
     def arrive(self, command: dict) -> None:
         """A request from the serving edge: placed on a prefill and a live decode (seeded),
@@ -784,8 +857,8 @@ class RouterProcess(Process):
         prefills = self.live_prefills()
         if r in self.arrived_at or not 0 <= r < self.deployment.serving_requests_max or not live:
             report(ev="answer", request=r, outcome="ErrDecode",
-                   detail="no live decode worker" if not live else "a request number "
-                   "this deployment cannot take")
+                   detail=(self.no_decode_for_good() or "no live decode worker") if not live
+                   else "a request number this deployment cannot take")
             return
         if not prefills:
             report(ev="answer", request=r, outcome="ErrPrefill",
@@ -831,10 +904,17 @@ class RouterProcess(Process):
             pass
 
     def arrive_due(self) -> bool:
-        """The workload's next arrival, if it is due; whether it arrived."""
+        """The workload's next arrival, if it is due; whether it arrived (or was refused:
+        no decode is live and none can come back, `no_decode_for_good`)."""
         now = time.monotonic()
         prefills = self.live_prefills()
         live = self.live_decodes()
+        why = self.no_decode_for_good()
+        if self.arrived < len(self.deployment.prompts) and now >= self.next_arrival_s and why:
+            self.refused[self.arrived] = why  # (no Arrive: the spec never hears of it)
+            report(ev="arrival_refused", request=self.arrived, reason=why)
+            self.arrived += 1
+            return True
         if self.arrived < len(self.deployment.prompts) and now >= self.next_arrival_s \
                 and prefills and live:  # (while none is up, arrivals wait for a restart)
             r = self.arrived
@@ -885,7 +965,8 @@ class RouterProcess(Process):
         if self.deployment.serving_requests_max:
             return False
         return self.arrived == len(self.deployment.prompts) and all(
-            row[core.CLIENT] in FINAL_CLIENT for row in self.part.rows.values())
+            row[core.CLIENT] in FINAL_CLIENT for r, row in self.part.rows.items()
+            if r not in self.refused)
 
     def outcomes(self) -> list[str]:
         return [core.CLIENT_NAMES[self.part.rows[r][core.CLIENT]]
@@ -907,17 +988,33 @@ class RouterProcess(Process):
         self.send(Peer(PREFILL, self.placement[write[0]][0]),
                   {"t": "completed", "request": write[0], "write": list(write), "stamp": stamp})
 
-    def on_peer_down(self, peer: Peer) -> None:
-        if str(peer) in self.gone:
-            return  # it drained and left (SIGTERM): no crash
+    def on_peer_down(self, peer: Peer, epoch: int) -> None:
+        if str(peer) in self.gone or epoch != self.epochs.get(str(peer), 1):
+            return  # it drained and left (SIGTERM): no crash; or an earlier life, dealt with
         if peer.role == DECODE:
             self.dead.add(peer.worker)
             self.crash_reports.setdefault(peer.worker, {})
             self.fence(peer, "its router declared it down")
         elif peer.role == PREFILL:
-            self.dead_prefills.add(peer.worker)
-            self.prefill_reports.setdefault(peer.worker, {})
+            q = peer.worker
+            self.dead_prefills.add(q)
+            self.prefill_reports.setdefault(q, {})
+            # Its barrier waits for the decode lives it was linked to; its next life is
+            # linked to none until it says so.
+            self.prefill_waits[q] = {d for d, linked in self.links.items() if q in linked}
+            for linked in self.links.values():
+                linked.discard(q)
             self.fence(peer, "its router declared it down")
+            self.barriers_again()
+
+    def barriers_again(self) -> None:
+        """A prefill died or came back: a decode's crash waits for one report fewer, and a
+        decode's new life for one link fewer or more."""
+        for d in sorted(self.crash_reports):
+            if d in self.dead and d not in self.crashing:
+                self.record_crash(d)
+        for d in sorted(self.crashing):
+            self.back_up(d)
 
     def fence(self, peer: Peer, why: str) -> None:
         """Make sure a worker declared down here can do nothing more that counts, before its
@@ -927,33 +1024,37 @@ class RouterProcess(Process):
         rendezvous, by itself (it fences itself once it loses its router:
         Process.on_channel_down) within `fence_wait_s`. A dead worker is fenced at no cost;
         a live one (partitioned from the router or from a peer, hung, stopped) is made
-        dead, so that a partition follows the crash's path (`on_fenced`)."""
+        dead, so that a partition follows the crash's path (`on_fenced`). The fence names
+        the life it fences (its epoch): a kill meant for one life never reaches the next."""
         name = str(peer)
         if name in self.fencing or name in self.fenced:
             return
         external = bool(self.deployment.rendezvous)
-        self.fencing[name] = (time.monotonic() + self.deployment.fence_wait_s()
-                              if external else None)
+        fence = self.fencing[name] = Fence(self.epochs.get(name, 1), time.monotonic()
+                                           + self.deployment.fence_wait_s() if external else None,
+                                           why)
         self.channel.cut(peer, f"fenced: {why}")
-        report(ev="fence", role=peer.role, worker=peer.worker, reason=why, at_s=time.time())
+        report(ev="fence", role=peer.role, worker=peer.worker, epoch=fence.epoch, reason=why,
+               at_s=time.time())
 
     def fences_due(self) -> None:
         """The fences of workers that joined at a rendezvous whose bound has passed."""
         now = time.monotonic()
-        for name, deadline in sorted(self.fencing.items()):
-            if deadline is not None and now >= deadline:
+        for name, fence in sorted(self.fencing.items()):
+            if fence.deadline_s is not None and now >= fence.deadline_s:
                 role, _, worker = name.partition(" ")
-                self.on_fenced(Peer(role, int(worker)))
+                self.on_fenced(Peer(role, int(worker)), fence.epoch)
 
-    def on_fenced(self, peer: Peer) -> None:
-        """The worker writes nothing more: its crash's path goes on."""
+    def on_fenced(self, peer: Peer, epoch: int) -> None:
+        """That life of the worker writes nothing more: its crash's path goes on."""
         name = str(peer)
-        if name not in self.fencing or self.stopped:
-            return  # (not being fenced, or the router ended its logs: a late answer)
-        del self.fencing[name]
-        self.fenced.add(name)
-        report(ev="fenced", role=peer.role, worker=peer.worker, at_s=time.time())
-        if peer.role == DECODE:
+        if name not in self.fencing or self.fencing[name].epoch != epoch or self.stopped:
+            return  # (not being fenced, another life's, or the router ended its logs)
+        self.fenced[name] = self.fencing.pop(name)
+        report(ev="fenced", role=peer.role, worker=peer.worker, epoch=epoch, at_s=time.time())
+        if peer.role == DECODE and peer.worker in self.crashing:
+            self.new_life_failed(peer.worker)
+        elif peer.role == DECODE:
             self.record_crash(peer.worker)
         else:
             self.record_prefill_crash(peer.worker)
@@ -966,13 +1067,15 @@ class RouterProcess(Process):
         a request placed there before the crash step would be one the crash ended)."""
         self.log.heard_from(body["stamp"])
         self.restarting.discard(peer.worker)
-        self.fenced.discard(str(peer))
+        self.fenced.pop(str(peer), None)
         self.dead_prefills.discard(peer.worker)
         self.prefill_reports.pop(peer.worker, None)
+        self.prefill_waits.pop(peer.worker, None)
         for d in range(self.deployment.decode_workers):
             if d not in self.dead:
                 self.send(Peer(DECODE, d), {"t": "prefill_back", "prefill": peer.worker,
                                             "lost": body["lost"], "stamp": body["stamp"]})
+        self.barriers_again()
 
     def on_leaving(self, peer: Peer, body: dict) -> None:
         """A worker drains (SIGTERM): nothing more is placed there, and it hears so after
@@ -986,33 +1089,45 @@ class RouterProcess(Process):
         """It finished what it held and ended its log: its going is no crash."""
         self.gone.add(str(peer))
 
+    def no_decode_for_good(self) -> str:
+        """Why no decode can take a request again ("" while one is live or may come back:
+        a restart): each one given up or leaving."""
+        names = [f"{DECODE} {d}" for d in range(self.deployment.decode_workers)]
+        if not all(n in self.given_up or n in self.leaving for n in names):
+            return ""
+        return "no live decode worker: " + "; ".join(
+            self.given_up.get(n, f"{n} left (drained)") for n in names)
+
     def live_decodes(self) -> list[int]:
         return [d for d in range(self.deployment.decode_workers)
                 if d not in self.dead and f"{DECODE} {d}" not in self.leaving]
 
-    def on_peer_up(self, peer: Peer) -> None:
+    def on_peer_up(self, peer: Peer, epoch: int) -> None:
         """A decode's new life connected here (`back_up` says when it is placed on)."""
         if peer.role == DECODE and peer.worker in self.crashing:
             self.new_life_up.add(peer.worker)
             self.back_up(peer.worker)
 
     def on_up(self, peer: Peer, body: dict) -> None:
-        """A prefill connected to a decode's new life."""
-        self.dialled_by.setdefault(body["decode"], set()).add(peer.worker)
-        self.back_up(body["decode"])
+        """A prefill is connected to a decode's life: linked, if that is the decode's
+        current life (a late word about an earlier one links nothing)."""
+        d = body["decode"]
+        if body.get("epoch", self.epochs.get(f"{DECODE} {d}", 1)) \
+                == self.epochs.get(f"{DECODE} {d}", 1):
+            self.links[d].add(peer.worker)
+        self.back_up(d)
 
     def back_up(self, d: int) -> None:
-        """A decode's new life is up once it is connected here and every live prefill has
-        connected to it: requests may go there again (every Arrive the router takes from now
-        on follows the crash it logged). Not before: its page table to a prefill that has
-        not dialled it yet would be lost (nothing is sent again: requests would hang)."""
+        """A decode's new life is up once it is connected here and linked to every live
+        prefill: requests may go there again (every Arrive the router takes from now on
+        follows the crash it logged). Not before: its page table to a prefill that has not
+        dialled it yet would be lost (nothing is sent again: requests would hang)."""
         if (d not in self.crashing or d not in self.new_life_up
-                or not set(self.live_prefills()) <= self.dialled_by.get(d, set())):
+                or not set(self.live_prefills()) <= self.links[d]):
             return
         self.crashing.discard(d)
         self.new_life_up.discard(d)
-        self.dialled_by.pop(d, None)
-        self.fenced.discard(f"{DECODE} {d}")
+        self.fenced.pop(f"{DECODE} {d}", None)
         self.dead.discard(d)
         self.crash_reports.pop(d, None)
 
@@ -1040,8 +1155,8 @@ class RouterProcess(Process):
         answers the cancels (PrefillProcess). On the real data path the new life has no
         data path (the gloo world cannot take a rank back) and no request goes there."""
         reports = self.prefill_reports[q]
-        live = {d for d in range(self.deployment.decode_workers)  # (one that left sees
-                if d not in self.dead and f"{DECODE} {d}" not in self.gone}  # nothing)
+        live = {d for d in self.prefill_waits.get(q, ())  # (one that left sees nothing)
+                if d not in self.dead and f"{DECODE} {d}" not in self.gone}
         if (q not in self.dead_prefills or f"{PREFILL} {q}" not in self.fenced
                 or not live <= set(reports) or q in self.restarting):
             return
@@ -1066,8 +1181,7 @@ class RouterProcess(Process):
                   for r, (p, d) in sorted(self.placement.items()) if p == q]
         self.recover_answers(name)
         self.ask_restart(PREFILL, q, {
-            "decodes": len(live), "placed": placed,
-            "heard": sorted(self.prefill_heard.pop(q, set())),
+            "placed": placed, "heard": sorted(self.prefill_heard.pop(q, set())),
             "after": [self.log.stamp(), self.environment.clock.last(), *reports.values()]})
 
     def may_restart(self, role: str, worker: int) -> bool:
@@ -1075,12 +1189,17 @@ class RouterProcess(Process):
         only on the modelled data path (a decode with no data path could serve nothing;
         a prefill's new life without one still ends what its old one held)."""
         name = f"{role} {worker}"
-        if role == DECODE and (self.deployment.model_dir or self.deployment.rendezvous
-                               or name in self.leaving):
-            return False  # (a decode that joined at a rendezvous: its prefills could not
-            #               learn its new address)
+        if role == DECODE and (self.deployment.model_dir or name in self.leaving):
+            return False
         if self.restarts.count(name) >= self.deployment.restarts_max:
-            report(ev="gave_up", role=role, worker=worker, restarts=self.restarts.count(name))
+            last = self.fenced.get(name)
+            why = (f"{name} died in each of its {self.restarts.count(name) + 1} lives "
+                   f"(restarts_max {self.deployment.restarts_max}); its last life, epoch "
+                   f"{self.epochs.get(name, 1)}, was fenced: {last.reason if last else '?'}")
+            if role == DECODE:
+                self.given_up[name] = why  # (it stays dead: placed on no more)
+            report(ev="gave_up", role=role, worker=worker, restarts=self.restarts.count(name),
+                   reason=why)
             return False
         return True
 
@@ -1100,6 +1219,12 @@ class RouterProcess(Process):
         Not a decode that drains (SIGTERM): its going closes the link too, its `left` may
         come after this report, and a partitioned one ends by its drain's bound."""
         d = body["decode"]
+        current = self.epochs.get(f"{DECODE} {d}", 1)
+        if body.get("epoch", current) != current:
+            return  # (about a life whose crash is recorded: its new life is another peer)
+        if d in self.crashing:  # its new life, not placed on yet, which q cannot reach
+            self.fence(Peer(DECODE, d), f"{peer} could not reach its new life")
+            return
         self.crash_reports.setdefault(d, {})[peer.worker] = body["stamp"]
         if d not in self.dead and f"{DECODE} {d}" not in self.leaving:
             self.dead.add(d)
@@ -1110,16 +1235,16 @@ class RouterProcess(Process):
         """DecodeCrash(d), once the router and every live prefill have seen it (the module's
         docstring says why)."""
         reports = self.crash_reports[d]
-        live = set(range(self.deployment.prefill_workers)) - set(self.down_prefills())
+        live = self.links[d] - set(self.down_prefills())  # (linked to the dead life)
         if (d not in self.dead or f"{DECODE} {d}" not in self.fenced
                 or not live <= set(reports) or d in self.crashing):
             return
         self.crashing.add(d)
-        self.dialled_by[d] = set()  # (its new life's connections are counted from now)
+        self.links[d] = set()  # (its new life is linked to none yet)
         self.new_life_up.discard(d)
         self.crashes_logged.append(d)
-        for reports in self.prefill_reports.values():
-            reports.pop(d, None)  # (its pdown reports: its next life must give its own)
+        for waits in self.prefill_waits.values():
+            waits.discard(d)  # (its next life never saw a prefill that died before it)
         name = f"{DECODE} {d}"
         restart = self.may_restart(DECODE, d)
         # A decode that gets a new life goes on with its log (the launcher cuts its torn
@@ -1128,17 +1253,23 @@ class RouterProcess(Process):
             log_path(self.deployment, name), name)
         self.recover_answers(name)
         here = [r for r, (_, dd) in self.placement.items() if dd == d]
-        after = self.log.stamp()
+        after, lost = self.log.stamp(), []
         if any(self.part.rows[r][core.CLIENT] == core.WAITING for r in here):
             # (a crash that lost no request is no step of the spec: nothing is logged)
             causes = [[name, steps, clock], self.log.stamp(), *reports.values()]
             after = self.environment_step(core.DecodeCrash(d), causes)
             self.log.heard_from(after)
             self.part.decode_crashed(here)
-            for q in live:
-                self.send(Peer(PREFILL, q), {"t": "crash", "decode": d, "requests": here,
-                                             "stamp": after})
+            lost = here
+        # To every prefill up here, as the spec's DecodeCrash is every prefill's at once: one
+        # not waited for (a new life whose link the router had not heard of) may have seen
+        # the decode die and frozen its requests; and when nothing was lost too: the record
+        # ends that freeze.
+        for q in sorted(set(range(self.deployment.prefill_workers)) - set(self.down_prefills())):
+            self.send(Peer(PREFILL, q), {"t": "crash", "decode": d, "requests": lost,
+                                         "stamp": after, "epoch": self.epochs.get(name, 1)})
         if restart:  # its new life's steps follow the crash
+            self.fenced.pop(name, None)  # (a new life: fenced anew if it fails)
             self.ask_restart(DECODE, d, {"after": [after]})
         for q in sorted(self.dead_prefills):  # a prefill's barrier waits for one fewer
             self.record_prefill_crash(q)
@@ -1167,6 +1298,33 @@ class RouterProcess(Process):
                 report(ev="recovered_answer", request=r, part=name, step=x["a"],
                        outcome=core.CLIENT_NAMES[self.part.rows[r][core.CLIENT]])
 
+    def on_dial_failed(self, peer: Peer, epoch: int, why: str) -> None:
+        """The router could not reach a decode's new life: fenced as one a prefill cannot
+        reach (a prefill's new life it cannot reach is not handled: a gap)."""
+        if peer.role == DECODE and peer.worker in self.crashing \
+                and epoch == self.epochs.get(str(peer), 1):
+            self.fence(peer, f"its router could not reach its new life: {why}")
+
+    def new_life_failed(self, d: int) -> None:
+        """Decode d's new life was fenced before it was placed on (it died, or a prefill
+        could not reach it: a partition that outlasted the restart): it holds no request,
+        so no crash step is logged and no barrier is waited for. It gets another life, or,
+        after `restarts_max`, is given up (its log closed here, placed on no more); the
+        prefills hear an empty crash record, which ends any freeze of it there."""
+        name = f"{DECODE} {d}"
+        self.new_life_up.discard(d)
+        self.links[d] = set()
+        restart = self.may_restart(DECODE, d)
+        (cut_dead_log if restart else close_dead_log)(log_path(self.deployment, name), name)
+        for q in sorted(set(range(self.deployment.prefill_workers))
+                        - set(self.down_prefills())):
+            self.send(Peer(PREFILL, q), {"t": "crash", "decode": d, "requests": [],
+                                         "stamp": self.log.stamp(),
+                                         "epoch": self.epochs.get(name, 1)})
+        if restart:
+            self.fenced.pop(name, None)
+            self.ask_restart(DECODE, d, {"after": [self.log.stamp()]})
+
     def down_prefills(self) -> list[int]:
         up = self.channel.peers()
         return [q for q in range(self.deployment.prefill_workers)
@@ -1174,10 +1332,18 @@ class RouterProcess(Process):
 
     def end(self) -> None:
         """Its log ended, then each worker hears its bye: one that joined at a rendezvous
-        ends with it (drains) rather than fence itself."""
+        ends with it (drains) rather than fence itself. A decode that joined at a
+        rendezvous whose next life its operator never started (or that never reached the
+        router) has its log closed here, as a supervisor closes a dead one's."""
         super().end()
         for peer in sorted(self.channel.peers()):
             self.send(peer, {"t": "bye"})
+        for d in sorted(self.crashing - self.new_life_up) if self.deployment.rendezvous else ():
+            name = f"{DECODE} {d}"
+            if name not in self.given_up:  # (one given up had its log closed then)
+                close_dead_log(log_path(self.deployment, name), name)
+                report(ev="never_rejoined", role=DECODE, worker=d,
+                       epoch=self.epochs.get(name, 1))
 
     def finish(self) -> dict:
         self.environment.end()
@@ -1195,6 +1361,7 @@ class PrefillProcess(Process):
             from engine.process_data import PrefillData
             self.data = PrefillData(deployment, worker, self.channel.wake)
         self.posted_at: dict[int, float] = {}  # request -> when its last write was posted
+        self.partitioned: set[int] = set()  # decodes behind a lasting partition (a hook)
         self.recovering = restart is not None
         self.unheard_words: list = []  # a new life: (step, word) to send again (`recover`)
         if restart is not None:
@@ -1236,14 +1403,13 @@ class PrefillProcess(Process):
                               if x["k"] not in heard and word[0] in self.placement]
 
     def settle(self) -> None:
-        """A new life takes its PrefillCrash first, once the router and every decode it
-        dialled are connected: the crash's answers go to the router, and then its notice
-        that it is back, which the router passes on to each decode (so every lost client
-        has its answer here before a decode can time the request out)."""
+        """A new life takes its PrefillCrash first, once the router is connected (it dialled
+        the decodes before it listened: each one it could reach is connected already; one
+        that died meanwhile is not waited for): the crash's answers go to the router, and
+        then its notice that it is back, which the router passes on to each decode (so
+        every lost client has its answer here before a decode can time the request out)."""
         if self.recovering:
-            up = self.channel.peers()
-            decodes = [p for p in up if p.role == DECODE]
-            if Peer(ROUTER, 0) not in up or len(decodes) < self.restart["decodes"]:
+            if self.channel.epoch_of(Peer(ROUTER, 0)) is None:
                 return
             self.recovering = False
             lost = sorted(r for r in self.placement if self.part.rows[r][core.PST]
@@ -1326,35 +1492,69 @@ class PrefillProcess(Process):
         prefill's connection to decode d's current epoch, as a one-link partition would (the
         decode learns it from the closed connection, this prefill from its own verdict).
         This prefill never dials a decode on its own and its channel refuses that epoch
-        from then on, so the link stays cut; a new life of the decode is a new peer."""
+        from then on, so the link stays cut; a new life of the decode is a new peer. With
+        "lasting": true the partition outlasts the decode's restarts: no later life of it
+        is reached when the launcher says to dial it (`dial`)."""
         if command.get("do") == "partition":
             self.channel.cut(Peer(DECODE, command["decode"]),
                              "fault injection: a partition between this prefill and it")
+            if command.get("lasting"):  # every later life of that decode is out of reach
+                self.partitioned.add(command["decode"])
             return
         super().command(command)
+
+    def dial(self, port: int, host: str = "127.0.0.1", peer: Peer | None = None,
+             epoch: int | None = None) -> bool:
+        """A decode behind a lasting partition (the fault-injection hook) is not reached."""
+        if peer is not None and peer.role == DECODE and peer.worker in self.partitioned:
+            self.dial_failed(peer, epoch, "fault injection: a lasting partition between "
+                             "this prefill and it", port=port, host=host)
+            return False
+        return super().dial(port, host, peer, epoch)
+
+    def on_dial_failed(self, peer: Peer, epoch: int, why: str) -> None:
+        """A decode's life this prefill was told to dial cannot be reached: the router hears
+        it as that life down (it fences it: RouterProcess.on_down)."""
+        if peer.role == DECODE:
+            self.send(Peer(ROUTER, 0), {"t": "down", "decode": peer.worker, "epoch": epoch,
+                                        "stamp": self.log.stamp()})
 
     def on_completed(self, peer: Peer, body: dict) -> None:
         self.log.heard_from(body["stamp"])
         self.part.completed(_tuples(body["write"]))
 
-    def on_peer_up(self, peer: Peer) -> None:
-        """A decode connected (this prefill dialled it): a restarted decode's new life is
-        placed on only once every live prefill has told the router so (RouterProcess.
-        back_up). At startup the router connects after every prefill has dialled: nothing to
-        tell."""
-        if peer.role == DECODE and self.channel.epoch_of(Peer(ROUTER, 0)) is not None:
-            self.send(Peer(ROUTER, 0), {"t": "up", "decode": peer.worker})
+    def on_dial(self, peer: Peer, body: dict) -> None:
+        """The router's word to dial a decode's new life (one that joined at a rendezvous:
+        RouterProcess.dial_life)."""
+        self.dial(body["port"], body["host"], Peer(DECODE, body["decode"]), body["epoch"])
 
-    def on_peer_down(self, peer: Peer) -> None:
+    def on_peer_up(self, peer: Peer, epoch: int) -> None:
+        """A decode connected (this prefill dialled it), or the router did: the router hears
+        of every link to a decode's life (`up`, with its epoch), once it is connected here
+        (a new life of this prefill dials the decodes first). A restarted decode's new life
+        is placed on only once every live prefill is linked to it (RouterProcess.back_up),
+        and a barrier waits only for linked lives (RouterProcess.links)."""
+        if peer.role == ROUTER:
+            for decode, decode_epoch in sorted(self.channel.peers().items()):
+                if decode.role == DECODE:
+                    self.send(peer, {"t": "up", "decode": decode.worker, "epoch": decode_epoch})
+        elif peer.role == DECODE and self.channel.epoch_of(Peer(ROUTER, 0)) is not None:
+            self.send(Peer(ROUTER, 0), {"t": "up", "decode": peer.worker, "epoch": epoch})
+
+    def on_peer_down(self, peer: Peer, epoch: int) -> None:
         if peer.role == DECODE:
-            self.dead_decodes.add(peer.worker)
-            self.send(Peer(ROUTER, 0), {"t": "down", "decode": peer.worker,
+            if epoch > self.crash_recorded.get(peer.worker, 0):  # (not a life already ended)
+                self.dead_decodes[peer.worker] = max(epoch, self.dead_decodes.get(peer.worker, 0))
+            self.send(Peer(ROUTER, 0), {"t": "down", "decode": peer.worker, "epoch": epoch,
                                         "stamp": self.log.stamp()})
 
     def on_crash(self, peer: Peer, body: dict) -> None:
         self.log.heard_from(body["stamp"])
         self.part.decode_crashed(body["requests"])
-        self.dead_decodes.discard(body["decode"])   # its requests may act on the notice
+        d, epoch = body["decode"], body.get("epoch", self.dead_decodes.get(body["decode"], 0))
+        self.crash_recorded[d] = max(epoch, self.crash_recorded.get(d, 0))
+        if self.dead_decodes.get(d, 0) <= epoch:
+            self.dead_decodes.pop(d, None)   # its requests may act on the notice
         for r in body["requests"]:
             self.placement[r] = (self.placement.get(r, (self.part.worker, 0))[0], NONE)
 
@@ -1417,7 +1617,7 @@ class DecodeProcess(Process):
             return False
         return super().send(peer, body)
 
-    def on_peer_down(self, peer: Peer) -> None:
+    def on_peer_down(self, peer: Peer, epoch: int) -> None:
         """A prefill is down: this decode lands none of its writes from now on (nothing of
         a dead epoch is taken), and tells the router after every landing it took."""
         if peer.role == PREFILL:
@@ -1561,9 +1761,9 @@ def _pump(process: Process, timeout_s: float) -> bool:
         report(ev="peer_down", peer=str(event.peer), reason=event.reason, at_s=time.time())
         if event.peer.role == ROUTER and process.router_ended:
             process.router_gone = True
-        process.on_peer_down(event.peer)
+        process.on_peer_down(event.peer, event.epoch)
     elif type(event) is PeerUp:
-        process.on_peer_up(event.peer)
+        process.on_peer_up(event.peer, event.epoch)
     return event is not None
 
 
@@ -1623,9 +1823,9 @@ def main(setup: dict, on_listening=None, stdin: bool = True) -> int:
     todo = stdin_commands() if stdin else queue.Queue()
     for port in ports:  # prefills dial the decodes; the router dials every worker
         if isinstance(port, list):  # [host, port]: a worker that joined at a rendezvous
-            process.channel.connect(port[1], port[0])
+            process.dial(port[1], port[0])
         else:
-            process.channel.connect(port)
+            process.dial(port)
     port = process.channel.listen(host)
     if on_listening is not None:
         on_listening(port)
@@ -1703,8 +1903,8 @@ def _turns(process: Process, todo: queue.Queue, drain_asked: threading.Event) ->
                 break  # drained and left, or the bound passed (a crash's path ends the rest)
         if role == ROUTER and not process.reported and process.done():
             process.reported = True
-            report(ev="done", outcomes=process.outcomes(),
-                   placement=[process.placement[r] for r in range(len(deployment.prompts))],
+            report(ev="done", outcomes=process.outcomes(), refused=process.refused,
+                   placement=[process.placement.get(r) for r in range(len(deployment.prompts))],
                    tokens=[process.tokens.get(r) for r in range(len(deployment.prompts))],
                    timings=process.timings(), span_s=process.span_s())
         now = time.monotonic()
@@ -1726,6 +1926,7 @@ class Child:
     def __init__(self, name: str, setup: dict, stderr_path: Path, on_report=None) -> None:
         root = Path(__file__).resolve().parents[1]
         self.name = name
+        self.epoch = setup["restart"]["epoch"] if "restart" in setup else 1  # its life
         # Serving: each report goes to on_report first; one it takes (returns True) is
         # neither kept nor queued, so a long-lived process's reports do not pile up.
         self.on_report = on_report
@@ -1852,18 +2053,27 @@ class Launched:
         return self.on_report is not None and self.on_report(name, got)
 
     def fence(self, got: dict) -> None:
-        """The router cut a worker off (RouterProcess.fence): kill it, so that nothing it
-        would do later can count, and tell the router once it is dead (the kill waits for
-        its exit); only then does the router touch its log. A worker that joined at a
-        rendezvous is not this launcher's: it fences itself, and the router waits for that."""
+        """The router cut a worker's life off (RouterProcess.fence): kill that life (the
+        epoch the fence names: a fence answered late never kills a newer life), so that
+        nothing it would do later can count, and tell the router once it is dead (the kill
+        waits for its exit); only then does the router touch its log. A worker that joined
+        at a rendezvous is not this launcher's: it fences itself, and the router waits."""
         name = f"{got['role']} {got['worker']}"
         if name in self.external:
             return
         with self.lock:
             if self.closed:
                 return
-            self.children[name].kill()
-        self.children[ROUTER].tell("fenced", role=got["role"], worker=got["worker"])
+            for child in self.lives(name, got["epoch"]):
+                child.kill()
+        self.children[ROUTER].tell("fenced", role=got["role"], worker=got["worker"],
+                                   epoch=got["epoch"])
+
+    def lives(self, name: str, epoch: int) -> list[Child]:
+        """The process this launcher started for that worker's life (none: it never
+        started, or not here)."""
+        return [child for child in [*self.previous, self.children.get(name)]
+                if child is not None and child.name == name and child.epoch == epoch]
 
     def restart(self, got: dict, timeout_s: float = 10.0) -> None:
         """Start a dead worker's next life (RouterProcess.record_prefill_crash says what
@@ -1890,7 +2100,8 @@ class Launched:
                                {**got["restart"], "steps": steps, "clock": clock})
         for n, child in live.items():
             if n == ROUTER or (role == DECODE and n.startswith(PREFILL)):
-                child.tell("dial", port=port)
+                child.tell("dial", port=port, role=role, worker=worker,
+                           epoch=got["restart"]["epoch"])
 
     def start(self, timeout_s: float = 10.0) -> None:
         d = self.deployment
@@ -1929,10 +2140,10 @@ class Launched:
         return reports
 
     def _restart_external(self, name: str, restart: dict) -> None:
-        """A prefill that joined at the rendezvous died: its next life is its machine's to
+        """A worker that joined at the rendezvous died: its next life is its machine's to
         start (`kvproof worker` again for its rank, which finds this record and goes on
-        with its log); once its address in the new epoch is there, the router (and, for a
-        decode, every live prefill) dials it."""
+        with its log); once its address in the new epoch is there, the router dials it
+        and, for a decode, passes it on to every prefill (RouterProcess.dial_life)."""
         self.rendezvous.put(f"restart/{name}", restart)
         print(f"kvproof: {name} died; start `kvproof worker` again for its rank to have "
               f"it rejoin in epoch {restart['epoch']}", file=sys.stderr, flush=True)
@@ -1944,7 +2155,9 @@ class Launched:
         else:
             return
         self.external[name] = address
-        self.children[ROUTER].tell("dial", port=address["port"], host=address["host"])
+        role, _, worker = name.partition(" ")
+        self.children[ROUTER].tell("dial", port=address["port"], host=address["host"],
+                                   role=role, worker=int(worker), epoch=restart["epoch"])
 
     def close(self) -> None:
         with self.lock:

@@ -42,6 +42,8 @@ GOOD = {
     "farewell": (ROUTER0, PREFILL0, {"t": "farewell"}),
     "bye": (ROUTER0, DECODE0, {"t": "bye"}),
     "left": (PREFILL0, ROUTER0, {"t": "left", "finished": [0, 1]}),
+    "dial": (ROUTER0, PREFILL0, {"t": "dial", "decode": 0, "epoch": 2, "host": "127.0.0.1",
+                                 "port": 41000}),
 }
 
 

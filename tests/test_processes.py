@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.processes import Deployment, Launched, WorkerRefused, log_path
+from engine.channel import Peer
+from engine.processes import Deployment, Launched, RouterProcess, WorkerRefused, log_path
 from sim.trace import read_part_logs
 from spec import codec, core
 from spec.partlog import merge
@@ -69,6 +70,23 @@ def merged_run(folder: Path):
     merged = merge(m, logs)
     verdict = check_part_logs(merged)
     assert verdict.ok, verdict.message
+    return merged, verdict
+
+
+def until(ready, what: str, timeout_s: float = WAIT_S, poll_s: float = 0.002) -> None:
+    """Wait until `ready()` holds, at most `timeout_s` (an AssertionError naming `what`)."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, f"{what} never came within {timeout_s} s"
+        time.sleep(poll_s)
+
+
+def assert_validates(folder: Path, capsys):
+    """The folder's logs merge into one run that the checker and `kvproof validate` accept;
+    the merged run and its verdict."""
+    merged, verdict = merged_run(folder)
+    code, out, err = cli(capsys, "validate", str(folder))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
     return merged, verdict
 
 
@@ -690,4 +708,272 @@ def test_the_only_decode_killed_and_restarted_arrivals_wait_for_its_new_life(tmp
     merged, verdict = merged_run(tmp_path)
     code, out, err = cli(capsys, "validate", str(tmp_path))
     assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+    print(f"seed={SEED}: ErrDecode {sorted(lost)}, merged run of {verdict.steps} steps")
+
+
+class _Life:
+    """A stand-in for one life the launcher started (a Child): a real process to kill, its
+    worker's name and its epoch; what the launcher tells it is kept."""
+
+    def __init__(self, name: str, epoch: int) -> None:
+        self.name, self.epoch, self.told = name, epoch, []
+        self.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)
+
+    def tell(self, do: str, **fields) -> None:
+        self.told.append({"do": do, **fields})
+
+
+def test_a_fence_kills_the_life_it_names_and_never_the_next(tmp_path):
+    """The launcher's fence names an epoch: a fence of decode 1's first life answered after
+    its second life started kills nothing of the second (the first is killed if it still
+    runs) and is answered with that epoch; a fence of the second life kills it."""
+    launched = Launched(Deployment(prompts=(1,), decode_workers=2, log_dir=str(tmp_path)))
+    first, second, router = _Life("decode 1", 1), _Life("decode 1", 2), _Life("router", 1)
+    launched.previous.append(first)
+    launched.children.update({"decode 1": second, "router": router})
+    try:
+        launched.fence({"role": "decode", "worker": 1, "epoch": 1})
+        assert first.process.poll() == -signal.SIGKILL and second.process.poll() is None
+        assert router.told == [{"do": "fenced", "role": "decode", "worker": 1, "epoch": 1}]
+        launched.fence({"role": "decode", "worker": 1, "epoch": 2})
+        assert second.process.poll() == -signal.SIGKILL
+        assert router.told[1]["epoch"] == 2
+    finally:
+        for life in (first, second, router):
+            life.kill()
+
+
+def test_the_router_takes_a_fence_s_answer_only_for_the_life_it_fenced(tmp_path, capsys):
+    """The router fences decode 1's second life (epoch 2): a "fenced" answer naming epoch 1
+    (a late answer about the life before) leaves that fence waiting; the answer naming
+    epoch 2 ends it, and the crash's path goes on (a crash that lost nothing: no step, a
+    restart into epoch 3)."""
+    d = Deployment(prompts=(1,), decode_workers=2, log_dir=str(tmp_path))
+    log_path(d, "decode 1").write_text(json.dumps({"header": True}) + "\n")
+    router = RouterProcess(d)
+    try:
+        router.epochs["decode 1"] = 2
+        router.on_peer_down(Peer("decode", 1), 2)
+        assert router.fencing["decode 1"].epoch == 2
+        router.command({"do": "fenced", "role": "decode", "worker": 1, "epoch": 1})
+        assert "decode 1" in router.fencing and "decode 1" not in router.fenced
+        router.command({"do": "fenced", "role": "decode", "worker": 1, "epoch": 2})
+        assert "decode 1" not in router.fencing and router.restarts == ["decode 1"]
+        reports = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        assert [(x["ev"], x.get("epoch")) for x in reports] == [
+            ("fence", 2), ("fenced", 2), ("restart", None)]
+        assert reports[-1]["restart"]["epoch"] == 3
+    finally:
+        router.channel.close()
+
+
+# -- two faults at once ----------------------------------------------------------------------
+
+def _lives(path: Path) -> list[list[dict]]:
+    """A prefill's steps, one list per life (a life ends at the next one's PrefillCrash)."""
+    lives = [[]]
+    for step in _prefill_steps(path):
+        if step["a"] == "PrefillCrash":
+            lives.append([])
+        lives[-1].append(step)
+    return lives
+
+
+def _router_said(launched: Launched, ev: str, role: str, worker: int) -> bool:
+    return any(x["ev"] == ev and x.get("role") == role and x.get("worker") == worker
+               for x in list(launched.children["router"].seen))
+
+
+# Which worker dies first, and when the second is sent its signal: once the router asked for
+# the first one's restart (decode 1's crash recorded, its new life starting: prefill 0 dies
+# before it could dial that life), or once the router fenced the first one (prefill 0's
+# barrier waits for the decodes' reports: decode 1 dies while it waits).
+OVERLAPS = {"decode-then-prefill": ("decode 1", "restart", "prefill 0", signal.SIGKILL),
+            "decode-then-stopped-prefill": ("decode 1", "restart", "prefill 0",
+                                            signal.SIGSTOP),
+            "prefill-then-decode": ("prefill 0", "fence", "decode 1", signal.SIGKILL)}
+
+
+@pytest.mark.parametrize("overlap", sorted(OVERLAPS))
+def test_a_prefill_and_a_decode_that_die_together_both_restart_and_serve(tmp_path, capsys,
+                                                                        overlap):
+    """2 x 2: decode 1 is killed while it holds two reserved requests, or prefill 0 after an
+    Admit whose compute it holds while decode 1 holds a reserved request; the other is killed (or stopped: found by the heartbeats'
+    bound, then fenced) while the first one's crash is being handled, so the two restarts
+    overlap. Neither barrier waits for a life that never saw the dead one: every request
+    ends (ErrDecode only on decode 1, ErrPrefill only on prefill 0, every other Ok), every
+    process that is left holds no page and no write, both workers' new lives serve later
+    requests, and the logs merge into one run with one DecodeCrash and one PrefillCrash
+    that `kvproof validate` accepts."""
+    first, when, second, sent = OVERLAPS[overlap]
+    d = deployment(tmp_path, 2, 2, compute_s=0.4, arrive_every_s=0.02,
+                   arrive_after_s=(0.02,) * 12 + (0.8,) * 7)
+    launched = Launched(d)
+    try:
+        launched.start()
+        def ready() -> bool:
+            held = len(_reserved_unfinished(log_path(d, "decode 1")))
+            if first == "decode 1":
+                return held >= 2
+            steps = _prefill_steps(log_path(d, first))
+            return held >= 1 and bool(steps) and steps[-1]["a"] == "Admit"
+        until(ready, "decode 1 holding reserved requests" + (
+            "" if first == "decode 1" else " and an Admit as prefill 0's last step"))
+        launched.kill(first)
+        role, _, worker = first.partition(" ")
+        until(lambda: _router_said(launched, when, role, int(worker)),
+              f"the router's {when} of {first}")
+        launched.children[second].process.send_signal(sent)
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop(timeout_s=WAIT_S)
+    finally:
+        launched.close()
+        router = launched.children["router"].seen
+        print(f"{overlap}: {first} killed, {second} sent {sent.name} at the router's {when}; "
+              f"the router's reports: {[x for x in router if x['ev'] not in ('done', 'stopped')]}")
+    placement = [tuple(x) for x in done["placement"]]
+    outcomes = dict(enumerate(done["outcomes"]))
+    print(f"outcomes {done['outcomes']}; placement {placement}")
+    assert all(o in ("Ok", "ErrDecode", "ErrPrefill") for o in outcomes.values())
+    assert all(placement[r][1] == 1 for r, o in outcomes.items() if o == "ErrDecode")
+    assert all(placement[r][0] == 0 for r, o in outcomes.items() if o == "ErrPrefill")
+    assert sorted(stopped["router"]["restarts"]) == ["decode 1", "prefill 0"]
+    assert stopped["router"]["crashes"] == [1]
+    assert set(stopped) == {"router", "prefill 0", "prefill 1", "decode 0", "decode 1"}
+    assert_whole(stopped)  # both new lives too
+    # Both new lives served requests placed there after they were back.
+    lost = {r for r, o in outcomes.items() if o != "Ok"}
+    assert_new_life_served(d, "decode 1", lost, outcomes)
+    lives = _lives(log_path(d, "prefill 0"))
+    assert len(lives) == 2
+    served = {x["request"] for x in lives[1] if x["a"] == "SendDone"}
+    assert served and all(outcomes[r] == "Ok" for r in served)
+    merged, verdict = assert_validates(tmp_path, capsys)
+    actions = [x["a"] for x in merged.records]
+    assert actions.count("DecodeCrash") == 1 and actions.count("PrefillCrash") == 1
+    print(f"seed={SEED}: ErrDecode {sorted(r for r in lost if outcomes[r] == 'ErrDecode')}, "
+          f"ErrPrefill {sorted(r for r in lost if outcomes[r] == 'ErrPrefill')}; merged run "
+          f"of {verdict.steps} steps")
+
+
+@pytest.mark.parametrize("decodes", [2, 1], ids=["other-decode-serves", "only-decode"])
+def test_a_partition_that_outlasts_the_restarts_fences_each_life_then_gives_up(tmp_path,
+                                                                               capsys,
+                                                                               decodes):
+    """A lasting partition between prefill 0 and the last decode (the hook's "lasting": no
+    later life of it is reached either), cut while that decode holds a reserved request,
+    restarts_max 2 (once it released a request). Its first life is fenced (prefill 0 lost its link) and its crash
+    recorded (ErrDecode for what it held); each new life is fenced in turn (prefill 0 cannot
+    reach it), placed on never, so no crash step; after the second restart it is given up
+    with the reason, its log closed. With another decode every later request is Ok there;
+    with none, each later arrival is refused with that reason (it never arrives). Every
+    life of it was killed, every other process exits 0 with its pool free, and the logs
+    validate with one DecodeCrash."""
+    victim = f"decode {decodes - 1}"
+    d = deployment(tmp_path, 1, decodes, compute_s=0.4, restarts_max=2, arrive_every_s=0.02,
+                   arrive_after_s=(0.02,) * 12 + (0.3,) * 7)
+    launched = Launched(d)
+    try:
+        launched.start()
+        until(lambda: _reserved_unfinished(log_path(d, victim)) and any(
+            a == "Release" for a, _ in _decode_log(log_path(d, victim))),
+            f"a released and a reserved request on {victim}")
+        held = set(_reserved_unfinished(log_path(d, victim)))
+        launched.children["prefill 0"].tell("partition", decode=decodes - 1, lasting=True)
+        done = launched.wait_done(WAIT_S)
+        stopped = launched.stop(timeout_s=WAIT_S)
+    finally:
+        launched.close()
+    router = launched.children["router"].seen
+    fences = [(x["epoch"], x["reason"]) for x in router if x["ev"] == "fence"]
+    gave_up = [x for x in router if x["ev"] == "gave_up"]
+    print(f"held {sorted(held)}; fences {fences}; gave up: {gave_up}")
+    assert fences == [(1, "prefill 0 lost its connection to it"),
+                      (2, "prefill 0 could not reach its new life"),
+                      (3, "prefill 0 could not reach its new life")]
+    assert [x["restart"]["epoch"] for x in router if x["ev"] == "restart"] == [2, 3]
+    assert len(gave_up) == 1 and gave_up[0]["reason"] == (
+        f"{victim} died in each of its 3 lives (restarts_max 2); its last life, epoch 3, "
+        "was fenced: prefill 0 could not reach its new life")
+    lives = [c for c in [*launched.previous, launched.children[victim]] if c.name == victim]
+    assert [(c.epoch, c.process.returncode) for c in lives] == [
+        (1, -signal.SIGKILL), (2, -signal.SIGKILL), (3, -signal.SIGKILL)]
+    outcomes = dict(enumerate(done["outcomes"]))
+    refused = {int(r): why for r, why in done["refused"].items()}
+    lost = {r for r, o in outcomes.items() if o == "ErrDecode"}
+    on_victim = {r for r, x in enumerate(done["placement"]) if x and x[1] == decodes - 1}
+    assert lost and lost <= on_victim
+    # A client of the partitioned decode got Ok only when its log holds the Finish (not
+    # "exactly": cut off but alive until the kill, it may log a Finish whose answer the
+    # router no longer takes, the known gap of an answer given by a step's log line).
+    finished = _decode_log(log_path(d, victim))
+    assert all(("Finish", r) in finished for r in on_victim - lost)
+    if decodes == 2:
+        assert not refused
+    else:
+        assert refused and set(refused.values()) == {
+            f"no live decode worker: {gave_up[0]['reason']}"}
+        assert all(outcomes[r] == "Idle" and done["placement"][r] is None for r in refused)
+    assert all(o == "Ok" for r, o in outcomes.items() if r not in lost | set(refused))
+    assert set(stopped) == {"router", "prefill 0"} | ({"decode 0"} if decodes == 2 else set())
+    assert_whole(stopped)
+    merged, verdict = assert_validates(tmp_path, capsys)
+    assert [x["a"] for x in merged.records].count("DecodeCrash") == 1
+    print(f"seed={SEED}: ErrDecode {sorted(lost)}, refused {sorted(refused)}, merged run of "
+          f"{verdict.steps} steps")
+
+
+def test_a_decode_started_on_its_own_rejoins_in_a_new_epoch_when_started_again(tmp_path,
+                                                                              capsys):
+    """1 x 2 at a rendezvous: decode 1 is SIGKILLed while it holds a reserved request. Not
+    the launcher's to kill or start: the router waits `fence_wait_s`, records the crash
+    (ErrDecode for what it held) and publishes its next life's record; `kvproof worker
+    decode` started again for rank 1 picks it up and goes on with its log in epoch 2; the
+    router dials it and passes its address on to the prefill (which takes no command on
+    stdin), and once the prefill is linked to it the later requests are served there; every
+    worker exits 0 with the router, pools free, and the logs validate."""
+    rendezvous = f"127.0.0.1:{_free_port()}"
+    d = deployment(tmp_path, 1, 2, rendezvous=rendezvous, join_timeout_s=WAIT_S,
+                   compute_s=0.4, arrive_after_s=(0.02,) * 6 + (0.5,) * 13)
+    workers = {"decode 0": _worker("decode", 0, 3, rendezvous, tmp_path),
+               "decode 1": _worker("decode", 1, 3, rendezvous, tmp_path),
+               "prefill 0": _worker("prefill", 2, 3, rendezvous, tmp_path)}
+    first_life = workers["decode 1"]
+    launched = Launched(d)
+    try:
+        launched.start(timeout_s=WAIT_S)
+        until(lambda: _reserved_unfinished(log_path(d, "decode 1")),
+              "a reserved request on decode 1")
+        first_life.kill()
+        until(lambda: launched.rendezvous.get("restart/decode 1") is not None,
+              "decode 1's restart record", poll_s=0.01)
+        workers["decode 1"] = _worker("decode", 1, 3, rendezvous, tmp_path)
+        done = launched.wait_done(WAIT_S)
+        launched.stop()
+        codes = {name: w.wait(timeout=WAIT_S) for name, w in workers.items()}
+    finally:
+        launched.close()
+        for w in [first_life, *workers.values()]:
+            w.kill()
+    outputs = {name: w.stdout.read() for name, w in workers.items()}
+    assert codes == {"decode 0": 0, "decode 1": 0, "prefill 0": 0}, outputs
+    assert launched.external["decode 1"]["epoch"] == 2
+    router = launched.children["router"].seen
+    assert [x["restart"]["epoch"] for x in router if x["ev"] == "restart"] == [2]
+    outcomes = dict(enumerate(done["outcomes"]))
+    lost = {r for r, o in outcomes.items() if o == "ErrDecode"}
+    assert lost and all(done["placement"][r][1] == 1 for r in lost)
+    assert all(o == "Ok" for r, o in outcomes.items() if r not in lost)
+    assert_new_life_served(d, "decode 1", lost, outcomes)
+    for out in outputs.values():
+        stopped = [json.loads(x) for x in out.splitlines() if '"stopped"' in x]
+        assert len(stopped) == 1 and stopped[0].get("pages_held", 0) == 0, out
+        assert stopped[0].get("sending", 0) == 0, out
+    merged, verdict = assert_validates(tmp_path, capsys)
+    assert [x["a"] for x in merged.records].count("DecodeCrash") == 1
     print(f"seed={SEED}: ErrDecode {sorted(lost)}, merged run of {verdict.steps} steps")
