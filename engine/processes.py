@@ -171,11 +171,14 @@ class Deployment:
     # byte; its router waits that and this margin (the worker's scheduling) before it counts
     # the worker's log as closed (`fence_wait_s`).
     fence_margin_s: float = 1.0
-    # Fault injection, for tests only: "PART:ACTION" (e.g. "decode 1:Finish"): that part's
-    # first life kills itself (SIGKILL) right after it logs its first ACTION step, before
-    # the step sends anything: the window between a step's log line and its messages.
+    # Fault injection, for tests only: "PART:ACTION" or "PART:ACTION@EPOCH" (e.g. "decode
+    # 1:Finish", "prefill 0:PrefillCrash@2"; several, comma-separated): that life of the
+    # part (epoch 1 unless named) kills itself (SIGKILL) right after it logs its first
+    # ACTION step, before the step sends anything: the window between a step's log line
+    # and its messages.
     die_after_step: str = ""
     hang_after_step: str = ""  # the same, but its loop hangs for good (its threads run on)
+    die_at_start: str = ""     # "PART@EPOCH": that life exits before it listens
 
     def fence_wait_s(self) -> float:
         return self.suspect_after_s + self.fence_margin_s
@@ -603,6 +606,13 @@ class Process:
             "fields": [list(f) for f in message.fields], "names": list(message.names),
             "placement": [q, d], **self.riders(message)})
 
+    def life_hook(self, what: str):
+        """Whether a fault hook (comma-separated "WHAT" for epoch 1 and "WHAT@EPOCH") names
+        `what` in this life (tests only)."""
+        mine = {f"{what}@{self.channel.config.epoch}"} | (
+            {what} if self.channel.config.epoch == 1 else set())
+        return lambda hooks: bool(mine & set(hooks.split(",")))
+
     def answer_riders(self, answers: list) -> dict:
         """What a step's log line carries beside the answers it sends the edge, for the
         edge to give a client if this process dies before they leave (none here)."""
@@ -669,11 +679,13 @@ class Process:
                  for m in out.messages if m.to == DECODE and _is_word(m)]
         if words:  # ... and what decode must hear (a prefill's next life sends it again)
             record["words"] = words
+        if self.role == DECODE and r is not None:  # what a crash now would take from it
+            record["knows"] = core.decode_knows(self.part.rows[r])
         stamp = self.log.step(record)
-        here = f"{self.part.name}:{event.action}" if self.restart is None else None
-        if here == self.deployment.die_after_step:  # fault injection (tests): logged, unsent
+        here = self.life_hook(f"{self.part.name}:{event.action}")
+        if here(self.deployment.die_after_step):  # fault injection (tests): logged, unsent
             os.kill(os.getpid(), signal.SIGKILL)
-        if here == self.deployment.hang_after_step:  # ... or its loop hangs for good
+        if here(self.deployment.hang_after_step):  # ... or its loop hangs for good
             threading.Event().wait()
         for message in out.messages:
             self.send_part_message(message, stamp)
@@ -799,6 +811,7 @@ class RouterProcess(Process):
         self.dead_prefills: set[int] = set()
         self.prefill_reports: dict[int, dict] = {}
         self.prefill_heard: dict[int, set] = {}  # prefill -> its steps decodes heard (k)
+        self.tombed: set[int] = set()  # requests a logged DecodeCrash took (tombstones)
         self.epochs: dict[str, int] = {}          # a restarted process -> its epoch
         self.restarting: set[int] = set()
         self.retired: set[int] = set()
@@ -819,6 +832,9 @@ class RouterProcess(Process):
     def command(self, command: dict) -> None:
         if command["do"] == "fenced":  # the launcher killed that life (Launched.fence)
             self.on_fenced(Peer(command["role"], command["worker"]), command["epoch"])
+        elif command["do"] == "life_failed":  # its launcher could not start that life
+            self.life_failed(Peer(command["role"], command["worker"]), command["epoch"],
+                             command["reason"])
         elif command["do"] == "partition":  # fault injection, for tests only: the link
             # to one worker cut here, as a partition between the two would
             self.channel.cut(Peer(command["role"], command["worker"]),
@@ -998,6 +1014,7 @@ class RouterProcess(Process):
         elif peer.role == PREFILL:
             q = peer.worker
             self.dead_prefills.add(q)
+            self.restarting.discard(q)  # (a new life that died before it said it is back)
             self.prefill_reports.setdefault(q, {})
             # Its barrier waits for the decode lives it was linked to; its next life is
             # linked to none until it says so.
@@ -1058,6 +1075,17 @@ class RouterProcess(Process):
             self.record_crash(peer.worker)
         else:
             self.record_prefill_crash(peer.worker)
+
+    def life_failed(self, peer: Peer, epoch: int, why: str) -> None:
+        """A new life its launcher could not start (it exited, or never listened, within
+        the bound): fenced as one that died at once, so that the crash's path goes on (a
+        decode's: `new_life_failed`; a prefill's: another restart, or its last life)."""
+        if epoch != self.epochs.get(str(peer), 1) or self.stopped:
+            return  # (another life's word)
+        report(ev="life_failed", role=peer.role, worker=peer.worker, epoch=epoch, reason=why)
+        if peer.role == PREFILL:
+            self.restarting.discard(peer.worker)
+        self.fence(peer, f"its new life did not start: {why}")
 
     def on_restarted(self, peer: Peer, body: dict) -> None:
         """A prefill's new life took its crash, whose answers came before this (one
@@ -1175,6 +1203,7 @@ class RouterProcess(Process):
             # clients' ErrPrefill, the decodes' pages through the answers to their cancels).
             self.last_lives.add(name)
         self.restarting.add(q)
+        self.fenced.pop(name, None)  # (a new life: fenced anew if it fails before it is back)
         if self.deployment.model_dir or last:
             self.retired.add(q)
         placed = [[r, d, self.part.rows[r][core.PROMPT]]
@@ -1252,27 +1281,44 @@ class RouterProcess(Process):
         steps, clock = (cut_dead_log if restart else close_dead_log)(
             log_path(self.deployment, name), name)
         self.recover_answers(name)
-        here = [r for r, (_, dd) in self.placement.items() if dd == d]
-        after, lost = self.log.stamp(), []
-        if any(self.part.rows[r][core.CLIENT] == core.WAITING for r in here):
-            # (a crash that lost no request is no step of the spec: nothing is logged)
+        after, lost = self.log.stamp(), self.known_at(d, name)
+        if lost:
+            # (a crash that takes nothing from any request is no step of the spec: nothing
+            # is logged)
             causes = [[name, steps, clock], self.log.stamp(), *reports.values()]
             after = self.environment_step(core.DecodeCrash(d), causes)
             self.log.heard_from(after)
-            self.part.decode_crashed(here)
-            lost = here
+            self.part.decode_crashed(lost)
+            self.tombed.update(lost)
         # To every prefill up here, as the spec's DecodeCrash is every prefill's at once: one
         # not waited for (a new life whose link the router had not heard of) may have seen
         # the decode die and frozen its requests; and when nothing was lost too: the record
         # ends that freeze.
+        # The record names every request placed on d (a prefill sends nothing more for one
+        # to d's next life) when the crash was logged.
+        here = [r for r, (_, dd) in self.placement.items() if dd == d] if lost else []
         for q in sorted(set(range(self.deployment.prefill_workers)) - set(self.down_prefills())):
-            self.send(Peer(PREFILL, q), {"t": "crash", "decode": d, "requests": lost,
+            self.send(Peer(PREFILL, q), {"t": "crash", "decode": d, "requests": here,
                                          "stamp": after, "epoch": self.epochs.get(name, 1)})
         if restart:  # its new life's steps follow the crash
             self.fenced.pop(name, None)  # (a new life: fenced anew if it fails)
             self.ask_restart(DECODE, d, {"after": [after]})
         for q in sorted(self.dead_prefills):  # a prefill's barrier waits for one fewer
             self.record_prefill_crash(q)
+
+    def known_at(self, d: int, name: str) -> list[int]:
+        """The requests placed on decode d that it knew of when it died (the spec's
+        KnownAt, what DecodeCrash(d) takes): each one whose last step in its log says so
+        (`"knows"`, decode's own verdict after the step, core.decode_knows), or that has no
+        step there (its bootstrap is on the way), except those an earlier crash of d
+        ended. Not "its client still waits": a client may have its answer (from the wire,
+        or from the log: `recover_answers`) while decode still holds the request's pages,
+        which the crash frees and a new life may then reserve."""
+        text = log_path(self.deployment, name).read_text()
+        last = {x["request"]: x.get("knows", True)
+                for x in _steps_of(text[:text.rfind("\n") + 1], name) if "request" in x}
+        return sorted(r for r, row in self.part.rows.items()  # (a refused prompt: nowhere)
+                      if row[core.DW] == d and r not in self.tombed and last.get(r, True))
 
     def recover_answers(self, name: str) -> None:
         """The answers a dead worker's log holds that never reached here. A process logs
@@ -1299,11 +1345,13 @@ class RouterProcess(Process):
                        outcome=core.CLIENT_NAMES[self.part.rows[r][core.CLIENT]])
 
     def on_dial_failed(self, peer: Peer, epoch: int, why: str) -> None:
-        """The router could not reach a decode's new life: fenced as one a prefill cannot
-        reach (a prefill's new life it cannot reach is not handled: a gap)."""
+        """The router could not reach a worker's new life: a decode's is fenced as one a
+        prefill cannot reach, a prefill's as one that did not start (`life_failed`)."""
         if peer.role == DECODE and peer.worker in self.crashing \
                 and epoch == self.epochs.get(str(peer), 1):
             self.fence(peer, f"its router could not reach its new life: {why}")
+        elif peer.role == PREFILL and peer.worker in self.restarting:
+            self.life_failed(peer, epoch, f"its router could not reach it: {why}")
 
     def new_life_failed(self, d: int) -> None:
         """Decode d's new life was fenced before it was placed on (it died, or a prefill
@@ -1364,6 +1412,7 @@ class PrefillProcess(Process):
         self.partitioned: set[int] = set()  # decodes behind a lasting partition (a hook)
         self.recovering = restart is not None
         self.unheard_words: list = []  # a new life: (step, word) to send again (`recover`)
+        self.ended_before: set[int] = set()  # ... and what an earlier life's crash ended
         if restart is not None:
             self.recover(restart)
 
@@ -1399,6 +1448,11 @@ class PrefillProcess(Process):
             for word in x.get("words", ()):
                 last[word[0]] = (x, word)
         heard = set(restart.get("heard", ()))
+        # What an earlier new life's PrefillCrash ended (its answers), which it may have died
+        # before announcing: decode times those out too (a Timeout of one it has no longer
+        # waiting is refused).
+        self.ended_before = {a[0] for x in steps if x["a"] == "PrefillCrash"
+                             for a in x.get("answers", ())}
         self.unheard_words = [(x, word) for x, word in last.values()
                               if x["k"] not in heard and word[0] in self.placement]
 
@@ -1412,8 +1466,8 @@ class PrefillProcess(Process):
             if self.channel.epoch_of(Peer(ROUTER, 0)) is None:
                 return
             self.recovering = False
-            lost = sorted(r for r in self.placement if self.part.rows[r][core.PST]
-                          in (core.QUEUED, core.RUNNING))
+            lost = sorted({r for r in self.placement if self.part.rows[r][core.PST]
+                           in (core.QUEUED, core.RUNNING)} | self.ended_before)
             self.step(core.PrefillCrash(self.part.worker))  # refused when it lost nothing
             self.send(Peer(ROUTER, 0), {"t": "restarted", "lost": lost,
                                         "stamp": self.log.stamp()})
@@ -1818,6 +1872,8 @@ def main(setup: dict, on_listening=None, stdin: bool = True) -> int:
         return 1
     process = (KINDS[role](deployment, worker, restart) if restart
                else KINDS[role](deployment, worker))
+    if process.life_hook(process.part.name)(deployment.die_at_start):
+        os._exit(3)  # fault injection (tests): this life dies before it listens
     # A worker started on its own (`kvproof worker`) takes no command on stdin: it ends with
     # its router, or drains on SIGTERM.
     todo = stdin_commands() if stdin else queue.Queue()
@@ -2096,8 +2152,13 @@ class Launched:
             # Prefills dial decodes; the router dials every worker.
             decodes = [self.ports[n] for n in live if n.startswith(DECODE)] \
                 if role == PREFILL else []
-            port = self._spawn(role, worker, decodes, timeout_s,
-                               {**got["restart"], "steps": steps, "clock": clock})
+            try:
+                port = self._spawn(role, worker, decodes, timeout_s,
+                                   {**got["restart"], "steps": steps, "clock": clock})
+            except (ProcessLookupError, TimeoutError) as error:
+                self.children[ROUTER].tell("life_failed", role=role, worker=worker,
+                                           epoch=got["restart"]["epoch"], reason=str(error))
+                return
         for n, child in live.items():
             if n == ROUTER or (role == DECODE and n.startswith(PREFILL)):
                 child.tell("dial", port=port, role=role, worker=worker,

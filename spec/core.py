@@ -1064,7 +1064,7 @@ def decode_crash(m: Model, s: State, d: int = 0) -> Change | str:
     for r in here:
         row = s.requests[r]
         dst = row[DST]
-        if row[BOOT] or dst == D_WAITING or dst == DECODING or dst == CLOSING:
+        if decode_knows(row):
             active = row[PST] == QUEUED or row[PST] == RUNNING
             revived = revive and row[BOOT]
             loses = loses or not revived or (dst == TOMB or active and not row[CANCEL]
@@ -1157,6 +1157,14 @@ def lose_final_word(m: Model, s: State, r: int) -> Change | str:
     if row[FW] == NO_MSG:
         return "no final word is in flight"
     return _one(r, _row(row, FW, NO_MSG, FW_COUNT, 0))
+
+
+def decode_knows(row: tuple) -> bool:
+    """Decode knows of the request (the spec's DecodeKnows): its bootstrap is on the way,
+    or it holds pages for it. What a decode crash takes from it (a crash that takes
+    nothing from any request is no step)."""
+    return bool(row[BOOT]) or row[DST] == D_WAITING or row[DST] == DECODING \
+        or row[DST] == CLOSING
 
 
 def crash_notice(m: Model, row: tuple) -> bool:

@@ -34,7 +34,7 @@ GOOD = {
     "crash": (ROUTER0, PREFILL0, {"t": "crash", "decode": 0, "requests": [0, 1],
                                   "stamp": STAMP}),
     "token": (DECODE0, ROUTER0, {"t": "token", "request": 1, "token": None, "last": True}),
-    "pdown": (DECODE0, ROUTER0, {"t": "pdown", "prefill": 0, "stamp": STAMP}),
+    "pdown": (DECODE0, ROUTER0, {"t": "pdown", "prefill": 0, "stamp": STAMP, "heard": [1, 4]}),
     "restarted": (PREFILL0, ROUTER0, {"t": "restarted", "lost": [1], "stamp": STAMP}),
     "prefill_back": (ROUTER0, DECODE0, {"t": "prefill_back", "prefill": 0, "lost": [0, 1],
                                         "stamp": STAMP}),

@@ -103,3 +103,40 @@ def test_a_prefill_killed_after_logging_its_done_has_its_new_life_send_it_again(
     assert [x["a"] for x in merged.records].count("PrefillCrash") == 1
     code, out, err = cli(capsys, "validate", str(tmp_path))
     assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
+
+
+def test_a_decode_killed_after_its_finish_line_holding_nothing_else_is_still_a_crash(
+        tmp_path, capsys):
+    """1 x 1, requests 0.3 s apart (each computes 0.05 s): decode 0 logs its first Finish,
+    holding no other request, and is killed before the answer leaves. Its client gets Ok
+    from the log, so no client waits on the dead decode, but decode still held that
+    request's pages (Closing, not released): the crash takes them, so DecodeCrash is
+    logged (the router asks decode's own log what it knew, `known_at`, not its clients),
+    and the new life, which reserves those pages again, serves the later requests; the
+    merged run validates. Before, no crash step was logged and the run held pages that
+    the new life reused."""
+    d = deployment(tmp_path, 1, 1, compute_s=0.05, arrive_every_s=0.3,
+                   die_after_step="decode 0:Finish")
+    launched = Launched(d)
+    try:
+        launched.start()
+        done = launched.wait_done(WAIT_S + 10.0)
+        stopped = launched.stop(timeout_s=WAIT_S)
+        recovered = [x for x in launched.children["router"].seen
+                     if x["ev"] == "recovered_answer"]
+    finally:
+        launched.close()
+    first_life = _steps(log_path(d, "decode 0"))
+    r = next(x for x in first_life if x["a"] == "Finish")["request"]
+    outcomes = dict(enumerate(done["outcomes"]))
+    print(f"decode 0 died after Finish({r}); outcomes {done['outcomes']}")
+    assert [(x["request"], x["outcome"]) for x in recovered] == [(r, "Ok")]
+    assert stopped["router"]["crashes"] == [0] and stopped["router"]["restarts"] == ["decode 0"]
+    assert all(o in ("Ok", "ErrDecode") for o in outcomes.values())
+    assert outcomes[r] == "Ok" and list(outcomes.values()).count("Ok") >= len(outcomes) - 2
+    assert_whole(stopped)
+    merged, verdict = merged_run(tmp_path)
+    crash = next(k for k, x in enumerate(merged.records) if x["a"] == "DecodeCrash")
+    assert any(x["a"] == "Reserve" for x in merged.records[crash + 1:])  # the new life's
+    code, out, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 0 and f"run OK: {verdict.steps} steps" in out, out + err
