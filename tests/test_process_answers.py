@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 
-from engine.processes import Launched, log_path
+from engine.processes import log_path
 from tests.cli_cases import run as cli
-from tests.test_processes import (WAIT_S, assert_new_life_served,
+from tests.test_processes import (WAIT_S, _reports, assert_new_life_served,
                                   assert_one_decode_crash_validates, assert_whole, deployment,
-                                  merged_run)
+                                  merged_run, run_closed)
 
 
 def _steps(path) -> list[dict]:
@@ -35,14 +35,8 @@ def test_a_decode_killed_after_logging_finish_gets_its_client_the_finish_answer(
     d = deployment(tmp_path, 2, 2, compute_s=0.2, arrive_every_s=0.02,
                    arrive_after_s=(0.02,) * 12 + (0.4,) * 7,
                    die_after_step="decode 1:Finish")
-    launched = Launched(d)
-    try:
-        launched.start()
-        done = launched.wait_done(WAIT_S)
-        stopped = launched.stop(timeout_s=WAIT_S)
-        router_seen = launched.children["router"].seen
-    finally:
-        launched.close()
+    ran = run_closed(d)
+    done, stopped, router_seen = ran.done, ran.stopped, ran.launched.children["router"].seen
     victim = "decode 1"
     first_life = _steps(log_path(d, victim))
     died_after = next(x for x in first_life if x["a"] == "Finish")
@@ -74,20 +68,13 @@ def test_a_prefill_killed_after_logging_its_done_has_its_new_life_send_it_again(
     crash ended ends ErrPrefill, everything else Ok, every pool whole, the logs validate."""
     d = deployment(tmp_path, 1, 2, compute_s=0.05, arrive_every_s=0.02,
                    die_after_step="prefill 0:SendDone")
-    launched = Launched(d)
-    try:
-        launched.start()
-        done = launched.wait_done(WAIT_S)
-        stopped = launched.stop(timeout_s=WAIT_S)
-        seen = [x for child in [*launched.previous, launched.children["prefill 0"]]
-                if child.name == "prefill 0" for x in child.seen]
-    finally:
-        launched.close()
+    ran = run_closed(d)
+    done, stopped = ran.done, ran.stopped
     steps = _steps(log_path(d, "prefill 0"))
     crash = next(k for k, x in enumerate(steps) if x["a"] == "PrefillCrash")
     first_life = steps[:crash]
     r = first_life[-1]["request"]
-    again = [x for x in seen if x["ev"] == "word_again"]
+    again = _reports(ran.launched, "prefill 0", "word_again")
     outcomes = dict(enumerate(done["outcomes"]))
     print(f"prefill 0 died after SendDone({r}); sent again {again}; outcomes {outcomes}")
     assert first_life[-1]["a"] == "SendDone"
@@ -117,15 +104,9 @@ def test_a_decode_killed_after_its_finish_line_holding_nothing_else_is_still_a_c
     the new life reused."""
     d = deployment(tmp_path, 1, 1, compute_s=0.05, arrive_every_s=0.3,
                    die_after_step="decode 0:Finish")
-    launched = Launched(d)
-    try:
-        launched.start()
-        done = launched.wait_done(WAIT_S + 10.0)
-        stopped = launched.stop(timeout_s=WAIT_S)
-        recovered = [x for x in launched.children["router"].seen
-                     if x["ev"] == "recovered_answer"]
-    finally:
-        launched.close()
+    ran = run_closed(d, WAIT_S + 10.0)
+    done, stopped = ran.done, ran.stopped
+    recovered = _reports(ran.launched, "router", "recovered_answer")
     first_life = _steps(log_path(d, "decode 0"))
     r = next(x for x in first_life if x["a"] == "Finish")["request"]
     outcomes = dict(enumerate(done["outcomes"]))

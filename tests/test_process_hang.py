@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 
-from engine.processes import Launched, log_path
+from engine.processes import log_path
 from tests.cli_cases import run as cli
-from tests.test_processes import WAIT_S, assert_whole, deployment, merged_run
+from tests.test_processes import (WAIT_S, _reports, assert_whole, deployment, merged_run,
+                                  run_closed)
 
 
 def test_a_prefill_whose_loop_hangs_is_declared_down_fenced_and_restarted(tmp_path, capsys):
@@ -23,15 +24,10 @@ def test_a_prefill_whose_loop_hangs_is_declared_down_fenced_and_restarted(tmp_pa
     the logs validate."""
     d = deployment(tmp_path, 1, 2, compute_s=0.05, arrive_every_s=0.5,
                    hang_after_step="prefill 0:Admit")
-    launched = Launched(d)
-    try:
-        launched.start()
-        done = launched.wait_done(WAIT_S + 4 * d.suspect_after_s)
-        stopped = launched.stop(timeout_s=WAIT_S)
-        seen = {name: child.seen for name, child in launched.children.items()}
-        restart = next(x["restart"] for x in seen["router"] if x["ev"] == "restart")
-    finally:
-        launched.close()
+    ran = run_closed(d, WAIT_S + 4 * d.suspect_after_s)
+    done, stopped = ran.done, ran.stopped
+    seen = {name: child.seen for name, child in ran.launched.children.items()}
+    restart = _reports(ran.launched, "router", "restart")[0]["restart"]
     steps = [x for x in map(json.loads, log_path(d, "prefill 0").read_text().splitlines()[1:])
              if x.get("a") != "LogEnd"]
     hung = steps[0]

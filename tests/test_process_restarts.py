@@ -11,9 +11,9 @@ import json
 
 import pytest
 
-from engine.processes import Launched, log_path
+from engine.processes import log_path
 from tests.cli_cases import run as cli
-from tests.test_processes import WAIT_S, assert_whole, deployment, merged_run
+from tests.test_processes import WAIT_S, assert_whole, deployment, merged_run, run_closed
 
 FAULTS = {
     # the second life logs its PrefillCrash (its answers end what the first held) and dies
@@ -22,10 +22,6 @@ FAULTS = {
     # the second life exits before it listens: its launcher cannot start it
     "never starts": dict(die_at_start="prefill 0@2"),
 }
-
-
-def _router_reports(launched: Launched) -> list[dict]:
-    return launched.children["router"].seen
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
@@ -39,14 +35,8 @@ def test_a_prefill_whose_second_life_fails_gets_a_third_that_serves(tmp_path, ca
     hooks["die_after_step"] = ",".join(["prefill 0:Admit"] + (
         [hooks["die_after_step"]] if "die_after_step" in hooks else []))
     d = deployment(tmp_path, 1, 2, compute_s=0.05, arrive_every_s=0.3, **hooks)
-    launched = Launched(d)
-    try:
-        launched.start()
-        done = launched.wait_done(WAIT_S + 20.0)
-        stopped = launched.stop(timeout_s=WAIT_S)
-        router = _router_reports(launched)
-    finally:
-        launched.close()
+    ran = run_closed(d, WAIT_S + 20.0)
+    done, stopped, router = ran.done, ran.stopped, ran.launched.children["router"].seen
     restarts = [x["restart"] for x in router if x["ev"] == "restart"]
     failed = [x for x in router if x["ev"] == "life_failed"]
     outcomes = dict(enumerate(done["outcomes"]))

@@ -54,15 +54,32 @@ def deployment(tmp_path: Path, prefills: int, decodes: int, **options) -> Deploy
                       heartbeat_s=0.25, suspect_after_s=SUSPECT_S, **options)
 
 
-def run_to_the_end(d: Deployment) -> tuple[dict, dict]:
-    """The router's "done" report and every process's "stopped" report."""
+@dataclass
+class Ran:
+    """A deployment run to the end: its launcher (closed: its children's reports stay),
+    the router's "done" and every live process's "stopped" report."""
+
+    launched: Launched
+    done: dict
+    stopped: dict
+
+
+def run_closed(d: Deployment, wait_s: float = WAIT_S) -> Ran:
+    """Start `d`, wait at most `wait_s` for the router's done, stop every process and close
+    the deployment whatever happens."""
     launched = Launched(d)
     try:
         launched.start()
-        done = launched.wait_done(WAIT_S)
-        return done, launched.stop()
+        done = launched.wait_done(wait_s)
+        return Ran(launched, done, launched.stop(timeout_s=WAIT_S))
     finally:
         launched.close()
+
+
+def run_to_the_end(d: Deployment) -> tuple[dict, dict]:
+    """The router's "done" report and every process's "stopped" report."""
+    ran = run_closed(d)
+    return ran.done, ran.stopped
 
 
 def merged_run(folder: Path):
