@@ -103,21 +103,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="which variants to run: with symmetry, without, or both")
     args = parser.parse_args(argv)
     symmetries = {"both": (False, True), "yes": (True,), "no": (False,)}[args.symmetry]
-    print("| model | symmetry | workers | states (orbits) | seconds | peak RSS MiB |")
-    print("|---|---|---|---|---|---|")
+    print("| model | symmetry | workers | states (orbits) | seconds | peak RSS MiB | verdict |")
+    print("|---|---|---|---|---|---|---|")
     for name in args.models:
         for symmetry in symmetries:
             for workers in args.workers:
                 got = measure(name, symmetry, workers, args.timeout_s)
                 if "states" in got:
                     cells = (f"{got['states']:,}", f"{got['seconds']:.1f}",
-                             f"{got['rss_mib']:.0f}")
+                             f"{got['rss_mib']:.0f}",
+                             "every invariant holds" if got["ok"] else "violated")
                 else:
                     reached = got.get("reached") or {}
                     cells = (f"past {got['timeout']:.0f} s" + (
                         f" ({reached['states']:,} at depth {reached['depth']} after "
                         f"{reached['seconds']:.0f} s)" if reached else "")
-                             if "timeout" in got else got["error"], "", "")
+                             if "timeout" in got else got["error"], "", "", "")
                 print(f"| {name} | {'yes' if symmetry else 'no'} | {workers} | "
                       + " | ".join(cells) + " |", flush=True)
     return 0
