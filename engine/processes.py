@@ -325,6 +325,13 @@ def _steps_of(text: str, name: str) -> list[dict]:
     return [x for x in records if x.get("part") == name and x.get("a") != LOG_END]
 
 
+def logged_steps(path: Path, name: str) -> list[dict]:
+    """The steps a part's log holds, its whole lines only (a killed writer may have left a
+    torn last line, which its supervisor cuts)."""
+    text = path.read_text()
+    return _steps_of(text[:text.rfind("\n") + 1], name)
+
+
 def _is_word(message: PartMessage) -> bool:
     """A prefill's final word to decode (Done, Reject or Abort)."""
     return any(k == core.FW for k, _ in message.fields)
@@ -860,7 +867,7 @@ class RouterProcess(Process):
         d = command["worker"]
         if self.channel.epoch_of(Peer(DECODE, d)) != command["epoch"]:
             return  # (not reached: fenced as a new life the router cannot reach)
-        for q in sorted(set(range(self.deployment.prefill_workers)) - set(self.down_prefills())):
+        for q in self.up_prefills():
             self.send(Peer(PREFILL, q), {"t": "dial", "decode": d, "epoch": command["epoch"],
                                          "host": command.get("host", "127.0.0.1"),
                                          "port": command["port"]})
@@ -1195,7 +1202,7 @@ class RouterProcess(Process):
             # had not ended yet waits (a gap: no life is left to take PrefillCrash).
             self.retired.add(q)
             close_dead_log(log_path(self.deployment, name), name)
-            self.recover_answers(name)
+            self.recover_answers(name, logged_steps(log_path(self.deployment, name), name))
             return
         if last:
             # A prefill that died in every life it was given gets one more that takes no
@@ -1208,7 +1215,7 @@ class RouterProcess(Process):
             self.retired.add(q)
         placed = [[r, d, self.part.rows[r][core.PROMPT]]
                   for r, (p, d) in sorted(self.placement.items()) if p == q]
-        self.recover_answers(name)
+        self.recover_answers(name, logged_steps(log_path(self.deployment, name), name))
         self.ask_restart(PREFILL, q, {
             "placed": placed, "heard": sorted(self.prefill_heard.pop(q, set())),
             "after": [self.log.stamp(), self.environment.clock.last(), *reports.values()]})
@@ -1280,8 +1287,9 @@ class RouterProcess(Process):
         # line after the fence); one that does not has it closed here.
         steps, clock = (cut_dead_log if restart else close_dead_log)(
             log_path(self.deployment, name), name)
-        self.recover_answers(name)
-        after, lost = self.log.stamp(), self.known_at(d, name)
+        dead = logged_steps(log_path(self.deployment, name), name)
+        self.recover_answers(name, dead)
+        after, lost = self.log.stamp(), self.known_at(d, dead)
         if lost:
             # (a crash that takes nothing from any request is no step of the spec: nothing
             # is logged)
@@ -1290,37 +1298,27 @@ class RouterProcess(Process):
             self.log.heard_from(after)
             self.part.decode_crashed(lost)
             self.tombed.update(lost)
-        # To every prefill up here, as the spec's DecodeCrash is every prefill's at once: one
-        # not waited for (a new life whose link the router had not heard of) may have seen
-        # the decode die and frozen its requests; and when nothing was lost too: the record
-        # ends that freeze.
-        # The record names every request placed on d (a prefill sends nothing more for one
-        # to d's next life) when the crash was logged.
-        here = [r for r, (_, dd) in self.placement.items() if dd == d] if lost else []
-        for q in sorted(set(range(self.deployment.prefill_workers)) - set(self.down_prefills())):
-            self.send(Peer(PREFILL, q), {"t": "crash", "decode": d, "requests": here,
-                                         "stamp": after, "epoch": self.epochs.get(name, 1)})
+        self.send_crash_record(d, [r for r, (_, dd) in self.placement.items() if dd == d]
+                               if lost else [], after)
         if restart:  # its new life's steps follow the crash
             self.fenced.pop(name, None)  # (a new life: fenced anew if it fails)
             self.ask_restart(DECODE, d, {"after": [after]})
         for q in sorted(self.dead_prefills):  # a prefill's barrier waits for one fewer
             self.record_prefill_crash(q)
 
-    def known_at(self, d: int, name: str) -> list[int]:
+    def known_at(self, d: int, steps: list[dict]) -> list[int]:
         """The requests placed on decode d that it knew of when it died (the spec's
         KnownAt, what DecodeCrash(d) takes): each one whose last step in its log says so
         (`"knows"`, decode's own verdict after the step, core.decode_knows), or that has no
         step there (its bootstrap is on the way), except those an earlier crash of d
         ended. Not "its client still waits": a client may have its answer (from the wire,
         or from the log: `recover_answers`) while decode still holds the request's pages,
-        which the crash frees and a new life may then reserve."""
-        text = log_path(self.deployment, name).read_text()
-        last = {x["request"]: x.get("knows", True)
-                for x in _steps_of(text[:text.rfind("\n") + 1], name) if "request" in x}
+        which the crash frees and a new life may then reserve. `steps`: its log's."""
+        last = {x["request"]: x.get("knows", True) for x in steps if "request" in x}
         return sorted(r for r, row in self.part.rows.items()  # (a refused prompt: nowhere)
                       if row[core.DW] == d and r not in self.tombed and last.get(r, True))
 
-    def recover_answers(self, name: str) -> None:
+    def recover_answers(self, name: str, steps: list[dict]) -> None:
         """The answers a dead worker's log holds that never reached here. A process logs
         a step before anything the step sends leaves it, so one killed between the two
         leaves a step whose answer its client never heard while the merged run says the
@@ -1328,9 +1326,8 @@ class RouterProcess(Process):
         here). Each step's line names the answers it sends (`Process.step`); the edge
         gives each one whose client still waits now, with the tokens the line carries that
         never came (a decode's, on the real data path), as if its message had come: the
-        first answer stands, as for any message."""
-        text = log_path(self.deployment, name).read_text()
-        for x in _steps_of(text[:text.rfind("\n") + 1], name):  # (whole lines only)
+        first answer stands, as for any message. `steps`: its log's."""
+        for x in steps:
             for r, fields, names in x.get("answers", ()):
                 row = self.part.rows.get(r)
                 if row is None or row[core.CLIENT] != core.WAITING:
@@ -1364,11 +1361,7 @@ class RouterProcess(Process):
         self.links[d] = set()
         restart = self.may_restart(DECODE, d)
         (cut_dead_log if restart else close_dead_log)(log_path(self.deployment, name), name)
-        for q in sorted(set(range(self.deployment.prefill_workers))
-                        - set(self.down_prefills())):
-            self.send(Peer(PREFILL, q), {"t": "crash", "decode": d, "requests": [],
-                                         "stamp": self.log.stamp(),
-                                         "epoch": self.epochs.get(name, 1)})
+        self.send_crash_record(d, [], self.log.stamp())
         if restart:
             self.fenced.pop(name, None)
             self.ask_restart(DECODE, d, {"after": [self.log.stamp()]})
@@ -1377,6 +1370,21 @@ class RouterProcess(Process):
         up = self.channel.peers()
         return [q for q in range(self.deployment.prefill_workers)
                 if Peer(PREFILL, q) not in up]
+
+    def up_prefills(self) -> list[int]:
+        down = set(self.down_prefills())
+        return [q for q in range(self.deployment.prefill_workers) if q not in down]
+
+    def send_crash_record(self, d: int, requests: list[int], stamp: list) -> None:
+        """DecodeCrash(d) as every prefill up here sees it (`on_crash`): the spec's step is
+        every prefill's at once, so one not waited for (a new life whose link the router had
+        not heard of) may have seen the decode die and frozen its requests, and the record
+        ends that freeze, also when nothing was lost. It names the life it ends (its epoch)
+        and the requests placed on d (a prefill sends nothing more for one to d's next life)."""
+        epoch = self.epochs.get(f"{DECODE} {d}", 1)
+        for q in self.up_prefills():
+            self.send(Peer(PREFILL, q), {"t": "crash", "decode": d, "requests": requests,
+                                         "stamp": stamp, "epoch": epoch})
 
     def end(self) -> None:
         """Its log ended, then each worker hears its bye: one that joined at a rendezvous
@@ -1433,20 +1441,14 @@ class PrefillProcess(Process):
             self.placement[r] = (q, d)
             rows[r] = core._row(self.part.blank, core.PROMPT, pages, core.PW, q, core.DW, d,
                                 core.CLIENT, core.WAITING)
-        steps = _steps_of(log_path(self.deployment, self.part.name).read_text(),
-                          self.part.name)
+        steps = logged_steps(log_path(self.deployment, self.part.name), self.part.name)
         self.part.rows.update(core.recovered_prefill_rows(rows, map(codec.decode, steps)))
         for stamp in restart["after"]:
             self.log.heard_from(stamp)
         # The last final word of each request, unless a decode heard it: a life killed
         # between a step's log line and its messages never sent it, and the spec's word
         # is on the wire until decode takes it (PrefillCrash leaves it there).
-        last = {}
-        for x in steps:
-            if x["a"] == "PrefillCrash":
-                continue
-            for word in x.get("words", ()):
-                last[word[0]] = (x, word)
+        last = {word[0]: (x, word) for x in steps for word in x.get("words", ())}
         heard = set(restart.get("heard", ()))
         # What an earlier new life's PrefillCrash ended (its answers), which it may have died
         # before announcing: decode times those out too (a Timeout of one it has no longer
@@ -1643,9 +1645,8 @@ class DecodeProcess(Process):
         # life sends again only a final word no life of this decode heard.
         self.heard: set[tuple] = set()
         if restart is not None:
-            text = log_path(deployment, self.part.name).read_text()
-            self.heard = {tuple(a) for x in _steps_of(text[:text.rfind("\n") + 1],
-                                                      self.part.name)
+            self.heard = {tuple(a) for x in logged_steps(log_path(deployment, self.part.name),
+                                                         self.part.name)
                           for a in x.get("after", ())}
 
     def on_msg(self, peer: Peer, body: dict) -> None:
