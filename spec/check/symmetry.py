@@ -14,10 +14,12 @@ counts with SYMMETRY Permutations(Requests)).
 Workers of a kind are interchangeable too: all pools are alike and the router may place a
 request on any of them. `canonical(s, m)` of a model with several workers of a kind also
 renames workers: it takes the smallest of the request-canonical forms of the state under
-every renaming of prefill and of decode workers (P! x D! of them; 4 for two of each).
-Renamings of workers and of requests commute, so that minimum is the same for every state of
-an orbit of the product group: again a canonical form, and the count is the exact number of
-orbits. (TLC's SYMMETRY with a union of permutation sets, WorkerSymmetry in the spec, is not
+the renamings of prefill and of decode workers that sort the workers by a signature no
+renaming changes (one renaming when the signatures differ; all P! x D! when every worker
+looks alike, as in the initial state). Renamings of workers and of requests commute, and the
+renamings tried from any state of an orbit reach the same set of states, so that minimum is
+the same for every state of an orbit of the product group: again a canonical form, and the
+count is the exact number of orbits. (TLC's SYMMETRY with a union of permutation sets, WorkerSymmetry in the spec, is not
 canonical: TLC maps a state to the smallest of its images under the listed permutations
 only, so its count can lie between this one and the unreduced count.)
 """
@@ -26,7 +28,8 @@ from __future__ import annotations
 
 from itertools import permutations, product
 
-from spec.core import DW, NONE, PTABLE, PW, SRC, TABLE, State
+from spec.core import (CLIENT, DFW, DST, DW, FW, GEN, LANDED, NONE, OWNER, P_OWNER, PST, PTABLE,
+                       PW, SENT, SRC, TABLE, TAG, State)
 
 
 def relabel(s: State, order: tuple[int, ...] | list[int]) -> State:
@@ -89,14 +92,77 @@ def canonical(s: State, m=None) -> State:
     the model `m` has more than one of a kind."""
     if m is None or m.one_pair:
         return _canonical_requests(s)
+    prefill_signatures, decode_signatures = _signatures(s, m)
+    decodes = _orders(decode_signatures)
     best = None
-    for prefill in permutations(range(m.prefill_workers)):
-        for decode in permutations(range(m.decode_workers)):
-            renamed = relabel_workers(s, prefill, decode, m.prefill_pages, m.decode_pages)
+    for prefill in _orders(prefill_signatures):
+        for decode in decodes:
+            if _identity(prefill) and _identity(decode):
+                renamed = s
+            else:
+                renamed = relabel_workers(s, prefill, decode, m.prefill_pages, m.decode_pages)
             candidate = _canonical_requests(renamed)
             if best is None or candidate < best:
                 best = candidate
     return s if best == s else best
+
+
+# Which worker renamings `canonical` tries. Each worker gets a signature that no renaming of
+# requests or of workers changes (it moves with its worker): the rows placed on it, without
+# their worker fields, the writes from or to it, and its pages, without their request ids.
+# Only the renamings that sort the workers by signature are tried (every order of workers
+# whose signatures tie). For an orbit, the states those renamings give are the same set
+# whichever member one starts from, so the minimum over them is still one representative
+# per orbit, and the count is still exact; a state whose workers all differ is relabelled
+# once instead of P! x D! times. (Rows never name requests, and the pools' other fields are
+# left alone by `relabel` and `relabel_workers`: the fields read here are exactly ones those
+# two leave unchanged.)
+
+def _signatures(s: State, m) -> tuple[list, list]:
+    """Each prefill worker's and each decode worker's signature."""
+    prefill_pages, decode_pages = m.prefill_pages, m.decode_pages
+    prefill_rows: list[list] = [[] for _ in range(m.prefill_workers)]
+    decode_rows: list[list] = [[] for _ in range(m.decode_workers)]
+    for row in s.requests:
+        if row[PW] != NONE:
+            key = (row[CLIENT], row[PST], row[SENT], row[DST], row[FW], row[DFW], row[LANDED])
+            prefill_rows[row[PW]].append(key)
+            decode_rows[row[DW]].append(key)
+    prefill_writes = [0] * m.prefill_workers
+    decode_writes = [0] * m.decode_workers
+    for _, src, dst, _ in s.writes:
+        prefill_writes[src // prefill_pages] += 1
+        decode_writes[dst // decode_pages] += 1
+    pool = s.prefill_pool
+    prefill = [(sorted(rows), prefill_writes[q],
+                tuple(page[P_OWNER] == NONE
+                      for page in pool[q * prefill_pages:(q + 1) * prefill_pages]))
+               for q, rows in enumerate(prefill_rows)]
+    pool = s.decode_pool
+    decode = [(sorted(rows), decode_writes[d],
+               tuple((page[OWNER] == NONE, page[GEN], page[TAG])
+                     for page in pool[d * decode_pages:(d + 1) * decode_pages]))
+              for d, rows in enumerate(decode_rows)]
+    return prefill, decode
+
+
+def _identity(order: tuple[int, ...]) -> bool:
+    return all(i == old for i, old in enumerate(order))
+
+
+def _orders(signatures: list) -> list[tuple[int, ...]]:
+    """Every order of the workers (new worker i is old order[i]) that sorts their signatures."""
+    order = sorted(range(len(signatures)), key=signatures.__getitem__)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and signatures[groups[-1][0]] == signatures[i]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    if len(groups) == len(signatures):
+        return [tuple(order)]
+    return [tuple(i for part in pick for i in part)
+            for pick in product(*(permutations(g) for g in groups))]
 
 
 def _canonical_requests(s: State) -> State:
