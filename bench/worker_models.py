@@ -10,6 +10,11 @@ compare rows of one run, not runs of different days.
     python bench/worker_models.py                       # every model, every variant
     python bench/worker_models.py --models workers2-2x1 --timeout-s 600
     python bench/worker_models.py --models workers3-2x2 --symmetry yes --workers 1 2
+    python bench/worker_models.py --models workers3-2x1 --symmetry yes --workers 2 --orbit-states
+
+With --orbit-states a reduced run also prints the number of states the run without symmetry
+would visit: the sum of the sizes of the orbits it visited (spec/check/symmetry.py,
+orbit_size), exact once the search ends, for models whose unreduced search is out of reach.
 """
 
 from __future__ import annotations
@@ -30,13 +35,14 @@ from spec.check.zoo import BASES, TWO_REQUEST_WORKER_BASES, THREE_REQUEST_WORKER
 from spec.model import Model
 from spec.properties import STATE_INVARIANTS
 name, symmetry, workers = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
+orbits = sys.argv[4] == "1"
 constants = {**BASES, **TWO_REQUEST_WORKER_BASES, **THREE_REQUEST_WORKER_BASES}[name]
 m = Model(name=name, **constants)
 def progress(distinct, generated, depth, seconds):
     print(json.dumps(dict(states=distinct, depth=depth, seconds=seconds)), file=sys.stderr,
           flush=True)
 options = dict(symmetry=symmetry, invariants=tuple(STATE_INVARIANTS), liveness=False,
-               progress=progress, progress_every_s=10.0)
+               progress=progress, progress_every_s=10.0, orbits=orbits)
 start = time.perf_counter()
 if workers == 1:
     from spec.check.checker import Checker
@@ -48,17 +54,18 @@ seconds = time.perf_counter() - start
 rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
           resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 print(json.dumps(dict(states=result.distinct_states, seconds=seconds, rss_mib=rss / 1024,
-                      ok=result.violation is None)))
+                      ok=result.violation is None, orbit_states=result.orbit_states)))
 """
 
 
-def measure(name: str, symmetry: bool, workers: int, timeout_s: float) -> dict:
+def measure(name: str, symmetry: bool, workers: int, timeout_s: float,
+            orbits: bool = False) -> dict:
     """One run in a fresh process. Its progress lines (every 10 s) are shown as they come,
     so a long run is seen to move; past `timeout_s` it is stopped and the last one is how
     far it got."""
     label = f"{name} symmetry={'yes' if symmetry else 'no'} workers={workers}"
     child = subprocess.Popen([sys.executable, "-c", CHILD, name, str(int(symmetry)),
-                              str(workers)], cwd=ROOT, stdout=subprocess.PIPE,
+                              str(workers), str(int(orbits and symmetry))], cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
 
@@ -101,24 +108,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", nargs="*", type=int, default=[1, 2])
     parser.add_argument("--symmetry", choices=("both", "yes", "no"), default="both",
                         help="which variants to run: with symmetry, without, or both")
+    parser.add_argument("--orbit-states", action="store_true",
+                        help="with symmetry, also count the states of the search without it "
+                             "(the sum of the sizes of the orbits visited: exact, without "
+                             "running that search; costs some of the reduced run's time)")
     args = parser.parse_args(argv)
     symmetries = {"both": (False, True), "yes": (True,), "no": (False,)}[args.symmetry]
-    print("| model | symmetry | workers | states (orbits) | seconds | peak RSS MiB | verdict |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | symmetry | workers | states (orbits) | seconds | peak RSS MiB | verdict |"
+          + (" states without symmetry (sum of orbit sizes) |" if args.orbit_states else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if args.orbit_states else ""))
     for name in args.models:
         for symmetry in symmetries:
             for workers in args.workers:
-                got = measure(name, symmetry, workers, args.timeout_s)
+                got = measure(name, symmetry, workers, args.timeout_s, args.orbit_states)
                 if "states" in got:
                     cells = (f"{got['states']:,}", f"{got['seconds']:.1f}",
                              f"{got['rss_mib']:.0f}",
                              "every invariant holds" if got["ok"] else "violated")
+                    if args.orbit_states:
+                        cells += (f"{got['orbit_states']:,}" if got.get("orbit_states")
+                                  is not None else "",)
                 else:
                     reached = got.get("reached") or {}
                     cells = (f"past {got['timeout']:.0f} s" + (
                         f" ({reached['states']:,} at depth {reached['depth']} after "
                         f"{reached['seconds']:.0f} s)" if reached else "")
-                             if "timeout" in got else got["error"], "", "", "")
+                             if "timeout" in got else got["error"], "", "", "") + (
+                                 ("",) if args.orbit_states else ())
                 print(f"| {name} | {'yes' if symmetry else 'no'} | {workers} | "
                       + " | ".join(cells) + " |", flush=True)
     return 0

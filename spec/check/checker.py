@@ -40,7 +40,7 @@ from spec.model import Model, ModelError
 from spec.properties import (QUIET_INVARIANTS, REST_INVARIANTS, STATE_INVARIANTS,
                              STEP_PROPERTIES, Violation, first_step_failure)
 from spec.check.tlccount import WAYS as TLC_WAYS
-from spec.check.symmetry import canonical
+from spec.check.symmetry import canonical, orbit_size
 
 
 
@@ -70,6 +70,11 @@ class CheckResult:
     action_transitions: dict[str, int] = field(default_factory=dict)
     # A shortest behaviour that ends with a client answered Ok, or None if none was found.
     witness: list | None = None
+    # With symmetry and orbits=True: the states of the orbits the search expanded (the sum
+    # of their sizes). When the search ends with nothing left on the queue, this is the
+    # number of distinct states of the search without symmetry (spec/check/symmetry.py,
+    # orbit_size), counted without running it.
+    orbit_states: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -161,7 +166,8 @@ class Checker:
     def __init__(self, m: Model, *, symmetry: bool = False,
                  invariants: tuple[str, ...] | None = None, liveness: bool = True,
                  progress: Progress | None = None, progress_every_s: float = 2.0,
-                 max_states: int | None = None, keep_going: bool = False) -> None:
+                 max_states: int | None = None, keep_going: bool = False,
+                 orbits: bool = False) -> None:
         if m.requests > REQUESTS_MAX:
             raise ModelError(f"requests={m.requests}: explicit-state checking beyond "
                              f"{REQUESTS_MAX} is hopeless (kvproof fuzz takes larger models)")
@@ -187,6 +193,10 @@ class Checker:
         # TLC's -continue: record the first (shortest) violation of each property and go on
         # exploring, so that one run reports every property the model breaks.
         self.keep_going = keep_going
+        if orbits and not symmetry:
+            raise ValueError("orbits=True counts the states of a reduced search: it needs "
+                             "symmetry=True")
+        self.orbits = orbits
 
     def _failures(self, checks, s: State) -> list[str]:
         """The properties `s` violates: the first only, unless every one is wanted."""
@@ -248,8 +258,11 @@ class Checker:
         symmetry = self.symmetry
         action_counts: dict[str, int] = {}
         transitions: dict[str, int] = {}
+        orbit_states = 0 if self.orbits else None
         while queue and not self._stop(result):
             s = queue.popleft()
+            if orbit_states is not None:
+                orbit_states += orbit_size(s, m)
             here = expanded
             expanded += 1
             fair_enabled = False
@@ -318,6 +331,7 @@ class Checker:
                 raise RuntimeError(f"more than {self.max_states} distinct states; "
                                    "raise --max-states or check a smaller model")
         result.left_on_queue = len(queue)
+        result.orbit_states = orbit_states
         result.distinct_states = len(parents)
         result.states_generated = generated + tlc_duplicates
         result.transitions = generated - 1

@@ -49,7 +49,7 @@ from collections import Counter, deque
 from spec import core
 from spec.check.checker import CheckResult, Checker, _Graph, answered_ok, step_failures
 from spec.check.pool import worker_processes
-from spec.check.symmetry import canonical
+from spec.check.symmetry import canonical, orbit_size
 from spec.check.tlccount import WAYS as TLC_WAYS
 from spec.properties import (QUIET_INVARIANTS, REST_INVARIANTS, STATE_INVARIANTS,
                              STEP_PROPERTIES)
@@ -69,8 +69,9 @@ _worker: dict = {}
 
 
 def _start_worker(m, symmetry: bool, keep_going: bool, state_names: tuple,
-                  rest_names: tuple, quiet_names: tuple = (), step_names: tuple = ()) -> None:
-    _worker.update(m=m, symmetry=symmetry, keep_going=keep_going, seen=set(),
+                  rest_names: tuple, quiet_names: tuple = (), step_names: tuple = (),
+                  orbits: bool = False) -> None:
+    _worker.update(m=m, symmetry=symmetry, keep_going=keep_going, seen=set(), orbits=orbits,
                    state_checks=[(n, STATE_INVARIANTS[n]) for n in state_names],
                    rest_checks=[(n, REST_INVARIANTS[n]) for n in rest_names],
                    quiet_checks=[(n, QUIET_INVARIANTS[n]) for n in quiet_names],
@@ -106,6 +107,7 @@ class _Task:
     rest: dict = field(default_factory=dict)
     quiet: dict = field(default_factory=dict)
     broken: set = field(default_factory=set)
+    orbit_states: int = 0  # with orbits: the sizes of the expanded states' orbits, summed
 
 
 FAIR, ANY = 1, 2
@@ -145,6 +147,8 @@ def _expand_one(s, task: _Task, sent: list) -> None:
     m, symmetry, seen = _worker["m"], _worker["symmetry"], _worker["seen"]
     state_checks, step_checks = _worker["state_checks"], _worker["step_checks"]
     keep_going = _worker["keep_going"]
+    if _worker["orbits"]:
+        task.orbit_states += orbit_size(s, m)
     keys, actions, here = task.keys, task.actions, len(task.successors)
     first = len(keys)
     fair_enabled = step_enabled = any_enabled = False
@@ -348,7 +352,7 @@ class ParallelChecker(Checker):
         names = tuple(tuple(n for n, _ in checks) for checks in (
             self.state_checks, self.rest_checks, self.quiet_checks, self.step_checks))
         channels = [_Channel() for _ in range(self.workers)]
-        start = (self.m, self.symmetry, self.keep_going, *names)
+        start = (self.m, self.symmetry, self.keep_going, *names, self.orbits)
         ends = [end for c in channels for end in c.ends()]
         own = [(c.tasks_in, c.results_out) for c in channels]
         with worker_processes(_work, [(*mine, start, [e for e in ends if e not in mine])
@@ -394,7 +398,10 @@ class ParallelChecker(Checker):
         if failed:
             self._record(result, failed, "invariant", 0, search.parents)
         next_report = started + self.progress_every_s
+        orbit_states = 0 if self.orbits else None
         for task in ([] if self._stop(result) else self._results(workers, search)):
+            if orbit_states is not None:
+                orbit_states += task.orbit_states
             search.open_segment(task.sent)
             if task.broken & self._checked():
                 for expanded in _per_state(task):
@@ -416,6 +423,7 @@ class ParallelChecker(Checker):
                 raise RuntimeError(f"more than {self.max_states} distinct states; "
                                    "raise --max-states or check a smaller model")
         result.left_on_queue = search.queued
+        result.orbit_states = orbit_states
         result.distinct_states = len(search.parents)
         result.states_generated = search.generated + search.tlc_duplicates
         result.transitions = search.generated - 1

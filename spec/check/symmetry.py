@@ -27,6 +27,7 @@ only, so its count can lie between this one and the unreduced count.)
 from __future__ import annotations
 
 from itertools import permutations, product
+from math import factorial
 
 from spec.core import (CLIENT, DFW, DST, DW, FW, GEN, LANDED, NONE, OWNER, P_OWNER, PST, PTABLE,
                        PW, SENT, SRC, TABLE, TAG, State)
@@ -134,12 +135,12 @@ def _signatures(s: State, m) -> tuple[list, list]:
         prefill_writes[src // prefill_pages] += 1
         decode_writes[dst // decode_pages] += 1
     pool = s.prefill_pool
-    prefill = [(sorted(rows), prefill_writes[q],
+    prefill = [(tuple(sorted(rows)), prefill_writes[q],
                 tuple(page[P_OWNER] == NONE
                       for page in pool[q * prefill_pages:(q + 1) * prefill_pages]))
                for q, rows in enumerate(prefill_rows)]
     pool = s.decode_pool
-    decode = [(sorted(rows), decode_writes[d],
+    decode = [(tuple(sorted(rows)), decode_writes[d],
                tuple((page[OWNER] == NONE, page[GEN], page[TAG])
                      for page in pool[d * decode_pages:(d + 1) * decode_pages]))
               for d, rows in enumerate(decode_rows)]
@@ -186,3 +187,72 @@ def _canonical_requests(s: State) -> State:
         if best is None or candidate < best:
             best = candidate
     return best
+
+
+def orbit_size(s: State, m=None) -> int:
+    """How many states s's orbit holds under the group `canonical` reduces by: the group's
+    size over the number of its renamings that leave s unchanged. Summed over the orbits a
+    reduced search visits, it is the number of states the search without symmetry would
+    visit (the reachable states are a union of orbits: the initial state is fixed by every
+    renaming and the next-state relation commutes with them), without running that search.
+    Only renamings that keep every worker's signature can fix s, and among those only the
+    request renamings that map each row onto an equal one are tried."""
+    one_kind = m is None or m.one_pair
+    group = factorial(len(s.requests))
+    if one_kind:
+        worker_orders = [((), ())]
+    else:
+        group *= factorial(m.prefill_workers) * factorial(m.decode_workers)
+        prefill_signatures, decode_signatures = _signatures(s, m)
+        worker_orders = [(p, d) for p in _keeping(prefill_signatures)
+                         for d in _keeping(decode_signatures)]
+    if len(worker_orders) == 1 and len(set(s.requests)) == len(s.requests):
+        return group  # no renaming but the identity keeps every worker's and row's place
+    fixing = 0
+    for prefill, decode in worker_orders:
+        if one_kind or (_identity(prefill) and _identity(decode)):
+            renamed = s
+        else:
+            renamed = relabel_workers(s, prefill, decode, m.prefill_pages, m.decode_pages)
+        for order in _row_matchings(renamed.requests, s.requests):
+            if relabel(renamed, order) == s:
+                fixing += 1
+    return group // fixing
+
+
+def _keeping(signatures: list) -> list[tuple[int, ...]]:
+    """Every order of the workers (new worker i is old order[i]) that gives each position a
+    worker of the same signature."""
+    groups: dict = {}
+    for i, signature in enumerate(signatures):
+        groups.setdefault(signature, []).append(i)
+    orders = []
+    for pick in product(*(permutations(g) for g in groups.values())):
+        order = [0] * len(signatures)
+        for positions, chosen in zip(groups.values(), pick):
+            for position, old in zip(positions, chosen):
+                order[position] = old
+        orders.append(tuple(order))
+    return orders
+
+
+def _row_matchings(rows: tuple, targets: tuple) -> list[list[int]]:
+    """Every request order (new request i is old order[i]) that puts at each position i a
+    row of `rows` equal to targets[i]; none if the two are not the same rows."""
+    where: dict = {}
+    for i, row in enumerate(rows):
+        where.setdefault(row, []).append(i)
+    slots: dict = {}
+    for i, row in enumerate(targets):
+        slots.setdefault(row, []).append(i)
+    if {k: len(v) for k, v in where.items()} != {k: len(v) for k, v in slots.items()}:
+        return []
+    orders = []
+    keys = list(slots)
+    for pick in product(*(permutations(where[k]) for k in keys)):
+        order = [0] * len(targets)
+        for k, chosen in zip(keys, pick):
+            for position, old in zip(slots[k], chosen):
+                order[position] = old
+        orders.append(order)
+    return orders
