@@ -17,7 +17,8 @@ import pytest
 
 from spec import core
 from spec.check.checker import Checker
-from spec.check.symmetry import canonical, relabel, relabel_workers
+from spec.check.parallel import ParallelChecker
+from spec.check.symmetry import canonical, orbit_size, relabel, relabel_workers
 from spec.check.zoo import BASES, THREE_REQUEST_WORKER_BASES, TWO_REQUEST_WORKER_BASES
 from spec.core import (ABORTED, DW, ERR_PREFILL, PST, PW, QUEUED, Arrive, DecodeCrash,
                        PrefillCrash, Reserve, apply, initial_state)
@@ -98,7 +99,8 @@ def test_the_canonical_form_is_one_per_orbit_along_random_walks():
     """`canonical` tries only the worker renamings that sort the workers' signatures: along
     random walks of the three-request 2 x 2 model (seed 7, printed; 300 states), every one of the 24
     renamings of requests, prefill and decode workers of each state visited has the same
-    representative as the state, and the representative is in the state's orbit."""
+    representative as the state, the representative is in the state's orbit, and
+    `orbit_size` is the number of distinct renamings."""
     m = Model(name="workers3-2x2", **THREE_REQUEST_WORKER_BASES["workers3-2x2"])
     seed = 7
     print(f"seed {seed}")
@@ -115,12 +117,28 @@ def test_the_canonical_form_is_one_per_orbit_along_random_walks():
                       for p, d, r in renamings}
             assert c in images
             assert all(canonical(image, m) == c for image in images), s
+            assert orbit_size(s, m) == len(images), s
             visited += 1
             nexts = list(core.successors(m, s))
             if not nexts:
                 break
             s = rng.choice(nexts)[1]
     assert visited >= 300
+
+
+@pytest.mark.parametrize("name", ["workers-2x2", "workers-2x1", "small"])
+def test_the_orbits_of_a_reduced_search_count_the_unreduced_states(name):
+    """With orbits=True a reduced search sums the sizes of the orbits it expands: the
+    states of the search without symmetry (serial and parallel alike)."""
+    m = Model(name=name, **BASES[name])
+    plain = Checker(m, invariants=(), liveness=False).run()
+    serial = Checker(m, symmetry=True, orbits=True, invariants=(), liveness=False).run()
+    parallel = ParallelChecker(m, workers=2, symmetry=True, orbits=True, invariants=(),
+                               liveness=False).run()
+    assert serial.distinct_states < plain.distinct_states
+    assert serial.orbit_states == parallel.orbit_states == plain.distinct_states
+    with pytest.raises(ValueError, match="needs symmetry"):
+        Checker(m, orbits=True)
 
 # The two-request worker models: (distinct states, orbits under requests and workers).
 WORKER_FIGURES = {
@@ -137,8 +155,9 @@ WORKER_FIGURES = {
 def test_the_two_request_worker_models_figures(name):
     m = Model(name=name, **TWO_REQUEST_WORKER_BASES[name])
     plain = Checker(m, invariants=(), liveness=False).run()
-    reduced = Checker(m, symmetry=True, invariants=(), liveness=False).run()
+    reduced = Checker(m, symmetry=True, orbits=True, invariants=(), liveness=False).run()
     assert (plain.distinct_states, reduced.distinct_states) == WORKER_FIGURES[name]
+    assert reduced.orbit_states == plain.distinct_states
 
 
 SAMPLE_SEED = 1  # replay: simulate(m, seed=SAMPLE_SEED + k, traces=1, ...)
