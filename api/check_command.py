@@ -18,7 +18,8 @@ from api.clikit import (ENGINE_LOG, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EXIT_
                         PART_LOG, ITF_TRACE, FUZZ_FAILURE, SIM_LOG, UsageError, plural, readable_file, sniff, writable_file,
                         wrong_kind)
 from spec.check.cfgfile import CfgError, load, model_description, model_names
-from spec.check.report import describe_model, format_coverage, format_summary, format_trace
+from spec.check.report import (describe_model, format_coverage, format_summary, format_trace,
+                               symmetry_words)
 from spec.model import BUG_SWITCHES, ModelError
 from spec.properties import (ALL_INVARIANTS, LIVENESS, PROPERTY_NAMES, QUIET_INVARIANTS,
                              REST_INVARIANTS, STATE_INVARIANTS, STEP_PROPERTIES, checked_by)
@@ -147,9 +148,13 @@ def _plan(args: argparse.Namespace) -> Plan:
     if not args.simulate and args.seed is not None:
         raise UsageError("--seed is for --simulate (breadth-first checking draws nothing)")
     cfg, model = load(args.model)
+    symmetry = args.symmetry or cfg.symmetry is not None
+    if getattr(args, "orbit_states", False) and (args.simulate or not symmetry):
+        raise UsageError("--orbit-states counts the states behind the orbits of an exhaustive "
+                         "search with symmetry: add --symmetry, drop --simulate")
     model = _with_bug_flags(model, args.bug)
     invariants, liveness = _properties(cfg, args.property)
-    return Plan(cfg, model, invariants, liveness, args.symmetry or cfg.symmetry is not None)
+    return Plan(cfg, model, invariants, liveness, symmetry)
 
 
 def reproduce_command(args: argparse.Namespace, seed: int | None = None) -> str:
@@ -208,7 +213,7 @@ def _checker(args: argparse.Namespace, plan: Plan):
 
     options = dict(symmetry=plan.symmetry, invariants=plan.invariants, liveness=plan.liveness,
                    progress=None if args.quiet else _progress, max_states=args.max_states,
-                   keep_going=args.keep_going)
+                   keep_going=args.keep_going, orbits=getattr(args, "orbit_states", False))
     if args.workers > 1:
         return ParallelChecker(plan.model, workers=args.workers, **options)
     return Checker(plan.model, **options)
@@ -261,7 +266,8 @@ def _exhaust(args: argparse.Namespace, plan: Plan, summaries: list | None = None
              " by acyclicity + rest invariants"
              + (" (under finitely many losses: loss steps left out of the graph)"
                 if plan.model.losses else "")
-             if plan.liveness else "") + (" with symmetry over requests" if plan.symmetry else "")
+             if plan.liveness else "") + (f" with {symmetry_words(plan.model)}"
+                                          if plan.symmetry else "")
           + (f"; {args.workers} workers" if args.workers > 1 else ""), flush=True)
     try:
         result = checker.run()
@@ -352,6 +358,8 @@ def _write_summary(args: argparse.Namespace, plan: Plan, result, violations,
         summary.update(distinct_states=result.distinct_states,
                        states_generated=result.states_generated, depth=result.depth + 1,
                        left_on_queue=result.left_on_queue, workers=result.workers)
+        if getattr(result, "orbit_states", None) is not None and not result.left_on_queue:
+            summary["states_without_symmetry"] = result.orbit_states
         witness = getattr(result, "witness", None)
         summary["witness"] = ([e.label(plan.model) for e, _ in witness[1:]]
                               if witness is not None else None)

@@ -147,3 +147,19 @@ def test_the_parser_and_validate_do_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=str(__import__('pathlib').Path(__file__).resolve().parents[1]))
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_orbit_states_report_the_states_without_symmetry(capsys, tmp_path):
+    """`--symmetry --orbit-states` on a worker model: the orbits found, and the states the
+    search without symmetry finds (10,566: the workers-2x2 row of spec/README's table),
+    printed and in the JSON summary; without symmetry the flag is a usage error."""
+    summary = tmp_path / "summary.json"
+    code, out, err = run_cli(capsys, "--model", "workers-2x2", "--symmetry", "--orbit-states",
+                             "--json", str(summary), "--quiet")
+    assert code == 0, out + err
+    assert "2643 distinct states found" in out
+    assert "symmetry over requests and over the workers of each kind" in out
+    assert "Without symmetry the search would find 10566 distinct states" in out
+    assert json.loads(summary.read_text())["states_without_symmetry"] == 10566
+    code, out, err = run_cli(capsys, "--model", "workers-2x2", "--orbit-states")
+    assert code == 2 and "add --symmetry" in err

@@ -77,11 +77,19 @@ def format_summary(result: CheckResult) -> str:
         # TLC counts the initial state in the depth; result.depth counts steps.
         f"The depth of the complete state graph search is {result.depth + 1}.",
         f"Checked in {result.seconds:.2f} s ({rate:,.0f} distinct states/s){workers}"
-        f"{' with symmetry over requests' if result.symmetry else ''}.",
+        f"{' with ' + symmetry_words(m) if result.symmetry else ''}.",
         f"The optimistic probability of a fingerprint collision is "
         f"{result.collision_probability:.1E}.",
     ]
+    if result.orbit_states is not None and not result.left_on_queue:
+        lines.append(f"Without symmetry the search would find {result.orbit_states} distinct "
+                     "states (the sizes of the orbits found, summed).")
     return "\n".join(lines)
+
+
+def symmetry_words(m: Model) -> str:
+    return ("symmetry over requests" if m.one_pair
+            else "symmetry over requests and over the workers of each kind")
 
 
 def format_coverage(result: CheckResult) -> str:
