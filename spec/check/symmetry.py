@@ -153,29 +153,28 @@ def _identity(order: tuple[int, ...]) -> bool:
 
 def _orders(signatures: list) -> list[tuple[int, ...]]:
     """Every order of the workers (new worker i is old order[i]) that sorts their signatures."""
-    order = sorted(range(len(signatures)), key=signatures.__getitem__)
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and signatures[groups[-1][0]] == signatures[i]:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
+    order, groups = _runs(signatures)
     if len(groups) == len(signatures):
         return [tuple(order)]
     return [tuple(i for part in pick for i in part)
             for pick in product(*(permutations(g) for g in groups))]
 
 
-def _canonical_requests(s: State) -> State:
-    reqs = s.requests
-    n = len(reqs)
-    order = sorted(range(n), key=reqs.__getitem__)
+def _runs(keys) -> tuple[list[int], list[list[int]]]:
+    """The indices of `keys` in key order, and that order cut into runs of equal keys."""
+    order = sorted(range(len(keys)), key=keys.__getitem__)
     groups: list[list[int]] = []
     for i in order:
-        if groups and reqs[groups[-1][0]] == reqs[i]:
+        if groups and keys[groups[-1][0]] == keys[i]:
             groups[-1].append(i)
         else:
             groups.append([i])
+    return order, groups
+
+
+def _canonical_requests(s: State) -> State:
+    n = len(s.requests)
+    order, groups = _runs(s.requests)
     if len(groups) == n:
         if order == list(range(n)):
             return s
