@@ -41,6 +41,24 @@ def test_workers_give_every_figure_of_the_serial_checker(monkeypatch, chunk_stat
     assert figures(two, m) == figures(one, m)
 
 
+@pytest.mark.parametrize("model, options", [
+    ("solo-crash", {}),
+    ("workers-2x2", {"symmetry": True, "orbits": True}),
+    ("zoo-lost-tombstone", {"keep_going": True}),
+])
+def test_workers_that_forget_what_they_sent_give_the_same_figures(monkeypatch, model, options):
+    """A worker's set of the fingerprints it sent is bounded (SEEN_MAX): past it, the worker
+    forgets them and sends those states again, which the coordinator drops. Forgetting after
+    every 20 changes no figure, no counterexample and no orbit sum."""
+    monkeypatch.setattr(parallel, "SEEN_MAX", 20)
+    monkeypatch.setattr(parallel, "CHUNK_STATES", 16)
+    _, m = load(model)
+    one = Checker(m, **options).run()
+    two = ParallelChecker(m, workers=2, **options).run()
+    assert figures(two, m) == figures(one, m)
+    assert two.orbit_states == one.orbit_states
+
+
 def test_the_coordinator_does_not_rebuild_the_states(monkeypatch):
     """What made 2 workers slower than one (issue 30 item 8: 119 s against 47 s on the
     default model) was the coordinator: it unpickled every state a worker sent, pickled it

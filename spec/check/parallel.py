@@ -64,6 +64,12 @@ SEGMENT_STATES = 128
 # oldest first), few enough to bound the memory in flight. There is no barrier between BFS
 # levels: a chunk goes out as soon as the queue holds one.
 TASKS_IN_FLIGHT_PER_WORKER = 8
+# The most fingerprints a worker remembers having sent (or been told of) before it forgets
+# them all: without a bound each worker's set grows to every state of the search (88 bytes
+# an orbit: 2.2 GB each at 26 M orbits of workers3-2x2, as much as half the coordinator's
+# table). Forgetting only makes a worker send again a state the coordinator already has,
+# which it drops (`_take_task`): the counts are unchanged.
+SEEN_MAX = 4_000_000
 
 _worker: dict = {}
 
@@ -210,7 +216,10 @@ def _work(tasks, results, start: tuple, others: list) -> None:
             hinted = int.from_bytes(data[:8], "little") * 8 + 8
             known = array("q")
             known.frombytes(data[8:hinted])
-            _worker["seen"].update(known)
+            seen = _worker["seen"]
+            if len(seen) + len(known) > SEEN_MAX:
+                seen.clear()
+            seen.update(known)
             results.send_bytes(pickle.dumps(_expand(pickle.loads(data[hinted:])),
                                             pickle.HIGHEST_PROTOCOL))
     except (EOFError, BrokenPipeError):
