@@ -65,7 +65,8 @@ def measure(name: str, symmetry: bool, workers: int, timeout_s: float,
     far it got."""
     label = f"{name} symmetry={'yes' if symmetry else 'no'} workers={workers}"
     child = subprocess.Popen([sys.executable, "-c", CHILD, name, str(int(symmetry)),
-                              str(workers), str(int(orbits and symmetry))], cwd=ROOT, stdout=subprocess.PIPE,
+                              str(workers), str(int(orbits and symmetry))], cwd=ROOT,
+                             stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
 

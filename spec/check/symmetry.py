@@ -19,9 +19,10 @@ renaming changes (one renaming when the signatures differ; all P! x D! when ever
 looks alike, as in the initial state). Renamings of workers and of requests commute, and the
 renamings tried from any state of an orbit reach the same set of states, so that minimum is
 the same for every state of an orbit of the product group: again a canonical form, and the
-count is the exact number of orbits. (TLC's SYMMETRY with a union of permutation sets, WorkerSymmetry in the spec, is not
-canonical: TLC maps a state to the smallest of its images under the listed permutations
-only, so its count can lie between this one and the unreduced count.)
+count is the exact number of orbits. (TLC's SYMMETRY with a union of permutation sets,
+WorkerSymmetry in the spec, is not canonical: TLC maps a state to the smallest of its images
+under the listed permutations only, so its count can lie between this one and the unreduced
+count.)
 """
 
 from __future__ import annotations
@@ -203,8 +204,8 @@ def orbit_size(s: State, m=None) -> int:
     else:
         group *= factorial(m.prefill_workers) * factorial(m.decode_workers)
         prefill_signatures, decode_signatures = _signatures(s, m)
-        worker_orders = [(p, d) for p in _keeping(prefill_signatures)
-                         for d in _keeping(decode_signatures)]
+        worker_orders = [(p, d) for p in _matchings(prefill_signatures, prefill_signatures)
+                         for d in _matchings(decode_signatures, decode_signatures)]
     if len(worker_orders) == 1 and len(set(s.requests)) == len(s.requests):
         return group  # no renaming but the identity keeps every worker's and row's place
     fixing = 0
@@ -213,37 +214,23 @@ def orbit_size(s: State, m=None) -> int:
             renamed = s
         else:
             renamed = relabel_workers(s, prefill, decode, m.prefill_pages, m.decode_pages)
-        for order in _row_matchings(renamed.requests, s.requests):
+        for order in _matchings(renamed.requests, s.requests):
             if relabel(renamed, order) == s:
                 fixing += 1
     return group // fixing
 
 
-def _keeping(signatures: list) -> list[tuple[int, ...]]:
-    """Every order of the workers (new worker i is old order[i]) that gives each position a
-    worker of the same signature."""
-    groups: dict = {}
-    for i, signature in enumerate(signatures):
-        groups.setdefault(signature, []).append(i)
-    orders = []
-    for pick in product(*(permutations(g) for g in groups.values())):
-        order = [0] * len(signatures)
-        for positions, chosen in zip(groups.values(), pick):
-            for position, old in zip(positions, chosen):
-                order[position] = old
-        orders.append(tuple(order))
-    return orders
-
-
-def _row_matchings(rows: tuple, targets: tuple) -> list[list[int]]:
-    """Every request order (new request i is old order[i]) that puts at each position i a
-    row of `rows` equal to targets[i]; none if the two are not the same rows."""
+def _matchings(values, targets) -> list[list[int]]:
+    """Every order (new i is old order[i]) that puts at each position i a member of `values`
+    equal to targets[i]; none if the two are not the same multiset. Of request rows: the
+    request renamings that can fix a state; of a kind's worker signatures against
+    themselves: the worker renamings that keep every signature in its place."""
     where: dict = {}
-    for i, row in enumerate(rows):
-        where.setdefault(row, []).append(i)
+    for i, value in enumerate(values):
+        where.setdefault(value, []).append(i)
     slots: dict = {}
-    for i, row in enumerate(targets):
-        slots.setdefault(row, []).append(i)
+    for i, value in enumerate(targets):
+        slots.setdefault(value, []).append(i)
     if {k: len(v) for k, v in where.items()} != {k: len(v) for k, v in slots.items()}:
         return []
     orders = []
