@@ -149,7 +149,7 @@ def _plan(args: argparse.Namespace) -> Plan:
         raise UsageError("--seed is for --simulate (breadth-first checking draws nothing)")
     cfg, model = load(args.model)
     symmetry = args.symmetry or cfg.symmetry is not None
-    if getattr(args, "orbit_states", False) and (args.simulate or not symmetry):
+    if args.orbit_states and (args.simulate or not symmetry):
         raise UsageError("--orbit-states counts the states behind the orbits of an exhaustive "
                          "search with symmetry: add --symmetry, drop --simulate")
     model = _with_bug_flags(model, args.bug)
@@ -213,7 +213,7 @@ def _checker(args: argparse.Namespace, plan: Plan):
 
     options = dict(symmetry=plan.symmetry, invariants=plan.invariants, liveness=plan.liveness,
                    progress=None if args.quiet else _progress, max_states=args.max_states,
-                   keep_going=args.keep_going, orbits=getattr(args, "orbit_states", False))
+                   keep_going=args.keep_going, orbits=args.orbit_states)
     if args.workers > 1:
         return ParallelChecker(plan.model, workers=args.workers, **options)
     return Checker(plan.model, **options)
@@ -358,8 +358,8 @@ def _write_summary(args: argparse.Namespace, plan: Plan, result, violations,
         summary.update(distinct_states=result.distinct_states,
                        states_generated=result.states_generated, depth=result.depth + 1,
                        left_on_queue=result.left_on_queue, workers=result.workers)
-        if getattr(result, "orbit_states", None) is not None and not result.left_on_queue:
-            summary["states_without_symmetry"] = result.orbit_states
+        if result.states_without_symmetry is not None:
+            summary["states_without_symmetry"] = result.states_without_symmetry
         witness = getattr(result, "witness", None)
         summary["witness"] = ([e.label(plan.model) for e, _ in witness[1:]]
                               if witness is not None else None)

@@ -54,7 +54,8 @@ seconds = time.perf_counter() - start
 rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
           resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 print(json.dumps(dict(states=result.distinct_states, seconds=seconds, rss_mib=rss / 1024,
-                      ok=result.violation is None, orbit_states=result.orbit_states)))
+                      ok=result.violation is None,
+                      orbit_states=result.states_without_symmetry)))
 """
 
 

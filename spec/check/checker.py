@@ -77,6 +77,11 @@ class CheckResult:
     orbit_states: int | None = None
 
     @property
+    def states_without_symmetry(self) -> int | None:
+        """The orbit sum once it counts every state: the search ended with nothing queued."""
+        return self.orbit_states if not self.left_on_queue else None
+
+    @property
     def ok(self) -> bool:
         return self.violation is None
 

@@ -81,9 +81,10 @@ def format_summary(result: CheckResult) -> str:
         f"The optimistic probability of a fingerprint collision is "
         f"{result.collision_probability:.1E}.",
     ]
-    if result.orbit_states is not None and not result.left_on_queue:
-        lines.append(f"Without symmetry the search would find {result.orbit_states} distinct "
-                     "states (the sizes of the orbits found, summed).")
+    unreduced = result.states_without_symmetry
+    if unreduced is not None:
+        lines.append(f"Without symmetry the search would find {unreduced} distinct states "
+                     "(the sizes of the orbits found, summed).")
     return "\n".join(lines)
 
 
