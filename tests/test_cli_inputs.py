@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from api.cli import main
-from tests.cli_cases import run
+from tests.cli_cases import ctrl_c_reaches_it, run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -179,9 +179,7 @@ def _interrupted(tmp_path: Path, argv: list[str], started) -> tuple[int, str, st
     out_path = tmp_path / "stdout"
     with open(out_path, "w") as out, subprocess.Popen(
             [sys.executable, "-m", "api.cli", *argv], cwd=ROOT, stdout=out,
-            stderr=subprocess.PIPE, text=True,
-            # a shell's background job inherits SIGINT ignored; Ctrl-C must reach this one
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as process:
+            stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_reaches_it) as process:
         try:
             deadline = time.monotonic() + 60
             while not started(out_path.read_text()) and time.monotonic() < deadline:

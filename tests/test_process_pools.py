@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.cli_cases import run
+from tests.cli_cases import ctrl_c_reaches_it, run
 
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_S_MAX = 60.0  # a busy 2-core machine imports slowly; the wait ends as soon as it ran
@@ -53,14 +53,6 @@ def _children_once_started(process: subprocess.Popen, count: int) -> list[psutil
     raise AssertionError(f"the command did not start {count} workers in {STARTUP_S_MAX} s")
 
 
-def _ctrl_c_reaches_it() -> None:
-    """In the child, before exec: SIGINT neither ignored nor blocked. Both are inherited,
-    and a command started by a process that ignores or blocks it (a background job, a test
-    worker some earlier test left so) would not see the Ctrl-C this test sends."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
-
 def _interrupted(argv: list[str], tmp_path: Path, children: int) -> tuple[int, str, list]:
     """Run `kvproof ARGV` in its own process group, press Ctrl-C once its workers run; its
     exit status, its output and the workers it had."""
@@ -68,7 +60,7 @@ def _interrupted(argv: list[str], tmp_path: Path, children: int) -> tuple[int, s
     with open(out_path, "wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "api.cli", *argv], cwd=ROOT,
                                    stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True, preexec_fn=_ctrl_c_reaches_it)
+                                   start_new_session=True, preexec_fn=ctrl_c_reaches_it)
     try:
         workers = _children_once_started(process, children)
         time.sleep(0.5)  # inside the work, not at its start
